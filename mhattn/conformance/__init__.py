@@ -1,0 +1,1 @@
+"""Conformance suite (see mhattn.conformance.suite)."""

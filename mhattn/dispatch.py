@@ -1,0 +1,192 @@
+"""The dispatcher: which backend runs a problem, and why.
+
+Precedence: the ``backend=`` argument > ``use_backend(...)`` > ``MHATTN_BACKEND`` > automatic.
+Automatic selection walks the priority table below (data, not nested ifs) and takes the first backend
+with no reason against the problem. A backend asked for by name that cannot run the problem raises
+:class:`BackendUnavailableError` with its reasons: never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mhattn import registry
+from mhattn.errors import BackendUnavailableError, UnknownBackendError
+from mhattn.problem import Problem
+
+ENV_VAR = "MHATTN_BACKEND"
+AUTO = "auto"
+
+# Priority per device type and compute capability: the first row whose device type matches and whose
+# minimum compute capability the device reaches gives the order in which backends are tried.
+PRIORITY = [
+    # (device type, minimum compute capability, backend names, most preferred first)
+    ("cuda", (8, 0), ("triton", "cupy", "reference")),
+    ("cuda", (0, 0), ("triton", "reference")),
+    ("cpu", None, ("reference",)),
+]
+
+_override: contextvars.ContextVar = contextvars.ContextVar("mhattn_backend_override", default=None)
+
+
+def set_priority(device_type: str, names, min_compute_capability=None) -> None:
+    """Put a priority row first: on ``device_type`` (and compute capability >= the minimum, for CUDA),
+    try ``names`` in this order. Used to enter third-party backends into automatic selection."""
+    names = tuple(n.lower() for n in names)
+    for n in names:
+        registry.get_backend(n)  # unknown names fail here, not at the first call
+    PRIORITY.insert(0, (device_type, min_compute_capability, names))
+    clear_cache()
+
+
+def priority_for(problem: Problem) -> tuple:
+    for device_type, min_cc, names in PRIORITY:
+        if device_type != problem.device_type:
+            continue
+        if min_cc is not None and problem.compute_capability is not None and tuple(problem.compute_capability) < min_cc:
+            continue
+        return names
+    return ("reference",)
+
+
+# ---- the requested name ------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_name(value: str, source: str) -> str:
+    name = value.strip().lower()
+    if name == "" and source == ENV_VAR:
+        return AUTO
+    if name != AUTO and name not in registry.names():
+        raise UnknownBackendError(
+            f"{source}={value!r} is not a backend; valid names: {', '.join([AUTO] + registry.names())}"
+        )
+    return name
+
+
+def requested(backend: Optional[str] = None) -> tuple:
+    """``(name, source)``: the backend asked for and where the request came from."""
+    if backend is not None:
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a backend name (str) or None, got {type(backend).__name__}")
+        return _parse_name(backend, "backend"), "the backend= argument"
+    override = _override.get()
+    if override is not None:
+        return override, "use_backend()"
+    env = os.environ.get(ENV_VAR)
+    if env is not None:
+        return _parse_name(env, ENV_VAR), f"{ENV_VAR}={env}"
+    return AUTO, "automatic selection"
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the calls inside the ``with`` block on backend ``name`` (or ``"auto"``); restores on exit.
+
+    Per thread and per asyncio task (a context variable), so concurrent code is not affected.
+    """
+    parsed = _parse_name(name, "use_backend") if isinstance(name, str) else None
+    if parsed is None:
+        raise TypeError(f"use_backend: name must be a str, got {type(name).__name__}")
+    token = _override.set(parsed)
+    try:
+        yield registry.get_backend(parsed) if parsed != AUTO else None
+    finally:
+        _override.reset(token)
+
+
+# ---- the decision ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Decision:
+    """The outcome of selection for one problem: the chosen backend and every candidate's reasons."""
+
+    problem: Problem
+    requested: str
+    source: str
+    chosen: Optional[str]
+    reasons: dict = field(default_factory=dict)  # backend name -> list of reasons ([] = could run it)
+    candidates: tuple = ()
+
+    def __str__(self):
+        lines = [f"problem: {self.problem.describe()}", f"requested: {self.requested} (from {self.source})"]
+        lines.append(f"chosen: {self.chosen}" if self.chosen else "chosen: none (no backend can run this problem)")
+        for name, why in self.reasons.items():
+            tag = " [auto order]" if name in self.candidates else ""
+            if why:
+                lines.append(f"  {name}{tag}: cannot run: " + "; ".join(why))
+            else:
+                lines.append(f"  {name}{tag}: can run")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+_cache: dict = {}
+_cache_lock = threading.Lock()
+_warned: set = set()
+
+
+def clear_cache() -> None:
+    with _cache_lock:
+        _cache.clear()
+    _parse_name.cache_clear()
+
+
+registry.on_change(clear_cache)
+
+
+def decide(problem: Problem, name: str, source: str) -> Decision:
+    """Every registered backend's reasons for ``problem`` and the choice for the request ``name``."""
+    key = (problem, name)
+    decision = _cache.get(key)
+    if decision is not None:
+        return decision
+    reasons = {b.name: b.unsupported(problem) for b in registry.all_backends()}
+    candidates = priority_for(problem) if name == AUTO else (name,)
+    chosen = next((n for n in candidates if n in reasons and not reasons[n]), None)
+    decision = Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else ())
+    with _cache_lock:
+        _cache[key] = decision
+    return decision
+
+
+def select(problem: Problem, name: str, source: str = "automatic selection"):
+    """The backend object that runs ``problem`` for the request ``name``; raises with reasons otherwise."""
+    decision = decide(problem, name, source)
+    if decision.chosen is None:
+        if name == AUTO:
+            raise BackendUnavailableError("no backend can run this problem:\n" + str(decision))
+        raise BackendUnavailableError(
+            f"backend {name!r} (requested by {source}) cannot run this problem: "
+            + "; ".join(decision.reasons.get(name, ["it is not registered"]))
+            + f"\nproblem: {problem.describe()}"
+        )
+    if name == AUTO and decision.chosen == "reference" and problem.device_type == "cuda":
+        _warn_reference_on_gpu(decision)
+    return registry.get_backend(decision.chosen)
+
+
+def _warn_reference_on_gpu(decision: Decision) -> None:
+    key = frozenset(decision.problem.features), decision.problem.dtype, decision.problem.head_dim
+    if key in _warned:
+        return
+    _warned.add(key)
+    rejected = "\n".join(
+        f"  {n}: " + "; ".join(decision.reasons.get(n, ["not registered"]))
+        for n in decision.candidates
+        if n != "reference"
+    )
+    warnings.warn(
+        "mhattn: no fused kernel can run this problem on the GPU, falling back to the O(N^2) reference "
+        f"({decision.problem.describe()}):\n{rejected}",
+        stacklevel=4,
+    )
