@@ -1,0 +1,1 @@
+"""Benchmarks against PyTorch SDPA backends (engine behind `mhattn bench`)."""
