@@ -1,0 +1,221 @@
+"""The dispatcher: precedence, MHATTN_BACKEND, use_backend, forced backends, explain, caching, registry."""
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import mhattn
+from mhattn import dispatch
+from mhattn.backends.base import Backend, Capabilities
+from mhattn.problem import Problem
+from mhattn.reference import ReferenceBackend
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    monkeypatch.delenv("MHATTN_BACKEND", raising=False)
+    yield
+    dispatch.clear_cache()
+
+
+class Recording(ReferenceBackend):
+    """A reference that records every call, to see which backend ran."""
+
+    def __init__(self, name):
+        self.name = name
+        self.calls = []
+
+    def forward(self, q, k, v, params):
+        self.calls.append("forward")
+        return super().forward(q, k, v, params)
+
+    def backward(self, *args, **kwargs):
+        self.calls.append("backward")
+        return super().backward(*args, **kwargs)
+
+
+@pytest.fixture
+def recorders():
+    made = [Recording("rec_a"), Recording("rec_b")]
+    for backend in made:
+        mhattn.register_backend(backend)
+    yield made
+    for backend in made:
+        mhattn.unregister_backend(backend.name)
+
+
+def qkv(requires_grad=False):
+    return [torch.randn(1, 2, 5, 8, requires_grad=requires_grad) for _ in range(3)]
+
+
+def test_unknown_env_value_lists_valid_names(monkeypatch):
+    monkeypatch.setenv("MHATTN_BACKEND", "bogus")
+    with pytest.raises(mhattn.UnknownBackendError) as info:
+        mhattn.attention(*qkv())
+    message = str(info.value)
+    assert "bogus" in message
+    for name in ("auto", "reference", "triton", "cupy"):
+        assert name in message
+
+
+def test_env_is_case_insensitive(monkeypatch, recorders):
+    monkeypatch.setenv("MHATTN_BACKEND", "REC_A")
+    mhattn.attention(*qkv())
+    assert recorders[0].calls == ["forward"]
+
+
+def test_precedence_argument_over_context_over_env(monkeypatch, recorders):
+    a, b = recorders
+    monkeypatch.setenv("MHATTN_BACKEND", "reference")
+    with mhattn.use_backend("rec_a"):
+        mhattn.attention(*qkv())
+        mhattn.attention(*qkv(), backend="rec_b")
+    assert a.calls == ["forward"] and b.calls == ["forward"]
+    mhattn.attention(*qkv())  # env again: neither recorder
+    assert a.calls == ["forward"] and b.calls == ["forward"]
+
+
+def test_use_backend_restores_on_exit_and_on_error(recorders):
+    a, _ = recorders
+    with pytest.raises(RuntimeError):
+        with mhattn.use_backend("rec_a"):
+            raise RuntimeError("boom")
+    mhattn.attention(*qkv())
+    assert a.calls == []
+    assert dispatch.requested()[0] == "auto"
+
+
+def test_use_backend_is_per_thread(recorders):
+    a, b = recorders
+    barrier = threading.Barrier(2)
+    errors = []
+
+    def worker(name):
+        try:
+            with mhattn.use_backend(name):
+                barrier.wait()
+                for _ in range(3):
+                    mhattn.attention(*qkv())
+        except Exception as error:  # surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("rec_a", "rec_b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert a.calls == ["forward"] * 3 and b.calls == ["forward"] * 3
+
+
+def test_backward_runs_on_the_forward_backend_after_the_context_exits(recorders):
+    a, _ = recorders
+    q, k, v = qkv(requires_grad=True)
+    with mhattn.use_backend("rec_a"):
+        out = mhattn.attention(q, k, v)
+    out.sum().backward()
+    assert a.calls == ["forward", "backward"]
+
+
+def test_forced_backend_that_cannot_run_raises_with_reasons():
+    with pytest.raises(mhattn.BackendUnavailableError) as info:
+        mhattn.attention(*qkv(), backend="triton")
+    message = str(info.value)
+    assert "triton" in message and "cpu" in message
+
+
+def test_explain_shows_choice_and_every_backends_reasons():
+    q = torch.randn(1, 2, 5, 8)
+    decision = mhattn.explain(q, q, q, is_causal=True)
+    text = str(decision)
+    assert decision.chosen == "reference"
+    assert "chosen: reference" in text and "causal" in text
+    for name in mhattn.backend_names():
+        assert name in text
+    assert decision.reasons["reference"] == []
+    assert decision.reasons["triton"]  # no GPU here, or the kernels are absent: there are reasons
+
+
+class GpuOnly(Backend):
+    name = "gpu_only"
+    capabilities = Capabilities(device_types=frozenset({"cuda"}), features=frozenset({"causal"}))
+
+
+def fake_gpu_problem(**overrides):
+    fields = dict(device_type="cuda", device_index=0, compute_capability=(9, 0), dtype=torch.bfloat16, batch=1,
+                  heads_q=2, heads_kv=2, seqlen_q=128, seqlen_k=128, head_dim=64, head_dim_v=64,
+                  features=frozenset({"causal"}))
+    fields.update(overrides)
+    return Problem(**fields)
+
+
+def test_capabilities_give_one_sentence_per_reason():
+    reasons = GpuOnly().unsupported(fake_gpu_problem(dtype=torch.float64, head_dim=300, head_dim_v=300,
+                                                     features=frozenset({"dropout", "causal"}),
+                                                     compute_capability=(7, 5)))
+    text = " | ".join(reasons)
+    assert "float64" in text and "300" in text and "dropout" in text and "sm_75" in text
+    assert len(reasons) == 4
+
+
+def test_priority_is_data_and_auto_warns_once_when_the_gpu_falls_back_to_reference(monkeypatch):
+    problem = fake_gpu_problem(features=frozenset({"causal", "dropout"}))
+    assert dispatch.priority_for(problem)[-1] == "reference"
+    dispatch._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chosen = dispatch.select(problem, "auto")
+        dispatch.select(problem, "auto")
+    assert chosen.name == "reference"
+    messages = [str(w.message) for w in caught if "mhattn" in str(w.message)]
+    assert len(messages) == 1
+    assert "triton" in messages[0]
+
+
+def test_set_priority_enters_a_registered_backend_into_auto(recorders):
+    a, _ = recorders
+    saved = list(dispatch.PRIORITY)
+    try:
+        mhattn.set_priority("cpu", ["rec_a", "reference"])
+        mhattn.attention(*qkv())
+        assert a.calls == ["forward"]
+    finally:
+        dispatch.PRIORITY[:] = saved
+        dispatch.clear_cache()
+
+
+def test_registering_does_not_activate(recorders):
+    mhattn.attention(*qkv())
+    assert all(r.calls == [] for r in recorders)
+
+
+def test_register_rejects_bad_backends():
+    with pytest.raises(TypeError):
+        mhattn.register_backend(object())
+    with pytest.raises(ValueError, match="already registered"):
+        mhattn.register_backend(ReferenceBackend())
+    bad = ReferenceBackend()
+    bad.name = "Auto"
+    with pytest.raises(ValueError, match="lowercase"):
+        mhattn.register_backend(bad)
+
+
+def test_decisions_are_cached_per_problem():
+    calls = []
+
+    class Counting(ReferenceBackend):
+        name = "counting"
+
+        def unsupported(self, problem):
+            calls.append(problem)
+            return super().unsupported(problem)
+
+    mhattn.register_backend(Counting())
+    try:
+        for _ in range(5):
+            mhattn.attention(*qkv())
+        assert len(calls) == 1
+    finally:
+        mhattn.unregister_backend("counting")
