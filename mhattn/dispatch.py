@@ -131,6 +131,7 @@ class Decision:
 
 
 _cache: dict = {}
+_CACHE_LIMIT = 4096
 _cache_lock = threading.Lock()
 _warned: set = set()
 
@@ -155,6 +156,8 @@ def decide(problem: Problem, name: str, source: str) -> Decision:
     chosen = next((n for n in candidates if n in reasons and not reasons[n]), None)
     decision = Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else ())
     with _cache_lock:
+        if len(_cache) >= _CACHE_LIMIT:  # many distinct shapes: start over rather than grow without bound
+            _cache.clear()
         _cache[key] = decision
     return decision
 
