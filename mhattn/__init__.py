@@ -13,9 +13,11 @@ from mhattn.registry import get_backend, register_backend, unregister_backend
 from mhattn.registry import names as backend_names
 from mhattn.dispatch import Decision, set_priority, use_backend
 from mhattn.functional import attention, explain
+from mhattn.modules import MultiheadAttention, replace_multihead_attention
 
 __all__ = [
     "attention", "explain", "use_backend", "register_backend", "unregister_backend", "get_backend",
     "backend_names", "set_priority", "Backend", "Capabilities", "AttentionParams", "FEATURES", "Decision",
+    "MultiheadAttention", "replace_multihead_attention",
     "MhattnError", "InputError", "BackendUnavailableError", "UnknownBackendError",
 ]
