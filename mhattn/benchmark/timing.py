@@ -1,0 +1,323 @@
+"""Timing one attention cell: forward, backward and forward+backward of one implementation on one shape.
+
+Times come from ``triton.testing.do_bench(fn, warmup, rep, return_mode="median")``: it runs ``fn`` once,
+estimates its time from five runs, warms up for ``warmup`` ms, then times each of ``rep`` ms worth of runs
+with CUDA events, flushing the L2 cache before each, and returns the median. Without Triton the same
+procedure runs here on CUDA events. On the CPU (only to test the harness) a wall clock stands in.
+
+The backward is timed as the protocol of h100_peers.json does: (forward+backward) - forward, both on
+inputs that require grad. ``bwd_method="direct"`` instead times ``torch.autograd.grad`` on a retained
+graph (the forward's output reused), which leaves the forward's cost out without subtracting.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+
+from mhattn.benchmark import protocol
+
+BWD_METHODS = {
+    "subtract": "bwd time = (fwd+bwd) - fwd",
+    "direct": "bwd timed alone: torch.autograd.grad on a retained graph",
+}
+# Flag a forward whose output differs from PyTorch's default SDPA by more than this (max abs, randn inputs).
+SUSPECT_DIFF = 0.05
+
+
+@dataclass(frozen=True)
+class TimingSettings:
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    bwd_method: str = "subtract"
+
+    def __post_init__(self):
+        if self.bwd_method not in BWD_METHODS:
+            raise ValueError(f"bwd_method: expected one of {sorted(BWD_METHODS)}, got {self.bwd_method!r}")
+        if not (self.warmup_ms > 0 and self.rep_ms > 0):
+            raise ValueError(f"warmup_ms and rep_ms must be positive, got {self.warmup_ms} and {self.rep_ms}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- the timer -----------------------------------------------------------------------------------------
+
+
+def timer_name(device) -> str:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "wall clock (CPU; not the protocol)"
+    try:
+        import triton.testing  # noqa: F401
+    except Exception:
+        return "CUDA events (the do_bench procedure, without Triton)"
+    return "triton.testing.do_bench median"
+
+
+def bench_ms(fn, warmup_ms: float, rep_ms: float, device) -> float:
+    """Median milliseconds of ``fn()`` after ``warmup_ms`` of warm-up, over ``rep_ms`` worth of runs."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+        except Exception:
+            return _cuda_event_bench(fn, warmup_ms, rep_ms)
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    return _wall_clock_bench(fn, warmup_ms, rep_ms)
+
+
+def _cuda_event_bench(fn, warmup_ms, rep_ms) -> float:
+    fn()
+    torch.cuda.synchronize()
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")  # larger than the L2 of any GPU today
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    n_repeat = max(1, int(rep_ms / estimate))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    for i in range(n_repeat):
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def _wall_clock_bench(fn, warmup_ms, rep_ms) -> float:
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    estimate = max((time.perf_counter() - t0) * 1e3, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        fn()
+    times = []
+    for _ in range(max(1, int(rep_ms / estimate))):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+# ---- errors as table entries ----------------------------------------------------------------------------
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    oom_type = getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(error, oom_type):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def describe_error(error: BaseException, caught_warnings=()) -> str:
+    """A table entry for a failed run: 'OOM', 'n/a: <why>' when the implementation cannot run the shape,
+    else 'error: <type>: <message>'. ``caught_warnings`` are the warnings of the failing call: SDPA
+    explains there why a kernel was not used."""
+    from mhattn.errors import BackendUnavailableError
+
+    if is_out_of_memory(error):
+        return "OOM"
+    message = " ".join(str(error).split())
+    if isinstance(error, BackendUnavailableError):
+        return "n/a: " + message
+    if isinstance(error, RuntimeError) and ("No available kernel" in message or "No viable backend" in message):
+        reasons = []
+        for w in caught_warnings:
+            text = " ".join(str(getattr(w, "message", w)).split())
+            if text and text not in reasons and "Aborting" not in text:
+                reasons.append(text)
+        return "n/a: " + ("; ".join(reasons) if reasons else message)
+    return f"error: {type(error).__name__}: {message}"
+
+
+def cuda_context_ok() -> bool:
+    """False when an earlier error (an illegal address, a device-side assert) broke the CUDA context:
+    every later CUDA call in this process would fail too."""
+    if not torch.cuda.is_available():
+        return True
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+        return True
+    except Exception:
+        return False
+
+
+# ---- one cell ----------------------------------------------------------------------------------------------
+
+
+def _release(device):
+    if torch.device(device).type == "cuda":
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+        torch.cuda.empty_cache()
+
+
+def _free_memory(device):
+    if torch.device(device).type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info()
+    return free
+
+
+def time_attention(impl: protocol.Implementation, shape: protocol.Shape, inputs, modes, settings: TimingSettings,
+                   device, check=None) -> dict:
+    """Time ``impl`` on ``shape`` for each of ``modes`` ('fwd', 'bwd', 'fwd_bwd').
+
+    ``inputs`` = (q, k, v, dout) from :func:`protocol.make_inputs`; ``check`` is an output (B, H, N, d)
+    of the same inputs from another implementation, or None. Never raises for a failure of the
+    implementation: each mode's entry in ``status`` is 'ok', 'n/a: ...', 'OOM', 'skipped: ...' or 'error: ...'.
+    Returns the result row (see :func:`result_row`).
+    """
+    q, k, v, dout = inputs
+    modes = [m for m in protocol.MODES if m in modes]
+    row = result_row(impl, shape)
+    row.update(warmup_ms=settings.warmup_ms, rep_ms=settings.rep_ms, bwd_method=settings.bwd_method,
+               timer=timer_name(device))
+    status = {}
+    ms = {}
+
+    def fail_all(entry):
+        for m in modes:
+            status[m] = entry
+        return _finish(row, shape, modes, ms, status)
+
+    reasons = impl.unsupported(q, k, v, shape.causal)
+    if reasons:
+        return fail_all("n/a: " + "; ".join(reasons))
+    # An O(N^2) implementation that clearly cannot fit is not tried (an attempt can take seconds).
+    free = _free_memory(device)
+    want_backward = any(m != "fwd" for m in modes)
+    need = impl.scratch_bytes(shape, "fwd_bwd" if want_backward else "fwd")
+    if free is not None and need > free:
+        return fail_all(f"OOM: needs ~{need / 2**30:.1f} GiB of O(N^2) scratch, {free / 2**30:.1f} GiB free")
+
+    causal = shape.causal
+
+    def forward():
+        return impl(q, k, v, causal)
+
+    def forward_backward():
+        out = impl(q, k, v, causal)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    with impl.context():
+        # The first call: compiles what needs compiling, shows why a peer cannot run, checks the output.
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = forward()
+                if torch.device(device).type == "cuda":
+                    torch.cuda.synchronize()
+        except Exception as error:  # report, never crash the sweep
+            entry = describe_error(error, caught)
+            out = None
+            _release(device)
+            return fail_all(entry)
+        row["max_abs_diff"] = _max_abs_diff(out, check)
+        del out
+
+        need_fwd = "fwd" in modes or ("bwd" in modes and settings.bwd_method == "subtract")
+        need_fwd_bwd = "fwd_bwd" in modes or ("bwd" in modes and settings.bwd_method == "subtract")
+        if need_fwd:
+            ms["fwd"], status["fwd"] = _timed(forward, settings, device)
+        if need_fwd_bwd:
+            ms["fwd_bwd"], status["fwd_bwd"] = _timed(forward_backward, settings, device)
+        if "bwd" in modes:
+            if settings.bwd_method == "subtract":
+                status["bwd"], ms["bwd"] = _subtract(ms.get("fwd_bwd"), status["fwd_bwd"], ms.get("fwd"), status["fwd"])
+            else:
+                ms["bwd"], status["bwd"] = _timed_backward(forward, q, k, v, dout, settings, device)
+    # Modes only measured to derive the backward are kept too: they cost nothing more to report.
+    for m in ("fwd", "fwd_bwd"):
+        if m in ms and m not in modes:
+            modes.append(m)
+    return _finish(row, shape, modes, ms, status)
+
+
+def result_row(impl: protocol.Implementation, shape: protocol.Shape) -> dict:
+    """The identity part of a result row, in the field names of h100_peers.json."""
+    return {
+        "kind": "attn",
+        "impl": impl.name,
+        "family": impl.family,
+        "is_reference": impl.is_reference,
+        "dtype": protocol.DTYPE_LONG_NAMES[shape.dtype],
+        "d": shape.head_dim,
+        "h": shape.heads,
+        "b": shape.batch,
+        "n": shape.seqlen,
+        "causal": shape.causal,
+    }
+
+
+def _finish(row, shape, modes, ms, status):
+    row["status"] = {m: status.get(m, "skipped") for m in protocol.MODES if m in modes}
+    for m in protocol.MODES:
+        if m not in modes:
+            continue
+        t = ms.get(m) if status.get(m) == "ok" else None
+        row[f"{m}_ms"] = t
+        row[f"{m}_tflops"] = protocol.tflops(protocol.flops(shape, m), t)
+    return row
+
+
+def _timed(fn, settings, device):
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the first call already reported what there was to say
+            return bench_ms(fn, settings.warmup_ms, settings.rep_ms, device), "ok"
+    except Exception as error:
+        entry = describe_error(error)
+        _release(device)
+        return None, entry
+
+
+def _timed_backward(forward, q, k, v, dout, settings, device):
+    try:
+        out = forward()
+    except Exception as error:
+        _release(device)
+        return None, describe_error(error)
+
+    def backward():
+        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    result = _timed(backward, settings, device)
+    del out
+    return result
+
+
+def _subtract(fwd_bwd_ms, fwd_bwd_status, fwd_ms, fwd_status):
+    if fwd_bwd_status != "ok":
+        return fwd_bwd_status, None
+    if fwd_status != "ok":
+        return f"skipped: the forward, needed to derive it, failed ({fwd_status})", None
+    difference = fwd_bwd_ms - fwd_ms
+    if not difference > 0:
+        return f"error: (fwd+bwd) - fwd = {difference:.4f} ms is not positive (timing noise)", None
+    return "ok", difference
+
+
+def _max_abs_diff(out, check):
+    if check is None or out is None or out.shape != check.shape:
+        return None
+    with torch.no_grad():
+        diff = (out.detach().float() - check.float()).abs().max().item()
+    return diff if math.isfinite(diff) else "non-finite"
