@@ -1,12 +1,7 @@
-"""FlashAttention-2 in Triton (placeholder until the kernels land)."""
+"""FlashAttention-2 in Triton: forward.py (the forward kernel), backward.py (preprocess, dK/dV, dQ),
+scores.py (the score tile both share), rng.py (the dropout RNG), configs.py (tiles per GPU, dtype,
+head dim and causality) and backend.py (the backend contract around them)."""
 
-from mhattn.backends.base import Backend, Capabilities
+from mhattn.backends.triton.backend import TritonBackend
 
-
-class TritonBackend(Backend):
-    name = "triton"
-    description = "FlashAttention-2 in Triton"
-    capabilities = Capabilities()
-
-    def unavailable(self):
-        return ["the Triton kernels are not part of this build yet"]
+__all__ = ["TritonBackend"]

@@ -1,0 +1,354 @@
+"""TritonBackend: FlashAttention-2 in Triton behind the backend contract.
+
+The host side only shapes arguments: it never copies q, k, v (their strides go to the kernels), picks
+the tile configuration (configs.py), sizes the grids and launches. The kernels are imported on first
+use, so importing mhattn costs no Triton import; whether Triton's interpreter runs them
+(``TRITON_INTERPRET=1``, CPU tensors allowed) is read once, when this module is imported, because
+Triton decides it when the kernels are defined.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from typing import Optional
+
+import torch
+
+from mhattn import dropout_rng
+from mhattn.backends.base import FEATURES, AttentionParams, Backend, Capabilities
+from mhattn.backends.triton import configs
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+# One program per (batch, head, block) on grid axis 0, whose limit is 2**31 - 1.
+MAX_GRID = 2**31 - 1
+
+_kernels = None
+
+
+def kernels():
+    """The kernel modules (imported on first use): (forward, backward, rng)."""
+    global _kernels
+    if _kernels is None:
+        from mhattn.backends.triton import backward, forward, rng
+
+        _kernels = (forward, backward, rng)
+    return _kernels
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 follows torch's matmul setting: full fp32 ("ieee") unless TF32 is allowed."""
+    if dtype != torch.float32:
+        return "tf32"  # ignored by tl.dot for 16-bit inputs
+    tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    return "tf32" if tf32 else "ieee"
+
+
+def _empty_rows_major(batch, heads, seqlen, dim, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """(B, H, N, D) with (B, N, H, D) memory: one token's heads side by side, as a packed projection
+    lays them out, so reshaping the result to (B, N, H * D) is a view."""
+    t = torch.empty(batch, seqlen, heads, dim, dtype=dtype or like.dtype, device=like.device)
+    return t.transpose(1, 2)
+
+
+def _grad_buffer(t: torch.Tensor) -> torch.Tensor:
+    """A gradient buffer with t's layout when t is dense (empty_like keeps it), else row-major heads."""
+    if _dense(t):
+        return torch.empty_like(t)  # preserve_format keeps a dense tensor's strides
+    b, h, n, d = t.shape
+    return _empty_rows_major(b, h, n, d, t)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when t's elements fill a block of memory exactly (no gaps, no overlaps), in any dim order."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda x: x[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _strides4(t: torch.Tensor):
+    """(batch, head, row) strides; the last dim is contiguous (checked by the caller)."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _mask_strides(mask: torch.Tensor):
+    """Strides of a (B, H, Nq, Nk) mask view, 0 along broadcast (size-1) dims."""
+    return tuple(0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4))
+
+
+class _Launch:
+    """Everything the three kernel families share for one call: scalars and compile-time flags."""
+
+    def __init__(self, q, k, v, params: AttentionParams):
+        self.batch, self.heads_q, self.seqlen_q, self.head_dim = q.shape
+        self.heads_kv, self.seqlen_k = k.shape[1], k.shape[2]
+        self.head_dim_v = v.shape[3]
+        self.kv_group = self.heads_q // self.heads_kv
+        self.block_d = configs.padded_head_dim(self.head_dim)
+        self.block_dv = configs.padded_head_dim(self.head_dim_v)
+        self.sm_scale = float(params.scale)
+        self.qk_scale2 = self.sm_scale * LOG2E
+        if params.softcap is not None:
+            self.softcap_in2 = 2.0 * LOG2E * self.sm_scale / params.softcap
+            self.softcap_out2 = params.softcap * LOG2E
+        else:
+            self.softcap_in2 = self.softcap_out2 = 0.0
+        self.has_left = params.window_left is not None
+        self.has_right = params.window_right is not None
+        self.diag_offset = int(params.diag_offset)
+        self.window_left = int(params.window_left or 0)
+        self.window_right = int(params.window_right or 0)
+        # A causal-like band (right bound only): the last query blocks carry the most keys.
+        self.heavy_first = self.has_right and not self.has_left
+        mask = params.mask
+        if mask is None:
+            self.mask_kind, self.mask, self.mask_strides = 0, q, (0, 0, 0, 0)
+        elif mask.dtype == torch.bool:
+            self.mask_kind, self.mask, self.mask_strides = 1, mask.view(torch.uint8), _mask_strides(mask)
+        else:
+            self.mask_kind, self.mask, self.mask_strides = 2, mask, _mask_strides(mask)
+        self.has_dropout = params.dropout_p > 0.0
+        self.dropout_scale = 1.0 / (1.0 - params.dropout_p) if self.has_dropout else 1.0
+        self.seed0 = self.seed1 = self.threshold = 0
+        if self.has_dropout:
+            self.seed0, self.seed1 = (_as_int32(s) for s in params.seed)
+            self.threshold = _as_int32(dropout_rng.threshold(params.dropout_p))
+        self.has_softcap = params.softcap is not None
+        self.dot_precision = _dot_precision(q.dtype)
+        cc = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+        self.config = configs.config_for(cc, q.dtype, self.head_dim, self.has_right and not self.has_left)
+
+    def flags(self):
+        return dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
+                    HAS_LEFT=self.has_left, HAS_RIGHT=self.has_right, HAS_SOFTCAP=self.has_softcap,
+                    MASK_KIND=self.mask_kind, HAS_DROPOUT=self.has_dropout, DOT_PRECISION=self.dot_precision)
+
+    def band(self):
+        return (self.diag_offset, self.window_left, self.window_right, self.seed0, self.seed1, self.threshold)
+
+
+def _as_int32(word) -> int:
+    """A 32-bit word as the int32 with the same bits: seeds and the dropout threshold reach the kernels
+    as int32 (one argument type, one compilation) and are bitcast back to uint32 there."""
+    word = int(word) & dropout_rng.MASK32
+    return word - (1 << 32) if word >= (1 << 31) else word
+
+
+# Tiles that ran out of shared memory or registers, and what replaced them: (kernel, tile, key) -> tile.
+_shrunk: dict = {}
+
+
+def _run(kernel_name: str, tile: configs.KernelConfig, key, launch):
+    """launch(tile) with the configured tile; on Triton's OutOfResources, retry with smaller tiles and
+    remember the one that fitted for this (kernel, tile, key)."""
+    from triton.runtime.errors import OutOfResources
+
+    cache_key = (kernel_name, tile, key)
+    tile = _shrunk.get(cache_key, tile)
+    while True:
+        try:
+            launch(tile)
+        except OutOfResources:
+            smaller = configs.shrink(tile)
+            if smaller is None:
+                raise
+            tile = smaller
+            _shrunk[cache_key] = tile
+            continue
+        return
+
+
+class _OnDevice:
+    """Make q's GPU the current one for the launch (Triton launches on the current device)."""
+
+    def __init__(self, device: torch.device):
+        self.guard = None
+        if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+            self.guard = torch.cuda.device(device.index)
+
+    def __enter__(self):
+        if self.guard is not None:
+            self.guard.__enter__()
+
+    def __exit__(self, *exc):
+        if self.guard is not None:
+            self.guard.__exit__(*exc)
+
+
+class TritonBackend(Backend):
+    """FlashAttention-2 forward and backward written in Triton (see forward.py and backward.py)."""
+
+    name = "triton"
+    description = "FlashAttention-2 in Triton" + (" (TRITON_INTERPRET=1: Triton's interpreter, CPU tensors)" if INTERPRET else "")
+    capabilities = Capabilities(
+        device_types=frozenset({"cuda", "cpu"}) if INTERPRET else frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        min_head_dim=1,
+        max_head_dim=MAX_HEAD_DIM,
+        min_compute_capability=(8, 0),
+        features=frozenset(FEATURES),
+    )
+
+    def __init__(self):
+        self._unavailable: Optional[list] = None
+
+    # ---- availability -------------------------------------------------------------------------
+    def unavailable(self) -> list:
+        if self._unavailable is None:
+            reasons = []
+            if importlib.util.find_spec("triton") is None:
+                reasons.append("the triton package is not installed (pip install 'mhattn[triton]')")
+            elif not INTERPRET and not torch.cuda.is_available():
+                reasons.append("no CUDA GPU is visible (with TRITON_INTERPRET=1 set before import, the kernels run "
+                               "on CPU tensors through Triton's interpreter)")
+            self._unavailable = reasons
+        return list(self._unavailable)
+
+    def unsupported(self, problem) -> list:
+        reasons = [r for r in super().unsupported(problem) if not r.startswith("supports head dims")]
+        for what, dim in (("head dim", problem.head_dim), ("value head dim", problem.head_dim_v)):
+            if dim > MAX_HEAD_DIM:
+                reasons.append(f"{what} {dim} > {MAX_HEAD_DIM}")
+            elif dim < 1:
+                reasons.append(f"{what} {dim} < 1")
+        if problem.device_type == "cpu" and problem.dtype == torch.bfloat16:
+            reasons.append("bfloat16 on CPU tensors: Triton's interpreter computes bfloat16 wrongly (use float16 or float32)")
+        blocks_q = problem.batch * problem.heads_q * math.ceil(problem.seqlen_q / 16)
+        blocks_k = problem.batch * problem.heads_kv * math.ceil(problem.seqlen_k / 16)
+        if max(blocks_q, blocks_k) > MAX_GRID:
+            reasons.append(f"batch * heads * sequence blocks ({max(blocks_q, blocks_k)}) exceeds the grid limit {MAX_GRID}")
+        return reasons
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(self, q, k, v, params: AttentionParams):
+        _check_inputs(q=q, k=k, v=v)
+        forward_module, _, _ = kernels()
+        run = _Launch(q, k, v, params)
+        out = _empty_rows_major(run.batch, run.heads_q, run.seqlen_q, run.head_dim_v, q)
+        lse = torch.empty(run.batch, run.heads_q, run.seqlen_q, dtype=torch.float32, device=q.device)
+        if out.numel() == 0 and lse.numel() == 0:
+            return out, lse
+        if run.seqlen_k == 0:  # no key at all: every row is empty
+            out.zero_()
+            lse.fill_(float("-inf"))
+            return out, lse
+
+        def launch(tile):
+            num_m_blocks = triton_cdiv(run.seqlen_q, tile.block_m)
+            grid = (run.batch * run.heads_q * num_m_blocks,)
+            forward_module.attention_forward_kernel[grid](
+                q, k, v, out, lse, run.mask,
+                *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *run.mask_strides,
+                run.heads_q, run.kv_group, run.seqlen_q, run.seqlen_k, num_m_blocks,
+                run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale,
+                *run.band(),
+                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAVY_FIRST=run.heavy_first, **run.flags(),
+                num_warps=tile.num_warps, num_stages=tile.num_stages,
+            )
+
+        with _OnDevice(q.device):
+            _run("forward", run.config.forward, (q.dtype, run.block_d), launch)
+        return out, lse
+
+    # ---- backward -----------------------------------------------------------------------------
+    def backward(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
+        _check_inputs(q=q, k=k, v=v, out=out)
+        if grad_out.stride(-1) != 1 and grad_out.shape[-1] > 1:
+            grad_out = grad_out.contiguous()  # a gradient buffer (e.g. expanded by .sum()), not a user input
+        _, backward_module, _ = kernels()
+        run = _Launch(q, k, v, params)
+        dq, dk, dv = _grad_buffer(q), _grad_buffer(k), _grad_buffer(v)
+        mask_grad = bool(params.mask_requires_grad) and run.mask_kind == 2
+        dmask = None
+        if mask_grad:
+            # Zeros: tiles outside the causal/window band are never visited and their gradient is 0.
+            dmask = torch.zeros(run.batch, run.heads_q, run.seqlen_q, run.seqlen_k, dtype=torch.float32, device=q.device)
+        if run.seqlen_k == 0 or run.seqlen_q == 0 or q.numel() == 0:
+            dq.zero_(), dk.zero_(), dv.zero_()
+            return dq, dk, dv, (dmask.to(params.mask.dtype) if dmask is not None else None)
+
+        delta = torch.empty(run.batch, run.heads_q, run.seqlen_q, dtype=torch.float32, device=q.device)
+        lse2 = torch.empty_like(delta)
+        grad_lse_arg = grad_lse if grad_lse is not None else lse
+        with _OnDevice(q.device):
+            block_pre = 64
+            num_pre_blocks = triton_cdiv(run.seqlen_q, block_pre)
+            backward_module.backward_preprocess_kernel[(run.batch * run.heads_q * num_pre_blocks,)](
+                out, grad_out, lse, grad_lse_arg, delta, lse2,
+                *_strides4(out), *_strides4(grad_out),
+                lse.stride(0), lse.stride(1), lse.stride(2),
+                grad_lse_arg.stride(0), grad_lse_arg.stride(1), grad_lse_arg.stride(2),
+                run.heads_q, run.seqlen_q, num_pre_blocks,
+                HEAD_DIM_V=run.head_dim_v, BLOCK_DV=run.block_dv, BLOCK_M=block_pre,
+                HAS_GRAD_LSE=grad_lse is not None, num_warps=4, num_stages=1,
+            )
+
+            def launch_dkdv(tile):
+                num_n_blocks = triton_cdiv(run.seqlen_k, tile.block_n)
+                grid = (run.batch * run.heads_kv * num_n_blocks,)
+                backward_module.backward_dkdv_kernel[grid](
+                    q, k, v, grad_out, lse2, delta, dk, dv, run.mask,
+                    *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out),
+                    *_strides4(dk), *_strides4(dv), *run.mask_strides,
+                    run.heads_q, run.heads_kv, run.kv_group, run.seqlen_q, run.seqlen_k, num_n_blocks,
+                    run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
+                    *run.band(),
+                    BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **run.flags(),
+                    num_warps=tile.num_warps, num_stages=tile.num_stages,
+                )
+
+            def launch_dq(tile):
+                num_m_blocks = triton_cdiv(run.seqlen_q, tile.block_m)
+                grid = (run.batch * run.heads_q * num_m_blocks,)
+                backward_module.backward_dq_kernel[grid](
+                    q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta,
+                    *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out), *_strides4(dq),
+                    *run.mask_strides,
+                    run.heads_q, run.kv_group, run.seqlen_q, run.seqlen_k, num_m_blocks,
+                    run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
+                    *run.band(),
+                    BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, MASK_GRAD=mask_grad,
+                    HEAVY_FIRST=run.heavy_first, **run.flags(),
+                    num_warps=tile.num_warps, num_stages=tile.num_stages,
+                )
+
+            key = (q.dtype, run.block_d)
+            _run("dkdv", run.config.dkdv, key, launch_dkdv)
+            _run("dq", run.config.dq, key, launch_dq)
+        if dmask is not None:
+            dmask = dmask.to(params.mask.dtype)
+        return dq, dk, dv, dmask
+
+    # ---- dropout ------------------------------------------------------------------------------
+    def dropout_bits(self, batch, heads, seqlen_q, seqlen_k, seed, device) -> torch.Tensor:
+        """The RNG words (B, H, Nq, Nk) as int64 in [0, 2**32), drawn by the kernels' own Triton helpers
+        (for checking them against :func:`mhattn.dropout_rng.random_bits`)."""
+        _, _, rng = kernels()
+        bits = torch.empty(batch, heads, seqlen_q, seqlen_k, dtype=torch.int32, device=device)
+        block_m, block_n = 16, 64
+        with _OnDevice(torch.device(device)):
+            rng.dropout_bits_kernel[(batch * heads, triton_cdiv(seqlen_q, block_m))](
+                bits, heads, seqlen_q, seqlen_k, _as_int32(seed[0]), _as_int32(seed[1]),
+                BLOCK_M=block_m, BLOCK_N=block_n,
+            )
+        return bits.to(torch.int64) & dropout_rng.MASK32
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _check_inputs(**tensors):
+    for name, t in tensors.items():
+        if t.dim() != 4:
+            raise ValueError(f"triton backend: {name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(f"triton backend: {name} must have a contiguous last dim (stride 1), got strides "
+                             f"{tuple(t.stride())}")

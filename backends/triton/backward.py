@@ -1,0 +1,346 @@
+"""The FlashAttention-2 backward kernels: preprocess, dK/dV over key blocks, dQ over query blocks.
+
+With P = exp(S - lse) recomputed from the saved log-sum-exp, and Pd = P * keep / (1 - p) its dropped
+version:
+
+    dV = Pd^T dO        dP = (dO V^T) * keep / (1 - p)        dS = P * (dP - delta)
+    dK = scale * dS'^T Q            dQ = scale * dS' K          (dS' = dS * (1 - tanh^2) under softcap)
+
+where delta = rowsum(dO * O) - grad_lse. Three launches:
+
+1. ``backward_preprocess_kernel``: delta per query row, and lse converted to base 2 (lse2), with +inf
+   for rows that saw no key so that exp2(s2 - lse2) = 0 there instead of NaN.
+2. ``backward_dkdv_kernel``: one program per key block of one (batch, key/value head); it walks every
+   query block of every query head that shares this key/value head (GQA without atomics) and
+   accumulates dK and dV in registers.
+3. ``backward_dq_kernel``: one program per query block of one (batch, query head); it walks the key
+   blocks and accumulates dQ in registers (and writes dS for the mask gradient).
+
+Every output element is written by exactly one program with a fixed summation order, so the
+gradients are bitwise reproducible.
+"""
+
+import triton
+import triton.language as tl
+
+from mhattn.backends.triton.forward import load_rows
+from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile, keep_tile_transposed, row_keys
+from mhattn.backends.triton.scores import LOG2E, attention_scores, key_major_ranges, query_major_ranges
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "num_m_blocks"])
+def backward_preprocess_kernel(
+    Out, dOut, Lse, GradLse, Delta, Lse2,
+    stride_ob, stride_oh, stride_om,
+    stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm,
+    stride_gb, stride_gh, stride_gm,
+    heads_q, seqlen_q, num_m_blocks,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
+):
+    """Delta and Lse2 (B, Hq, Nq) fp32 contiguous from Out, dOut (B, Hq, Nq, Dv) and Lse, GradLse
+    (B, Hq, Nq), all by their strides. Grid: (B * Hq * cdiv(Nq, BLOCK_M),)."""
+    pid = tl.program_id(0)
+    batch_head = pid // num_m_blocks
+    start_m = (pid % num_m_blocks) * BLOCK_M
+    batch = (batch_head // heads_q).to(tl.int64)
+    head = (batch_head % heads_q).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows_ok = offs_m < seqlen_q
+
+    o_ptrs = Out + batch * stride_ob + head * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :]
+    do_ptrs = dOut + batch * stride_dob + head * stride_doh + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :]
+    o = load_rows(o_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
+    do = load_rows(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+
+    lse = tl.load(Lse + batch * stride_lb + head * stride_lh + offs_m * stride_lm, mask=rows_ok, other=0.0)
+    empty = lse == float("-inf")
+    if HAS_GRAD_LSE:
+        grad_lse = tl.load(GradLse + batch * stride_gb + head * stride_gh + offs_m * stride_gm, mask=rows_ok,
+                           other=0.0)
+        delta = delta - tl.where(empty, 0.0, grad_lse)
+    lse2 = tl.where(empty, float("inf"), lse * LOG2E)
+
+    out_offsets = batch_head.to(tl.int64) * seqlen_q + offs_m
+    tl.store(Delta + out_offsets, delta, mask=rows_ok)
+    tl.store(Lse2 + out_offsets, lse2, mask=rows_ok)
+
+
+@triton.jit
+def dkdv_query_range(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
+                     start, end, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k,
+                     qk_scale2, softcap_in2, softcap_out2, dropout_scale,
+                     diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
+                     rng_head_key, rng_cols, seed1, threshold,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """The dK/dV inner loop over query blocks [start, end) of one query head, in key-major tiles
+    (BLOCK_N keys x BLOCK_M queries). dk (BLOCK_N, BLOCK_D), dv (BLOCK_N, BLOCK_DV) fp32, updated and
+    returned; k, v the key block's tiles in the input dtype."""
+    offs_local = tl.arange(0, BLOCK_M)
+    q_offsets = offs_local[:, None] * stride_qm + offs_d[None, :]
+    do_offsets = offs_local[:, None] * stride_dom + offs_dv[None, :]
+    for start_m in range(start, end, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + offs_local
+        q = load_rows(q_base + start_m.to(tl.int64) * stride_qm + q_offsets, offs_m, seqlen_q, offs_d,
+                      HEAD_DIM, BLOCK_D, MASKED)
+        if MASKED:
+            lse2 = tl.load(lse2_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
+        else:
+            lse2 = tl.load(lse2_base + offs_m)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        s2_t, tanh_t = attention_scores(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
+                                        qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left,
+                                        window_right, mask_base, stride_mq, stride_mk,
+                                        MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, MASK_KIND)
+        p_t = tl.exp2(s2_t - lse2[None, :])
+        do = load_rows(do_base + start_m.to(tl.int64) * stride_dom + do_offsets, offs_m, seqlen_q, offs_dv,
+                       HEAD_DIM_V, BLOCK_DV, MASKED)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep_t = keep_tile_transposed(row_keys(rng_head_key, offs_m, seed1), rng_cols, threshold)
+            dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do, dv,
+                        input_precision=DOT_PRECISION)
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        if MASKED:
+            delta = tl.load(delta_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        else:
+            delta = tl.load(delta_base + offs_m)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_SOFTCAP:
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left",
+                               "window_right", "seed0", "seed1", "threshold"])
+def backward_dkdv_kernel(
+    Q, K, V, dOut, Lse2, Delta, dK, dV, Mask,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    heads_q, heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks,
+    qk_scale2, softcap_in2, softcap_out2, dropout_scale, sm_scale,
+    diag_offset, window_left, window_right,
+    seed0, seed1, threshold,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dK (B, Hkv, Nk, D) and dV (B, Hkv, Nk, Dv) in the input dtype. Lse2 and Delta (B, Hq, Nq) fp32
+    contiguous from the preprocess. Grid: (B * Hkv * cdiv(Nk, BLOCK_N),)."""
+    pid = tl.program_id(0)
+    batch_head_kv = pid // num_n_blocks
+    start_n = (pid % num_n_blocks) * BLOCK_N
+    batch = batch_head_kv // heads_kv
+    head_kv = batch_head_kv % heads_kv
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    k_ptrs = (K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
+              + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :])
+    v_ptrs = (V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
+              + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :])
+    k = load_rows(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = load_rows(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    rng_cols = column_hashes(offs_n)
+
+    lo, full_lo, full_hi, hi = key_major_ranges(start_n, seqlen_q, seqlen_k, diag_offset, window_left,
+                                                window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # The query heads sharing this key/value head, one after the other in a fixed order (deterministic).
+    for group_index in range(0, kv_group):
+        head = head_kv * kv_group + group_index
+        batch_head = batch * heads_q + head
+        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+        do_base = dOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+        lse2_base = Lse2 + batch_head.to(tl.int64) * seqlen_q
+        delta_base = Delta + batch_head.to(tl.int64) * seqlen_q
+        mask_base = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+        rng_head_key = head_key(batch_head, seed0)
+        # Query blocks above the causal diagonal / before the window's right edge: masked.
+        if HAS_RIGHT:
+            dk, dv = dkdv_query_range(
+                dk, dv, k, v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom, lo, full_lo,
+                offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2,
+                dropout_scale, diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
+                rng_head_key, rng_cols, seed1, threshold,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
+                HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION)
+        dk, dv = dkdv_query_range(
+            dk, dv, k, v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom, full_lo, full_hi,
+            offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2,
+            dropout_scale, diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
+            rng_head_key, rng_cols, seed1, threshold,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_LEFT, HAS_RIGHT,
+            HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION)
+        # The window's left edge, the ragged query end, the ragged key block: masked.
+        dk, dv = dkdv_query_range(
+            dk, dv, k, v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom, full_hi, hi,
+            offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2,
+            dropout_scale, diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
+            rng_head_key, rng_cols, seed1, threshold,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
+            HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION)
+
+    dk = dk * sm_scale
+    rows_ok = offs_n[:, None] < seqlen_k
+    dk_ptrs = (dK + batch.to(tl.int64) * stride_dkb + head_kv.to(tl.int64) * stride_dkh
+               + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :])
+    dv_ptrs = (dV + batch.to(tl.int64) * stride_dvb + head_kv.to(tl.int64) * stride_dvh
+               + offs_n[:, None].to(tl.int64) * stride_dvn + offs_dv[None, :])
+    if BLOCK_D != HEAD_DIM:
+        tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=rows_ok & (offs_d[None, :] < HEAD_DIM))
+    else:
+        tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=rows_ok)
+    if BLOCK_DV != HEAD_DIM_V:
+        tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=rows_ok & (offs_dv[None, :] < HEAD_DIM_V))
+    else:
+        tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=rows_ok)
+
+
+@triton.jit
+def dq_key_range(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+                 start, end, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
+                 qk_scale2, softcap_in2, softcap_out2, dropout_scale,
+                 diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
+                 dmask_base, stride_dmq, rng_rows, threshold,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                 MASK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The dQ inner loop over key blocks [start, end): dq (BLOCK_M, BLOCK_D) fp32 updated and returned.
+    With MASK_GRAD, writes dS (before the softcap chain) of each tile into the fp32 dmask buffer."""
+    offs_local = tl.arange(0, BLOCK_N)
+    k_offsets = offs_local[:, None] * stride_kn + offs_d[None, :]
+    v_offsets = offs_local[:, None] * stride_vn + offs_dv[None, :]
+    for start_n in range(start, end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_local
+        k = load_rows(k_base + start_n.to(tl.int64) * stride_kn + k_offsets, offs_n, seqlen_k, offs_d,
+                      HEAD_DIM, BLOCK_D, MASKED)
+        v = load_rows(v_base + start_n.to(tl.int64) * stride_vn + v_offsets, offs_n, seqlen_k, offs_dv,
+                      HEAD_DIM_V, BLOCK_DV, MASKED)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s2, tanh = attention_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
+                                    qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left, window_right,
+                                    mask_base, stride_mq, stride_mk,
+                                    MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, MASK_KIND)
+        p = tl.exp2(s2 - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep = keep_tile(rng_rows, column_hashes(offs_n), threshold)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        if MASK_GRAD:
+            inside = (offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k)
+            tl.store(dmask_base + offs_m[:, None].to(tl.int64) * stride_dmq + offs_n[None, :], ds, mask=inside)
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - tanh * tanh)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "diag_offset", "window_left",
+                               "window_right", "seed0", "seed1", "threshold"])
+def backward_dq_kernel(
+    Q, K, V, dOut, Lse2, Delta, dQ, Mask, dMask,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks,
+    qk_scale2, softcap_in2, softcap_out2, dropout_scale, sm_scale,
+    diag_offset, window_left, window_right,
+    seed0, seed1, threshold,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dQ (B, Hq, Nq, D) in the input dtype; dMask (B, Hq, Nq, Nk) fp32 contiguous when MASK_GRAD.
+    Grid: (B * Hq * cdiv(Nq, BLOCK_M),)."""
+    pid = tl.program_id(0)
+    batch_head = pid // num_m_blocks
+    m_block = pid % num_m_blocks
+    if HEAVY_FIRST:
+        m_block = num_m_blocks - 1 - m_block
+    batch = batch_head // heads_q
+    head = batch_head % heads_q
+    head_kv = head // kv_group
+    start_m = m_block * BLOCK_M
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows_ok = offs_m < seqlen_q
+
+    q_ptrs = (Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+              + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :])
+    do_ptrs = (dOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+               + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :])
+    q = load_rows(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = load_rows(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+    row_offsets = batch_head.to(tl.int64) * seqlen_q + offs_m
+    lse2 = tl.load(Lse2 + row_offsets, mask=rows_ok, other=float("inf"))
+    delta = tl.load(Delta + row_offsets, mask=rows_ok, other=0.0)
+
+    k_base = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
+    mask_base = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+    dmask_base = dMask + batch_head.to(tl.int64) * seqlen_q * seqlen_k
+    rng_rows = offs_m.to(tl.uint32)
+    if HAS_DROPOUT:
+        rng_rows = row_keys(head_key(batch_head, seed0), offs_m, seed1)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = query_major_ranges(start_m, seqlen_q, seqlen_k, diag_offset, window_left,
+                                                  window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if HAS_LEFT:
+        dq = dq_key_range(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, lo, full_lo,
+                          offs_m, offs_d, offs_dv, seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2,
+                          dropout_scale, diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
+                          dmask_base, seqlen_k, rng_rows, threshold,
+                          HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                          HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, MASK_GRAD, DOT_PRECISION)
+    dq = dq_key_range(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, full_lo, full_hi,
+                      offs_m, offs_d, offs_dv, seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2,
+                      dropout_scale, diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
+                      dmask_base, seqlen_k, rng_rows, threshold,
+                      HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                      HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, MASK_GRAD, DOT_PRECISION)
+    dq = dq_key_range(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, full_hi, hi,
+                      offs_m, offs_d, offs_dv, seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2,
+                      dropout_scale, diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
+                      dmask_base, seqlen_k, rng_rows, threshold,
+                      HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                      HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, MASK_GRAD, DOT_PRECISION)
+
+    dq = dq * sm_scale
+    dq_ptrs = (dQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+               + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :])
+    if BLOCK_D != HEAD_DIM:
+        tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    else:
+        tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=rows_ok[:, None])

@@ -1,0 +1,193 @@
+"""Block sizes, warps and pipeline stages of the Triton kernels, per GPU generation, dtype, head dim
+and causality, as data.
+
+A configuration gives each of the three main kernels its tile:
+
+- ``forward``: BLOCK_M query rows per program, BLOCK_N keys per inner step.
+- ``dkdv``: BLOCK_N keys per program (the block it owns), BLOCK_M query rows per inner step.
+- ``dq``: BLOCK_M query rows per program, BLOCK_N keys per inner step.
+
+Lookup order: a pinned configuration (``pin()`` or the environment variable read once at import)
+> the table entry for (architecture, dtype class, padded head dim, causal) > a generic fallback.
+If a tile does not fit the device (Triton raises OutOfResources), the backend halves it and caches
+the result (see :func:`shrink`).
+
+``MHATTN_TRITON_CONFIG``: ``"BM,BN,W,S"`` for all three kernels, or per kernel
+``"fwd=128,64,8,3;dkdv=64,128,8,2;dq=128,64,8,2"`` (BLOCK_M, BLOCK_N, num_warps, num_stages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+ENV_VAR = "MHATTN_TRITON_CONFIG"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self):
+        return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}"
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    forward: KernelConfig
+    dkdv: KernelConfig
+    dq: KernelConfig
+
+    def __str__(self):
+        return f"fwd={self.forward};dkdv={self.dkdv};dq={self.dq}"
+
+
+def _k(bm, bn, w, s):
+    return KernelConfig(bm, bn, w, s)
+
+
+# (arch, dtype class, padded head dim, causal) -> AttentionConfig.
+# arch: "sm90" (Hopper), "sm80" (A100 class, 164 KiB shared memory), "sm86" (consumer Ampere/Ada,
+# ~100 KiB shared memory). dtype class: "half" (fp16/bf16) or "fp32". Padded head dim: 16..256.
+# Hopper entries come from benchmarks/dev_triton.py sweeps on an H100 (bf16; see NOTES in that file);
+# the others are conservative choices that fit the shared memory of those parts.
+TABLE = {}
+
+
+def _fill_defaults():
+    for causal in (False, True):
+        for d in (16, 32, 64):
+            TABLE[("sm90", "half", d, causal)] = AttentionConfig(_k(128, 64, 4, 3), _k(64, 128, 8, 2), _k(128, 64, 8, 2))
+            TABLE[("sm80", "half", d, causal)] = AttentionConfig(_k(128, 64, 4, 3), _k(64, 128, 8, 2), _k(128, 64, 8, 2))
+            TABLE[("sm86", "half", d, causal)] = AttentionConfig(_k(64, 64, 4, 2), _k(32, 64, 4, 2), _k(64, 32, 4, 2))
+        TABLE[("sm90", "half", 128, causal)] = AttentionConfig(_k(128, 64, 8, 3), _k(64, 128, 8, 2), _k(128, 64, 8, 2))
+        TABLE[("sm80", "half", 128, causal)] = AttentionConfig(_k(128, 64, 8, 2), _k(64, 64, 8, 2), _k(64, 64, 4, 2))
+        TABLE[("sm86", "half", 128, causal)] = AttentionConfig(_k(64, 32, 4, 2), _k(32, 64, 4, 2), _k(64, 32, 4, 2))
+        TABLE[("sm90", "half", 256, causal)] = AttentionConfig(_k(64, 64, 4, 2), _k(32, 64, 4, 1), _k(64, 32, 4, 1))
+        TABLE[("sm80", "half", 256, causal)] = AttentionConfig(_k(64, 64, 4, 2), _k(32, 64, 4, 1), _k(64, 32, 4, 1))
+        TABLE[("sm86", "half", 256, causal)] = AttentionConfig(_k(32, 32, 4, 1), _k(16, 32, 4, 1), _k(32, 16, 4, 1))
+        for arch in ("sm90", "sm80"):
+            for d in (16, 32, 64):
+                TABLE[(arch, "fp32", d, causal)] = AttentionConfig(_k(64, 64, 4, 2), _k(32, 64, 4, 2), _k(64, 32, 4, 2))
+            TABLE[(arch, "fp32", 128, causal)] = AttentionConfig(_k(64, 32, 4, 2), _k(32, 64, 4, 1), _k(64, 32, 4, 1))
+            TABLE[(arch, "fp32", 256, causal)] = AttentionConfig(_k(32, 32, 4, 1), _k(16, 32, 4, 1), _k(32, 16, 4, 1))
+        for d in (16, 32, 64, 128, 256):
+            TABLE[("sm86", "fp32", d, causal)] = AttentionConfig(_k(32, 32, 4, 1), _k(16, 32, 4, 1), _k(32, 16, 4, 1))
+
+
+_fill_defaults()
+
+# Small tiles for the CPU interpreter: several blocks on small shapes, so the loops' edges are exercised.
+INTERPRETER = AttentionConfig(_k(16, 16, 4, 1), _k(16, 16, 4, 1), _k(16, 16, 4, 1))
+FALLBACK = AttentionConfig(_k(64, 32, 4, 1), _k(32, 64, 4, 1), _k(64, 32, 4, 1))
+
+
+def parse(text: str) -> AttentionConfig:
+    """``"BM,BN,W,S"`` (all kernels) or ``"fwd=...;dkdv=...;dq=..."`` -> AttentionConfig."""
+
+    def one(part: str) -> KernelConfig:
+        values = [int(x) for x in part.split(",")]
+        if len(values) != 4:
+            raise ValueError(f"{ENV_VAR}: expected BLOCK_M,BLOCK_N,num_warps,num_stages, got {part!r}")
+        bm, bn, warps, stages = values
+        for name, v in (("BLOCK_M", bm), ("BLOCK_N", bn)):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{ENV_VAR}: {name} must be a power of two >= 16, got {v} in {text!r}")
+        return KernelConfig(bm, bn, warps, stages)
+
+    text = text.strip()
+    if "=" not in text:
+        kc = one(text)
+        return AttentionConfig(kc, kc, kc)
+    parts = {}
+    for item in text.split(";"):
+        if not item.strip():
+            continue
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in ("fwd", "dkdv", "dq"):
+            raise ValueError(f"{ENV_VAR}: kernel names are fwd, dkdv, dq; got {name!r} in {text!r}")
+        parts[name] = one(value)
+    missing = {"fwd", "dkdv", "dq"} - set(parts)
+    if missing:
+        raise ValueError(f"{ENV_VAR}: missing {sorted(missing)} in {text!r}")
+    return AttentionConfig(parts["fwd"], parts["dkdv"], parts["dq"])
+
+
+_pinned: Optional[AttentionConfig] = parse(os.environ[ENV_VAR]) if os.environ.get(ENV_VAR) else None
+
+
+@contextlib.contextmanager
+def pin(config):
+    """Use ``config`` (an AttentionConfig or its string form) for every call inside the block."""
+    global _pinned
+    if isinstance(config, str):
+        config = parse(config)
+    previous = _pinned
+    _pinned = config
+    try:
+        yield config
+    finally:
+        _pinned = previous
+
+
+def pinned() -> Optional[AttentionConfig]:
+    return _pinned
+
+
+def arch_of(compute_capability) -> str:
+    """Table architecture for a compute capability (None = the CPU interpreter)."""
+    if compute_capability is None:
+        return "interpreter"
+    major, minor = compute_capability
+    if major >= 9:
+        return "sm90"
+    if (major, minor) == (8, 0):
+        return "sm80"
+    return "sm86"
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The power-of-two tile width (>= 16, as tl.dot needs) that holds ``head_dim`` columns."""
+    return max(16, triton_next_power_of_2(head_dim))
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=256)
+def table_config(compute_capability, dtype: torch.dtype, head_dim: int, causal: bool) -> AttentionConfig:
+    arch = arch_of(compute_capability)
+    if arch == "interpreter":
+        return INTERPRETER
+    dtype_class = "fp32" if dtype == torch.float32 else "half"
+    return TABLE.get((arch, dtype_class, padded_head_dim(head_dim), causal), FALLBACK)
+
+
+def config_for(compute_capability, dtype: torch.dtype, head_dim: int, causal: bool) -> AttentionConfig:
+    """The configuration a call runs with (pinned > table > fallback)."""
+    if _pinned is not None:
+        return _pinned
+    return table_config(compute_capability, dtype, head_dim, causal)
+
+
+def shrink(config: KernelConfig) -> Optional[KernelConfig]:
+    """A smaller tile for a kernel that ran out of shared memory or registers; None when at the floor."""
+    if config.num_stages > 1:
+        return replace(config, num_stages=config.num_stages - 1)
+    if config.block_n > 16 and config.block_n >= config.block_m:
+        return replace(config, block_n=config.block_n // 2)
+    if config.block_m > 16:
+        return replace(config, block_m=config.block_m // 2)
+    if config.block_n > 16:
+        return replace(config, block_n=config.block_n // 2)
+    return None
