@@ -1,12 +1,96 @@
-"""FlashAttention-2 in CUDA C++ compiled through CuPy (placeholder until the kernels land)."""
+"""FlashAttention-2 in CUDA C++ (tensor-core mma.sync, ldmatrix, cp.async), compiled at run time by NVRTC
+through CuPy and launched on PyTorch's current stream.
 
-from mhattn.backends.base import Backend, Capabilities
+Kernels: ``kernels/*.cu`` (forward; backward preprocess, dK/dV, dQ). Variants and tile shapes:
+:mod:`.variants`. Compilation and the cubin cache: :mod:`.compiler`. Launch: :mod:`.launcher`.
+Host logic: :mod:`.ops`. ``mhattn build`` (:mod:`.build`) compiles every variant without a GPU.
+
+Install: ``pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12`` (CUDA 12 drivers) or ``pip install
+cupy-cuda13x`` with a CUDA 13 NVRTC; no CUDA toolkit or headers are needed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from mhattn.backends.base import AttentionParams, Backend, Capabilities
+from mhattn.backends.cupy import ops, variants
+
+__all__ = ["CupyBackend"]
+
+
+@functools.lru_cache(maxsize=1)
+def _unavailable_reasons() -> tuple:
+    try:
+        import cupy  # noqa: F401
+    except Exception as error:
+        return (f"CuPy is not installed or fails to import ({type(error).__name__}: {error}); "
+                "pip install cupy-cuda12x (or cupy-cuda13x)",)
+    try:
+        from mhattn.backends.cupy import compiler
+
+        compiler.nvrtc_version()
+    except Exception as error:
+        return (f"NVRTC cannot be loaded ({type(error).__name__}: {error}); "
+                "pip install nvidia-cuda-nvrtc-cu12 (CUDA 12) or the NVRTC matching your CuPy",)
+    return ()
 
 
 class CupyBackend(Backend):
     name = "cupy"
-    description = "FlashAttention-2 in CUDA C++, compiled at run time through CuPy (NVRTC)"
-    capabilities = Capabilities()
+    description = "FlashAttention-2 in CUDA C++ (mma.sync, ldmatrix, cp.async), compiled at run time by NVRTC through CuPy"
+    capabilities = Capabilities(
+        device_types=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        min_head_dim=variants.HEAD_DIM_MULTIPLE,
+        max_head_dim=variants.HEAD_DIM_BUCKETS[-1],
+        min_compute_capability=(8, 0),
+        features=frozenset({"causal", "gqa", "bool_mask", "dropout", "window", "deterministic"}),
+    )
+
+    def __init__(self, launcher=None, compute_capability=None):
+        # launcher: an object with launch(variant, grid, args, device, cc); default: CuPy on torch's stream.
+        # compute_capability: fixed (major, minor) instead of the device's (the host-side emulator uses it).
+        self._launcher = launcher
+        self._fixed_cc = None if compute_capability is None else tuple(compute_capability)
+        self._cc_cache = {}
+
+    @property
+    def launcher(self):
+        if self._launcher is None:
+            from mhattn.backends.cupy.launcher import CupyLauncher
+
+            self._launcher = CupyLauncher()
+        return self._launcher
 
     def unavailable(self):
-        return ["the CUDA kernels are not part of this build yet"]
+        return list(_unavailable_reasons())
+
+    def unsupported(self, problem):
+        reasons = super().unsupported(problem)
+        if problem.head_dim % variants.HEAD_DIM_MULTIPLE:
+            reasons.append(
+                f"needs a head dim that is a multiple of {variants.HEAD_DIM_MULTIPLE} (rows move in 16-byte "
+                f"chunks), got {problem.head_dim}"
+            )
+        longest = max(problem.seqlen_q, problem.seqlen_k)
+        if longest > ops.MAX_SEQLEN:
+            reasons.append(f"supports sequences up to {ops.MAX_SEQLEN} (32-bit index arithmetic), got {longest}")
+        return reasons
+
+    def _cc(self, device: torch.device):
+        if self._fixed_cc is not None:
+            return self._fixed_cc
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        cc = self._cc_cache.get(index)
+        if cc is None:
+            cc = self._cc_cache[index] = tuple(torch.cuda.get_device_capability(index))
+        return cc
+
+    def forward(self, q, k, v, params: AttentionParams):
+        return ops.forward(self.launcher, self._cc(q.device), q, k, v, params)
+
+    def backward(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
+        return ops.backward(self.launcher, self._cc(q.device), grad_out, q, k, v, out, lse, params, grad_lse)

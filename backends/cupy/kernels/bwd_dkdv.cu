@@ -1,0 +1,308 @@
+// FlashAttention-2 backward, key side: dK and dV for one block of BLOCK_N keys of one (batch, kv head).
+//
+// Each warp owns 16 key rows and keeps their dK and dV rows in float32 registers while the CTA walks
+// every query block (of every query head sharing this kv head, for GQA) that can see its keys, so the
+// sums are formed in one fixed order: deterministic, no atomics. Q, dO and the per-row lse / delta
+// vectors of the next query block are in flight (cp.async, two stages) while this one is processed.
+// Per query block, with the scores transposed (rows = keys, columns = queries):
+//   S^T  = K Q^T                  P^T = 2^(S^T * scale * log2 e - lse_log2)
+//   dP^T = V dO^T                 dS^T = P^T * (dP^T * keep / (1 - p) - delta)
+//   dV  += (P^T * keep / (1 - p)) dO        dK += dS^T Q   (P^T, dS^T fed from registers)
+// dK is scaled by the softmax scale at the end.
+//
+// DKDV_MODE 0 computes both; 1 only dV and 2 only dK: for head dims above 128 both accumulators do not
+// fit in registers at once and the host launches the kernel twice.
+#include "common.cuh"
+
+#ifndef DKDV_MODE
+#define DKDV_MODE 0
+#endif
+#ifndef KV_IN_REGS
+#define KV_IN_REGS 0
+#endif
+#define COMPUTE_DV (DKDV_MODE != 2)
+#define COMPUTE_DK (DKDV_MODE != 1)
+
+constexpr int NT_S = BLOCK_M / 8;   // n8 tiles across a query block (columns of S^T)
+constexpr int NT_O = HEAD_DIM / 8;  // n8 tiles across a dK / dV row block
+constexpr int KD = HEAD_DIM / 16;
+constexpr u32 KV_TILE_BYTES = BLOCK_N * SMEM_ROW * 2;
+constexpr u32 Q_TILE_BYTES = BLOCK_M * SMEM_ROW * 2;
+// shared memory: K | V | Q[2] | dO[2] | lse_log2[2] | delta[2]
+constexpr u32 OFF_K = 0;
+constexpr u32 OFF_V = OFF_K + KV_TILE_BYTES;
+constexpr u32 OFF_Q = OFF_V + KV_TILE_BYTES;
+constexpr u32 OFF_DO = OFF_Q + 2 * Q_TILE_BYTES;
+constexpr u32 OFF_LSE = OFF_DO + 2 * Q_TILE_BYTES;
+constexpr u32 OFF_DELTA = OFF_LSE + 2 * BLOCK_M * 4;
+static_assert(BLOCK_N == NUM_WARPS * 16, "each warp owns 16 key rows");
+static_assert(BLOCK_M % 16 == 0 && BLOCK_M <= 128, "BLOCK_M must be a multiple of 16, at most 128");
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
+    mhattn_bwd_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+                    const elem_t* __restrict__ d_o, const float* __restrict__ lse_log2,
+                    const float* __restrict__ delta, elem_t* __restrict__ dk, elem_t* __restrict__ dv,
+                    i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+                    i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh,
+                    i64 dv_sn,
+                    int seqlen_q, int seqlen_q_pad, int seqlen_k, int heads_q, int group, int head_dim,
+                    float scale_log2, float scale, int diag_offset, int window_left, int window_right,
+                    const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
+                    u32 seed0, u32 seed1, u32 drop_threshold, float drop_scale) {
+  MHATTN_DYNAMIC_SMEM(smem);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const int n0 = blockIdx.x * BLOCK_N;
+  const int n_last = min_of(n0 + BLOCK_N, seqlen_k) - 1;
+  const int warp_row0 = warp * 16;
+  const u32 s_base = smem_u32(smem);
+
+  k += b * k_sb + hk * k_sh;
+  v += b * v_sb + hk * v_sh;
+  dk += b * dk_sb + hk * dk_sh;
+  dv += b * dv_sb + hk * dv_sh;
+
+  // Query rows that can see these keys (the same range for every query head of the group).
+  int i_lo = 0, i_hi = seqlen_q;
+#if HAS_BOUNDS
+  const Bounds bounds{diag_offset, window_left, window_right};
+  i_lo = (int)max_of((i64)0, (i64)n0 - diag_offset - window_right);
+  i_hi = (int)min_of((i64)seqlen_q, (i64)n_last - diag_offset + window_left + 1);
+#endif
+  const int mb_lo = i_lo / BLOCK_M;
+  const int n_mb = i_hi > i_lo ? (i_hi + BLOCK_M - 1) / BLOCK_M - mb_lo : 0;
+  const int total = group * n_mb;  // (query head, query block) pairs, walked in a fixed order
+
+#if HAS_EXTRAS
+  const bool use_dropout = drop_threshold != 0u;
+#endif
+
+  // Starts the loads of step `it` (its query head and block) into stage `stage`.
+  auto load_step = [&](int it, int stage) {
+    const int hq = hk * group + it / n_mb;
+    const int m0 = (mb_lo + it % n_mb) * BLOCK_M;
+    load_tile_async<BLOCK_M>(s_base + OFF_Q + stage * Q_TILE_BYTES, q + b * q_sb + hq * q_sh, q_sn, m0, seqlen_q,
+                             head_dim, tid);
+    load_tile_async<BLOCK_M>(s_base + OFF_DO + stage * Q_TILE_BYTES, d_o + b * do_sb + hq * do_sh, do_sn, m0,
+                             seqlen_q, head_dim, tid);
+    const i64 vec = ((i64)b * heads_q + hq) * seqlen_q_pad + m0;
+    load_vec_async<BLOCK_M>(s_base + OFF_LSE + stage * BLOCK_M * 4, lse_log2 + vec, tid);
+    load_vec_async<BLOCK_M>(s_base + OFF_DELTA + stage * BLOCK_M * 4, delta + vec, tid);
+  };
+
+  load_tile_async<BLOCK_N>(s_base + OFF_K, k, k_sn, n0, seqlen_k, head_dim, tid);
+  load_tile_async<BLOCK_N>(s_base + OFF_V, v, v_sn, n0, seqlen_k, head_dim, tid);
+  if (total > 0) load_step(0, 0);
+  cp_async_commit();
+
+#if COMPUTE_DK
+  float acc_dk[NT_O][4];
+#pragma unroll
+  for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[nt][e] = 0.f;
+#endif
+#if COMPUTE_DV
+  float acc_dv[NT_O][4];
+#pragma unroll
+  for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dv[nt][e] = 0.f;
+#endif
+#if KV_IN_REGS
+  u32 k_frag[KD][4];
+#if COMPUTE_DK
+  u32 v_frag[KD][4];
+#endif
+#endif
+
+  for (int it = 0; it < total; ++it) {
+    const int stage = it & 1;
+    cp_async_wait<0>();
+    block_sync();  // step `it` has landed; everyone is done with the other stage
+    if (it + 1 < total) load_step(it + 1, stage ^ 1);
+    cp_async_commit();
+#if KV_IN_REGS
+    if (it == 0) {
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) {
+        load_a_frag(k_frag[kk], s_base + OFF_K, warp_row0, kk * 16, lane);
+#if COMPUTE_DK
+        load_a_frag(v_frag[kk], s_base + OFF_V, warp_row0, kk * 16, lane);
+#endif
+      }
+    }
+#endif
+
+    const int hq = hk * group + it / n_mb;
+    const int m0 = (mb_lo + it % n_mb) * BLOCK_M;
+    const u32 s_q = s_base + OFF_Q + stage * Q_TILE_BYTES;
+    const u32 s_do = s_base + OFF_DO + stage * Q_TILE_BYTES;
+    const float* s_lse = reinterpret_cast<const float*>(smem + OFF_LSE + stage * BLOCK_M * 4);
+    const float* s_delta = reinterpret_cast<const float*>(smem + OFF_DELTA + stage * BLOCK_M * 4);
+
+    // S^T = K Q^T for this warp's 16 keys against the BLOCK_M queries.
+    float st[NT_S][4];
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+#if KV_IN_REGS
+      const u32(&a)[4] = k_frag[kk];
+#else
+      u32 a[4];
+      load_a_frag(a, s_base + OFF_K, warp_row0, kk * 16, lane);
+#endif
+#pragma unroll
+      for (int np = 0; np < BLOCK_M / 16; ++np) {
+        u32 bq[4];
+        load_b_frag_nk(bq, s_q, np * 16, kk * 16, lane);
+        mma_16816(st[2 * np], a, bq[0], bq[1]);
+        mma_16816(st[2 * np + 1], a, bq[2], bq[3]);
+      }
+    }
+
+    // P^T = 2^(S^T scale log2e - lse_log2); invisible pairs -> 0. Padded query rows carry lse_log2 = +inf.
+    bool need_mask = false;
+#if HAS_BOUNDS
+    need_mask = !bounds.block_inside(m0, min_of(m0 + BLOCK_M, seqlen_q) - 1, n0, n_last);
+#endif
+#if HAS_EXTRAS
+    const BoolMask bmask{mask != nullptr ? mask + b * m_sb + hq * m_sh : nullptr, m_sq, m_sk};
+    need_mask = need_mask || bmask.ptr != nullptr;
+#endif
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * t + (e & 1);
+        float x = st[nt][e] * scale_log2;
+        if (need_mask) {
+          const int i = m0 + col;
+          const int j = n0 + warp_row0 + g + ((e >> 1) << 3);
+          bool ok = i < seqlen_q && j < seqlen_k;
+#if HAS_BOUNDS
+          ok = ok && bounds.inside(i, j);
+#endif
+#if HAS_EXTRAS
+          if (bmask.ptr != nullptr) ok = ok && bmask.allows(i, j);
+#endif
+          if (!ok) x = -MHATTN_INF;
+        }
+        st[nt][e] = fast_exp2(x - s_lse[col]);
+      }
+
+#if HAS_EXTRAS
+    // keep bit of element (nt, e) at position 4 nt + e
+    unsigned long long keep_bits = ~0ull;
+    if (use_dropout) {
+      DropoutRng rng;
+      rng.init((u32)(b * heads_q + hq), seed0, seed1, drop_threshold);
+      keep_bits = 0ull;
+#pragma unroll
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = m0 + nt * 8 + 2 * t + (e & 1);
+          const int j = n0 + warp_row0 + g + ((e >> 1) << 3);
+          if (rng.keep(rng.row_key(i), j)) keep_bits |= 1ull << (4 * nt + e);
+        }
+    }
+#endif
+
+#if COMPUTE_DK
+    // dP^T = V dO^T, then dS^T = P^T (dP^T keep / (1 - p) - delta), kept in dpt.
+    float dpt[NT_S][4];
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpt[nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+#if KV_IN_REGS
+      const u32(&a)[4] = v_frag[kk];
+#else
+      u32 a[4];
+      load_a_frag(a, s_base + OFF_V, warp_row0, kk * 16, lane);
+#endif
+#pragma unroll
+      for (int np = 0; np < BLOCK_M / 16; ++np) {
+        u32 bo[4];
+        load_b_frag_nk(bo, s_do, np * 16, kk * 16, lane);
+        mma_16816(dpt[2 * np], a, bo[0], bo[1]);
+        mma_16816(dpt[2 * np + 1], a, bo[2], bo[3]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float dp = dpt[nt][e];
+#if HAS_EXTRAS
+        if (use_dropout) dp = ((keep_bits >> (4 * nt + e)) & 1ull) ? dp * drop_scale : 0.f;
+#endif
+        dpt[nt][e] = st[nt][e] * (dp - s_delta[nt * 8 + 2 * t + (e & 1)]);
+      }
+#endif
+
+#if COMPUTE_DV
+#if HAS_EXTRAS
+    if (use_dropout) {
+#pragma unroll
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[nt][e] = ((keep_bits >> (4 * nt + e)) & 1ull) ? st[nt][e] * drop_scale : 0.f;
+    }
+#endif
+    // dV += P_dropped^T dO
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+      u32 a[4];
+      acc_to_a_frag(a, st[2 * kk], st[2 * kk + 1]);
+#pragma unroll
+      for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+        u32 bo[4];
+        load_b_frag_kn(bo, s_do, kk * 16, dp * 16, lane);
+        mma_16816(acc_dv[2 * dp], a, bo[0], bo[1]);
+        mma_16816(acc_dv[2 * dp + 1], a, bo[2], bo[3]);
+      }
+    }
+#endif
+
+#if COMPUTE_DK
+    // dK += dS^T Q
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+      u32 a[4];
+      acc_to_a_frag(a, dpt[2 * kk], dpt[2 * kk + 1]);
+#pragma unroll
+      for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+        u32 bq[4];
+        load_b_frag_kn(bq, s_q, kk * 16, dp * 16, lane);
+        mma_16816(acc_dk[2 * dp], a, bq[0], bq[1]);
+        mma_16816(acc_dk[2 * dp + 1], a, bq[2], bq[3]);
+      }
+    }
+#endif
+  }
+
+  // Stage through shared memory (over K and V, each warp its own rows) for 16-byte stores.
+  cp_async_wait<0>();
+  block_sync();
+#if COMPUTE_DK
+  acc_to_smem<NT_O>(smem + OFF_K, acc_dk, warp_row0, scale, lane);
+#endif
+#if COMPUTE_DV
+  acc_to_smem<NT_O>(smem + OFF_V, acc_dv, warp_row0, 1.f, lane);
+#endif
+  block_sync();
+#if COMPUTE_DK
+  store_tile<BLOCK_N>(dk, dk_sn, smem + OFF_K, n0, seqlen_k, head_dim, tid);
+#endif
+#if COMPUTE_DV
+  store_tile<BLOCK_N>(dv, dv_sn, smem + OFF_V, n0, seqlen_k, head_dim, tid);
+#endif
+}

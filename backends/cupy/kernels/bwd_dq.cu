@@ -1,0 +1,217 @@
+// FlashAttention-2 backward, query side: dQ for one block of BLOCK_M query rows of one (batch, head).
+//
+// The deterministic alternative to accumulating dQ with atomics from the key-side kernel: each warp owns
+// 16 query rows and keeps their dQ in float32 registers while the CTA walks the key blocks those rows
+// can see (K and V double-buffered with cp.async). Per key block:
+//   S  = Q K^T      P = 2^(S * scale * log2 e - lse_log2)
+//   dP = dO V^T     dS = P (dP keep / (1 - p) - delta)      dQ += dS K   (dS fed from registers)
+// dQ is scaled by the softmax scale at the end.
+#include "common.cuh"
+
+#ifndef Q_IN_REGS
+#define Q_IN_REGS 0
+#endif
+
+constexpr int NT_S = BLOCK_N / 8;
+constexpr int NT_O = HEAD_DIM / 8;
+constexpr int KD = HEAD_DIM / 16;
+constexpr u32 Q_TILE_BYTES = BLOCK_M * SMEM_ROW * 2;
+constexpr u32 KV_TILE_BYTES = BLOCK_N * SMEM_ROW * 2;
+// shared memory: Q | dO | K[2] | V[2]
+constexpr u32 OFF_Q = 0;
+constexpr u32 OFF_DO = Q_TILE_BYTES;
+constexpr u32 OFF_K = 2 * Q_TILE_BYTES;
+constexpr u32 OFF_V = OFF_K + 2 * KV_TILE_BYTES;
+static_assert(BLOCK_M == NUM_WARPS * 16, "each warp owns 16 query rows");
+static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16");
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
+    mhattn_bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+                  const elem_t* __restrict__ d_o, const float* __restrict__ lse_log2, const float* __restrict__ delta,
+                  elem_t* __restrict__ dq,
+                  i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+                  i64 do_sb, i64 do_sh, i64 do_sn, i64 dq_sb, i64 dq_sh, i64 dq_sn,
+                  int seqlen_q, int seqlen_q_pad, int seqlen_k, int heads_q, int group, int head_dim,
+                  float scale_log2, float scale, int diag_offset, int window_left, int window_right,
+                  const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
+                  u32 seed0, u32 seed1, u32 drop_threshold, float drop_scale) {
+  MHATTN_DYNAMIC_SMEM(smem);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // most keys first under a causal mask
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const int m0 = m_block * BLOCK_M;
+  const int warp_row0 = warp * 16;
+  const u32 s_base = smem_u32(smem);
+
+  q += b * q_sb + h * q_sh;
+  d_o += b * do_sb + h * do_sh;
+  k += b * k_sb + hk * k_sh;
+  v += b * v_sb + hk * v_sh;
+  dq += b * dq_sb + h * dq_sh;
+
+  const int m_last = min_of(m0 + BLOCK_M, seqlen_q) - 1;
+  int n_lo = 0, n_hi = seqlen_k;
+#if HAS_BOUNDS
+  const Bounds bounds{diag_offset, window_left, window_right};
+  n_lo = (int)max_of((i64)0, (i64)m0 + diag_offset - window_left);
+  n_hi = (int)min_of((i64)seqlen_k, (i64)m_last + diag_offset + window_right + 1);
+#endif
+  const int nb_lo = n_lo / BLOCK_N;
+  const int nb_hi = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N : nb_lo;
+
+  // This lane's two rows: lse in log2 units (+inf for padding or rows that see nothing) and delta.
+  float row_lse[2], row_delta[2];
+  {
+    const i64 vec = ((i64)b * heads_q + h) * seqlen_q_pad + m0 + warp_row0 + g;
+    row_lse[0] = lse_log2[vec];
+    row_lse[1] = lse_log2[vec + 8];
+    row_delta[0] = delta[vec];
+    row_delta[1] = delta[vec + 8];
+  }
+
+#if HAS_EXTRAS
+  const BoolMask bmask{mask != nullptr ? mask + b * m_sb + h * m_sh : nullptr, m_sq, m_sk};
+  const bool use_dropout = drop_threshold != 0u;
+  DropoutRng rng;
+  rng.init((u32)(b * heads_q + h), seed0, seed1, drop_threshold);
+  const u32 row_key[2] = {rng.row_key(m0 + warp_row0 + g), rng.row_key(m0 + warp_row0 + g + 8)};
+#endif
+
+  load_tile_async<BLOCK_M>(s_base + OFF_Q, q, q_sn, m0, seqlen_q, head_dim, tid);
+  load_tile_async<BLOCK_M>(s_base + OFF_DO, d_o, do_sn, m0, seqlen_q, head_dim, tid);
+  if (nb_lo < nb_hi) {
+    load_tile_async<BLOCK_N>(s_base + OFF_K, k, k_sn, nb_lo * BLOCK_N, seqlen_k, head_dim, tid);
+    load_tile_async<BLOCK_N>(s_base + OFF_V, v, v_sn, nb_lo * BLOCK_N, seqlen_k, head_dim, tid);
+  }
+  cp_async_commit();
+
+  float acc_dq[NT_O][4];
+#pragma unroll
+  for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dq[nt][e] = 0.f;
+#if Q_IN_REGS
+  u32 q_frag[KD][4], do_frag[KD][4];
+#endif
+
+  for (int nb = nb_lo; nb < nb_hi; ++nb) {
+    const int stage = (nb - nb_lo) & 1;
+    const u32 s_k = s_base + OFF_K + stage * KV_TILE_BYTES;
+    const u32 s_v = s_base + OFF_V + stage * KV_TILE_BYTES;
+    cp_async_wait<0>();
+    block_sync();
+    if (nb + 1 < nb_hi) {
+      const u32 nxt = (stage ^ 1) * KV_TILE_BYTES;
+      load_tile_async<BLOCK_N>(s_base + OFF_K + nxt, k, k_sn, (nb + 1) * BLOCK_N, seqlen_k, head_dim, tid);
+      load_tile_async<BLOCK_N>(s_base + OFF_V + nxt, v, v_sn, (nb + 1) * BLOCK_N, seqlen_k, head_dim, tid);
+    }
+    cp_async_commit();
+#if Q_IN_REGS
+    if (nb == nb_lo) {
+#pragma unroll
+      for (int kk = 0; kk < KD; ++kk) {
+        load_a_frag(q_frag[kk], s_base + OFF_Q, warp_row0, kk * 16, lane);
+        load_a_frag(do_frag[kk], s_base + OFF_DO, warp_row0, kk * 16, lane);
+      }
+    }
+#endif
+
+    // S = Q K^T and dP = dO V^T
+    float s[NT_S][4], dp[NT_S][4];
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+#if Q_IN_REGS
+      const u32(&a)[4] = q_frag[kk];
+#else
+      u32 a[4];
+      load_a_frag(a, s_base + OFF_Q, warp_row0, kk * 16, lane);
+#endif
+#pragma unroll
+      for (int np = 0; np < BLOCK_N / 16; ++np) {
+        u32 bk[4];
+        load_b_frag_nk(bk, s_k, np * 16, kk * 16, lane);
+        mma_16816(s[2 * np], a, bk[0], bk[1]);
+        mma_16816(s[2 * np + 1], a, bk[2], bk[3]);
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+#if Q_IN_REGS
+      const u32(&a)[4] = do_frag[kk];
+#else
+      u32 a[4];
+      load_a_frag(a, s_base + OFF_DO, warp_row0, kk * 16, lane);
+#endif
+#pragma unroll
+      for (int np = 0; np < BLOCK_N / 16; ++np) {
+        u32 bv[4];
+        load_b_frag_nk(bv, s_v, np * 16, kk * 16, lane);
+        mma_16816(dp[2 * np], a, bv[0], bv[1]);
+        mma_16816(dp[2 * np + 1], a, bv[2], bv[3]);
+      }
+    }
+
+    // dS = P (dP keep / (1 - p) - delta), with P = 0 where the row cannot see the key.
+    const int n0 = nb * BLOCK_N;
+    bool need_mask = n0 + BLOCK_N > seqlen_k;
+#if HAS_BOUNDS
+    need_mask = need_mask || !bounds.block_inside(m0, m_last, n0, n0 + BLOCK_N - 1);
+#endif
+#if HAS_EXTRAS
+    need_mask = need_mask || bmask.ptr != nullptr;
+#endif
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hr = e >> 1;
+        const int j = n0 + nt * 8 + 2 * t + (e & 1);
+        float x = s[nt][e] * scale_log2;
+        if (need_mask) {
+          bool ok = j < seqlen_k;
+#if HAS_BOUNDS || HAS_EXTRAS
+          const int i = m0 + warp_row0 + g + 8 * hr;
+#endif
+#if HAS_BOUNDS
+          ok = ok && bounds.inside(i, j);
+#endif
+#if HAS_EXTRAS
+          if (bmask.ptr != nullptr) ok = ok && i < seqlen_q && bmask.allows(i, j);
+#endif
+          if (!ok) x = -MHATTN_INF;
+        }
+        const float p = fast_exp2(x - row_lse[hr]);
+        float dpv = dp[nt][e];
+#if HAS_EXTRAS
+        if (use_dropout && !rng.keep(row_key[hr], j)) dpv = 0.f;
+        else if (use_dropout) dpv *= drop_scale;
+#endif
+        dp[nt][e] = p * (dpv - row_delta[hr]);
+      }
+
+    // dQ += dS K (K read transposed: rows = keys = the k dimension)
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+      u32 a[4];
+      acc_to_a_frag(a, dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+      for (int dt = 0; dt < HEAD_DIM / 16; ++dt) {
+        u32 bk[4];
+        load_b_frag_kn(bk, s_k, kk * 16, dt * 16, lane);
+        mma_16816(acc_dq[2 * dt], a, bk[0], bk[1]);
+        mma_16816(acc_dq[2 * dt + 1], a, bk[2], bk[3]);
+      }
+    }
+  }
+
+  cp_async_wait<0>();
+  block_sync();
+  acc_to_smem<NT_O>(smem + OFF_Q, acc_dq, warp_row0, scale, lane);
+  block_sync();
+  store_tile<BLOCK_M>(dq, dq_sn, smem + OFF_Q, m0, seqlen_q, head_dim, tid);
+}

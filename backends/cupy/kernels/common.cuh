@@ -1,0 +1,196 @@
+// Building blocks shared by the attention kernels: compile-time configuration, shared-memory tiles,
+// tensor-core fragment loads, the visibility rule (causal / window / boolean mask) and the dropout RNG.
+//
+// Every kernel is specialised by -D options (see mhattn/backends/cupy/variants.py):
+//   MHATTN_BF16   1 = bfloat16, 0 = float16
+//   HEAD_DIM      head dim bucket (multiple of 32); the real head dim (a multiple of 8) is a run-time
+//                 argument and the columns beyond it are zero-filled in shared memory
+//   BLOCK_M       query rows per tile, BLOCK_N key rows per tile, NUM_WARPS warps per CTA
+//   HAS_BOUNDS    causal diagonal and/or sliding window (bounds are run-time arguments)
+//   HAS_EXTRAS    boolean mask and dropout (each switched on at run time by a non-null mask / a non-zero
+//                 dropout threshold)
+#pragma once
+#include "ptx.cuh"
+
+#ifndef HEAD_DIM
+#error "define HEAD_DIM"
+#endif
+#ifndef HAS_BOUNDS
+#define HAS_BOUNDS 0
+#endif
+#ifndef HAS_EXTRAS
+#define HAS_EXTRAS 0
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1
+#endif
+
+static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM must be a multiple of 32, at most 256");
+
+constexpr int NUM_THREADS = NUM_WARPS * 32;
+// Shared-memory tiles are row-major with HEAD_DIM + 8 elements per row: the 16-byte pad shifts each row
+// by 4 banks, so the 8 row addresses of an ldmatrix (and the 16-byte cp.async stores) hit distinct banks.
+constexpr int SMEM_ROW = HEAD_DIM + 8;
+constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;  // 16-byte chunks per tile row
+
+template <class T>
+MHATTN_DEVICE T min_of(T a, T b) { return a < b ? a : b; }
+template <class T>
+MHATTN_DEVICE T max_of(T a, T b) { return a > b ? a : b; }
+
+// ---- global -> shared tiles ------------------------------------------------------------------------
+
+// Starts the copy of rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major global matrix
+// (row stride in elements, last dim contiguous) into a shared tile. Rows >= nrows and columns >=
+// head_dim are filled with zeros, so padded head-dim columns add nothing to any dot product.
+template <int ROWS>
+MHATTN_DEVICE void load_tile_async(u32 s_tile, const elem_t* g, i64 row_stride, int row0, int nrows, int head_dim,
+                                   int tid) {
+  constexpr int TOTAL = ROWS * CHUNKS_PER_ROW;
+#pragma unroll
+  for (int c0 = 0; c0 < TOTAL; c0 += NUM_THREADS) {
+    const int c = c0 + tid;
+    if (TOTAL % NUM_THREADS == 0 || c < TOTAL) {
+      const int r = c / CHUNKS_PER_ROW;
+      const int col = (c % CHUNKS_PER_ROW) * 8;
+      const int grow = row0 + r;
+      const bool ok = grow < nrows && col < head_dim;
+      const elem_t* src = ok ? g + (i64)grow * row_stride + col : g;
+      cp_async_16(s_tile + (u32)((r * SMEM_ROW + col) * 2), src, ok ? 16u : 0u);
+    }
+  }
+}
+
+// Starts the copy of COUNT floats (COUNT a multiple of 4) of a float vector into shared memory. The
+// vectors copied this way (per-row log-sum-exp and delta of the backward pass) are allocated padded so
+// every copied chunk is in range and 16-byte aligned.
+template <int COUNT>
+MHATTN_DEVICE void load_vec_async(u32 s_vec, const float* g, int tid) {
+  static_assert(COUNT % 4 == 0, "vector tiles are copied in 16-byte chunks");
+  for (int c = tid; c < COUNT / 4; c += NUM_THREADS) cp_async_16(s_vec + (u32)(c * 16), g + c * 4, 16u);
+}
+
+// Writes a row-major shared tile of `ROWS` rows (elements) to global memory with 16-byte stores, skipping
+// rows >= nrows and columns >= head_dim.
+template <int ROWS>
+MHATTN_DEVICE void store_tile(elem_t* g, i64 row_stride, const unsigned char* s_tile, int row0, int nrows,
+                              int head_dim, int tid) {
+  constexpr int TOTAL = ROWS * CHUNKS_PER_ROW;
+#pragma unroll
+  for (int c0 = 0; c0 < TOTAL; c0 += NUM_THREADS) {
+    const int c = c0 + tid;
+    if (TOTAL % NUM_THREADS == 0 || c < TOTAL) {
+      const int r = c / CHUNKS_PER_ROW;
+      const int col = (c % CHUNKS_PER_ROW) * 8;
+      const int grow = row0 + r;
+      if (grow < nrows && col < head_dim) {
+        *reinterpret_cast<U128*>(g + (i64)grow * row_stride + col) =
+            *reinterpret_cast<const U128*>(s_tile + (r * SMEM_ROW + col) * 2);
+      }
+    }
+  }
+}
+
+// ---- tensor-core fragments from shared tiles (all tiles row-major, SMEM_ROW elements per row) ------
+//
+// mma.m16n8k16 operand layouts, lane = 4 * g + t:
+//   A (16x16): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
+//   B (16x8):  b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]
+//   C (16x8):  c0, c1 = C[g][2t], C[g][2t+1]; c2, c3 = C[g+8][2t], C[g+8][2t+1]
+
+// A fragment: rows r0..r0+15, columns k0..k0+15 of a tile stored [row][k].
+MHATTN_DEVICE void load_a_frag(u32 (&a)[4], u32 s_tile, int r0, int k0, int lane) {
+  const int row = r0 + (lane & 15);
+  const int col = k0 + ((lane >> 4) << 3);
+  ldsm_x4(a, s_tile + (u32)((row * SMEM_ROW + col) * 2));
+}
+
+// B fragments of two n8 tiles from a tile stored [n][k] (the B operand transposed, e.g. K for Q K^T):
+// n rows n0..n0+15, k columns k0..k0+15. b[0], b[1] serve n0..n0+7; b[2], b[3] serve n0+8..n0+15.
+MHATTN_DEVICE void load_b_frag_nk(u32 (&b)[4], u32 s_tile, int n0, int k0, int lane) {
+  const int row = n0 + (lane & 7) + ((lane >> 4) << 3);
+  const int col = k0 + (((lane >> 3) & 1) << 3);
+  ldsm_x4(b, s_tile + (u32)((row * SMEM_ROW + col) * 2));
+}
+
+// B fragments of two n8 tiles from a tile stored [k][n] (e.g. V for P V): k rows k0..k0+15, n columns
+// n0..n0+15, read transposed by ldmatrix. b[0], b[1] serve n0..n0+7; b[2], b[3] serve n0+8..n0+15.
+MHATTN_DEVICE void load_b_frag_kn(u32 (&b)[4], u32 s_tile, int k0, int n0, int lane) {
+  const int row = k0 + (lane & 7) + (((lane >> 3) & 1) << 3);
+  const int col = n0 + ((lane >> 4) << 3);
+  ldsm_x4_trans(b, s_tile + (u32)((row * SMEM_ROW + col) * 2));
+}
+
+// The A fragment for k columns 16kk..16kk+15 from two accumulator n8 tiles (2kk, 2kk+1) of a 16-row
+// result: the register-level reuse that feeds P (or dS) straight into the next matrix product.
+MHATTN_DEVICE void acc_to_a_frag(u32 (&a)[4], const float (&lo)[4], const float (&hi)[4], float scale_lo_row,
+                                 float scale_hi_row) {
+  a[0] = pack2(lo[0] * scale_lo_row, lo[1] * scale_lo_row);
+  a[1] = pack2(lo[2] * scale_hi_row, lo[3] * scale_hi_row);
+  a[2] = pack2(hi[0] * scale_lo_row, hi[1] * scale_lo_row);
+  a[3] = pack2(hi[2] * scale_hi_row, hi[3] * scale_hi_row);
+}
+MHATTN_DEVICE void acc_to_a_frag(u32 (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack2(lo[0], lo[1]);
+  a[1] = pack2(lo[2], lo[3]);
+  a[2] = pack2(hi[0], hi[1]);
+  a[3] = pack2(hi[2], hi[3]);
+}
+
+// Stores a 16-row accumulator block (NT8 n8 tiles) as elements into a shared tile at row r0.
+template <int NT8>
+MHATTN_DEVICE void acc_to_smem(unsigned char* s_tile, const float (&acc)[NT8][4], int r0, float scale, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < NT8; ++nt) {
+    const int col = nt * 8 + 2 * t;
+    *reinterpret_cast<u32*>(s_tile + ((r0 + g) * SMEM_ROW + col) * 2) = pack2(acc[nt][0] * scale, acc[nt][1] * scale);
+    *reinterpret_cast<u32*>(s_tile + ((r0 + g + 8) * SMEM_ROW + col) * 2) = pack2(acc[nt][2] * scale, acc[nt][3] * scale);
+  }
+}
+
+// ---- which keys a query sees ----------------------------------------------------------------------
+
+// The causal / sliding-window rule: key j is visible to query i iff -left <= j - i - diag_offset <= right.
+// Unbounded sides arrive as a large bound (2^30), so the test is branch-free.
+struct Bounds {
+  int diag_offset, left, right;
+  MHATTN_DEVICE bool inside(int i, int j) const {
+    const int rel = j - i - diag_offset;
+    return rel >= -left && rel <= right;
+  }
+  // Every (i, j) in [i0, i1] x [j0, j1] inside the band?
+  MHATTN_DEVICE bool block_inside(int i0, int i1, int j0, int j1) const {
+    return (i64)j0 - i1 - diag_offset >= -(i64)left && (i64)j1 - i0 - diag_offset <= (i64)right;
+  }
+};
+
+// A boolean attn_mask (True = attend) broadcast to (B, H, Nq, Nk) with arbitrary strides (0 allowed).
+struct BoolMask {
+  const unsigned char* ptr;  // at (b, h) already; nullptr = no mask
+  i64 stride_q, stride_k;
+  MHATTN_DEVICE bool allows(int i, int j) const { return ptr[(i64)i * stride_q + (i64)j * stride_k] != 0; }
+};
+
+// ---- dropout: the counter-based RNG of mhattn/dropout_rng.py, bit for bit --------------------------
+
+MHATTN_DEVICE u32 fmix32(u32 x) {
+  x ^= x >> 16;
+  x *= 0x85EBCA6Bu;
+  x ^= x >> 13;
+  x *= 0xC2B2AE35u;
+  x ^= x >> 16;
+  return x;
+}
+
+struct DropoutRng {
+  u32 bh_key, seed1, threshold;
+  // bh = b * Hq + h (query head)
+  MHATTN_DEVICE void init(u32 bh, u32 seed0, u32 seed1_, u32 threshold_) {
+    bh_key = fmix32(bh * 0x9E3779B9u + seed0);
+    seed1 = seed1_;
+    threshold = threshold_;
+  }
+  MHATTN_DEVICE u32 row_key(int i) const { return fmix32(bh_key ^ ((u32)i * 0x85EBCA6Bu + seed1)); }
+  MHATTN_DEVICE bool keep(u32 row_key_i, int j) const { return fmix32(row_key_i ^ ((u32)j * 0xC2B2AE35u)) >= threshold; }
+};

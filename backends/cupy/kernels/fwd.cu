@@ -1,0 +1,285 @@
+// FlashAttention-2 forward on tensor cores (mma.sync m16n8k16, fp32 accumulation).
+//
+// One CTA computes BLOCK_M query rows of one (batch, head); each warp owns ROWS_PER_WARP of those rows
+// (16 or 32: one or two m16 tiles), so the softmax statistics of a row never leave its warp. The CTA
+// walks the key blocks its rows can see; K and V tiles are double-buffered in shared memory with
+// cp.async (the next block is in flight while this one is multiplied). Per key block:
+//   S = Q K^T            (A = Q from shared memory or registers, B = K via ldmatrix)
+//   online softmax       (base-2 exponent: scores are pre-multiplied by scale * log2(e))
+//   O = O * alpha + P V  (P converted to 16-bit in registers and fed back as the A operand; V via
+//                         ldmatrix.trans)
+// Out: O (B, Hq, Nq, D) with the caller's strides, lse (B, Hq, Nq) float32 natural log, -inf for a row
+// that sees no key (whose output is 0).
+#include "common.cuh"
+
+constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
+constexpr int MT = ROWS_PER_WARP / 16;  // m16 tiles per warp
+constexpr int NT_S = BLOCK_N / 8;       // n8 tiles across a score block
+constexpr int NT_O = HEAD_DIM / 8;      // n8 tiles across an output row block
+constexpr int KD = HEAD_DIM / 16;       // k16 steps across the head dim
+constexpr u32 Q_TILE_BYTES = BLOCK_M * SMEM_ROW * 2;
+constexpr u32 KV_TILE_BYTES = BLOCK_N * SMEM_ROW * 2;
+constexpr float LN2 = 0.6931471805599453f;
+static_assert(ROWS_PER_WARP * NUM_WARPS == BLOCK_M && (MT == 1 || MT == 2), "each warp owns 16 or 32 query rows");
+static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16");
+#ifndef Q_IN_REGS
+#define Q_IN_REGS 0
+#endif
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
+    mhattn_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+               elem_t* __restrict__ o, float* __restrict__ lse,
+               i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+               i64 o_sb, i64 o_sh, i64 o_sn,
+               int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, float scale_log2,
+               int diag_offset, int window_left, int window_right,
+               const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
+               u32 seed0, u32 seed1, u32 drop_threshold, float drop_scale) {
+  MHATTN_DYNAMIC_SMEM(smem);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  // The last query blocks see the most keys under a causal mask: launch them first.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const int m0 = m_block * BLOCK_M;
+  const int warp_row0 = warp * ROWS_PER_WARP;
+
+  q += b * q_sb + h * q_sh;
+  k += b * k_sb + hk * k_sh;
+  v += b * v_sb + hk * v_sh;
+  o += b * o_sb + h * o_sh;
+  lse += ((i64)b * heads_q + h) * seqlen_q;
+
+  const u32 s_q = smem_u32(smem);
+  const u32 s_k = s_q + Q_TILE_BYTES;       // stage s at s_k + s * KV_TILE_BYTES
+  const u32 s_v = s_k + 2 * KV_TILE_BYTES;  // stage s at s_v + s * KV_TILE_BYTES
+
+  // Key blocks this query block can see.
+  const int m_last = min_of(m0 + BLOCK_M, seqlen_q) - 1;
+  int n_lo = 0, n_hi = seqlen_k;
+#if HAS_BOUNDS
+  const Bounds bounds{diag_offset, window_left, window_right};
+  n_lo = (int)max_of((i64)0, (i64)m0 + diag_offset - window_left);
+  n_hi = (int)min_of((i64)seqlen_k, (i64)m_last + diag_offset + window_right + 1);
+#endif
+  const int nb_lo = n_lo / BLOCK_N;
+  const int nb_hi = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N : nb_lo;
+
+#if HAS_EXTRAS
+  const BoolMask bmask{mask != nullptr ? mask + b * m_sb + h * m_sh : nullptr, m_sq, m_sk};
+  const bool use_dropout = drop_threshold != 0u;
+  DropoutRng rng;
+  rng.init((u32)(b * heads_q + h), seed0, seed1, drop_threshold);
+  u32 row_key[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) row_key[mt][hr] = rng.row_key(m0 + warp_row0 + mt * 16 + g + 8 * hr);
+#endif
+
+  load_tile_async<BLOCK_M>(s_q, q, q_sn, m0, seqlen_q, head_dim, tid);
+  if (nb_lo < nb_hi) {
+    load_tile_async<BLOCK_N>(s_k, k, k_sn, nb_lo * BLOCK_N, seqlen_k, head_dim, tid);
+    load_tile_async<BLOCK_N>(s_v, v, v_sn, nb_lo * BLOCK_N, seqlen_k, head_dim, tid);
+  }
+  cp_async_commit();
+
+  float acc_o[MT][NT_O][4];
+  float row_max[MT][2], row_sum[MT][2];  // row_max in log2 units (scores times scale * log2 e)
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      row_max[mt][hr] = -MHATTN_INF;
+      row_sum[mt][hr] = 0.f;
+    }
+  }
+#if Q_IN_REGS
+  u32 q_frag[MT][KD][4];
+#endif
+
+  for (int nb = nb_lo; nb < nb_hi; ++nb) {
+    const int stage = (nb - nb_lo) & 1;
+    const u32 s_k_cur = s_k + stage * KV_TILE_BYTES, s_v_cur = s_v + stage * KV_TILE_BYTES;
+    cp_async_wait<0>();
+    block_sync();  // this block's K, V (and Q) have landed; everyone is done with the other stage
+    if (nb + 1 < nb_hi) {
+      const u32 nxt = (stage ^ 1) * KV_TILE_BYTES;
+      load_tile_async<BLOCK_N>(s_k + nxt, k, k_sn, (nb + 1) * BLOCK_N, seqlen_k, head_dim, tid);
+      load_tile_async<BLOCK_N>(s_v + nxt, v, v_sn, (nb + 1) * BLOCK_N, seqlen_k, head_dim, tid);
+    }
+    cp_async_commit();
+#if Q_IN_REGS
+    if (nb == nb_lo) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) load_a_frag(q_frag[mt][kk], s_q, warp_row0 + mt * 16, kk * 16, lane);
+    }
+#endif
+
+    // S = Q K^T
+    float s[MT][NT_S][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KD; ++kk) {
+      u32 a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#if Q_IN_REGS
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[mt][r] = q_frag[mt][kk][r];
+#else
+        load_a_frag(a[mt], s_q, warp_row0 + mt * 16, kk * 16, lane);
+#endif
+      }
+#pragma unroll
+      for (int np = 0; np < BLOCK_N / 16; ++np) {
+        u32 bk[4];
+        load_b_frag_nk(bk, s_k_cur, np * 16, kk * 16, lane);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816(s[mt][2 * np], a[mt], bk[0], bk[1]);
+          mma_16816(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+
+    // Scale to log2 units, then hide what the row cannot see (only blocks that cut the visible region).
+    const int n0 = nb * BLOCK_N;
+    bool need_mask = n0 + BLOCK_N > seqlen_k;
+#if HAS_BOUNDS
+    need_mask = need_mask || !bounds.block_inside(m0, m_last, n0, n0 + BLOCK_N - 1);
+#endif
+#if HAS_EXTRAS
+    need_mask = need_mask || bmask.ptr != nullptr;
+#endif
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scale_log2;
+    if (need_mask) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int j = n0 + nt * 8 + 2 * t + (e & 1);
+            bool ok = j < seqlen_k;
+#if HAS_BOUNDS || HAS_EXTRAS
+            const int i = m0 + warp_row0 + mt * 16 + g + ((e >> 1) << 3);
+#endif
+#if HAS_BOUNDS
+            ok = ok && bounds.inside(i, j);
+#endif
+#if HAS_EXTRAS
+            if (bmask.ptr != nullptr) ok = ok && i < seqlen_q && bmask.allows(i, j);
+#endif
+            if (!ok) s[mt][nt][e] = -MHATTN_INF;
+          }
+    }
+
+    // Online softmax: new running max, rescale what was accumulated, P = 2^(S - max).
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        float mx = row_max[mt][hr];
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hr], s[mt][nt][2 * hr + 1]));
+        mx = fmaxf(mx, shfl_xor(mx, 1));  // the 4 lanes of a quad share a row
+        mx = fmaxf(mx, shfl_xor(mx, 2));
+        // A row that has seen no key yet keeps max = -inf; shift by 0 so 2^(-inf - shift) = 0, not NaN.
+        const float shift = mx == -MHATTN_INF ? 0.f : mx;
+        const float alpha = fast_exp2(row_max[mt][hr] - shift);
+        row_max[mt][hr] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = fast_exp2(s[mt][nt][2 * hr + e] - shift);
+            s[mt][nt][2 * hr + e] = p;
+            sum += p;
+          }
+        row_sum[mt][hr] = row_sum[mt][hr] * alpha + sum;  // per-lane partial sums, reduced at the end
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt) {
+          acc_o[mt][nt][2 * hr] *= alpha;
+          acc_o[mt][nt][2 * hr + 1] *= alpha;
+        }
+      }
+
+#if HAS_EXTRAS
+    // Dropout acts on P after the normaliser has counted it; the 1 / (1 - p) factor is applied at the end.
+    if (use_dropout) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int j = n0 + nt * 8 + 2 * t + (e & 1);
+            if (!rng.keep(row_key[mt][e >> 1], j)) s[mt][nt][e] = 0.f;
+          }
+    }
+#endif
+
+    // O += P V, P straight from the score registers.
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+      u32 a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) acc_to_a_frag(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
+#pragma unroll
+      for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+        u32 bv[4];
+        load_b_frag_kn(bv, s_v_cur, kk * 16, dp * 16, lane);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
+          mma_16816(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+
+  // Normalise, write lse, stage O through shared memory (over Q, each warp its own rows) for 16-byte stores.
+  cp_async_wait<0>();
+  block_sync();
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    float inv[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float sum = row_sum[mt][hr];
+      sum += shfl_xor(sum, 1);
+      sum += shfl_xor(sum, 2);
+      inv[hr] = sum > 0.f ? drop_scale / sum : 0.f;
+      const int i = m0 + warp_row0 + mt * 16 + g + 8 * hr;
+      if (t == 0 && i < seqlen_q) lse[i] = sum > 0.f ? (row_max[mt][hr] + fast_log2(sum)) * LN2 : -MHATTN_INF;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt) {
+      acc_o[mt][nt][0] *= inv[0];
+      acc_o[mt][nt][1] *= inv[0];
+      acc_o[mt][nt][2] *= inv[1];
+      acc_o[mt][nt][3] *= inv[1];
+    }
+    acc_to_smem<NT_O>(smem, acc_o[mt], warp_row0 + mt * 16, 1.f, lane);
+  }
+  block_sync();
+  store_tile<BLOCK_M>(o, o_sn, smem, m0, seqlen_q, head_dim, tid);
+}

@@ -1,0 +1,156 @@
+"""Host side of the CUDA kernels: pick the variants, allocate outputs with torch, build the arguments.
+
+Shapes: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, D); any batch/head/sequence strides with a
+contiguous last dim (16-byte aligned rows; a tensor that is not gets one contiguous copy). Outputs are
+allocated contiguous: out (B, Hq, Nq, D), lse (B, Hq, Nq) float32; dq, dk, dv like q, k, v.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mhattn.backends.base import AttentionParams
+from mhattn.backends.cupy import variants
+from mhattn.backends.cupy.launcher import f32, i32, i64, ptr, u32
+from mhattn.dropout_rng import threshold as dropout_threshold
+
+LOG2E = 1.0 / math.log(2.0)
+# An unbounded window side, as the kernels take it (any |j - i - offset| is below this).
+UNBOUNDED = 1 << 30
+# Largest sequence length the 32-bit index arithmetic of the kernels allows.
+MAX_SEQLEN = 1 << 29
+# lse_log2 / delta vectors are padded to a multiple of this, the largest query tile of the backward kernels.
+VECTOR_PAD = 128
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+# When True, outputs are filled with NaN before the kernels write them, so a missed element shows (tests).
+POISON_OUTPUTS = False
+
+
+def _empty(shape, dtype, device):
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if POISON_OUTPUTS:
+        out.fill_(float("nan"))
+    return out
+
+
+def kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim is contiguous and every row starts 16-byte aligned, else a copy."""
+    aligned = (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(s % 8 == 0 for s in t.stride()[:-1])
+    )
+    return t if aligned else t.contiguous()
+
+
+def level_of(params: AttentionParams) -> str:
+    if params.mask is not None or params.dropout_p > 0.0:
+        return "full"
+    if params.has_window:
+        return "bounds"
+    return "plain"
+
+
+def _strides(t: torch.Tensor) -> list:
+    return [i64(t.stride(0)), i64(t.stride(1)), i64(t.stride(2))]
+
+
+def _clamp_bound(x) -> int:
+    return UNBOUNDED if x is None else max(-UNBOUNDED, min(int(x), UNBOUNDED))
+
+
+def _feature_args(params: AttentionParams) -> list:
+    """diag_offset, window bounds, mask and its strides, dropout seed / threshold / scale."""
+    args = [i32(max(-UNBOUNDED, min(params.diag_offset, UNBOUNDED))), i32(_clamp_bound(params.window_left)),
+            i32(_clamp_bound(params.window_right))]
+    mask = params.mask
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise ValueError(f"params.mask: the CUDA kernels take a bool mask, got {mask.dtype}")
+        args += [ptr(mask)] + [i64(s) for s in mask.stride()]
+    else:
+        args += [ptr(None), i64(0), i64(0), i64(0), i64(0)]
+    p = float(params.dropout_p)
+    seed0, seed1 = (int(s) & 0xFFFFFFFF for s in params.seed)
+    args += [u32(seed0), u32(seed1), u32(dropout_threshold(p) if p > 0 else 0),
+             f32(1.0 / (1.0 - p) if p > 0 else 1.0)]
+    return args
+
+
+def forward(launcher, cc, q, k, v, params: AttentionParams):
+    """Returns (out, lse) as the backend contract specifies."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    out = _empty((batch, heads_q, seqlen_q, head_dim), q.dtype, q.device)
+    lse = _empty((batch, heads_q, seqlen_q), torch.float32, q.device)
+    if out.numel() == 0:
+        return out, lse
+    if seqlen_k == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    q, k, v = (kernel_ready(t) for t in (q, k, v))
+    d = variants.head_dim_bucket(head_dim)
+    variant = variants.fwd_variant(cc, _DTYPE_NAMES[q.dtype], d, level_of(params))
+    block_m = variant.define("BLOCK_M")
+    grid = (cdiv(seqlen_q, block_m), heads_q, batch)
+    args = [ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)]
+    args += _strides(q) + _strides(k) + _strides(v) + _strides(out)
+    args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(head_dim),
+             f32(params.scale * LOG2E)]
+    args += _feature_args(params)
+    launcher.launch(variant, grid, args, q.device, cc)
+    return out, lse
+
+
+def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
+    """Returns (dq, dk, dv, None): deterministic (no atomics), dK/dV summed over the query heads of a group."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    dq = _empty(q.shape, q.dtype, q.device)
+    dk = _empty(k.shape, k.dtype, k.device)
+    dv = _empty(v.shape, v.dtype, v.device)
+    if seqlen_q == 0 or seqlen_k == 0 or batch == 0 or heads_q == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), None
+    q, k, v, out, grad_out = (kernel_ready(t) for t in (q, k, v, out, grad_out))
+    lse = lse.to(torch.float32).contiguous()
+    if grad_lse is not None:
+        grad_lse = grad_lse.to(torch.float32).contiguous()
+    dtype_name = _DTYPE_NAMES[q.dtype]
+    d = variants.head_dim_bucket(head_dim)
+    level = level_of(params)
+    group = heads_q // heads_kv
+
+    # delta = rowsum(dO * O) - grad_lse and lse in log2 units, padded per (b, h) to a multiple of VECTOR_PAD.
+    seqlen_q_pad = cdiv(seqlen_q, VECTOR_PAD) * VECTOR_PAD
+    lse_log2 = torch.empty((batch, heads_q, seqlen_q_pad), dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse_log2)
+    pre = variants.preprocess_variant(dtype_name)
+    rows = batch * heads_q * seqlen_q_pad
+    args = [ptr(out), ptr(grad_out), ptr(lse), ptr(grad_lse), ptr(lse_log2), ptr(delta)]
+    args += _strides(out) + _strides(grad_out)
+    args += [i32(heads_q), i32(seqlen_q), i32(seqlen_q_pad), i32(head_dim), i64(rows)]
+    launcher.launch(pre, (cdiv(rows, variants.PREPROCESS_WARPS), 1, 1), args, q.device, cc)
+
+    shape_args = [i32(seqlen_q), i32(seqlen_q_pad), i32(seqlen_k), i32(heads_q), i32(group), i32(head_dim),
+                  f32(params.scale * LOG2E), f32(params.scale)]
+    feature_args = _feature_args(params)
+
+    for variant in variants.dkdv_variants(cc, dtype_name, d, level):
+        grid = (cdiv(seqlen_k, variant.define("BLOCK_N")), heads_kv, batch)
+        args = [ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(lse_log2), ptr(delta), ptr(dk), ptr(dv)]
+        args += _strides(q) + _strides(k) + _strides(v) + _strides(grad_out) + _strides(dk) + _strides(dv)
+        launcher.launch(variant, grid, args + shape_args + feature_args, q.device, cc)
+
+    variant = variants.dq_variant(cc, dtype_name, d, level)
+    grid = (cdiv(seqlen_q, variant.define("BLOCK_M")), heads_q, batch)
+    args = [ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(lse_log2), ptr(delta), ptr(dq)]
+    args += _strides(q) + _strides(k) + _strides(v) + _strides(grad_out) + _strides(dq)
+    launcher.launch(variant, grid, args + shape_args + feature_args, q.device, cc)
+    return dq, dk, dv, None
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,239 @@
+"""Kernel variants: which compiled specialisation of which kernel runs a problem.
+
+A :class:`Variant` is one kernel source compiled with one set of ``-D`` options (dtype, head-dim bucket,
+tile shape, feature level). The tile shapes come from a table per head-dim bucket, shrunk where a GPU
+has less shared memory; :func:`all_variants` lists every variant a GPU of a given compute capability
+can launch, which is what ``mhattn build`` compiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+# Head dims are rounded up to one of these; the padded columns are zero-filled in shared memory.
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
+# The real head dim must be a multiple of 8: tiles move in 16-byte chunks.
+HEAD_DIM_MULTIPLE = 8
+
+# Feature levels: "plain" has no masking beyond the sequence ends; "bounds" adds the causal diagonal and
+# the sliding window; "full" adds a boolean mask and dropout (each switched on at run time).
+LEVELS = ("plain", "bounds", "full")
+_LEVEL_DEFINES = {"plain": (0, 0), "bounds": (1, 0), "full": (1, 1)}
+
+DTYPE_NAMES = ("float16", "bfloat16")
+
+# Bytes of shared memory one CTA may use (opt-in maximum) per compute capability; others get the smallest.
+_SMEM_LIMIT = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024}
+_SMEM_LIMIT_DEFAULT = 99 * 1024
+
+
+def smem_limit(cc) -> int:
+    return _SMEM_LIMIT.get(tuple(cc), _SMEM_LIMIT_DEFAULT)
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    for bucket in HEAD_DIM_BUCKETS:
+        if head_dim <= bucket:
+            return bucket
+    raise ValueError(f"head_dim: expected at most {HEAD_DIM_BUCKETS[-1]}, got {head_dim}")
+
+
+# ---- tile shapes ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FwdTiles:
+    block_m: int      # query rows per CTA
+    block_n: int      # keys per step
+    num_warps: int    # each warp owns block_m / num_warps (16 or 32) query rows
+    q_in_regs: bool   # Q fragments kept in registers for the whole key loop
+
+
+@dataclass(frozen=True)
+class DkdvTiles:
+    block_n: int      # keys per CTA (16 per warp)
+    block_m: int      # queries per step
+    num_warps: int
+    kv_in_regs: bool  # this warp's K (and V) fragments kept in registers
+    split: bool       # dV and dK in two launches (their accumulators do not fit in registers together)
+
+
+@dataclass(frozen=True)
+class DqTiles:
+    block_m: int      # query rows per CTA (16 per warp)
+    block_n: int      # keys per step
+    num_warps: int
+    q_in_regs: bool   # Q and dO fragments kept in registers
+
+
+# Per head-dim bucket. Registers bound these: the output accumulators of a warp hold
+# rows_per_warp * head_dim floats over 32 lanes, next to the score tile rows_per_warp * block_n.
+FWD_TILES = {
+    32: FwdTiles(128, 64, 4, True),
+    64: FwdTiles(128, 64, 4, True),
+    96: FwdTiles(128, 64, 4, False),
+    128: FwdTiles(128, 64, 4, False),
+    192: FwdTiles(64, 32, 4, False),
+    256: FwdTiles(64, 32, 4, False),
+}
+DKDV_TILES = {
+    32: DkdvTiles(64, 64, 4, True, False),
+    64: DkdvTiles(64, 64, 4, True, False),
+    96: DkdvTiles(64, 32, 4, False, False),
+    128: DkdvTiles(64, 32, 4, False, False),
+    192: DkdvTiles(64, 32, 4, False, True),
+    256: DkdvTiles(64, 32, 4, False, True),
+}
+DQ_TILES = {
+    32: DqTiles(64, 64, 4, True),
+    64: DqTiles(64, 64, 4, True),
+    96: DqTiles(64, 64, 4, False),
+    128: DqTiles(64, 64, 4, False),
+    192: DqTiles(64, 32, 4, False),
+    256: DqTiles(64, 32, 4, False),
+}
+
+
+def _row_bytes(head_dim_pad: int) -> int:
+    return (head_dim_pad + 8) * 2  # padded shared-memory row, see kernels/common.cuh
+
+
+def fwd_smem(tiles: FwdTiles, d: int) -> int:
+    return (tiles.block_m + 4 * tiles.block_n) * _row_bytes(d)
+
+
+def dkdv_smem(tiles: DkdvTiles, d: int) -> int:
+    return (2 * tiles.block_n + 4 * tiles.block_m) * _row_bytes(d) + 4 * tiles.block_m * 4
+
+
+def dq_smem(tiles: DqTiles, d: int) -> int:
+    return (2 * tiles.block_m + 4 * tiles.block_n) * _row_bytes(d)
+
+
+def fwd_tiles(cc, d: int) -> FwdTiles:
+    tiles = FWD_TILES[d]
+    while fwd_smem(tiles, d) > smem_limit(cc) and tiles.block_n > 16:
+        tiles = replace(tiles, block_n=tiles.block_n // 2)
+    return tiles
+
+
+def dkdv_tiles(cc, d: int) -> DkdvTiles:
+    tiles = DKDV_TILES[d]
+    while dkdv_smem(tiles, d) > smem_limit(cc) and tiles.block_m > 16:
+        tiles = replace(tiles, block_m=tiles.block_m // 2)
+    while dkdv_smem(tiles, d) > smem_limit(cc) and tiles.num_warps > 1:
+        tiles = replace(tiles, num_warps=tiles.num_warps // 2, block_n=tiles.block_n // 2)
+    return tiles
+
+
+def dq_tiles(cc, d: int) -> DqTiles:
+    tiles = DQ_TILES[d]
+    while dq_smem(tiles, d) > smem_limit(cc) and tiles.block_n > 16:
+        tiles = replace(tiles, block_n=tiles.block_n // 2)
+    while dq_smem(tiles, d) > smem_limit(cc) and tiles.num_warps > 1:
+        tiles = replace(tiles, num_warps=tiles.num_warps // 2, block_m=tiles.block_m // 2)
+    return tiles
+
+
+# ---- variants ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kernel compiled with one set of -D options."""
+
+    kernel: str          # fwd | bwd_preprocess | bwd_dkdv | bwd_dq  (source kernels/<kernel>.cu)
+    defines: tuple       # ((name, value), ...) in a fixed order
+    num_threads: int
+    smem_bytes: int      # dynamic shared memory per CTA
+
+    @property
+    def source_file(self) -> str:
+        return f"{self.kernel}.cu"
+
+    @property
+    def function_name(self) -> str:
+        return f"mhattn_{self.kernel}"
+
+    def define(self, name: str):
+        return dict(self.defines)[name]
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel}[" + " ".join(f"{k}={v}" for k, v in self.defines) + "]"
+
+
+def _common_defines(dtype_name: str, d: int, level: str) -> list:
+    if dtype_name not in DTYPE_NAMES:
+        raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
+    if level not in LEVELS:
+        raise ValueError(f"level: expected one of {LEVELS}, got {level!r}")
+    bounds, extras = _LEVEL_DEFINES[level]
+    return [("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("HAS_BOUNDS", bounds),
+            ("HAS_EXTRAS", extras)]
+
+
+def fwd_variant(cc, dtype_name: str, d: int, level: str, tiles: FwdTiles = None) -> Variant:
+    tiles = tiles or fwd_tiles(cc, d)
+    defines = _common_defines(dtype_name, d, level) + [
+        ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
+        ("Q_IN_REGS", int(tiles.q_in_regs)),
+    ]
+    return Variant("fwd", tuple(defines), tiles.num_warps * 32, fwd_smem(tiles, d))
+
+
+def dkdv_variants(cc, dtype_name: str, d: int, level: str, tiles: DkdvTiles = None) -> list:
+    """One variant computing dK and dV, or two (dV only, then dK only) when ``tiles.split``."""
+    tiles = tiles or dkdv_tiles(cc, d)
+    modes = (1, 2) if tiles.split else (0,)
+    out = []
+    for mode in modes:
+        defines = _common_defines(dtype_name, d, level) + [
+            ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
+            ("KV_IN_REGS", int(tiles.kv_in_regs)), ("DKDV_MODE", mode),
+        ]
+        out.append(Variant("bwd_dkdv", tuple(defines), tiles.num_warps * 32, dkdv_smem(tiles, d)))
+    return out
+
+
+def dq_variant(cc, dtype_name: str, d: int, level: str, tiles: DqTiles = None) -> Variant:
+    tiles = tiles or dq_tiles(cc, d)
+    defines = _common_defines(dtype_name, d, level) + [
+        ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
+        ("Q_IN_REGS", int(tiles.q_in_regs)),
+    ]
+    return Variant("bwd_dq", tuple(defines), tiles.num_warps * 32, dq_smem(tiles, d))
+
+
+PREPROCESS_WARPS = 8
+
+
+def preprocess_variant(dtype_name: str) -> Variant:
+    if dtype_name not in DTYPE_NAMES:
+        raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
+    defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("NUM_WARPS", PREPROCESS_WARPS))
+    return Variant("bwd_preprocess", defines, PREPROCESS_WARPS * 32, 0)
+
+
+def all_variants(cc) -> list:
+    """Every variant a GPU of compute capability ``cc`` may launch (what ``mhattn build`` compiles)."""
+    out = [preprocess_variant(dtype) for dtype in DTYPE_NAMES]
+    for dtype in DTYPE_NAMES:
+        for d in HEAD_DIM_BUCKETS:
+            for level in LEVELS:
+                out.append(fwd_variant(cc, dtype, d, level))
+                out.extend(dkdv_variants(cc, dtype, d, level))
+                out.append(dq_variant(cc, dtype, d, level))
+    return out
+
+
+def parse_arch(arch: str) -> tuple:
+    """'sm_90' / 'sm90' / '90' / '9.0' -> (9, 0)."""
+    text = arch.strip().lower().removeprefix("sm_").removeprefix("sm").removeprefix("compute_")
+    if "." in text:
+        major, minor = text.split(".", 1)
+    else:
+        major, minor = text[:-1], text[-1:]
+    if not (major.isdigit() and minor.isdigit()):
+        raise ValueError(f"arch: expected a name like sm_80 or sm_90, got {arch!r}")
+    return int(major), int(minor)
