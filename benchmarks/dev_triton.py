@@ -1,0 +1,351 @@
+"""Development harness for the Triton backend on a GPU: tile sweeps, the PERFORMANCE.md table against
+sdpa-flash in the same run, and peak memory.
+
+    source benchmarks/device_env.sh
+    python3 benchmarks/dev_triton.py sweep table memory --out $OUT
+
+Sections (run in the order given, each skipped once the time budget --budget is spent):
+
+- ``sweep``: for d in 64, 128 and causal off/on at N = 4k, time the forward over candidate forward
+  tiles, then the backward over dK/dV tiles (dQ fixed) and dQ tiles (dK/dV fixed); the winners are used
+  by the later sections of the same run and printed as table entries for configs.py.
+- ``table``: bf16, B * N = 16384, H = 2048 / d, N in 512..16k, d in 64, 128: forward and backward
+  TFLOP/s of the backend and of SDPA with FLASH_ATTENTION, timed with triton.testing.do_bench
+  (median) on the same inputs, and their ratios.
+- ``d256``: the same at d = 256 for a few N (it must work; no target).
+- ``memory``: peak extra memory of forward+backward, causal, B = 1, H = 16, d = 128, N = 8k and 32k.
+
+Before timing, every kernel variant a section needs is compiled in parallel worker processes, which
+fill Triton's on-disk cache for the timing process. Logs go to --out; the short table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+TOKENS, HIDDEN = 16384, 2048
+SWEEP_N = 4096
+
+FWD_CANDIDATES = {
+    64: ["128,64,4,3", "128,128,8,3", "128,64,8,3", "128,128,4,3", "64,64,4,3", "128,64,4,4"],
+    128: ["128,64,8,3", "128,128,8,3", "128,64,8,2", "128,64,4,3", "64,64,4,3", "128,32,4,4"],
+}
+DKDV_CANDIDATES = {
+    64: ["64,128,8,2", "32,128,4,3", "64,64,4,3", "32,64,4,3", "64,128,8,3", "128,128,8,2"],
+    128: ["64,128,8,2", "32,128,4,3", "64,64,4,3", "32,64,4,3", "64,128,8,3", "32,128,8,2"],
+}
+DQ_CANDIDATES = {
+    64: ["128,64,8,2", "64,64,4,3", "128,32,4,3", "64,128,8,2", "128,128,8,2"],
+    128: ["128,64,8,2", "64,64,4,3", "128,32,4,3", "64,128,8,2", "128,64,8,3"],
+}
+
+
+def log(out_dir, text):
+    print(text, flush=True)
+    if out_dir:
+        with open(os.path.join(out_dir, "dev_triton.log"), "a") as f:
+            f.write(text + "\n")
+
+
+# ---- problems ----------------------------------------------------------------------------------------
+
+
+def protocol_inputs(seqlen, head_dim, dtype=torch.bfloat16, batch=None, heads=None, grad=False):
+    batch = batch or max(1, TOKENS // seqlen)
+    heads = heads or HIDDEN // head_dim
+    q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v
+
+
+def params_for(head_dim, causal):
+    from mhattn.backends.base import AttentionParams
+
+    return AttentionParams(scale=head_dim ** -0.5, window_right=0 if causal else None)
+
+
+def fwd_flops(batch, heads, seqlen, head_dim, causal):
+    return 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+
+
+# ---- compiling in parallel ----------------------------------------------------------------------------
+
+
+def _warm(job):
+    """Run forward+backward once on a small problem with the same compile-time signature."""
+    head_dim, causal, config, dtype_name, which = job
+    try:
+        from mhattn.backends.triton import TritonBackend, configs
+
+        dtype = getattr(torch, dtype_name)
+        backend = TritonBackend()
+        seqlen = 256
+        q, k, v = protocol_inputs(seqlen, head_dim, dtype, batch=1)
+        params = params_for(head_dim, causal)
+        with configs.pin(config) if config else _null():
+            out, lse = backend.forward(q, k, v, params)
+            if which != "fwd":
+                backend.backward(torch.randn_like(out), q, k, v, out, lse, params)
+        torch.cuda.synchronize()
+        return job, None
+    except Exception:
+        return job, traceback.format_exc(limit=3)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def precompile(jobs, out_dir, workers=12):
+    jobs = list(dict.fromkeys(jobs))
+    start = time.time()
+    failures = {}
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
+        for job, error in pool.map(_warm, jobs):
+            if error:
+                failures[job] = error
+                log(out_dir, f"  compile FAILED {job}: {error.strip().splitlines()[-1]}")
+    log(out_dir, f"precompiled {len(jobs)} variants in {time.time() - start:.0f}s ({len(failures)} failed)")
+    return failures
+
+
+# ---- timing --------------------------------------------------------------------------------------------
+
+
+def bench(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def time_triton(q, k, v, params, config=None, which=("fwd", "bwd")):
+    """(forward ms, backward ms) of the backend called directly (None for a pass not in ``which``)."""
+    from mhattn.backends.triton import TritonBackend, backend as backend_module, configs
+
+    backend = TritonBackend()
+    with configs.pin(config) if config else _null():
+        backend_module._shrunk.clear()
+        out, lse = backend.forward(q, k, v, params)
+        grad_out = torch.randn_like(out)
+        fwd = bench(lambda: backend.forward(q, k, v, params)) if "fwd" in which else None
+        bwd = bench(lambda: backend.backward(grad_out, q, k, v, out, lse, params)) if "bwd" in which else None
+        if backend_module._shrunk:
+            raise RuntimeError(f"tile shrunk: {backend_module._shrunk}")
+    return fwd, bwd
+
+
+def time_sdpa_flash(q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+        grad_out = torch.randn_like(out)
+        bwd = bench(lambda: torch.autograd.grad(out, (qg, kg, vg), grad_out, retain_graph=True))
+    return fwd, bwd
+
+
+# ---- sections ------------------------------------------------------------------------------------------
+
+
+def default_config(head_dim, causal):
+    from mhattn.backends.triton import configs
+
+    return configs.table_config(tuple(torch.cuda.get_device_capability()), torch.bfloat16, head_dim, causal)
+
+
+def section_sweep(args, state):
+    from mhattn.backends.triton import configs
+
+    dims = [64, 128]
+    jobs = []
+    plans = {}
+    for d in dims:
+        for causal in (False, True):
+            base = default_config(d, causal)
+            fwd = [configs.parse(f"fwd={c};dkdv={base.dkdv};dq={base.dq}") for c in FWD_CANDIDATES[d]]
+            dkdv = [configs.parse(f"fwd={base.forward};dkdv={c};dq={base.dq}") for c in DKDV_CANDIDATES[d]]
+            dq = [configs.parse(f"fwd={base.forward};dkdv={base.dkdv};dq={c}") for c in DQ_CANDIDATES[d]]
+            plans[(d, causal)] = (base, fwd, dkdv, dq)
+            jobs += [(d, causal, str(c), "bfloat16", "fwd") for c in fwd]
+            jobs += [(d, causal, str(c), "bfloat16", "both") for c in dkdv + dq]
+    precompile(jobs, args.out)
+    winners = {}
+    for (d, causal), (base, fwd, dkdv, dq) in plans.items():
+        if time.time() > args.deadline:
+            log(args.out, f"  sweep: time budget spent, stopping before d={d} causal={causal}")
+            break
+        q, k, v = protocol_inputs(SWEEP_N, d)
+        params = params_for(d, causal)
+        flops = fwd_flops(q.shape[0], q.shape[1], SWEEP_N, d, causal)
+        sdpa = time_sdpa_flash(q, k, v, causal)
+        log(args.out, f"\n== sweep d={d} causal={causal} N={SWEEP_N}: sdpa-flash fwd {flops / sdpa[0] * 1e-9:.0f} "
+                      f"bwd {2.5 * flops / sdpa[1] * 1e-9:.0f} TFLOP/s")
+        best = {}
+        for kind, candidates in (("fwd", fwd), ("dkdv", dkdv), ("dq", dq)):
+            for cfg in candidates:
+                try:
+                    f_ms, b_ms = time_triton(q, k, v, params, cfg, which=("fwd",) if kind == "fwd" else ("bwd",))
+                except Exception as error:
+                    log(args.out, f"  {kind} {cfg}: FAILED {type(error).__name__}: {str(error)[:200]}")
+                    continue
+                ms = f_ms if kind == "fwd" else b_ms
+                factor = 1.0 if kind == "fwd" else 2.5
+                tile = {"fwd": cfg.forward, "dkdv": cfg.dkdv, "dq": cfg.dq}[kind]
+                log(args.out, f"  {kind:4s} {str(tile):14s} {ms:7.3f} ms  {factor * flops / ms * 1e-9:6.0f} TFLOP/s")
+                if kind not in best or ms < best[kind][0]:
+                    best[kind] = (ms, tile)
+        if {"fwd", "dkdv", "dq"} <= set(best):
+            win = configs.AttentionConfig(best["fwd"][1], best["dkdv"][1], best["dq"][1])
+            winners[(d, causal)] = win
+            log(args.out, f"  winner d={d} causal={causal}: {win}")
+        del q, k, v
+        torch.cuda.empty_cache()
+    state["winners"] = winners
+    log(args.out, "\nconfigs.py entries (sm90, half):")
+    for (d, causal), win in winners.items():
+        log(args.out, f"  ('sm90', 'half', {d}, {causal}): {win}")
+
+
+def _config_for_run(state, d, causal):
+    win = state.get("winners", {}).get((d, causal))
+    return win  # None: the table in configs.py
+
+
+def section_table(args, state, dims=(64, 128), seqlens=(512, 1024, 2048, 4096, 8192, 16384), name="table"):
+    jobs = [(d, c, str(_config_for_run(state, d, c) or ""), "bfloat16", "both") for d in dims for c in (False, True)]
+    precompile(jobs, args.out)
+    rows = state.setdefault("rows", [])
+    for d in dims:
+        for causal in (False, True):
+            for n in seqlens:
+                if time.time() > args.deadline:
+                    log(args.out, f"  {name}: time budget spent, stopping before d={d} causal={causal} N={n}")
+                    return
+                q, k, v = protocol_inputs(n, d)
+                params = params_for(d, causal)
+                flops = fwd_flops(q.shape[0], q.shape[1], n, d, causal)
+                try:
+                    t_fwd, t_bwd = time_triton(q, k, v, params, _config_for_run(state, d, causal))
+                except Exception as error:
+                    log(args.out, f"  triton d={d} N={n} causal={causal} FAILED: {error}")
+                    continue
+                s_fwd, s_bwd = time_sdpa_flash(q, k, v, causal)
+                row = dict(d=d, n=n, causal=causal, fwd=flops / t_fwd * 1e-9, bwd=2.5 * flops / t_bwd * 1e-9,
+                           sdpa_fwd=flops / s_fwd * 1e-9, sdpa_bwd=2.5 * flops / s_bwd * 1e-9)
+                rows.append(row)
+                log(args.out, f"  d={d:3d} N={n:5d} causal={int(causal)}  triton fwd {row['fwd']:5.0f} bwd {row['bwd']:5.0f}"
+                              f"  sdpa-flash fwd {row['sdpa_fwd']:5.0f} bwd {row['sdpa_bwd']:5.0f}"
+                              f"  ratio fwd {row['fwd'] / row['sdpa_fwd']:.2f} bwd {row['bwd'] / row['sdpa_bwd']:.2f}")
+                del q, k, v
+                torch.cuda.empty_cache()
+
+
+def section_d256(args, state):
+    section_table(args, state, dims=(256,), seqlens=(512, 4096, 16384), name="d256")
+
+
+def section_memory(args, state):
+    import mhattn
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    results = state.setdefault("memory", [])
+    for n in (8192, 32768):
+        for impl in ("triton", "sdpa-flash"):
+            q, k, v = protocol_inputs(n, 128, batch=1, heads=16, grad=True)
+            grad_out = torch.randn_like(q)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            if impl == "triton":
+                out = mhattn.attention(q, k, v, is_causal=True, backend="triton")
+            else:
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(grad_out)
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            results.append(dict(n=n, impl=impl, peak_mib=peak))
+            log(args.out, f"  memory N={n} {impl}: peak extra {peak:.0f} MiB")
+            del q, k, v, out, grad_out
+            torch.cuda.empty_cache()
+
+
+SECTIONS = {"sweep": section_sweep, "table": section_table, "d256": section_d256, "memory": section_memory}
+
+
+def summary(args, state):
+    lines = ["", f"== summary ({torch.cuda.get_device_name()}, bf16, TFLOP/s; ratio = triton / sdpa-flash) =="]
+    lines.append(" d     N  c | tri fwd  fa fwd  ratio | tri bwd  fa bwd  ratio")
+    for r in state.get("rows", []):
+        lines.append(f"{r['d']:3d} {r['n']:5d}  {int(r['causal'])} | {r['fwd']:7.0f} {r['sdpa_fwd']:7.0f} "
+                     f"{r['fwd'] / r['sdpa_fwd']:6.2f} | {r['bwd']:7.0f} {r['sdpa_bwd']:7.0f} {r['bwd'] / r['sdpa_bwd']:6.2f}")
+    rows = [r for r in state.get("rows", []) if r["d"] in (64, 128) and r["n"] >= 1024]
+    if rows:
+        lines.append(f"min ratio (d 64/128, N>=1k): fwd {min(r['fwd'] / r['sdpa_fwd'] for r in rows):.2f} "
+                     f"bwd {min(r['bwd'] / r['sdpa_bwd'] for r in rows):.2f}")
+    for m in state.get("memory", []):
+        lines.append(f"memory N={m['n']} {m['impl']}: {m['peak_mib']:.0f} MiB")
+    for (d, causal), win in state.get("winners", {}).items():
+        lines.append(f"winner d={d} causal={causal}: {win}")
+    for line in lines:
+        log(args.out, line)
+    if args.out:
+        serial = dict(rows=state.get("rows", []), memory=state.get("memory", []),
+                      winners={f"{d},{c}": str(w) for (d, c), w in state.get("winners", {}).items()})
+        with open(os.path.join(args.out, "dev_triton.json"), "w") as f:
+            json.dump(serial, f, indent=1)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sections", nargs="*", default=["table"], choices=sorted(SECTIONS))
+    parser.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for logs (default $OUT)")
+    parser.add_argument("--budget", type=float, default=360.0, help="seconds after which sections stop")
+    args = parser.parse_args(argv)
+    args.deadline = time.time() + args.budget
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    log(args.out, f"device {torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()} torch {torch.__version__}")
+    import triton
+
+    log(args.out, f"triton {triton.__version__}")
+    state = {}
+    try:
+        for name in args.sections:
+            if time.time() > args.deadline:
+                log(args.out, f"skipping {name}: time budget spent")
+                continue
+            log(args.out, f"\n### {name}")
+            try:
+                SECTIONS[name](args, state)
+            except Exception:
+                log(args.out, f"section {name} FAILED:\n{traceback.format_exc()}")
+    finally:
+        summary(args, state)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
