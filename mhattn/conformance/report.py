@@ -1,0 +1,268 @@
+"""The result of a conformance run as a table: features down, backend x dtype across.
+
+Each cell says ``pass`` with the worst error ratio (err / bound, <= 1 passes) of its cases, ``FAIL`` with
+how many of its cases failed and the worst ratio, or ``unsupported`` with a numbered reason from the
+backend's own ``unsupported()``. Written as plain text (the terminal), Markdown or JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from mhattn.conformance.cases import COLUMN_DESCRIPTIONS, COLUMNS
+from mhattn.conformance.runner import FAIL, PASS, UNSUPPORTED, CaseResult
+
+
+@dataclass
+class ExtraCheck:
+    """A check that is not an attention case (the NVRTC compile of the CUDA sources, say)."""
+
+    name: str
+    status: str          # "pass", "fail", "not available", "skipped"
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    mode: str                                       # "quick", "full" or "case"
+    device: str                                     # "cuda" or "cpu"
+    environment: dict
+    results: list = field(default_factory=list)     # CaseResult
+    unavailable: dict = field(default_factory=dict)  # backend name -> reasons it ran nothing
+    notes: list = field(default_factory=list)       # what was and was not run, in sentences
+    extra: list = field(default_factory=list)       # ExtraCheck
+    seconds: float = 0.0
+
+    @property
+    def failures(self) -> list:
+        return [r for r in self.results if r.status == FAIL]
+
+    @property
+    def ok(self) -> bool:
+        """Nothing failed (unsupported and unavailable are not failures)."""
+        return not self.failures and all(x.status != "fail" for x in self.extra)
+
+
+@dataclass
+class Cell:
+    results: list
+
+    @property
+    def counts(self):
+        by = {PASS: 0, FAIL: 0, UNSUPPORTED: 0}
+        for r in self.results:
+            by[r.status] = by.get(r.status, 0) + 1
+        return by
+
+    @property
+    def worst_ratio(self) -> float:
+        return max((r.worst_ratio for r in self.results if r.status != UNSUPPORTED), default=0.0)
+
+    @property
+    def reasons(self) -> list:
+        seen = []
+        for r in self.results:
+            if r.status == UNSUPPORTED:
+                text = "; ".join(r.reasons)
+                if text not in seen:
+                    seen.append(text)
+        return seen
+
+    @property
+    def status(self) -> str:
+        counts = self.counts
+        if counts[FAIL]:
+            return FAIL
+        if counts[PASS]:
+            return PASS
+        return UNSUPPORTED
+
+
+def _ratio(x: float) -> str:
+    if math.isinf(x) or math.isnan(x):
+        return "inf"
+    return f"{x:.2f}" if x < 100 else f"{x:.3g}"
+
+
+def column_labels(report: Report) -> list:
+    """'backend dtype' for every pair that has results, in the order they were run."""
+    labels = []
+    for r in report.results:
+        label = f"{r.case.backend} {r.case.dtype}"
+        if label not in labels:
+            labels.append(label)
+    return labels
+
+
+def build_cells(report: Report) -> dict:
+    """(feature, 'backend dtype') -> Cell."""
+    cells = {}
+    for r in report.results:
+        cells.setdefault((r.case.feature, f"{r.case.backend} {r.case.dtype}"), Cell([])).results.append(r)
+    return cells
+
+
+class _Footnotes:
+    """Numbers each distinct unsupported reason, per backend."""
+
+    def __init__(self):
+        self.items = []
+
+    def number(self, backend: str, reason: str) -> int:
+        key = (backend, reason)
+        if key not in self.items:
+            self.items.append(key)
+        return self.items.index(key) + 1
+
+
+def _cell_text(cell: Cell, backend: str, notes: _Footnotes) -> str:
+    if cell is None:
+        return "-"
+    counts = cell.counts
+    marks = "".join(f"[{notes.number(backend, reason)}]" for reason in cell.reasons)
+    if cell.status == UNSUPPORTED:
+        return f"unsupported {marks}"
+    run = counts[PASS] + counts[FAIL]
+    if cell.status == FAIL:
+        text = f"FAIL {counts[FAIL]}/{run} ratio {_ratio(cell.worst_ratio)}"
+    else:
+        text = f"pass {_ratio(cell.worst_ratio)}"
+    if counts[UNSUPPORTED]:
+        text += f" +{counts[UNSUPPORTED]} unsupported {marks}"
+    return text
+
+
+def table_rows(report: Report):
+    """(header, rows, footnotes): rows are [feature, cell, cell, ...] strings."""
+    labels = column_labels(report)
+    cells = build_cells(report)
+    notes = _Footnotes()
+    rows = []
+    for feature in COLUMNS:
+        if not any((feature, label) in cells for label in labels):
+            continue
+        rows.append([feature] + [_cell_text(cells.get((feature, label)), label.split()[0], notes) for label in labels])
+    footnotes = [f"[{i + 1}] {backend}: {reason}" for i, (backend, reason) in enumerate(notes.items)]
+    return ["feature"] + labels, rows, footnotes
+
+
+def _header_lines(report: Report) -> list:
+    lines = [f"{name}: {value}" for name, value in report.environment.items()]
+    return lines
+
+
+def _summary_line(report: Report) -> str:
+    counts = {PASS: 0, FAIL: 0, UNSUPPORTED: 0}
+    for r in report.results:
+        counts[r.status] += 1
+    verdict = "PASSED" if report.ok else "FAILED"
+    return (f"{verdict}: {counts[PASS]} passed, {counts[FAIL]} failed, {counts[UNSUPPORTED]} unsupported "
+            f"({report.mode}, {report.device}, {report.seconds:.0f} s)")
+
+
+def render_text(report: Report, max_failures: int = 30) -> str:
+    """The report for a terminal: environment, notes, the table, footnotes, failures with reproduce commands."""
+    out = ["", "mhattn conformance", *("  " + line for line in _header_lines(report))]
+    if report.notes:
+        out.append("")
+        out += [f"note: {n}" for n in report.notes]
+    header, rows, footnotes = table_rows(report)
+    if rows:
+        widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+        out.append("")
+        out.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+        out.append("  ".join("-" * w for w in widths))
+        for row in rows:
+            out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    if footnotes:
+        out.append("")
+        out += footnotes
+    for name, reasons in report.unavailable.items():
+        out.append(f"{name}: not run: " + "; ".join(reasons))
+    for x in report.extra:
+        out.append(f"{x.name}: {x.status}" + (f" ({x.detail})" if x.detail else ""))
+    failures = report.failures
+    if failures:
+        out.append("")
+        out.append(f"failures ({len(failures)}):")
+        for r in failures[:max_failures]:
+            out.append(f"  {r.case.backend} {r.case.feature} [{r.case.describe()}]: {r.summary()}")
+            out.append(f"    reproduce: {r.case.command()}")
+        if len(failures) > max_failures:
+            out.append(f"  ... {len(failures) - max_failures} more (write them all with --report FILE.md)")
+    out.append("")
+    out.append(_summary_line(report))
+    return "\n".join(out)
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_markdown(report: Report) -> str:
+    out = ["# mhattn conformance", "", _summary_line(report), "", "## Machine", ""]
+    out += [f"- {name}: {value}" for name, value in report.environment.items()]
+    if report.notes:
+        out += ["", "## What ran", ""] + [f"- {n}" for n in report.notes]
+    header, rows, footnotes = table_rows(report)
+    if rows:
+        out += ["", "## Results", "", "Cells: worst error ratio err / bound of the cell's cases (<= 1 passes); "
+                "FAIL n/m: n of the m cases run failed.", ""]
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "---|" * len(header))
+        for row in rows:
+            out.append("| " + " | ".join(_md_escape(c) for c in row) + " |")
+    if footnotes:
+        out += ["", "### Unsupported", ""] + [f"- {_md_escape(f)}" for f in footnotes]
+    if report.unavailable or report.extra:
+        out += ["", "### Not run / other checks", ""]
+        out += [f"- {name}: not run: {'; '.join(reasons)}" for name, reasons in report.unavailable.items()]
+        out += [f"- {x.name}: {x.status}" + (f" ({x.detail})" if x.detail else "") for x in report.extra]
+    out += ["", "### Features", ""] + [f"- {name}: {COLUMN_DESCRIPTIONS[name]}" for name in COLUMNS]
+    failures = report.failures
+    if failures:
+        out += ["", f"## Failures ({len(failures)})", ""]
+        for r in failures:
+            out.append(f"### {r.case.backend} {r.case.feature}: {r.case.describe()}")
+            out.append("")
+            out.append("```")
+            out.append(r.case.command())
+            out.append("```")
+            for c in r.checks:
+                out.append(f"- {c}")
+            if r.error:
+                out.append(f"- error: {r.error}")
+            out.append("")
+    return "\n".join(out) + "\n"
+
+
+def to_json(report: Report) -> dict:
+    header, rows, footnotes = table_rows(report)
+    return {
+        "ok": report.ok,
+        "mode": report.mode,
+        "device": report.device,
+        "seconds": round(report.seconds, 2),
+        "environment": report.environment,
+        "notes": report.notes,
+        "unavailable": report.unavailable,
+        "extra_checks": [x.__dict__ for x in report.extra],
+        "table": {"header": header, "rows": rows, "footnotes": footnotes},
+        "results": [r.to_dict() for r in report.results],
+    }
+
+
+def write_report(report: Report, path: str) -> None:
+    """Markdown for *.md, JSON for *.json (anything else: Markdown)."""
+    if path.lower().endswith(".json"):
+        text = json.dumps(to_json(report), indent=1, allow_nan=False) + "\n"
+    else:
+        text = render_markdown(report)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def results_from_json(data: dict) -> list:
+    return [CaseResult.from_dict(d) for d in data.get("results", [])]

@@ -1,0 +1,232 @@
+"""Which cases a conformance run has (the plan), and running them: in this process, or one worker
+process per backend so a kernel that corrupts the CUDA context, hangs or crashes the interpreter costs
+only its own case.
+
+Worker protocol: the parent writes the cases (JSON lines) to a file and starts
+``mhattn.conformance.worker`` with the parent's ``sys.path``; the worker appends ``{"start": i}`` before
+and ``{"result": ...}`` after each case to a results file, which the parent polls. A worker that dies or
+goes silent longer than the case timeout fails the case it was running; a fresh worker goes on with the
+next one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mhattn import registry
+from mhattn.conformance.cases import dtype_name, full_cases, quick_cases, default_dtypes
+from mhattn.conformance.runner import FAIL, CaseResult, run_case
+
+# Exit status of a worker whose CUDA context is unusable after a case: the parent starts a fresh one.
+WORKER_CONTEXT_LOST = 3
+# Exit status of a worker that does not know the backend (registered by a call in the parent only): the
+# parent runs that backend's cases itself.
+WORKER_UNKNOWN_BACKEND = 4
+
+
+@dataclass
+class Plan:
+    cases: list = field(default_factory=list)        # Case, grouped by backend
+    unavailable: dict = field(default_factory=dict)  # backend name -> reasons nothing runs
+
+
+def make_plan(backends, mode: str, device: str, dtypes=None, features=None) -> Plan:
+    """The cases of a ``quick`` or ``full`` run of ``backends`` on ``device`` ("cuda" or "cpu").
+
+    A backend that cannot run at all here (its ``unavailable()`` reasons, or a device type it does not
+    declare) is listed with its reasons instead. ``dtypes`` (names) default per backend to
+    :func:`default_dtypes`; ``features`` keeps only those table columns.
+    """
+    plan = Plan()
+    for backend in backends:
+        reasons = list(backend.unavailable())
+        if not reasons and device not in backend.capabilities.device_types:
+            reasons = [f"runs on {sorted(backend.capabilities.device_types)} tensors, this run is on {device}"]
+        if reasons:
+            plan.unavailable[backend.name] = reasons
+            continue
+        names = [dtype_name(d) for d in dtypes] if dtypes else default_dtypes(backend, device, mode == "full")
+        generate = full_cases if mode == "full" else quick_cases
+        cases = generate(backend, device, names)
+        if features:
+            cases = [c for c in cases if c.feature in features]
+        plan.cases += cases
+    return plan
+
+
+def cuda_context_healthy() -> bool:
+    """False when the CUDA context is broken (a sticky error such as an illegal address)."""
+    if not torch.cuda.is_available():
+        return True
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").add_(1).item()
+        return True
+    except Exception:
+        return False
+
+
+def run_in_process(cases, progress=None) -> list:
+    """Run every case here, in order. After a CUDA context is lost the rest cannot run: they fail
+    with that reason."""
+    results = []
+    lost = None
+    for case in cases:
+        if progress is not None:
+            progress.start(f"{case.backend} {case.feature} {case.describe()}")
+        if lost is not None:
+            result = CaseResult(case, FAIL, error=f"not run: the CUDA context was lost during an earlier case ({lost})")
+        else:
+            result = run_case(registry.get_backend(case.backend), case)
+            if result.status == FAIL and case.device == "cuda" and not cuda_context_healthy():
+                lost = f"{case.backend} {case.feature}: {case.spec()}"
+        results.append(result)
+        if progress is not None:
+            progress.finish_case(result)
+    return results
+
+
+# ---- isolated workers -----------------------------------------------------------------------------
+
+_WORKER_BOOT = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+    "from mhattn.conformance.worker import main; sys.exit(main(sys.argv[2], sys.argv[3]))"
+)
+
+
+def _tail(path: str, limit: int = 1500) -> str:
+    try:
+        with open(path, "r", encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[-limit:].strip()
+
+
+class _Worker:
+    """One worker process running ``cases`` (all of one backend) from the first."""
+
+    def __init__(self, cases, folder: str, attempt: int):
+        self.cases_path = os.path.join(folder, f"cases{attempt}.jsonl")
+        self.results_path = os.path.join(folder, f"results{attempt}.jsonl")
+        self.log_path = os.path.join(folder, f"log{attempt}.txt")
+        with open(self.cases_path, "w", encoding="utf-8") as f:
+            for case in cases:
+                f.write(json.dumps({"backend": case.backend, "case": case.spec()}) + "\n")
+        open(self.results_path, "w").close()
+        self.log = open(self.log_path, "w", encoding="utf-8")
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_BOOT, json.dumps(sys.path), self.cases_path, self.results_path],
+            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        self._offset = 0
+        self._partial = ""
+
+    def new_messages(self) -> list:
+        with open(self.results_path, "r", encoding="utf-8") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+            self._offset = f.tell()
+        text = self._partial + chunk
+        lines = text.split("\n")
+        self._partial = lines.pop()  # an unfinished last line waits for the next read
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+def run_isolated(cases, progress=None, case_timeout: float = 600.0, poll_seconds: float = 0.2) -> list:
+    """Run ``cases`` in worker processes, one backend at a time; returns results in case order."""
+    results = [None] * len(cases)
+    groups = []
+    for index, case in enumerate(cases):
+        if groups and groups[-1][0] == case.backend:
+            groups[-1][1].append(index)
+        else:
+            groups.append((case.backend, [index]))
+    with tempfile.TemporaryDirectory(prefix="mhattn-conformance-") as folder:
+        attempt = 0
+        for _, indices in groups:
+            position = 0  # next index (into `indices`) without a result
+            while position < len(indices):
+                attempt += 1
+                todo = indices[position:]
+                worker = _Worker([cases[i] for i in todo], folder, attempt)
+                running, last_news, unknown = None, time.monotonic(), False
+                try:
+                    while True:
+                        for message in worker.new_messages():
+                            last_news = time.monotonic()
+                            if "unknown_backend" in message:
+                                unknown = True
+                            elif "start" in message:
+                                running = todo[message["start"]]
+                                if progress is not None:
+                                    c = cases[running]
+                                    progress.start(f"{c.backend} {c.feature} {c.describe()}")
+                            elif "result" in message:
+                                done = todo[message["index"]]
+                                results[done] = CaseResult.from_dict(message["result"])
+                                position = indices.index(done) + 1
+                                running = None
+                                if progress is not None:
+                                    progress.finish_case(results[done])
+                        exited = worker.process.poll() is not None
+                        silent = time.monotonic() - last_news > case_timeout
+                        if exited or silent:
+                            break
+                        time.sleep(poll_seconds)
+                    # drain what the worker wrote before it stopped
+                    for message in worker.new_messages():
+                        if "result" in message:
+                            done = todo[message["index"]]
+                            results[done] = CaseResult.from_dict(message["result"])
+                            position = indices.index(done) + 1
+                            running = None
+                            if progress is not None:
+                                progress.finish_case(results[done])
+                        elif "start" in message:
+                            running = todo[message["start"]]
+                finally:
+                    worker.stop()
+                if position >= len(indices):
+                    break
+                if unknown or worker.process.returncode == WORKER_UNKNOWN_BACKEND:
+                    rest = [cases[i] for i in indices[position:]]
+                    for i, result in zip(indices[position:], run_in_process(rest, progress)):
+                        results[i] = result
+                    break
+                code = worker.process.returncode
+                log = _tail(worker.log_path)
+                if running is None:
+                    # the worker died before starting a case: nothing later would fare better
+                    for i in indices[position:]:
+                        results[i] = CaseResult(cases[i], FAIL, error=f"the worker process failed before running "
+                                                f"any case (exit status {code}): {log}")
+                        if progress is not None:
+                            progress.finish_case(results[i])
+                    break
+                if silent and not exited:
+                    why = f"timed out: no result after {case_timeout:.0f} s (the worker was killed)"
+                elif code == WORKER_CONTEXT_LOST:
+                    why = "the CUDA context was lost after this case; a fresh worker runs the rest"
+                else:
+                    why = f"the worker process died while running this case (exit status {code}): {log}"
+                if results[running] is None:
+                    results[running] = CaseResult(cases[running], FAIL, error=why)
+                    if progress is not None:
+                        progress.finish_case(results[running])
+                position = indices.index(running) + 1
+    return results
