@@ -65,8 +65,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
       with a float mask warns (torch deprecates it).
     - is_causal: torch's hint that ``attn_mask`` is the causal mask. As in torch it needs ``attn_mask``
       (else ``RuntimeError``); with ``need_weights=False`` and no key_padding_mask the mask is then not
-      read and attention is causal with query i seeing keys j <= i (top-left, counting the extra
-      ``bias_k``/zero keys at the end); otherwise the hint is ignored and ``attn_mask`` is used.
+      read at all (even a mask that is not causal) and attention is causal with query i seeing keys
+      j <= i (top-left; the extra ``bias_k``/zero keys count as keys S, S + 1); otherwise the hint is
+      ignored and ``attn_mask`` is used.
     - dropout (the constructor's) applies only in training mode.
 
     Returns ``(attn_output, attn_weights)``: attn_output shaped like query with E features;
@@ -74,10 +75,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
     (N, L, S') averaged over heads or (N, num_heads, L, S') with ``average_attn_weights=False``
     (batch dim dropped for unbatched input), S' = S plus the bias_k and zero-attention keys.
 
-    ``need_weights=False`` runs :func:`mhattn.attention` (the dispatcher picks the backend; masks are
-    passed as broadcast views, never expanded to (N, heads, L, S) unless both masks are given and must
-    be combined). ``need_weights=True`` runs the naive reference, which materialises the weights and is
-    differentiable through autograd.
+    ``need_weights=False`` runs :func:`mhattn.attention` (the dispatcher picks the backend). Each mask
+    reaches it in its own size, as a broadcast view (key padding (N, 1, 1, S), a 2-D attn_mask (L, S),
+    a 3-D one (N, heads, L, S)); only when both masks are given is their combination materialised, in
+    their broadcast shape. ``need_weights=True`` runs the naive reference, which materialises the
+    weights and is differentiable through autograd.
 
     Differences from torch, on purpose:
 
