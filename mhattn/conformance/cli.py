@@ -186,10 +186,26 @@ def _run_single(backend, spec: str, device_override, report_path) -> int:
 def run(args) -> int:
     import torch
 
+    from mhattn.conformance.cases import COLUMNS, dtype_name
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("mhattn conformance: --device cuda: no CUDA GPU is visible", file=sys.stderr)
         return 2
+    if args.case and len(_split(args.backend)) != 1:
+        print("mhattn conformance: --case needs exactly one --backend", file=sys.stderr)
+        return 2
+    try:
+        dtypes = [dtype_name(d) for d in _split(args.dtype)] or None
+    except ValueError as error:
+        print(f"mhattn conformance: --{error}", file=sys.stderr)
+        return 2
+    features = _split(args.feature) or None
+    unknown = [f for f in features or [] if f not in COLUMNS]
+    if unknown:
+        print(f"mhattn conformance: --feature: unknown {unknown}; known: {', '.join(COLUMNS)}", file=sys.stderr)
+        return 2
+
     if device == "cpu" and not torch.cuda.is_available():
         from mhattn import registry
 
@@ -199,9 +215,7 @@ def run(args) -> int:
             return _restart_with_interpreter(args)
         if switch == "set":
             os.environ["TRITON_INTERPRET"] = "1"
-    notes = []
 
-    from mhattn.conformance.cases import COLUMNS, dtype_name
     from mhattn.conformance.compile_check import nvrtc_compile_check
     from mhattn.conformance.environment import describe_environment
     from mhattn.conformance.progress import Progress
@@ -213,21 +227,7 @@ def run(args) -> int:
         print(error, file=sys.stderr)
         return 2
     if args.case:
-        if len(backends) != 1 or not args.backend:
-            print("mhattn conformance: --case needs exactly one --backend", file=sys.stderr)
-            return 2
         return _run_single(backends[0], args.case, args.device, args.report)
-
-    try:
-        dtypes = [dtype_name(d) for d in _split(args.dtype)] or None
-    except ValueError as error:
-        print(f"mhattn conformance: --{error}", file=sys.stderr)
-        return 2
-    features = _split(args.feature) or None
-    unknown = [f for f in features or [] if f not in COLUMNS]
-    if unknown:
-        print(f"mhattn conformance: --feature: unknown {unknown}; known: {', '.join(COLUMNS)}", file=sys.stderr)
-        return 2
 
     plan = make_plan(backends, args.mode, device, dtypes=dtypes, features=features)
     if args.list:
@@ -251,7 +251,7 @@ def run(args) -> int:
     if want_compile is None:
         want_compile = device == "cpu" and not torch.cuda.is_available() and any(b.name == "cupy" for b in backends)
     compile_check = nvrtc_compile_check() if want_compile else None
-    notes += _what_ran(plan, device)
+    notes = _what_ran(plan, device)
 
     report = Report(args.mode, device, describe_environment(), results=results, unavailable=plan.unavailable,
                     notes=notes, extra=[compile_check] if compile_check else [],

@@ -30,6 +30,8 @@ WORKER_CONTEXT_LOST = 3
 # Exit status of a worker that does not know the backend (registered by a call in the parent only): the
 # parent runs that backend's cases itself.
 WORKER_UNKNOWN_BACKEND = 4
+# Seconds a worker may take to start (import torch and the backends, initialise CUDA) before its first case.
+STARTUP_TIMEOUT = 300.0
 
 
 @dataclass
@@ -111,6 +113,18 @@ def _tail(path: str, limit: int = 1500) -> str:
     return text[-limit:].strip()
 
 
+def _factory(name: str) -> str:
+    """'module:Class' for a backend whose class a fresh process can import (so a backend registered by a
+    call, not an entry point, still runs isolated); '' otherwise."""
+    try:
+        cls = type(registry.get_backend(name))
+    except Exception:
+        return ""
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        return ""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
 class _Worker:
     """One worker process running ``cases`` (all of one backend) from the first."""
 
@@ -120,7 +134,11 @@ class _Worker:
         self.log_path = os.path.join(folder, f"log{attempt}.txt")
         with open(self.cases_path, "w", encoding="utf-8") as f:
             for case in cases:
-                f.write(json.dumps({"backend": case.backend, "case": case.spec()}) + "\n")
+                entry = {"backend": case.backend, "case": case.spec()}
+                factory = _factory(case.backend)
+                if factory:
+                    entry["factory"] = factory
+                f.write(json.dumps(entry) + "\n")
         open(self.results_path, "w").close()
         self.log = open(self.log_path, "w", encoding="utf-8")
         self.process = subprocess.Popen(
@@ -129,6 +147,7 @@ class _Worker:
         )
         self._offset = 0
         self._partial = ""
+        self.heard = False
 
     def new_messages(self) -> list:
         with open(self.results_path, "r", encoding="utf-8") as f:
@@ -138,7 +157,9 @@ class _Worker:
         text = self._partial + chunk
         lines = text.split("\n")
         self._partial = lines.pop()  # an unfinished last line waits for the next read
-        return [json.loads(line) for line in lines if line.strip()]
+        messages = [json.loads(line) for line in lines if line.strip()]
+        self.heard = self.heard or bool(messages)
+        return messages
 
     def stop(self):
         if self.process.poll() is None:
@@ -184,7 +205,9 @@ def run_isolated(cases, progress=None, case_timeout: float = 600.0, poll_seconds
                                 if progress is not None:
                                     progress.finish_case(results[done])
                         exited = worker.process.poll() is not None
-                        silent = time.monotonic() - last_news > case_timeout
+                        # before its first message the worker is still starting (imports, CUDA init)
+                        allowed = case_timeout if worker.heard else max(case_timeout, STARTUP_TIMEOUT)
+                        silent = time.monotonic() - last_news > allowed
                         if exited or silent:
                             break
                         time.sleep(poll_seconds)

@@ -58,12 +58,16 @@ def _max_abs_diff(x: torch.Tensor, gold: torch.Tensor) -> float:
 
 
 def compare(name: str, x: torch.Tensor, gold: torch.Tensor, lowp: torch.Tensor = None, *, dtype=None,
-            factor: float = None, relative: float = None) -> Comparison:
+            factor: float = None, relative: float = None, floor_scale: float = None) -> Comparison:
     """Judge ``x`` (a backend's result) against ``gold``.
 
     Half precision: bound = factor * max|lowp - gold| + floor, ``lowp`` being the reference run in the
     input dtype. Full precision (``relative`` given, or dtype float32/float64 with no ``lowp``): bound =
     relative * max|gold|.
+
+    ``floor_scale``: a magnitude the floor (and the relative bound) use when it exceeds max|gold|. A gold
+    that cancels to exactly 0 (dq and dk of rows that see a single key) otherwise leaves a bound of 0
+    that any rounding residue breaks; the caller passes the size of the terms that cancel.
     """
     dtype = dtype or x.dtype
     if x.shape != gold.shape:
@@ -74,6 +78,8 @@ def compare(name: str, x: torch.Tensor, gold: torch.Tensor, lowp: torch.Tensor =
         return Comparison(name, False, float("nan"), 0.0, float("inf"), " (NaN/Inf where the gold is finite, or unwritten)")
     err = _max_abs_diff(x, gold)
     scale = float(gold[torch.isfinite(gold)].abs().max()) if bool(torch.isfinite(gold).any()) else 0.0
+    if floor_scale is not None:
+        scale = max(scale, float(floor_scale))
     if relative is None and lowp is None:
         relative = {torch.float64: FP64_RELATIVE}.get(dtype, FP32_RELATIVE)
     if relative is not None:

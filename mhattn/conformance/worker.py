@@ -1,14 +1,44 @@
 """The worker process of an isolated conformance run (see mhattn.conformance.suite).
 
-Reads cases (JSON lines ``{"backend", "case"}``), runs them in order and appends to the results file
+Reads cases (JSON lines ``{"backend", "case", "factory"}``, factory optional: 'module:Class' of a backend
+registered by a call in the parent), runs them in order and appends to the results file
 ``{"start": i}`` before and ``{"index": i, "result": {...}}`` after each one, flushed at once so the parent
 sees how far it got even if this process dies.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
+
+
+def _backend(registry, name: str, factory: str):
+    """The registered backend ``name``; else one made from ``factory`` ('module:Class') and registered
+    here; None when neither works."""
+    from mhattn.errors import UnknownBackendError
+
+    try:
+        registered = registry.get_backend(name)
+    except UnknownBackendError:
+        registered = None
+    if registered is not None:
+        cls = type(registered)
+        if not factory or factory == f"{cls.__module__}:{cls.__qualname__}":
+            return registered
+    if not factory:
+        return None
+    module_name, _, qualname = factory.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        backend = obj()
+    except Exception:
+        return None
+    if getattr(backend, "name", None) != name:
+        return None
+    return registry.register_backend(backend, replace=True)
 
 
 def main(cases_path: str, results_path: str) -> int:
@@ -16,7 +46,6 @@ def main(cases_path: str, results_path: str) -> int:
     from mhattn.conformance.cases import parse_spec
     from mhattn.conformance.runner import FAIL, run_case
     from mhattn.conformance.suite import WORKER_CONTEXT_LOST, WORKER_UNKNOWN_BACKEND, cuda_context_healthy
-    from mhattn.errors import UnknownBackendError
 
     with open(cases_path, "r", encoding="utf-8") as f:
         entries = [json.loads(line) for line in f if line.strip()]
@@ -27,10 +56,9 @@ def main(cases_path: str, results_path: str) -> int:
 
         for index, entry in enumerate(entries):
             case = parse_spec(entry["case"], entry["backend"])
-            try:
-                backend = registry.get_backend(case.backend)
-            except UnknownBackendError:
-                # registered only inside the parent process (by a call, not an entry point)
+            backend = _backend(registry, case.backend, entry.get("factory", ""))
+            if backend is None:
+                # registered only inside the parent process, from a class this process cannot import
                 write({"unknown_backend": case.backend})
                 return WORKER_UNKNOWN_BACKEND
             write({"start": index})

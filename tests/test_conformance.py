@@ -1,0 +1,442 @@
+"""The conformance suite (mhattn.conformance) and ``mhattn conformance``.
+
+CPU: the reference passes every quick case; deliberately broken backends (wrong scale, an unwritten
+output, a wrong dk sign, dropout that ignores its own mask, lse not -inf on empty rows, a wrong mask
+gradient, a non-deterministic backward) are each caught by the check meant for them; the table, the
+reports, the reproduce command and the isolated workers work. GPU: every backend that declares CUDA
+passes the quick cases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import os
+import time
+
+import pytest
+import torch
+
+import mhattn
+from mhattn.backends.base import Capabilities
+from mhattn.cli import main as mhattn_main
+from mhattn.conformance import cases as cases_module
+from mhattn.conformance.cases import COLUMNS, Case, full_cases, parse_spec, quick_cases
+from mhattn.conformance.poison import poisoned_allocations
+from mhattn.conformance.report import Report, render_markdown, render_text, to_json
+from mhattn.conformance.runner import FAIL, PASS, UNSUPPORTED, run_case
+from mhattn.conformance.suite import make_plan, run_in_process, run_isolated
+from mhattn.reference.backend import ReferenceBackend
+
+REFERENCE = mhattn.get_backend("reference")
+
+
+# ---- deliberately broken backends -----------------------------------------------------------------
+
+
+class WrongScale(ReferenceBackend):
+    """Forward with the score scale off by 2 %."""
+
+    name = "test-wrong-scale"
+
+    def forward(self, q, k, v, params):
+        return super().forward(q, k, v, params.replace(scale=params.scale * 1.02))
+
+
+class UnwrittenRow(ReferenceBackend):
+    """Allocates its output with torch.empty and never writes the last query row."""
+
+    name = "test-unwritten-row"
+
+    def forward(self, q, k, v, params):
+        out, lse = super().forward(q, k, v, params)
+        result = torch.empty_like(out)
+        result[:, :, :-1] = out[:, :, :-1]
+        return result, lse
+
+
+class WrongDkSign(ReferenceBackend):
+    name = "test-wrong-dk-sign"
+
+    def backward(self, *args, **kwargs):
+        dq, dk, dv, dmask = super().backward(*args, **kwargs)
+        return dq, -dk, dv, dmask
+
+
+class DropoutIgnoresMask(ReferenceBackend):
+    """Says it drops with the shared counter RNG, but drops with another seed."""
+
+    name = "test-dropout-other-seed"
+
+    def forward(self, q, k, v, params):
+        return super().forward(q, k, v, params.replace(seed=(params.seed[0] ^ 1, params.seed[1])))
+
+
+class FiniteLseOnEmptyRows(ReferenceBackend):
+    """Writes lse 0 instead of -inf for rows that see no key."""
+
+    name = "test-finite-empty-lse"
+
+    def forward(self, q, k, v, params):
+        out, lse = super().forward(q, k, v, params)
+        return out, torch.nan_to_num(lse, neginf=0.0)
+
+
+class WrongMaskGrad(ReferenceBackend):
+    name = "test-wrong-mask-grad"
+
+    def backward(self, *args, **kwargs):
+        dq, dk, dv, dmask = super().backward(*args, **kwargs)
+        return dq, dk, dv, None if dmask is None else dmask * 1.5
+
+
+class NoisyBackward(ReferenceBackend):
+    """A backward whose last bit of one dq element changes from run to run (as unordered atomics would):
+    within the tolerance, caught only by the bitwise comparison."""
+
+    name = "test-noisy-backward"
+    calls = 0
+
+    def backward(self, *args, **kwargs):
+        dq, dk, dv, dmask = super().backward(*args, **kwargs)
+        NoisyBackward.calls += 1
+        bits = dq.contiguous().view(torch.int16 if dq.element_size() == 2 else torch.int32).view(-1)
+        bits[NoisyBackward.calls % bits.numel()] ^= 1
+        return dq, dk, dv, dmask
+
+
+class NoDropout(ReferenceBackend):
+    """A correct backend that declares no dropout and no sliding window."""
+
+    name = "test-no-dropout"
+    capabilities = dataclasses.replace(
+        ReferenceBackend.capabilities, features=ReferenceBackend.capabilities.features - {"dropout", "window"}
+    )
+
+
+class MisbehavesInWorker(ReferenceBackend):
+    """Inside a worker process (never the test process): kills its process on head dim 59 and hangs on
+    head dim 64; correct otherwise."""
+
+    name = "test-misbehaves-in-worker"
+
+    def forward(self, q, k, v, params):
+        if str(os.getpid()) != os.environ.get("MHATTN_TEST_PARENT_PID"):
+            if q.shape[-1] == 59:
+                os._exit(7)
+            if q.shape[-1] == 64:
+                time.sleep(120)
+        return super().forward(q, k, v, params)
+
+
+@contextlib.contextmanager
+def registered(*backends):
+    for backend in backends:
+        mhattn.register_backend(backend)
+    try:
+        yield
+    finally:
+        for backend in backends:
+            mhattn.unregister_backend(backend.name)
+
+
+def cpu_quick(backend, dtypes=("fp16",), features=None):
+    found = quick_cases(backend, "cpu", list(dtypes))
+    return [c for c in found if features is None or c.feature in features]
+
+
+def run_cli(*argv):
+    out = io.StringIO()
+    err = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = mhattn_main(["conformance", *argv])
+    return status, out.getvalue(), err.getvalue()
+
+
+# ---- the reference passes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32", "fp64"])
+def test_reference_passes_every_quick_case_on_the_cpu(dtype):
+    cases = cpu_quick(REFERENCE, [dtype])
+    assert {c.feature for c in cases} == set(COLUMNS)
+    results = [run_case(REFERENCE, c) for c in cases]
+    failed = [f"{r.case.command()}: {r.summary()}" for r in results if r.status != PASS]
+    assert not failed, "\n".join(failed)
+    for r in results:
+        assert r.checks and all(c.ratio <= 1.0 for c in r.checks)
+
+
+def test_reference_passes_the_full_cpu_cases_sampled():
+    cases = full_cases(REFERENCE, "cpu", ["fp16"])
+    assert {c.feature for c in cases} == set(COLUMNS)
+    # every head dim and (Nq, Nk) pair of the CPU lists appears
+    assert {c.head_dim for c in cases} >= set(cases_module.CPU_HEAD_DIMS)
+    assert {(c.seqlen_q, c.seqlen_k) for c in cases} >= set(cases_module.CPU_SEQLENS)
+    results = [run_case(REFERENCE, c) for c in cases[::5]]
+    failed = [f"{r.case.command()}: {r.summary()}" for r in results if r.status != PASS]
+    assert not failed, "\n".join(failed)
+
+
+def test_full_gpu_cases_cover_conformance_lists():
+    cases = full_cases(REFERENCE, "cuda", ["fp16", "bf16"])
+    assert {c.head_dim for c in cases} >= set(cases_module.HEAD_DIMS)
+    assert {(c.seqlen_q, c.seqlen_k) for c in cases} >= set(cases_module.SEQLENS)
+    assert {c.causal for c in cases} >= {None, "top_left", "bottom_right"}
+    assert {(c.heads_q, c.heads_kv) for c in cases} >= set(cases_module.HEADS.values())
+    assert {c.mask_dims for c in cases if c.mask in ("bool", "float")} == set(cases_module.MASK_DIMS_CHOICES)
+    assert any(c.dropout_p == cases_module.DROPOUT_P for c in cases)
+    assert max(c.det_runs for c in cases) == 50
+    # sequences of 1024 and more keys run with batch 1
+    assert all(c.batch == 1 for c in cases if max(c.seqlen_q, c.seqlen_k) >= 1024)
+
+
+def test_head_dims_follow_declared_capabilities():
+    class Narrow(ReferenceBackend):
+        name = "test-narrow"
+        capabilities = dataclasses.replace(ReferenceBackend.capabilities, min_head_dim=32, max_head_dim=128)
+
+    cases = full_cases(Narrow(), "cuda", ["fp16"])
+    assert {c.head_dim for c in cases} <= {32, 40, 59, 64, 80, 96, 111, 128}
+    assert all(c.value_dim <= 128 for c in cases)
+
+
+# ---- specs and reproduce commands ------------------------------------------------------------------
+
+
+def test_case_spec_round_trips_for_every_generated_case():
+    for device in ("cpu", "cuda"):
+        for case in quick_cases(REFERENCE, device, ["fp16", "fp32"]) + full_cases(REFERENCE, device, ["bf16"]):
+            assert parse_spec(case.spec(), case.backend) == case
+            assert case.command().startswith(f"mhattn conformance --backend {case.backend} --case ")
+
+
+def test_spec_parsing_errors_name_the_key():
+    with pytest.raises(ValueError, match="unknown key 'bogus'"):
+        parse_spec("bogus=1", "reference")
+    with pytest.raises(ValueError, match="window"):
+        parse_spec("window=3", "reference")
+    with pytest.raises(ValueError, match="heads_q"):
+        Case(backend="reference", feature="gqa", heads_q=6, heads_kv=4)
+    # a spec without a seed gets a stable one
+    assert parse_spec("d=40,nq=3,nk=5", "reference").seed == parse_spec("nk=5,nq=3,d=40", "reference").seed
+
+
+def test_inputs_are_fresh_and_reproducible():
+    from mhattn.conformance.inputs import make_inputs
+
+    case = parse_spec("feature=strided,device=cpu,b=2,hq=4,hkv=2,nq=9,nk=13,d=16,strided=1,seed=5", "reference")
+    a, b = make_inputs(case, "cpu"), make_inputs(case, "cpu")
+    assert torch.equal(a.q, b.q) and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    # strided: views of packed projections, last dim contiguous, no other dim contiguous
+    assert a.q.stride(-1) == 1 and not a.q.is_contiguous() and a.k.data_ptr() != a.v.data_ptr()
+    other = make_inputs(dataclasses.replace(case, seed=6), "cpu")
+    assert not torch.equal(a.q, other.q)
+
+
+def test_poisoned_allocations_fill_floats_with_nan_and_restore():
+    with poisoned_allocations():
+        assert torch.empty(5).isnan().all()
+        assert torch.empty_like(torch.zeros(3, dtype=torch.float16)).isnan().all()
+        assert torch.zeros(2).new_empty(4).isnan().all()
+        assert torch.empty(3, dtype=torch.int32).dtype == torch.int32  # integers untouched
+    assert not hasattr(torch.empty, "__wrapped__")
+
+
+# ---- broken backends are caught -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "backend, features, failing_check",
+    [
+        (WrongScale(), ["basic", "causal"], "out"),
+        (UnwrittenRow(), ["basic"], "out"),
+        (WrongDkSign(), ["basic", "gqa"], "dk"),
+        (DropoutIgnoresMask(), ["dropout"], "out"),
+        (FiniteLseOnEmptyRows(), ["fully_masked"], "lse"),
+        (WrongMaskGrad(), ["mask_grad"], "dmask"),
+        (NoisyBackward(), ["deterministic"], "backward run 2 == run 1"),
+    ],
+    ids=lambda x: getattr(x, "name", None) if isinstance(x, ReferenceBackend) else None,
+)
+def test_a_broken_backend_is_caught(backend, features, failing_check):
+    results = [run_case(backend, c) for c in cpu_quick(backend, ["fp16"], features)]
+    assert results and all(r.status == FAIL for r in results), [r.summary() for r in results]
+    for r in results:
+        assert failing_check in {c.name for c in r.failed_checks}, r.summary()
+
+
+def test_unwritten_output_shows_as_nan():
+    case = cpu_quick(UnwrittenRow(), ["fp32"], ["basic"])[0]
+    result = run_case(UnwrittenRow(), case)
+    out = next(c for c in result.checks if c.name == "out")
+    assert not out.ok and "NaN" in out.note and math.isinf(result.worst_ratio)
+
+
+def test_an_exception_is_a_failure_with_its_message():
+    class Raises(ReferenceBackend):
+        name = "test-raises"
+
+        def backward(self, *args, **kwargs):
+            raise RuntimeError("kernel launch failed: too many resources requested")
+
+    result = run_case(Raises(), cpu_quick(Raises(), ["fp16"], ["basic"])[0])
+    assert result.status == FAIL and "too many resources" in result.error
+
+
+def test_undeclared_features_are_unsupported_with_the_backend_reason():
+    backend = NoDropout()
+    results = [run_case(backend, c) for c in cpu_quick(backend, ["fp16"])]
+    by_feature = {}
+    for r in results:
+        by_feature.setdefault(r.case.feature, set()).add(r.status)
+    assert by_feature["dropout"] == {UNSUPPORTED} and by_feature["window"] == {UNSUPPORTED}
+    assert by_feature["basic"] == {PASS}
+    dropout = next(r for r in results if r.case.feature == "dropout")
+    assert dropout.reasons == ["does not support dropout"]
+
+    report = Report("quick", "cpu", {"device": "test"}, results=results)
+    text = render_text(report)
+    assert "unsupported [1]" in text and "test-no-dropout: does not support dropout" in text
+    assert report.ok  # unsupported is not a failure
+    md = render_markdown(report)
+    assert "| dropout |" in md and "does not support dropout" in md
+    data = to_json(report)
+    json.dumps(data, allow_nan=False)
+    assert data["ok"] and len(data["results"]) == len(results)
+
+
+# ---- plans, workers ---------------------------------------------------------------------------------
+
+
+def test_plan_lists_unavailable_backends_with_reasons():
+    class Missing(ReferenceBackend):
+        name = "test-missing"
+
+        def unavailable(self):
+            return ["the test package is not installed"]
+
+    class GpuOnly(ReferenceBackend):
+        name = "test-gpu-only"
+        capabilities = dataclasses.replace(ReferenceBackend.capabilities, device_types=frozenset({"cuda"}))
+
+    plan = make_plan([REFERENCE, Missing(), GpuOnly()], "quick", "cpu")
+    assert plan.unavailable["test-missing"] == ["the test package is not installed"]
+    assert "this run is on cpu" in plan.unavailable["test-gpu-only"][0]
+    assert {c.backend for c in plan.cases} == {"reference"}
+    assert {c.dtype for c in plan.cases} == {"fp16", "fp32"}
+
+
+def test_isolated_workers_survive_a_crash_and_a_hang(monkeypatch):
+    monkeypatch.setenv("MHATTN_TEST_PARENT_PID", str(os.getpid()))
+    backend = MisbehavesInWorker()
+    with registered(backend):
+        cases = cpu_quick(backend, ["fp32"], ["basic", "causal"])
+        assert [c.head_dim for c in cases] == [59, 64, 32, 32]  # crash, hang, pass, pass
+        results = run_isolated(cases, case_timeout=5.0)
+    assert [r.case for r in results] == cases
+    assert [r.status for r in results] == [FAIL, FAIL, PASS, PASS], [r.summary() for r in results]
+    assert "died while running this case (exit status 7)" in results[0].error
+    assert "timed out" in results[1].error
+
+
+def test_isolated_run_of_a_backend_the_worker_cannot_import_falls_back_to_this_process():
+    class Local(ReferenceBackend):  # defined in a function: a fresh process cannot import it
+        name = "test-local"
+
+    local = Local()
+    with registered(local):
+        cases = cpu_quick(local, ["fp32"], ["basic"])
+        results = run_isolated(cases)
+    assert [r.status for r in results] == [PASS] * len(cases)
+
+
+def test_in_process_run_matches_cases():
+    cases = cpu_quick(REFERENCE, ["fp32"], ["causal", "gqa"])
+    results = run_in_process(cases)
+    assert [r.case for r in results] == cases and all(r.status == PASS for r in results)
+
+
+# ---- the command ------------------------------------------------------------------------------------
+
+
+def test_cli_quick_reference_passes_and_writes_reports(tmp_path):
+    md, js = tmp_path / "report.md", tmp_path / "report.json"
+    status, out, _ = run_cli("--quick", "--backend", "reference", "--no-progress", "--report", str(md))
+    assert status == 0, out
+    for feature in COLUMNS:
+        assert feature in out
+    assert "reference fp16" in out and "PASSED" in out and "device:" in out and "torch:" in out
+    assert "# mhattn conformance" in md.read_text()
+    status, _, _ = run_cli("--backend", "reference", "--no-progress", "--feature", "causal,dropout", "--dtype",
+                           "bf16", "--report", str(js))
+    assert status == 0
+    data = json.loads(js.read_text())
+    assert data["ok"] and {r["feature"] for r in data["results"]} == {"causal", "dropout"}
+    assert {r["dtype"] for r in data["results"]} == {"bf16"}
+
+
+def test_cli_fails_on_a_broken_backend_and_prints_reproduce_commands():
+    broken = WrongScale()
+    with registered(broken):
+        status, out, err = run_cli("--backend", broken.name, "--feature", "basic", "--dtype", "fp16")
+        assert status == 1
+        assert "FAIL" in out and "FAILED" in out
+        line = next(l for l in out.splitlines() if "reproduce: mhattn conformance" in l)
+        assert f"--backend {broken.name} --case " in line
+        assert "reproduce:" in err  # printed as it happened, above the progress bar
+        # the reproduce command runs the same case again, and fails again
+        spec = line.split("--case ", 1)[1].strip().strip("'")
+        status, out, _ = run_cli("--backend", broken.name, "--case", spec)
+        assert status == 1 and "out: FAIL" in out
+        status, out, _ = run_cli("--backend", "reference", "--case", spec)
+        assert status == 0 and "PASS" in out
+
+
+def test_cli_usage_errors():
+    assert run_cli("--backend", "no-such-backend")[0] == 2
+    assert run_cli("--backend", "reference", "--dtype", "int8")[0] == 2
+    assert run_cli("--backend", "reference", "--feature", "teleport")[0] == 2
+    assert run_cli("--case", "d=16")[0] == 2  # --case needs one --backend
+    status, out, _ = run_cli("--backend", "reference", "--list", "--feature", "window")
+    assert status == 0 and out.count("mhattn conformance --backend reference --case") == 2
+
+
+def test_cli_quick_triton_interpreter_smoke(tmp_path):
+    """The CPU path of the Triton backend through the command (restarts itself with TRITON_INTERPRET=1)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter path is taken only without a GPU")
+    report = tmp_path / "triton.json"
+    status, out, _ = run_cli("--backend", "triton", "--feature", "basic", "--dtype", "fp16", "--no-progress",
+                             "--report", str(report))
+    data = json.loads(report.read_text())
+    if data["unavailable"].get("triton"):
+        pytest.skip(f"triton backend unavailable: {data['unavailable']['triton']}")
+    assert status == 0, out
+    assert data["environment"].get("TRITON_INTERPRET") == "1"
+    assert [r["status"] for r in data["results"]] == ["pass", "pass"]
+
+
+# ---- GPU --------------------------------------------------------------------------------------------
+
+
+def _cuda_backends():
+    return [b.name for b in mhattn.registry.all_backends() if "cuda" in b.capabilities.device_types]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", _cuda_backends())
+def test_quick_cases_pass_on_the_gpu(name):
+    backend = mhattn.get_backend(name)
+    if backend.unavailable():
+        pytest.skip(f"{name}: {'; '.join(backend.unavailable())}")
+    plan = make_plan([backend], "quick", "cuda")
+    results = run_in_process(plan.cases)
+    failed = [f"{r.case.command()}: {r.summary()}" for r in results if r.status == FAIL]
+    assert not failed, "\n".join(failed)
+    assert any(r.status == PASS for r in results)
