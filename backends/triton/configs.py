@@ -65,14 +65,14 @@ TABLE = {}
 def _fill_defaults():
     for causal in (False, True):
         for d in (16, 32, 64):
-            TABLE[("sm90", "half", d, causal)] = AttentionConfig(_k(128, 64, 4, 3), _k(64, 128, 8, 2), _k(128, 64, 8, 2))
+            TABLE[("sm90", "half", d, causal)] = AttentionConfig(_k(128, 64, 4, 3), _k(32, 128, 8, 2), _k(128, 64, 8, 2))
             TABLE[("sm80", "half", d, causal)] = AttentionConfig(_k(128, 64, 4, 3), _k(64, 128, 8, 2), _k(128, 64, 8, 2))
             TABLE[("sm86", "half", d, causal)] = AttentionConfig(_k(64, 64, 4, 2), _k(32, 64, 4, 2), _k(64, 32, 4, 2))
-        TABLE[("sm90", "half", 128, causal)] = AttentionConfig(_k(128, 64, 8, 3), _k(64, 128, 8, 2), _k(128, 64, 8, 2))
+        TABLE[("sm90", "half", 128, causal)] = AttentionConfig(_k(128, 64, 8, 3), _k(32, 64, 8, 3), _k(128, 64, 8, 2))
         TABLE[("sm80", "half", 128, causal)] = AttentionConfig(_k(128, 64, 8, 2), _k(64, 64, 8, 2), _k(64, 64, 4, 2))
         TABLE[("sm86", "half", 128, causal)] = AttentionConfig(_k(64, 32, 4, 2), _k(32, 64, 4, 2), _k(64, 32, 4, 2))
-        TABLE[("sm90", "half", 256, causal)] = AttentionConfig(_k(64, 64, 4, 2), _k(32, 64, 4, 1), _k(64, 32, 4, 1))
-        TABLE[("sm80", "half", 256, causal)] = AttentionConfig(_k(64, 64, 4, 2), _k(32, 64, 4, 1), _k(64, 32, 4, 1))
+        TABLE[("sm90", "half", 256, causal)] = AttentionConfig(_k(64, 64, 8, 2), _k(32, 32, 8, 2), _k(128, 32, 8, 2))
+        TABLE[("sm80", "half", 256, causal)] = AttentionConfig(_k(64, 32, 4, 2), _k(32, 32, 8, 2), _k(64, 32, 4, 2))
         TABLE[("sm86", "half", 256, causal)] = AttentionConfig(_k(32, 32, 4, 1), _k(16, 32, 4, 1), _k(32, 16, 4, 1))
         for arch in ("sm90", "sm80"):
             for d in (16, 32, 64):

@@ -16,8 +16,8 @@ orientations.
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 # MASK_KIND values (constexpr): no mask, boolean mask (True = attend), additive float mask.
 MASK_NONE = 0
