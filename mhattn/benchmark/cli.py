@@ -104,6 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--module-seqlen", type=_int_list, default=None, help="N of the module benchmark (default 1k..8k)")
     what.add_argument("--module-layers", type=int, default=None, help="encoder layers (default 12)")
     what.add_argument("--module-steps", type=int, default=None, help="timed training steps per cell (default 10)")
+    what.add_argument("--module-tokens", type=int, default=None, help="tokens per training step (default 16384)")
     what.add_argument("--module-variant", action="extend", nargs="+", type=_name_list, default=None,
                       help="torch, mhattn (automatic backend) or mhattn:<backend> (default: torch and one per "
                            "selected mhattn backend)")
@@ -180,6 +181,8 @@ def build_selection(args, table: dict) -> plan.Selection:
         overrides["layers"] = args.module_layers
     if args.module_steps:
         overrides["steps"] = args.module_steps
+    if args.module_tokens:
+        overrides["tokens"] = args.module_tokens
     selection.module_config = module_bench.ModuleConfig(**{**config.as_dict(), **overrides})
     selection.tokens = args.tokens
     selection.reference_max_n = args.reference_max_n

@@ -5,9 +5,10 @@ Three kinds of task:
 - ``memory``: peak extra memory of one implementation's forward+backward at one N (see memory.py);
 - ``module``: training steps of the encoder with one attention module at one N (see module_bench.py).
 
-Order: the sweep of the first dtype, then the memory table, then the module benchmark, then the sweeps
-of the other dtypes, so a run cut short by its time limit has the most asked-for numbers first.
-Within the sweep, every implementation runs on one shape's inputs before the next shape's are drawn.
+Order: the memory table and the module benchmark first (a few seconds each), then the sweep, dtype by
+dtype, head dim by head dim: a run cut short by its time limit loses the last cells of the sweep, not
+whole sections. Within the sweep, every implementation runs on one shape's inputs before the next
+shape's are drawn.
 """
 
 from __future__ import annotations
@@ -99,15 +100,12 @@ def module_tasks(selection: Selection, table: dict) -> list:
 def plan_tasks(selection: Selection, table: dict) -> list:
     """Every task of the run, in the order they run (see the module docstring)."""
     tasks = []
-    dtypes = list(selection.dtypes)
-    if selection.sweep and dtypes:
-        tasks += sweep_tasks(selection, table, dtypes[0])
     if selection.memory:
         tasks += memory_tasks(selection, table)
     if selection.module:
         tasks += module_tasks(selection, table)
     if selection.sweep:
-        for dtype in dtypes[1:]:
+        for dtype in selection.dtypes:
             tasks += sweep_tasks(selection, table, dtype)
     return tasks
 

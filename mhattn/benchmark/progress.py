@@ -34,6 +34,7 @@ class Progress:
         self._last_draw = 0.0
         self._last_log = self.started
         self._drawn = False
+        self._last_line = ""
         try:
             self.tty = bool(self.stream.isatty())
         except Exception:
@@ -62,7 +63,7 @@ class Progress:
         if self.tty:
             self._draw(force=True)
             self.stream.write("\n")
-        else:
+        elif self.line() != self._last_line:
             self.stream.write(self.line() + "\n")
         self.stream.flush()
 
@@ -90,6 +91,7 @@ class Progress:
             self._drawn = True
             self._last_draw = now
         elif now - self._last_log >= self.log_every:
-            self.stream.write(self.line() + "\n")
+            self._last_line = self.line()
+            self.stream.write(self._last_line + "\n")
             self._last_log = now
         self.stream.flush()
