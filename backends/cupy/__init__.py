@@ -12,6 +12,7 @@ cupy-cuda13x`` with a CUDA 13 NVRTC; no CUDA toolkit or headers are needed.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -19,6 +20,9 @@ from mhattn.backends.base import AttentionParams, Backend, Capabilities
 from mhattn.backends.cupy import ops, variants
 
 __all__ = ["CupyBackend"]
+
+# Set to 1 to form dQ with float32 atomics (faster backward, not bitwise reproducible).
+FAST_BACKWARD_ENV = "MHATTN_CUPY_FAST_BACKWARD"
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,10 +54,13 @@ class CupyBackend(Backend):
         features=frozenset({"causal", "gqa", "bool_mask", "dropout", "window", "deterministic"}),
     )
 
-    def __init__(self, launcher=None, compute_capability=None):
+    def __init__(self, launcher=None, compute_capability=None, deterministic=None):
         # launcher: an object with launch(variant, grid, args, device, cc); default: CuPy on torch's stream.
         # compute_capability: fixed (major, minor) instead of the device's (the host-side emulator uses it).
+        # deterministic: None = bitwise-reproducible backward unless MHATTN_CUPY_FAST_BACKWARD=1; False = dQ
+        # through float32 atomics in the dK/dV kernel (faster, summation order varies between runs).
         self._launcher = launcher
+        self.deterministic = deterministic
         self._fixed_cc = None if compute_capability is None else tuple(compute_capability)
         self._cc_cache = {}
 
@@ -92,5 +99,13 @@ class CupyBackend(Backend):
     def forward(self, q, k, v, params: AttentionParams):
         return ops.forward(self.launcher, self._cc(q.device), q, k, v, params)
 
+    def _deterministic(self) -> bool:
+        if self.deterministic is not None:
+            return bool(self.deterministic)
+        if torch.are_deterministic_algorithms_enabled():
+            return True
+        return os.environ.get(FAST_BACKWARD_ENV, "0").strip().lower() in ("", "0", "false", "no")
+
     def backward(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
-        return ops.backward(self.launcher, self._cc(q.device), grad_out, q, k, v, out, lse, params, grad_lse)
+        return ops.backward(self.launcher, self._cc(q.device), grad_out, q, k, v, out, lse, params, grad_lse,
+                            deterministic=self._deterministic())

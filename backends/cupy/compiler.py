@@ -53,8 +53,9 @@ def arch_name(cc) -> str:
     return "sm_%d%d" % tuple(cc)
 
 
-def nvrtc_options(variant: Variant, cc) -> tuple:
-    return ("-std=c++17", f"--gpu-architecture={arch_name(cc)}") + tuple(
+def nvrtc_options(variant: Variant, cc, ptx_only: bool = False) -> tuple:
+    target = ("compute_%d%d" % tuple(cc)) if ptx_only else arch_name(cc)
+    return ("-std=c++17", f"--gpu-architecture={target}") + tuple(
         f"-D{name}={value}" for name, value in variant.defines
     )
 
@@ -70,11 +71,14 @@ def nvrtc_version() -> tuple:
     return tuple(_nvrtc().getVersion())
 
 
-def compile_cubin(variant: Variant, cc) -> bytes:
-    """Compile one variant for compute capability ``cc`` with NVRTC; raises KernelCompileError."""
+def compile_cubin(variant: Variant, cc, ptx_only: bool = False) -> bytes:
+    """Compile one variant for compute capability ``cc`` with NVRTC; raises KernelCompileError.
+
+    ``ptx_only`` stops after NVRTC's code generator and returns PTX (about 3x faster: every C++ and
+    code-generation error shows, but the inline PTX is only assembled when a cubin is built)."""
     nvrtc = _nvrtc()
     source = kernel_source(variant.source_file)
-    options = nvrtc_options(variant, cc)
+    options = nvrtc_options(variant, cc, ptx_only)
     program = nvrtc.createProgram(source, variant.source_file, (), ())
     try:
         try:
@@ -85,6 +89,9 @@ def compile_cubin(variant: Variant, cc) -> bytes:
                 f"NVRTC {'.'.join(map(str, nvrtc_version()))} failed to compile {variant.label} for "
                 f"{arch_name(cc)} ({error}):\n{log}"
             ) from None
+        if ptx_only:
+            ptx = nvrtc.getPTX(program)
+            return ptx if isinstance(ptx, bytes) else ptx.encode()
         return nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)

@@ -105,8 +105,13 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
     return out, lse
 
 
-def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
-    """Returns (dq, dk, dv, None): deterministic (no atomics), dK/dV summed over the query heads of a group."""
+def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None,
+             deterministic: bool = True):
+    """Returns (dq, dk, dv, None); dK/dV summed over the query heads of a group.
+
+    deterministic: dQ from its own kernel over key blocks (bitwise reproducible); False forms dQ inside the
+    dK/dV kernel with float32 atomic adds (fewer operations, summation order varies) where the tiles allow.
+    """
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     dq = _empty(q.shape, q.dtype, q.device)
@@ -138,11 +143,16 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
                   f32(params.scale * LOG2E), f32(params.scale)]
     feature_args = _feature_args(params)
 
-    for variant in variants.dkdv_variants(cc, dtype_name, d, level):
+    atomic_dq = not deterministic and variants.atomic_dq_possible(variants.dkdv_tiles(cc, d), d)
+    dq_accum = torch.zeros((batch, heads_q, seqlen_q, head_dim), dtype=torch.float32, device=q.device) if atomic_dq else None
+    for variant in variants.dkdv_variants(cc, dtype_name, d, level, atomic_dq=atomic_dq):
         grid = (cdiv(seqlen_k, variant.define("BLOCK_N")), heads_kv, batch)
-        args = [ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(lse_log2), ptr(delta), ptr(dk), ptr(dv)]
+        args = [ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(lse_log2), ptr(delta), ptr(dk), ptr(dv), ptr(dq_accum)]
         args += _strides(q) + _strides(k) + _strides(v) + _strides(grad_out) + _strides(dk) + _strides(dv)
         launcher.launch(variant, grid, args + shape_args + feature_args, q.device, cc)
+    if atomic_dq:
+        dq.copy_(dq_accum)
+        return dq, dk, dv, None
 
     variant = variants.dq_variant(cc, dtype_name, d, level)
     grid = (cdiv(seqlen_q, variant.define("BLOCK_M")), heads_q, batch)

@@ -102,8 +102,9 @@ def fwd_smem(tiles: FwdTiles, d: int) -> int:
     return (tiles.block_m + 4 * tiles.block_n) * _row_bytes(d)
 
 
-def dkdv_smem(tiles: DkdvTiles, d: int) -> int:
-    return (2 * tiles.block_n + 4 * tiles.block_m) * _row_bytes(d) + 4 * tiles.block_m * 4
+def dkdv_smem(tiles: DkdvTiles, d: int, atomic_dq: bool = False) -> int:
+    staged_ds = tiles.block_n * (tiles.block_m + 8) * 2 if atomic_dq else 0
+    return (2 * tiles.block_n + 4 * tiles.block_m) * _row_bytes(d) + 4 * tiles.block_m * 4 + staged_ds
 
 
 def dq_smem(tiles: DqTiles, d: int) -> int:
@@ -119,9 +120,10 @@ def fwd_tiles(cc, d: int) -> FwdTiles:
 
 def dkdv_tiles(cc, d: int) -> DkdvTiles:
     tiles = DKDV_TILES[d]
-    while dkdv_smem(tiles, d) > smem_limit(cc) and tiles.block_m > 16:
+    # sized for the largest mode (3, with its staged dS tile) so every mode launches with these tiles
+    while dkdv_smem(tiles, d, True) > smem_limit(cc) and tiles.block_m > 16:
         tiles = replace(tiles, block_m=tiles.block_m // 2)
-    while dkdv_smem(tiles, d) > smem_limit(cc) and tiles.num_warps > 1:
+    while dkdv_smem(tiles, d, True) > smem_limit(cc) and tiles.num_warps > 1:
         tiles = replace(tiles, num_warps=tiles.num_warps // 2, block_n=tiles.block_n // 2)
     return tiles
 
@@ -182,17 +184,28 @@ def fwd_variant(cc, dtype_name: str, d: int, level: str, tiles: FwdTiles = None)
     return Variant("fwd", tuple(defines), tiles.num_warps * 32, fwd_smem(tiles, d))
 
 
-def dkdv_variants(cc, dtype_name: str, d: int, level: str, tiles: DkdvTiles = None) -> list:
-    """One variant computing dK and dV, or two (dV only, then dK only) when ``tiles.split``."""
+def atomic_dq_possible(tiles: DkdvTiles, d: int) -> bool:
+    """Whether the dK/dV kernel can also form dQ with atomics (mode 3) with these tiles."""
+    m_tiles = tiles.block_m // 16
+    if tiles.split or tiles.num_warps % m_tiles:
+        return False
+    return (d // 32) % max(1, tiles.num_warps // m_tiles) == 0
+
+
+def dkdv_variants(cc, dtype_name: str, d: int, level: str, tiles: DkdvTiles = None, atomic_dq: bool = False) -> list:
+    """The dK/dV launches: one (mode 0: dK and dV), two (modes 1, 2: dV, then dK) when ``tiles.split``, or
+    with ``atomic_dq`` one that also adds dQ into a float32 accumulator with atomics (mode 3)."""
     tiles = tiles or dkdv_tiles(cc, d)
-    modes = (1, 2) if tiles.split else (0,)
+    if atomic_dq and not atomic_dq_possible(tiles, d):
+        raise ValueError(f"atomic_dq: tiles {tiles} at head dim {d} cannot form dQ in the dK/dV kernel")
+    modes = (3,) if atomic_dq else (1, 2) if tiles.split else (0,)
     out = []
     for mode in modes:
         defines = _common_defines(dtype_name, d, level) + [
             ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
             ("KV_IN_REGS", int(tiles.kv_in_regs)), ("DKDV_MODE", mode),
         ]
-        out.append(Variant("bwd_dkdv", tuple(defines), tiles.num_warps * 32, dkdv_smem(tiles, d)))
+        out.append(Variant("bwd_dkdv", tuple(defines), tiles.num_warps * 32, dkdv_smem(tiles, d, mode == 3)))
     return out
 
 
@@ -223,6 +236,8 @@ def all_variants(cc) -> list:
             for level in LEVELS:
                 out.append(fwd_variant(cc, dtype, d, level))
                 out.extend(dkdv_variants(cc, dtype, d, level))
+                if atomic_dq_possible(dkdv_tiles(cc, d), d):
+                    out.extend(dkdv_variants(cc, dtype, d, level, atomic_dq=True))
                 out.append(dq_variant(cc, dtype, d, level))
     return out
 

@@ -352,6 +352,8 @@ inline float elem_to_float(elem_t x) { return emu::elem_to_float_impl(x); }
 inline float fast_exp2(float x) { return exp2f(x); }
 inline float fast_log2(float x) { return log2f(x); }
 
+inline void atomic_add_f32(float* p, float x) { *p += x; }  // fibers never run concurrently
+
 inline float shfl_xor(float x, int lane_mask) {
   const int lane = emu::g_cur & 31;
   emu::WarpState& w = emu::g_warps[emu::g_cur >> 5];

@@ -11,7 +11,9 @@
 // dK is scaled by the softmax scale at the end.
 //
 // DKDV_MODE 0 computes both; 1 only dV and 2 only dK: for head dims above 128 both accumulators do not
-// fit in registers at once and the host launches the kernel twice.
+// fit in registers at once and the host launches the kernel twice. Mode 3 (the non-deterministic fast
+// path) also forms dQ here: dS^T goes through shared memory, dQ_partial = scale dS K for this key block,
+// and is added to a float32 dq_accum (B, Hq, Nq, head_dim) with atomic adds, whose order varies.
 #include "common.cuh"
 
 #ifndef DKDV_MODE
@@ -22,6 +24,7 @@
 #endif
 #define COMPUTE_DV (DKDV_MODE != 2)
 #define COMPUTE_DK (DKDV_MODE != 1)
+#define COMPUTE_DQ (DKDV_MODE == 3)
 
 constexpr int NT_S = BLOCK_M / 8;   // n8 tiles across a query block (columns of S^T)
 constexpr int NT_O = HEAD_DIM / 8;  // n8 tiles across a dK / dV row block
@@ -35,6 +38,17 @@ constexpr u32 OFF_Q = OFF_V + KV_TILE_BYTES;
 constexpr u32 OFF_DO = OFF_Q + 2 * Q_TILE_BYTES;
 constexpr u32 OFF_LSE = OFF_DO + 2 * Q_TILE_BYTES;
 constexpr u32 OFF_DELTA = OFF_LSE + 2 * BLOCK_M * 4;
+// mode 3: dS^T staged as a [key][query] tile (BLOCK_M + 8 elements per row, same bank-spreading pad)
+constexpr int DS_ROW = BLOCK_M + 8;
+constexpr u32 OFF_DS = OFF_DELTA + 2 * BLOCK_M * 4;
+// mode 3: the dQ product is split over warps: DQ_TILES m16 tiles, NUM_WARPS / DQ_TILES warps per tile
+// sharing its head-dim columns in chunks of 32
+constexpr int DQ_TILES = BLOCK_M / 16;
+constexpr int DQ_WARPS_PER_TILE = NUM_WARPS / DQ_TILES > 0 ? NUM_WARPS / DQ_TILES : 1;
+#if COMPUTE_DQ
+static_assert(NUM_WARPS % DQ_TILES == 0 && (HEAD_DIM / 32) % DQ_WARPS_PER_TILE == 0,
+              "mode 3 splits dQ's m16 tiles and 32-column chunks evenly over the warps");
+#endif
 static_assert(BLOCK_N == NUM_WARPS * 16, "each warp owns 16 key rows");
 static_assert(BLOCK_M % 16 == 0 && BLOCK_M <= 128, "BLOCK_M must be a multiple of 16, at most 128");
 
@@ -42,6 +56,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     mhattn_bwd_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
                     const elem_t* __restrict__ d_o, const float* __restrict__ lse_log2,
                     const float* __restrict__ delta, elem_t* __restrict__ dk, elem_t* __restrict__ dv,
+                    float* __restrict__ dq_accum,
                     i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
                     i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh,
                     i64 dv_sn,
@@ -284,6 +299,62 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
         load_b_frag_kn(bq, s_q, kk * 16, dp * 16, lane);
         mma_16816(acc_dk[2 * dp], a, bq[0], bq[1]);
         mma_16816(acc_dk[2 * dp + 1], a, bq[2], bq[3]);
+      }
+    }
+#endif
+
+#if COMPUTE_DQ
+    // dQ_partial = scale dS K: dS^T to shared memory as [key][query], then each warp takes an m16 tile of
+    // queries (and a share of the head-dim columns) with dS read back transposed as the A operand.
+    {
+      unsigned char* s_ds = smem + OFF_DS;
+#pragma unroll
+      for (int nt = 0; nt < NT_S; ++nt) {
+        const int col = nt * 8 + 2 * t;
+        *reinterpret_cast<u32*>(s_ds + ((warp_row0 + g) * DS_ROW + col) * 2) = pack2(dpt[nt][0], dpt[nt][1]);
+        *reinterpret_cast<u32*>(s_ds + ((warp_row0 + g + 8) * DS_ROW + col) * 2) = pack2(dpt[nt][2], dpt[nt][3]);
+      }
+      block_sync();
+      const int tile = warp % DQ_TILES;
+      const int part = warp / DQ_TILES;
+      constexpr int CHUNKS = HEAD_DIM / 32 / DQ_WARPS_PER_TILE;
+      float* dq_rows = dq_accum + (((i64)b * heads_q + hq) * seqlen_q) * head_dim;
+      const int row_a = m0 + tile * 16 + g, row_b = row_a + 8;
+#pragma unroll 1
+      for (int chunk = 0; chunk < CHUNKS; ++chunk) {
+        const int c0 = (part * CHUNKS + chunk) * 32;
+        if (c0 >= head_dim) break;
+        float acc[4][4];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+          u32 a[4];
+          load_a_frag_trans(a, smem_u32(s_ds), DS_ROW, tile * 16, kk * 16, lane);
+#pragma unroll
+          for (int dp = 0; dp < 2; ++dp) {
+            u32 bk[4];
+            load_b_frag_kn(bk, s_base + OFF_K, kk * 16, c0 + dp * 16, lane);
+            mma_16816(acc[2 * dp], a, bk[0], bk[1]);
+            mma_16816(acc[2 * dp + 1], a, bk[2], bk[3]);
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const int c = c0 + nt * 8 + 2 * t;
+          if (c < head_dim) {
+            if (row_a < seqlen_q) {
+              atomic_add_f32(dq_rows + (i64)row_a * head_dim + c, acc[nt][0] * scale);
+              atomic_add_f32(dq_rows + (i64)row_a * head_dim + c + 1, acc[nt][1] * scale);
+            }
+            if (row_b < seqlen_q) {
+              atomic_add_f32(dq_rows + (i64)row_b * head_dim + c, acc[nt][2] * scale);
+              atomic_add_f32(dq_rows + (i64)row_b * head_dim + c + 1, acc[nt][3] * scale);
+            }
+          }
+        }
       }
     }
 #endif

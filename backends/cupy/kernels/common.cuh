@@ -105,6 +105,14 @@ MHATTN_DEVICE void load_a_frag(u32 (&a)[4], u32 s_tile, int r0, int k0, int lane
   ldsm_x4(a, s_tile + (u32)((row * SMEM_ROW + col) * 2));
 }
 
+// A fragment of rows m0..m0+15, columns k0..k0+15 of A from a tile that stores A transposed, [k][m]
+// with `row_elems` elements per row (e.g. dS from a [key][query] tile), read transposed by ldmatrix.
+MHATTN_DEVICE void load_a_frag_trans(u32 (&a)[4], u32 s_tile, int row_elems, int m0, int k0, int lane) {
+  const int row = k0 + (lane & 7) + ((lane >> 4) << 3);
+  const int col = m0 + (((lane >> 3) & 1) << 3);
+  ldsm_x4_trans(a, s_tile + (u32)((row * row_elems + col) * 2));
+}
+
 // B fragments of two n8 tiles from a tile stored [n][k] (the B operand transposed, e.g. K for Q K^T):
 // n rows n0..n0+15, k columns k0..k0+15. b[0], b[1] serve n0..n0+7; b[2], b[3] serve n0+8..n0+15.
 MHATTN_DEVICE void load_b_frag_nk(u32 (&b)[4], u32 s_tile, int n0, int k0, int lane) {

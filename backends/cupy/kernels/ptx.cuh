@@ -101,6 +101,9 @@ MHATTN_DEVICE float fast_log2(float x) {
   return y;
 }
 
+// Fire-and-forget float add to global memory (the result is not returned, so no round trip).
+MHATTN_DEVICE void atomic_add_f32(float* p, float x) { asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(x) : "memory"); }
+
 MHATTN_DEVICE float shfl_xor(float x, int lane_mask) { return __shfl_xor_sync(0xffffffffu, x, lane_mask); }
 MHATTN_DEVICE void block_sync() { __syncthreads(); }
 

@@ -1,0 +1,100 @@
+"""``mhattn build``: compile every CUDA kernel variant with NVRTC, no GPU needed.
+
+    mhattn build --arch sm_80,sm_90 [--jobs N] [--no-cache] [--list]
+
+Each variant that a GPU of the given architecture may launch is compiled to a cubin; by default the
+cubins go to the kernel cache (``$MHATTN_CACHE_DIR``, else ``~/.cache/mhattn/cupy-kernels``) so a
+container image built this way starts without compiling. Exits 1 and names every variant that failed
+(with NVRTC's log) when any does: CI uses it as the check that the sources compile.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--arch", default="sm_80,sm_90",
+                        help="comma-separated GPU architectures (sm_80, sm_86, sm_89, sm_90, ...); default sm_80,sm_90")
+    parser.add_argument("--jobs", "-j", type=int, default=0, help="parallel compiler processes (default: all CPUs)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="compile only (do not read or write the kernel cache)")
+    parser.add_argument("--list", action="store_true", help="list the variants and exit")
+
+
+def _compile_one(task):
+    """Runs in a worker process: (variant, cc, use_cache) -> (label, arch, seconds, error or None)."""
+    variant, cc, use_cache = task
+    from mhattn.backends.cupy import compiler
+
+    start = time.perf_counter()
+    try:
+        if use_cache:
+            compiler.cubin_path(variant, cc)
+        else:
+            compiler.compile_cubin(variant, cc)
+        error = None
+    except Exception as exc:  # one failing variant must not hide the others
+        error = f"{type(exc).__name__}: {exc}"
+    return variant.label, compiler.arch_name(cc), time.perf_counter() - start, error
+
+
+def tasks_for(archs, use_cache=True) -> list:
+    from mhattn.backends.cupy import variants
+
+    tasks = []
+    for arch in archs:
+        cc = variants.parse_arch(arch)
+        tasks.extend((variant, cc, use_cache) for variant in variants.all_variants(cc))
+    return tasks
+
+
+def run(args) -> int:
+    archs = [a for a in (s.strip() for s in args.arch.split(",")) if a]
+    try:
+        tasks = tasks_for(archs, use_cache=not args.no_cache)
+    except ValueError as error:
+        print(f"mhattn build: {error}", file=sys.stderr)
+        return 2
+    if args.list:
+        from mhattn.backends.cupy.compiler import arch_name
+
+        for variant, cc, _ in tasks:
+            print(f"{arch_name(cc)}  {variant.label}  smem={variant.smem_bytes}")
+        return 0
+    try:
+        from mhattn.backends.cupy import compiler
+
+        version = ".".join(map(str, compiler.nvrtc_version()))
+    except Exception as error:
+        print(f"mhattn build: NVRTC cannot be loaded ({type(error).__name__}: {error}); install "
+              "cupy-cuda12x with nvidia-cuda-nvrtc-cu12, or cupy-cuda13x", file=sys.stderr)
+        return 2
+    jobs = args.jobs or os.cpu_count() or 1
+    where = "no cache" if args.no_cache else f"cache {compiler.cache_dir()}"
+    print(f"mhattn build: {len(tasks)} variants for {', '.join(archs)} with NVRTC {version}, {jobs} jobs, {where}")
+    start = time.perf_counter()
+    failures = []
+    if jobs == 1:
+        results = map(_compile_one, tasks)
+    else:
+        pool = ProcessPoolExecutor(max_workers=jobs)
+        results = pool.map(_compile_one, tasks, chunksize=1)
+    for label, arch, seconds, error in results:
+        if error:
+            failures.append((arch, label, error))
+            print(f"  FAILED {arch} {label}", flush=True)
+    if jobs != 1:
+        pool.shutdown()
+    elapsed = time.perf_counter() - start
+    if failures:
+        print(f"mhattn build: {len(failures)} of {len(tasks)} variants failed to compile ({elapsed:.0f} s):",
+              file=sys.stderr)
+        for arch, label, error in failures:
+            print(f"--- {arch} {label}\n{error}", file=sys.stderr)
+        return 1
+    print(f"mhattn build: all {len(tasks)} variants compiled ({elapsed:.0f} s)")
+    return 0
