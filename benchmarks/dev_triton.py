@@ -6,9 +6,10 @@ sdpa-flash in the same run, and peak memory.
 
 Sections (run in the order given, each skipped once the time budget --budget is spent):
 
-- ``sweep``: for d in 64, 128 and causal off/on at N = 4k, time the forward over candidate forward
-  tiles, then the backward over dK/dV tiles (dQ fixed) and dQ tiles (dK/dV fixed); the winners are used
-  by the later sections of the same run and printed as table entries for configs.py.
+- ``sweep``: for d in 64, 128 and causal off/on at N = 4k, coordinate descent from the configs.py entry:
+  the forward over candidate forward tiles, then the backward over the tiles of each backward kernel
+  (--kinds, in order) with the others at their best so far; the winners are used by the later
+  sections of the same run and printed as table entries for configs.py.
 - ``table``: bf16, B * N = 16384, H = 2048 / d, N in 512..16k, d in 64, 128: forward and backward
   TFLOP/s of the backend and of SDPA with FLASH_ATTENTION, timed with triton.testing.do_bench
   (median) on the same inputs, and their ratios.
@@ -37,18 +38,18 @@ TOKENS, HIDDEN = 16384, 2048
 SWEEP_N = 4096
 
 # Candidate tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), pre-screened by compiling for sm_90 on a
-# machine without a GPU and dropping those that spill registers (see NOTES at the end of this file).
+# machine without a GPU and dropping those that spill registers (backends/triton/NOTES.md).
 FWD_CANDIDATES = {
     64: ["128,64,4,3", "128,128,8,3", "128,64,8,3", "64,64,4,3", "128,64,4,4", "128,128,8,2"],
     128: ["128,64,8,3", "128,128,8,3", "128,64,8,2", "64,64,4,3", "128,128,8,2", "128,32,8,3"],
 }
 DKDV_CANDIDATES = {
-    64: ["64,128,8,2", "32,128,8,2", "16,128,8,3", "64,64,8,3", "32,64,4,3", "32,128,8,3"],
-    128: ["32,64,8,3", "16,128,8,3", "16,128,8,2", "32,128,8,2", "64,64,8,2", "32,64,8,2"],
+    64: ["32,64,4,3", "64,128,8,2", "32,64,4,2", "16,64,4,3", "16,128,8,3", "32,128,8,3"],
+    128: ["32,128,8,2", "32,128,8,3", "16,128,8,2", "64,64,8,2"],
 }
 DQ_CANDIDATES = {
-    64: ["128,64,8,2", "64,64,4,3", "128,32,4,3", "64,128,8,2", "128,128,8,2", "128,64,8,3"],
-    128: ["128,64,8,2", "64,64,4,3", "128,64,8,3", "128,32,8,3", "64,32,4,3", "64,128,8,2"],
+    64: ["64,64,4,3", "64,64,4,2", "64,32,4,3", "128,64,8,3", "128,32,4,3", "64,64,4,4"],
+    128: ["128,64,8,3", "128,64,8,2", "128,64,8,4", "64,64,4,3", "128,32,8,3", "64,32,4,3"],
 }
 
 
@@ -176,56 +177,65 @@ def default_config(head_dim, causal):
 
 
 def section_sweep(args, state):
+    """Coordinate descent over the three kernels' tiles, starting from the table entry: each kind in
+    --kinds is swept with the others at their best so far."""
     from mhattn.backends.triton import configs
 
+    kinds = args.kinds.split(",")
+    candidates = {"fwd": FWD_CANDIDATES, "dkdv": DKDV_CANDIDATES, "dq": DQ_CANDIDATES}
     dims = [64, 128]
     jobs = []
-    plans = {}
     for d in dims:
         for causal in (False, True):
             base = default_config(d, causal)
-            fwd = [configs.parse(f"fwd={c};dkdv={base.dkdv};dq={base.dq}") for c in FWD_CANDIDATES[d]]
-            dkdv = [configs.parse(f"fwd={base.forward};dkdv={c};dq={base.dq}") for c in DKDV_CANDIDATES[d]]
-            dq = [configs.parse(f"fwd={base.forward};dkdv={base.dkdv};dq={c}") for c in DQ_CANDIDATES[d]]
-            plans[(d, causal)] = (base, fwd, dkdv, dq)
-            jobs += [(d, causal, str(c), "bfloat16", "fwd") for c in fwd]
-            jobs += [(d, causal, str(c), "bfloat16", "both") for c in dkdv + dq]
+            for kind in kinds:
+                for tile in candidates[kind][d]:
+                    cfg = _with_tile(base, kind, configs.parse(tile).forward)
+                    jobs.append((d, causal, str(cfg), "bfloat16", "fwd" if kind == "fwd" else "both"))
     precompile(jobs, args.out)
     winners = {}
-    for (d, causal), (base, fwd, dkdv, dq) in plans.items():
-        if time.time() > args.deadline:
-            log(args.out, f"  sweep: time budget spent, stopping before d={d} causal={causal}")
-            break
-        q, k, v = protocol_inputs(SWEEP_N, d)
-        params = params_for(d, causal)
-        flops = fwd_flops(q.shape[0], q.shape[1], SWEEP_N, d, causal)
-        sdpa = time_sdpa_flash(q, k, v, causal)
-        log(args.out, f"\n== sweep d={d} causal={causal} N={SWEEP_N}: sdpa-flash fwd {flops / sdpa[0] * 1e-9:.0f} "
-                      f"bwd {2.5 * flops / sdpa[1] * 1e-9:.0f} TFLOP/s")
-        best = {}
-        for kind, candidates in (("fwd", fwd), ("dkdv", dkdv), ("dq", dq)):
-            for cfg in candidates:
-                try:
-                    f_ms, b_ms = time_triton(q, k, v, params, cfg, which=("fwd",) if kind == "fwd" else ("bwd",))
-                except Exception as error:
-                    log(args.out, f"  {kind} {cfg}: FAILED {type(error).__name__}: {str(error)[:200]}")
-                    continue
-                ms = f_ms if kind == "fwd" else b_ms
-                factor = 1.0 if kind == "fwd" else 2.5
-                tile = {"fwd": cfg.forward, "dkdv": cfg.dkdv, "dq": cfg.dq}[kind]
-                log(args.out, f"  {kind:4s} {str(tile):14s} {ms:7.3f} ms  {factor * flops / ms * 1e-9:6.0f} TFLOP/s")
-                if kind not in best or ms < best[kind][0]:
-                    best[kind] = (ms, tile)
-        if {"fwd", "dkdv", "dq"} <= set(best):
-            win = configs.AttentionConfig(best["fwd"][1], best["dkdv"][1], best["dq"][1])
-            winners[(d, causal)] = win
-            log(args.out, f"  winner d={d} causal={causal}: {win}")
-        del q, k, v
-        torch.cuda.empty_cache()
+    for d in dims:
+        for causal in (False, True):
+            if time.time() > args.deadline:
+                log(args.out, f"  sweep: time budget spent, stopping before d={d} causal={causal}")
+                break
+            q, k, v = protocol_inputs(SWEEP_N, d)
+            params = params_for(d, causal)
+            flops = fwd_flops(q.shape[0], q.shape[1], SWEEP_N, d, causal)
+            sdpa = time_sdpa_flash(q, k, v, causal)
+            log(args.out, f"\n== sweep d={d} causal={causal} N={SWEEP_N}: sdpa-flash fwd {flops / sdpa[0] * 1e-9:.0f} "
+                          f"bwd {2.5 * flops / sdpa[1] * 1e-9:.0f} TFLOP/s")
+            best = default_config(d, causal)
+            for kind in kinds:
+                best_ms = None
+                for tile_text in candidates[kind][d]:
+                    cfg = _with_tile(best, kind, configs.parse(tile_text).forward)
+                    try:
+                        f_ms, b_ms = time_triton(q, k, v, params, cfg, which=("fwd",) if kind == "fwd" else ("bwd",))
+                    except Exception as error:
+                        log(args.out, f"  {kind} {tile_text}: FAILED {type(error).__name__}: {str(error)[:200]}")
+                        continue
+                    ms = f_ms if kind == "fwd" else b_ms
+                    factor = 1.0 if kind == "fwd" else 2.5
+                    log(args.out, f"  {kind:4s} {tile_text:14s} {ms:7.3f} ms  {factor * flops / ms * 1e-9:6.0f} TFLOP/s")
+                    if best_ms is None or ms < best_ms:
+                        best_ms, best_cfg = ms, cfg
+                if best_ms is not None:
+                    best = best_cfg
+            winners[(d, causal)] = best
+            log(args.out, f"  winner d={d} causal={causal}: {best}")
+            del q, k, v
+            torch.cuda.empty_cache()
     state["winners"] = winners
     log(args.out, "\nconfigs.py entries (sm90, half):")
     for (d, causal), win in winners.items():
         log(args.out, f"  ('sm90', 'half', {d}, {causal}): {win}")
+
+
+def _with_tile(config, kind, tile):
+    from dataclasses import replace
+
+    return replace(config, **{{"fwd": "forward"}.get(kind, kind): tile})
 
 
 def _config_for_run(state, d, causal):
@@ -324,6 +334,7 @@ def main(argv=None):
     parser.add_argument("sections", nargs="*", default=["table"], choices=sorted(SECTIONS))
     parser.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for logs (default $OUT)")
     parser.add_argument("--budget", type=float, default=360.0, help="seconds after which sections stop")
+    parser.add_argument("--kinds", default="fwd,dkdv,dq", help="kernels the sweep tunes, in order (fwd,dkdv,dq)")
     args = parser.parse_args(argv)
     args.deadline = time.time() + args.budget
     if args.out:

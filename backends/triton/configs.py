@@ -57,21 +57,27 @@ def _k(bm, bn, w, s):
 # (arch, dtype class, padded head dim, causal) -> AttentionConfig.
 # arch: "sm90" (Hopper), "sm80" (A100 class, 164 KiB shared memory), "sm86" (consumer Ampere/Ada,
 # ~100 KiB shared memory). dtype class: "half" (fp16/bf16) or "fp32". Padded head dim: 16..256.
-# Hopper entries come from benchmarks/dev_triton.py sweeps on an H100 (bf16; see NOTES in that file);
+# Hopper entries come from benchmarks/dev_triton.py sweeps on an H100 (bf16; backends/triton/NOTES.md);
 # the others are conservative choices that fit the shared memory of those parts.
 TABLE = {}
 
 
 def _fill_defaults():
+    # Hopper, 16-bit: measured on an H100 (benchmarks/dev_triton.py sweep, bf16, N = 4096, coordinate-wise).
+    for d in (16, 32, 64):
+        TABLE[("sm90", "half", d, False)] = AttentionConfig(_k(128, 64, 4, 3), _k(32, 64, 4, 3), _k(64, 64, 4, 3))
+        TABLE[("sm90", "half", d, True)] = AttentionConfig(_k(128, 64, 8, 3), _k(64, 128, 8, 2), _k(64, 64, 4, 3))
+    for causal in (False, True):
+        TABLE[("sm90", "half", 128, causal)] = AttentionConfig(_k(128, 128, 8, 3), _k(32, 128, 8, 2), _k(128, 64, 8, 3))
+        # d = 256: the largest tiles that compile for sm_90 without register spills (not tuned).
+        TABLE[("sm90", "half", 256, causal)] = AttentionConfig(_k(64, 64, 8, 2), _k(32, 32, 8, 2), _k(128, 32, 8, 2))
+    # Ampere and the rest: conservative tiles that fit their shared memory (not measured here).
     for causal in (False, True):
         for d in (16, 32, 64):
-            TABLE[("sm90", "half", d, causal)] = AttentionConfig(_k(128, 64, 4, 3), _k(32, 128, 8, 2), _k(128, 64, 8, 2))
-            TABLE[("sm80", "half", d, causal)] = AttentionConfig(_k(128, 64, 4, 3), _k(64, 128, 8, 2), _k(128, 64, 8, 2))
+            TABLE[("sm80", "half", d, causal)] = AttentionConfig(_k(128, 64, 4, 3), _k(32, 64, 4, 3), _k(64, 64, 4, 3))
             TABLE[("sm86", "half", d, causal)] = AttentionConfig(_k(64, 64, 4, 2), _k(32, 64, 4, 2), _k(64, 32, 4, 2))
-        TABLE[("sm90", "half", 128, causal)] = AttentionConfig(_k(128, 64, 8, 3), _k(32, 64, 8, 3), _k(128, 64, 8, 2))
-        TABLE[("sm80", "half", 128, causal)] = AttentionConfig(_k(128, 64, 8, 2), _k(64, 64, 8, 2), _k(64, 64, 4, 2))
+        TABLE[("sm80", "half", 128, causal)] = AttentionConfig(_k(128, 64, 8, 2), _k(32, 128, 8, 2), _k(64, 64, 4, 2))
         TABLE[("sm86", "half", 128, causal)] = AttentionConfig(_k(64, 32, 4, 2), _k(32, 64, 4, 2), _k(64, 32, 4, 2))
-        TABLE[("sm90", "half", 256, causal)] = AttentionConfig(_k(64, 64, 8, 2), _k(32, 32, 8, 2), _k(128, 32, 8, 2))
         TABLE[("sm80", "half", 256, causal)] = AttentionConfig(_k(64, 32, 4, 2), _k(32, 32, 8, 2), _k(64, 32, 4, 2))
         TABLE[("sm86", "half", 256, causal)] = AttentionConfig(_k(32, 32, 4, 1), _k(16, 32, 4, 1), _k(32, 16, 4, 1))
         for arch in ("sm90", "sm80"):
