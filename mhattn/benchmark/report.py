@@ -280,22 +280,36 @@ def compact_rows(document: dict, dtype: str = "bf16"):
     rows = [r for r in document.get("rows", []) if short_dtype(r["dtype"]) == dtype]
     impls = impl_order(rows)
     index = _index(rows)
-    header = ["d", "N", "causal"] + impls
+    ratio_columns = [s for s in subjects(rows) if "sdpa-flash" in impls]
+    header = ["d", "N", "causal"] + impls + [f"{s}/flash" for s in ratio_columns]
     body = []
     for (d, causal, n), _ in _shapes(rows, dtype):
         line = [str(d), seqlen_label(n), "yes" if causal else "no"]
         for impl in impls:
             row = index.get((dtype, d, causal, n, impl))
-            line.append(f"{format_cell(row, 'fwd')} / {format_cell(row, 'bwd')}")
+            line.append(_pair(format_cell(row, "fwd"), format_cell(row, "bwd")))
+        flash = index.get((dtype, d, causal, n, "sdpa-flash"))
+        for s in ratio_columns:
+            mine = index.get((dtype, d, causal, n, s))
+            line.append(_pair(*(format_ratio(ratio(cell_value(mine, m)[0], cell_value(flash, m)[0]))
+                                 for m in ("fwd", "bwd"))))
         body.append(line)
     return header, body
+
+
+def _pair(forward: str, backward: str) -> str:
+    """'fwd / bwd', or one entry when both say the same thing without a number (n/a, OOM, -)."""
+    if forward == backward and not forward[:1].isdigit():
+        return forward
+    return f"{forward} / {backward}"
 
 
 def compact_table(document: dict, dtype: str = "bf16") -> str:
     header, body = compact_rows(document, dtype)
     if not body:
         return ""
-    return "\n".join([f"{dtype} TFLOP/s, forward / backward"] + _table(header, body)) + "\n"
+    return "\n".join([f"{dtype} TFLOP/s, forward / backward (ratios: to sdpa-flash, forward / backward)"]
+                     + _table(header, body)) + "\n"
 
 
 # ---- targets ----------------------------------------------------------------------------------------------------

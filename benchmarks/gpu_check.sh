@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The one script to run on a GPU machine: the GPU tests, the conformance suite, then the benchmarks
+# (PERFORMANCE.md's sweep, the memory table, the module benchmark) with JSON, Markdown and PNG plots.
+# Logs and results go to $OUT; the last thing printed is the short results table.
+#
+#   bash benchmarks/gpu_check.sh                                  # everything, within TOTAL_S seconds
+#   QUICK=1 bash benchmarks/gpu_check.sh                          # bench --quick, module at 1k only
+#   SKIP_TESTS=1 SKIP_CONFORMANCE=1 bash benchmarks/gpu_check.sh  # the benchmarks only
+#   BENCH_ARGS="--dtype bf16,fp16" bash benchmarks/gpu_check.sh   # extra arguments for mhattn bench
+#
+# Environment: OUT (default /tmp/mhattn_gpu_check), QUICK, SKIP_TESTS, SKIP_CONFORMANCE, SKIP_BENCH,
+# SKIP_PYTEST_BENCH, TOTAL_S (budget of the whole script, default 560), TESTS_S (default 180),
+# CONFORMANCE_S (default 150), MODULE_SEQLEN (default 1k,4k; 1k with QUICK), BENCH_ARGS.
+# Files in $OUT (the device tool returns at most 8): checks.log, bench.txt, bench.log, bench.json,
+# bench.md, attention_bf16.png, memory_module.png.
+
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/mhattn_gpu_check}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# shellcheck source=benchmarks/device_env.sh
+source benchmarks/device_env.sh > "$OUT/checks.log" 2>&1
+
+TOTAL_S="${TOTAL_S:-560}"
+TESTS_S="${TESTS_S:-180}"
+CONFORMANCE_S="${CONFORMANCE_S:-150}"
+QUICK="${QUICK:-0}"
+CHECKS="$OUT/checks.log"
+
+left() { echo $((TOTAL_S - SECONDS)); }
+stage() { echo; echo "== $* (at ${SECONDS} s)"; echo "== $*" >> "$CHECKS"; }
+# the smaller of the stage's budget and what is left of the whole script's, keeping $2 s back
+budget() { local want=$1 keep=$2 have; have=$(( $(left) - keep )); [ "$have" -lt "$want" ] && want=$have; echo "$want"; }
+
+stage "device"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || true; } | tee -a "$CHECKS"
+python3 -m mhattn.cli info >> "$CHECKS" 2>&1 || echo "mhattn info failed (see checks.log)"
+grep -E "^(mhattn|torch|triton|cupy|device) " "$CHECKS" | head -6
+
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  stage "GPU tests: pytest -m gpu tests/"
+  limit=$(budget "$TESTS_S" 240)
+  if [ "$limit" -gt 20 ]; then
+    timeout -k 10 "$limit" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider >> "$CHECKS" 2>&1
+    rc=$?
+    [ "$rc" = 124 ] && echo "GPU tests stopped after ${limit} s (TESTS_S)"
+    grep -E "^(FAILED|ERROR) " "$CHECKS" | head -25
+    grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$CHECKS" | tail -1
+  else
+    echo "skipped: no time left"
+  fi
+fi
+
+if [ "${SKIP_CONFORMANCE:-0}" != 1 ]; then
+  stage "conformance: mhattn conformance --quick"
+  if python3 -c "import mhattn.conformance.cli" 2>/dev/null; then
+    limit=$(budget "$CONFORMANCE_S" 200)
+    if [ "$limit" -gt 20 ]; then
+      timeout -k 10 "$limit" python3 -m mhattn.cli conformance --quick --no-progress > "$OUT/conformance.tmp" 2>&1
+      rc=$?
+      cat "$OUT/conformance.tmp" >> "$CHECKS"
+      [ "$rc" = 124 ] && echo "conformance stopped after ${limit} s (CONFORMANCE_S)"
+      tail -n 30 "$OUT/conformance.tmp"
+      rm -f "$OUT/conformance.tmp"
+    else
+      echo "skipped: no time left"
+    fi
+  else
+    echo "skipped: mhattn.conformance.cli is not in this tree"
+  fi
+fi
+
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  stage "benchmarks: mhattn bench"
+  if [ "$QUICK" = 1 ]; then
+    args=(--quick --memory --module --module-seqlen "${MODULE_SEQLEN:-1k}")
+  else
+    args=(--dtype bf16 --memory --module --module-seqlen "${MODULE_SEQLEN:-1k,4k}")
+  fi
+  # Tasks stop starting at the time limit; what ran is still reported, plotted and saved.
+  limit=$(budget 100000 "$([ "${SKIP_PYTEST_BENCH:-0}" = 1 ] || [ "$QUICK" = 1 ] && echo 40 || echo 90)")
+  [ "$limit" -lt 60 ] && limit=60
+  # shellcheck disable=SC2086
+  timeout -k 15 $((limit + 90)) python3 -m mhattn.cli bench "${args[@]}" ${BENCH_ARGS:-} --time-limit "$limit" \
+    --json "$OUT/bench.json" --plot-dir "$OUT" --markdown "$OUT/bench.md" > "$OUT/bench.txt" 2> "$OUT/bench.log"
+  rc=$?
+  echo "mhattn bench exit code $rc after ${SECONDS} s; tables in bench.txt, progress and worker output in bench.log"
+  grep -E "^(note:|plots skipped|plot .* failed|Traceback)" "$OUT/bench.log" | head -10
+fi
+
+if [ "${SKIP_PYTEST_BENCH:-0}" != 1 ] && [ "$QUICK" != 1 ]; then
+  stage "pytest-benchmark: pytest benchmarks/ --benchmark-only"
+  limit=$(budget 80 15)
+  if ! python3 -c "import pytest_benchmark" 2>/dev/null; then
+    echo "skipped: pytest-benchmark is not installed here"
+  elif [ "$limit" -gt 20 ]; then
+    timeout -k 5 "$limit" python3 -m pytest -q benchmarks/ --benchmark-only -p no:cacheprovider \
+      --benchmark-columns=median,min,max,rounds --benchmark-sort=fullname >> "$CHECKS" 2>&1
+    grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$CHECKS" | tail -1
+  else
+    echo "skipped: no time left"
+  fi
+fi
+
+stage "results"
+if [ -f "$OUT/bench.json" ]; then
+  python3 -m mhattn.cli bench --from-json "$OUT/bench.json" --summary 2>&1
+else
+  echo "no bench.json: see bench.log"; tail -n 20 "$OUT/bench.log" 2>/dev/null
+fi
+echo "gpu_check done in ${SECONDS} s; files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
