@@ -174,7 +174,7 @@ def test_unsupported_shapes_are_not_run(monkeypatch):
 
 
 def test_quadratic_scratch_beyond_free_memory_is_skipped(monkeypatch):
-    monkeypatch.setattr(timing, "_free_memory", lambda device: 1024)
+    monkeypatch.setattr(timing, "free_memory", lambda device: 1024)
     row = _time(protocol.implementations()["reference"])
     assert row["status"]["fwd"].startswith("OOM: needs ~")
 
@@ -612,3 +612,31 @@ def test_placeholder_rows_keep_the_identity():
     assert row["fwd_tflops"] is None
     assert worker.clean_for_json({"a": [float("inf"), 1.0]}) == {"a": [None, 1.0]}
     assert os.environ.get("FAKE_MODE") is None
+
+
+# ---- on a GPU: the harness end to end, small ------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+def test_harness_on_the_gpu_in_a_worker_process():
+    table = protocol.implementations()
+    selection = plan.Selection(impls=[n for n in table if n != "sdpa-math"], dtypes=["bf16"], head_dims=[64],
+                               seqlens=[512], causal=[True], tokens=2048, memory=True, memory_seqlens=[1024],
+                               module=True, module_seqlens=[256], module_variants=["torch", "mhattn"],
+                               module_config=module_bench.ModuleConfig(layers=2, d_model=128, heads=2, tokens=1024,
+                                                                       steps=2, warmup_steps=1),
+                               timing=timing.TimingSettings(5.0, 10.0))
+    tasks = plan.plan_tasks(selection, table)
+    outcome = supervisor.run_tasks(tasks, device="cuda", progress=Progress(len(tasks), stream=io.StringIO()))
+    rows = {(r["kind"], r.get("impl", r.get("variant"))): r for r in outcome.results}
+    for name in ("sdpa-flash", "reference"):
+        row = rows[("attn", name)]
+        assert row["status"] == {"fwd": "ok", "bwd": "ok", "fwd_bwd": "ok"}, row["status"]
+        assert row["fwd_tflops"] > 0 and row["bwd_tflops"] > 0 and row["max_abs_diff"] < timing.SUSPECT_DIFF
+        assert rows[("memory", name)]["status"] == "ok" and rows[("memory", name)]["peak_extra_bytes"] > 0
+    for row in outcome.results:  # every other cell says what happened; nothing is left unexplained
+        statuses = row["status"].values() if isinstance(row["status"], dict) else [row["status"]]
+        assert all(s == "ok" or s.split(":")[0] in ("n/a", "OOM", "error", "skipped") for s in statuses), row
+    assert rows[("module", "torch")]["status"] == "ok" and rows[("module", "torch")]["tokens_per_s"] > 0
+    assert outcome.restarts == 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mhattn.benchmark import protocol
-from mhattn.benchmark.timing import describe_error
+from mhattn.benchmark.timing import describe_error, free_memory, release_memory
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384, 32768)
 BATCH, HEADS, HEAD_DIM, CAUSAL = 1, 16, 128, True
@@ -60,7 +60,7 @@ def measure_peak_memory(impl: protocol.Implementation, shape: protocol.Shape, de
         if reasons:
             row["status"] = "n/a: " + "; ".join(reasons)
             return row
-        free, _total = torch.cuda.mem_get_info()
+        free = free_memory(device)
         need = impl.scratch_bytes(shape, "fwd_bwd")
         if need > free:
             row["status"] = f"OOM: needs ~{need / 2**30:.1f} GiB of O(N^2) scratch, {free / 2**30:.1f} GiB free"
@@ -86,5 +86,5 @@ def measure_peak_memory(impl: protocol.Implementation, shape: protocol.Shape, de
         row["status"] = describe_error(error)
     finally:
         inputs = None
-        torch.cuda.empty_cache()
+        release_memory(device)
     return row

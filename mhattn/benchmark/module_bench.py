@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from mhattn.benchmark.timing import describe_error
+from mhattn.benchmark.timing import describe_error, release_memory
 
 SEQLENS = (1024, 2048, 4096, 8192)
 TORCH_VARIANT = "torch"
@@ -179,8 +179,7 @@ def measure_training_step(variant: str, seqlen: int, config: ModuleConfig, devic
         row["status"] = describe_error(error)
     finally:
         model = optimizer = x = None
-        if on_cuda:
-            torch.cuda.empty_cache()
+        release_memory(device)
     return row
 
 

@@ -160,20 +160,23 @@ def cuda_context_ok() -> bool:
 # ---- one cell ----------------------------------------------------------------------------------------------
 
 
-def _release(device):
-    if torch.device(device).type == "cuda":
-        try:
-            torch.cuda.synchronize()
-        except Exception:
-            pass
+def release_memory(device) -> None:
+    """Give cached CUDA memory back after a failure or a big cell; never raises (the context may be broken)."""
+    if torch.device(device).type != "cuda":
+        return
+    try:
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
+    except Exception:
+        pass
 
 
-def _free_memory(device):
+def free_memory(device):
+    """Bytes a new allocation can still get: free on the device plus what torch's allocator holds unused."""
     if torch.device(device).type != "cuda":
         return None
     free, _total = torch.cuda.mem_get_info()
-    return free
+    return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
 
 
 def time_attention(impl: protocol.Implementation, shape: protocol.Shape, inputs, modes, settings: TimingSettings,
@@ -202,7 +205,7 @@ def time_attention(impl: protocol.Implementation, shape: protocol.Shape, inputs,
     if reasons:
         return fail_all("n/a: " + "; ".join(reasons))
     # An O(N^2) implementation that clearly cannot fit is not tried (an attempt can take seconds).
-    free = _free_memory(device)
+    free = free_memory(device)
     want_backward = any(m != "fwd" for m in modes)
     need = impl.scratch_bytes(shape, "fwd_bwd" if want_backward else "fwd")
     if free is not None and need > free:
@@ -228,7 +231,7 @@ def time_attention(impl: protocol.Implementation, shape: protocol.Shape, inputs,
         except Exception as error:  # report, never crash the sweep
             entry = describe_error(error, caught)
             out = None
-            _release(device)
+            release_memory(device)
             return fail_all(entry)
         row["max_abs_diff"] = _max_abs_diff(out, check)
         del out
@@ -285,7 +288,7 @@ def _timed(fn, settings, device):
             return bench_ms(fn, settings.warmup_ms, settings.rep_ms, device), "ok"
     except Exception as error:
         entry = describe_error(error)
-        _release(device)
+        release_memory(device)
         return None, entry
 
 
@@ -293,7 +296,7 @@ def _timed_backward(forward, q, k, v, dout, settings, device):
     try:
         out = forward()
     except Exception as error:
-        _release(device)
+        release_memory(device)
         return None, describe_error(error)
 
     def backward():

@@ -118,8 +118,7 @@ class Runner:
         if shape != self._inputs_shape:
             self._inputs = self._check = None
             self._inputs_shape = None
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            timing.release_memory(self.device)
             self._inputs = protocol.make_inputs(shape, self.device)
             self._inputs_shape = shape
             self._check = self._check_output(shape, self._inputs)
