@@ -216,6 +216,10 @@ def run(args) -> int:
         if switch == "set":
             os.environ["TRITON_INTERPRET"] = "1"
 
+    if device == "cpu":
+        # CPU cases are small: one thread is fastest, and spares a loaded machine the threads' spinning
+        torch.set_num_threads(1)
+
     from mhattn.conformance.compile_check import nvrtc_compile_check
     from mhattn.conformance.environment import describe_environment
     from mhattn.conformance.progress import Progress
@@ -250,7 +254,7 @@ def run(args) -> int:
     want_compile = args.compile_check
     if want_compile is None:
         want_compile = device == "cpu" and not torch.cuda.is_available() and any(b.name == "cupy" for b in backends)
-    compile_check = nvrtc_compile_check() if want_compile else None
+    compile_check = nvrtc_compile_check(full=args.mode == "full") if want_compile else None
     notes = _what_ran(plan, device)
 
     report = Report(args.mode, device, describe_environment(), results=results, unavailable=plan.unavailable,
