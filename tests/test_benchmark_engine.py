@@ -480,6 +480,14 @@ def test_long_sweeps_get_short_timing_unless_asked(monkeypatch):
     assert (settings.warmup_ms, settings.rep_ms) == bench_cli.PAPER_TIMING
 
 
+def test_command_shown_with_results_leaves_out_where_they_go():
+    class Args:
+        argv = ["bench", "--quick", "--json", "/x/b.json", "--plot-dir=/x", "--memory", "--time-limit", "300"]
+
+    assert bench_cli._command_line(Args, measured_only=True) == "mhattn bench --quick --memory"
+    assert bench_cli._command_line(Args).endswith("--time-limit 300")
+
+
 def test_bench_without_a_gpu_exits_2_with_a_message(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert mhattn_cli.main(["bench", "--quick"]) == 2

@@ -244,13 +244,27 @@ def _device_text(device) -> str:
     return f"{props.name} (sm_{major}{minor}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)"
 
 
-def _command_line(args) -> str:
-    given = getattr(args, "command_line", None)
-    if given:
-        return given
-    argv = sys.argv[1:]
+# Options that say where results go or how long to wait, not what is measured: left out of the command
+# shown with the results (the README's "how to reproduce").
+_PLACE_OPTIONS = {"--json", "--plot-dir", "--markdown", "--time-limit", "--task-timeout"}
+
+
+def _command_line(args, *, measured_only: bool = False) -> str:
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])
     if argv[:1] == ["bench"]:
         argv = argv[1:]
+    if measured_only:
+        kept, skip = [], False
+        for word in argv:
+            if skip:
+                skip = False
+                continue
+            name = word.split("=", 1)[0]
+            if name in _PLACE_OPTIONS or name in ("--no-progress", "--summary"):
+                skip = "=" not in word and name in _PLACE_OPTIONS
+                continue
+            kept.append(word)
+        argv = kept
     return "mhattn bench" + ("" if not argv else " " + shlex.join(argv))
 
 
@@ -267,7 +281,8 @@ def _backend_states() -> dict:
 def make_meta(args, selection, settings, timing_note, device) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": _command_line(args),
+        "command": _command_line(args, measured_only=True),
+        "full_command": _command_line(args),
         "device": _device_text(device),
         "versions": _versions(),
         "backends": _backend_states(),
@@ -305,9 +320,12 @@ def render(document: dict, args) -> None:
     if args.markdown:
         base = os.path.dirname(os.path.abspath(args.markdown))
         relative = [os.path.relpath(os.path.abspath(p), base) for p in plots]
-        with open(args.markdown, "w") as f:
-            f.write(report.markdown_report(document, relative))
-        print(f"wrote {args.markdown}", file=sys.stderr)
+        try:
+            with open(args.markdown, "w") as f:
+                f.write(report.markdown_report(document, relative))
+            print(f"wrote {args.markdown}", file=sys.stderr)
+        except OSError as error:
+            print(f"mhattn bench: could not write --markdown {args.markdown}: {error}", file=sys.stderr)
 
 
 def write_plots(document: dict, folder: str) -> list:
@@ -361,6 +379,9 @@ def run(args) -> int:
     except ValueError as error:
         print(f"mhattn bench: {error}", file=sys.stderr)
         return 2
+    for path in (args.json, args.markdown):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tasks = plan.plan_tasks(selection, table)
     settings, timing_note = choose_timing(args, selection, tasks)
     selection.timing = settings
@@ -406,8 +427,11 @@ def run(args) -> int:
         meta["notes"].append(f"the time limit ({args.time_limit:g} s) stopped the run early")
     document = report.make_document(meta, outcome.results)
     if args.json:
-        report.write_json(args.json, document)
-        print(f"wrote {args.json}", file=sys.stderr)
+        try:
+            report.write_json(args.json, document)
+            print(f"wrote {args.json}", file=sys.stderr)
+        except OSError as error:
+            print(f"mhattn bench: could not write --json {args.json}: {error}", file=sys.stderr)
     for note in meta["notes"]:
         print(f"note: {note}", file=sys.stderr)
     render(document, args)

@@ -491,8 +491,8 @@ def header_text(meta: dict) -> str:
         lines.append(f"device: {meta['device']}")
     if meta.get("versions"):
         lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
-    if meta.get("command"):
-        lines.append(f"command: {meta['command']}")
+    if meta.get("full_command") or meta.get("command"):
+        lines.append(f"command: {meta.get('full_command') or meta['command']}")
     if meta.get("protocol"):
         lines.append(f"protocol: {meta['protocol']}")
     if meta.get("timing_note"):
