@@ -1,0 +1,446 @@
+"""Tests of the CUDA C++ backend (mhattn.backends.cupy).
+
+CPU (CI):
+- test_nvrtc_*: NVRTC compiles every kernel variant for sm_80 and sm_90 (to PTX: NVRTC's front end and code
+  generator, all variants in parallel) and a cubin per kernel, dtype and architecture (the assembler over
+  every inline PTX instruction). This is CI's check that the CUDA sources compile.
+- capabilities, reasons, tile tables.
+- test_emulated_*: the kernels run on the CPU through the host-side emulator of their PTX layer (needs a
+  C++ compiler) and are held to the conformance tolerance: index arithmetic, masking and pipelining.
+
+GPU (@pytest.mark.gpu, H100 in practice): every feature against the reference with the conformance rule,
+outputs poisoned with NaN, dropout keep-mask equality with mhattn.dropout_rng, deterministic backward,
+torch stream / CUDA graph / CuPy memory pool behaviour, and the path through mhattn.attention.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+
+from mhattn.backends.base import AttentionParams
+from mhattn.backends.cupy import CupyBackend, ops, variants
+from mhattn.conformance.tolerance import compare
+from mhattn.dropout_rng import keep_mask
+from mhattn.problem import Problem
+from mhattn.reference.naive import naive_attention
+
+ARCHS = ("sm_80", "sm_90")
+KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
+
+
+def _nvrtc_missing():
+    try:
+        from mhattn.backends.cupy import compiler
+
+        compiler.nvrtc_version()
+    except Exception as error:  # cupy or NVRTC not installed
+        return f"NVRTC not available: {type(error).__name__}: {error}"
+    return None
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_missing() is not None, reason=str(_nvrtc_missing()))
+
+
+# ---- CPU: the sources compile --------------------------------------------------------------------------------
+
+
+def _compile_ptx(task):
+    variant, cc = task
+    from mhattn.backends.cupy import compiler
+
+    try:
+        compiler.compile_cubin(variant, cc, ptx_only=True)
+        return None
+    except Exception as error:
+        return f"{compiler.arch_name(cc)} {variant.label}: {error}"
+
+
+@pytest.fixture(scope="module")
+def ptx_failures():
+    """Compile every variant of every architecture to PTX once (in parallel); (arch, kernel) -> failures."""
+    tasks = [(v, variants.parse_arch(arch)) for arch in ARCHS for v in variants.all_variants(variants.parse_arch(arch))]
+    jobs = max(1, min(len(tasks), os.cpu_count() or 1))
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        errors = list(pool.map(_compile_ptx, tasks, chunksize=4))
+    out = {(arch, kernel): [] for arch in ARCHS for kernel in KERNELS}
+    counts = dict.fromkeys(out, 0)
+    for (variant, cc), error in zip(tasks, errors):
+        key = ("sm_%d%d" % cc, variant.kernel)
+        counts[key] += 1
+        if error:
+            out[key].append(error)
+    return out, counts
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nvrtc_compiles_every_variant(ptx_failures, arch, kernel):
+    failures, counts = ptx_failures
+    assert counts[(arch, kernel)] > 0
+    assert not failures[(arch, kernel)], "\n\n".join(failures[(arch, kernel)])
+
+
+def _cubin_sample(cc, dtype):
+    """The heaviest variant of each kernel (every feature compiled in), plus both split dK/dV passes."""
+    return [
+        variants.fwd_variant(cc, dtype, 128, "full"),
+        variants.preprocess_variant(dtype),
+        *variants.dkdv_variants(cc, dtype, 64, "full", atomic_dq=True),
+        *variants.dkdv_variants(cc, dtype, 256, "full"),
+        variants.dq_variant(cc, dtype, 128, "full"),
+    ]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", variants.DTYPE_NAMES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nvrtc_builds_cubins(arch, dtype):
+    from mhattn.backends.cupy import compiler
+
+    cc = variants.parse_arch(arch)
+    for variant in _cubin_sample(cc, dtype):
+        cubin = compiler.compile_cubin(variant, cc)
+        assert cubin[:4] == b"\x7fELF", variant.label
+
+
+@needs_nvrtc
+def test_build_cli_lists_and_rejects_bad_arch(capsys):
+    from mhattn.cli import main
+
+    assert main(["build", "--arch", "sm_90", "--list"]) == 0
+    listed = capsys.readouterr().out.strip().splitlines()
+    assert len(listed) == len(variants.all_variants((9, 0)))
+    assert main(["build", "--arch", "hopper"]) == 2
+
+
+@needs_nvrtc
+def test_compile_error_names_the_variant():
+    from mhattn.backends.cupy import compiler
+
+    variant = variants.fwd_variant((9, 0), "bfloat16", 64, "plain")
+    defines = tuple((k, 48 if k == "HEAD_DIM" else v) for k, v in variant.defines)  # not a multiple of 32
+    broken = variants.Variant(variant.kernel, defines, variant.num_threads, 0)
+    with pytest.raises(compiler.KernelCompileError, match="fwd\\[.*sm_90"):
+        compiler.compile_cubin(broken, (9, 0), ptx_only=True)
+
+
+# ---- CPU: capabilities and reasons ---------------------------------------------------------------------------
+
+
+def _problem(**kw):
+    base = dict(device_type="cuda", device_index=0, compute_capability=(9, 0), dtype=torch.bfloat16, batch=2,
+                heads_q=8, heads_kv=8, seqlen_q=1024, seqlen_k=1024, head_dim=128, head_dim_v=128,
+                features=frozenset())
+    base.update(kw)
+    return Problem(**base)
+
+
+def test_capabilities_are_data_and_reasons_are_sentences(monkeypatch):
+    backend = CupyBackend()
+    monkeypatch.setattr(backend, "unavailable", lambda: [])
+    caps = backend.capabilities
+    assert caps.features == {"causal", "gqa", "bool_mask", "dropout", "window", "deterministic"}
+    assert caps.dtypes == {torch.float16, torch.bfloat16} and caps.max_head_dim == 256
+    assert backend.unsupported(_problem(features=frozenset({"causal", "gqa", "bool_mask", "dropout", "window"}))) == []
+    assert backend.unsupported(_problem(head_dim=40)) == []
+    cases = {
+        "multiple of 8": _problem(head_dim=59),
+        "head dims": _problem(head_dim=320),
+        "dtypes": _problem(dtype=torch.float32),
+        "compute capability": _problem(compute_capability=(7, 5)),
+        "float attn_mask": _problem(features=frozenset({"float_mask"})),
+        "softcap": _problem(features=frozenset({"softcap"})),
+        "value head dim": _problem(features=frozenset({"value_dim"}), head_dim_v=64),
+        "runs on": _problem(device_type="cpu", compute_capability=None),
+        "sequences up to": _problem(seqlen_k=ops.MAX_SEQLEN + 1),
+    }
+    for words, problem in cases.items():
+        reasons = backend.unsupported(problem)
+        assert any(words in r for r in reasons), (words, reasons)
+
+
+def test_tiles_fit_shared_memory_and_registers_rules():
+    for cc in ((8, 0), (8, 6), (8, 9), (9, 0)):
+        limit = variants.smem_limit(cc)
+        for d in variants.HEAD_DIM_BUCKETS:
+            fwd = variants.fwd_tiles(cc, d)
+            dkdv = variants.dkdv_tiles(cc, d)
+            dq = variants.dq_tiles(cc, d)
+            assert variants.fwd_smem(fwd, d) <= limit and variants.dq_smem(dq, d) <= limit
+            assert variants.dkdv_smem(dkdv, d, True) <= limit
+            assert fwd.block_m // fwd.num_warps in (16, 32) and fwd.block_n % 16 == 0
+            assert dkdv.block_n == 16 * dkdv.num_warps and dq.block_m == 16 * dq.num_warps
+            assert ops.VECTOR_PAD % dkdv.block_m == 0 and ops.VECTOR_PAD % dq.block_m == 0
+    assert [variants.head_dim_bucket(d) for d in (8, 16, 40, 64, 80, 96, 128, 160, 224, 256)] == \
+        [32, 32, 64, 64, 96, 96, 128, 192, 256, 256]
+    assert variants.parse_arch("sm_90") == (9, 0) and variants.parse_arch("8.6") == (8, 6)
+
+
+def test_registered_under_its_name():
+    from mhattn import registry
+
+    assert type(registry.get_backend("cupy")).__name__ == "CupyBackend"
+
+
+# ---- shared checking helpers (CPU emulator and GPU) ---------------------------------------------------------
+
+
+def _inputs(batch, heads_q, heads_kv, seqlen_q, seqlen_k, d, dtype, device, strided=False, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    if strided:  # views of one packed (B, N, Hq + 2 Hkv, d) projection, as MultiheadAttention makes them
+        assert seqlen_q == seqlen_k
+        packed = randn(batch, seqlen_q, heads_q + 2 * heads_kv, d)
+        q = packed[:, :, :heads_q].transpose(1, 2)
+        k = packed[:, :, heads_q:heads_q + heads_kv].transpose(1, 2)
+        v = packed[:, :, heads_q + heads_kv:].transpose(1, 2)
+    else:
+        q = randn(batch, heads_q, seqlen_q, d)
+        k = randn(batch, heads_kv, seqlen_k, d)
+        v = randn(batch, heads_kv, seqlen_k, d)
+    grad_out = randn(batch, heads_q, seqlen_q, d)
+    return q, k, v, grad_out
+
+
+def _reference_grads(q, k, v, grad_out, params, dtype, grad_lse=None):
+    """out, lse, dq, dk, dv of naive attention computed in ``dtype`` with torch autograd."""
+    qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = naive_attention(qq, kk, vv, params)
+    loss = (out * grad_out.to(dtype)).sum()
+    if grad_lse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * grad_lse.to(dtype)).sum()
+    loss.backward()
+    return out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad
+
+
+def _check(backend, q, k, v, grad_out, params, grad_lse=None):
+    """Runs the backend forward and backward and returns the comparisons that failed (empty = pass)."""
+    dtype = q.dtype
+    out, lse = backend.forward(q, k, v, params)
+    dq, dk, dv, dmask = backend.backward(grad_out, q, k, v, out, lse, params, grad_lse=grad_lse)
+    assert dmask is None
+    gold = _reference_grads(q, k, v, grad_out, params, torch.float64, grad_lse)
+    lowp = _reference_grads(q, k, v, grad_out, params, dtype, grad_lse)
+    results = [compare(name, x, g, lp, dtype=dtype)
+               for name, x, g, lp in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), gold, lowp)]
+    return [str(r) for r in results if not r.ok]
+
+
+def _params(seqlen_q, seqlen_k, d, causal=None, window=None, mask=None, dropout_p=0.0, seed=(0, 0)):
+    """causal: None, "top_left" or "bottom_right"; window: (left, right) around the same diagonal."""
+    offset = seqlen_k - seqlen_q if causal == "bottom_right" else 0
+    left, right = window if window is not None else (None, None)
+    if causal is not None:
+        right = 0 if right is None else min(right, 0)
+    return AttentionParams(scale=1.0 / math.sqrt(d), diag_offset=offset, window_left=left, window_right=right,
+                           mask=mask, dropout_p=dropout_p, seed=seed)
+
+
+# ---- CPU: the kernels under the emulator -----------------------------------------------------------------------
+
+
+def _emulator_missing():
+    from mhattn.backends.cupy.emulator import host_compiler
+
+    return None if host_compiler() else "no host C++ compiler for the kernel emulator"
+
+
+@pytest.fixture(scope="module")
+def emulated_backend():
+    if _emulator_missing():
+        pytest.skip(_emulator_missing())
+    from mhattn.backends.cupy.emulator import EmulatorLauncher
+
+    return CupyBackend(launcher=EmulatorLauncher(), compute_capability=(9, 0))
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    monkeypatch.setattr(ops, "POISON_OUTPUTS", True)
+
+
+EMULATED = {
+    # GQA, causal bottom-right with Nq < Nk, grad_lse, d padded from 40 to 64, atomic dQ
+    "gqa_causal_br": dict(shape=(1, 4, 2, 70, 100, 40), dtype=torch.bfloat16, causal="bottom_right",
+                          grad_lse=True, deterministic=False),
+    # key padding mask broadcast over heads and queries, dropout, fully masked row, strided views
+    "mask_dropout": dict(shape=(2, 2, 1, 66, 66, 32), dtype=torch.float16, keypad=True, dropout_p=0.17,
+                         strided=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMULATED))
+def test_emulated_kernels_match_reference(emulated_backend, poisoned, name):
+    case = EMULATED[name]
+    batch, hq, hkv, nq, nk, d = case["shape"]
+    q, k, v, grad_out = _inputs(batch, hq, hkv, nq, nk, d, case["dtype"], "cpu", strided=case.get("strided", False))
+    mask = None
+    if case.get("keypad"):
+        keys = torch.rand(batch, 1, 1, nk, generator=torch.Generator().manual_seed(1)) > 0.3
+        mask = keys.expand(batch, hq, nq, nk).clone()
+        mask[0, 0, 5] = False  # a row that sees nothing: out 0, lse -inf, gradients 0
+    params = _params(nq, nk, d, causal=case.get("causal"), mask=mask, dropout_p=case.get("dropout_p", 0.0),
+                     seed=(12345, 678))
+    grad_lse = torch.randn(batch, hq, nq) if case.get("grad_lse") else None
+    emulated_backend.deterministic = case.get("deterministic", True)
+    failures = _check(emulated_backend, q, k, v, grad_out, params, grad_lse)
+    assert not failures, failures
+
+
+# ---- GPU -----------------------------------------------------------------------------------------------------------
+
+
+def _gpu_missing():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if torch.cuda.get_device_capability() < (8, 0):
+        return "needs compute capability 8.0 or newer"
+    try:
+        import cupy  # noqa: F401
+    except Exception as error:
+        return f"needs cupy: {error}"
+    return None
+
+
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(_gpu_missing() is not None, reason=str(_gpu_missing()))
+
+
+@pytest.fixture(scope="module")
+def gpu_backend():
+    return CupyBackend()
+
+
+GPU_CASES = []
+for _dtype in (torch.float16, torch.bfloat16):
+    for _d in (32, 40, 64, 96, 128, 256):
+        GPU_CASES.append(dict(name=f"d{_d}", dtype=_dtype, shape=(2, 3, 3, 113, 203, _d)))
+    GPU_CASES += [
+        dict(name="causal_tl", dtype=_dtype, shape=(2, 4, 4, 256, 512, 64), causal="top_left"),
+        dict(name="causal_br", dtype=_dtype, shape=(2, 4, 4, 256, 512, 128), causal="bottom_right"),
+        dict(name="causal_br_empty_rows", dtype=_dtype, shape=(1, 2, 2, 512, 256, 64), causal="bottom_right"),
+        dict(name="causal_tl_long_q", dtype=_dtype, shape=(1, 2, 2, 1024, 1023, 128), causal="top_left"),
+        dict(name="gqa", dtype=_dtype, shape=(2, 6, 2, 128, 217, 64)),
+        dict(name="mqa_causal", dtype=_dtype, shape=(1, 6, 1, 1023, 1024, 128), causal="bottom_right"),
+        dict(name="keypad_mask", dtype=_dtype, shape=(3, 4, 4, 108, 256, 64), keypad=True),
+        dict(name="bool_mask", dtype=_dtype, shape=(1, 2, 2, 113, 211, 96), bool_mask=True),
+        dict(name="window", dtype=_dtype, shape=(1, 2, 2, 300, 300, 64), window=(37, 11)),
+        dict(name="window_causal", dtype=_dtype, shape=(1, 2, 1, 300, 400, 128), window=(64, None),
+             causal="bottom_right"),
+        dict(name="strided", dtype=_dtype, shape=(2, 4, 4, 257, 257, 64), strided=True, causal="top_left"),
+        dict(name="dropout", dtype=_dtype, shape=(2, 3, 3, 128, 217, 64), dropout_p=0.17),
+        dict(name="grad_lse", dtype=_dtype, shape=(1, 2, 2, 200, 200, 128), grad_lse=True),
+        dict(name="fast_backward", dtype=_dtype, shape=(2, 4, 2, 300, 333, 128), causal="top_left",
+             deterministic=False),
+        dict(name="one_row", dtype=_dtype, shape=(1, 2, 2, 1, 513, 64)),
+        dict(name="overflow_scale", dtype=_dtype, shape=(1, 2, 2, 128, 128, 64), overflow=True),
+    ]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c['name']}-{str(c['dtype'])[6:]}")
+def test_gpu_matches_reference(gpu_backend, poisoned, case):
+    batch, hq, hkv, nq, nk, d = case["shape"]
+    q, k, v, grad_out = _inputs(batch, hq, hkv, nq, nk, d, case["dtype"], "cuda", strided=case.get("strided", False))
+    if case.get("overflow"):
+        q, k = q * 5, k * 3
+    gen = torch.Generator().manual_seed(3)
+    mask = None
+    if case.get("keypad"):
+        mask = (torch.rand(batch, 1, 1, nk, generator=gen) > 0.25).cuda().expand(batch, hq, nq, nk)
+    if case.get("bool_mask"):
+        mask = (torch.rand(1, hq, nq, nk, generator=gen) > 0.5).cuda()
+        mask[:, :, 7] = False  # fully masked rows
+        mask = mask.expand(batch, hq, nq, nk)
+    params = _params(nq, nk, d, causal=case.get("causal"), window=case.get("window"), mask=mask,
+                     dropout_p=case.get("dropout_p", 0.0), seed=(2024, 77))
+    grad_lse = torch.randn(batch, hq, nq, device="cuda") if case.get("grad_lse") else None
+    gpu_backend.deterministic = case.get("deterministic", True)
+    try:
+        failures = _check(gpu_backend, q, k, v, grad_out, params, grad_lse)
+    finally:
+        gpu_backend.deterministic = None
+    assert not failures, failures
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_dropout_keep_mask_is_the_shared_rng(gpu_backend, dtype):
+    # With q = 0 every visible key gets P = 1/Nk; with V = identity (d = Nk) the output row i is
+    # keep[i, :] / (Nk (1 - p)), which exposes the kernel's keep mask bit for bit.
+    batch, heads, nq, nk, p = 2, 3, 100, 64, 0.3
+    q = torch.zeros(batch, heads, nq, nk, dtype=dtype, device="cuda")
+    k = torch.randn(batch, heads, nk, nk, dtype=dtype, device="cuda")
+    v = torch.eye(nk, dtype=dtype, device="cuda").expand(batch, heads, nk, nk)
+    params = AttentionParams(scale=0.125, dropout_p=p, seed=(0xDEADBEEF, 0x12345678))
+    out, _ = gpu_backend.forward(q, k, v, params)
+    kernel_keep = out.float() * nk * (1 - p) > 0.5
+    expected = keep_mask(params.seed, batch, heads, nq, nk, p, device="cuda")
+    assert torch.equal(kernel_keep, expected)
+    assert torch.equal(gpu_backend.dropout_keep_mask(batch, heads, nq, nk, params, "cuda"), expected)
+
+
+@gpu
+@needs_gpu
+def test_gpu_backward_is_deterministic(gpu_backend):
+    q, k, v, grad_out = _inputs(2, 4, 2, 1000, 1000, 128, torch.bfloat16, "cuda")
+    params = _params(1000, 1000, 128, causal="top_left")
+    out, lse = gpu_backend.forward(q, k, v, params)
+    first = gpu_backend.backward(grad_out, q, k, v, out, lse, params)[:3]
+    for _ in range(50):
+        again = gpu_backend.backward(grad_out, q, k, v, out, lse, params)[:3]
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@gpu
+@needs_gpu
+def test_gpu_stream_graph_and_cupy_pool(gpu_backend):
+    import cupy
+
+    q, k, v, _ = _inputs(1, 4, 4, 512, 512, 64, torch.bfloat16, "cuda")
+    params = _params(512, 512, 64, causal="top_left")
+    expected, _ = gpu_backend.forward(q, k, v, params)
+    pool = cupy.get_default_memory_pool()
+    used_before = pool.total_bytes()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # launched on torch's current stream, so ordered with torch's work there
+        for _ in range(3):
+            on_side, _ = gpu_backend.forward(q, k, v, params)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(on_side, expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, _ = gpu_backend.forward(q, k, v, params)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, expected)
+    assert pool.total_bytes() == used_before  # every buffer came from torch's allocator
+
+
+@gpu
+@needs_gpu
+def test_gpu_through_mhattn_attention():
+    import mhattn
+
+    q, k, v, grad_out = _inputs(2, 8, 2, 300, 300, 64, torch.bfloat16, "cuda")
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = mhattn.attention(*leaves, is_causal=True, enable_gqa=True, backend="cupy")
+    out.backward(grad_out)
+    ref = [t.detach().requires_grad_() for t in (q, k, v)]
+    expected = mhattn.attention(*ref, is_causal=True, enable_gqa=True, backend="reference")
+    expected.backward(grad_out)
+    assert (out.float() - expected.float()).abs().max() < 2e-2
+    for got, want in zip(leaves, ref):
+        assert (got.grad.float() - want.grad.float()).abs().max() < 5e-2
