@@ -155,7 +155,10 @@ def plot_memory_module(document: dict, path: str) -> str:
         ax.set_title(f"forward+backward, {'causal' if first['causal'] else 'non-causal'}, B={first['b']}, "
                      f"H={first['h']}, d={first['d']}", fontsize=9)
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no measurement", ha="center", va="center", transform=ax.transAxes)
     if module_rows:
         variants = list(OrderedDict.fromkeys(r["variant"] for r in module_rows))
         colour_of = colours(variants)

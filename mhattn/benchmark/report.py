@@ -346,6 +346,8 @@ def target_lines(document: dict) -> list:
                 where = f"d={d} N={seqlen_label(n)}{' causal' if causal else ''}"
                 to_flash.append((ratio(mine, flash), where))
                 to_cudnn.append(ratio(mine, cudnn))
+            if expected == 0:
+                continue
             measured = [(r, w) for r, w in to_flash if r is not None]
             worst = min(measured) if measured else (None, "")
             required, stretch = target if target else (None, None)
