@@ -53,7 +53,8 @@ def main(argv=None) -> int:
 
     os.makedirs(args.assets, exist_ok=True)
     plots = []
-    for png in sorted(glob.glob(os.path.join(folder, "attention_*.png")) + glob.glob(os.path.join(folder, "memory_module.png"))):
+    found = glob.glob(os.path.join(folder, "attention_*.png")) + glob.glob(os.path.join(folder, "memory_module.png"))
+    for png in sorted(found):
         target = os.path.join(args.assets, os.path.basename(png))
         if os.path.abspath(png) != os.path.abspath(target):
             shutil.copyfile(png, target)

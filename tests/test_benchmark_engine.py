@@ -393,9 +393,9 @@ def test_plots_written_or_skipped_with_a_message(tmp_path):
     from mhattn.benchmark import plots
 
     document = synthetic_document()
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
         with pytest.raises(plots.PlotUnavailable, match="matplotlib"):
             plots.plot_sweep(document, str(tmp_path / "a.png"))
         return

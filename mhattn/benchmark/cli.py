@@ -43,7 +43,8 @@ def _int_list(text: str) -> list:
         try:
             value = int(float(part) * scale)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers (512, 1k, 16k), got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of integers (512, 1k, 16k), got {text!r}") from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"expected positive sizes, got {text!r}")
         values.append(value)
@@ -101,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--memory-seqlen", type=_int_list, default=None, help="N of the memory table (default 1k..32k)")
     what.add_argument("--module", action="store_true",
                       help="also the module benchmark (a training step of a 12-layer encoder, torch vs mhattn)")
-    what.add_argument("--module-seqlen", type=_int_list, default=None, help="N of the module benchmark (default 1k..8k)")
+    what.add_argument("--module-seqlen", type=_int_list, default=None,
+                      help="N of the module benchmark (default 1k..8k)")
     what.add_argument("--module-layers", type=int, default=None, help="encoder layers (default 12)")
     what.add_argument("--module-steps", type=int, default=None, help="timed training steps per cell (default 10)")
     what.add_argument("--module-tokens", type=int, default=None, help="tokens per training step (default 16384)")
@@ -114,9 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--warmup", type=float, default=None,
                      help=f"do_bench warm-up in ms (default {PAPER_TIMING[0]:g}; {SHORT_TIMING[0]:g} for long sweeps)")
     how.add_argument("--rep", type=float, default=None,
-                     help=f"do_bench repetition time in ms (default {PAPER_TIMING[1]:g}; {SHORT_TIMING[1]:g} for long sweeps)")
+                     help=f"do_bench repetition time in ms (default {PAPER_TIMING[1]:g}; "
+                          f"{SHORT_TIMING[1]:g} for long sweeps)")
     how.add_argument("--bwd-timing", choices=sorted(BWD_METHODS), default="subtract",
-                     help="subtract: bwd = (fwd+bwd) - fwd (the protocol); direct: time autograd.grad on a retained graph")
+                     help="subtract: bwd = (fwd+bwd) - fwd (the protocol); "
+                          "direct: time autograd.grad on a retained graph")
     how.add_argument("--tokens", type=int, default=protocol.TOKENS, help="B * N of every sweep cell (default 16384)")
     how.add_argument("--reference-max-n", type=int, default=0,
                      help="largest N the naive reference is timed at (default: any that fits in memory)")

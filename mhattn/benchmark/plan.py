@@ -68,9 +68,11 @@ def sweep_tasks(selection: Selection, table: dict, dtype: str) -> list:
                 for impl in impls:
                     task = {"kind": "attn", **_identity(impl), "shape": shape.as_dict(),
                             "modes": list(selection.modes), "timing": selection.timing.as_dict(),
-                            "label": f"{shape.dtype} d={head_dim} N={seqlen} {'causal' if causal else 'full'} {impl.name}"}
+                            "label": f"{shape.dtype} d={head_dim} N={seqlen} "
+                                     f"{'causal' if causal else 'full'} {impl.name}"}
                     if impl.is_reference and selection.reference_max_n and seqlen > selection.reference_max_n:
-                        task["skip"] = f"skipped: reference capped at N <= {selection.reference_max_n} (--reference-max-n)"
+                        task["skip"] = (f"skipped: reference capped at N <= {selection.reference_max_n} "
+                                        "(--reference-max-n)")
                     tasks.append(task)
     return tasks
 

@@ -55,7 +55,10 @@ def _grouped_bars(ax, groups, series, values, labels_of, colour_of, *, annotate=
             continue
         for x, group, bar in zip(xs, groups, bars):
             value = values.get((group, name))
-            text = (f"{value:.0f}" if top >= 50 else f"{value:.1f}") if value is not None else labels_of.get((group, name), "")
+            if value is None:
+                text = labels_of.get((group, name), "")
+            else:
+                text = f"{value:.0f}" if top >= 50 else f"{value:.1f}"
             if not text:
                 continue
             y = (value if value is not None else 0.0) + top * 0.01
@@ -77,7 +80,7 @@ def plot_sweep(document: dict, path: str, dtype: str = "bf16", modes=None) -> st
     for r in rows:
         present_modes.update((r.get("status") or {}).keys())
     modes = [m for m in (modes or protocol.MODES) if m in present_modes]
-    panels = list(OrderedDict.fromkeys((r["d"], bool(r["causal"])) for r in sorted(rows, key=lambda r: (r["d"], r["causal"]))))
+    panels = sorted({(r["d"], bool(r["causal"])) for r in rows})
     seqlens = sorted({r["n"] for r in rows})
     index = {(r["d"], bool(r["causal"]), r["n"], r["impl"]): r for r in rows}
     shown = [i for i in impls if any(r["impl"] == i for r in rows)]

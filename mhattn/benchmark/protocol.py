@@ -204,12 +204,10 @@ class SdpaImplementation(Implementation):
 
     def unsupported(self, q, k, v, causal):
         try:
-            from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401
+            from torch.nn.attention import SDPBackend
         except ImportError as error:
             return [f"torch {torch.__version__} has no torch.nn.attention.sdpa_kernel ({error})"]
-        import torch.nn.attention as attention
-
-        if not hasattr(attention.SDPBackend, self.sdpa_backend):
+        if not hasattr(SDPBackend, self.sdpa_backend):
             return [f"torch {torch.__version__} has no SDPBackend.{self.sdpa_backend}"]
         return []
 

@@ -537,8 +537,8 @@ def _markdown_table(header, body) -> list:
 def markdown_report(document: dict, plots=()) -> str:
     """A Markdown section for the README or a notes file: date, device, command, plots and tables."""
     meta = document.get("meta", {})
-    lines = [f"Measured {meta.get('date', '?')} on {meta.get('device', '?')}"
-             + (f" ({', '.join(f'{k} {v}' for k, v in meta.get('versions', {}).items())})" if meta.get("versions") else "")
+    versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
+    lines = [f"Measured {meta.get('date', '?')} on {meta.get('device', '?')}" + (f" ({versions})" if versions else "")
              + ".", ""]
     if meta.get("command"):
         lines += ["```bash", meta["command"], "```", ""]

@@ -49,27 +49,30 @@ class TimingSettings:
 # ---- the timer -----------------------------------------------------------------------------------------
 
 
-def timer_name(device) -> str:
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "wall clock (CPU; not the protocol)"
+def _triton_do_bench():
     try:
-        import triton.testing  # noqa: F401
-    except Exception:
+        from triton.testing import do_bench
+    except Exception:  # Triton missing or broken: the same procedure runs here
+        return None
+    return do_bench
+
+
+def timer_name(device) -> str:
+    if torch.device(device).type != "cuda":
+        return "wall clock (CPU; not the protocol)"
+    if _triton_do_bench() is None:
         return "CUDA events (the do_bench procedure, without Triton)"
     return "triton.testing.do_bench median"
 
 
 def bench_ms(fn, warmup_ms: float, rep_ms: float, device) -> float:
     """Median milliseconds of ``fn()`` after ``warmup_ms`` of warm-up, over ``rep_ms`` worth of runs."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        try:
-            from triton.testing import do_bench
-        except Exception:
-            return _cuda_event_bench(fn, warmup_ms, rep_ms)
-        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-    return _wall_clock_bench(fn, warmup_ms, rep_ms)
+    if torch.device(device).type != "cuda":
+        return _wall_clock_bench(fn, warmup_ms, rep_ms)
+    do_bench = _triton_do_bench()
+    if do_bench is None:
+        return _cuda_event_bench(fn, warmup_ms, rep_ms)
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
 def _cuda_event_bench(fn, warmup_ms, rep_ms) -> float:
@@ -303,7 +306,7 @@ def _timed_backward(forward, q, k, v, dout, settings, device):
         return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
     result = _timed(backward, settings, device)
-    del out
+    out = None  # frees the retained graph
     return result
 
 
