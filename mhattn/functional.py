@@ -66,13 +66,13 @@ def attention(
         that sees no key gives 0 (and lse -inf).
     """
     call = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap)
-    name, _ = _requested_backend(backend)
+    name, source = _requested_backend(backend)
     if dropout_p > 0.0:
         seed = torch.randint(0, 2**32, (2,), dtype=torch.int64)  # torch's CPU generator: manual_seed reproduces it
     else:
         seed = None
     out, lse = torch.ops.mhattn.attention_forward(
-        call.q, call.k, call.v, call.mask, seed, name, call.scale, call.is_causal, call.diag_offset,
+        call.q, call.k, call.v, call.mask, seed, name, source, call.scale, call.is_causal, call.diag_offset,
         call.window_left, call.window_right, float(dropout_p), call.softcap, call.mask_requires_grad,
     )
     out = out.reshape(call.out_shape)
@@ -310,18 +310,18 @@ def _problem_and_params(q, k, v, mask, mask_requires_grad, seed, scale, is_causa
 @torch.library.custom_op("mhattn::attention_forward", mutates_args=())
 def _attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], seed: Optional[torch.Tensor],
-    backend: str, scale: float, is_causal: bool, diag_offset: int, window_left: Optional[int],
+    backend: str, source: str, scale: float, is_causal: bool, diag_offset: int, window_left: Optional[int],
     window_right: Optional[int], dropout_p: float, softcap: Optional[float], mask_requires_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     problem, params = _problem_and_params(q, k, v, mask, mask_requires_grad, seed, scale, is_causal, diag_offset, window_left,
                                           window_right, dropout_p, softcap)
-    chosen = dispatch.select(problem, backend)
+    chosen = dispatch.select(problem, backend, source)
     out, lse = chosen.forward(q, k, v, params)
     return out, lse
 
 
 @_attention_forward.register_fake
-def _(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap,
+def _(q, k, v, mask, seed, backend, source, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap,
       mask_requires_grad):
     out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
     lse = q.new_empty(q.shape[:-1], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
@@ -332,12 +332,12 @@ def _(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, 
 def _attention_backward(
     grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, mask: Optional[torch.Tensor], seed: Optional[torch.Tensor], backend: str,
-    scale: float, is_causal: bool, diag_offset: int, window_left: Optional[int], window_right: Optional[int],
+    source: str, scale: float, is_causal: bool, diag_offset: int, window_left: Optional[int], window_right: Optional[int],
     dropout_p: float, softcap: Optional[float], mask_requires_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     problem, params = _problem_and_params(q, k, v, mask, mask_requires_grad, seed, scale, is_causal, diag_offset, window_left,
                                           window_right, dropout_p, softcap)
-    chosen = dispatch.select(problem, backend)
+    chosen = dispatch.select(problem, backend, source)
     dq, dk, dv, dmask = chosen.backward(grad_out, q, k, v, out, lse, params, grad_lse=grad_lse)
     if dmask is None:
         dmask = q.new_empty(0)
@@ -345,19 +345,19 @@ def _attention_backward(
 
 
 @_attention_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, mask, seed, backend, scale, is_causal, diag_offset, window_left,
+def _(grad_out, grad_lse, q, k, v, out, lse, mask, seed, backend, source, scale, is_causal, diag_offset, window_left,
       window_right, dropout_p, softcap, mask_requires_grad):
     dmask = mask.new_empty(mask.shape, dtype=mask.dtype) if (mask is not None and mask_requires_grad) else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap,
+    (q, k, v, mask, seed, backend, source, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap,
      mask_requires_grad) = inputs
     out, lse = output
     ctx.mask_requires_grad = mask_requires_grad
     ctx.save_for_backward(q, k, v, out, lse, mask, seed)
-    ctx.args = (backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap)
+    ctx.args = (backend, source, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap)
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -366,7 +366,7 @@ def _backward(ctx, grad_out, grad_lse):
         grad_out, grad_lse, q, k, v, out, lse, mask, seed, *ctx.args, ctx.mask_requires_grad
     )
     dmask = dmask if ctx.mask_requires_grad else None
-    return (dq, dk, dv, dmask) + (None,) * 10
+    return (dq, dk, dv, dmask) + (None,) * 11
 
 
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)

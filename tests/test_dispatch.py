@@ -123,7 +123,10 @@ def test_forced_backend_that_cannot_run_raises_with_reasons():
     with pytest.raises(mhattn.BackendUnavailableError) as info:
         mhattn.attention(*qkv(), backend="triton")
     message = str(info.value)
-    assert "triton" in message and "cpu" in message
+    assert "triton" in message and "cpu" in message and "backend= argument" in message
+    with mhattn.use_backend("triton"):
+        with pytest.raises(mhattn.BackendUnavailableError, match=r"use_backend\(\)"):
+            mhattn.attention(*qkv())
 
 
 def test_explain_shows_choice_and_every_backends_reasons():
