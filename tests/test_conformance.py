@@ -27,7 +27,7 @@ from mhattn.conformance import cases as cases_module
 from mhattn.conformance.cases import COLUMNS, Case, full_cases, parse_spec, quick_cases
 from mhattn.conformance.poison import poisoned_allocations
 from mhattn.conformance.report import Report, render_markdown, render_text, to_json
-from mhattn.conformance.runner import FAIL, PASS, UNSUPPORTED, run_case
+from mhattn.conformance.runner import FAIL, NOT_RUN, PASS, UNSUPPORTED, run_case
 from mhattn.conformance.suite import make_plan, run_in_process, run_isolated
 from mhattn.reference.backend import ReferenceBackend
 
@@ -363,6 +363,18 @@ def test_isolated_run_of_a_backend_the_worker_cannot_import_falls_back_to_this_p
     assert [r.status for r in results] == [PASS] * len(cases)
 
 
+def test_time_limit_leaves_the_remaining_cases_not_run():
+    cases = cpu_quick(REFERENCE, ["fp32"], ["basic", "causal"])
+    assert [r.status for r in run_in_process(cases, deadline=time.time() - 1)] == [NOT_RUN] * len(cases)
+    # a worker that reaches its first case after the deadline (it takes seconds to import) stops there
+    results = run_isolated(cases, deadline=time.time() + 0.5)
+    assert [r.status for r in results] == [NOT_RUN] * len(cases)
+    assert "time limit" in results[0].summary()
+    report = Report("quick", "cpu", {}, results=[run_case(REFERENCE, cases[0])] + results[1:])
+    text = render_text(report)
+    assert "INCOMPLETE" in text and "+1 not run" in text and "3 not run (time limit)" in text
+
+
 def test_in_process_run_matches_cases():
     cases = cpu_quick(REFERENCE, ["fp32"], ["causal", "gqa"])
     results = run_in_process(cases)
@@ -403,6 +415,21 @@ def test_cli_fails_on_a_broken_backend_and_prints_reproduce_commands():
         assert status == 1 and "out: FAIL" in out
         status, out, _ = run_cli("--backend", "reference", "--case", spec)
         assert status == 0 and "PASS" in out
+
+
+def test_cli_time_limit_and_merge(tmp_path):
+    status, out, _ = run_cli("--backend", "reference", "--no-progress", "--time-limit", "0")
+    assert status == 3 and "INCOMPLETE" in out
+    parts = []
+    for dtype in ("fp16", "fp32"):
+        parts.append(str(tmp_path / f"{dtype}.json"))
+        status, _, _ = run_cli("--backend", "reference", "--no-progress", "--dtype", dtype, "--feature", "basic",
+                               "--report", parts[-1])
+        assert status == 0
+    merged = tmp_path / "merged.json"
+    status, out, _ = run_cli("--merge", *parts, "--report", str(merged))
+    assert status == 0 and "reference fp16" in out and "reference fp32" in out
+    assert len(json.loads(merged.read_text())["results"]) == 4
 
 
 def test_cli_usage_errors():

@@ -4,7 +4,11 @@
     mhattn conformance --backend NAME --case SPEC        # one case again, with every check printed
 
 Exit status: 0 when nothing failed (unsupported and unavailable are not failures), 1 when a case or
-the compile check failed, 2 for a usage error or when nothing at all could be run.
+the compile check failed, 2 for a usage error or when nothing at all could be run, 3 when nothing
+failed but --time-limit left cases out.
+
+Long runs (``--full`` on a GPU) can be split, by ``--backend`` or ``--dtype``, each with
+``--report PART.json``, and joined with ``mhattn conformance --merge PART.json ... --report ALL.md``.
 
 Without a GPU the run uses CPU tensors: the reference, the Triton kernels under Triton's interpreter
 (``TRITON_INTERPRET=1`` is set here, before the Triton backend is imported, unless already set) on
@@ -48,6 +52,11 @@ def add_arguments(parser) -> None:
                              "so a kernel that breaks the CUDA context fails only its own case)")
     parser.add_argument("--case-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="a worker silent this long fails its case (default 600)")
+    parser.add_argument("--time-limit", type=float, metavar="SECONDS",
+                        help="start no case after this many seconds; the rest are reported as not run (exit 3 "
+                             "when nothing failed)")
+    parser.add_argument("--merge", nargs="+", metavar="FILE.json",
+                        help="run nothing: one table from the JSON reports of several runs (with --report to write it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -97,6 +106,8 @@ def _argv(args) -> list:
         if on:
             argv.append(flag)
     argv += ["--case-timeout", str(args.case_timeout)]
+    if args.time_limit is not None:
+        argv += ["--time-limit", str(args.time_limit)]
     return argv
 
 
@@ -184,6 +195,8 @@ def _run_single(backend, spec: str, device_override, report_path) -> int:
 
 
 def run(args) -> int:
+    if args.merge:
+        return _merge(args.merge, args.report)
     import torch
 
     from mhattn.conformance.cases import COLUMNS, dtype_name
@@ -223,7 +236,7 @@ def run(args) -> int:
     from mhattn.conformance.compile_check import nvrtc_compile_check
     from mhattn.conformance.environment import describe_environment
     from mhattn.conformance.progress import Progress
-    from mhattn.conformance.report import Report, render_text, write_report
+    from mhattn.conformance.report import Report
     from mhattn.conformance.suite import make_plan, run_in_process, run_isolated
 
     backends, error = _resolve_backends(args.backend)
@@ -242,12 +255,13 @@ def run(args) -> int:
         return 0
 
     start = time.perf_counter()
+    deadline = None if args.time_limit is None else time.time() + args.time_limit
     progress = Progress(len(plan.cases), enabled=not args.no_progress)
     try:
         if device == "cuda" and not args.in_process:
-            results = run_isolated(plan.cases, progress, case_timeout=args.case_timeout)
+            results = run_isolated(plan.cases, progress, case_timeout=args.case_timeout, deadline=deadline)
         else:
-            results = run_in_process(plan.cases, progress)
+            results = run_in_process(plan.cases, progress, deadline=deadline)
     finally:
         progress.close()
 
@@ -260,13 +274,35 @@ def run(args) -> int:
     report = Report(args.mode, device, describe_environment(), results=results, unavailable=plan.unavailable,
                     notes=notes, extra=[compile_check] if compile_check else [],
                     seconds=time.perf_counter() - start)
+    return _finish(report, args.report, ran_something=bool(results) or bool(report.extra))
+
+
+def _finish(report, report_path, ran_something: bool) -> int:
+    """Print the report, write it if asked; the exit status (see the module docstring)."""
+    from mhattn.conformance.report import render_text, write_report
+
     print(render_text(report))
-    if args.report:
-        write_report(report, args.report)
-        print(f"report written to {args.report}")
+    if report_path:
+        write_report(report, report_path)
+        print(f"report written to {report_path}")
     if not report.ok:
         return 1
-    if not results and not report.extra:
+    if not ran_something:
         print("mhattn conformance: nothing could be run here", file=sys.stderr)
         return 2
+    if report.not_run:
+        return 3
     return 0
+
+
+def _merge(paths, report_path) -> int:
+    """One report from the JSON reports of several runs (split by --backend or --dtype, say)."""
+    from mhattn.conformance.report import merge_reports, read_json_report
+
+    try:
+        reports = [read_json_report(path) for path in paths]
+    except (OSError, ValueError, KeyError) as error:
+        print(f"mhattn conformance: --merge: {error}", file=sys.stderr)
+        return 2
+    merged = merge_reports(reports)
+    return _finish(merged, report_path, ran_something=bool(merged.results) or bool(merged.extra))

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from mhattn.conformance.cases import COLUMN_DESCRIPTIONS, COLUMNS
-from mhattn.conformance.runner import FAIL, PASS, UNSUPPORTED, CaseResult
+from mhattn.conformance.runner import FAIL, NOT_RUN, PASS, UNSUPPORTED, CaseResult
 
 
 @dataclass
@@ -44,6 +44,11 @@ class Report:
         """Nothing failed (unsupported and unavailable are not failures)."""
         return not self.failures and all(x.status != "fail" for x in self.extra)
 
+    @property
+    def not_run(self) -> list:
+        """Cases the time limit left out."""
+        return [r for r in self.results if r.status == NOT_RUN]
+
 
 @dataclass
 class Cell:
@@ -51,14 +56,14 @@ class Cell:
 
     @property
     def counts(self):
-        by = {PASS: 0, FAIL: 0, UNSUPPORTED: 0}
+        by = {PASS: 0, FAIL: 0, UNSUPPORTED: 0, NOT_RUN: 0}
         for r in self.results:
             by[r.status] = by.get(r.status, 0) + 1
         return by
 
     @property
     def worst_ratio(self) -> float:
-        return max((r.worst_ratio for r in self.results if r.status != UNSUPPORTED), default=0.0)
+        return max((r.worst_ratio for r in self.results if r.status in (PASS, FAIL)), default=0.0)
 
     @property
     def reasons(self) -> list:
@@ -77,7 +82,9 @@ class Cell:
             return FAIL
         if counts[PASS]:
             return PASS
-        return UNSUPPORTED
+        if counts[UNSUPPORTED]:
+            return UNSUPPORTED
+        return NOT_RUN
 
 
 def _ratio(x: float) -> str:
@@ -122,15 +129,20 @@ def _cell_text(cell: Cell, backend: str, notes: _Footnotes) -> str:
         return "-"
     counts = cell.counts
     marks = "".join(f"[{notes.number(backend, reason)}]" for reason in cell.reasons)
+    if cell.status == NOT_RUN:
+        return "not run"
     if cell.status == UNSUPPORTED:
-        return f"unsupported {marks}"
-    run = counts[PASS] + counts[FAIL]
-    if cell.status == FAIL:
-        text = f"FAIL {counts[FAIL]}/{run} ratio {_ratio(cell.worst_ratio)}"
+        text = f"unsupported {marks}"
     else:
-        text = f"pass {_ratio(cell.worst_ratio)}"
-    if counts[UNSUPPORTED]:
-        text += f" +{counts[UNSUPPORTED]} unsupported {marks}"
+        run = counts[PASS] + counts[FAIL]
+        if cell.status == FAIL:
+            text = f"FAIL {counts[FAIL]}/{run} ratio {_ratio(cell.worst_ratio)}"
+        else:
+            text = f"pass {_ratio(cell.worst_ratio)}"
+        if counts[UNSUPPORTED]:
+            text += f" +{counts[UNSUPPORTED]} unsupported {marks}"
+    if counts[NOT_RUN]:
+        text += f" +{counts[NOT_RUN]} not run"
     return text
 
 
@@ -154,11 +166,12 @@ def _header_lines(report: Report) -> list:
 
 
 def _summary_line(report: Report) -> str:
-    counts = {PASS: 0, FAIL: 0, UNSUPPORTED: 0}
+    counts = {PASS: 0, FAIL: 0, UNSUPPORTED: 0, NOT_RUN: 0}
     for r in report.results:
         counts[r.status] += 1
-    verdict = "PASSED" if report.ok else "FAILED"
-    return (f"{verdict}: {counts[PASS]} passed, {counts[FAIL]} failed, {counts[UNSUPPORTED]} unsupported "
+    verdict = "FAILED" if not report.ok else ("INCOMPLETE" if counts[NOT_RUN] else "PASSED")
+    not_run = f", {counts[NOT_RUN]} not run (time limit)" if counts[NOT_RUN] else ""
+    return (f"{verdict}: {counts[PASS]} passed, {counts[FAIL]} failed, {counts[UNSUPPORTED]} unsupported{not_run} "
             f"({report.mode}, {report.device}, {report.seconds:.0f} s)")
 
 
@@ -264,5 +277,44 @@ def write_report(report: Report, path: str) -> None:
         f.write(text)
 
 
-def results_from_json(data: dict) -> list:
-    return [CaseResult.from_dict(d) for d in data.get("results", [])]
+def read_json_report(path: str) -> Report:
+    """A :class:`Report` back from a file written by ``--report FILE.json``."""
+    with open(path, "r", encoding="utf-8") as f:
+        data = json.load(f)
+    return Report(
+        mode=data["mode"], device=data["device"], environment=dict(data.get("environment", {})),
+        results=[CaseResult.from_dict(d) for d in data.get("results", [])],
+        unavailable=dict(data.get("unavailable", {})), notes=list(data.get("notes", [])),
+        extra=[ExtraCheck(**x) for x in data.get("extra_checks", [])], seconds=float(data.get("seconds", 0.0)),
+    )
+
+
+def merge_reports(reports: list) -> Report:
+    """One report from several runs: results in order (a case run twice keeps its last result), the first
+    run's environment (a note names any run on another device), unavailable backends that no run ran."""
+    by_case = {}
+    for report in reports:
+        for r in report.results:
+            by_case[(r.case.backend, r.case.spec())] = r
+    first = reports[0]
+    notes = []
+    for report in reports:
+        for note in report.notes:
+            if note not in notes:
+                notes.append(note)
+        if report.environment.get("device") != first.environment.get("device"):
+            notes.append(f"merged from runs on different devices: also {report.environment.get('device')}")
+    ran = {backend for backend, _ in by_case}
+    unavailable = {}
+    for report in reports:
+        for name, reasons in report.unavailable.items():
+            if name not in ran:
+                unavailable[name] = reasons
+    extra = {}
+    for report in reports:
+        for x in report.extra:
+            extra[x.name] = x
+    modes = sorted({report.mode for report in reports})
+    return Report(mode="+".join(modes), device=first.device, environment=first.environment,
+                  results=list(by_case.values()), unavailable=unavailable, notes=notes, extra=list(extra.values()),
+                  seconds=sum(report.seconds for report in reports))

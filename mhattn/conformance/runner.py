@@ -20,6 +20,7 @@ import gc
 import math
 import time
 import traceback
+import warnings
 from dataclasses import asdict, dataclass, field
 import torch
 
@@ -31,6 +32,7 @@ from mhattn.conformance.tolerance import Comparison
 from mhattn.reference.naive import naive_attention
 
 PASS, FAIL, UNSUPPORTED = "pass", "fail", "unsupported"
+NOT_RUN = "not run"  # the run's time limit came first
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 # Cases whose (B, H, Nq, Nk) score matrix has more elements than this release cached GPU memory after.
@@ -42,9 +44,9 @@ class CaseResult:
     """The verdict on one case: status, every check made, and why it was not run or what went wrong."""
 
     case: Case
-    status: str                                   # PASS, FAIL or UNSUPPORTED
+    status: str                                   # PASS, FAIL, UNSUPPORTED or NOT_RUN
     checks: list = field(default_factory=list)    # tolerance.Comparison, in the order made
-    reasons: list = field(default_factory=list)   # UNSUPPORTED: the backend's reasons
+    reasons: list = field(default_factory=list)   # UNSUPPORTED: the backend's reasons; NOT_RUN: why not
     error: str = ""                               # FAIL by exception: the exception, with where it came from
     seconds: float = 0.0
 
@@ -64,6 +66,8 @@ class CaseResult:
         """One line: what failed and by how much."""
         if self.status == UNSUPPORTED:
             return "unsupported: " + "; ".join(self.reasons)
+        if self.status == NOT_RUN:
+            return "not run: " + "; ".join(self.reasons)
         if self.status == PASS:
             return f"pass (worst ratio {self.worst_ratio:.2f})"
         parts = [str(c) for c in self.failed_checks]
@@ -108,6 +112,10 @@ def _float(x) -> float:
 # ---- the judged run ------------------------------------------------------------------------------
 
 
+def not_run(case: Case, why: str) -> CaseResult:
+    return CaseResult(case, NOT_RUN, reasons=[why])
+
+
 def run_case(backend, case: Case) -> CaseResult:
     """Run ``case`` on ``backend`` and judge it. Never raises: an exception is a FAIL with its message."""
     start = time.perf_counter()
@@ -150,7 +158,11 @@ def _deterministic(on: bool):
     was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        yield
+        with warnings.catch_warnings():
+            # torch warns about its own non-deterministic ops (cuBLAS without a workspace config); the
+            # bitwise comparison of the repeated backward is the judge here
+            warnings.simplefilter("ignore", UserWarning)
+            yield
     finally:
         torch.use_deterministic_algorithms(was, warn_only=was_warn)
 

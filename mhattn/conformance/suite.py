@@ -23,13 +23,14 @@ import torch
 
 from mhattn import registry
 from mhattn.conformance.cases import dtype_name, full_cases, quick_cases, default_dtypes
-from mhattn.conformance.runner import FAIL, CaseResult, run_case
+from mhattn.conformance.runner import FAIL, CaseResult, not_run, run_case
 
 # Exit status of a worker whose CUDA context is unusable after a case: the parent starts a fresh one.
 WORKER_CONTEXT_LOST = 3
 # Exit status of a worker that does not know the backend (registered by a call in the parent only): the
 # parent runs that backend's cases itself.
 WORKER_UNKNOWN_BACKEND = 4
+TIME_LIMIT_REASON = "the run's time limit (--time-limit) was reached first"
 # Seconds a worker may take to start (import torch and the backends, initialise CUDA) before its first case.
 STARTUP_TIMEOUT = 300.0
 
@@ -76,12 +77,23 @@ def cuda_context_healthy() -> bool:
         return False
 
 
-def run_in_process(cases, progress=None) -> list:
+def past(deadline) -> bool:
+    """True once ``deadline`` (seconds since the epoch, or None for none) has passed."""
+    return deadline is not None and time.time() > deadline
+
+
+def run_in_process(cases, progress=None, deadline=None) -> list:
     """Run every case here, in order. After a CUDA context is lost the rest cannot run: they fail
-    with that reason."""
+    with that reason. Cases not started by ``deadline`` (seconds since the epoch) are not run."""
     results = []
     lost = None
     for case in cases:
+        if past(deadline):
+            result = not_run(case, TIME_LIMIT_REASON)
+            results.append(result)
+            if progress is not None:
+                progress.finish_case(result)
+            continue
         if progress is not None:
             progress.start(f"{case.backend} {case.feature} {case.describe()}")
         if lost is not None:
@@ -100,7 +112,7 @@ def run_in_process(cases, progress=None) -> list:
 
 _WORKER_BOOT = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
-    "from mhattn.conformance.worker import main; sys.exit(main(sys.argv[2], sys.argv[3]))"
+    "from mhattn.conformance.worker import main; sys.exit(main(sys.argv[2], sys.argv[3], json.loads(sys.argv[4])))"
 )
 
 
@@ -128,7 +140,7 @@ def _factory(name: str) -> str:
 class _Worker:
     """One worker process running ``cases`` (all of one backend) from the first."""
 
-    def __init__(self, cases, folder: str, attempt: int):
+    def __init__(self, cases, folder: str, attempt: int, deadline=None):
         self.cases_path = os.path.join(folder, f"cases{attempt}.jsonl")
         self.results_path = os.path.join(folder, f"results{attempt}.jsonl")
         self.log_path = os.path.join(folder, f"log{attempt}.txt")
@@ -142,7 +154,8 @@ class _Worker:
         open(self.results_path, "w").close()
         self.log = open(self.log_path, "w", encoding="utf-8")
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_BOOT, json.dumps(sys.path), self.cases_path, self.results_path],
+            [sys.executable, "-c", _WORKER_BOOT, json.dumps(sys.path), self.cases_path, self.results_path,
+             json.dumps(deadline)],
             stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
         )
         self._offset = 0
@@ -168,8 +181,9 @@ class _Worker:
         self.log.close()
 
 
-def run_isolated(cases, progress=None, case_timeout: float = 600.0, poll_seconds: float = 0.2) -> list:
-    """Run ``cases`` in worker processes, one backend at a time; returns results in case order."""
+def run_isolated(cases, progress=None, case_timeout: float = 600.0, poll_seconds: float = 0.2, deadline=None) -> list:
+    """Run ``cases`` in worker processes, one backend at a time; returns results in case order. Cases not
+    started by ``deadline`` (seconds since the epoch) are not run."""
     results = [None] * len(cases)
     groups = []
     for index, case in enumerate(cases):
@@ -182,16 +196,24 @@ def run_isolated(cases, progress=None, case_timeout: float = 600.0, poll_seconds
         for _, indices in groups:
             position = 0  # next index (into `indices`) without a result
             while position < len(indices):
+                if past(deadline):
+                    for i in indices[position:]:
+                        results[i] = not_run(cases[i], TIME_LIMIT_REASON)
+                        if progress is not None:
+                            progress.finish_case(results[i])
+                    break
                 attempt += 1
                 todo = indices[position:]
-                worker = _Worker([cases[i] for i in todo], folder, attempt)
-                running, last_news, unknown = None, time.monotonic(), False
+                worker = _Worker([cases[i] for i in todo], folder, attempt, deadline)
+                running, last_news, unknown, stopped_at = None, time.monotonic(), False, None
                 try:
                     while True:
                         for message in worker.new_messages():
                             last_news = time.monotonic()
                             if "unknown_backend" in message:
                                 unknown = True
+                            elif "deadline" in message:
+                                stopped_at = message["deadline"]
                             elif "start" in message:
                                 running = todo[message["start"]]
                                 if progress is not None:
@@ -222,8 +244,13 @@ def run_isolated(cases, progress=None, case_timeout: float = 600.0, poll_seconds
                                 progress.finish_case(results[done])
                         elif "start" in message:
                             running = todo[message["start"]]
+                        elif "deadline" in message:
+                            stopped_at = message["deadline"]
                 finally:
                     worker.stop()
+                if stopped_at is not None:
+                    position = indices.index(todo[stopped_at])
+                    continue  # the loop's deadline check marks the rest
                 if position >= len(indices):
                     break
                 if unknown or worker.process.returncode == WORKER_UNKNOWN_BACKEND:

@@ -2,7 +2,8 @@
 
 Reads cases (JSON lines ``{"backend", "case", "factory"}``, factory optional: 'module:Class' of a backend
 registered by a call in the parent), runs them in order and appends to the results file
-``{"start": i}`` before and ``{"index": i, "result": {...}}`` after each one, flushed at once so the parent
+``{"start": i}`` before and ``{"index": i, "result": {...}}`` after each one (``{"deadline": i}`` instead
+when the run's time limit passed before case i), flushed at once so the parent
 sees how far it got even if this process dies.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+import time
 
 
 def _backend(registry, name: str, factory: str):
@@ -41,7 +43,7 @@ def _backend(registry, name: str, factory: str):
     return registry.register_backend(backend, replace=True)
 
 
-def main(cases_path: str, results_path: str) -> int:
+def main(cases_path: str, results_path: str, deadline=None) -> int:
     from mhattn import registry
     from mhattn.conformance.cases import parse_spec
     from mhattn.conformance.runner import FAIL, run_case
@@ -65,6 +67,9 @@ def main(cases_path: str, results_path: str) -> int:
                 # registered only inside the parent process, from a class this process cannot import
                 write({"unknown_backend": case.backend})
                 return WORKER_UNKNOWN_BACKEND
+            if deadline is not None and time.time() > deadline:
+                write({"deadline": index})  # the parent marks this case and the rest as not run
+                return 0
             write({"start": index})
             result = run_case(backend, case)
             write({"index": index, "result": result.to_dict()})
@@ -74,4 +79,4 @@ def main(cases_path: str, results_path: str) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover - started through suite._WORKER_BOOT
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else None))
