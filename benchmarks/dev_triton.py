@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import math
 import multiprocessing
 import os
 import sys
@@ -35,21 +34,23 @@ import traceback
 import torch
 
 TOKENS, HIDDEN = 16384, 2048
-SWEEP_N = 4096
 
 # Candidate tiles (BLOCK_M, BLOCK_N, num_warps, num_stages), pre-screened by compiling for sm_90 on a
 # machine without a GPU and dropping those that spill registers (backends/triton/NOTES.md).
 FWD_CANDIDATES = {
     64: ["128,64,4,3", "128,128,8,3", "128,64,8,3", "64,64,4,3", "128,64,4,4", "128,128,8,2"],
     128: ["128,64,8,3", "128,128,8,3", "128,64,8,2", "64,64,4,3", "128,128,8,2", "128,32,8,3"],
+    256: ["64,64,8,2", "128,32,8,2", "64,64,8,3", "64,32,8,2", "128,64,8,2", "64,32,4,2"],
 }
 DKDV_CANDIDATES = {
     64: ["32,64,4,3", "64,128,8,2", "32,64,4,2", "16,64,4,3", "16,128,8,3", "32,128,8,3"],
     128: ["32,128,8,2", "32,128,8,3", "16,128,8,2", "64,64,8,2"],
+    256: ["32,32,8,2", "32,32,8,3", "16,32,8,2", "64,32,8,2", "16,32,4,2"],
 }
 DQ_CANDIDATES = {
     64: ["64,64,4,3", "64,64,4,2", "64,32,4,3", "128,64,8,3", "128,32,4,3", "64,64,4,4"],
     128: ["128,64,8,3", "128,64,8,2", "128,64,8,4", "64,64,4,3", "128,32,8,3", "64,32,4,3"],
+    256: ["128,32,8,2", "64,32,8,2", "128,32,8,3", "64,32,4,2", "64,64,8,2"],
 }
 
 
@@ -94,13 +95,14 @@ def _warm(job):
 
         dtype = getattr(torch, dtype_name)
         backend = TritonBackend()
-        seqlen = 256
-        q, k, v = protocol_inputs(seqlen, head_dim, dtype, batch=1)
-        params = params_for(head_dim, causal)
-        with configs.pin(config) if config else _null():
-            out, lse = backend.forward(q, k, v, params)
-            if which != "fwd":
-                backend.backward(torch.randn_like(out), q, k, v, out, lse, params)
+        # Without a pinned config the table may pick by sequence length: warm a short and a long one.
+        for seqlen in (256,) if config else (256, 2048):
+            q, k, v = protocol_inputs(seqlen, head_dim, dtype, batch=1)
+            params = params_for(head_dim, causal)
+            with configs.pin(config) if config else _null():
+                out, lse = backend.forward(q, k, v, params)
+                if which != "fwd":
+                    backend.backward(torch.randn_like(out), q, k, v, out, lse, params)
         torch.cuda.synchronize()
         return job, None
     except Exception:
@@ -170,10 +172,10 @@ def time_sdpa_flash(q, k, v, causal):
 # ---- sections ------------------------------------------------------------------------------------------
 
 
-def default_config(head_dim, causal):
+def default_config(head_dim, causal, seqlen):
     from mhattn.backends.triton import configs
 
-    return configs.table_config(tuple(torch.cuda.get_device_capability()), torch.bfloat16, head_dim, causal)
+    return configs.config_for(tuple(torch.cuda.get_device_capability()), torch.bfloat16, head_dim, causal, seqlen)
 
 
 def section_sweep(args, state):
@@ -183,11 +185,11 @@ def section_sweep(args, state):
 
     kinds = args.kinds.split(",")
     candidates = {"fwd": FWD_CANDIDATES, "dkdv": DKDV_CANDIDATES, "dq": DQ_CANDIDATES}
-    dims = [64, 128]
+    dims = [int(d) for d in args.dims.split(",")]
     jobs = []
     for d in dims:
         for causal in (False, True):
-            base = default_config(d, causal)
+            base = default_config(d, causal, args.sweep_n)
             for kind in kinds:
                 for tile in candidates[kind][d]:
                     cfg = _with_tile(base, kind, configs.parse(tile).forward)
@@ -199,13 +201,13 @@ def section_sweep(args, state):
             if time.time() > args.deadline:
                 log(args.out, f"  sweep: time budget spent, stopping before d={d} causal={causal}")
                 break
-            q, k, v = protocol_inputs(SWEEP_N, d)
+            q, k, v = protocol_inputs(args.sweep_n, d)
             params = params_for(d, causal)
-            flops = fwd_flops(q.shape[0], q.shape[1], SWEEP_N, d, causal)
+            flops = fwd_flops(q.shape[0], q.shape[1], args.sweep_n, d, causal)
             sdpa = time_sdpa_flash(q, k, v, causal)
-            log(args.out, f"\n== sweep d={d} causal={causal} N={SWEEP_N}: sdpa-flash fwd {flops / sdpa[0] * 1e-9:.0f} "
+            log(args.out, f"\n== sweep d={d} causal={causal} N={args.sweep_n}: sdpa-flash fwd {flops / sdpa[0] * 1e-9:.0f} "
                           f"bwd {2.5 * flops / sdpa[1] * 1e-9:.0f} TFLOP/s")
-            best = default_config(d, causal)
+            best = default_config(d, causal, args.sweep_n)
             for kind in kinds:
                 best_ms = None
                 for tile_text in candidates[kind][d]:
@@ -239,8 +241,9 @@ def _with_tile(config, kind, tile):
 
 
 def _config_for_run(state, d, causal):
-    win = state.get("winners", {}).get((d, causal))
-    return win  # None: the table in configs.py
+    if not state.get("apply_winners", True):
+        return None
+    return state.get("winners", {}).get((d, causal))  # None: the table in configs.py
 
 
 def section_table(args, state, dims=(64, 128), seqlens=(512, 1024, 2048, 4096, 8192, 16384), name="table"):
@@ -335,6 +338,10 @@ def main(argv=None):
     parser.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for logs (default $OUT)")
     parser.add_argument("--budget", type=float, default=360.0, help="seconds after which sections stop")
     parser.add_argument("--kinds", default="fwd,dkdv,dq", help="kernels the sweep tunes, in order (fwd,dkdv,dq)")
+    parser.add_argument("--dims", default="64,128", help="head dims the sweep tunes")
+    parser.add_argument("--sweep-n", type=int, default=4096, help="sequence length of the sweep")
+    parser.add_argument("--no-apply-winners", action="store_true",
+                        help="later sections use configs.py's table, not the sweep's winners")
     args = parser.parse_args(argv)
     args.deadline = time.time() + args.budget
     if args.out:
@@ -344,7 +351,7 @@ def main(argv=None):
     import triton
 
     log(args.out, f"triton {triton.__version__}")
-    state = {}
+    state = {"apply_winners": not args.no_apply_winners}
     try:
         for name in args.sections:
             if time.time() > args.deadline:

@@ -387,6 +387,9 @@ def test_config_parsing_and_pinning():
         assert configs.config_for((9, 0), torch.bfloat16, 128, False).forward.block_m == 32
     assert configs.config_for((9, 0), torch.bfloat16, 128, False) == configs.TABLE[("sm90", "half", 128, False)]
     assert configs.config_for(None, torch.float16, 40, True) == configs.INTERPRETER
+    short = configs.config_for((9, 0), torch.bfloat16, 128, True, seqlen_q=512)
+    assert short.forward == configs.SHORT_FORWARD[("sm90", "half", 128, True)]
+    assert short.dkdv == configs.TABLE[("sm90", "half", 128, True)].dkdv
     assert configs.padded_head_dim(1) == 16 and configs.padded_head_dim(59) == 64 and configs.padded_head_dim(256) == 256
     assert configs.shrink(configs.KernelConfig(16, 16, 4, 1)) is None
 

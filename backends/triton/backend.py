@@ -123,7 +123,8 @@ class _Launch:
         self.has_softcap = params.softcap is not None
         self.dot_precision = _dot_precision(q.dtype)
         cc = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
-        self.config = configs.config_for(cc, q.dtype, self.head_dim, self.has_right and not self.has_left)
+        self.config = configs.config_for(cc, q.dtype, self.head_dim, self.has_right and not self.has_left,
+                                         self.seqlen_q)
 
     def flags(self):
         return dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,

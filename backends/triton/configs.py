@@ -65,7 +65,7 @@ TABLE = {}
 def _fill_defaults():
     # Hopper, 16-bit: measured on an H100 (benchmarks/dev_triton.py sweep, bf16, N = 4096, coordinate-wise).
     for d in (16, 32, 64):
-        TABLE[("sm90", "half", d, False)] = AttentionConfig(_k(128, 64, 4, 3), _k(32, 64, 4, 3), _k(64, 64, 4, 3))
+        TABLE[("sm90", "half", d, False)] = AttentionConfig(_k(128, 64, 4, 3), _k(32, 64, 4, 2), _k(64, 64, 4, 3))
         TABLE[("sm90", "half", d, True)] = AttentionConfig(_k(128, 64, 8, 3), _k(64, 128, 8, 2), _k(64, 64, 4, 3))
     for causal in (False, True):
         TABLE[("sm90", "half", 128, causal)] = AttentionConfig(_k(128, 128, 8, 3), _k(32, 128, 8, 2), _k(128, 64, 8, 3))
@@ -90,6 +90,14 @@ def _fill_defaults():
 
 
 _fill_defaults()
+
+# Short sequences (Nq <= SHORT_SEQLEN): a forward tile with fewer rows gives more programs and a
+# shorter tail of idle SMs when there are few query blocks per head.
+SHORT_SEQLEN = 1024
+SHORT_FORWARD = {
+    ("sm90", "half", 128, False): _k(64, 64, 4, 3),
+    ("sm90", "half", 128, True): _k(64, 64, 4, 3),
+}
 
 # Small tiles for the CPU interpreter: several blocks on small shapes, so the loops' edges are exercised.
 INTERPRETER = AttentionConfig(_k(16, 16, 4, 1), _k(16, 16, 4, 1), _k(16, 16, 4, 1))
@@ -171,19 +179,26 @@ def triton_next_power_of_2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def table_config(compute_capability, dtype: torch.dtype, head_dim: int, causal: bool) -> AttentionConfig:
+def table_config(compute_capability, dtype: torch.dtype, head_dim: int, causal: bool, short: bool = False
+                 ) -> AttentionConfig:
+    """The table's entry; ``short``: the query sequence has at most SHORT_SEQLEN rows."""
     arch = arch_of(compute_capability)
     if arch == "interpreter":
         return INTERPRETER
     dtype_class = "fp32" if dtype == torch.float32 else "half"
-    return TABLE.get((arch, dtype_class, padded_head_dim(head_dim), causal), FALLBACK)
+    key = (arch, dtype_class, padded_head_dim(head_dim), causal)
+    config = TABLE.get(key, FALLBACK)
+    if short and key in SHORT_FORWARD:
+        config = replace(config, forward=SHORT_FORWARD[key])
+    return config
 
 
-def config_for(compute_capability, dtype: torch.dtype, head_dim: int, causal: bool) -> AttentionConfig:
+def config_for(compute_capability, dtype: torch.dtype, head_dim: int, causal: bool, seqlen_q: int = 1 << 30
+               ) -> AttentionConfig:
     """The configuration a call runs with (pinned > table > fallback)."""
     if _pinned is not None:
         return _pinned
-    return table_config(compute_capability, dtype, head_dim, causal)
+    return table_config(compute_capability, dtype, head_dim, causal, seqlen_q <= SHORT_SEQLEN)
 
 
 def shrink(config: KernelConfig) -> Optional[KernelConfig]:
