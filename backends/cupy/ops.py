@@ -143,7 +143,7 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
                   f32(params.scale * LOG2E), f32(params.scale)]
     feature_args = _feature_args(params)
 
-    atomic_dq = not deterministic and variants.atomic_dq_possible(variants.dkdv_tiles(cc, d), d)
+    atomic_dq = not deterministic and variants.atomic_dq_possible(variants.dkdv_tiles(cc, d, True), d)
     dq_accum = torch.zeros((batch, heads_q, seqlen_q, head_dim), dtype=torch.float32, device=q.device) if atomic_dq else None
     for variant in variants.dkdv_variants(cc, dtype_name, d, level, atomic_dq=atomic_dq):
         grid = (cdiv(seqlen_k, variant.define("BLOCK_N")), heads_kv, batch)

@@ -84,6 +84,8 @@ DKDV_TILES = {
     192: DkdvTiles(64, 32, 4, False, True),
     256: DkdvTiles(64, 32, 4, False, True),
 }
+# The dK/dV kernel of the fast backward (dQ formed in it with atomics, mode 3) has its own table.
+DKDV_ATOMIC_TILES = dict(DKDV_TILES)
 DQ_TILES = {
     32: DqTiles(64, 64, 4, True),
     64: DqTiles(64, 64, 4, True),
@@ -118,8 +120,8 @@ def fwd_tiles(cc, d: int) -> FwdTiles:
     return tiles
 
 
-def dkdv_tiles(cc, d: int) -> DkdvTiles:
-    tiles = DKDV_TILES[d]
+def dkdv_tiles(cc, d: int, atomic_dq: bool = False) -> DkdvTiles:
+    tiles = (DKDV_ATOMIC_TILES if atomic_dq else DKDV_TILES)[d]
     # sized for the largest mode (3, with its staged dS tile) so every mode launches with these tiles
     while dkdv_smem(tiles, d, True) > smem_limit(cc) and tiles.block_m > 16:
         tiles = replace(tiles, block_m=tiles.block_m // 2)
@@ -195,7 +197,7 @@ def atomic_dq_possible(tiles: DkdvTiles, d: int) -> bool:
 def dkdv_variants(cc, dtype_name: str, d: int, level: str, tiles: DkdvTiles = None, atomic_dq: bool = False) -> list:
     """The dK/dV launches: one (mode 0: dK and dV), two (modes 1, 2: dV, then dK) when ``tiles.split``, or
     with ``atomic_dq`` one that also adds dQ into a float32 accumulator with atomics (mode 3)."""
-    tiles = tiles or dkdv_tiles(cc, d)
+    tiles = tiles or dkdv_tiles(cc, d, atomic_dq)
     if atomic_dq and not atomic_dq_possible(tiles, d):
         raise ValueError(f"atomic_dq: tiles {tiles} at head dim {d} cannot form dQ in the dK/dV kernel")
     modes = (3,) if atomic_dq else (1, 2) if tiles.split else (0,)
@@ -236,7 +238,7 @@ def all_variants(cc) -> list:
             for level in LEVELS:
                 out.append(fwd_variant(cc, dtype, d, level))
                 out.extend(dkdv_variants(cc, dtype, d, level))
-                if atomic_dq_possible(dkdv_tiles(cc, d), d):
+                if atomic_dq_possible(dkdv_tiles(cc, d, True), d):
                     out.extend(dkdv_variants(cc, dtype, d, level, atomic_dq=True))
                 out.append(dq_variant(cc, dtype, d, level))
     return out

@@ -189,21 +189,27 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     const BoolMask bmask{mask != nullptr ? mask + b * m_sb + hq * m_sh : nullptr, m_sq, m_sk};
     need_mask = need_mask || bmask.ptr != nullptr;
 #endif
+    // queries [lo, hi] that see this lane's two key rows, relative to this lane's first column m0 + 2t
+    int key_lo[2], key_hi[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int j = n0 + warp_row0 + g + 8 * hr;
+      key_lo[hr] = (HAS_BOUNDS ? max_of(0, j - diag_offset - window_right) : 0) - (m0 + 2 * t);
+      key_hi[hr] = (HAS_BOUNDS ? min_of(seqlen_q - 1, j - diag_offset + window_left) : seqlen_q - 1) - (m0 + 2 * t);
+    }
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
+        const int hr = e >> 1;
         const int col = nt * 8 + 2 * t + (e & 1);
         float x = st[nt][e] * scale_log2;
         if (need_mask) {
-          const int i = m0 + col;
-          const int j = n0 + warp_row0 + g + ((e >> 1) << 3);
-          bool ok = i < seqlen_q && j < seqlen_k;
-#if HAS_BOUNDS
-          ok = ok && bounds.inside(i, j);
-#endif
+          const int cc = nt * 8 + (e & 1);
+          bool ok = cc >= key_lo[hr] && cc <= key_hi[hr];
 #if HAS_EXTRAS
-          if (bmask.ptr != nullptr) ok = ok && bmask.allows(i, j);
+          const int j = n0 + warp_row0 + g + 8 * hr;
+          if (bmask.ptr != nullptr) ok = ok && j < seqlen_k && bmask.allows(m0 + col, j);
 #endif
           if (!ok) x = -MHATTN_INF;
         }

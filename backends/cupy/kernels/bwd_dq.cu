@@ -59,6 +59,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #endif
   const int nb_lo = n_lo / BLOCK_N;
   const int nb_hi = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N : nb_lo;
+  auto bounds_lo = [&](int i) { return HAS_BOUNDS ? max_of(0, i + diag_offset - window_left) : 0; };
+  auto bounds_hi = [&](int i, int nk) { return HAS_BOUNDS ? min_of(nk - 1, i + diag_offset + window_right) : nk - 1; };
 
   // This lane's two rows: lse in log2 units (+inf for padding or rows that see nothing) and delta.
   float row_lse[2], row_delta[2];
@@ -165,22 +167,25 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #if HAS_EXTRAS
     need_mask = need_mask || bmask.ptr != nullptr;
 #endif
+    int row_lo[2], row_hi[2];  // visible keys [lo, hi] of this lane's two rows, relative to n0 + 2t
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int i = m0 + warp_row0 + g + 8 * hr;
+      row_lo[hr] = bounds_lo(i) - (n0 + 2 * t);
+      row_hi[hr] = bounds_hi(i, seqlen_k) - (n0 + 2 * t);
+    }
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int hr = e >> 1;
-        const int j = n0 + nt * 8 + 2 * t + (e & 1);
+        const int jj = nt * 8 + (e & 1);
+        const int j = n0 + 2 * t + jj;
         float x = s[nt][e] * scale_log2;
         if (need_mask) {
-          bool ok = j < seqlen_k;
-#if HAS_BOUNDS || HAS_EXTRAS
-          const int i = m0 + warp_row0 + g + 8 * hr;
-#endif
-#if HAS_BOUNDS
-          ok = ok && bounds.inside(i, j);
-#endif
+          bool ok = jj >= row_lo[hr] && jj <= row_hi[hr];
 #if HAS_EXTRAS
+          const int i = m0 + warp_row0 + g + 8 * hr;
           if (bmask.ptr != nullptr) ok = ok && i < seqlen_q && bmask.allows(i, j);
 #endif
           if (!ok) x = -MHATTN_INF;
@@ -188,8 +193,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
         const float p = fast_exp2(x - row_lse[hr]);
         float dpv = dp[nt][e];
 #if HAS_EXTRAS
-        if (use_dropout && !rng.keep(row_key[hr], j)) dpv = 0.f;
-        else if (use_dropout) dpv *= drop_scale;
+        if (use_dropout) dpv = rng.keep(row_key[hr], j) ? dpv * drop_scale : 0.f;
 #endif
         dp[nt][e] = p * (dpv - row_delta[hr]);
       }

@@ -64,6 +64,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #endif
   const int nb_lo = n_lo / BLOCK_N;
   const int nb_hi = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N : nb_lo;
+  // first and last key query row i may see (inclusive; the window bounds fit in 32 bits, see ops.py)
+  auto bounds_lo = [&](int i) { return HAS_BOUNDS ? max_of(0, i + diag_offset - window_left) : 0; };
+  auto bounds_hi = [&](int i, int nk) { return HAS_BOUNDS ? min_of(nk - 1, i + diag_offset + window_right) : nk - 1; };
 
 #if HAS_EXTRAS
   const BoolMask bmask{mask != nullptr ? mask + b * m_sb + h * m_sh : nullptr, m_sq, m_sk};
@@ -173,22 +176,23 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt)
+        for (int hr = 0; hr < 2; ++hr) {
+          const int i = m0 + warp_row0 + mt * 16 + g + 8 * hr;
+          // keys [lo, hi] of row i, made relative to this lane's first column n0 + 2t
+          const int first = n0 + 2 * t;
+          const int lo = bounds_lo(i) - first, hi = bounds_hi(i, seqlen_k) - first;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int j = n0 + nt * 8 + 2 * t + (e & 1);
-            bool ok = j < seqlen_k;
-#if HAS_BOUNDS || HAS_EXTRAS
-            const int i = m0 + warp_row0 + mt * 16 + g + ((e >> 1) << 3);
-#endif
-#if HAS_BOUNDS
-            ok = ok && bounds.inside(i, j);
-#endif
+          for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int jj = nt * 8 + e;
+              bool ok = jj >= lo && jj <= hi;
 #if HAS_EXTRAS
-            if (bmask.ptr != nullptr) ok = ok && i < seqlen_q && bmask.allows(i, j);
+              if (bmask.ptr != nullptr) ok = ok && i < seqlen_q && bmask.allows(i, first + jj);
 #endif
-            if (!ok) s[mt][nt][e] = -MHATTN_INF;
-          }
+              if (!ok) s[mt][nt][2 * hr + e] = -MHATTN_INF;
+            }
+        }
     }
 
     // Online softmax: new running max, rescale what was accumulated, P = 2^(S - max).

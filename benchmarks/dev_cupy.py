@@ -1,0 +1,397 @@
+"""Development harness for the CUDA C++ (CuPy) backend on a GPU: compile, test, sweep tiles, and time
+against sdpa-flash in the same run on PERFORMANCE.md's protocol.
+
+    source benchmarks/device_env.sh
+    python3 benchmarks/dev_cupy.py build tests sweep table memory --out $OUT --budget 380
+
+Sections (in the order given; each is skipped once the time budget is spent):
+
+- ``build``: every variant for this GPU compiled by NVRTC in parallel processes (fills the kernel cache).
+- ``tests``: ``pytest tests/test_cupy_backend.py -m gpu`` in a child process (a crashed kernel cannot
+  take the timing process down); its log goes to --out.
+- ``sweep``: at N = 4k, d in 64, 128, causal off/on: forward tiles, then dK/dV tiles and dQ tiles of the
+  deterministic backward, then the dK/dV tiles of the fast (atomic dQ) backward; the winners are used by
+  the later sections and printed as entries for variants.py.
+- ``table``: bf16, B * N = 16384, H = 2048 / d, N in 512..16k, d in 64, 128 (and 256 for a few N):
+  forward and backward TFLOP/s of the backend (deterministic and fast backward) and of SDPA with
+  FLASH_ATTENTION on the same inputs, timed with triton.testing.do_bench (median); ratios.
+- ``memory``: peak extra memory of forward + backward, causal, B = 1, H = 16, d = 128, N = 8k and 32k.
+
+The short table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+TOKENS, HIDDEN = 16384, 2048
+SWEEP_N = 4096
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Candidate tiles; the first of each list is the variants.py entry.
+FWD_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs
+    64: [(128, 64, 4, True), (128, 128, 4, False), (128, 64, 8, True), (128, 128, 8, True), (64, 64, 4, True),
+         (128, 32, 4, True)],
+    128: [(128, 64, 4, False), (128, 32, 4, False), (128, 64, 8, True), (128, 128, 8, False), (64, 64, 4, True),
+          (128, 64, 8, False)],
+}
+DKDV_CANDIDATES = {  # block_n, block_m, num_warps, kv_in_regs, split
+    64: [(64, 64, 4, True, False), (128, 64, 8, True, False), (64, 32, 4, True, False), (128, 32, 8, True, False),
+         (64, 128, 4, False, False)],
+    128: [(64, 32, 4, False, False), (64, 64, 4, False, False), (128, 32, 8, False, False),
+          (128, 64, 8, False, False), (64, 16, 4, False, False)],
+}
+DQ_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs
+    64: [(64, 64, 4, True), (64, 128, 4, True), (128, 64, 8, True), (64, 32, 4, True), (128, 128, 8, True)],
+    128: [(64, 64, 4, False), (64, 32, 4, False), (128, 64, 8, False), (64, 64, 4, True), (128, 32, 8, True)],
+}
+
+LOG_PATH = None
+
+
+def log(text=""):
+    print(text, flush=True)
+    if LOG_PATH:
+        with open(LOG_PATH, "a") as f:
+            f.write(text + "\n")
+
+
+# ---- problems and timing -------------------------------------------------------------------------------
+
+
+def protocol_inputs(seqlen, head_dim, dtype=torch.bfloat16):
+    batch, heads = max(1, TOKENS // seqlen), HIDDEN // head_dim
+    gen = torch.Generator(device="cuda").manual_seed(seqlen * 1000 + head_dim)
+    q, k, v, do = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype, generator=gen)
+                   for _ in range(4))
+    return q, k, v, do
+
+
+def fwd_flops(q, causal):
+    batch, heads, seqlen, head_dim = q.shape
+    flops = 4.0 * batch * heads * seqlen * seqlen * head_dim
+    return flops / 2 if causal else flops
+
+
+def bench(fn, grads=None):
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median")  # milliseconds
+
+
+def params_for(head_dim, causal):
+    from mhattn.backends.base import AttentionParams
+
+    return AttentionParams(scale=head_dim ** -0.5, window_right=0 if causal else None)
+
+
+class Ours:
+    """Direct calls into the backend (no autograd): forward, and forward + backward."""
+
+    def __init__(self, deterministic=True):
+        from mhattn.backends.cupy import CupyBackend
+
+        self.backend = CupyBackend(deterministic=deterministic)
+
+    def fwd(self, q, k, v, params):
+        return lambda: self.backend.forward(q, k, v, params)
+
+    def fwd_bwd(self, q, k, v, do, params):
+        def run():
+            out, lse = self.backend.forward(q, k, v, params)
+            self.backend.backward(do, q, k, v, out, lse, params)
+
+        return run
+
+
+def sdpa_fns(q, k, v, do, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+
+    def fwd():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def fwd_bwd():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+        out.backward(do)
+
+    return fwd, fwd_bwd, leaves
+
+
+# ---- sections ---------------------------------------------------------------------------------------------
+
+
+def _compile_task(task):
+    variant, cc = task
+    from mhattn.backends.cupy import compiler
+
+    try:
+        compiler.cubin_path(variant, cc)
+        return None
+    except Exception as error:
+        return f"{variant.label}: {error}"
+
+
+def precompile(variant_list, cc, jobs=None):
+    from concurrent.futures import ProcessPoolExecutor
+
+    unique = list(dict.fromkeys(variant_list))
+    start = time.time()
+    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count()) as pool:
+        errors = [e for e in pool.map(_compile_task, [(v, cc) for v in unique]) if e]
+    log(f"compiled {len(unique)} variants in {time.time() - start:.1f} s, {len(errors)} failed")
+    for e in errors:
+        log("  " + e[:2000])
+    return not errors
+
+
+def section_build(args, cc):
+    from mhattn.backends.cupy import variants
+
+    return precompile(variants.all_variants(cc), cc)
+
+
+def section_tests(args, cc):
+    out = os.path.join(args.out, "pytest_gpu.log") if args.out else None
+    cmd = [sys.executable, "-m", "pytest", os.path.join(REPO, "tests", "test_cupy_backend.py"), "-m", "gpu", "-q",
+           "-p", "no:cacheprovider", "-rf"] + (["-x"] if args.exitfirst else [])
+    start = time.time()
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.test_timeout, cwd=REPO)
+        text, code = run.stdout + run.stderr, run.returncode
+    except subprocess.TimeoutExpired as error:
+        partial = error.stdout or b""
+        text = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+        code = "timeout"
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+    lines = text.strip().splitlines()
+    log(f"pytest -m gpu: exit {code} in {time.time() - start:.0f} s")
+    for line in [l for l in lines if l.startswith("FAILED") or "Error" in l][:40] + lines[-3:]:
+        log("  " + line[:600])
+    return code == 0
+
+
+def _fit(kind, d, tiles, cc):
+    from mhattn.backends.cupy import variants
+
+    smem = {"fwd": variants.fwd_smem, "dkdv": lambda t, dd: variants.dkdv_smem(t, dd, True),
+            "dq": variants.dq_smem}[kind](tiles, d)
+    return smem <= variants.smem_limit(cc)
+
+
+def section_sweep(args, cc):
+    """Per head dim, each kernel's candidates timed on the causal and the non-causal problem; the one with
+    the smallest summed time wins (one table entry serves both)."""
+    from mhattn.backends.cupy import variants
+
+    tables = {"fwd": variants.FWD_TILES, "dkdv": variants.DKDV_TILES, "dq": variants.DQ_TILES,
+              "dkdv-fast": variants.DKDV_ATOMIC_TILES}
+    makers = {"fwd": variants.FwdTiles, "dkdv": variants.DkdvTiles, "dq": variants.DqTiles,
+              "dkdv-fast": variants.DkdvTiles}
+    cands = {"fwd": FWD_CANDIDATES, "dkdv": DKDV_CANDIDATES, "dq": DQ_CANDIDATES, "dkdv-fast": DKDV_CANDIDATES}
+
+    def usable(kind, d, tiles):
+        base = "dkdv" if kind == "dkdv-fast" else kind
+        if not _fit(base, d, tiles, cc):
+            return False
+        return kind != "dkdv-fast" or variants.atomic_dq_possible(tiles, d)
+
+    todo = []  # compile every candidate first, in parallel
+    for d in (64, 128):
+        for level in ("plain", "bounds"):
+            for kind in cands:
+                for c in cands[kind][d]:
+                    t = makers[kind](*c)
+                    if not usable(kind, d, t):
+                        continue
+                    if kind == "fwd":
+                        todo.append(variants.fwd_variant(cc, "bfloat16", d, level, tiles=t))
+                    elif kind == "dq":
+                        todo.append(variants.dq_variant(cc, "bfloat16", d, level, tiles=t))
+                    else:
+                        todo.extend(variants.dkdv_variants(cc, "bfloat16", d, level, tiles=t,
+                                                           atomic_dq=kind == "dkdv-fast"))
+    precompile(todo, cc)
+
+    det, fast = Ours(True), Ours(False)
+    for d in (64, 128):
+        q, k, v, do = protocol_inputs(SWEEP_N, d)
+        problems = [(causal, params_for(d, causal), fwd_flops(q, causal)) for causal in (False, True)]
+        fwd_ms = {}
+        for kind in ("fwd", "dkdv", "dq", "dkdv-fast"):
+            engine = fast if kind == "dkdv-fast" else det
+            results = []
+            for c in cands[kind][d]:
+                t = makers[kind](*c)
+                if not usable(kind, d, t):
+                    continue
+                saved = tables[kind][d]
+                tables[kind][d] = t
+                try:
+                    total, parts = 0.0, []
+                    for causal, params, flops in problems:
+                        if kind == "fwd":
+                            ms = bench(det.fwd(q, k, v, params))
+                            parts.append(f"{'causal' if causal else 'full'} {ms:.3f} ms {flops / ms / 1e9:.0f} TF")
+                        else:
+                            ms = bench(engine.fwd_bwd(q, k, v, do, params)) - fwd_ms[causal]
+                            parts.append(f"{'causal' if causal else 'full'} bwd {ms:.3f} ms "
+                                         f"{2.5 * flops / ms / 1e9:.0f} TF")
+                        total += ms
+                    results.append((total, c))
+                    log(f"sweep d{d} {kind:9s} {c}: " + "; ".join(parts))
+                except Exception as error:
+                    log(f"sweep d{d} {kind:9s} {c}: ERROR {type(error).__name__}: {error}")
+                tables[kind][d] = saved
+            if results:
+                best = min(results)[1]
+                tables[kind][d] = makers[kind](*best)
+                log(f"sweep d{d} {kind:9s} best {best}")
+            if kind == "fwd":
+                for causal, params, _ in problems:
+                    fwd_ms[causal] = bench(det.fwd(q, k, v, params))
+        del q, k, v, do
+    log("sweep result (variants.py entries):")
+    for kind in ("fwd", "dkdv", "dq", "dkdv-fast"):
+        for d in (64, 128):
+            log(f"  {kind:9s} d{d}: {tables[kind][d]}")
+    return True
+
+
+def section_table(args, cc, rows):
+    det, fast = Ours(True), Ours(False)
+    points = [(d, n, causal) for d in (64, 128) for n in (512, 1024, 2048, 4096, 8192, 16384) for causal in (False, True)]
+    points += [(256, n, causal) for n in (1024, 4096, 16384) for causal in (False, True)]
+    for d, n, causal in points:
+        if time.time() > args.deadline:
+            log(f"table: time budget spent, stopping before d={d} N={n}")
+            break
+        try:
+            q, k, v, do = protocol_inputs(n, d)
+            params = params_for(d, causal)
+            flops = fwd_flops(q, causal)
+            row = {"d": d, "n": n, "causal": causal}
+            row["fwd_ms"] = bench(det.fwd(q, k, v, params))
+            row["bwd_ms"] = bench(det.fwd_bwd(q, k, v, do, params)) - row["fwd_ms"]
+            if d <= 128:
+                row["bwd_fast_ms"] = bench(fast.fwd_bwd(q, k, v, do, params)) - row["fwd_ms"]
+            s_fwd, s_fwd_bwd, leaves = sdpa_fns(q, k, v, do, causal)
+            row["sdpa_fwd_ms"] = bench(s_fwd)
+            row["sdpa_bwd_ms"] = bench(s_fwd_bwd, grads=leaves) - row["sdpa_fwd_ms"]
+            for key in [k_ for k_ in list(row) if k_.endswith("_ms")]:
+                mult = 2.5 if "bwd" in key else 1.0
+                row[key.replace("_ms", "_tflops")] = mult * flops / row[key] / 1e9
+            rows.append(row)
+            log(json.dumps({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in row.items()}))
+            del q, k, v, do, leaves
+        except Exception as error:
+            log(f"table d={d} N={n} causal={causal}: ERROR {type(error).__name__}: {error}")
+            traceback.print_exc()
+    return True
+
+
+def section_memory(args, cc):
+    import mhattn
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    for n in (8192, 32768):
+        for impl in ("cupy", "sdpa-flash"):
+            q, k, v = (torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            do = torch.randn_like(q)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            try:
+                if impl == "cupy":
+                    out = mhattn.attention(q, k, v, is_causal=True, backend="cupy")
+                else:
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out.backward(do)
+                torch.cuda.synchronize()
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+                log(f"memory N={n} {impl}: peak extra {peak:.0f} MiB")
+            except Exception as error:
+                log(f"memory N={n} {impl}: ERROR {error}")
+            del q, k, v, do
+    return True
+
+
+def print_table(rows):
+    if not rows:
+        return
+    log("\nbf16, B*N=16384, H=2048/d; TFLOP/s (bwd = 2.5x fwd flops; bwd time = fwd+bwd - fwd); "
+        "ratio = ours / sdpa-flash; bwd det = deterministic, fast = atomic dQ")
+    log(f"{'d':>4} {'N':>6} {'causal':>6} | {'fwd':>5} {'flash':>5} {'ratio':>5} | {'bwd det':>7} {'fast':>5} "
+        f"{'flash':>5} {'r det':>5} {'r fast':>6}")
+    for r in rows:
+        fast = r.get("bwd_fast_tflops")
+        log(f"{r['d']:>4} {r['n']:>6} {str(r['causal']):>6} | {r['fwd_tflops']:5.0f} {r['sdpa_fwd_tflops']:5.0f} "
+            f"{r['fwd_tflops'] / r['sdpa_fwd_tflops']:5.2f} | {r['bwd_tflops']:7.0f} "
+            f"{fast if fast is None else round(fast):>5} {r['sdpa_bwd_tflops']:5.0f} "
+            f"{r['bwd_tflops'] / r['sdpa_bwd_tflops']:5.2f} "
+            f"{'' if fast is None else round(fast / r['sdpa_bwd_tflops'], 2):>6}")
+
+
+def main(argv=None):
+    global LOG_PATH
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sections", nargs="*", default=["build", "tests", "sweep", "table", "memory"])
+    parser.add_argument("--out", default=os.environ.get("OUT", ""))
+    parser.add_argument("--budget", type=float, default=380.0, help="seconds for the whole run")
+    parser.add_argument("--test-timeout", type=float, default=150.0)
+    parser.add_argument("--exitfirst", action="store_true")
+    args = parser.parse_args(argv)
+    start = time.time()
+    args.deadline = start + args.budget
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        LOG_PATH = os.path.join(args.out, "dev_cupy.log")
+    cc = torch.cuda.get_device_capability()
+    import cupy
+
+    from mhattn.backends.cupy import compiler
+
+    log(f"{torch.cuda.get_device_name()} sm_{cc[0]}{cc[1]}, torch {torch.__version__}, cupy {cupy.__version__}, "
+        f"NVRTC {compiler.nvrtc_version()}, cache {compiler.cache_dir()}")
+    rows = []
+    for name in args.sections:
+        if time.time() > args.deadline:
+            log(f"section {name}: skipped, time budget spent")
+            continue
+        t0 = time.time()
+        log(f"== {name}")
+        try:
+            if name == "table":
+                section_table(args, cc, rows)
+            else:
+                globals()[f"section_{name}"](args, cc)
+        except Exception as error:
+            log(f"section {name}: ERROR {type(error).__name__}: {error}")
+            log(traceback.format_exc())
+        log(f"== {name} done in {time.time() - t0:.0f} s")
+    if args.out and rows:
+        with open(os.path.join(args.out, "table.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    print_table(rows)
+    log(f"total {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
