@@ -336,17 +336,21 @@ def section_memory(args, cc):
 def print_table(rows):
     if not rows:
         return
+
+    def num(x, digits=0):
+        return "-" if x is None else f"{x:.{digits}f}"
+
     log("\nbf16, B*N=16384, H=2048/d; TFLOP/s (bwd = 2.5x fwd flops; bwd time = fwd+bwd - fwd); "
         "ratio = ours / sdpa-flash; bwd det = deterministic, fast = atomic dQ")
     log(f"{'d':>4} {'N':>6} {'causal':>6} | {'fwd':>5} {'flash':>5} {'ratio':>5} | {'bwd det':>7} {'fast':>5} "
         f"{'flash':>5} {'r det':>5} {'r fast':>6}")
     for r in rows:
         fast = r.get("bwd_fast_tflops")
-        log(f"{r['d']:>4} {r['n']:>6} {str(r['causal']):>6} | {r['fwd_tflops']:5.0f} {r['sdpa_fwd_tflops']:5.0f} "
-            f"{r['fwd_tflops'] / r['sdpa_fwd_tflops']:5.2f} | {r['bwd_tflops']:7.0f} "
-            f"{fast if fast is None else round(fast):>5} {r['sdpa_bwd_tflops']:5.0f} "
-            f"{r['bwd_tflops'] / r['sdpa_bwd_tflops']:5.2f} "
-            f"{'' if fast is None else round(fast / r['sdpa_bwd_tflops'], 2):>6}")
+        log(f"{r['d']:>4} {r['n']:>6} {str(r['causal']):>6} | {num(r['fwd_tflops']):>5} "
+            f"{num(r['sdpa_fwd_tflops']):>5} {num(r['fwd_tflops'] / r['sdpa_fwd_tflops'], 2):>5} | "
+            f"{num(r['bwd_tflops']):>7} {num(fast):>5} {num(r['sdpa_bwd_tflops']):>5} "
+            f"{num(r['bwd_tflops'] / r['sdpa_bwd_tflops'], 2):>5} "
+            f"{num(None if fast is None else fast / r['sdpa_bwd_tflops'], 2):>6}")
 
 
 def main(argv=None):

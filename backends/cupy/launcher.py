@@ -8,6 +8,7 @@ module and launches: every buffer comes from torch's allocator, so CuPy's memory
 from __future__ import annotations
 
 import threading
+import warnings
 
 import numpy as np
 
@@ -78,7 +79,9 @@ class CupyLauncher:
         key = (handle, device_index)
         stream = self._streams.get(key)
         if stream is None:
-            stream = self._streams[key] = cupy.cuda.ExternalStream(handle, device_index)
+            with warnings.catch_warnings():  # deprecated in CuPy 14 in favour of Stream.from_external; still works
+                warnings.simplefilter("ignore")
+                stream = self._streams[key] = cupy.cuda.ExternalStream(handle, device_index)
         return stream
 
     def launch(self, variant: Variant, grid: tuple, args: list, device, cc) -> None:
@@ -90,6 +93,5 @@ class CupyLauncher:
         index = device.index if device.index is not None else torch.cuda.current_device()
         kernel = self.kernel(variant, index, cc)
         values = tuple(_NUMPY[kind](value) for kind, value in args)
-        with cupy.cuda.Device(index):
-            kernel(tuple(grid), (variant.num_threads,), values, shared_mem=variant.smem_bytes,
-                   stream=self._stream(index))
+        with cupy.cuda.Device(index), self._stream(index):  # CuPy launches on its current stream
+            kernel(tuple(grid), (variant.num_threads,), values, shared_mem=variant.smem_bytes)
