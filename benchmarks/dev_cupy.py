@@ -193,6 +193,29 @@ def _fit(kind, d, tiles, cc):
     return smem <= variants.smem_limit(cc)
 
 
+def kernel_report(kind, d, tiles, cc):
+    """Registers and local (spill) bytes of the compiled variants of a candidate, from the loaded kernels."""
+    from mhattn.backends.cupy import variants
+    from mhattn.backends.cupy.launcher import CupyLauncher
+
+    launcher = CupyLauncher()
+    out = []
+    for level in ("plain", "bounds"):
+        if kind == "fwd":
+            vs = [variants.fwd_variant(cc, "bfloat16", d, level, tiles=tiles)]
+        elif kind == "dq":
+            vs = [variants.dq_variant(cc, "bfloat16", d, level, tiles=tiles)]
+        else:
+            vs = variants.dkdv_variants(cc, "bfloat16", d, level, tiles=tiles, atomic_dq=kind == "dkdv-fast")
+        for v in vs:
+            try:
+                k = launcher.kernel(v, torch.cuda.current_device(), cc)
+                out.append(f"{level[0]}:{k.num_regs}r/{k.local_size_bytes}B")
+            except Exception as error:
+                out.append(f"{level[0]}:? ({type(error).__name__})")
+    return "[" + " ".join(out) + "]"
+
+
 def section_sweep(args, cc):
     """Per head dim, each kernel's candidates timed on the causal and the non-causal problem; the one with
     the smallest summed time wins (one table entry serves both)."""
@@ -253,7 +276,7 @@ def section_sweep(args, cc):
                                          f"{2.5 * flops / ms / 1e9:.0f} TF")
                         total += ms
                     results.append((total, c))
-                    log(f"sweep d{d} {kind:9s} {c}: " + "; ".join(parts))
+                    log(f"sweep d{d} {kind:9s} {c}: " + "; ".join(parts) + "  " + kernel_report(kind, d, t, cc))
                 except Exception as error:
                     log(f"sweep d{d} {kind:9s} {c}: ERROR {type(error).__name__}: {error}")
                 tables[kind][d] = saved
