@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import subprocess
+import tempfile
 import sys
 import time
 import traceback
@@ -169,7 +170,8 @@ def section_tests(args, cc):
            "-p", "no:cacheprovider", "-rf"] + (["-x"] if args.exitfirst else [])
     start = time.time()
     try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.test_timeout, cwd=REPO)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.test_timeout,
+                             cwd=tempfile.gettempdir())  # not the repo root: its mhattn/ would shadow the package
         text, code = run.stdout + run.stderr, run.returncode
     except subprocess.TimeoutExpired as error:
         partial = error.stdout or b""
