@@ -181,10 +181,74 @@ class _Worker:
         self.log.close()
 
 
+@dataclass
+class _Attempt:
+    """What one worker did: its results arrive through the callbacks; the rest is how it ended."""
+
+    running: object = None      # index of the case it was in when it stopped, or None
+    produced: int = 0           # results it delivered
+    stopped_at: object = None   # index where it stopped for the deadline
+    unknown: bool = False       # it could not make the backend
+    timed_out: bool = False
+    exit_code: object = None
+    log: str = ""
+
+
+def _follow(worker, todo, cases, case_timeout, poll_seconds, on_start, on_result) -> _Attempt:
+    """Watch ``worker`` (running cases[todo]) until it exits or goes silent; kills it in the end."""
+    attempt = _Attempt()
+    last_news = time.monotonic()
+
+    def handle(message):
+        if "unknown_backend" in message:
+            attempt.unknown = True
+        elif "deadline" in message:
+            attempt.stopped_at = todo[message["deadline"]]
+        elif "start" in message:
+            attempt.running = todo[message["start"]]
+            on_start(attempt.running)
+        elif "result" in message:
+            attempt.running = None
+            attempt.produced += 1
+            on_result(todo[message["index"]], CaseResult.from_dict(message["result"]))
+
+    try:
+        while True:
+            for message in worker.new_messages():
+                last_news = time.monotonic()
+                handle(message)
+            if worker.process.poll() is not None:
+                break
+            # before its first message the worker is still starting (imports, CUDA init)
+            allowed = case_timeout if worker.heard else max(case_timeout, STARTUP_TIMEOUT)
+            if time.monotonic() - last_news > allowed:
+                attempt.timed_out = True
+                break
+            time.sleep(poll_seconds)
+        for message in worker.new_messages():  # what it wrote before it stopped
+            handle(message)
+    finally:
+        worker.stop()
+    attempt.exit_code = worker.process.returncode
+    attempt.log = _tail(worker.log_path)
+    return attempt
+
+
 def run_isolated(cases, progress=None, case_timeout: float = 600.0, poll_seconds: float = 0.2, deadline=None) -> list:
     """Run ``cases`` in worker processes, one backend at a time; returns results in case order. Cases not
     started by ``deadline`` (seconds since the epoch) are not run."""
     results = [None] * len(cases)
+
+    def on_start(i):
+        if progress is not None:
+            c = cases[i]
+            progress.start(f"{c.backend} {c.feature} {c.describe()}")
+
+    def on_result(i, result):
+        results[i] = result
+        if progress is not None:
+            progress.finish_case(result)
+
     groups = []
     for index, case in enumerate(cases):
         if groups and groups[-1][0] == case.backend:
@@ -192,91 +256,41 @@ def run_isolated(cases, progress=None, case_timeout: float = 600.0, poll_seconds
         else:
             groups.append((case.backend, [index]))
     with tempfile.TemporaryDirectory(prefix="mhattn-conformance-") as folder:
-        attempt = 0
+        number = 0
         for _, indices in groups:
-            position = 0  # next index (into `indices`) without a result
-            while position < len(indices):
+            while True:
+                pending = [i for i in indices if results[i] is None]
+                if not pending:
+                    break
                 if past(deadline):
-                    for i in indices[position:]:
-                        results[i] = not_run(cases[i], TIME_LIMIT_REASON)
-                        if progress is not None:
-                            progress.finish_case(results[i])
+                    for i in pending:
+                        on_result(i, not_run(cases[i], TIME_LIMIT_REASON))
                     break
-                attempt += 1
-                todo = indices[position:]
-                worker = _Worker([cases[i] for i in todo], folder, attempt, deadline)
-                running, last_news, unknown, stopped_at = None, time.monotonic(), False, None
-                try:
-                    while True:
-                        for message in worker.new_messages():
-                            last_news = time.monotonic()
-                            if "unknown_backend" in message:
-                                unknown = True
-                            elif "deadline" in message:
-                                stopped_at = message["deadline"]
-                            elif "start" in message:
-                                running = todo[message["start"]]
-                                if progress is not None:
-                                    c = cases[running]
-                                    progress.start(f"{c.backend} {c.feature} {c.describe()}")
-                            elif "result" in message:
-                                done = todo[message["index"]]
-                                results[done] = CaseResult.from_dict(message["result"])
-                                position = indices.index(done) + 1
-                                running = None
-                                if progress is not None:
-                                    progress.finish_case(results[done])
-                        exited = worker.process.poll() is not None
-                        # before its first message the worker is still starting (imports, CUDA init)
-                        allowed = case_timeout if worker.heard else max(case_timeout, STARTUP_TIMEOUT)
-                        silent = time.monotonic() - last_news > allowed
-                        if exited or silent:
-                            break
-                        time.sleep(poll_seconds)
-                    # drain what the worker wrote before it stopped
-                    for message in worker.new_messages():
-                        if "result" in message:
-                            done = todo[message["index"]]
-                            results[done] = CaseResult.from_dict(message["result"])
-                            position = indices.index(done) + 1
-                            running = None
-                            if progress is not None:
-                                progress.finish_case(results[done])
-                        elif "start" in message:
-                            running = todo[message["start"]]
-                        elif "deadline" in message:
-                            stopped_at = message["deadline"]
-                finally:
-                    worker.stop()
-                if stopped_at is not None:
-                    position = indices.index(todo[stopped_at])
-                    continue  # the loop's deadline check marks the rest
-                if position >= len(indices):
-                    break
-                if unknown or worker.process.returncode == WORKER_UNKNOWN_BACKEND:
-                    rest = [cases[i] for i in indices[position:]]
-                    for i, result in zip(indices[position:], run_in_process(rest, progress)):
+                number += 1
+                worker = _Worker([cases[i] for i in pending], folder, number, deadline)
+                attempt = _follow(worker, pending, cases, case_timeout, poll_seconds, on_start, on_result)
+                if attempt.unknown or attempt.exit_code == WORKER_UNKNOWN_BACKEND:
+                    rest = [i for i in indices if results[i] is None]
+                    for i, result in zip(rest, run_in_process([cases[i] for i in rest], progress, deadline)):
                         results[i] = result
                     break
-                code = worker.process.returncode
-                log = _tail(worker.log_path)
-                if running is None:
-                    # the worker died before starting a case: nothing later would fare better
-                    for i in indices[position:]:
-                        results[i] = CaseResult(cases[i], FAIL, error=f"the worker process failed before running "
-                                                f"any case (exit status {code}): {log}")
-                        if progress is not None:
-                            progress.finish_case(results[i])
+                if attempt.stopped_at is not None:
+                    continue  # the deadline check above marks the rest
+                if attempt.running is not None:
+                    if attempt.timed_out:
+                        why = f"timed out: no result after {case_timeout:.0f} s (the worker was killed)"
+                    elif attempt.exit_code == WORKER_CONTEXT_LOST:
+                        why = "the CUDA context was lost during this case; a fresh worker runs the rest"
+                    else:
+                        why = (f"the worker process died while running this case (exit status "
+                               f"{attempt.exit_code}): {attempt.log}")
+                    on_result(attempt.running, CaseResult(cases[attempt.running], FAIL, error=why))
+                    continue
+                if attempt.produced == 0:
+                    # it never got to a case: a fresh worker would fare no better
+                    for i in [i for i in indices if results[i] is None]:
+                        on_result(i, CaseResult(cases[i], FAIL, error="the worker process stopped before running "
+                                                f"any case (exit status {attempt.exit_code}): {attempt.log}"))
                     break
-                if silent and not exited:
-                    why = f"timed out: no result after {case_timeout:.0f} s (the worker was killed)"
-                elif code == WORKER_CONTEXT_LOST:
-                    why = "the CUDA context was lost after this case; a fresh worker runs the rest"
-                else:
-                    why = f"the worker process died while running this case (exit status {code}): {log}"
-                if results[running] is None:
-                    results[running] = CaseResult(cases[running], FAIL, error=why)
-                    if progress is not None:
-                        progress.finish_case(results[running])
-                position = indices.index(running) + 1
+                # it stopped between cases (a lost CUDA context after a failed case, say): a fresh one goes on
     return results
