@@ -15,6 +15,8 @@ Sections (run in the order given, each skipped once the time budget --budget is 
   (median) on the same inputs, and their ratios.
 - ``d256``: the same at d = 256 for a few N (it must work; no target).
 - ``memory``: peak extra memory of forward+backward, causal, B = 1, H = 16, d = 128, N = 8k and 32k.
+- ``resources`` (no GPU needed): compile kernels for sm_90 ahead of time and print shared memory,
+  registers and stack (spills) per tile, e.g. ``resources --specs dkdv:128:0:32,128,8,2``.
 
 Before timing, every kernel variant a section needs is compiled in parallel worker processes, which
 fill Triton's on-disk cache for the timing process. Logs go to --out; the short table prints last.
@@ -205,8 +207,8 @@ def section_sweep(args, state):
             params = params_for(d, causal)
             flops = fwd_flops(q.shape[0], q.shape[1], args.sweep_n, d, causal)
             sdpa = time_sdpa_flash(q, k, v, causal)
-            log(args.out, f"\n== sweep d={d} causal={causal} N={args.sweep_n}: sdpa-flash fwd {flops / sdpa[0] * 1e-9:.0f} "
-                          f"bwd {2.5 * flops / sdpa[1] * 1e-9:.0f} TFLOP/s")
+            log(args.out, f"\n== sweep d={d} causal={causal} N={args.sweep_n}: sdpa-flash "
+                          f"fwd {flops / sdpa[0] * 1e-9:.0f} bwd {2.5 * flops / sdpa[1] * 1e-9:.0f} TFLOP/s")
             best = default_config(d, causal, args.sweep_n)
             for kind in kinds:
                 best_ms = None
@@ -219,7 +221,8 @@ def section_sweep(args, state):
                         continue
                     ms = f_ms if kind == "fwd" else b_ms
                     factor = 1.0 if kind == "fwd" else 2.5
-                    log(args.out, f"  {kind:4s} {tile_text:14s} {ms:7.3f} ms  {factor * flops / ms * 1e-9:6.0f} TFLOP/s")
+                    tflops = factor * flops / ms * 1e-9
+                    log(args.out, f"  {kind:4s} {tile_text:14s} {ms:7.3f} ms  {tflops:6.0f} TFLOP/s")
                     if best_ms is None or ms < best_ms:
                         best_ms, best_cfg = ms, cfg
                 if best_ms is not None:
@@ -268,7 +271,8 @@ def section_table(args, state, dims=(64, 128), seqlens=(512, 1024, 2048, 4096, 8
                 row = dict(d=d, n=n, causal=causal, fwd=flops / t_fwd * 1e-9, bwd=2.5 * flops / t_bwd * 1e-9,
                            sdpa_fwd=flops / s_fwd * 1e-9, sdpa_bwd=2.5 * flops / s_bwd * 1e-9)
                 rows.append(row)
-                log(args.out, f"  d={d:3d} N={n:5d} causal={int(causal)}  triton fwd {row['fwd']:5.0f} bwd {row['bwd']:5.0f}"
+                log(args.out, f"  d={d:3d} N={n:5d} causal={int(causal)}"
+                              f"  triton fwd {row['fwd']:5.0f} bwd {row['bwd']:5.0f}"
                               f"  sdpa-flash fwd {row['sdpa_fwd']:5.0f} bwd {row['sdpa_bwd']:5.0f}"
                               f"  ratio fwd {row['fwd'] / row['sdpa_fwd']:.2f} bwd {row['bwd'] / row['sdpa_bwd']:.2f}")
                 del q, k, v
@@ -306,7 +310,80 @@ def section_memory(args, state):
             torch.cuda.empty_cache()
 
 
-SECTIONS = {"sweep": section_sweep, "table": section_table, "d256": section_d256, "memory": section_memory}
+# ---- compiler report without a GPU ---------------------------------------------------------------------
+
+_POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", "dV", "dQ", "dMask", "GradLse"}
+_FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse"}
+_FLOATS = {"qk_scale2", "softcap_in2", "softcap_out2", "dropout_scale", "sm_scale"}
+
+
+def compile_report(kind, head_dim, causal, tile, dtype="bf16", cc=90):
+    """Compile one kernel for sm_<cc> ahead of time (no GPU needed) and return its resource line:
+    shared memory, registers, stack (spills), wgmma / mma.sync / cp.async counts in the PTX. Strides
+    get the divisibility-16 hint the JIT adds for the protocol's shapes."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mhattn.backends.triton import backward, configs, forward
+
+    block_m, block_n, warps, stages = tile
+    padded = configs.padded_head_dim(head_dim)
+    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=padded, BLOCK_DV=padded, BLOCK_M=block_m,
+                      BLOCK_N=block_n, HAS_LEFT=False, HAS_RIGHT=causal, HAS_SOFTCAP=False, MASK_KIND=0,
+                      HAS_DROPOUT=False, DOT_PRECISION="tf32")
+    fn = {"fwd": forward.attention_forward_kernel, "dkdv": backward.backward_dkdv_kernel,
+          "dq": backward.backward_dq_kernel}[kind]
+    if kind in ("fwd", "dq"):
+        constexprs["HEAVY_FIRST"] = causal
+    if kind == "dq":
+        constexprs["MASK_GRAD"] = False
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in _POINTERS:
+            signature[name] = "*fp32" if name in _FP32_POINTERS else "*" + dtype
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in _FLOATS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride_") and not name.endswith(("mq", "mk")):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", cc, 32),
+                            options=dict(num_warps=warps, num_stages=stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    ptx = kernel.asm["ptx"]
+    return (f"smem={kernel.metadata.shared} regs={found.group(1)} stack={found.group(2)} "
+            f"wgmma={ptx.count('wgmma.mma_async')} mma.sync={ptx.count('mma.sync')} "
+            f"cp.async={ptx.count('cp.async.cg') + ptx.count('cp.async.ca')}")
+
+
+def section_resources(args, state):
+    """--specs kind:d:causal:BM,BN,W,S ... compiled for sm_90 (no GPU needed)."""
+    for spec in args.specs:
+        kind, head_dim, causal, tile = spec.split(":")
+        tile = tuple(int(x) for x in tile.split(","))
+        try:
+            line = compile_report(kind, int(head_dim), causal == "1", tile)
+        except Exception as error:
+            line = f"FAILED {type(error).__name__}: {str(error)[:300]}"
+        log(args.out, f"  {spec:24s} {line}")
+
+
+SECTIONS = {"sweep": section_sweep, "table": section_table, "d256": section_d256, "memory": section_memory,
+            "resources": section_resources}
 
 
 def summary(args, state):
@@ -314,7 +391,8 @@ def summary(args, state):
     lines.append(" d     N  c | tri fwd  fa fwd  ratio | tri bwd  fa bwd  ratio")
     for r in state.get("rows", []):
         lines.append(f"{r['d']:3d} {r['n']:5d}  {int(r['causal'])} | {r['fwd']:7.0f} {r['sdpa_fwd']:7.0f} "
-                     f"{r['fwd'] / r['sdpa_fwd']:6.2f} | {r['bwd']:7.0f} {r['sdpa_bwd']:7.0f} {r['bwd'] / r['sdpa_bwd']:6.2f}")
+                     f"{r['fwd'] / r['sdpa_fwd']:6.2f} | {r['bwd']:7.0f} {r['sdpa_bwd']:7.0f} "
+                     f"{r['bwd'] / r['sdpa_bwd']:6.2f}")
     rows = [r for r in state.get("rows", []) if r["d"] in (64, 128) and r["n"] >= 1024]
     if rows:
         lines.append(f"min ratio (d 64/128, N>=1k): fwd {min(r['fwd'] / r['sdpa_fwd'] for r in rows):.2f} "
@@ -340,6 +418,9 @@ def main(argv=None):
     parser.add_argument("--kinds", default="fwd,dkdv,dq", help="kernels the sweep tunes, in order (fwd,dkdv,dq)")
     parser.add_argument("--dims", default="64,128", help="head dims the sweep tunes")
     parser.add_argument("--sweep-n", type=int, default=4096, help="sequence length of the sweep")
+    parser.add_argument("--specs", nargs="*", default=["fwd:128:0:128,128,8,3", "dkdv:128:0:32,128,8,2",
+                                                       "dq:128:0:128,64,8,3"],
+                        help="resources section: kind:head_dim:causal:BM,BN,W,S (kind fwd, dkdv or dq)")
     parser.add_argument("--no-apply-winners", action="store_true",
                         help="later sections use configs.py's table, not the sweep's winners")
     args = parser.parse_args(argv)
@@ -347,7 +428,11 @@ def main(argv=None):
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
-    log(args.out, f"device {torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()} torch {torch.__version__}")
+    gpu = torch.cuda.is_available()
+    if not gpu and set(args.sections) - {"resources"}:
+        parser.error("only the resources section runs without a CUDA GPU")
+    device = f"{torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()}" if gpu else "no GPU"
+    log(args.out, f"device {device} torch {torch.__version__}")
     import triton
 
     log(args.out, f"triton {triton.__version__}")
@@ -363,7 +448,8 @@ def main(argv=None):
             except Exception:
                 log(args.out, f"section {name} FAILED:\n{traceback.format_exc()}")
     finally:
-        summary(args, state)
+        if gpu:
+            summary(args, state)
     return 0
 
 

@@ -389,7 +389,7 @@ def test_config_parsing_and_pinning():
     short = configs.config_for((9, 0), torch.bfloat16, 128, True, seqlen_q=512)
     assert short.forward == configs.SHORT_FORWARD[("sm90", "half", 128, True)]
     assert short.dkdv == configs.TABLE[("sm90", "half", 128, True)].dkdv
-    assert configs.padded_head_dim(1) == 16 and configs.padded_head_dim(59) == 64 and configs.padded_head_dim(256) == 256
+    assert [configs.padded_head_dim(d) for d in (1, 16, 17, 59, 256)] == [16, 16, 32, 64, 256]
     assert configs.shrink(configs.KernelConfig(16, 16, 4, 1)) is None
 
 

@@ -187,7 +187,8 @@ class TritonBackend(Backend):
     """FlashAttention-2 forward and backward written in Triton (see forward.py and backward.py)."""
 
     name = "triton"
-    description = "FlashAttention-2 in Triton" + (" (TRITON_INTERPRET=1: Triton's interpreter, CPU tensors)" if INTERPRET else "")
+    description = "FlashAttention-2 in Triton" + (
+        " (TRITON_INTERPRET=1: Triton's interpreter, CPU tensors)" if INTERPRET else "")
     capabilities = Capabilities(
         device_types=frozenset({"cuda", "cpu"}) if INTERPRET else frozenset({"cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
@@ -220,11 +221,13 @@ class TritonBackend(Backend):
             elif dim < 1:
                 reasons.append(f"{what} {dim} < 1")
         if problem.device_type == "cpu" and problem.dtype == torch.bfloat16:
-            reasons.append("bfloat16 on CPU tensors: Triton's interpreter computes bfloat16 wrongly (use float16 or float32)")
+            reasons.append("bfloat16 on CPU tensors: Triton's interpreter computes bfloat16 wrongly "
+                           "(use float16 or float32)")
         blocks_q = problem.batch * problem.heads_q * math.ceil(problem.seqlen_q / 16)
         blocks_k = problem.batch * problem.heads_kv * math.ceil(problem.seqlen_k / 16)
         if max(blocks_q, blocks_k) > MAX_GRID:
-            reasons.append(f"batch * heads * sequence blocks ({max(blocks_q, blocks_k)}) exceeds the grid limit {MAX_GRID}")
+            reasons.append(f"batch * heads * sequence blocks ({max(blocks_q, blocks_k)}) exceeds the grid limit "
+                           f"{MAX_GRID}")
         return reasons
 
     # ---- forward ------------------------------------------------------------------------------
@@ -270,7 +273,8 @@ class TritonBackend(Backend):
         dmask = None
         if mask_grad:
             # Zeros: tiles outside the causal/window band are never visited and their gradient is 0.
-            dmask = torch.zeros(run.batch, run.heads_q, run.seqlen_q, run.seqlen_k, dtype=torch.float32, device=q.device)
+            dmask = torch.zeros(run.batch, run.heads_q, run.seqlen_q, run.seqlen_k, dtype=torch.float32,
+                                device=q.device)
         if run.seqlen_k == 0 or run.seqlen_q == 0 or q.numel() == 0:
             dq.zero_(), dk.zero_(), dv.zero_()
             return dq, dk, dv, (dmask.to(params.mask.dtype) if dmask is not None else None)

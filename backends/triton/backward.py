@@ -49,8 +49,9 @@ def backward_preprocess_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     rows_ok = offs_m < seqlen_q
 
-    o_ptrs = Out + batch * stride_ob + head * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :]
-    do_ptrs = dOut + batch * stride_dob + head * stride_doh + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    o_ptrs = Out + batch * stride_ob + head * stride_oh + rows * stride_om + offs_dv[None, :]
+    do_ptrs = dOut + batch * stride_dob + head * stride_doh + rows * stride_dom + offs_dv[None, :]
     o = load_rows(o_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
     do = load_rows(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
     delta = tl.sum(o * do, 1)

@@ -174,7 +174,8 @@ def attention_forward_kernel(
     o_ptrs = (Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
               + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :])
     if BLOCK_DV != HEAD_DIM_V:
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V))
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty),
+                 mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V))
     else:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < seqlen_q)
     tl.store(Lse + batch_head.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
