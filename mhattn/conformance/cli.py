@@ -173,6 +173,12 @@ def _run_single(backend, spec: str, device_override, report_path) -> int:
         import dataclasses
 
         case = dataclasses.replace(case, device=device_override)
+    import torch
+
+    if case.device == "cuda" and not torch.cuda.is_available():
+        print("mhattn conformance: this case runs on CUDA (device=cuda in its spec) and no CUDA GPU is visible; "
+              "add --device cpu to run it on CPU tensors", file=sys.stderr)
+        return 2
     reasons = backend.unavailable()
     if reasons:
         print(f"{backend.name}: unavailable: {'; '.join(reasons)}")

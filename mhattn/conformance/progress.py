@@ -69,8 +69,10 @@ class Progress:
         self.done_count += 1
         if result.status == "fail":
             self.failed += 1
+            summary = result.summary()
+            summary = summary if len(summary) <= 400 else summary[:396] + " ..."
             self.message(f"FAIL {result.case.backend} {result.case.feature} [{result.case.describe()}]: "
-                         f"{result.summary()}\n  reproduce: {result.case.command()}")
+                         f"{summary}\n  reproduce: {result.case.command()}")
         elif result.status == "unsupported":
             self.unsupported += 1
         if self.tty:

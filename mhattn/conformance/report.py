@@ -175,12 +175,26 @@ def _summary_line(report: Report) -> str:
             f"({report.mode}, {report.device}, {report.seconds:.0f} s)")
 
 
+def _clip(text: str, limit: int = 400) -> str:
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
 def render_text(report: Report, max_failures: int = 30) -> str:
-    """The report for a terminal: environment, notes, the table, footnotes, failures with reproduce commands."""
+    """The report for a terminal: environment, notes, failures with reproduce commands, then the table
+    and the verdict last (so the end of a captured log holds the table)."""
     out = ["", "mhattn conformance", *("  " + line for line in _header_lines(report))]
     if report.notes:
         out.append("")
         out += [f"note: {n}" for n in report.notes]
+    failures = report.failures
+    if failures:
+        out.append("")
+        out.append(f"failures ({len(failures)}):")
+        for r in failures[:max_failures]:
+            out.append(f"  {r.case.backend} {r.case.feature} [{r.case.describe()}]: {_clip(r.summary())}")
+            out.append(f"    reproduce: {r.case.command()}")
+        if len(failures) > max_failures:
+            out.append(f"  ... {len(failures) - max_failures} more (write them all with --report FILE.md)")
     header, rows, footnotes = table_rows(report)
     if rows:
         widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
@@ -196,15 +210,6 @@ def render_text(report: Report, max_failures: int = 30) -> str:
         out.append(f"{name}: not run: " + "; ".join(reasons))
     for x in report.extra:
         out.append(f"{x.name}: {x.status}" + (f" ({x.detail})" if x.detail else ""))
-    failures = report.failures
-    if failures:
-        out.append("")
-        out.append(f"failures ({len(failures)}):")
-        for r in failures[:max_failures]:
-            out.append(f"  {r.case.backend} {r.case.feature} [{r.case.describe()}]: {r.summary()}")
-            out.append(f"    reproduce: {r.case.command()}")
-        if len(failures) > max_failures:
-            out.append(f"  ... {len(failures) - max_failures} more (write them all with --report FILE.md)")
     out.append("")
     out.append(_summary_line(report))
     return "\n".join(out)
