@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import mhattn
-from mhattn.backends.base import Capabilities
 from mhattn.cli import main as mhattn_main
 from mhattn.conformance import cases as cases_module
 from mhattn.conformance.cases import COLUMNS, Case, full_cases, parse_spec, quick_cases
