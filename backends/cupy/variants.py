@@ -8,6 +8,8 @@ can launch, which is what ``mhattn build`` compiles.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, replace
 
 # Head dims are rounded up to one of these; the padded columns are zero-filled in shared memory.
@@ -51,7 +53,7 @@ class FwdTiles:
 
 @dataclass(frozen=True)
 class DkdvTiles:
-    block_n: int      # keys per CTA (16 per warp)
+    block_n: int      # keys per CTA (16 or 32 per warp)
     block_m: int      # queries per step
     num_warps: int
     kv_in_regs: bool  # this warp's K (and V) fragments kept in registers
@@ -60,27 +62,28 @@ class DkdvTiles:
 
 @dataclass(frozen=True)
 class DqTiles:
-    block_m: int      # query rows per CTA (16 per warp)
+    block_m: int      # query rows per CTA (16 or 32 per warp)
     block_n: int      # keys per step
     num_warps: int
     q_in_regs: bool   # Q and dO fragments kept in registers
 
 
-# Per head-dim bucket. Registers bound these: the output accumulators of a warp hold
+# Per head-dim bucket; the 64 and 128 entries are the winners of benchmarks/dev_cupy.py's sweep (see
+# NOTES.md). Registers bound these: the output accumulators of a warp hold
 # rows_per_warp * head_dim floats over 32 lanes, next to the score tile rows_per_warp * block_n.
 FWD_TILES = {
     32: FwdTiles(128, 64, 4, True),
     64: FwdTiles(128, 64, 4, True),
     96: FwdTiles(128, 64, 4, False),
-    128: FwdTiles(128, 64, 4, False),
+    128: FwdTiles(128, 32, 4, False),
     192: FwdTiles(64, 32, 4, False),
     256: FwdTiles(64, 32, 4, False),
 }
 DKDV_TILES = {
     32: DkdvTiles(64, 64, 4, True, False),
-    64: DkdvTiles(64, 64, 4, True, False),
+    64: DkdvTiles(128, 64, 8, True, False),
     96: DkdvTiles(64, 32, 4, False, False),
-    128: DkdvTiles(64, 32, 4, False, False),
+    128: DkdvTiles(128, 64, 8, False, False),
     192: DkdvTiles(64, 32, 4, False, True),
     256: DkdvTiles(64, 32, 4, False, True),
 }
@@ -88,12 +91,35 @@ DKDV_TILES = {
 DKDV_ATOMIC_TILES = dict(DKDV_TILES)
 DQ_TILES = {
     32: DqTiles(64, 64, 4, True),
-    64: DqTiles(64, 64, 4, True),
+    64: DqTiles(64, 32, 4, True),
     96: DqTiles(64, 64, 4, False),
     128: DqTiles(64, 64, 4, False),
     192: DqTiles(64, 32, 4, False),
     256: DqTiles(64, 32, 4, False),
 }
+
+
+# A tuning override, read once at import: MHATTN_CUPY_TILES='{"fwd": {"128": [128, 32, 4, false]}, ...}'
+# with tables "fwd", "dkdv", "dkdv_atomic", "dq" and the fields of each tiles class in order.
+TILES_ENV = "MHATTN_CUPY_TILES"
+
+
+def _apply_tile_override(text: str) -> None:
+    tables = {"fwd": (FWD_TILES, FwdTiles), "dkdv": (DKDV_TILES, DkdvTiles),
+              "dkdv_atomic": (DKDV_ATOMIC_TILES, DkdvTiles), "dq": (DQ_TILES, DqTiles)}
+    try:
+        entries = json.loads(text)
+        for name, per_dim in entries.items():
+            table, cls = tables[name]
+            for d, fields in per_dim.items():
+                table[int(d)] = cls(*fields)
+    except Exception as error:
+        raise ValueError(f"{TILES_ENV}: expected JSON like {{\"fwd\": {{\"128\": [128, 32, 4, false]}}}} with tables "
+                         f"{sorted(tables)}, got {text!r} ({type(error).__name__}: {error})") from None
+
+
+if os.environ.get(TILES_ENV):
+    _apply_tile_override(os.environ[TILES_ENV])
 
 
 def _row_bytes(head_dim_pad: int) -> int:

@@ -1,7 +1,7 @@
 // FlashAttention-2 backward, key side: dK and dV for one block of BLOCK_N keys of one (batch, kv head).
 //
-// Each warp owns 16 key rows and keeps their dK and dV rows in float32 registers while the CTA walks
-// every query block (of every query head sharing this kv head, for GQA) that can see its keys, so the
+// Each warp owns 16 or 32 key rows (one or two m16 tiles sharing every Q / dO fragment it loads) and
+// keeps their dK and dV rows in float32 registers while the CTA walks every query block (of every query head sharing this kv head, for GQA) that can see its keys, so the
 // sums are formed in one fixed order: deterministic, no atomics. Q, dO and the per-row lse / delta
 // vectors of the next query block are in flight (cp.async, two stages) while this one is processed.
 // Per query block, with the scores transposed (rows = keys, columns = queries):
@@ -26,12 +26,14 @@
 #define COMPUTE_DK (DKDV_MODE != 1)
 #define COMPUTE_DQ (DKDV_MODE == 3)
 
-constexpr int NT_S = BLOCK_M / 8;   // n8 tiles across a query block (columns of S^T)
-constexpr int NT_O = HEAD_DIM / 8;  // n8 tiles across a dK / dV row block
+constexpr int ROWS_PER_WARP = BLOCK_N / NUM_WARPS;
+constexpr int MT = ROWS_PER_WARP / 16;  // m16 tiles of key rows per warp
+constexpr int NT_S = BLOCK_M / 8;       // n8 tiles across a query block (columns of S^T)
+constexpr int NT_O = HEAD_DIM / 8;      // n8 tiles across a dK / dV row block
 constexpr int KD = HEAD_DIM / 16;
 constexpr u32 KV_TILE_BYTES = BLOCK_N * SMEM_ROW * 2;
 constexpr u32 Q_TILE_BYTES = BLOCK_M * SMEM_ROW * 2;
-// shared memory: K | V | Q[2] | dO[2] | lse_log2[2] | delta[2]
+// shared memory: K | V | Q[2] | dO[2] | lse_log2[2] | delta[2] (| dS^T in mode 3)
 constexpr u32 OFF_K = 0;
 constexpr u32 OFF_V = OFF_K + KV_TILE_BYTES;
 constexpr u32 OFF_Q = OFF_V + KV_TILE_BYTES;
@@ -49,7 +51,7 @@ constexpr int DQ_WARPS_PER_TILE = NUM_WARPS / DQ_TILES > 0 ? NUM_WARPS / DQ_TILE
 static_assert(NUM_WARPS % DQ_TILES == 0 && (HEAD_DIM / 32) % DQ_WARPS_PER_TILE == 0,
               "mode 3 splits dQ's m16 tiles and 32-column chunks evenly over the warps");
 #endif
-static_assert(BLOCK_N == NUM_WARPS * 16, "each warp owns 16 key rows");
+static_assert(ROWS_PER_WARP * NUM_WARPS == BLOCK_N && (MT == 1 || MT == 2), "each warp owns 16 or 32 key rows");
 static_assert(BLOCK_M % 16 == 0 && BLOCK_M <= 128, "BLOCK_M must be a multiple of 16, at most 128");
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
@@ -70,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   const int hk = blockIdx.y, b = blockIdx.z;
   const int n0 = blockIdx.x * BLOCK_N;
   const int n_last = min_of(n0 + BLOCK_N, seqlen_k) - 1;
-  const int warp_row0 = warp * 16;
+  const int warp_row0 = warp * ROWS_PER_WARP;
   const u32 s_base = smem_u32(smem);
 
   k += b * k_sb + hk * k_sh;
@@ -112,23 +114,27 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   cp_async_commit();
 
 #if COMPUTE_DK
-  float acc_dk[NT_O][4];
+  float acc_dk[MT][NT_O][4];
 #pragma unroll
-  for (int nt = 0; nt < NT_O; ++nt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dk[nt][e] = 0.f;
+    for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dk[mt][nt][e] = 0.f;
 #endif
 #if COMPUTE_DV
-  float acc_dv[NT_O][4];
+  float acc_dv[MT][NT_O][4];
 #pragma unroll
-  for (int nt = 0; nt < NT_O; ++nt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dv[nt][e] = 0.f;
+    for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dv[mt][nt][e] = 0.f;
 #endif
 #if KV_IN_REGS
-  u32 k_frag[KD][4];
+  u32 k_frag[MT][KD][4];
 #if COMPUTE_DK
-  u32 v_frag[KD][4];
+  u32 v_frag[MT][KD][4];
 #endif
 #endif
 
@@ -141,12 +147,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #if KV_IN_REGS
     if (it == 0) {
 #pragma unroll
-      for (int kk = 0; kk < KD; ++kk) {
-        load_a_frag(k_frag[kk], s_base + OFF_K, warp_row0, kk * 16, lane);
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+          load_a_frag(k_frag[mt][kk], s_base + OFF_K, warp_row0 + mt * 16, kk * 16, lane);
 #if COMPUTE_DK
-        load_a_frag(v_frag[kk], s_base + OFF_V, warp_row0, kk * 16, lane);
+          load_a_frag(v_frag[mt][kk], s_base + OFF_V, warp_row0 + mt * 16, kk * 16, lane);
 #endif
-      }
+        }
     }
 #endif
 
@@ -157,26 +165,35 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     const float* s_lse = reinterpret_cast<const float*>(smem + OFF_LSE + stage * BLOCK_M * 4);
     const float* s_delta = reinterpret_cast<const float*>(smem + OFF_DELTA + stage * BLOCK_M * 4);
 
-    // S^T = K Q^T for this warp's 16 keys against the BLOCK_M queries.
-    float st[NT_S][4];
+    // S^T = K Q^T for this warp's key rows against the BLOCK_M queries.
+    float st[MT][NT_S][4];
 #pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st[nt][e] = 0.f;
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[mt][nt][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
+      u32 a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
 #if KV_IN_REGS
-      const u32(&a)[4] = k_frag[kk];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[mt][r] = k_frag[mt][kk][r];
 #else
-      u32 a[4];
-      load_a_frag(a, s_base + OFF_K, warp_row0, kk * 16, lane);
+        load_a_frag(a[mt], s_base + OFF_K, warp_row0 + mt * 16, kk * 16, lane);
 #endif
+      }
 #pragma unroll
       for (int np = 0; np < BLOCK_M / 16; ++np) {
         u32 bq[4];
         load_b_frag_nk(bq, s_q, np * 16, kk * 16, lane);
-        mma_16816(st[2 * np], a, bq[0], bq[1]);
-        mma_16816(st[2 * np + 1], a, bq[2], bq[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816(st[mt][2 * np], a[mt], bq[0], bq[1]);
+          mma_16816(st[mt][2 * np + 1], a[mt], bq[2], bq[3]);
+        }
       }
     }
 
@@ -189,106 +206,127 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     const BoolMask bmask{mask != nullptr ? mask + b * m_sb + hq * m_sh : nullptr, m_sq, m_sk};
     need_mask = need_mask || bmask.ptr != nullptr;
 #endif
-    // queries [lo, hi] that see this lane's two key rows, relative to this lane's first column m0 + 2t
-    int key_lo[2], key_hi[2];
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int j = n0 + warp_row0 + g + 8 * hr;
-      key_lo[hr] = (HAS_BOUNDS ? max_of(0, j - diag_offset - window_right) : 0) - (m0 + 2 * t);
-      key_hi[hr] = (HAS_BOUNDS ? min_of(seqlen_q - 1, j - diag_offset + window_left) : seqlen_q - 1) - (m0 + 2 * t);
-    }
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt)
+      for (int hr = 0; hr < 2; ++hr) {
+        const int j = n0 + warp_row0 + mt * 16 + g + 8 * hr;
+        // queries [lo, hi] that see key j, relative to this lane's first column m0 + 2t
+        const int lo = (HAS_BOUNDS ? max_of(0, j - diag_offset - window_right) : 0) - (m0 + 2 * t);
+        const int hi = (HAS_BOUNDS ? min_of(seqlen_q - 1, j - diag_offset + window_left) : seqlen_q - 1) - (m0 + 2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hr = e >> 1;
-        const int col = nt * 8 + 2 * t + (e & 1);
-        float x = st[nt][e] * scale_log2;
-        if (need_mask) {
-          const int cc = nt * 8 + (e & 1);
-          bool ok = cc >= key_lo[hr] && cc <= key_hi[hr];
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int cc = nt * 8 + e;  // column relative to m0 + 2t
+            float x = st[mt][nt][2 * hr + e] * scale_log2;
+            if (need_mask) {
+              bool ok = cc >= lo && cc <= hi;
 #if HAS_EXTRAS
-          const int j = n0 + warp_row0 + g + 8 * hr;
-          if (bmask.ptr != nullptr) ok = ok && j < seqlen_k && bmask.allows(m0 + col, j);
+              if (bmask.ptr != nullptr) ok = ok && j < seqlen_k && bmask.allows(m0 + 2 * t + cc, j);
 #endif
-          if (!ok) x = -MHATTN_INF;
-        }
-        st[nt][e] = fast_exp2(x - s_lse[col]);
+              if (!ok) x = -MHATTN_INF;
+            }
+            st[mt][nt][2 * hr + e] = fast_exp2(x - s_lse[2 * t + cc]);
+          }
       }
 
 #if HAS_EXTRAS
-    // keep bit of element (nt, e) at position 4 nt + e
-    unsigned long long keep_bits = ~0ull;
+    // keep bit of element (mt, nt, e) at position 4 nt + e of keep_bits[mt]
+    unsigned long long keep_bits[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) keep_bits[mt] = ~0ull;
     if (use_dropout) {
       DropoutRng rng;
       rng.init((u32)(b * heads_q + hq), seed0, seed1, drop_threshold);
-      keep_bits = 0ull;
 #pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt)
+      for (int mt = 0; mt < MT; ++mt) {
+        keep_bits[mt] = 0ull;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = m0 + nt * 8 + 2 * t + (e & 1);
-          const int j = n0 + warp_row0 + g + ((e >> 1) << 3);
-          if (rng.keep(rng.row_key(i), j)) keep_bits |= 1ull << (4 * nt + e);
-        }
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = m0 + nt * 8 + 2 * t + (e & 1);
+            const int j = n0 + warp_row0 + mt * 16 + g + ((e >> 1) << 3);
+            if (rng.keep(rng.row_key(i), j)) keep_bits[mt] |= 1ull << (4 * nt + e);
+          }
+      }
     }
 #endif
 
 #if COMPUTE_DK
     // dP^T = V dO^T, then dS^T = P^T (dP^T keep / (1 - p) - delta), kept in dpt.
-    float dpt[NT_S][4];
+    float dpt[MT][NT_S][4];
 #pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dpt[nt][e] = 0.f;
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpt[mt][nt][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
+      u32 a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
 #if KV_IN_REGS
-      const u32(&a)[4] = v_frag[kk];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[mt][r] = v_frag[mt][kk][r];
 #else
-      u32 a[4];
-      load_a_frag(a, s_base + OFF_V, warp_row0, kk * 16, lane);
+        load_a_frag(a[mt], s_base + OFF_V, warp_row0 + mt * 16, kk * 16, lane);
 #endif
+      }
 #pragma unroll
       for (int np = 0; np < BLOCK_M / 16; ++np) {
         u32 bo[4];
         load_b_frag_nk(bo, s_do, np * 16, kk * 16, lane);
-        mma_16816(dpt[2 * np], a, bo[0], bo[1]);
-        mma_16816(dpt[2 * np + 1], a, bo[2], bo[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816(dpt[mt][2 * np], a[mt], bo[0], bo[1]);
+          mma_16816(dpt[mt][2 * np + 1], a[mt], bo[2], bo[3]);
+        }
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float dp = dpt[nt][e];
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float dp = dpt[mt][nt][e];
 #if HAS_EXTRAS
-        if (use_dropout) dp = ((keep_bits >> (4 * nt + e)) & 1ull) ? dp * drop_scale : 0.f;
+          if (use_dropout) dp = ((keep_bits[mt] >> (4 * nt + e)) & 1ull) ? dp * drop_scale : 0.f;
 #endif
-        dpt[nt][e] = st[nt][e] * (dp - s_delta[nt * 8 + 2 * t + (e & 1)]);
-      }
+          dpt[mt][nt][e] = st[mt][nt][e] * (dp - s_delta[nt * 8 + 2 * t + (e & 1)]);
+        }
 #endif
 
 #if COMPUTE_DV
 #if HAS_EXTRAS
     if (use_dropout) {
 #pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) st[nt][e] = ((keep_bits >> (4 * nt + e)) & 1ull) ? st[nt][e] * drop_scale : 0.f;
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            st[mt][nt][e] = ((keep_bits[mt] >> (4 * nt + e)) & 1ull) ? st[mt][nt][e] * drop_scale : 0.f;
     }
 #endif
     // dV += P_dropped^T dO
 #pragma unroll
     for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-      u32 a[4];
-      acc_to_a_frag(a, st[2 * kk], st[2 * kk + 1]);
+      u32 a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) acc_to_a_frag(a[mt], st[mt][2 * kk], st[mt][2 * kk + 1]);
 #pragma unroll
       for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
         u32 bo[4];
         load_b_frag_kn(bo, s_do, kk * 16, dp * 16, lane);
-        mma_16816(acc_dv[2 * dp], a, bo[0], bo[1]);
-        mma_16816(acc_dv[2 * dp + 1], a, bo[2], bo[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816(acc_dv[mt][2 * dp], a[mt], bo[0], bo[1]);
+          mma_16816(acc_dv[mt][2 * dp + 1], a[mt], bo[2], bo[3]);
+        }
       }
     }
 #endif
@@ -297,14 +335,18 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     // dK += dS^T Q
 #pragma unroll
     for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-      u32 a[4];
-      acc_to_a_frag(a, dpt[2 * kk], dpt[2 * kk + 1]);
+      u32 a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) acc_to_a_frag(a[mt], dpt[mt][2 * kk], dpt[mt][2 * kk + 1]);
 #pragma unroll
       for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
         u32 bq[4];
         load_b_frag_kn(bq, s_q, kk * 16, dp * 16, lane);
-        mma_16816(acc_dk[2 * dp], a, bq[0], bq[1]);
-        mma_16816(acc_dk[2 * dp + 1], a, bq[2], bq[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816(acc_dk[mt][2 * dp], a[mt], bq[0], bq[1]);
+          mma_16816(acc_dk[mt][2 * dp + 1], a[mt], bq[2], bq[3]);
+        }
       }
     }
 #endif
@@ -315,11 +357,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     {
       unsigned char* s_ds = smem + OFF_DS;
 #pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt) {
-        const int col = nt * 8 + 2 * t;
-        *reinterpret_cast<u32*>(s_ds + ((warp_row0 + g) * DS_ROW + col) * 2) = pack2(dpt[nt][0], dpt[nt][1]);
-        *reinterpret_cast<u32*>(s_ds + ((warp_row0 + g + 8) * DS_ROW + col) * 2) = pack2(dpt[nt][2], dpt[nt][3]);
-      }
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+          const int col = nt * 8 + 2 * t;
+          const int row = warp_row0 + mt * 16 + g;
+          *reinterpret_cast<u32*>(s_ds + (row * DS_ROW + col) * 2) = pack2(dpt[mt][nt][0], dpt[mt][nt][1]);
+          *reinterpret_cast<u32*>(s_ds + ((row + 8) * DS_ROW + col) * 2) = pack2(dpt[mt][nt][2], dpt[mt][nt][3]);
+        }
       block_sync();
       const int tile = warp % DQ_TILES;
       const int part = warp / DQ_TILES;
@@ -369,12 +414,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   // Stage through shared memory (over K and V, each warp its own rows) for 16-byte stores.
   cp_async_wait<0>();
   block_sync();
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
 #if COMPUTE_DK
-  acc_to_smem<NT_O>(smem + OFF_K, acc_dk, warp_row0, scale, lane);
+    acc_to_smem<NT_O>(smem + OFF_K, acc_dk[mt], warp_row0 + mt * 16, scale, lane);
 #endif
 #if COMPUTE_DV
-  acc_to_smem<NT_O>(smem + OFF_V, acc_dv, warp_row0, 1.f, lane);
+    acc_to_smem<NT_O>(smem + OFF_V, acc_dv[mt], warp_row0 + mt * 16, 1.f, lane);
 #endif
+  }
   block_sync();
 #if COMPUTE_DK
   store_tile<BLOCK_N>(dk, dk_sn, smem + OFF_K, n0, seqlen_k, head_dim, tid);

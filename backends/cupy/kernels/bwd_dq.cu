@@ -1,8 +1,9 @@
 // FlashAttention-2 backward, query side: dQ for one block of BLOCK_M query rows of one (batch, head).
 //
 // The deterministic alternative to accumulating dQ with atomics from the key-side kernel: each warp owns
-// 16 query rows and keeps their dQ in float32 registers while the CTA walks the key blocks those rows
-// can see (K and V double-buffered with cp.async). Per key block:
+// 16 or 32 query rows (one or two m16 tiles sharing every K / V fragment it loads) and keeps their dQ in
+// float32 registers while the CTA walks the key blocks those rows can see (K and V double-buffered with
+// cp.async). Per key block:
 //   S  = Q K^T      P = 2^(S * scale * log2 e - lse_log2)
 //   dP = dO V^T     dS = P (dP keep / (1 - p) - delta)      dQ += dS K   (dS fed from registers)
 // dQ is scaled by the softmax scale at the end.
@@ -12,6 +13,8 @@
 #define Q_IN_REGS 0
 #endif
 
+constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
+constexpr int MT = ROWS_PER_WARP / 16;  // m16 tiles per warp: each K / V fragment feeds MT products
 constexpr int NT_S = BLOCK_N / 8;
 constexpr int NT_O = HEAD_DIM / 8;
 constexpr int KD = HEAD_DIM / 16;
@@ -22,7 +25,7 @@ constexpr u32 OFF_Q = 0;
 constexpr u32 OFF_DO = Q_TILE_BYTES;
 constexpr u32 OFF_K = 2 * Q_TILE_BYTES;
 constexpr u32 OFF_V = OFF_K + 2 * KV_TILE_BYTES;
-static_assert(BLOCK_M == NUM_WARPS * 16, "each warp owns 16 query rows");
+static_assert(ROWS_PER_WARP * NUM_WARPS == BLOCK_M && (MT == 1 || MT == 2), "each warp owns 16 or 32 query rows");
 static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16");
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
@@ -41,7 +44,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   const int m_block = gridDim.x - 1 - blockIdx.x;  // most keys first under a causal mask
   const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
   const int m0 = m_block * BLOCK_M;
-  const int warp_row0 = warp * 16;
+  const int warp_row0 = warp * ROWS_PER_WARP;
   const u32 s_base = smem_u32(smem);
 
   q += b * q_sb + h * q_sh;
@@ -62,22 +65,28 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   auto bounds_lo = [&](int i) { return HAS_BOUNDS ? max_of(0, i + diag_offset - window_left) : 0; };
   auto bounds_hi = [&](int i, int nk) { return HAS_BOUNDS ? min_of(nk - 1, i + diag_offset + window_right) : nk - 1; };
 
-  // This lane's two rows: lse in log2 units (+inf for padding or rows that see nothing) and delta.
-  float row_lse[2], row_delta[2];
-  {
-    const i64 vec = ((i64)b * heads_q + h) * seqlen_q_pad + m0 + warp_row0 + g;
-    row_lse[0] = lse_log2[vec];
-    row_lse[1] = lse_log2[vec + 8];
-    row_delta[0] = delta[vec];
-    row_delta[1] = delta[vec + 8];
-  }
+  // This lane's rows (g and g + 8 of each m16 tile): lse in log2 units (+inf for padding or rows that see
+  // nothing) and delta.
+  float row_lse[MT][2], row_delta[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const i64 vec = ((i64)b * heads_q + h) * seqlen_q_pad + m0 + warp_row0 + mt * 16 + g + 8 * hr;
+      row_lse[mt][hr] = lse_log2[vec];
+      row_delta[mt][hr] = delta[vec];
+    }
 
 #if HAS_EXTRAS
   const BoolMask bmask{mask != nullptr ? mask + b * m_sb + h * m_sh : nullptr, m_sq, m_sk};
   const bool use_dropout = drop_threshold != 0u;
   DropoutRng rng;
   rng.init((u32)(b * heads_q + h), seed0, seed1, drop_threshold);
-  const u32 row_key[2] = {rng.row_key(m0 + warp_row0 + g), rng.row_key(m0 + warp_row0 + g + 8)};
+  u32 row_key[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) row_key[mt][hr] = rng.row_key(m0 + warp_row0 + mt * 16 + g + 8 * hr);
 #endif
 
   load_tile_async<BLOCK_M>(s_base + OFF_Q, q, q_sn, m0, seqlen_q, head_dim, tid);
@@ -88,13 +97,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   }
   cp_async_commit();
 
-  float acc_dq[NT_O][4];
+  float acc_dq[MT][NT_O][4];
 #pragma unroll
-  for (int nt = 0; nt < NT_O; ++nt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dq[nt][e] = 0.f;
+    for (int nt = 0; nt < NT_O; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dq[mt][nt][e] = 0.f;
 #if Q_IN_REGS
-  u32 q_frag[KD][4], do_frag[KD][4];
+  u32 q_frag[MT][KD][4], do_frag[MT][KD][4];
 #endif
 
   for (int nb = nb_lo; nb < nb_hi; ++nb) {
@@ -112,49 +123,67 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #if Q_IN_REGS
     if (nb == nb_lo) {
 #pragma unroll
-      for (int kk = 0; kk < KD; ++kk) {
-        load_a_frag(q_frag[kk], s_base + OFF_Q, warp_row0, kk * 16, lane);
-        load_a_frag(do_frag[kk], s_base + OFF_DO, warp_row0, kk * 16, lane);
-      }
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+          load_a_frag(q_frag[mt][kk], s_base + OFF_Q, warp_row0 + mt * 16, kk * 16, lane);
+          load_a_frag(do_frag[mt][kk], s_base + OFF_DO, warp_row0 + mt * 16, kk * 16, lane);
+        }
     }
 #endif
 
     // S = Q K^T and dP = dO V^T
-    float s[NT_S][4], dp[NT_S][4];
+    float s[MT][NT_S][4], dp[MT][NT_S][4];
 #pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
+      for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
+      u32 a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
 #if Q_IN_REGS
-      const u32(&a)[4] = q_frag[kk];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[mt][r] = q_frag[mt][kk][r];
 #else
-      u32 a[4];
-      load_a_frag(a, s_base + OFF_Q, warp_row0, kk * 16, lane);
+        load_a_frag(a[mt], s_base + OFF_Q, warp_row0 + mt * 16, kk * 16, lane);
 #endif
+      }
 #pragma unroll
       for (int np = 0; np < BLOCK_N / 16; ++np) {
         u32 bk[4];
         load_b_frag_nk(bk, s_k, np * 16, kk * 16, lane);
-        mma_16816(s[2 * np], a, bk[0], bk[1]);
-        mma_16816(s[2 * np + 1], a, bk[2], bk[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816(s[mt][2 * np], a[mt], bk[0], bk[1]);
+          mma_16816(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+        }
       }
     }
 #pragma unroll
     for (int kk = 0; kk < KD; ++kk) {
+      u32 a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
 #if Q_IN_REGS
-      const u32(&a)[4] = do_frag[kk];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[mt][r] = do_frag[mt][kk][r];
 #else
-      u32 a[4];
-      load_a_frag(a, s_base + OFF_DO, warp_row0, kk * 16, lane);
+        load_a_frag(a[mt], s_base + OFF_DO, warp_row0 + mt * 16, kk * 16, lane);
 #endif
+      }
 #pragma unroll
       for (int np = 0; np < BLOCK_N / 16; ++np) {
         u32 bv[4];
         load_b_frag_nk(bv, s_v, np * 16, kk * 16, lane);
-        mma_16816(dp[2 * np], a, bv[0], bv[1]);
-        mma_16816(dp[2 * np + 1], a, bv[2], bv[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816(dp[mt][2 * np], a[mt], bv[0], bv[1]);
+          mma_16816(dp[mt][2 * np + 1], a[mt], bv[2], bv[3]);
+        }
       }
     }
 
@@ -167,55 +196,59 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #if HAS_EXTRAS
     need_mask = need_mask || bmask.ptr != nullptr;
 #endif
-    int row_lo[2], row_hi[2];  // visible keys [lo, hi] of this lane's two rows, relative to n0 + 2t
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int i = m0 + warp_row0 + g + 8 * hr;
-      row_lo[hr] = bounds_lo(i) - (n0 + 2 * t);
-      row_hi[hr] = bounds_hi(i, seqlen_k) - (n0 + 2 * t);
-    }
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt)
+      for (int hr = 0; hr < 2; ++hr) {
+        const int i = m0 + warp_row0 + mt * 16 + g + 8 * hr;
+        // visible keys [lo, hi] of row i, relative to this lane's first column n0 + 2t
+        const int lo = bounds_lo(i) - (n0 + 2 * t), hi = bounds_hi(i, seqlen_k) - (n0 + 2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hr = e >> 1;
-        const int jj = nt * 8 + (e & 1);
-        const int j = n0 + 2 * t + jj;
-        float x = s[nt][e] * scale_log2;
-        if (need_mask) {
-          bool ok = jj >= row_lo[hr] && jj <= row_hi[hr];
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int jj = nt * 8 + e;
+            const int j = n0 + 2 * t + jj;
+            float x = s[mt][nt][2 * hr + e] * scale_log2;
+            if (need_mask) {
+              bool ok = jj >= lo && jj <= hi;
 #if HAS_EXTRAS
-          const int i = m0 + warp_row0 + g + 8 * hr;
-          if (bmask.ptr != nullptr) ok = ok && i < seqlen_q && bmask.allows(i, j);
+              if (bmask.ptr != nullptr) ok = ok && i < seqlen_q && bmask.allows(i, j);
 #endif
-          if (!ok) x = -MHATTN_INF;
-        }
-        const float p = fast_exp2(x - row_lse[hr]);
-        float dpv = dp[nt][e];
+              if (!ok) x = -MHATTN_INF;
+            }
+            const float p = fast_exp2(x - row_lse[mt][hr]);
+            float dpv = dp[mt][nt][2 * hr + e];
 #if HAS_EXTRAS
-        if (use_dropout) dpv = rng.keep(row_key[hr], j) ? dpv * drop_scale : 0.f;
+            if (use_dropout) dpv = rng.keep(row_key[mt][hr], j) ? dpv * drop_scale : 0.f;
 #endif
-        dp[nt][e] = p * (dpv - row_delta[hr]);
+            dp[mt][nt][2 * hr + e] = p * (dpv - row_delta[mt][hr]);
+          }
       }
 
     // dQ += dS K (K read transposed: rows = keys = the k dimension)
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      u32 a[4];
-      acc_to_a_frag(a, dp[2 * kk], dp[2 * kk + 1]);
+      u32 a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) acc_to_a_frag(a[mt], dp[mt][2 * kk], dp[mt][2 * kk + 1]);
 #pragma unroll
       for (int dt = 0; dt < HEAD_DIM / 16; ++dt) {
         u32 bk[4];
         load_b_frag_kn(bk, s_k, kk * 16, dt * 16, lane);
-        mma_16816(acc_dq[2 * dt], a, bk[0], bk[1]);
-        mma_16816(acc_dq[2 * dt + 1], a, bk[2], bk[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816(acc_dq[mt][2 * dt], a[mt], bk[0], bk[1]);
+          mma_16816(acc_dq[mt][2 * dt + 1], a[mt], bk[2], bk[3]);
+        }
       }
     }
   }
 
   cp_async_wait<0>();
   block_sync();
-  acc_to_smem<NT_O>(smem + OFF_Q, acc_dq, warp_row0, scale, lane);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) acc_to_smem<NT_O>(smem + OFF_Q, acc_dq[mt], warp_row0 + mt * 16, scale, lane);
   block_sync();
   store_tile<BLOCK_M>(dq, dq_sn, smem + OFF_Q, m0, seqlen_q, head_dim, tid);
 }
