@@ -2,7 +2,7 @@
 against sdpa-flash in the same run on PERFORMANCE.md's protocol.
 
     source benchmarks/device_env.sh
-    python3 benchmarks/dev_cupy.py build tests sweep table memory --out $OUT --budget 380
+    python3 benchmarks/dev_cupy.py build tests sweep tests_tuned table memory --out $OUT --budget 380
 
 Sections (in the order given; each is skipped once the time budget is spent):
 
@@ -12,6 +12,7 @@ Sections (in the order given; each is skipped once the time budget is spent):
 - ``sweep``: at N = 4k, d in 64, 128, causal off/on: forward tiles, then dK/dV tiles and dQ tiles of the
   deterministic backward, then the dK/dV tiles of the fast (atomic dQ) backward; the winners are used by
   the later sections and printed as entries for variants.py.
+- ``tests_tuned``: the GPU tests again with the sweep's tiles (passed through MHATTN_CUPY_TILES).
 - ``table``: bf16, B * N = 16384, H = 2048 / d, N in 512..16k, d in 64, 128 (and 256 for a few N):
   forward and backward TFLOP/s of the backend (deterministic and fast backward) and of SDPA with
   FLASH_ATTENTION on the same inputs, timed with triton.testing.do_bench (median); ratios.
@@ -23,6 +24,7 @@ The short table prints last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,20 +41,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Candidate tiles; the first of each list is the variants.py entry.
 FWD_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs
-    64: [(128, 64, 4, True), (128, 128, 4, False), (128, 64, 8, True), (128, 128, 8, True), (64, 64, 4, True),
-         (128, 32, 4, True)],
-    128: [(128, 64, 4, False), (128, 32, 4, False), (128, 64, 8, True), (128, 128, 8, False), (64, 64, 4, True),
-          (128, 64, 8, False)],
+    64: [(128, 64, 4, True), (128, 128, 4, False), (128, 32, 4, True), (128, 128, 8, True)],
+    128: [(128, 32, 4, False), (128, 64, 4, False), (128, 64, 8, True), (128, 128, 8, False)],
 }
-DKDV_CANDIDATES = {  # block_n, block_m, num_warps, kv_in_regs, split
-    64: [(64, 64, 4, True, False), (128, 64, 8, True, False), (64, 32, 4, True, False), (128, 32, 8, True, False),
-         (64, 128, 4, False, False)],
-    128: [(64, 32, 4, False, False), (64, 64, 4, False, False), (128, 32, 8, False, False),
-          (128, 64, 8, False, False), (64, 16, 4, False, False)],
+DKDV_CANDIDATES = {  # block_n, block_m, num_warps, kv_in_regs, split (32 keys per warp where block_n = 32 warps)
+    64: [(128, 64, 8, True, False), (128, 32, 4, False, False), (64, 64, 4, True, False), (128, 32, 8, True, False),
+         (128, 16, 4, False, False)],
+    128: [(128, 64, 8, False, False), (64, 32, 4, False, False), (128, 32, 8, False, False),
+          (128, 32, 4, False, True), (64, 64, 4, False, False)],
 }
-DQ_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs
-    64: [(64, 64, 4, True), (64, 128, 4, True), (128, 64, 8, True), (64, 32, 4, True), (128, 128, 8, True)],
-    128: [(64, 64, 4, False), (64, 32, 4, False), (128, 64, 8, False), (64, 64, 4, True), (128, 32, 8, True)],
+DQ_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs (32 query rows per warp where block_m = 32 warps)
+    64: [(64, 32, 4, True), (64, 64, 4, True), (128, 64, 4, False), (128, 32, 4, True), (128, 64, 8, True)],
+    128: [(64, 64, 4, False), (128, 32, 4, False), (128, 64, 8, False), (64, 32, 4, False), (128, 16, 4, False)],
 }
 
 LOG_PATH = None
@@ -164,8 +164,16 @@ def section_build(args, cc):
     return precompile(variants.all_variants(cc), cc)
 
 
-def section_tests(args, cc):
-    out = os.path.join(args.out, "pytest_gpu.log") if args.out else None
+def section_tests_tuned(args, cc):
+    """The GPU tests again, with the tiles the sweep chose (MHATTN_CUPY_TILES set by the sweep)."""
+    from mhattn.backends.cupy import variants
+
+    precompile(variants.all_variants(cc), cc)  # the tables now hold the sweep's tiles
+    return section_tests(args, cc, log_name="pytest_gpu_tuned.log")
+
+
+def section_tests(args, cc, log_name="pytest_gpu.log"):
+    out = os.path.join(args.out, log_name) if args.out else None
     cmd = [sys.executable, "-m", "pytest", os.path.join(REPO, "tests", "test_cupy_backend.py"), "-m", "gpu", "-q",
            "-p", "no:cacheprovider", "-rf"] + (["-x"] if args.exitfirst else [])
     start = time.time()
@@ -181,7 +189,7 @@ def section_tests(args, cc):
         with open(out, "w") as f:
             f.write(text)
     lines = text.strip().splitlines()
-    log(f"pytest -m gpu: exit {code} in {time.time() - start:.0f} s")
+    log(f"pytest -m gpu ({log_name}): exit {code} in {time.time() - start:.0f} s")
     for line in [l for l in lines if l.startswith("FAILED") or "Error" in l][:40] + lines[-3:]:
         log("  " + line[:600])
     return code == 0
@@ -291,9 +299,16 @@ def section_sweep(args, cc):
                     fwd_ms[causal] = bench(det.fwd(q, k, v, params))
         del q, k, v, do
     log("sweep result (variants.py entries):")
-    for kind in ("fwd", "dkdv", "dq", "dkdv-fast"):
+    winners = {}
+    for kind, env_name in (("fwd", "fwd"), ("dkdv", "dkdv"), ("dq", "dq"), ("dkdv-fast", "dkdv_atomic")):
         for d in (64, 128):
             log(f"  {kind:9s} d{d}: {tables[kind][d]}")
+            winners.setdefault(env_name, {})[str(d)] = list(dataclasses.astuple(tables[kind][d]))
+    os.environ[variants.TILES_ENV] = json.dumps(winners)  # the tuned tests run with these
+    log(f"{variants.TILES_ENV}='{json.dumps(winners)}'")
+    if args.out:
+        with open(os.path.join(args.out, "tiles.json"), "w") as f:
+            json.dump(winners, f, indent=1)
     return True
 
 
@@ -330,31 +345,37 @@ def section_table(args, cc, rows):
 
 
 def section_memory(args, cc):
+    """Peak memory above the inputs (q, k, v, dO) of one forward + backward, causal, B=1, H=16, d=128."""
+    import gc
+
     import mhattn
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
+    def run(impl, n):
+        q, k, v = (torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        do = torch.randn_like(q)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        if impl == "cupy":
+            out = mhattn.attention(q, k, v, is_causal=True, backend="cupy")
+        else:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(do)
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
     for n in (8192, 32768):
         for impl in ("cupy", "sdpa-flash"):
-            q, k, v = (torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                       for _ in range(3))
-            do = torch.randn_like(q)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
+            gc.collect()
+            torch.cuda.empty_cache()
             try:
-                if impl == "cupy":
-                    out = mhattn.attention(q, k, v, is_causal=True, backend="cupy")
-                else:
-                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                out.backward(do)
-                torch.cuda.synchronize()
-                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-                log(f"memory N={n} {impl}: peak extra {peak:.0f} MiB")
+                log(f"memory N={n} {impl}: peak extra {run(impl, n):.0f} MiB (grads included)")
             except Exception as error:
                 log(f"memory N={n} {impl}: ERROR {error}")
-            del q, k, v, do
     return True
 
 
@@ -381,11 +402,12 @@ def print_table(rows):
 def main(argv=None):
     global LOG_PATH
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sections", nargs="*", default=["build", "tests", "sweep", "table", "memory"])
+    parser.add_argument("sections", nargs="*", default=["build", "tests", "sweep", "tests_tuned", "table", "memory"])
     parser.add_argument("--out", default=os.environ.get("OUT", ""))
     parser.add_argument("--budget", type=float, default=380.0, help="seconds for the whole run")
     parser.add_argument("--test-timeout", type=float, default=150.0)
     parser.add_argument("--exitfirst", action="store_true")
+    parser.add_argument("--table-repeats", type=int, default=2, help="time the table this many times (noise)")
     args = parser.parse_args(argv)
     start = time.time()
     args.deadline = start + args.budget
@@ -408,7 +430,10 @@ def main(argv=None):
         log(f"== {name}")
         try:
             if name == "table":
-                section_table(args, cc, rows)
+                for repeat in range(args.table_repeats):
+                    pass_rows = []
+                    section_table(args, cc, pass_rows)
+                    rows.append(pass_rows)
             else:
                 globals()[f"section_{name}"](args, cc)
         except Exception as error:
@@ -418,7 +443,9 @@ def main(argv=None):
     if args.out and rows:
         with open(os.path.join(args.out, "table.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    print_table(rows)
+    for index, pass_rows in enumerate(rows):
+        log(f"\n-- table pass {index + 1} of {len(rows)}")
+        print_table(pass_rows)
     log(f"total {time.time() - start:.0f} s")
 
 
