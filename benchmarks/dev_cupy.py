@@ -39,20 +39,21 @@ TOKENS, HIDDEN = 16384, 2048
 SWEEP_N = 4096
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Candidate tiles; the first of each list is the variants.py entry.
+# Candidate tiles; the first of each list is the variants.py entry (for the forward at d=128, the plain
+# level's; the masked levels use FWD_TILES_BOUNDED).
 FWD_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs
     64: [(128, 64, 4, True), (128, 128, 4, False), (128, 32, 4, True), (128, 128, 8, True)],
-    128: [(128, 32, 4, False), (128, 64, 4, False), (128, 64, 8, True), (128, 128, 8, False)],
+    128: [(128, 64, 4, False), (128, 32, 4, False), (128, 64, 8, True), (128, 128, 8, False)],
 }
 DKDV_CANDIDATES = {  # block_n, block_m, num_warps, kv_in_regs, split (32 keys per warp where block_n = 32 warps)
-    64: [(128, 64, 8, True, False), (128, 32, 4, False, False), (64, 64, 4, True, False), (128, 32, 8, True, False),
+    64: [(128, 32, 4, False, False), (128, 64, 8, True, False), (64, 64, 4, True, False), (128, 32, 8, True, False),
          (128, 16, 4, False, False)],
     128: [(128, 64, 8, False, False), (64, 32, 4, False, False), (128, 32, 8, False, False),
           (128, 32, 4, False, True), (64, 64, 4, False, False)],
 }
 DQ_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs (32 query rows per warp where block_m = 32 warps)
-    64: [(64, 32, 4, True), (64, 64, 4, True), (128, 64, 4, False), (128, 32, 4, True), (128, 64, 8, True)],
-    128: [(64, 64, 4, False), (128, 32, 4, False), (128, 64, 8, False), (64, 32, 4, False), (128, 16, 4, False)],
+    64: [(128, 32, 4, True), (64, 32, 4, True), (64, 64, 4, True), (128, 64, 4, False), (128, 64, 8, True)],
+    128: [(128, 32, 4, False), (64, 64, 4, False), (128, 64, 8, False), (64, 32, 4, False), (128, 16, 4, False)],
 }
 
 LOG_PATH = None
@@ -267,13 +268,16 @@ def section_sweep(args, cc):
         fwd_ms = {}
         for kind in ("fwd", "dkdv", "dq", "dkdv-fast"):
             engine = fast if kind == "dkdv-fast" else det
-            results = []
+            results, per_problem = [], {False: [], True: []}
             for c in cands[kind][d]:
                 t = makers[kind](*c)
                 if not usable(kind, d, t):
                     continue
                 saved = tables[kind][d]
+                saved_bounded = variants.FWD_TILES_BOUNDED.get(d)
                 tables[kind][d] = t
+                if kind == "fwd":
+                    variants.FWD_TILES_BOUNDED[d] = t
                 try:
                     total, parts = 0.0, []
                     for causal, params, flops in problems:
@@ -285,12 +289,24 @@ def section_sweep(args, cc):
                             parts.append(f"{'causal' if causal else 'full'} bwd {ms:.3f} ms "
                                          f"{2.5 * flops / ms / 1e9:.0f} TF")
                         total += ms
+                        per_problem[causal].append((ms, c))
                     results.append((total, c))
                     log(f"sweep d{d} {kind:9s} {c}: " + "; ".join(parts) + "  " + kernel_report(kind, d, t, cc))
                 except Exception as error:
                     log(f"sweep d{d} {kind:9s} {c}: ERROR {type(error).__name__}: {error}")
                 tables[kind][d] = saved
-            if results:
+                if kind == "fwd":
+                    if saved_bounded is None:
+                        variants.FWD_TILES_BOUNDED.pop(d, None)
+                    else:
+                        variants.FWD_TILES_BOUNDED[d] = saved_bounded
+            if kind == "fwd" and per_problem[False] and per_problem[True]:
+                # the forward has a table per level: the unmasked and the causal problem choose separately
+                tables["fwd"][d] = makers["fwd"](*min(per_problem[False])[1])
+                variants.FWD_TILES_BOUNDED[d] = makers["fwd"](*min(per_problem[True])[1])
+                log(f"sweep d{d} fwd       best {min(per_problem[False])[1]} (plain), "
+                    f"{min(per_problem[True])[1]} (masked levels)")
+            elif results:
                 best = min(results)[1]
                 tables[kind][d] = makers[kind](*best)
                 log(f"sweep d{d} {kind:9s} best {best}")
@@ -300,9 +316,13 @@ def section_sweep(args, cc):
         del q, k, v, do
     log("sweep result (variants.py entries):")
     winners = {}
-    for kind, env_name in (("fwd", "fwd"), ("dkdv", "dkdv"), ("dq", "dq"), ("dkdv-fast", "dkdv_atomic")):
+    tables["fwd_bounded"] = variants.FWD_TILES_BOUNDED
+    for kind, env_name in (("fwd", "fwd"), ("fwd_bounded", "fwd_bounded"), ("dkdv", "dkdv"), ("dq", "dq"),
+                           ("dkdv-fast", "dkdv_atomic")):
         for d in (64, 128):
-            log(f"  {kind:9s} d{d}: {tables[kind][d]}")
+            if d not in tables[kind]:
+                continue
+            log(f"  {kind:11s} d{d}: {tables[kind][d]}")
             winners.setdefault(env_name, {})[str(d)] = list(dataclasses.astuple(tables[kind][d]))
     os.environ[variants.TILES_ENV] = json.dumps(winners)  # the tuned tests run with these
     log(f"{variants.TILES_ENV}='{json.dumps(winners)}'")

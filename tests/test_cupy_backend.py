@@ -169,10 +169,11 @@ def test_tiles_fit_shared_memory_and_registers_rules():
     for cc in ((8, 0), (8, 6), (8, 9), (9, 0)):
         limit = variants.smem_limit(cc)
         for d in variants.HEAD_DIM_BUCKETS:
-            fwd = variants.fwd_tiles(cc, d)
+            fwd, fwd_bounded = variants.fwd_tiles(cc, d), variants.fwd_tiles(cc, d, "bounds")
             dkdv = variants.dkdv_tiles(cc, d)
             dq = variants.dq_tiles(cc, d)
             assert variants.fwd_smem(fwd, d) <= limit and variants.dq_smem(dq, d) <= limit
+            assert variants.fwd_smem(fwd_bounded, d) <= limit and fwd_bounded.block_m // fwd_bounded.num_warps in (16, 32)
             assert variants.dkdv_smem(dkdv, d, True) <= limit
             assert fwd.block_m // fwd.num_warps in (16, 32) and fwd.block_n % 16 == 0
             assert dkdv.block_n // dkdv.num_warps in (16, 32) and dq.block_m // dq.num_warps in (16, 32)

@@ -75,37 +75,42 @@ FWD_TILES = {
     32: FwdTiles(128, 64, 4, True),
     64: FwdTiles(128, 64, 4, True),
     96: FwdTiles(128, 64, 4, False),
-    128: FwdTiles(128, 32, 4, False),
+    128: FwdTiles(128, 64, 4, False),
     192: FwdTiles(64, 32, 4, False),
     256: FwdTiles(64, 32, 4, False),
 }
 DKDV_TILES = {
     32: DkdvTiles(64, 64, 4, True, False),
-    64: DkdvTiles(128, 64, 8, True, False),
+    64: DkdvTiles(128, 32, 4, False, False),
     96: DkdvTiles(64, 32, 4, False, False),
     128: DkdvTiles(128, 64, 8, False, False),
     192: DkdvTiles(64, 32, 4, False, True),
     256: DkdvTiles(64, 32, 4, False, True),
 }
+# Forward tiles for the levels with masking ("bounds", "full") where they differ from FWD_TILES: the causal
+# masking code needs registers, and at d=128 a narrower key block avoids spilling them.
+FWD_TILES_BOUNDED = {
+    128: FwdTiles(128, 32, 4, False),
+}
 # The dK/dV kernel of the fast backward (dQ formed in it with atomics, mode 3) has its own table.
 DKDV_ATOMIC_TILES = dict(DKDV_TILES)
 DQ_TILES = {
     32: DqTiles(64, 64, 4, True),
-    64: DqTiles(64, 32, 4, True),
+    64: DqTiles(128, 32, 4, True),
     96: DqTiles(64, 64, 4, False),
-    128: DqTiles(64, 64, 4, False),
+    128: DqTiles(128, 32, 4, False),
     192: DqTiles(64, 32, 4, False),
     256: DqTiles(64, 32, 4, False),
 }
 
 
 # A tuning override, read once at import: MHATTN_CUPY_TILES='{"fwd": {"128": [128, 32, 4, false]}, ...}'
-# with tables "fwd", "dkdv", "dkdv_atomic", "dq" and the fields of each tiles class in order.
+# with tables "fwd", "fwd_bounded", "dkdv", "dkdv_atomic", "dq" and the fields of each tiles class in order.
 TILES_ENV = "MHATTN_CUPY_TILES"
 
 
 def _apply_tile_override(text: str) -> None:
-    tables = {"fwd": (FWD_TILES, FwdTiles), "dkdv": (DKDV_TILES, DkdvTiles),
+    tables = {"fwd": (FWD_TILES, FwdTiles), "fwd_bounded": (FWD_TILES_BOUNDED, FwdTiles), "dkdv": (DKDV_TILES, DkdvTiles),
               "dkdv_atomic": (DKDV_ATOMIC_TILES, DkdvTiles), "dq": (DQ_TILES, DqTiles)}
     try:
         entries = json.loads(text)
@@ -139,8 +144,8 @@ def dq_smem(tiles: DqTiles, d: int) -> int:
     return (2 * tiles.block_m + 4 * tiles.block_n) * _row_bytes(d)
 
 
-def fwd_tiles(cc, d: int) -> FwdTiles:
-    tiles = FWD_TILES[d]
+def fwd_tiles(cc, d: int, level: str = "plain") -> FwdTiles:
+    tiles = FWD_TILES_BOUNDED.get(d, FWD_TILES[d]) if level != "plain" else FWD_TILES[d]
     while fwd_smem(tiles, d) > smem_limit(cc) and tiles.block_n > 16:
         tiles = replace(tiles, block_n=tiles.block_n // 2)
     return tiles
@@ -204,7 +209,7 @@ def _common_defines(dtype_name: str, d: int, level: str) -> list:
 
 
 def fwd_variant(cc, dtype_name: str, d: int, level: str, tiles: FwdTiles = None) -> Variant:
-    tiles = tiles or fwd_tiles(cc, d)
+    tiles = tiles or fwd_tiles(cc, d, level)
     defines = _common_defines(dtype_name, d, level) + [
         ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
         ("Q_IN_REGS", int(tiles.q_in_regs)),
