@@ -85,6 +85,9 @@ class CupyBackend(Backend):
         longest = max(problem.seqlen_q, problem.seqlen_k)
         if longest > ops.MAX_SEQLEN:
             reasons.append(f"supports sequences up to {ops.MAX_SEQLEN} (32-bit index arithmetic), got {longest}")
+        if max(problem.batch, problem.heads_q) > ops.MAX_GRID_YZ:
+            reasons.append(f"supports batch and heads up to {ops.MAX_GRID_YZ} each (CUDA grid y/z limits), got "
+                           f"batch {problem.batch}, heads {problem.heads_q}")
         return reasons
 
     def _cc(self, device: torch.device):

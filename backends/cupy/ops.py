@@ -21,6 +21,8 @@ LOG2E = 1.0 / math.log(2.0)
 UNBOUNDED = 1 << 30
 # Largest sequence length the 32-bit index arithmetic of the kernels allows.
 MAX_SEQLEN = 1 << 29
+# Heads and batch index the grid's y and z dimensions.
+MAX_GRID_YZ = 65535
 # lse_log2 / delta vectors are padded to a multiple of this, the largest query tile of the backward kernels.
 VECTOR_PAD = 128
 
