@@ -131,13 +131,6 @@ MHATTN_DEVICE void load_b_frag_kn(u32 (&b)[4], u32 s_tile, int k0, int n0, int l
 
 // The A fragment for k columns 16kk..16kk+15 from two accumulator n8 tiles (2kk, 2kk+1) of a 16-row
 // result: the register-level reuse that feeds P (or dS) straight into the next matrix product.
-MHATTN_DEVICE void acc_to_a_frag(u32 (&a)[4], const float (&lo)[4], const float (&hi)[4], float scale_lo_row,
-                                 float scale_hi_row) {
-  a[0] = pack2(lo[0] * scale_lo_row, lo[1] * scale_lo_row);
-  a[1] = pack2(lo[2] * scale_hi_row, lo[3] * scale_hi_row);
-  a[2] = pack2(hi[0] * scale_lo_row, hi[1] * scale_lo_row);
-  a[3] = pack2(hi[2] * scale_hi_row, hi[3] * scale_hi_row);
-}
 MHATTN_DEVICE void acc_to_a_frag(u32 (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
   a[0] = pack2(lo[0], lo[1]);
   a[1] = pack2(lo[2], lo[3]);
@@ -160,13 +153,11 @@ MHATTN_DEVICE void acc_to_smem(unsigned char* s_tile, const float (&acc)[NT8][4]
 // ---- which keys a query sees ----------------------------------------------------------------------
 
 // The causal / sliding-window rule: key j is visible to query i iff -left <= j - i - diag_offset <= right.
-// Unbounded sides arrive as a large bound (2^30), so the test is branch-free.
+// Unbounded sides arrive as a large bound (2^30). Kernels turn it into per-row ranges of visible keys (or
+// per-key ranges of queries); this struct answers the per-block question that decides whether a block
+// needs masking at all.
 struct Bounds {
   int diag_offset, left, right;
-  MHATTN_DEVICE bool inside(int i, int j) const {
-    const int rel = j - i - diag_offset;
-    return rel >= -left && rel <= right;
-  }
   // Every (i, j) in [i0, i1] x [j0, j1] inside the band?
   MHATTN_DEVICE bool block_inside(int i0, int i1, int j0, int j1) const {
     return (i64)j0 - i1 - diag_offset >= -(i64)left && (i64)j1 - i0 - diag_offset <= (i64)right;
