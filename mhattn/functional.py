@@ -71,10 +71,14 @@ def attention(
         seed = torch.randint(0, 2**32, (2,), dtype=torch.int64)  # torch's CPU generator: manual_seed reproduces it
     else:
         seed = None
-    out, lse = torch.ops.mhattn.attention_forward(
-        call.q, call.k, call.v, call.mask, seed, name, source, call.scale, call.is_causal, call.diag_offset,
-        call.window_left, call.window_right, float(dropout_p), call.softcap, call.mask_requires_grad,
-    )
+    args = (call.q, call.k, call.v, call.mask, seed, name, source, call.scale, call.is_causal, call.diag_offset,
+            call.window_left, call.window_right, float(dropout_p), call.softcap, call.mask_requires_grad)
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.mhattn.attention_forward(*args)
+    else:
+        # Eager calls skip the custom op's dispatch (about 100 us a call on a fast host), which would
+        # dominate short sequences; the computation and the chosen backend are the same.
+        out, lse = _EagerAttention.apply(*args)
     out = out.reshape(call.out_shape)
     if return_lse:
         return out, lse.reshape(call.out_shape[:-1])
@@ -370,3 +374,27 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The eager-mode twin of the custom ops: selects once, keeps the chosen backend for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, seed, backend, source, scale, is_causal, diag_offset, window_left, window_right,
+                dropout_p, softcap, mask_requires_grad):
+        problem, params = _problem_and_params(q, k, v, mask, mask_requires_grad, seed, scale, is_causal, diag_offset,
+                                              window_left, window_right, dropout_p, softcap)
+        chosen = dispatch.select(problem, backend, source)
+        out, lse = chosen.forward(q, k, v, params)
+        ctx.set_materialize_grads(False)  # an unused lse (the usual case) sends no gradient
+        ctx.chosen, ctx.params = chosen, params
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv, dmask = ctx.chosen.backward(grad_out, q, k, v, out, lse, ctx.params, grad_lse=grad_lse)
+        return (dq, dk, dv, dmask if ctx.params.mask_requires_grad else None) + (None,) * 11
