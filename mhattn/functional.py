@@ -321,13 +321,41 @@ def _attention_forward(
                                           window_right, dropout_p, softcap)
     chosen = dispatch.select(problem, backend, source)
     out, lse = chosen.forward(q, k, v, params)
-    return out, lse
+    # Compiled graphs assume the layouts the fake implementation promises; backends may differ.
+    return _in_layout(out, _forward_out_layout(q, v)), _in_layout(lse, _contiguous_layout(lse))
+
+
+def _forward_out_layout(q, v):
+    """(shape, strides) of the op's output: (B, H, N, Dv) with (B, N, H, Dv) memory, one token's heads side
+    by side (what the Triton backend writes, and a view of (B, N, H * Dv) after a transpose)."""
+    batch, heads, seqlen = q.shape[:3]
+    dim_v = v.shape[-1]
+    return (batch, heads, seqlen, dim_v), (seqlen * heads * dim_v, dim_v, heads * dim_v, 1)
+
+
+def _contiguous_layout(t):
+    return tuple(t.shape), torch.empty(tuple(t.shape), device="meta").stride()
+
+
+def _grad_layout(t):
+    """The layout torch.empty_like(t) gives (a dense t keeps its strides; else contiguous)."""
+    return tuple(t.shape), torch.empty_like(t, device="meta").stride()
+
+
+def _in_layout(t, layout):
+    shape, strides = layout
+    if tuple(t.stride()) == tuple(strides) or t.numel() == 0:
+        return t
+    placed = torch.empty_strided(shape, strides, dtype=t.dtype, device=t.device)
+    placed.copy_(t)
+    return placed
 
 
 @_attention_forward.register_fake
 def _(q, k, v, mask, seed, backend, source, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap,
       mask_requires_grad):
-    out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    shape, strides = _forward_out_layout(q, v)
+    out = q.new_empty_strided(shape, strides)
     lse = q.new_empty(q.shape[:-1], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     return out, lse
 
@@ -345,7 +373,10 @@ def _attention_backward(
     dq, dk, dv, dmask = chosen.backward(grad_out, q, k, v, out, lse, params, grad_lse=grad_lse)
     if dmask is None:
         dmask = q.new_empty(0)
-    return dq, dk, dv, dmask
+    else:
+        dmask = _in_layout(dmask, _grad_layout(mask))
+    return (_in_layout(dq, _grad_layout(q)), _in_layout(dk, _grad_layout(k)), _in_layout(dv, _grad_layout(v)),
+            dmask)
 
 
 @_attention_backward.register_fake

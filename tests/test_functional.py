@@ -178,3 +178,32 @@ def test_bad_input_names_the_argument(call, words):
     message = str(info.value)
     for word in words:
         assert word in message, message
+
+
+def test_torch_compile_with_a_backend_whose_layouts_differ_from_the_fake():
+    # A backend may return out in (B, N, H, D) memory (as the Triton backend does) or plain contiguous;
+    # compiled graphs rely on the fake implementation's layouts, so the op must hand back those.
+    class TokenMajor(ReferenceBackend):
+        name = "token_major"
+
+        def forward(self, q, k, v, params):
+            out, lse = super().forward(q, k, v, params)
+            placed = torch.empty(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).transpose(1, 2)
+            placed.copy_(out)
+            return placed, lse
+
+    mhattn.register_backend(TokenMajor())
+    try:
+        for name in ("reference", "token_major"):
+            qkv = torch.randn(2, 9, 3, 4, 8)
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # non-dense views
+            q = q.detach().requires_grad_(True)
+            compiled = torch.compile(
+                lambda a, b, c: mhattn.attention(a, b, c, is_causal=True, backend=name).square().sum(), fullgraph=True
+            )
+            compiled(q, k, v).backward()
+            want_q = q.detach().clone().requires_grad_(True)
+            F.scaled_dot_product_attention(want_q, k, v, is_causal=True).square().sum().backward()
+            assert (q.grad - want_q.grad).abs().max() <= 1e-5
+    finally:
+        mhattn.unregister_backend("token_major")
