@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mhattn.benchmark import protocol
-from mhattn.benchmark.timing import describe_error, free_memory, release_memory
+from mhattn.benchmark.timing import describe_error, free_memory, release_memory, result_row
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384, 32768)
 BATCH, HEADS, HEAD_DIM, CAUSAL = 1, 16, 128, True
@@ -25,21 +25,9 @@ def memory_shape(seqlen: int, dtype: str = "bf16", *, batch: int = BATCH, heads:
 
 
 def memory_row(impl: protocol.Implementation, shape: protocol.Shape) -> dict:
-    return {
-        "kind": "memory",
-        "impl": impl.name,
-        "family": impl.family,
-        "is_reference": impl.is_reference,
-        "dtype": protocol.DTYPE_LONG_NAMES[shape.dtype],
-        "d": shape.head_dim,
-        "h": shape.heads,
-        "b": shape.batch,
-        "n": shape.seqlen,
-        "causal": shape.causal,
-        "peak_extra_bytes": None,
-        "beyond_outputs_bytes": None,
-        "status": "skipped",
-    }
+    row = result_row(impl, shape)
+    row.update(kind="memory", peak_extra_bytes=None, beyond_outputs_bytes=None, status="skipped")
+    return row
 
 
 def measure_peak_memory(impl: protocol.Implementation, shape: protocol.Shape, device) -> dict:
