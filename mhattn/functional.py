@@ -57,8 +57,8 @@ def attention(
         window: (left, right): query i sees keys j with -left <= j - i - offset <= right, where offset is
             Nk - Nq for a ``causal_lower_right`` mask and 0 otherwise; None or -1 = unbounded side.
         softcap: if given, scores become softcap * tanh(scores / softcap) before masking.
-        return_lse: also return the per-row natural-log log-sum-exp (..., Hq, Nq), float32 (not
-            differentiable... its gradient is supported: it flows into the scores).
+        return_lse: also return the per-row natural-log log-sum-exp (..., Hq, Nq), float32; a gradient
+            flowing into it reaches q, k, v (and a float mask) like the output's.
         backend: name of the backend to use ("auto", "triton", "cupy", "reference", ...).
 
     Returns:
