@@ -147,19 +147,6 @@ def describe_error(error: BaseException, caught_warnings=()) -> str:
     return f"error: {type(error).__name__}: {message}"
 
 
-def cuda_context_ok() -> bool:
-    """False when an earlier error (an illegal address, a device-side assert) broke the CUDA context:
-    every later CUDA call in this process would fail too."""
-    if not torch.cuda.is_available():
-        return True
-    try:
-        torch.cuda.synchronize()
-        torch.ones(1, device="cuda").add_(1).item()
-        return True
-    except Exception:
-        return False
-
-
 # ---- one cell ----------------------------------------------------------------------------------------------
 
 

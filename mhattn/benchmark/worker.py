@@ -21,6 +21,7 @@ import time
 import torch
 
 from mhattn.benchmark import memory, module_bench, protocol, timing
+from mhattn.cuda_health import cuda_context_ok
 
 EXIT_CONTEXT_BROKEN = 3
 CHECK_AGAINST = "torch SDPA with its default kernel choice, same inputs"
@@ -102,7 +103,7 @@ class Runner:
                 raise ValueError(f"task kind: expected attn, memory or module, got {task['kind']!r}")
         except Exception as error:  # a bug of the harness itself still leaves a row
             row = placeholder_row(task, timing.describe_error(error))
-        if row_failed(row) and self.device.type == "cuda" and not timing.cuda_context_ok():
+        if row_failed(row) and self.device.type == "cuda" and not cuda_context_ok():
             self.context_broken = True
             row["context_broken"] = True
         return clean_for_json(row)

@@ -24,6 +24,7 @@ import torch
 from mhattn import registry
 from mhattn.conformance.cases import dtype_name, full_cases, quick_cases, default_dtypes
 from mhattn.conformance.runner import FAIL, CaseResult, not_run, run_case
+from mhattn.cuda_health import cuda_context_ok
 
 # Exit status of a worker whose CUDA context is unusable after a case: the parent starts a fresh one.
 WORKER_CONTEXT_LOST = 3
@@ -65,18 +66,6 @@ def make_plan(backends, mode: str, device: str, dtypes=None, features=None) -> P
     return plan
 
 
-def cuda_context_healthy() -> bool:
-    """False when the CUDA context is broken (a sticky error such as an illegal address)."""
-    if not torch.cuda.is_available():
-        return True
-    try:
-        torch.cuda.synchronize()
-        torch.zeros(1, device="cuda").add_(1).item()
-        return True
-    except Exception:
-        return False
-
-
 def past(deadline) -> bool:
     """True once ``deadline`` (seconds since the epoch, or None for none) has passed."""
     return deadline is not None and time.time() > deadline
@@ -100,7 +89,7 @@ def run_in_process(cases, progress=None, deadline=None) -> list:
             result = CaseResult(case, FAIL, error=f"not run: the CUDA context was lost during an earlier case ({lost})")
         else:
             result = run_case(registry.get_backend(case.backend), case)
-            if result.status == FAIL and case.device == "cuda" and not cuda_context_healthy():
+            if result.status == FAIL and case.device == "cuda" and not cuda_context_ok():
                 lost = f"{case.backend} {case.feature}: {case.spec()}"
         results.append(result)
         if progress is not None:

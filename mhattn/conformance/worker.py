@@ -47,7 +47,8 @@ def main(cases_path: str, results_path: str, deadline=None) -> int:
     from mhattn import registry
     from mhattn.conformance.cases import parse_spec
     from mhattn.conformance.runner import FAIL, run_case
-    from mhattn.conformance.suite import WORKER_CONTEXT_LOST, WORKER_UNKNOWN_BACKEND, cuda_context_healthy
+    from mhattn.conformance.suite import WORKER_CONTEXT_LOST, WORKER_UNKNOWN_BACKEND
+    from mhattn.cuda_health import cuda_context_ok
 
     with open(cases_path, "r", encoding="utf-8") as f:
         entries = [json.loads(line) for line in f if line.strip()]
@@ -73,7 +74,7 @@ def main(cases_path: str, results_path: str, deadline=None) -> int:
             write({"start": index})
             result = run_case(backend, case)
             write({"index": index, "result": result.to_dict()})
-            if result.status == FAIL and case.device == "cuda" and not cuda_context_healthy():
+            if result.status == FAIL and case.device == "cuda" and not cuda_context_ok():
                 return WORKER_CONTEXT_LOST
     return 0
 
