@@ -45,11 +45,14 @@ FWD_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs
     64: [(128, 64, 4, True), (128, 128, 4, False), (128, 32, 4, True), (128, 128, 8, True)],
     128: [(128, 64, 4, False), (128, 32, 4, False), (128, 64, 8, True), (128, 128, 8, False)],
 }
-DKDV_CANDIDATES = {  # block_n, block_m, num_warps, kv_in_regs, split (32 keys per warp where block_n = 32 warps)
-    64: [(128, 32, 4, False, False), (128, 64, 8, True, False), (64, 64, 4, True, False), (128, 32, 8, True, False),
-         (128, 16, 4, False, False)],
-    128: [(128, 64, 8, False, False), (64, 32, 4, False, False), (128, 32, 8, False, False),
-          (128, 32, 4, False, True), (64, 64, 4, False, False)],
+# dK/dV: 5 fields = the one-dimensional kernel (block_n, block_m, num_warps, kv_in_regs, split; 32 keys per warp
+# where block_n = 32 warps); 7 fields = the two-dimensional kernel (block_n, block_m, num_warps, s_warps_n,
+# kv_warps_n, dq_warps_m, kv_in_regs). The first entry is the variants.py one of the deterministic table.
+DKDV_CANDIDATES = {
+    64: [(128, 32, 4, False, False), (128, 64, 8, 4, 4, 2, False), (128, 64, 8, 4, 4, 2, True),
+         (128, 128, 8, 4, 4, 2, False), (64, 64, 4, 2, 2, 2, False), (128, 64, 8, 4, 8, 2, False)],
+    128: [(128, 64, 8, False, False), (128, 64, 8, 4, 4, 2, False), (128, 64, 8, 4, 4, 4, False),
+          (128, 64, 8, 2, 4, 2, False), (64, 64, 8, 2, 2, 2, False), (128, 32, 8, 8, 4, 2, False)],
 }
 DQ_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs (32 query rows per warp where block_m = 32 warps)
     64: [(128, 32, 4, True), (64, 32, 4, True), (64, 64, 4, True), (128, 64, 4, False), (128, 64, 8, True)],
@@ -234,8 +237,10 @@ def section_sweep(args, cc):
 
     tables = {"fwd": variants.FWD_TILES, "dkdv": variants.DKDV_TILES, "dq": variants.DQ_TILES,
               "dkdv-fast": variants.DKDV_ATOMIC_TILES}
-    makers = {"fwd": variants.FwdTiles, "dkdv": variants.DkdvTiles, "dq": variants.DqTiles,
-              "dkdv-fast": variants.DkdvTiles}
+    def dkdv_maker(*fields):
+        return variants.dkdv_tiles_from_fields(fields)
+
+    makers = {"fwd": variants.FwdTiles, "dkdv": dkdv_maker, "dq": variants.DqTiles, "dkdv-fast": dkdv_maker}
     cands = {"fwd": FWD_CANDIDATES, "dkdv": DKDV_CANDIDATES, "dq": DQ_CANDIDATES, "dkdv-fast": DKDV_CANDIDATES}
 
     def usable(kind, d, tiles):
@@ -244,10 +249,11 @@ def section_sweep(args, cc):
             return False
         return kind != "dkdv-fast" or variants.atomic_dq_possible(tiles, d)
 
+    kinds = [k for k in cands if k in args.sweep_kinds]
     todo = []  # compile every candidate first, in parallel
     for d in (64, 128):
         for level in ("plain", "bounds"):
-            for kind in cands:
+            for kind in kinds:
                 for c in cands[kind][d]:
                     t = makers[kind](*c)
                     if not usable(kind, d, t):
@@ -265,8 +271,8 @@ def section_sweep(args, cc):
     for d in (64, 128):
         q, k, v, do = protocol_inputs(SWEEP_N, d)
         problems = [(causal, params_for(d, causal), fwd_flops(q, causal)) for causal in (False, True)]
-        fwd_ms = {}
-        for kind in ("fwd", "dkdv", "dq", "dkdv-fast"):
+        fwd_ms = {causal: bench(det.fwd(q, k, v, params)) for causal, params, _ in problems}
+        for kind in kinds:
             engine = fast if kind == "dkdv-fast" else det
             results, per_problem = [], {False: [], True: []}
             for c in cands[kind][d]:
@@ -428,7 +434,10 @@ def main(argv=None):
     parser.add_argument("--test-timeout", type=float, default=150.0)
     parser.add_argument("--exitfirst", action="store_true")
     parser.add_argument("--table-repeats", type=int, default=2, help="time the table this many times (noise)")
+    parser.add_argument("--sweep-kinds", default="fwd,dkdv,dq,dkdv-fast",
+                        help="which kernels the sweep tunes (comma-separated: fwd, dkdv, dq, dkdv-fast)")
     args = parser.parse_args(argv)
+    args.sweep_kinds = [k.strip() for k in args.sweep_kinds.split(",") if k.strip()]
     start = time.time()
     args.deadline = start + args.budget
     if args.out:

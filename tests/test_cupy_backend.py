@@ -29,7 +29,7 @@ from mhattn.problem import Problem
 from mhattn.reference.naive import naive_attention
 
 ARCHS = ("sm_80", "sm_90")
-KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
+KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dkdv_2d", "bwd_dq")
 
 
 def _nvrtc_missing():
@@ -152,10 +152,34 @@ def test_tiles_fit_shared_memory_and_registers_rules():
             dq = variants.dq_tiles(cc, d)
             assert variants.fwd_smem(fwd, d) <= limit and variants.dq_smem(dq, d) <= limit
             assert variants.fwd_smem(fwd_bounded, d) <= limit and fwd_bounded.block_m // fwd_bounded.num_warps in (16, 32)
-            assert variants.dkdv_smem(dkdv, d, True) <= limit
             assert fwd.block_m // fwd.num_warps in (16, 32) and fwd.block_n % 16 == 0
-            assert dkdv.block_n // dkdv.num_warps in (16, 32) and dq.block_m // dq.num_warps in (16, 32)
-            assert ops.VECTOR_PAD % dkdv.block_m == 0 and ops.VECTOR_PAD % dq.block_m == 0
+            assert dq.block_m // dq.num_warps in (16, 32)
+            assert ops.VECTOR_PAD % dq.block_m == 0
+            for atomic in (False, True):
+                dkdv = variants.dkdv_tiles(cc, d, atomic)
+                assert variants.dkdv_smem(dkdv, d, True) <= limit, (cc, d, dkdv)
+                assert ops.VECTOR_PAD % dkdv.block_m == 0
+                if isinstance(dkdv, variants.Dkdv2dTiles):
+                    assert variants.dkdv_2d_problems(dkdv, d) == []
+                else:
+                    assert dkdv.block_n // dkdv.num_warps in (16, 32)
+
+
+def test_two_dimensional_tiles_are_checked_and_fall_back_where_they_do_not_fit(monkeypatch):
+    bad = variants.Dkdv2dTiles(128, 64, 8, 3, 4, 2, False)  # 8 warps do not split into 3 rows of warps
+    assert any("s_warps_n=3" in p for p in variants.dkdv_2d_problems(bad, 128))
+    with pytest.raises(ValueError, match="s_warps_n=3"):
+        variants.dkdv_variants((9, 0), "bfloat16", 128, "plain", tiles=bad)
+    big = variants.Dkdv2dTiles(128, 64, 8, 4, 4, 2, False)  # 173 KiB with P^T and dS^T: over an A100's 163
+    monkeypatch.setitem(variants.DKDV_TILES, 128, big)
+    assert variants.dkdv_tiles((9, 0), 128) == big
+    assert variants.dkdv_tiles((8, 0), 128) == variants.DKDV_FALLBACK_TILES[128]
+    [variant] = variants.dkdv_variants((9, 0), "float16", 128, "bounds", atomic_dq=False)
+    assert variant.kernel == "bwd_dkdv_2d" and variant.define("DKDV_MODE") == 0
+    assert variant.smem_bytes == variants.dkdv_smem(big, 128) <= variants.smem_limit((9, 0))
+    assert variants.dkdv_tiles_from_fields([128, 64, 8, 4, 4, 2, False]) == variants.Dkdv2dTiles(128, 64, 8, 4, 4, 2, False)
+    with pytest.raises(ValueError, match="5 fields"):
+        variants.dkdv_tiles_from_fields([1, 2, 3])
     assert [variants.head_dim_bucket(d) for d in (8, 16, 40, 64, 80, 96, 128, 160, 224, 256)] == \
         [32, 32, 64, 64, 96, 96, 128, 192, 256, 256]
     assert variants.parse_arch("sm_90") == (9, 0) and variants.parse_arch("8.6") == (8, 6)
@@ -256,12 +280,23 @@ EMULATED = {
     # key padding mask broadcast over heads and queries, dropout, fully masked row, strided views
     "mask_dropout": dict(shape=(2, 2, 1, 66, 66, 32), dtype=torch.float16, keypad=True, dropout_p=0.17,
                          strided=True),
+    # the two-dimensional dK/dV kernel in both modes: several key blocks, MQA, causal top-left with Nq > Nk,
+    # K and V in registers; then dropout with a key padding mask and a fully masked row, atomic dQ
+    "2d_causal_tl": dict(shape=(1, 2, 1, 130, 90, 128), dtype=torch.float16, causal="top_left",
+                         dkdv_tiles={128: (64, 64, 4, 2, 2, 2, False)}),
+    "2d_regs_window": dict(shape=(1, 2, 2, 100, 140, 64), dtype=torch.bfloat16, window=(20, 7),
+                           dkdv_tiles={64: (128, 64, 8, 4, 4, 2, True)}),
+    "2d_dropout_atomic": dict(shape=(2, 2, 1, 66, 66, 32), dtype=torch.float16, keypad=True, dropout_p=0.17,
+                              deterministic=False, dkdv_tiles={32: (128, 32, 8, 8, 4, 4, False)}),
 }
 
 
 @pytest.mark.parametrize("name", sorted(EMULATED))
-def test_emulated_kernels_match_reference(emulated_backend, poisoned, name):
+def test_emulated_kernels_match_reference(emulated_backend, poisoned, monkeypatch, name):
     case = EMULATED[name]
+    table = variants.DKDV_TILES if case.get("deterministic", True) else variants.DKDV_ATOMIC_TILES
+    for bucket, fields in case.get("dkdv_tiles", {}).items():
+        monkeypatch.setitem(table, bucket, variants.dkdv_tiles_from_fields(fields))
     batch, hq, hkv, nq, nk, d = case["shape"]
     q, k, v, grad_out = _inputs(batch, hq, hkv, nq, nk, d, case["dtype"], "cpu", strided=case.get("strided", False))
     mask = None

@@ -61,6 +61,20 @@ class DkdvTiles:
 
 
 @dataclass(frozen=True)
+class Dkdv2dTiles:
+    """Tiles of the two-dimensional dK/dV kernel (kernels/bwd_dkdv_2d.cu): each phase splits its product
+    over the warps in two dimensions; P^T and dS^T pass through shared memory between the phases."""
+
+    block_n: int      # keys per CTA
+    block_m: int      # queries per step
+    num_warps: int
+    s_warps_n: int    # scores phase: warps along the keys (the others along the queries)
+    kv_warps_n: int   # dK/dV phase: warps along the keys (the others along the head dim)
+    dq_warps_m: int   # dQ phase (atomic dQ): warps along the queries (the others along the head dim)
+    kv_in_regs: bool  # this warp's K and V fragments of the scores phase kept in registers
+
+
+@dataclass(frozen=True)
 class DqTiles:
     block_m: int      # query rows per CTA (16 or 32 per warp)
     block_n: int      # keys per step
@@ -87,6 +101,8 @@ DKDV_TILES = {
     192: DkdvTiles(64, 32, 4, False, True),
     256: DkdvTiles(64, 32, 4, False, True),
 }
+# Where an entry is a Dkdv2dTiles that does not fit a GPU's shared memory, this one-dimensional one is used.
+DKDV_FALLBACK_TILES = dict(DKDV_TILES)
 # Forward tiles for the levels with masking ("bounds", "full") where they differ from FWD_TILES: the causal
 # masking code needs registers, and at d=128 a narrower key block avoids spilling them.
 FWD_TILES_BOUNDED = {
@@ -94,6 +110,10 @@ FWD_TILES_BOUNDED = {
 }
 # The dK/dV kernel of the fast backward (dQ formed in it with atomics, mode 3) has its own table.
 DKDV_ATOMIC_TILES = dict(DKDV_TILES)
+DKDV_ATOMIC_TILES.update({
+    64: Dkdv2dTiles(128, 64, 8, 4, 4, 2, False),
+    128: Dkdv2dTiles(128, 64, 8, 4, 4, 2, False),
+})
 DQ_TILES = {
     32: DqTiles(64, 64, 4, True),
     64: DqTiles(128, 32, 4, True),
@@ -109,15 +129,26 @@ DQ_TILES = {
 TILES_ENV = "MHATTN_CUPY_TILES"
 
 
+def dkdv_tiles_from_fields(fields) -> object:
+    """DkdvTiles from its 5 fields, Dkdv2dTiles from its 7 (the dK/dV tables hold either)."""
+    fields = list(fields)
+    if len(fields) == 7:
+        return Dkdv2dTiles(*fields)
+    if len(fields) == 5:
+        return DkdvTiles(*fields)
+    raise ValueError(f"dK/dV tiles: expected 5 fields (DkdvTiles) or 7 (Dkdv2dTiles), got {fields}")
+
+
 def _apply_tile_override(text: str) -> None:
-    tables = {"fwd": (FWD_TILES, FwdTiles), "fwd_bounded": (FWD_TILES_BOUNDED, FwdTiles), "dkdv": (DKDV_TILES, DkdvTiles),
-              "dkdv_atomic": (DKDV_ATOMIC_TILES, DkdvTiles), "dq": (DQ_TILES, DqTiles)}
+    tables = {"fwd": (FWD_TILES, FwdTiles), "fwd_bounded": (FWD_TILES_BOUNDED, FwdTiles),
+              "dkdv": (DKDV_TILES, dkdv_tiles_from_fields), "dkdv_atomic": (DKDV_ATOMIC_TILES, dkdv_tiles_from_fields),
+              "dq": (DQ_TILES, DqTiles)}
     try:
         entries = json.loads(text)
         for name, per_dim in entries.items():
-            table, cls = tables[name]
+            table, make = tables[name]
             for d, fields in per_dim.items():
-                table[int(d)] = cls(*fields)
+                table[int(d)] = make(*fields) if make in (FwdTiles, DqTiles) else make(fields)
     except Exception as error:
         raise ValueError(f"{TILES_ENV}: expected JSON like {{\"fwd\": {{\"128\": [128, 32, 4, false]}}}} with tables "
                          f"{sorted(tables)}, got {text!r} ({type(error).__name__}: {error})") from None
@@ -135,9 +166,15 @@ def fwd_smem(tiles: FwdTiles, d: int) -> int:
     return (tiles.block_m + 4 * tiles.block_n) * _row_bytes(d)
 
 
-def dkdv_smem(tiles: DkdvTiles, d: int, atomic_dq: bool = False) -> int:
-    staged_ds = tiles.block_n * (tiles.block_m + 8) * 2 if atomic_dq else 0
-    return (2 * tiles.block_n + 4 * tiles.block_m) * _row_bytes(d) + 4 * tiles.block_m * 4 + staged_ds
+def dkdv_smem(tiles, d: int, atomic_dq: bool = False) -> int:
+    # K, V, two stages of Q and dO, two of lse and delta; the one-dimensional kernel stages dS^T only for
+    # atomic dQ, the two-dimensional one always stages P^T and dS^T
+    staged = 0
+    if isinstance(tiles, Dkdv2dTiles):
+        staged = 2 * tiles.block_n * (tiles.block_m + 8) * 2
+    elif atomic_dq:
+        staged = tiles.block_n * (tiles.block_m + 8) * 2
+    return (2 * tiles.block_n + 4 * tiles.block_m) * _row_bytes(d) + 4 * tiles.block_m * 4 + staged
 
 
 def dq_smem(tiles: DqTiles, d: int) -> int:
@@ -151,8 +188,27 @@ def fwd_tiles(cc, d: int, level: str = "plain") -> FwdTiles:
     return tiles
 
 
-def dkdv_tiles(cc, d: int, atomic_dq: bool = False) -> DkdvTiles:
+def dkdv_2d_problems(tiles: Dkdv2dTiles, d: int) -> list:
+    """Why these two-dimensional tiles cannot serve head-dim bucket ``d`` (empty: they can): every phase
+    must split into warp tiles of whole 16 x 16 blocks."""
+    out = []
+    w = tiles.num_warps
+    for name, warps, rows, cols in (("s_warps_n", tiles.s_warps_n, tiles.block_n, tiles.block_m),
+                                    ("kv_warps_n", tiles.kv_warps_n, tiles.block_n, d),
+                                    ("dq_warps_m", tiles.dq_warps_m, tiles.block_m, d)):
+        if warps < 1 or w % warps or rows % (16 * warps) or cols % (16 * (w // warps)):
+            out.append(f"{name}={warps} does not split {rows} x {cols} over {w} warps in 16 x 16 blocks")
+    if tiles.block_m % 16 or tiles.block_m > 128:
+        out.append(f"block_m={tiles.block_m}: expected a multiple of 16, at most 128")
+    return out
+
+
+def dkdv_tiles(cc, d: int, atomic_dq: bool = False):
     tiles = (DKDV_ATOMIC_TILES if atomic_dq else DKDV_TILES)[d]
+    if isinstance(tiles, Dkdv2dTiles):
+        if dkdv_smem(tiles, d) <= smem_limit(cc):
+            return tiles
+        tiles = DKDV_FALLBACK_TILES[d]
     # sized for the largest mode (3, with its staged dS tile) so every mode launches with these tiles
     while dkdv_smem(tiles, d, True) > smem_limit(cc) and tiles.block_m > 16:
         tiles = replace(tiles, block_m=tiles.block_m // 2)
@@ -177,7 +233,7 @@ def dq_tiles(cc, d: int) -> DqTiles:
 class Variant:
     """One kernel compiled with one set of -D options."""
 
-    kernel: str          # fwd | bwd_preprocess | bwd_dkdv | bwd_dq  (source kernels/<kernel>.cu)
+    kernel: str          # fwd | bwd_preprocess | bwd_dkdv | bwd_dkdv_2d | bwd_dq  (source kernels/<kernel>.cu)
     defines: tuple       # ((name, value), ...) in a fixed order
     num_threads: int
     smem_bytes: int      # dynamic shared memory per CTA
@@ -217,8 +273,10 @@ def fwd_variant(cc, dtype_name: str, d: int, level: str, tiles: FwdTiles = None)
     return Variant("fwd", tuple(defines), tiles.num_warps * 32, fwd_smem(tiles, d))
 
 
-def atomic_dq_possible(tiles: DkdvTiles, d: int) -> bool:
+def atomic_dq_possible(tiles, d: int) -> bool:
     """Whether the dK/dV kernel can also form dQ with atomics (mode 3) with these tiles."""
+    if isinstance(tiles, Dkdv2dTiles):
+        return not dkdv_2d_problems(tiles, d)
     m_tiles = tiles.block_m // 16
     if tiles.split or tiles.num_warps % m_tiles:
         return False
@@ -229,6 +287,16 @@ def dkdv_variants(cc, dtype_name: str, d: int, level: str, tiles: DkdvTiles = No
     """The dK/dV launches: one (mode 0: dK and dV), two (modes 1, 2: dV, then dK) when ``tiles.split``, or
     with ``atomic_dq`` one that also adds dQ into a float32 accumulator with atomics (mode 3)."""
     tiles = tiles or dkdv_tiles(cc, d, atomic_dq)
+    if isinstance(tiles, Dkdv2dTiles):
+        problems = dkdv_2d_problems(tiles, d)
+        if problems:
+            raise ValueError(f"tiles {tiles} at head dim {d}: " + "; ".join(problems))
+        defines = _common_defines(dtype_name, d, level) + [
+            ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
+            ("S_WARPS_N", tiles.s_warps_n), ("KV_WARPS_N", tiles.kv_warps_n), ("DQ_WARPS_M", tiles.dq_warps_m),
+            ("KV_IN_REGS", int(tiles.kv_in_regs)), ("DKDV_MODE", 3 if atomic_dq else 0),
+        ]
+        return [Variant("bwd_dkdv_2d", tuple(defines), tiles.num_warps * 32, dkdv_smem(tiles, d))]
     if atomic_dq and not atomic_dq_possible(tiles, d):
         raise ValueError(f"atomic_dq: tiles {tiles} at head dim {d} cannot form dQ in the dK/dV kernel")
     modes = (3,) if atomic_dq else (1, 2) if tiles.split else (0,)

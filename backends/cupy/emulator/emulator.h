@@ -353,6 +353,10 @@ inline float fast_exp2(float x) { return exp2f(x); }
 inline float fast_log2(float x) { return log2f(x); }
 
 inline void atomic_add_f32(float* p, float x) { *p += x; }  // fibers never run concurrently
+inline void atomic_add2_f32(float* p, float x, float y) {
+  p[0] += x;
+  p[1] += y;
+}
 
 inline float shfl_xor(float x, int lane_mask) {
   const int lane = emu::g_cur & 31;

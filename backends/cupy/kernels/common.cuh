@@ -98,11 +98,16 @@ MHATTN_DEVICE void store_tile(elem_t* g, i64 row_stride, const unsigned char* s_
 //   B (16x8):  b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]
 //   C (16x8):  c0, c1 = C[g][2t], C[g][2t+1]; c2, c3 = C[g+8][2t], C[g+8][2t+1]
 
-// A fragment: rows r0..r0+15, columns k0..k0+15 of a tile stored [row][k].
-MHATTN_DEVICE void load_a_frag(u32 (&a)[4], u32 s_tile, int r0, int k0, int lane) {
+// A fragment: rows r0..r0+15, columns k0..k0+15 of a tile stored [row][k] with `row_elems` elements per row.
+MHATTN_DEVICE void load_a_frag_rows(u32 (&a)[4], u32 s_tile, int row_elems, int r0, int k0, int lane) {
   const int row = r0 + (lane & 15);
   const int col = k0 + ((lane >> 4) << 3);
-  ldsm_x4(a, s_tile + (u32)((row * SMEM_ROW + col) * 2));
+  ldsm_x4(a, s_tile + (u32)((row * row_elems + col) * 2));
+}
+
+// The same from a head-dim tile (SMEM_ROW elements per row).
+MHATTN_DEVICE void load_a_frag(u32 (&a)[4], u32 s_tile, int r0, int k0, int lane) {
+  load_a_frag_rows(a, s_tile, SMEM_ROW, r0, k0, lane);
 }
 
 // A fragment of rows m0..m0+15, columns k0..k0+15 of A from a tile that stores A transposed, [k][m]
@@ -138,13 +143,14 @@ MHATTN_DEVICE void acc_to_a_frag(u32 (&a)[4], const float (&lo)[4], const float 
   a[3] = pack2(hi[2], hi[3]);
 }
 
-// Stores a 16-row accumulator block (NT8 n8 tiles) as elements into a shared tile at row r0.
+// Stores a 16-row accumulator block (NT8 n8 tiles) as elements into a shared tile at row r0, column c0.
 template <int NT8>
-MHATTN_DEVICE void acc_to_smem(unsigned char* s_tile, const float (&acc)[NT8][4], int r0, float scale, int lane) {
+MHATTN_DEVICE void acc_to_smem(unsigned char* s_tile, const float (&acc)[NT8][4], int r0, float scale, int lane,
+                               int c0 = 0) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int nt = 0; nt < NT8; ++nt) {
-    const int col = nt * 8 + 2 * t;
+    const int col = c0 + nt * 8 + 2 * t;
     *reinterpret_cast<u32*>(s_tile + ((r0 + g) * SMEM_ROW + col) * 2) = pack2(acc[nt][0] * scale, acc[nt][1] * scale);
     *reinterpret_cast<u32*>(s_tile + ((r0 + g + 8) * SMEM_ROW + col) * 2) = pack2(acc[nt][2] * scale, acc[nt][3] * scale);
   }

@@ -1,0 +1,367 @@
+// FlashAttention-2 backward, key side, with each matrix product tiled over the warps in two dimensions:
+// dK and dV for one block of BLOCK_N keys of one (batch, kv head), and in mode 3 also dQ (float32 atomics).
+//
+// The CTA walks every (query head of the group, query block) that can see its keys in a fixed order, with
+// Q, dO and the per-row lse / delta of the next step in flight (cp.async, two stages). Per step, three
+// phases, each with its own split of the warps:
+//   scores   (keys x queries, S_WARPS_N x S_WARPS_M warps): S^T = K Q^T and dP^T = V dO^T for the warp's
+//            sub-block, then P^T = 2^(S^T scale log2 e - lse_log2) and dS^T = P^T (dP^T keep / (1 - p) - delta);
+//            P^T (with dropout applied) and dS^T go to shared memory as 16-bit [key][query] tiles;
+//   dK, dV   (keys x head dim, KV_WARPS_N x KV_WARPS_D warps): dV += P^T dO and dK += dS^T Q, the A operand
+//            read back from those tiles; the accumulators stay in registers for the whole walk
+//            (deterministic: no atomics);
+//   dQ       (mode 3; queries x head dim, DQ_WARPS_M x DQ_WARPS_D warps): scale dS K for this key block,
+//            added to a float32 dq_accum (B, Hq, Nq, head_dim) with atomics, whose order varies.
+// Against the one-dimensional layout of bwd_dkdv.cu (each warp multiplies all queries of the step with
+// its own 16 or 32 keys) every warp reads a smaller share of Q and dO per step, at the price of the
+// shared-memory round trip of P^T and dS^T; the kernels are bound by shared-memory bandwidth.
+// dK is scaled by the softmax scale at the end.
+#include "common.cuh"
+
+#ifndef DKDV_MODE
+#define DKDV_MODE 0
+#endif
+#ifndef KV_IN_REGS
+#define KV_IN_REGS 0
+#endif
+#ifndef DQ_WARPS_M
+#define DQ_WARPS_M 1
+#endif
+#define COMPUTE_DQ (DKDV_MODE == 3)
+static_assert(DKDV_MODE == 0 || DKDV_MODE == 3, "DKDV_MODE: 0 (dK and dV) or 3 (dK, dV and dQ with atomics)");
+
+// scores phase: S_ROWS keys x S_COLS queries per warp
+constexpr int S_WARPS_M = NUM_WARPS / S_WARPS_N;
+constexpr int S_ROWS = BLOCK_N / S_WARPS_N;
+constexpr int S_COLS = BLOCK_M / S_WARPS_M;
+constexpr int S_MT = S_ROWS / 16;  // m16 tiles of keys
+constexpr int S_NT = S_COLS / 8;   // n8 tiles of queries
+// dK / dV phase: KV_ROWS keys x KV_COLS head-dim columns per warp
+constexpr int KV_WARPS_D = NUM_WARPS / KV_WARPS_N;
+constexpr int KV_ROWS = BLOCK_N / KV_WARPS_N;
+constexpr int KV_COLS = HEAD_DIM / KV_WARPS_D;
+constexpr int KV_MT = KV_ROWS / 16;
+constexpr int KV_NT = KV_COLS / 8;
+// dQ phase: DQ_ROWS queries x DQ_COLS head-dim columns per warp
+constexpr int DQ_WARPS_D = NUM_WARPS / DQ_WARPS_M;
+constexpr int DQ_ROWS = BLOCK_M / DQ_WARPS_M;
+constexpr int DQ_COLS = HEAD_DIM / DQ_WARPS_D;
+constexpr int DQ_MT = DQ_ROWS / 16;
+constexpr int DQ_NT = DQ_COLS / 8;
+constexpr int KD = HEAD_DIM / 16;
+static_assert(S_WARPS_N * S_WARPS_M == NUM_WARPS && S_ROWS % 16 == 0 && S_COLS % 16 == 0,
+              "the scores phase splits BLOCK_N x BLOCK_M into warp tiles of whole 16 x 16 blocks");
+static_assert(KV_WARPS_N * KV_WARPS_D == NUM_WARPS && KV_ROWS % 16 == 0 && KV_COLS % 16 == 0,
+              "the dK / dV phase splits BLOCK_N x HEAD_DIM into warp tiles of whole 16 x 16 blocks");
+static_assert(!COMPUTE_DQ || (DQ_WARPS_M * DQ_WARPS_D == NUM_WARPS && DQ_ROWS % 16 == 0 && DQ_COLS % 16 == 0),
+              "the dQ phase splits BLOCK_M x HEAD_DIM into warp tiles of whole 16 x 16 blocks");
+static_assert(BLOCK_M % 16 == 0 && BLOCK_M <= 128, "BLOCK_M must be a multiple of 16, at most 128");
+
+constexpr u32 KV_TILE_BYTES = BLOCK_N * SMEM_ROW * 2;
+constexpr u32 Q_TILE_BYTES = BLOCK_M * SMEM_ROW * 2;
+// P^T and dS^T tiles: [key][query], BLOCK_M + 8 elements per row (the same bank-spreading pad as SMEM_ROW)
+constexpr int PT_ROW = BLOCK_M + 8;
+constexpr u32 PT_TILE_BYTES = BLOCK_N * PT_ROW * 2;
+// shared memory: K | V | Q[2] | dO[2] | lse_log2[2] | delta[2] | P^T | dS^T
+constexpr u32 OFF_K = 0;
+constexpr u32 OFF_V = OFF_K + KV_TILE_BYTES;
+constexpr u32 OFF_Q = OFF_V + KV_TILE_BYTES;
+constexpr u32 OFF_DO = OFF_Q + 2 * Q_TILE_BYTES;
+constexpr u32 OFF_LSE = OFF_DO + 2 * Q_TILE_BYTES;
+constexpr u32 OFF_DELTA = OFF_LSE + 2 * BLOCK_M * 4;
+constexpr u32 OFF_PT = OFF_DELTA + 2 * BLOCK_M * 4;
+constexpr u32 OFF_DST = OFF_PT + PT_TILE_BYTES;
+
+// acc (+)= A B over the k16 steps of one product: A (MT m16 tiles) from a row-major shared tile with
+// `a_row` elements per row (rows a_r0.., k columns), or transposed (a tile stored [k][m]); B (NT n8 tiles)
+// from a [k][n] head-dim tile (rows = k, read transposed by ldmatrix).
+template <int MT, int NT, int KSTEPS, bool A_TRANS>
+MHATTN_DEVICE void mma_smem_a_kn_b(float (&acc)[MT][NT][4], u32 s_a, int a_row, int a_r0, u32 s_b, int b_c0,
+                                   int lane) {
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    u32 a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      if (A_TRANS) {
+        load_a_frag_trans(a[mt], s_a, a_row, a_r0 + mt * 16, kk * 16, lane);
+      } else {
+        load_a_frag_rows(a[mt], s_a, a_row, a_r0 + mt * 16, kk * 16, lane);
+      }
+    }
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      u32 b[4];
+      load_b_frag_kn(b, s_b, kk * 16, b_c0 + np * 16, lane);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_16816(acc[mt][2 * np], a[mt], b[0], b[1]);
+        mma_16816(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// acc = A B^T over the head dim for the scores phase: A = this warp's key rows of K or V (from registers
+// when KV_IN_REGS), B = its query rows of Q or dO, both [row][head dim] tiles.
+MHATTN_DEVICE void scores_product(float (&acc)[S_MT][S_NT][4], u32 (*a_regs)[KD][4], u32 s_a, int a_r0,
+                                  u32 s_b, int b_r0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < S_MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < S_NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < KD; ++kk) {
+    u32 a[S_MT][4];
+#pragma unroll
+    for (int mt = 0; mt < S_MT; ++mt) {
+#if KV_IN_REGS
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[mt][r] = a_regs[mt][kk][r];
+#else
+      load_a_frag(a[mt], s_a, a_r0 + mt * 16, kk * 16, lane);
+#endif
+    }
+#pragma unroll
+    for (int np = 0; np < S_NT / 2; ++np) {
+      u32 b[4];
+      load_b_frag_nk(b, s_b, b_r0 + np * 16, kk * 16, lane);
+#pragma unroll
+      for (int mt = 0; mt < S_MT; ++mt) {
+        mma_16816(acc[mt][2 * np], a[mt], b[0], b[1]);
+        mma_16816(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
+    mhattn_bwd_dkdv_2d(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+                       const elem_t* __restrict__ d_o, const float* __restrict__ lse_log2,
+                       const float* __restrict__ delta, elem_t* __restrict__ dk, elem_t* __restrict__ dv,
+                       float* __restrict__ dq_accum,
+                       i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
+                       i64 do_sb, i64 do_sh, i64 do_sn, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb, i64 dv_sh,
+                       i64 dv_sn,
+                       int seqlen_q, int seqlen_q_pad, int seqlen_k, int heads_q, int group, int head_dim,
+                       float scale_log2, float scale, int diag_offset, int window_left, int window_right,
+                       const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
+                       u32 seed0, u32 seed1, u32 drop_threshold, float drop_scale) {
+  MHATTN_DYNAMIC_SMEM(smem);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const int n0 = blockIdx.x * BLOCK_N;
+  const int n_last = min_of(n0 + BLOCK_N, seqlen_k) - 1;
+  const u32 s_base = smem_u32(smem);
+  // this warp's block in each phase (keys / queries relative to n0 / m0)
+  const int s_row0 = (warp % S_WARPS_N) * S_ROWS, s_col0 = (warp / S_WARPS_N) * S_COLS;
+  const int kv_row0 = (warp % KV_WARPS_N) * KV_ROWS, kv_col0 = (warp / KV_WARPS_N) * KV_COLS;
+#if COMPUTE_DQ
+  const int dq_row0 = (warp % DQ_WARPS_M) * DQ_ROWS, dq_col0 = (warp / DQ_WARPS_M) * DQ_COLS;
+#endif
+
+  k += b * k_sb + hk * k_sh;
+  v += b * v_sb + hk * v_sh;
+  dk += b * dk_sb + hk * dk_sh;
+  dv += b * dv_sb + hk * dv_sh;
+
+  // Query rows that can see these keys (the same range for every query head of the group).
+  int i_lo = 0, i_hi = seqlen_q;
+#if HAS_BOUNDS
+  const Bounds bounds{diag_offset, window_left, window_right};
+  i_lo = (int)max_of((i64)0, (i64)n0 - diag_offset - window_right);
+  i_hi = (int)min_of((i64)seqlen_q, (i64)n_last - diag_offset + window_left + 1);
+#endif
+  const int mb_lo = i_lo / BLOCK_M;
+  const int n_mb = i_hi > i_lo ? (i_hi + BLOCK_M - 1) / BLOCK_M - mb_lo : 0;
+  const int total = group * n_mb;  // (query head, query block) pairs, walked in a fixed order
+
+#if HAS_EXTRAS
+  const bool use_dropout = drop_threshold != 0u;
+#endif
+
+  // Starts the loads of step `it` (its query head and block) into stage `stage`.
+  auto load_step = [&](int it, int stage) {
+    const int hq = hk * group + it / n_mb;
+    const int m0 = (mb_lo + it % n_mb) * BLOCK_M;
+    load_tile_async<BLOCK_M>(s_base + OFF_Q + stage * Q_TILE_BYTES, q + b * q_sb + hq * q_sh, q_sn, m0, seqlen_q,
+                             head_dim, tid);
+    load_tile_async<BLOCK_M>(s_base + OFF_DO + stage * Q_TILE_BYTES, d_o + b * do_sb + hq * do_sh, do_sn, m0,
+                             seqlen_q, head_dim, tid);
+    const i64 vec = ((i64)b * heads_q + hq) * seqlen_q_pad + m0;
+    load_vec_async<BLOCK_M>(s_base + OFF_LSE + stage * BLOCK_M * 4, lse_log2 + vec, tid);
+    load_vec_async<BLOCK_M>(s_base + OFF_DELTA + stage * BLOCK_M * 4, delta + vec, tid);
+  };
+
+  load_tile_async<BLOCK_N>(s_base + OFF_K, k, k_sn, n0, seqlen_k, head_dim, tid);
+  load_tile_async<BLOCK_N>(s_base + OFF_V, v, v_sn, n0, seqlen_k, head_dim, tid);
+  if (total > 0) load_step(0, 0);
+  cp_async_commit();
+
+  float acc_dk[KV_MT][KV_NT][4], acc_dv[KV_MT][KV_NT][4];
+#pragma unroll
+  for (int mt = 0; mt < KV_MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < KV_NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dk[mt][nt][e] = acc_dv[mt][nt][e] = 0.f;
+#if KV_IN_REGS
+  u32 k_frag[S_MT][KD][4], v_frag[S_MT][KD][4];
+#else
+  u32 (*k_frag)[KD][4] = nullptr;  // unused: K and V fragments come from shared memory
+  u32 (*v_frag)[KD][4] = nullptr;
+#endif
+
+  for (int it = 0; it < total; ++it) {
+    const int stage = it & 1;
+    cp_async_wait<0>();
+    block_sync();  // step `it` has landed; everyone is done with the other stage and with P^T / dS^T
+    if (it + 1 < total) load_step(it + 1, stage ^ 1);
+    cp_async_commit();
+#if KV_IN_REGS
+    if (it == 0) {
+#pragma unroll
+      for (int mt = 0; mt < S_MT; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+          load_a_frag(k_frag[mt][kk], s_base + OFF_K, s_row0 + mt * 16, kk * 16, lane);
+          load_a_frag(v_frag[mt][kk], s_base + OFF_V, s_row0 + mt * 16, kk * 16, lane);
+        }
+    }
+#endif
+
+    const int hq = hk * group + it / n_mb;
+    const int m0 = (mb_lo + it % n_mb) * BLOCK_M;
+    const u32 s_q = s_base + OFF_Q + stage * Q_TILE_BYTES;
+    const u32 s_do = s_base + OFF_DO + stage * Q_TILE_BYTES;
+    const float* s_lse = reinterpret_cast<const float*>(smem + OFF_LSE + stage * BLOCK_M * 4);
+    const float* s_delta = reinterpret_cast<const float*>(smem + OFF_DELTA + stage * BLOCK_M * 4);
+
+    // ---- scores phase ----
+    float st[S_MT][S_NT][4];
+    scores_product(st, k_frag, s_base + OFF_K, s_row0, s_q, s_col0, lane);
+
+    bool need_mask = false;
+#if HAS_BOUNDS
+    need_mask = !bounds.block_inside(m0, min_of(m0 + BLOCK_M, seqlen_q) - 1, n0, n_last);
+#endif
+#if HAS_EXTRAS
+    const BoolMask bmask{mask != nullptr ? mask + b * m_sb + hq * m_sh : nullptr, m_sq, m_sk};
+    need_mask = need_mask || bmask.ptr != nullptr;
+#endif
+    // P^T = 2^(S^T scale log2e - lse_log2); invisible pairs -> 0. Padded query rows carry lse_log2 = +inf.
+    const int first_col = m0 + s_col0 + 2 * t;  // this lane's first query column
+#pragma unroll
+    for (int mt = 0; mt < S_MT; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int j = n0 + s_row0 + mt * 16 + g + 8 * hr;
+        // queries [lo, hi] that see key j, relative to first_col
+        const int lo = (HAS_BOUNDS ? max_of(0, j - diag_offset - window_right) : 0) - first_col;
+        const int hi = (HAS_BOUNDS ? min_of(seqlen_q - 1, j - diag_offset + window_left) : seqlen_q - 1) - first_col;
+#pragma unroll
+        for (int nt = 0; nt < S_NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int cc = nt * 8 + e;  // column relative to first_col
+            float x = st[mt][nt][2 * hr + e] * scale_log2;
+            if (need_mask) {
+              bool ok = cc >= lo && cc <= hi;
+#if HAS_EXTRAS
+              if (bmask.ptr != nullptr) ok = ok && j < seqlen_k && bmask.allows(first_col + cc, j);
+#endif
+              if (!ok) x = -MHATTN_INF;
+            }
+            st[mt][nt][2 * hr + e] = fast_exp2(x - s_lse[s_col0 + 2 * t + cc]);
+          }
+      }
+
+    float dpt[S_MT][S_NT][4];
+    scores_product(dpt, v_frag, s_base + OFF_V, s_row0, s_do, s_col0, lane);
+
+    // dS^T = P^T (dP^T keep / (1 - p) - delta); P^T (dropped) and dS^T to shared memory.
+#if HAS_EXTRAS
+    DropoutRng rng;
+    if (use_dropout) rng.init((u32)(b * heads_q + hq), seed0, seed1, drop_threshold);
+#endif
+    unsigned char* s_pt = smem + OFF_PT;
+    unsigned char* s_dst = smem + OFF_DST;
+#pragma unroll
+    for (int mt = 0; mt < S_MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < S_NT; ++nt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int row = s_row0 + mt * 16 + g + 8 * hr;  // key, relative to n0
+          const int col = s_col0 + nt * 8 + 2 * t;        // query, relative to m0
+          float p_kept[2], ds[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = st[mt][nt][2 * hr + e];
+            float dp = dpt[mt][nt][2 * hr + e];
+            p_kept[e] = p;
+#if HAS_EXTRAS
+            if (use_dropout) {
+              const bool keep = rng.keep(rng.row_key(m0 + col + e), n0 + row);
+              dp = keep ? dp * drop_scale : 0.f;
+              p_kept[e] = keep ? p * drop_scale : 0.f;
+            }
+#endif
+            ds[e] = p * (dp - s_delta[col + e]);
+          }
+          *reinterpret_cast<u32*>(s_pt + (row * PT_ROW + col) * 2) = pack2(p_kept[0], p_kept[1]);
+          *reinterpret_cast<u32*>(s_dst + (row * PT_ROW + col) * 2) = pack2(ds[0], ds[1]);
+        }
+    block_sync();  // P^T and dS^T complete
+
+    // ---- dK / dV phase: dV += P^T dO, dK += dS^T Q ----
+    mma_smem_a_kn_b<KV_MT, KV_NT, BLOCK_M / 16, false>(acc_dv, s_base + OFF_PT, PT_ROW, kv_row0, s_do, kv_col0, lane);
+    mma_smem_a_kn_b<KV_MT, KV_NT, BLOCK_M / 16, false>(acc_dk, s_base + OFF_DST, PT_ROW, kv_row0, s_q, kv_col0, lane);
+
+#if COMPUTE_DQ
+    // ---- dQ phase: dQ_partial = scale dS K (dS read transposed from the dS^T tile) ----
+    {
+      float acc[DQ_MT][DQ_NT][4];
+#pragma unroll
+      for (int mt = 0; mt < DQ_MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < DQ_NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+      mma_smem_a_kn_b<DQ_MT, DQ_NT, BLOCK_N / 16, true>(acc, s_base + OFF_DST, PT_ROW, dq_row0, s_base + OFF_K,
+                                                        dq_col0, lane);
+      float* dq_rows = dq_accum + (((i64)b * heads_q + hq) * seqlen_q) * head_dim;
+#pragma unroll
+      for (int mt = 0; mt < DQ_MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int row = m0 + dq_row0 + mt * 16 + g + 8 * hr;
+          if (row < seqlen_q) {
+#pragma unroll
+            for (int nt = 0; nt < DQ_NT; ++nt) {
+              const int c = dq_col0 + nt * 8 + 2 * t;
+              if (c < head_dim)  // c even, head_dim a multiple of 8: both columns exist, 8-byte aligned
+                atomic_add2_f32(dq_rows + (i64)row * head_dim + c, acc[mt][nt][2 * hr] * scale,
+                                acc[mt][nt][2 * hr + 1] * scale);
+            }
+          }
+        }
+    }
+#endif
+  }
+
+  // Stage through shared memory (over K and V, each warp its own block) for 16-byte stores.
+  cp_async_wait<0>();
+  block_sync();
+#pragma unroll
+  for (int mt = 0; mt < KV_MT; ++mt) {
+    acc_to_smem<KV_NT>(smem + OFF_K, acc_dk[mt], kv_row0 + mt * 16, scale, lane, kv_col0);
+    acc_to_smem<KV_NT>(smem + OFF_V, acc_dv[mt], kv_row0 + mt * 16, 1.f, lane, kv_col0);
+  }
+  block_sync();
+  store_tile<BLOCK_N>(dk, dk_sn, smem + OFF_K, n0, seqlen_k, head_dim, tid);
+  store_tile<BLOCK_N>(dv, dv_sn, smem + OFF_V, n0, seqlen_k, head_dim, tid);
+}
