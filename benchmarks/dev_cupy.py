@@ -43,7 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # level's; the masked levels use FWD_TILES_BOUNDED).
 FWD_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs
     64: [(128, 64, 4, True), (128, 128, 4, False), (128, 32, 4, True), (128, 128, 8, True)],
-    128: [(128, 64, 4, False), (128, 32, 4, False), (128, 64, 8, True), (128, 128, 8, False)],
+    128: [(128, 32, 4, False), (128, 64, 4, False), (128, 64, 8, True), (128, 128, 8, False)],
 }
 # dK/dV: 5 fields = the one-dimensional kernel (block_n, block_m, num_warps, kv_in_regs, split; 32 keys per warp
 # where block_n = 32 warps); 7 fields = the two-dimensional kernel (block_n, block_m, num_warps, s_warps_n,
@@ -51,8 +51,12 @@ FWD_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs
 DKDV_CANDIDATES = {
     64: [(128, 32, 4, False, False), (128, 64, 8, 4, 4, 2, False), (128, 64, 8, 4, 4, 2, True),
          (128, 128, 8, 4, 4, 2, False), (64, 64, 4, 2, 2, 2, False), (128, 64, 8, 4, 8, 2, False)],
-    128: [(128, 64, 8, False, False), (128, 64, 8, 4, 4, 2, False), (128, 64, 8, 4, 4, 4, False),
-          (128, 64, 8, 2, 4, 2, False), (64, 64, 8, 2, 2, 2, False), (128, 32, 8, 8, 4, 2, False)],
+    128: [(128, 64, 8, 4, 4, 2, False), (128, 64, 8, False, False), (128, 64, 8, 4, 4, 4, False),
+          (128, 64, 8, 2, 4, 2, False), (128, 32, 8, 8, 4, 2, False)],
+    96: [(64, 32, 4, False, False), (128, 64, 8, 4, 4, 4, False)],
+    192: [(64, 32, 4, False, True), (64, 32, 8, 4, 4, 2, False), (64, 64, 8, 2, 4, 4, False)],
+    256: [(64, 32, 4, False, True), (64, 64, 8, 2, 4, 2, False), (64, 32, 8, 4, 4, 2, False),
+          (64, 64, 8, 4, 4, 4, False)],
 }
 DQ_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs (32 query rows per warp where block_m = 32 warps)
     64: [(128, 32, 4, True), (64, 32, 4, True), (64, 64, 4, True), (128, 64, 4, False), (128, 64, 8, True)],
@@ -251,10 +255,10 @@ def section_sweep(args, cc):
 
     kinds = [k for k in cands if k in args.sweep_kinds]
     todo = []  # compile every candidate first, in parallel
-    for d in (64, 128):
+    for d in args.sweep_dims:
         for level in ("plain", "bounds"):
             for kind in kinds:
-                for c in cands[kind][d]:
+                for c in cands[kind].get(d, []):
                     t = makers[kind](*c)
                     if not usable(kind, d, t):
                         continue
@@ -268,14 +272,14 @@ def section_sweep(args, cc):
     precompile(todo, cc)
 
     det, fast = Ours(True), Ours(False)
-    for d in (64, 128):
+    for d in args.sweep_dims:
         q, k, v, do = protocol_inputs(SWEEP_N, d)
         problems = [(causal, params_for(d, causal), fwd_flops(q, causal)) for causal in (False, True)]
         fwd_ms = {causal: bench(det.fwd(q, k, v, params)) for causal, params, _ in problems}
         for kind in kinds:
             engine = fast if kind == "dkdv-fast" else det
             results, per_problem = [], {False: [], True: []}
-            for c in cands[kind][d]:
+            for c in cands[kind].get(d, []):
                 t = makers[kind](*c)
                 if not usable(kind, d, t):
                     continue
@@ -325,7 +329,7 @@ def section_sweep(args, cc):
     tables["fwd_bounded"] = variants.FWD_TILES_BOUNDED
     for kind, env_name in (("fwd", "fwd"), ("fwd_bounded", "fwd_bounded"), ("dkdv", "dkdv"), ("dq", "dq"),
                            ("dkdv-fast", "dkdv_atomic")):
-        for d in (64, 128):
+        for d in args.sweep_dims:
             if d not in tables[kind]:
                 continue
             log(f"  {kind:11s} d{d}: {tables[kind][d]}")
@@ -436,8 +440,10 @@ def main(argv=None):
     parser.add_argument("--table-repeats", type=int, default=2, help="time the table this many times (noise)")
     parser.add_argument("--sweep-kinds", default="fwd,dkdv,dq,dkdv-fast",
                         help="which kernels the sweep tunes (comma-separated: fwd, dkdv, dq, dkdv-fast)")
+    parser.add_argument("--sweep-dims", default="64,128", help="head dims the sweep tunes (comma-separated)")
     args = parser.parse_args(argv)
     args.sweep_kinds = [k.strip() for k in args.sweep_kinds.split(",") if k.strip()]
+    args.sweep_dims = [int(d) for d in args.sweep_dims.split(",") if d.strip()]
     start = time.time()
     args.deadline = start + args.budget
     if args.out:

@@ -355,8 +355,8 @@ for _dtype in (torch.float16, torch.bfloat16):
         dict(name="strided", dtype=_dtype, shape=(2, 4, 4, 257, 257, 64), strided=True, causal="top_left"),
         dict(name="dropout", dtype=_dtype, shape=(2, 3, 3, 128, 217, 64), dropout_p=0.17),
         dict(name="grad_lse", dtype=_dtype, shape=(1, 2, 2, 200, 200, 128), grad_lse=True),
-        dict(name="fast_backward", dtype=_dtype, shape=(2, 4, 2, 300, 333, 128), causal="top_left",
-             deterministic=False),
+        dict(name="gqa_causal_d128", dtype=_dtype, shape=(2, 4, 2, 300, 333, 128), causal="top_left"),
+        dict(name="d256_causal", dtype=_dtype, shape=(1, 2, 1, 300, 333, 256), causal="bottom_right"),
         dict(name="one_row", dtype=_dtype, shape=(1, 2, 2, 1, 513, 64)),
         dict(name="overflow_scale", dtype=_dtype, shape=(1, 2, 2, 128, 128, 64), overflow=True),
     ]
@@ -364,8 +364,9 @@ for _dtype in (torch.float16, torch.bfloat16):
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fast"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"{c['name']}-{str(c['dtype'])[6:]}")
-def test_gpu_matches_reference(gpu_backend, poisoned, case):
+def test_gpu_matches_reference(gpu_backend, poisoned, case, deterministic):
     batch, hq, hkv, nq, nk, d = case["shape"]
     q, k, v, grad_out = _inputs(batch, hq, hkv, nq, nk, d, case["dtype"], "cuda", strided=case.get("strided", False))
     if case.get("overflow"):
@@ -381,7 +382,7 @@ def test_gpu_matches_reference(gpu_backend, poisoned, case):
     params = _params(nq, nk, d, causal=case.get("causal"), window=case.get("window"), mask=mask,
                      dropout_p=case.get("dropout_p", 0.0), seed=(2024, 77))
     grad_lse = torch.randn(batch, hq, nq, device="cuda") if case.get("grad_lse") else None
-    gpu_backend.deterministic = case.get("deterministic", True)
+    gpu_backend.deterministic = deterministic
     try:
         failures = _check(gpu_backend, q, k, v, grad_out, params, grad_lse)
     finally:
@@ -409,14 +410,30 @@ def test_gpu_dropout_keep_mask_is_the_shared_rng(gpu_backend, dtype):
 
 @gpu
 @needs_gpu
-def test_gpu_backward_is_deterministic(gpu_backend):
-    q, k, v, grad_out = _inputs(2, 4, 2, 1000, 1000, 128, torch.bfloat16, "cuda")
-    params = _params(1000, 1000, 128, causal="top_left")
-    out, lse = gpu_backend.forward(q, k, v, params)
-    first = gpu_backend.backward(grad_out, q, k, v, out, lse, params)[:3]
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_backward_is_deterministic(d, monkeypatch):
+    # asked for through torch, as users do; the default backward (atomic dQ) need not be reproducible
+    backend = CupyBackend()
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    q, k, v, grad_out = _inputs(2, 4, 2, 1000, 1000, d, torch.bfloat16, "cuda")
+    params = _params(1000, 1000, d, causal="top_left")
+    out, lse = backend.forward(q, k, v, params)
+    first = backend.backward(grad_out, q, k, v, out, lse, params)[:3]
     for _ in range(50):
-        again = gpu_backend.backward(grad_out, q, k, v, out, lse, params)[:3]
+        again = backend.backward(grad_out, q, k, v, out, lse, params)[:3]
         assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_backward_is_fast_unless_determinism_is_asked_for(monkeypatch):
+    monkeypatch.delenv("MHATTN_CUPY_FAST_BACKWARD", raising=False)
+    assert CupyBackend()._deterministic() is False
+    assert CupyBackend(deterministic=True)._deterministic() is True
+    monkeypatch.setenv("MHATTN_CUPY_FAST_BACKWARD", "0")
+    assert CupyBackend()._deterministic() is True
+    assert CupyBackend(deterministic=False)._deterministic() is False
+    monkeypatch.setenv("MHATTN_CUPY_FAST_BACKWARD", "1")
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert CupyBackend()._deterministic() is True
 
 
 @gpu

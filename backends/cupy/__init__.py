@@ -21,7 +21,9 @@ from mhattn.backends.cupy import ops, variants
 
 __all__ = ["CupyBackend"]
 
-# Set to 1 to form dQ with float32 atomics (faster backward, not bitwise reproducible).
+# The backward forms dQ with float32 atomics by default (as FlashAttention-2 and SDPA's flash backend do:
+# fastest, not bitwise reproducible). Set to 0 for the deterministic backward (dQ from its own kernel), which
+# torch.use_deterministic_algorithms(True) and CupyBackend(deterministic=True) also select.
 FAST_BACKWARD_ENV = "MHATTN_CUPY_FAST_BACKWARD"
 
 
@@ -57,8 +59,10 @@ class CupyBackend(Backend):
     def __init__(self, launcher=None, compute_capability=None, deterministic=None):
         # launcher: an object with launch(variant, grid, args, device, cc); default: CuPy on torch's stream.
         # compute_capability: fixed (major, minor) instead of the device's (the host-side emulator uses it).
-        # deterministic: None = bitwise-reproducible backward unless MHATTN_CUPY_FAST_BACKWARD=1; False = dQ
-        # through float32 atomics in the dK/dV kernel (faster, summation order varies between runs).
+        # deterministic: True = bitwise-reproducible backward (dQ from its own kernel); False = dQ through float32
+        # atomics in the dK/dV kernel (faster, summation order varies between runs); None = False unless
+        # torch.use_deterministic_algorithms(True) is on or MHATTN_CUPY_FAST_BACKWARD=0. Head dims whose tiles
+        # cannot form dQ in the dK/dV kernel (the 96 and 192 buckets) always run the deterministic kernels.
         self._launcher = launcher
         self.deterministic = deterministic
         self._fixed_cc = None if compute_capability is None else tuple(compute_capability)
@@ -107,7 +111,7 @@ class CupyBackend(Backend):
             return bool(self.deterministic)
         if torch.are_deterministic_algorithms_enabled():
             return True
-        return os.environ.get(FAST_BACKWARD_ENV, "0").strip().lower() in ("", "0", "false", "no")
+        return os.environ.get(FAST_BACKWARD_ENV, "1").strip().lower() in ("0", "false", "no", "off")
 
     def backward(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
         return ops.backward(self.launcher, self._cc(q.device), grad_out, q, k, v, out, lse, params, grad_lse,

@@ -89,7 +89,7 @@ FWD_TILES = {
     32: FwdTiles(128, 64, 4, True),
     64: FwdTiles(128, 64, 4, True),
     96: FwdTiles(128, 64, 4, False),
-    128: FwdTiles(128, 64, 4, False),
+    128: FwdTiles(128, 32, 4, False),
     192: FwdTiles(64, 32, 4, False),
     256: FwdTiles(64, 32, 4, False),
 }
@@ -103,6 +103,9 @@ DKDV_TILES = {
 }
 # Where an entry is a Dkdv2dTiles that does not fit a GPU's shared memory, this one-dimensional one is used.
 DKDV_FALLBACK_TILES = dict(DKDV_TILES)
+# At d=128 the two-dimensional kernel wins (H100 sweep, NOTES.md); at d=64 the one-dimensional one with 32
+# keys per warp reads as little shared memory without the P^T / dS^T round trip, and stays.
+DKDV_TILES[128] = Dkdv2dTiles(128, 64, 8, 4, 4, 2, False)
 # Forward tiles for the levels with masking ("bounds", "full") where they differ from FWD_TILES: the causal
 # masking code needs registers, and at d=128 a narrower key block avoids spilling them.
 FWD_TILES_BOUNDED = {
@@ -110,10 +113,6 @@ FWD_TILES_BOUNDED = {
 }
 # The dK/dV kernel of the fast backward (dQ formed in it with atomics, mode 3) has its own table.
 DKDV_ATOMIC_TILES = dict(DKDV_TILES)
-DKDV_ATOMIC_TILES.update({
-    64: Dkdv2dTiles(128, 64, 8, 4, 4, 2, False),
-    128: Dkdv2dTiles(128, 64, 8, 4, 4, 2, False),
-})
 DQ_TILES = {
     32: DqTiles(64, 64, 4, True),
     64: DqTiles(128, 32, 4, True),

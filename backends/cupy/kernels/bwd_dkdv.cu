@@ -396,14 +396,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
         for (int nt = 0; nt < 4; ++nt) {
           const int c = c0 + nt * 8 + 2 * t;
           if (c < head_dim) {
-            if (row_a < seqlen_q) {
-              atomic_add_f32(dq_rows + (i64)row_a * head_dim + c, acc[nt][0] * scale);
-              atomic_add_f32(dq_rows + (i64)row_a * head_dim + c + 1, acc[nt][1] * scale);
-            }
-            if (row_b < seqlen_q) {
-              atomic_add_f32(dq_rows + (i64)row_b * head_dim + c, acc[nt][2] * scale);
-              atomic_add_f32(dq_rows + (i64)row_b * head_dim + c + 1, acc[nt][3] * scale);
-            }
+            // c even, head_dim a multiple of 8: both columns exist and are 8-byte aligned
+            if (row_a < seqlen_q) atomic_add2_f32(dq_rows + (i64)row_a * head_dim + c, acc[nt][0] * scale, acc[nt][1] * scale);
+            if (row_b < seqlen_q) atomic_add2_f32(dq_rows + (i64)row_b * head_dim + c, acc[nt][2] * scale, acc[nt][3] * scale);
           }
         }
       }
