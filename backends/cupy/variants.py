@@ -103,9 +103,14 @@ DKDV_TILES = {
 }
 # Where an entry is a Dkdv2dTiles that does not fit a GPU's shared memory, this one-dimensional one is used.
 DKDV_FALLBACK_TILES = dict(DKDV_TILES)
-# At d=128 the two-dimensional kernel wins (H100 sweep, NOTES.md); at d=64 the one-dimensional one with 32
-# keys per warp reads as little shared memory without the P^T / dS^T round trip, and stays.
-DKDV_TILES[128] = Dkdv2dTiles(128, 64, 8, 4, 4, 2, False)
+# From d=96 up the two-dimensional kernel wins (H100 sweeps, NOTES.md); at d=64 the one-dimensional one with
+# 32 keys per warp reads as little shared memory without the P^T / dS^T round trip, and stays.
+DKDV_TILES.update({
+    96: Dkdv2dTiles(128, 64, 8, 4, 4, 4, False),
+    128: Dkdv2dTiles(128, 64, 8, 4, 4, 2, False),
+    192: Dkdv2dTiles(64, 64, 8, 2, 4, 4, False),
+    256: Dkdv2dTiles(64, 64, 8, 2, 4, 2, False),
+})
 # Forward tiles for the levels with masking ("bounds", "full") where they differ from FWD_TILES: the causal
 # masking code needs registers, and at d=128 a narrower key block avoids spilling them.
 FWD_TILES_BOUNDED = {
