@@ -7,16 +7,20 @@
 #   QUICK=1 bash benchmarks/gpu_check.sh                          # bench --quick, module at 1k only
 #   SKIP_TESTS=1 SKIP_CONFORMANCE=1 bash benchmarks/gpu_check.sh  # the benchmarks only
 #   BENCH_ARGS="--dtype bf16,fp16" bash benchmarks/gpu_check.sh   # extra arguments for mhattn bench
+#   FULL_CONFORMANCE=1 SKIP_TESTS=1 SKIP_BENCH=1 SKIP_PYTEST_BENCH=1 bash benchmarks/gpu_check.sh
+#                                                  # conformance --full --jobs auto alone, with its reports
 #
 # The bench gets the time the earlier stages leave (it stops starting tasks at its time limit and still
 # reports, plots and saves what ran): for the complete sweep in one call, run the benchmarks alone.
 #
 # Environment: OUT (default /tmp/mhattn_gpu_check), QUICK, SKIP_TESTS, SKIP_CONFORMANCE, SKIP_BENCH,
-# SKIP_PYTEST_BENCH, TOTAL_S (budget of the whole script, default 560), TESTS_S (default 180),
-# CONFORMANCE_S (default 150), TASK_TIMEOUT_S (one bench task, default 150), MODULE_SEQLEN (default 1k,4k;
-# 1k with QUICK), BENCH_ARGS.
+# SKIP_PYTEST_BENCH, FULL_CONFORMANCE (1: conformance --full --jobs auto instead of --quick), TOTAL_S
+# (budget of the whole script, default 560), TESTS_S (default 180), CONFORMANCE_S (the --quick run, default
+# 150), FULL_CONFORMANCE_S (the --full run, default 480), TASK_TIMEOUT_S (one bench task, default 150),
+# MODULE_SEQLEN (default 1k,4k; 1k with QUICK), BENCH_ARGS.
 # Files in $OUT (the device tool returns at most 8): checks.log, bench.txt, bench.log, bench.json,
-# bench.md, attention_bf16.png, memory_module.png.
+# bench.md, attention_bf16.png, memory_module.png; with FULL_CONFORMANCE=1 also conformance_full.md and
+# conformance_full.json.
 
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -29,6 +33,8 @@ source benchmarks/device_env.sh > "$OUT/checks.log" 2>&1
 TOTAL_S="${TOTAL_S:-560}"
 TESTS_S="${TESTS_S:-180}"
 CONFORMANCE_S="${CONFORMANCE_S:-150}"
+FULL_CONFORMANCE_S="${FULL_CONFORMANCE_S:-480}"
+FULL_CONFORMANCE="${FULL_CONFORMANCE:-0}"
 QUICK="${QUICK:-0}"
 CHECKS="$OUT/checks.log"
 
@@ -57,15 +63,33 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 
 if [ "${SKIP_CONFORMANCE:-0}" != 1 ]; then
-  stage "conformance: mhattn conformance --quick"
-  if python3 -c "import mhattn.conformance.cli" 2>/dev/null; then
+  if [ "$FULL_CONFORMANCE" = 1 ]; then
+    stage "conformance: mhattn conformance --full --jobs auto"
+    budget_name=FULL_CONFORMANCE_S
+    limit=$(budget "$FULL_CONFORMANCE_S" "$([ "${SKIP_BENCH:-0}" = 1 ] && echo 20 || echo 200)")
+    least=60
+    # cases stop starting 30 s before the stage's end, so the table and the reports still get written
+    args=(--full --jobs auto --time-limit $((limit - 30)) --report "$OUT/conformance_full.md"
+          --report "$OUT/conformance_full.json")
+  else
+    stage "conformance: mhattn conformance --quick"
+    budget_name=CONFORMANCE_S
     limit=$(budget "$CONFORMANCE_S" 200)
-    if [ "$limit" -gt 20 ]; then
-      timeout -k 10 "$limit" python3 -m mhattn.cli conformance --quick --no-progress > "$OUT/conformance.tmp" 2>&1
+    least=20
+    args=(--quick)
+  fi
+  if python3 -c "import mhattn.conformance.cli" 2>/dev/null; then
+    if [ "$limit" -gt "$least" ]; then
+      timeout -k 10 "$limit" python3 -m mhattn.cli conformance "${args[@]}" --no-progress > "$OUT/conformance.tmp" 2>&1
       rc=$?
       cat "$OUT/conformance.tmp" >> "$CHECKS"
-      [ "$rc" = 124 ] && echo "conformance stopped after ${limit} s (CONFORMANCE_S)"
-      tail -n 30 "$OUT/conformance.tmp"
+      [ "$rc" = 124 ] && echo "conformance stopped after ${limit} s ($budget_name)"
+      if [ "$FULL_CONFORMANCE" = 1 ] && grep -q "^feature " "$OUT/conformance.tmp"; then
+        echo "mhattn conformance exit code $rc; reports in conformance_full.md and conformance_full.json"
+        sed -n '/^feature /,$p' "$OUT/conformance.tmp"  # the table, its footnotes and the verdict
+      else
+        tail -n 30 "$OUT/conformance.tmp"
+      fi
       rm -f "$OUT/conformance.tmp"
     else
       echo "skipped: no time left"

@@ -3,8 +3,8 @@
 CPU: the reference passes every quick case; deliberately broken backends (wrong scale, an unwritten
 output, a wrong dk sign, dropout that ignores its own mask, lse not -inf on empty rows, a wrong mask
 gradient, a non-deterministic backward) are each caught by the check meant for them; the table, the
-reports, the reproduce command and the isolated workers work. GPU: every backend that declares CUDA
-passes the quick cases.
+reports, the reproduce command and the isolated workers work, one at a time and several at once (--jobs).
+GPU: every backend that declares CUDA passes the quick cases.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ import torch
 import mhattn
 from mhattn.cli import main as mhattn_main
 from mhattn.conformance import cases as cases_module
+from mhattn.conformance import pool as pool_module
 from mhattn.conformance.cases import COLUMNS, Case, full_cases, parse_spec, quick_cases
 from mhattn.conformance.poison import poisoned_allocations
-from mhattn.conformance.report import Report, render_markdown, render_text, to_json
-from mhattn.conformance.runner import FAIL, NOT_RUN, PASS, UNSUPPORTED, run_case
+from mhattn.conformance.pool import auto_jobs, case_cost, run_parallel
+from mhattn.conformance.report import Report, merge_reports, read_json_report, render_markdown, render_text, to_json
+from mhattn.conformance.runner import FAIL, NOT_RUN, PASS, UNSUPPORTED, CaseResult, run_case
 from mhattn.conformance.suite import make_plan, run_in_process, run_isolated
 from mhattn.reference.backend import ReferenceBackend
 
@@ -138,6 +140,38 @@ class MisbehavesInWorker(ReferenceBackend):
             if q.shape[-1] == 64:
                 time.sleep(120)
         return super().forward(q, k, v, params)
+
+
+class MeetsAnotherWorker(ReferenceBackend):
+    """Correct, and leaves a file named after its process id in $MHATTN_TEST_PID_DIR. Inside a worker
+    process it goes on only once another process has left one too (it gives up with an error after
+    30 s): it passes in workers only when two of them run at once."""
+
+    name = "test-meets-another-worker"
+
+    def forward(self, q, k, v, params):
+        folder = os.environ["MHATTN_TEST_PID_DIR"]
+        open(os.path.join(folder, str(os.getpid())), "w").close()
+        if str(os.getpid()) != os.environ.get("MHATTN_TEST_PARENT_PID"):
+            give_up = time.monotonic() + 30
+            while len(os.listdir(folder)) < 2:
+                if time.monotonic() > give_up:
+                    raise RuntimeError("no other worker ran a case at the same time")
+                time.sleep(0.05)
+        return super().forward(q, k, v, params)
+
+
+class CountingProgress:
+    """Stands in for the progress bar: counts the results it is given."""
+
+    def __init__(self):
+        self.done = 0
+
+    def start(self, label):
+        pass
+
+    def finish_case(self, result):
+        self.done += 1
 
 
 @contextlib.contextmanager
@@ -374,6 +408,62 @@ def test_time_limit_leaves_the_remaining_cases_not_run():
     assert "INCOMPLETE" in text and "+1 not run" in text and "3 not run (time limit)" in text
 
 
+def test_parallel_workers_survive_a_crash_and_a_hang(monkeypatch):
+    monkeypatch.setenv("MHATTN_TEST_PARENT_PID", str(os.getpid()))
+    backend = MisbehavesInWorker()
+    with registered(backend):
+        cases = cpu_quick(backend, ["fp32"], ["basic", "causal", "gqa"])
+        assert [c.head_dim for c in cases] == [59, 64, 32, 32, 32, 59]  # crash, hang, pass x3, crash
+        results = run_parallel(cases, jobs=2, case_timeout=3.0)
+    assert [r.case for r in results] == cases
+    assert [r.status for r in results] == [FAIL, FAIL, PASS, PASS, PASS, FAIL], [r.summary() for r in results]
+    for r in (results[0], results[5]):
+        assert "died while running this case (exit status 7)" in r.error
+    assert "timed out" in results[1].error and results[1].seconds >= 3.0
+
+
+def test_parallel_workers_that_cannot_start_fail_every_case_once(monkeypatch):
+    from mhattn.conformance import suite
+
+    # every worker exits at once, before its first message (as a broken install would)
+    monkeypatch.setattr(suite, "_WORKER_BOOT", "import sys; print('no module named mhattn'); sys.exit(5)")
+    cases = cpu_quick(REFERENCE, ["fp32"], ["basic", "causal", "gqa"])
+    progress = CountingProgress()
+    results = run_parallel(cases, jobs=2, progress=progress)
+    assert [r.case for r in results] == cases and [r.status for r in results] == [FAIL] * len(cases)
+    assert progress.done == len(cases)  # each case settled once
+    for r in results:
+        assert "stopped before running any case (exit status 5)" in r.error and "no module named mhattn" in r.error
+
+
+def test_parallel_time_limit_stops_handing_out_cases(monkeypatch):
+    cases = cpu_quick(REFERENCE, ["fp32"], ["basic", "causal", "gqa"])
+    counter = CountingProgress()
+    # The parent's clock says the limit is reached once two cases are done (the workers' own check reads
+    # the real clock, with the limit an hour away): the cases already handed out finish, no other starts.
+    monkeypatch.setattr(pool_module, "past", lambda deadline: counter.done >= 2)
+    results = run_parallel(cases, jobs=2, progress=counter, deadline=time.time() + 3600)
+    statuses = [r.status for r in results]
+    assert [r.case for r in results] == cases and counter.done == len(cases)
+    assert set(statuses) == {PASS, NOT_RUN}, statuses
+    assert 2 <= statuses.count(PASS) <= 4  # the two done, and at most one more handed to each worker
+    assert all("time limit" in r.summary() for r in results if r.status == NOT_RUN)
+    # the costliest cases were handed out first
+    passed = sorted(case_cost(r.case) for r in results if r.status == PASS)
+    assert min(passed) >= max(case_cost(r.case) for r in results if r.status == NOT_RUN)
+    # past the limit before the start: no worker starts, nothing runs
+    assert [r.status for r in run_parallel(cases, jobs=2, deadline=time.time() - 1)] == [NOT_RUN] * len(cases)
+
+
+def test_auto_jobs_follow_the_cores(monkeypatch):
+    expected = {  # cores: (on a GPU, on the CPU)
+        None: (1, 1), 1: (1, 1), 2: (1, 1), 3: (1, 1), 4: (2, 2), 6: (3, 3), 10: (5, 4), 16: (8, 4), 64: (8, 4),
+    }
+    for cores, (cuda, cpu) in expected.items():
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        assert (auto_jobs("cuda"), auto_jobs("cpu")) == (cuda, cpu), cores
+
+
 def test_in_process_run_matches_cases():
     cases = cpu_quick(REFERENCE, ["fp32"], ["causal", "gqa"])
     results = run_in_process(cases)
@@ -429,6 +519,82 @@ def test_cli_time_limit_and_merge(tmp_path):
     status, out, _ = run_cli("--merge", *parts, "--report", str(merged))
     assert status == 0 and "reference fp16" in out and "reference fp32" in out
     assert len(json.loads(merged.read_text())["results"]) == 4
+
+
+def test_cli_jobs_give_the_same_statuses_as_one_at_a_time(tmp_path, monkeypatch):
+    class Local(ReferenceBackend):  # defined in a function: workers cannot make it, the parent runs it
+        name = "test-local-jobs"
+
+    monkeypatch.setenv("MHATTN_TEST_PARENT_PID", str(os.getpid()))
+    backends = [NoDropout(), WrongScale(), MeetsAnotherWorker(), Local()]
+    statuses = {}
+    with registered(*backends):
+        for jobs in ("1", "2"):
+            (tmp_path / jobs).mkdir()
+            monkeypatch.setenv("MHATTN_TEST_PID_DIR", str(tmp_path / jobs))
+            path = tmp_path / f"jobs{jobs}.json"
+            status, out, _ = run_cli("--backend", ",".join(b.name for b in backends), "--dtype", "fp32",
+                                     "--feature", "basic,causal,dropout", "--no-progress", "--jobs", jobs,
+                                     "--report", str(path))
+            assert status == 1, out  # WrongScale fails
+            assert f", {jobs} job" in next(line for line in out.splitlines() if line.startswith("FAILED: "))
+            data = json.loads(path.read_text())
+            assert data["jobs"] == int(jobs)
+            statuses[jobs] = [(r["backend"], r["case"], r["status"]) for r in data["results"]]
+    one, two = statuses["1"], statuses["2"]
+    assert len(one) == 4 * 5 and one == two
+    assert {s for _, _, s in one} == {PASS, FAIL, UNSUPPORTED}
+    # --jobs 1 ran every case in this process; --jobs 2 in workers, two at once (else MeetsAnotherWorker fails)
+    assert os.listdir(tmp_path / "1") == [str(os.getpid())]
+    assert len(os.listdir(tmp_path / "2")) >= 2 and str(os.getpid()) not in os.listdir(tmp_path / "2")
+
+
+def test_cli_time_limit_with_jobs():
+    status, out, _ = run_cli("--backend", "reference", "--no-progress", "--jobs", "2", "--time-limit", "0")
+    assert status == 3 and "INCOMPLETE" in out and "0 passed" in out and "2 jobs" in out
+
+
+def test_cli_jobs_errors_name_the_argument():
+    for bad in ("x", "0", "-3", "1.5"):
+        status, _, err = run_cli("--backend", "reference", "--jobs", bad)
+        assert status == 2 and f"--jobs: expected a positive integer or 'auto', got '{bad}'" in err
+
+
+def test_report_shows_wall_time_jobs_and_the_slowest_cases(tmp_path):
+    cases = cpu_quick(REFERENCE, ["fp16"], ["basic", "causal", "gqa", "window"])
+    seconds = [0.5, 3.0, 0.25, 7.0, 1.5, 0.75, 2.0]
+    results = [CaseResult(c, PASS, seconds=t) for c, t in zip(cases, seconds)]
+    report = Report("quick", "cpu", {"device": "test"}, results=results, seconds=42.0, jobs=3)
+    slowest = sorted(results, key=lambda r: -r.seconds)[:5]
+    text = render_text(report)
+    assert "(quick, cpu, 42 s wall time, 3 jobs)" in text.splitlines()[-1]
+    block = text.split("slowest cases", 1)[1].split("\n\n", 1)[0]
+    assert "3 jobs" in block.splitlines()[0] and "15.0 s in all" in block.splitlines()[0]
+    listed = [line.split()[0] for line in block.splitlines()[1:] if not line.strip().startswith("reproduce:")]
+    assert listed == [f"{r.seconds:.2f}" for r in slowest]
+    assert [line.split("reproduce: ")[1] for line in block.splitlines() if "reproduce:" in line] == \
+        [r.case.command() for r in slowest]
+    md = render_markdown(report)
+    assert "42 s wall time, 3 jobs" in md.split("## Time", 1)[1]
+    rows = [line for line in md.split("## Time", 1)[1].splitlines() if line.startswith("| ") and "`" in line]
+    assert [row.split(" | ")[0] for row in rows] == [f"| {r.seconds:.2f}" for r in slowest]
+
+    # JSON keeps the jobs; a report written before --jobs (no "jobs", no case seconds) still merges
+    path = tmp_path / "new.json"
+    path.write_text(json.dumps(to_json(report)))
+    assert read_json_report(str(path)).jobs == 3
+    old = to_json(Report("quick", "cpu", {"device": "test"}, results=results[:2], seconds=5.0))
+    del old["jobs"]
+    for r in old["results"]:
+        del r["seconds"]
+    old_path = tmp_path / "old.json"
+    old_path.write_text(json.dumps(old))
+    older = read_json_report(str(old_path))
+    assert older.jobs is None and [r.seconds for r in older.results] == [0.0, 0.0]
+    merged = merge_reports([older, read_json_report(str(path))])
+    assert merged.jobs is None and merged.seconds == 47.0 and len(merged.results) == len(results)
+    assert "47 s wall time)" in render_text(merged).splitlines()[-1]
+    assert merge_reports([report, report]).jobs == 3
 
 
 def test_cli_usage_errors():

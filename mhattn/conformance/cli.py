@@ -1,11 +1,15 @@
 """``mhattn conformance``: which backends compute attention correctly on this machine, for which features.
 
-    mhattn conformance [--backend NAME ...] [--quick | --full] [--dtype ...] [--report FILE.md|FILE.json]
+    mhattn conformance [--backend NAME ...] [--quick | --full] [--dtype ...] [--jobs N|auto]
+                       [--report FILE.md|FILE.json ...]
     mhattn conformance --backend NAME --case SPEC        # one case again, with every check printed
 
 Exit status: 0 when nothing failed (unsupported and unavailable are not failures), 1 when a case or
 the compile check failed, 2 for a usage error or when nothing at all could be run, 3 when nothing
 failed but --time-limit left cases out.
+
+``--jobs N`` runs the cases in N worker processes at once (see mhattn.conformance.pool); ``--jobs 1`` runs
+them one at a time: in one worker process per backend on a GPU, in this process on the CPU.
 
 Long runs (``--full`` on a GPU) can be split, by ``--backend`` or ``--dtype``, each with
 ``--report PART.json``, and joined with ``mhattn conformance --merge PART.json ... --report ALL.md``.
@@ -39,7 +43,8 @@ def add_arguments(parser) -> None:
                              "(+ fp32 with --full), fp16 and fp32 on the CPU)")
     parser.add_argument("--feature", action="append", metavar="NAME",
                         help="only these table columns (repeat or comma-separate), e.g. causal,dropout")
-    parser.add_argument("--report", metavar="FILE", help="also write the report: FILE.md (Markdown) or FILE.json")
+    parser.add_argument("--report", action="append", metavar="FILE",
+                        help="also write the report: FILE.md (Markdown) or FILE.json (repeat for both)")
     parser.add_argument("--case", metavar="SPEC",
                         help="run one case (the spec a failure prints) on the one --backend, and show every check")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when a GPU is visible, else cpu")
@@ -47,9 +52,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compile-check", dest="compile_check", action="store_true", default=None,
                         help="also run the NVRTC compile check of the CUDA sources (default: only without a GPU)")
     parser.add_argument("--no-compile-check", dest="compile_check", action="store_false")
+    parser.add_argument("--jobs", default="auto", metavar="N",
+                        help="run the cases in N worker processes at once (default auto: on a GPU min(8, half "
+                             "the CPU cores); on the CPU 1 with two cores or fewer, else min(4, half the cores)); "
+                             "1: one case at a time, in one worker per backend on a GPU, in this process on the CPU")
     parser.add_argument("--in-process", action="store_true",
-                        help="run every case in this process (default on a GPU: one worker process per backend, "
-                             "so a kernel that breaks the CUDA context fails only its own case)")
+                        help="run every case in this process, one at a time, whatever --jobs says (default on a "
+                             "GPU: worker processes, so a kernel that breaks the CUDA context fails only its own "
+                             "case)")
     parser.add_argument("--case-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="a worker silent this long fails its case (default 600)")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
@@ -58,6 +68,21 @@ def add_arguments(parser) -> None:
     parser.add_argument("--merge", nargs="+", metavar="FILE.json",
                         help="run nothing: one table from the JSON reports of several runs (with --report to write it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _jobs(text: str, device: str) -> int:
+    """The number of workers ``--jobs`` asks for on ``device``; ValueError names what was expected."""
+    from mhattn.conformance.pool import auto_jobs
+
+    if text.strip().lower() == "auto":
+        return auto_jobs(device)
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise ValueError(f"--jobs: expected a positive integer or 'auto', got {text!r}")
+    return jobs
 
 
 def _split(values) -> list:
@@ -94,10 +119,11 @@ def _interpreter_switch(selected_names) -> str:
 def _argv(args) -> list:
     """The command line of ``args`` again (for the restarted child)."""
     argv = ["conformance", f"--{args.mode}"]
-    for flag, values in (("--backend", args.backend), ("--dtype", args.dtype), ("--feature", args.feature)):
+    for flag, values in (("--backend", args.backend), ("--dtype", args.dtype), ("--feature", args.feature),
+                         ("--report", args.report)):
         for value in values or []:
             argv += [flag, value]
-    for flag, value in (("--report", args.report), ("--case", args.case), ("--device", args.device)):
+    for flag, value in (("--case", args.case), ("--device", args.device), ("--jobs", args.jobs)):
         if value:
             argv += [flag, value]
     if args.compile_check is not None:
@@ -158,7 +184,7 @@ def _resolve_backends(requested):
     return backends, None
 
 
-def _run_single(backend, spec: str, device_override, report_path) -> int:
+def _run_single(backend, spec: str, device_override, report_paths) -> int:
     from mhattn.conformance.cases import parse_spec
     from mhattn.conformance.environment import describe_environment
     from mhattn.conformance.report import Report, write_report
@@ -194,9 +220,11 @@ def _run_single(backend, spec: str, device_override, report_path) -> int:
     else:
         print(f"{result.status.upper()} (worst ratio {result.worst_ratio:.3g}, {result.seconds:.1f} s)")
     print(f"reproduce: {case.command()}")
-    if report_path:
-        report = Report("case", case.device, describe_environment(), results=[result], seconds=result.seconds)
-        write_report(report, report_path)
+    if report_paths:
+        report = Report("case", case.device, describe_environment(), results=[result], seconds=result.seconds,
+                        jobs=1)
+        for path in report_paths:
+            write_report(report, path)
     return 1 if result.status == FAIL else 0
 
 
@@ -213,6 +241,11 @@ def run(args) -> int:
         return 2
     if args.case and len(_split(args.backend)) != 1:
         print("mhattn conformance: --case needs exactly one --backend", file=sys.stderr)
+        return 2
+    try:
+        jobs = 1 if args.in_process else _jobs(args.jobs, device)
+    except ValueError as error:
+        print(f"mhattn conformance: {error}", file=sys.stderr)
         return 2
     try:
         dtypes = [dtype_name(d) for d in _split(args.dtype)] or None
@@ -242,6 +275,7 @@ def run(args) -> int:
     from mhattn.conformance.compile_check import nvrtc_compile_check
     from mhattn.conformance.environment import describe_environment
     from mhattn.conformance.progress import Progress
+    from mhattn.conformance.pool import run_parallel
     from mhattn.conformance.report import Report
     from mhattn.conformance.suite import make_plan, run_in_process, run_isolated
 
@@ -260,11 +294,14 @@ def run(args) -> int:
             print(f"# {name}: not run: {'; '.join(reasons)}")
         return 0
 
+    jobs = min(jobs, max(1, len(plan.cases)))  # no more workers than cases
     start = time.perf_counter()
     deadline = None if args.time_limit is None else time.time() + args.time_limit
     progress = Progress(len(plan.cases), enabled=not args.no_progress)
     try:
-        if device == "cuda" and not args.in_process:
+        if jobs > 1:
+            results = run_parallel(plan.cases, jobs, progress, case_timeout=args.case_timeout, deadline=deadline)
+        elif device == "cuda" and not args.in_process:
             results = run_isolated(plan.cases, progress, case_timeout=args.case_timeout, deadline=deadline)
         else:
             results = run_in_process(plan.cases, progress, deadline=deadline)
@@ -279,18 +316,18 @@ def run(args) -> int:
 
     report = Report(args.mode, device, describe_environment(), results=results, unavailable=plan.unavailable,
                     notes=notes, extra=[compile_check] if compile_check else [],
-                    seconds=time.perf_counter() - start)
+                    seconds=time.perf_counter() - start, jobs=jobs)
     return _finish(report, args.report, ran_something=bool(results) or bool(report.extra))
 
 
-def _finish(report, report_path, ran_something: bool) -> int:
-    """Print the report, write it if asked; the exit status (see the module docstring)."""
+def _finish(report, report_paths, ran_something: bool) -> int:
+    """Print the report, write it where asked; the exit status (see the module docstring)."""
     from mhattn.conformance.report import render_text, write_report
 
     print(render_text(report))
-    if report_path:
-        write_report(report, report_path)
-        print(f"report written to {report_path}")
+    for path in report_paths or []:
+        write_report(report, path)
+        print(f"report written to {path}")
     if not report.ok:
         return 1
     if not ran_something:
@@ -301,7 +338,7 @@ def _finish(report, report_path, ran_something: bool) -> int:
     return 0
 
 
-def _merge(paths, report_path) -> int:
+def _merge(paths, report_paths) -> int:
     """One report from the JSON reports of several runs (split by --backend or --dtype, say)."""
     from mhattn.conformance.report import merge_reports, read_json_report
 
@@ -311,4 +348,4 @@ def _merge(paths, report_path) -> int:
         print(f"mhattn conformance: --merge: {error}", file=sys.stderr)
         return 2
     merged = merge_reports(reports)
-    return _finish(merged, report_path, ran_something=bool(merged.results) or bool(merged.extra))
+    return _finish(merged, report_paths, ran_something=bool(merged.results) or bool(merged.extra))

@@ -2,7 +2,8 @@
 
 Each cell says ``pass`` with the worst error ratio (err / bound, <= 1 passes) of its cases, ``FAIL`` with
 how many of its cases failed and the worst ratio, or ``unsupported`` with a numbered reason from the
-backend's own ``unsupported()``. Written as plain text (the terminal), Markdown or JSON.
+backend's own ``unsupported()``. Written as plain text (the terminal), Markdown or JSON, with the run's
+wall time, its number of jobs and the slowest cases (where the time went).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 from mhattn.conformance.cases import COLUMN_DESCRIPTIONS, COLUMNS
 from mhattn.conformance.runner import FAIL, NOT_RUN, PASS, UNSUPPORTED, CaseResult
@@ -33,7 +35,9 @@ class Report:
     unavailable: dict = field(default_factory=dict)  # backend name -> reasons it ran nothing
     notes: list = field(default_factory=list)       # what was and was not run, in sentences
     extra: list = field(default_factory=list)       # ExtraCheck
-    seconds: float = 0.0
+    seconds: float = 0.0                            # wall time of the run (of every run, merged)
+    jobs: Optional[int] = None                      # worker processes at once; None: not recorded (an older
+                                                    # JSON report) or merged runs that differ
 
     @property
     def failures(self) -> list:
@@ -165,6 +169,22 @@ def _header_lines(report: Report) -> list:
     return lines
 
 
+def slowest(report: Report, count: int = 5) -> list:
+    """The ``count`` results that took longest, longest first (cases that ran, or died, only)."""
+    timed = [r for r in report.results if r.seconds > 0]
+    return sorted(timed, key=lambda r: -r.seconds)[:count]
+
+
+def _timing(report: Report) -> str:
+    jobs = "" if report.jobs is None else f", {report.jobs} job{'s' if report.jobs != 1 else ''}"
+    return f"{report.seconds:.0f} s wall time{jobs}"
+
+
+def _case_seconds(report: Report) -> str:
+    """How long the cases took, added up (more than the wall time when jobs ran at once)."""
+    return f"the {len(report.results)} cases took {sum(r.seconds for r in report.results):.1f} s in all"
+
+
 def _summary_line(report: Report) -> str:
     counts = {PASS: 0, FAIL: 0, UNSUPPORTED: 0, NOT_RUN: 0}
     for r in report.results:
@@ -172,7 +192,7 @@ def _summary_line(report: Report) -> str:
     verdict = "FAILED" if not report.ok else ("INCOMPLETE" if counts[NOT_RUN] else "PASSED")
     not_run = f", {counts[NOT_RUN]} not run (time limit)" if counts[NOT_RUN] else ""
     return (f"{verdict}: {counts[PASS]} passed, {counts[FAIL]} failed, {counts[UNSUPPORTED]} unsupported{not_run} "
-            f"({report.mode}, {report.device}, {report.seconds:.0f} s)")
+            f"({report.mode}, {report.device}, {_timing(report)})")
 
 
 def _clip(text: str, limit: int = 400) -> str:
@@ -186,6 +206,13 @@ def render_text(report: Report, max_failures: int = 30) -> str:
     if report.notes:
         out.append("")
         out += [f"note: {n}" for n in report.notes]
+    slow = slowest(report)
+    if slow:
+        out.append("")
+        out.append(f"slowest cases ({_timing(report)}; {_case_seconds(report)}):")
+        for r in slow:
+            out.append(f"  {r.seconds:8.2f} s  {r.case.backend} {r.case.feature} [{r.case.describe()}]")
+            out.append(f"    reproduce: {r.case.command()}")
     failures = report.failures
     if failures:
         out.append("")
@@ -239,6 +266,12 @@ def render_markdown(report: Report) -> str:
         out += [f"- {name}: not run: {'; '.join(reasons)}" for name, reasons in report.unavailable.items()]
         out += [f"- {x.name}: {x.status}" + (f" ({x.detail})" if x.detail else "") for x in report.extra]
     out += ["", "### Features", ""] + [f"- {name}: {COLUMN_DESCRIPTIONS[name]}" for name in COLUMNS]
+    slow = slowest(report)
+    if slow:
+        out += ["", "## Time", "", f"{_timing(report)}; {_case_seconds(report)}. The slowest:", ""]
+        out += ["| seconds | backend | feature | case | reproduce |", "|---|---|---|---|---|"]
+        out += [f"| {r.seconds:.2f} | {r.case.backend} | {r.case.feature} | {_md_escape(r.case.describe())} | "
+                f"`{_md_escape(r.case.command())}` |" for r in slow]
     failures = report.failures
     if failures:
         out += ["", f"## Failures ({len(failures)})", ""]
@@ -263,6 +296,7 @@ def to_json(report: Report) -> dict:
         "mode": report.mode,
         "device": report.device,
         "seconds": round(report.seconds, 2),
+        "jobs": report.jobs,
         "environment": report.environment,
         "notes": report.notes,
         "unavailable": report.unavailable,
@@ -291,6 +325,7 @@ def read_json_report(path: str) -> Report:
         results=[CaseResult.from_dict(d) for d in data.get("results", [])],
         unavailable=dict(data.get("unavailable", {})), notes=list(data.get("notes", [])),
         extra=[ExtraCheck(**x) for x in data.get("extra_checks", [])], seconds=float(data.get("seconds", 0.0)),
+        jobs=data.get("jobs"),  # absent from reports written before --jobs
     )
 
 
@@ -320,6 +355,7 @@ def merge_reports(reports: list) -> Report:
         for x in report.extra:
             extra[x.name] = x
     modes = sorted({report.mode for report in reports})
+    jobs = {report.jobs for report in reports}
     return Report(mode="+".join(modes), device=first.device, environment=first.environment,
                   results=list(by_case.values()), unavailable=unavailable, notes=notes, extra=list(extra.values()),
-                  seconds=sum(report.seconds for report in reports))
+                  seconds=sum(report.seconds for report in reports), jobs=jobs.pop() if len(jobs) == 1 else None)

@@ -1,12 +1,12 @@
 """Which cases a conformance run has (the plan), and running them: in this process, or one worker
 process per backend so a kernel that corrupts the CUDA context, hangs or crashes the interpreter costs
-only its own case.
+only its own case (``--jobs 1``; several workers at once are :mod:`mhattn.conformance.pool`).
 
-Worker protocol: the parent writes the cases (JSON lines) to a file and starts
-``mhattn.conformance.worker`` with the parent's ``sys.path``; the worker appends ``{"start": i}`` before
-and ``{"result": ...}`` after each case to a results file, which the parent polls. A worker that dies or
-goes silent longer than the case timeout fails the case it was running; a fresh worker goes on with the
-next one.
+Worker protocol: the parent writes the cases (JSON lines) to a file, or to the worker's stdin one at a
+time, and starts ``mhattn.conformance.worker`` with the parent's ``sys.path``; the worker appends
+``{"start": i}`` before and ``{"result": ...}`` after each case to a results file, which the parent polls.
+A worker that dies or goes silent longer than the case timeout fails the case it was running; a fresh
+worker goes on with the next one.
 """
 
 from __future__ import annotations
@@ -71,6 +71,11 @@ def past(deadline) -> bool:
     return deadline is not None and time.time() > deadline
 
 
+def case_label(case) -> str:
+    """What the progress bar shows while ``case`` runs."""
+    return f"{case.backend} {case.feature} {case.describe()}"
+
+
 def run_in_process(cases, progress=None, deadline=None) -> list:
     """Run every case here, in order. After a CUDA context is lost the rest cannot run: they fail
     with that reason. Cases not started by ``deadline`` (seconds since the epoch) are not run."""
@@ -84,7 +89,7 @@ def run_in_process(cases, progress=None, deadline=None) -> list:
                 progress.finish_case(result)
             continue
         if progress is not None:
-            progress.start(f"{case.backend} {case.feature} {case.describe()}")
+            progress.start(case_label(case))
         if lost is not None:
             result = CaseResult(case, FAIL, error=f"not run: the CUDA context was lost during an earlier case ({lost})")
         else:
@@ -105,13 +110,41 @@ _WORKER_BOOT = (
 )
 
 
-def _tail(path: str, limit: int = 1500) -> str:
+def log_tail(path: str, limit: int = 1500) -> str:
+    """The end of a worker's output (what a crash left there)."""
     try:
         with open(path, "r", encoding="utf-8", errors="replace") as f:
             text = f.read()
     except OSError:
         return ""
     return text[-limit:].strip()
+
+
+def case_entry(case) -> dict:
+    """The JSON line that hands ``case`` to a worker (see mhattn.conformance.worker)."""
+    entry = {"backend": case.backend, "case": case.spec()}
+    factory = _factory(case.backend)
+    if factory:
+        entry["factory"] = factory
+    return entry
+
+
+def lost_case_result(case, exit_code, log: str, timed_out: bool, case_timeout: float, seconds: float) -> CaseResult:
+    """The failure of a case whose worker stopped while running it: killed for silence, a lost CUDA
+    context, or a crash (with the end of the worker's output)."""
+    if timed_out:
+        why = f"timed out: no result after {case_timeout:.0f} s (the worker was killed)"
+    elif exit_code == WORKER_CONTEXT_LOST:
+        why = "the CUDA context was lost during this case; a fresh worker runs the rest"
+    else:
+        why = f"the worker process died while running this case (exit status {exit_code}): {log}"
+    return CaseResult(case, FAIL, error=why, seconds=seconds)
+
+
+def not_started_result(case, exit_code, log: str) -> CaseResult:
+    """The failure of a case whose worker stopped before it ran any case (it could not start)."""
+    return CaseResult(case, FAIL, error=f"the worker process stopped before running any case (exit status "
+                                        f"{exit_code}): {log}")
 
 
 def _factory(name: str) -> str:
@@ -126,30 +159,47 @@ def _factory(name: str) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-class _Worker:
-    """One worker process running ``cases`` (all of one backend) from the first."""
+class WorkerProcess:
+    """One worker process running ``cases`` from the first; with ``cases=None`` it takes them one at a
+    time through :meth:`send` and ends after :meth:`close_input`."""
 
     def __init__(self, cases, folder: str, attempt: int, deadline=None):
-        self.cases_path = os.path.join(folder, f"cases{attempt}.jsonl")
         self.results_path = os.path.join(folder, f"results{attempt}.jsonl")
         self.log_path = os.path.join(folder, f"log{attempt}.txt")
-        with open(self.cases_path, "w", encoding="utf-8") as f:
-            for case in cases:
-                entry = {"backend": case.backend, "case": case.spec()}
-                factory = _factory(case.backend)
-                if factory:
-                    entry["factory"] = factory
-                f.write(json.dumps(entry) + "\n")
+        if cases is None:
+            self.cases_path = "-"
+        else:
+            self.cases_path = os.path.join(folder, f"cases{attempt}.jsonl")
+            with open(self.cases_path, "w", encoding="utf-8") as f:
+                for case in cases:
+                    f.write(json.dumps(case_entry(case)) + "\n")
         open(self.results_path, "w").close()
         self.log = open(self.log_path, "w", encoding="utf-8")
         self.process = subprocess.Popen(
             [sys.executable, "-c", _WORKER_BOOT, json.dumps(sys.path), self.cases_path, self.results_path,
              json.dumps(deadline)],
-            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if cases is None else subprocess.DEVNULL, stdout=self.log,
+            stderr=subprocess.STDOUT, text=True,
         )
         self._offset = 0
         self._partial = ""
         self.heard = False
+
+    def send(self, case) -> bool:
+        """Hand ``case`` to a worker started with ``cases=None``; False when it has already exited."""
+        try:
+            self.process.stdin.write(json.dumps(case_entry(case)) + "\n")
+            self.process.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def close_input(self) -> None:
+        """No more cases: the worker ends after the one it is running."""
+        try:
+            self.process.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
 
     def new_messages(self) -> list:
         with open(self.results_path, "r", encoding="utf-8") as f:
@@ -167,6 +217,8 @@ class _Worker:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        if self.process.stdin is not None:
+            self.close_input()
         self.log.close()
 
 
@@ -175,6 +227,7 @@ class _Attempt:
     """What one worker did: its results arrive through the callbacks; the rest is how it ended."""
 
     running: object = None      # index of the case it was in when it stopped, or None
+    running_since: float = 0.0  # time.monotonic() when that case started
     produced: int = 0           # results it delivered
     stopped_at: object = None   # index where it stopped for the deadline
     unknown: bool = False       # it could not make the backend
@@ -195,6 +248,7 @@ def _follow(worker, todo, cases, case_timeout, poll_seconds, on_start, on_result
             attempt.stopped_at = todo[message["deadline"]]
         elif "start" in message:
             attempt.running = todo[message["start"]]
+            attempt.running_since = time.monotonic()
             on_start(attempt.running)
         elif "result" in message:
             attempt.running = None
@@ -219,19 +273,18 @@ def _follow(worker, todo, cases, case_timeout, poll_seconds, on_start, on_result
     finally:
         worker.stop()
     attempt.exit_code = worker.process.returncode
-    attempt.log = _tail(worker.log_path)
+    attempt.log = log_tail(worker.log_path)
     return attempt
 
 
 def run_isolated(cases, progress=None, case_timeout: float = 600.0, poll_seconds: float = 0.2, deadline=None) -> list:
-    """Run ``cases`` in worker processes, one backend at a time; returns results in case order. Cases not
-    started by ``deadline`` (seconds since the epoch) are not run."""
+    """Run ``cases`` in worker processes, one at a time, one backend after another (``--jobs 1``);
+    returns results in case order. Cases not started by ``deadline`` (seconds since the epoch) are not run."""
     results = [None] * len(cases)
 
     def on_start(i):
         if progress is not None:
-            c = cases[i]
-            progress.start(f"{c.backend} {c.feature} {c.describe()}")
+            progress.start(case_label(cases[i]))
 
     def on_result(i, result):
         results[i] = result
@@ -256,7 +309,7 @@ def run_isolated(cases, progress=None, case_timeout: float = 600.0, poll_seconds
                         on_result(i, not_run(cases[i], TIME_LIMIT_REASON))
                     break
                 number += 1
-                worker = _Worker([cases[i] for i in pending], folder, number, deadline)
+                worker = WorkerProcess([cases[i] for i in pending], folder, number, deadline)
                 attempt = _follow(worker, pending, cases, case_timeout, poll_seconds, on_start, on_result)
                 if attempt.unknown or attempt.exit_code == WORKER_UNKNOWN_BACKEND:
                     rest = [i for i in indices if results[i] is None]
@@ -266,20 +319,14 @@ def run_isolated(cases, progress=None, case_timeout: float = 600.0, poll_seconds
                 if attempt.stopped_at is not None:
                     continue  # the deadline check above marks the rest
                 if attempt.running is not None:
-                    if attempt.timed_out:
-                        why = f"timed out: no result after {case_timeout:.0f} s (the worker was killed)"
-                    elif attempt.exit_code == WORKER_CONTEXT_LOST:
-                        why = "the CUDA context was lost during this case; a fresh worker runs the rest"
-                    else:
-                        why = (f"the worker process died while running this case (exit status "
-                               f"{attempt.exit_code}): {attempt.log}")
-                    on_result(attempt.running, CaseResult(cases[attempt.running], FAIL, error=why))
+                    on_result(attempt.running, lost_case_result(
+                        cases[attempt.running], attempt.exit_code, attempt.log, attempt.timed_out, case_timeout,
+                        time.monotonic() - attempt.running_since))
                     continue
                 if attempt.produced == 0:
                     # it never got to a case: a fresh worker would fare no better
                     for i in [i for i in indices if results[i] is None]:
-                        on_result(i, CaseResult(cases[i], FAIL, error="the worker process stopped before running "
-                                                f"any case (exit status {attempt.exit_code}): {attempt.log}"))
+                        on_result(i, not_started_result(cases[i], attempt.exit_code, attempt.log))
                     break
                 # it stopped between cases (a lost CUDA context after a failed case, say): a fresh one goes on
     return results
