@@ -369,13 +369,6 @@ inline float shfl_xor(float x, int lane_mask) {
   return w.out_f[lane][0];
 }
 
-// __any_sync over the full warp, from the emulated shuffles (a rendezvous of all 32 lanes, like the vote).
-inline bool warp_any(bool p) {
-  float x = p ? 1.f : 0.f;
-  for (int m = 16; m >= 1; m >>= 1) x = fmaxf(x, shfl_xor(x, m));
-  return x > 0.f;
-}
-
 inline void block_sync() {
   ++emu::g_bar_arrived;
   ++emu::g_progress;

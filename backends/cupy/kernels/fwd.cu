@@ -219,14 +219,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
             sum += p;
           }
         row_sum[mt][hr] = row_sum[mt][hr] * alpha + sum;  // per-lane partial sums, reduced at the end
-        // Once the running maxima settle, most blocks raise no row's maximum (alpha = 1 exactly): skip the
-        // rescale of the accumulators then, decided per warp so the branch does not diverge.
-        if (warp_any(alpha != 1.f)) {
 #pragma unroll
-          for (int nt = 0; nt < NT_O; ++nt) {
-            acc_o[mt][nt][2 * hr] *= alpha;
-            acc_o[mt][nt][2 * hr + 1] *= alpha;
-          }
+        for (int nt = 0; nt < NT_O; ++nt) {
+          acc_o[mt][nt][2 * hr] *= alpha;
+          acc_o[mt][nt][2 * hr + 1] *= alpha;
         }
       }
 

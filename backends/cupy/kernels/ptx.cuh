@@ -114,8 +114,6 @@ MHATTN_DEVICE void atomic_add2_f32(float* p, float x, float y) {
 }
 
 MHATTN_DEVICE float shfl_xor(float x, int lane_mask) { return __shfl_xor_sync(0xffffffffu, x, lane_mask); }
-// True on every lane when `p` holds on any lane of the warp.
-MHATTN_DEVICE bool warp_any(bool p) { return __any_sync(0xffffffffu, p); }
 MHATTN_DEVICE void block_sync() { __syncthreads(); }
 
 #define MHATTN_INF __int_as_float(0x7f800000)
