@@ -436,6 +436,32 @@ def test_parallel_workers_that_cannot_start_fail_every_case_once(monkeypatch):
         assert "stopped before running any case (exit status 5)" in r.error and "no module named mhattn" in r.error
 
 
+# A stand-in worker (no torch: it starts at once) that runs one case, then, like a real worker whose CUDA
+# context broke, ends with WORKER_CONTEXT_LOST a moment later; the parent has handed it the next case by then.
+_WORKER_THAT_LOSES_ITS_CONTEXT = """
+import json, sys, time
+entry = json.loads(sys.stdin.readline())
+with open(sys.argv[3], "a") as results:
+    results.write(json.dumps({"start": 0}) + "\\n")
+    result = {"backend": entry["backend"], "case": entry["case"], "status": "pass"}
+    results.write(json.dumps({"index": 0, "result": result}) + "\\n")
+time.sleep(0.5)
+sys.exit(3)
+"""
+
+
+def test_parallel_case_handed_to_a_worker_that_lost_its_context_runs_elsewhere(monkeypatch):
+    from mhattn.conformance import suite
+
+    assert suite.WORKER_CONTEXT_LOST == 3
+    monkeypatch.setattr(suite, "_WORKER_BOOT", _WORKER_THAT_LOSES_ITS_CONTEXT)
+    cases = cpu_quick(REFERENCE, ["fp32"], ["basic", "causal", "gqa"])
+    progress = CountingProgress()
+    results = run_parallel(cases, jobs=2, progress=progress)
+    assert [r.status for r in results] == [PASS] * len(cases), [r.summary() for r in results]
+    assert [r.case for r in results] == cases and progress.done == len(cases)
+
+
 def test_parallel_time_limit_stops_handing_out_cases(monkeypatch):
     cases = cpu_quick(REFERENCE, ["fp32"], ["basic", "causal", "gqa"])
     counter = CountingProgress()

@@ -23,8 +23,8 @@ from typing import Optional
 
 from mhattn.conformance.runner import CaseResult, not_run
 from mhattn.conformance.suite import (
-    STARTUP_TIMEOUT, TIME_LIMIT_REASON, WORKER_UNKNOWN_BACKEND, WorkerProcess, case_label, log_tail,
-    lost_case_result, not_started_result, past, run_in_process,
+    STARTUP_TIMEOUT, TIME_LIMIT_REASON, WORKER_CONTEXT_LOST, WORKER_UNKNOWN_BACKEND, WorkerProcess, case_label,
+    log_tail, lost_case_result, not_started_result, past, run_in_process,
 )
 
 
@@ -151,10 +151,12 @@ class _Pool:
 
     def _handle(self, slot: _Slot, message: dict):
         if "unknown_backend" in message:
+            slot.retiring = True  # the worker ends after this message: it must not be handed another case
             self._run_backend_here(message["unknown_backend"], slot)
         elif "deadline" in message:
-            self._deliver(slot.sent[message["deadline"]], not_run(self.cases[slot.sent[message["deadline"]]],
-                                                                  TIME_LIMIT_REASON))
+            slot.retiring = True  # likewise
+            index = slot.sent[message["deadline"]]
+            self._deliver(index, not_run(self.cases[index], TIME_LIMIT_REASON))
             slot.case = None
         elif "start" in message:
             slot.started = time.monotonic()
@@ -176,10 +178,12 @@ class _Pool:
         elif slot.started is not None:
             self._deliver(slot.case, lost_case_result(self.cases[slot.case], code, log_tail(slot.worker.log_path),
                                                       False, self.case_timeout, time.monotonic() - slot.started))
-        elif self.a_worker_started and slot.case not in self.requeued:
-            # it died before it began this case, where other workers run: not this case's doing, it goes
-            # again (once: a case whose worker dies before it twice fails)
-            self.requeued.add(slot.case)
+        elif code == WORKER_CONTEXT_LOST or (self.a_worker_started and slot.case not in self.requeued):
+            # It stopped before it began this case: its CUDA context broke in the case before (the worker
+            # ends then, but it may have been handed this one first), or it died where other workers run.
+            # Not this case's doing: it goes again (once, unless a lost context explains it).
+            if code != WORKER_CONTEXT_LOST:
+                self.requeued.add(slot.case)
             self.queue.appendleft(slot.case)
         else:
             log = log_tail(slot.worker.log_path)
