@@ -21,11 +21,8 @@ LOG2E = 1.0 / math.log(2.0)
 UNBOUNDED = 1 << 30
 # Largest sequence length the 32-bit index arithmetic of the kernels allows.
 MAX_SEQLEN = 1 << 29
-# Heads and batch index the grid's y and z dimensions (backward kernels).
+# Heads and batch index the grid's y and z dimensions.
 MAX_GRID_YZ = 65535
-# The forward's grid x walks (query block, batch, head): at most this many, with its smallest query block.
-MAX_GRID_X = (1 << 31) - 1
-MIN_FWD_BLOCK_M = 64
 # lse_log2 / delta vectors are padded to a multiple of this, the largest query tile of the backward kernels.
 VECTOR_PAD = 128
 
@@ -100,7 +97,7 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
     d = variants.head_dim_bucket(head_dim)
     variant = variants.fwd_variant(cc, _DTYPE_NAMES[q.dtype], d, level_of(params))
     block_m = variant.define("BLOCK_M")
-    grid = (cdiv(seqlen_q, block_m) * batch * heads_q, 1, 1)  # (query block, batch, head), see fwd.cu
+    grid = (cdiv(seqlen_q, block_m), heads_q, batch)
     args = [ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)]
     args += _strides(q) + _strides(k) + _strides(v) + _strides(out)
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(head_dim),

@@ -38,14 +38,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  // One grid dimension walks (query block, batch, head) with the query block slowest, backwards: the last
-  // query blocks see the most keys under a causal mask, so every (batch, head)'s heaviest block is launched
-  // before any lighter one and the last wave holds the lightest (longest tasks first).
-  const int n_mblocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-  const int bh_count = (int)(gridDim.x / (unsigned)n_mblocks);
-  const int m_block = n_mblocks - 1 - (int)(blockIdx.x / (unsigned)bh_count);
-  const int bh = (int)(blockIdx.x % (unsigned)bh_count);
-  const int h = bh % heads_q, b = bh / heads_q, hk = h / group;
+  // The last query blocks see the most keys under a causal mask: launch them first.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
   const int m0 = m_block * BLOCK_M;
   const int warp_row0 = warp * ROWS_PER_WARP;
 
