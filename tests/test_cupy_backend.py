@@ -137,6 +137,7 @@ def test_capabilities_are_data_and_reasons_are_sentences(monkeypatch):
         "runs on": _problem(device_type="cpu", compute_capability=None),
         "sequences up to": _problem(seqlen_k=ops.MAX_SEQLEN + 1),
         "grid y/z": _problem(batch=70000),
+        "forward grid": _problem(batch=4096, heads_q=4096, seqlen_q=1 << 20),
     }
     for words, problem in cases.items():
         reasons = backend.unsupported(problem)
@@ -153,6 +154,7 @@ def test_tiles_fit_shared_memory_and_registers_rules():
             assert variants.fwd_smem(fwd, d) <= limit and variants.dq_smem(dq, d) <= limit
             assert variants.fwd_smem(fwd_bounded, d) <= limit and fwd_bounded.block_m // fwd_bounded.num_warps in (16, 32)
             assert fwd.block_m // fwd.num_warps in (16, 32) and fwd.block_n % 16 == 0
+            assert min(fwd.block_m, fwd_bounded.block_m) >= ops.MIN_FWD_BLOCK_M  # the forward grid bound
             assert dq.block_m // dq.num_warps in (16, 32)
             assert ops.VECTOR_PAD % dq.block_m == 0
             for atomic in (False, True):
@@ -289,6 +291,21 @@ EMULATED = {
     "2d_dropout_atomic": dict(shape=(2, 2, 1, 66, 66, 32), dtype=torch.float16, keypad=True, dropout_p=0.17,
                               deterministic=False, dkdv_tiles={32: (128, 32, 8, 8, 4, 4, False)}),
 }
+
+
+def test_emulated_forward_schedule_groups(emulated_backend, poisoned, monkeypatch):
+    # 2 x 3 (batch, head) pairs in scheduling groups of 4 (the last holds 2), three query blocks each: every
+    # block of every pair is computed once, in the right place
+    assert ops.sched_pairs(6, 100, 64, 2) == 6 and ops.sched_pairs(6, 1 << 20, 256, 2) == 1
+    monkeypatch.setattr(ops, "sched_pairs", lambda pairs, *_: min(pairs, 4))
+    q, k, v, grad_out = _inputs(2, 3, 3, 300, 77, 32, torch.float16, "cpu")
+    params = _params(300, 77, 32, causal="bottom_right")
+    out, lse = emulated_backend.forward(q, k, v, params)
+    gold_out, gold_lse = naive_attention(q.double(), k.double(), v.double(), params)
+    lowp_out, lowp_lse = naive_attention(q, k, v, params)
+    for name, x, g, lp in (("out", out, gold_out, lowp_out), ("lse", lse, gold_lse, lowp_lse)):
+        result = compare(name, x, g, lp, dtype=torch.float16)
+        assert result.ok, str(result)
 
 
 @pytest.mark.parametrize("name", sorted(EMULATED))

@@ -89,6 +89,11 @@ class CupyBackend(Backend):
         longest = max(problem.seqlen_q, problem.seqlen_k)
         if longest > ops.MAX_SEQLEN:
             reasons.append(f"supports sequences up to {ops.MAX_SEQLEN} (32-bit index arithmetic), got {longest}")
+        fwd_ctas = -(-problem.seqlen_q // ops.MIN_FWD_BLOCK_M) * problem.batch * problem.heads_q
+        if fwd_ctas > ops.MAX_GRID_X:
+            reasons.append(f"supports up to {ops.MAX_GRID_X} (query block, batch, head) triples in the forward "
+                           f"grid, got {fwd_ctas} (seqlen_q {problem.seqlen_q}, batch {problem.batch}, heads "
+                           f"{problem.heads_q})")
         if max(problem.batch, problem.heads_q) > ops.MAX_GRID_YZ:
             reasons.append(f"supports batch and heads up to {ops.MAX_GRID_YZ} each (CUDA grid y/z limits), got "
                            f"batch {problem.batch}, heads {problem.heads_q}")

@@ -21,8 +21,16 @@ LOG2E = 1.0 / math.log(2.0)
 UNBOUNDED = 1 << 30
 # Largest sequence length the 32-bit index arithmetic of the kernels allows.
 MAX_SEQLEN = 1 << 29
-# Heads and batch index the grid's y and z dimensions.
+# Heads and batch index the grid's y and z dimensions of the backward kernels.
 MAX_GRID_YZ = 65535
+# The forward's grid x walks (query block, batch, head): at most this many, counted with its smallest query
+# block (every forward tile has at least this many rows).
+MAX_GRID_X = (1 << 31) - 1
+MIN_FWD_BLOCK_M = 64
+# The forward runs the query blocks of a group of (batch, head) pairs heaviest first, group by group; a group
+# holds as many pairs as have K and V within this many bytes, so their K / V tiles stay in L2 (50 MB on an
+# H100) while the group's CTAs run. About what one wave of CTAs of consecutive query blocks of a pair reads.
+SCHED_L2_BYTES = 16 << 20
 # lse_log2 / delta vectors are padded to a multiple of this, the largest query tile of the backward kernels.
 VECTOR_PAD = 128
 
@@ -97,14 +105,20 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
     d = variants.head_dim_bucket(head_dim)
     variant = variants.fwd_variant(cc, _DTYPE_NAMES[q.dtype], d, level_of(params))
     block_m = variant.define("BLOCK_M")
-    grid = (cdiv(seqlen_q, block_m), heads_q, batch)
+    grid = (cdiv(seqlen_q, block_m) * batch * heads_q, 1, 1)  # (query block, batch, head): see fwd.cu
     args = [ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)]
     args += _strides(q) + _strides(k) + _strides(v) + _strides(out)
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(head_dim),
-             f32(params.scale * LOG2E)]
+             i32(sched_pairs(batch * heads_q, seqlen_k, head_dim, q.element_size())), f32(params.scale * LOG2E)]
     args += _feature_args(params)
     launcher.launch(variant, grid, args, q.device, cc)
     return out, lse
+
+
+def sched_pairs(pairs: int, seqlen_k: int, head_dim: int, element_size: int) -> int:
+    """(batch, head) pairs per scheduling group of the forward grid (see SCHED_L2_BYTES)."""
+    kv_bytes = 2 * seqlen_k * head_dim * element_size
+    return max(1, min(pairs, SCHED_L2_BYTES // max(kv_bytes, 1)))
 
 
 def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None,

@@ -31,16 +31,28 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
                elem_t* __restrict__ o, float* __restrict__ lse,
                i64 q_sb, i64 q_sh, i64 q_sn, i64 k_sb, i64 k_sh, i64 k_sn, i64 v_sb, i64 v_sh, i64 v_sn,
                i64 o_sb, i64 o_sh, i64 o_sn,
-               int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, float scale_log2,
+               int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, int sched_pairs, float scale_log2,
                int diag_offset, int window_left, int window_right,
                const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
                u32 seed0, u32 seed1, u32 drop_threshold, float drop_scale) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  // The last query blocks see the most keys under a causal mask: launch them first.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  // Grid x walks the query blocks of groups of `sched_pairs` (batch, head) pairs, group by group; within a
+  // group the query block is the slowest index and runs backwards. Under a causal mask the last query blocks
+  // see the most keys, so every group starts with its heaviest blocks (longest tasks first: a group's tail,
+  // and the grid's, holds short ones), while a group is small enough that its pairs' K and V stay in L2 as
+  // its CTAs run side by side (the host sizes it, see ops.py).
+  const int n_mblocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+  const int bh_total = (int)(gridDim.x / (unsigned)n_mblocks);
+  const unsigned group_ctas = (unsigned)n_mblocks * (unsigned)sched_pairs;
+  const int sched_group = (int)(blockIdx.x / group_ctas);
+  const int first_pair = sched_group * sched_pairs;
+  const int pairs = min_of(sched_pairs, bh_total - first_pair);  // the last group may hold fewer
+  const int within = (int)(blockIdx.x - (unsigned)sched_group * group_ctas);
+  const int m_block = n_mblocks - 1 - within / pairs;
+  const int bh = first_pair + within % pairs;
+  const int h = bh % heads_q, b = bh / heads_q, hk = h / group;
   const int m0 = m_block * BLOCK_M;
   const int warp_row0 = warp * ROWS_PER_WARP;
 
