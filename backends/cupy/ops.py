@@ -23,8 +23,8 @@ UNBOUNDED = 1 << 30
 MAX_SEQLEN = 1 << 29
 # Heads and batch index the grid's y and z dimensions of the backward kernels.
 MAX_GRID_YZ = 65535
-# The forward's grid x walks (query block, batch, head): at most this many, counted with its smallest query
-# block (every forward tile has at least this many rows).
+# With a causal mask or a window the forward's grid x walks (query block, batch, head): at most this many,
+# counted with its smallest query block (every forward tile has at least this many rows).
 MAX_GRID_X = (1 << 31) - 1
 MIN_FWD_BLOCK_M = 64
 # The forward runs the query blocks of a group of (batch, head) pairs heaviest first, group by group; a group
@@ -105,7 +105,10 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
     d = variants.head_dim_bucket(head_dim)
     variant = variants.fwd_variant(cc, _DTYPE_NAMES[q.dtype], d, level_of(params))
     block_m = variant.define("BLOCK_M")
-    grid = (cdiv(seqlen_q, block_m) * batch * heads_q, 1, 1)  # (query block, batch, head): see fwd.cu
+    if variant.define("HAS_BOUNDS"):  # query blocks of unequal cost: (group, query block, pair) in x, see fwd.cu
+        grid = (cdiv(seqlen_q, block_m) * batch * heads_q, 1, 1)
+    else:
+        grid = (cdiv(seqlen_q, block_m), heads_q, batch)
     args = [ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)]
     args += _strides(q) + _strides(k) + _strides(v) + _strides(out)
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(head_dim),

@@ -38,11 +38,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  // Grid x walks the query blocks of groups of `sched_pairs` (batch, head) pairs, group by group; within a
-  // group the query block is the slowest index and runs backwards. Under a causal mask the last query blocks
-  // see the most keys, so every group starts with its heaviest blocks (longest tasks first: a group's tail,
-  // and the grid's, holds short ones), while a group is small enough that its pairs' K and V stay in L2 as
-  // its CTAs run side by side (the host sizes it, see ops.py).
+#if HAS_BOUNDS
+  // Query blocks differ in cost (a causal mask or a window): grid x walks the query blocks of groups of
+  // `sched_pairs` (batch, head) pairs, group by group; within a group the query block is the slowest index
+  // and runs backwards. Under a causal mask the last query blocks see the most keys, so every group starts
+  // with its heaviest blocks (longest tasks first: a group's tail, and the grid's, holds short ones), while
+  // a group is small enough that its pairs' K and V stay in L2 as its CTAs run side by side (ops.py sizes it).
   const int n_mblocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
   const int bh_total = (int)(gridDim.x / (unsigned)n_mblocks);
   const unsigned group_ctas = (unsigned)n_mblocks * (unsigned)sched_pairs;
@@ -53,6 +54,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   const int m_block = n_mblocks - 1 - within / pairs;
   const int bh = first_pair + within % pairs;
   const int h = bh % heads_q, b = bh / heads_q, hk = h / group;
+#else
+  // Every query block costs the same: grid (query block, head, batch), so the CTAs running side by side are
+  // consecutive query blocks of a few (batch, head) pairs and share their K and V in L2.
+  const int m_block = blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+#endif
   const int m0 = m_block * BLOCK_M;
   const int warp_row0 = warp * ROWS_PER_WARP;
 
