@@ -16,7 +16,7 @@
 // its own 16 or 32 keys) every warp reads a smaller share of Q and dO per step, at the price of the
 // shared-memory round trip of P^T and dS^T; the kernels are bound by shared-memory bandwidth.
 // dK is scaled by the softmax scale at the end.
-#include "common.cuh"
+#include "key_side.cuh"
 
 #ifndef DKDV_MODE
 #define DKDV_MODE 0
@@ -57,19 +57,11 @@ static_assert(!COMPUTE_DQ || (DQ_WARPS_M * DQ_WARPS_D == NUM_WARPS && DQ_ROWS % 
               "the dQ phase splits BLOCK_M x HEAD_DIM into warp tiles of whole 16 x 16 blocks");
 static_assert(BLOCK_M % 16 == 0 && BLOCK_M <= 128, "BLOCK_M must be a multiple of 16, at most 128");
 
-constexpr u32 KV_TILE_BYTES = BLOCK_N * SMEM_ROW * 2;
-constexpr u32 Q_TILE_BYTES = BLOCK_M * SMEM_ROW * 2;
 // P^T and dS^T tiles: [key][query], BLOCK_M + 8 elements per row (the same bank-spreading pad as SMEM_ROW)
 constexpr int PT_ROW = BLOCK_M + 8;
 constexpr u32 PT_TILE_BYTES = BLOCK_N * PT_ROW * 2;
-// shared memory: K | V | Q[2] | dO[2] | lse_log2[2] | delta[2] | P^T | dS^T
-constexpr u32 OFF_K = 0;
-constexpr u32 OFF_V = OFF_K + KV_TILE_BYTES;
-constexpr u32 OFF_Q = OFF_V + KV_TILE_BYTES;
-constexpr u32 OFF_DO = OFF_Q + 2 * Q_TILE_BYTES;
-constexpr u32 OFF_LSE = OFF_DO + 2 * Q_TILE_BYTES;
-constexpr u32 OFF_DELTA = OFF_LSE + 2 * BLOCK_M * 4;
-constexpr u32 OFF_PT = OFF_DELTA + 2 * BLOCK_M * 4;
+// shared memory: the key-side layout of key_side.cuh | P^T | dS^T
+constexpr u32 OFF_PT = OFF_KEY_SIDE_END;
 constexpr u32 OFF_DST = OFF_PT + PT_TILE_BYTES;
 
 // acc (+)= A B over the k16 steps of one product: A (MT m16 tiles) from a row-major shared tile with
@@ -168,37 +160,21 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   dk += b * dk_sb + hk * dk_sh;
   dv += b * dv_sb + hk * dv_sh;
 
-  // Query rows that can see these keys (the same range for every query head of the group).
-  int i_lo = 0, i_hi = seqlen_q;
 #if HAS_BOUNDS
   const Bounds bounds{diag_offset, window_left, window_right};
-  i_lo = (int)max_of((i64)0, (i64)n0 - diag_offset - window_right);
-  i_hi = (int)min_of((i64)seqlen_q, (i64)n_last - diag_offset + window_left + 1);
 #endif
-  const int mb_lo = i_lo / BLOCK_M;
-  const int n_mb = i_hi > i_lo ? (i_hi + BLOCK_M - 1) / BLOCK_M - mb_lo : 0;
-  const int total = group * n_mb;  // (query head, query block) pairs, walked in a fixed order
+  // The (query head, query block) steps that can see these keys, walked in a fixed order.
+  const QueryWalk walk = query_walk(n0, n_last, seqlen_q, group, diag_offset, window_left, window_right);
+  const int total = walk.total;
+  const QuerySide query_side{q + b * q_sb, d_o + b * do_sb, lse_log2, delta, q_sh, q_sn, do_sh, do_sn,
+                             b, heads_q, seqlen_q, seqlen_q_pad, head_dim};
 
 #if HAS_EXTRAS
   const bool use_dropout = drop_threshold != 0u;
 #endif
 
-  // Starts the loads of step `it` (its query head and block) into stage `stage`.
-  auto load_step = [&](int it, int stage) {
-    const int hq = hk * group + it / n_mb;
-    const int m0 = (mb_lo + it % n_mb) * BLOCK_M;
-    load_tile_async<BLOCK_M>(s_base + OFF_Q + stage * Q_TILE_BYTES, q + b * q_sb + hq * q_sh, q_sn, m0, seqlen_q,
-                             head_dim, tid);
-    load_tile_async<BLOCK_M>(s_base + OFF_DO + stage * Q_TILE_BYTES, d_o + b * do_sb + hq * do_sh, do_sn, m0,
-                             seqlen_q, head_dim, tid);
-    const i64 vec = ((i64)b * heads_q + hq) * seqlen_q_pad + m0;
-    load_vec_async<BLOCK_M>(s_base + OFF_LSE + stage * BLOCK_M * 4, lse_log2 + vec, tid);
-    load_vec_async<BLOCK_M>(s_base + OFF_DELTA + stage * BLOCK_M * 4, delta + vec, tid);
-  };
-
-  load_tile_async<BLOCK_N>(s_base + OFF_K, k, k_sn, n0, seqlen_k, head_dim, tid);
-  load_tile_async<BLOCK_N>(s_base + OFF_V, v, v_sn, n0, seqlen_k, head_dim, tid);
-  if (total > 0) load_step(0, 0);
+  load_key_block(s_base, k, k_sn, v, v_sn, n0, seqlen_k, head_dim, tid);
+  if (total > 0) query_side.load_step(s_base, walk.head(0, hk, group), walk.row0(0), 0, tid);
   cp_async_commit();
 
   float acc_dk[KV_MT][KV_NT][4], acc_dv[KV_MT][KV_NT][4];
@@ -219,7 +195,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     const int stage = it & 1;
     cp_async_wait<0>();
     block_sync();  // step `it` has landed; everyone is done with the other stage and with P^T / dS^T
-    if (it + 1 < total) load_step(it + 1, stage ^ 1);
+    if (it + 1 < total)
+      query_side.load_step(s_base, walk.head(it + 1, hk, group), walk.row0(it + 1), stage ^ 1, tid);
     cp_async_commit();
 #if KV_IN_REGS
     if (it == 0) {
@@ -233,8 +210,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     }
 #endif
 
-    const int hq = hk * group + it / n_mb;
-    const int m0 = (mb_lo + it % n_mb) * BLOCK_M;
+    const int hq = walk.head(it, hk, group);
+    const int m0 = walk.row0(it);
     const u32 s_q = s_base + OFF_Q + stage * Q_TILE_BYTES;
     const u32 s_do = s_base + OFF_DO + stage * Q_TILE_BYTES;
     const float* s_lse = reinterpret_cast<const float*>(smem + OFF_LSE + stage * BLOCK_M * 4);
