@@ -45,6 +45,7 @@ FWD_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs
     64: [(128, 64, 4, True), (128, 128, 4, False), (128, 32, 4, True), (128, 128, 8, True)],
     128: [(128, 32, 4, False), (128, 64, 4, False), (128, 64, 8, True), (64, 64, 4, True), (64, 32, 4, True),
           (64, 128, 4, True)],
+    256: [(64, 32, 4, False), (128, 32, 8, False), (64, 16, 4, False), (128, 64, 8, False)],
 }
 # dK/dV: 5 fields = the one-dimensional kernel (block_n, block_m, num_warps, kv_in_regs, split; 32 keys per warp
 # where block_n = 32 warps); 7 fields = the two-dimensional kernel (block_n, block_m, num_warps, s_warps_n,
