@@ -91,7 +91,7 @@ FWD_TILES = {
     96: FwdTiles(128, 64, 4, False),
     128: FwdTiles(128, 32, 4, False),
     192: FwdTiles(64, 32, 4, False),
-    256: FwdTiles(64, 32, 4, False),
+    256: FwdTiles(128, 64, 8, False),
 }
 DKDV_TILES = {
     32: DkdvTiles(64, 64, 4, True, False),
@@ -115,6 +115,7 @@ DKDV_TILES.update({
 # code needs registers, and at d=128 eight warps of 16 rows with Q in registers avoid spilling them.
 FWD_TILES_BOUNDED = {
     128: FwdTiles(128, 64, 8, True),  # 16 rows a warp with Q in registers: 221 registers, no spills (H100 sweeps)
+    256: FwdTiles(128, 32, 8, False),  # the plain level's 64-key block spills 256 bytes with the masking code
 }
 # The dK/dV kernel of the fast backward (dQ formed in it with atomics, mode 3) has its own table.
 DKDV_ATOMIC_TILES = dict(DKDV_TILES)
