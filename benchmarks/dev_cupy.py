@@ -45,7 +45,7 @@ FWD_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs
     64: [(128, 64, 4, True), (128, 128, 4, False), (128, 32, 4, True), (128, 128, 8, True)],
     128: [(128, 32, 4, False), (128, 64, 4, False), (128, 64, 8, True), (64, 64, 4, True), (64, 32, 4, True),
           (64, 128, 4, True)],
-    256: [(64, 32, 4, False), (128, 32, 8, False), (64, 16, 4, False), (128, 64, 8, False)],
+    256: [(128, 64, 8, False), (128, 32, 8, False), (64, 32, 4, False), (64, 16, 4, False)],
 }
 # dK/dV: 5 fields = the one-dimensional kernel (block_n, block_m, num_warps, kv_in_regs, split; 32 keys per warp
 # where block_n = 32 warps); 7 fields = the two-dimensional kernel (block_n, block_m, num_warps, s_warps_n,
@@ -55,9 +55,9 @@ DKDV_CANDIDATES = {
          (128, 128, 8, 4, 4, 2, False), (64, 64, 4, 2, 2, 2, False), (128, 64, 8, 4, 8, 2, False)],
     128: [(128, 64, 8, 4, 4, 2, False), (128, 64, 8, False, False), (128, 64, 8, 4, 4, 4, False),
           (128, 64, 8, 2, 4, 2, False), (128, 32, 8, 8, 4, 2, False)],
-    96: [(64, 32, 4, False, False), (128, 64, 8, 4, 4, 4, False)],
-    192: [(64, 32, 4, False, True), (64, 32, 8, 4, 4, 2, False), (64, 64, 8, 2, 4, 4, False)],
-    256: [(64, 32, 4, False, True), (64, 64, 8, 2, 4, 2, False), (64, 32, 8, 4, 4, 2, False),
+    96: [(128, 64, 8, 4, 4, 4, False), (64, 32, 4, False, False)],
+    192: [(64, 64, 8, 2, 4, 4, False), (64, 32, 4, False, True), (64, 32, 8, 4, 4, 2, False)],
+    256: [(64, 64, 8, 2, 4, 2, False), (64, 32, 4, False, True), (64, 32, 8, 4, 4, 2, False),
           (64, 64, 8, 4, 4, 4, False)],
 }
 DQ_CANDIDATES = {  # block_m, block_n, num_warps, q_in_regs (32 query rows per warp where block_m = 32 warps)
@@ -243,10 +243,8 @@ def section_sweep(args, cc):
 
     tables = {"fwd": variants.FWD_TILES, "dkdv": variants.DKDV_TILES, "dq": variants.DQ_TILES,
               "dkdv-fast": variants.DKDV_ATOMIC_TILES}
-    def dkdv_maker(*fields):
-        return variants.dkdv_tiles_from_fields(fields)
-
-    makers = {"fwd": variants.FwdTiles, "dkdv": dkdv_maker, "dq": variants.DqTiles, "dkdv-fast": dkdv_maker}
+    makers = {"fwd": variants.FwdTiles, "dkdv": variants.dkdv_tiles_from_fields, "dq": variants.DqTiles,
+              "dkdv-fast": variants.dkdv_tiles_from_fields}
     cands = {"fwd": FWD_CANDIDATES, "dkdv": DKDV_CANDIDATES, "dq": DQ_CANDIDATES, "dkdv-fast": DKDV_CANDIDATES}
 
     def usable(kind, d, tiles):

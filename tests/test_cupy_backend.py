@@ -179,9 +179,9 @@ def test_two_dimensional_tiles_are_checked_and_fall_back_where_they_do_not_fit(m
     [variant] = variants.dkdv_variants((9, 0), "float16", 128, "bounds", atomic_dq=False)
     assert variant.kernel == "bwd_dkdv_2d" and variant.define("DKDV_MODE") == 0
     assert variant.smem_bytes == variants.dkdv_smem(big, 128) <= variants.smem_limit((9, 0))
-    assert variants.dkdv_tiles_from_fields([128, 64, 8, 4, 4, 2, False]) == variants.Dkdv2dTiles(128, 64, 8, 4, 4, 2, False)
+    assert variants.dkdv_tiles_from_fields(128, 64, 8, 4, 4, 2, False) == variants.Dkdv2dTiles(128, 64, 8, 4, 4, 2, False)
     with pytest.raises(ValueError, match="5 fields"):
-        variants.dkdv_tiles_from_fields([1, 2, 3])
+        variants.dkdv_tiles_from_fields(1, 2, 3)
     assert [variants.head_dim_bucket(d) for d in (8, 16, 40, 64, 80, 96, 128, 160, 224, 256)] == \
         [32, 32, 64, 64, 96, 96, 128, 192, 256, 256]
     assert variants.parse_arch("sm_90") == (9, 0) and variants.parse_arch("8.6") == (8, 6)
@@ -313,7 +313,7 @@ def test_emulated_kernels_match_reference(emulated_backend, poisoned, monkeypatc
     case = EMULATED[name]
     table = variants.DKDV_TILES if case.get("deterministic", True) else variants.DKDV_ATOMIC_TILES
     for bucket, fields in case.get("dkdv_tiles", {}).items():
-        monkeypatch.setitem(table, bucket, variants.dkdv_tiles_from_fields(fields))
+        monkeypatch.setitem(table, bucket, variants.dkdv_tiles_from_fields(*fields))
     batch, hq, hkv, nq, nk, d = case["shape"]
     q, k, v, grad_out = _inputs(batch, hq, hkv, nq, nk, d, case["dtype"], "cpu", strided=case.get("strided", False))
     mask = None

@@ -134,14 +134,13 @@ DQ_TILES = {
 TILES_ENV = "MHATTN_CUPY_TILES"
 
 
-def dkdv_tiles_from_fields(fields) -> object:
+def dkdv_tiles_from_fields(*fields) -> object:
     """DkdvTiles from its 5 fields, Dkdv2dTiles from its 7 (the dK/dV tables hold either)."""
-    fields = list(fields)
     if len(fields) == 7:
         return Dkdv2dTiles(*fields)
     if len(fields) == 5:
         return DkdvTiles(*fields)
-    raise ValueError(f"dK/dV tiles: expected 5 fields (DkdvTiles) or 7 (Dkdv2dTiles), got {fields}")
+    raise ValueError(f"dK/dV tiles: expected 5 fields (DkdvTiles) or 7 (Dkdv2dTiles), got {list(fields)}")
 
 
 def _apply_tile_override(text: str) -> None:
@@ -153,7 +152,7 @@ def _apply_tile_override(text: str) -> None:
         for name, per_dim in entries.items():
             table, make = tables[name]
             for d, fields in per_dim.items():
-                table[int(d)] = make(*fields) if make in (FwdTiles, DqTiles) else make(fields)
+                table[int(d)] = make(*fields)
     except Exception as error:
         raise ValueError(f"{TILES_ENV}: expected JSON like {{\"fwd\": {{\"128\": [128, 32, 4, false]}}}} with tables "
                          f"{sorted(tables)}, got {text!r} ({type(error).__name__}: {error})") from None
