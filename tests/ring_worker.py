@@ -1,0 +1,102 @@
+"""One rank of the CPU ring-attention check (run by tests/test_distributed.py, one process per rank):
+
+    python tests/ring_worker.py RANK WORLD INIT_FILE
+
+Joins a gloo group through INIT_FILE, then for each case compares ring_attention on this rank's shard
+(float64, reference backend) with mhattn.attention over the whole sequence: output, log-sum-exp and the
+gradients of q, k, v. Every rank draws the same full inputs from one seed. Prints one line per case and
+exits 1 at the first mismatch.
+"""
+
+import datetime
+import sys
+
+import torch
+import torch.distributed as dist
+
+import mhattn
+from mhattn.conformance.tolerance import compare
+from mhattn.distributed import gather_sequence, ring_attention, shard_sequence
+
+# (layout, is_causal, Hq, Hkv, D, Dv, with an lse gradient, leading batch dims)
+CASES = [
+    ("contiguous", False, 4, 4, 8, 8, False, (2,)),
+    ("contiguous", True, 4, 4, 8, 8, False, (2,)),
+    ("contiguous", True, 4, 2, 8, 8, True, (2,)),
+    ("contiguous", False, 6, 2, 8, 5, False, ()),
+    ("zigzag", False, 4, 4, 8, 8, True, (2,)),
+    ("zigzag", True, 4, 4, 8, 8, False, (2,)),
+    ("zigzag", True, 6, 2, 8, 8, True, (1, 2)),
+    ("zigzag", True, 4, 1, 8, 5, False, (2,)),
+]
+
+
+def check_case(case, world: int, chunk: int) -> list:
+    layout, causal, heads_q, heads_kv, dim, dim_v, lse_grad, batch = case
+    n = 2 * world * chunk
+    gen = torch.Generator().manual_seed(1234)
+    q = torch.randn(*batch, heads_q, n, dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(*batch, heads_kv, n, dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(*batch, heads_kv, n, dim_v, generator=gen, dtype=torch.float64)
+    grad_out = torch.randn(*batch, heads_q, n, dim_v, generator=gen, dtype=torch.float64)
+    grad_lse = torch.randn(*batch, heads_q, n, generator=gen, dtype=torch.float64) if lse_grad else None
+    gqa = heads_q != heads_kv
+
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = mhattn.attention(*full, is_causal=causal, enable_gqa=gqa, return_lse=True, backend="reference")
+    _backward(out, lse, grad_out, grad_lse)
+
+    def shard(t, dim=-2):
+        return shard_sequence(t, layout=layout, dim=dim)
+
+    local = [shard(t).detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out_l, lse_l = ring_attention(*local, is_causal=causal, enable_gqa=gqa, layout=layout, return_lse=True,
+                                  backend="reference")
+    _backward(out_l, lse_l, shard(grad_out), None if grad_lse is None else shard(grad_lse, -1))
+
+    results = [compare("out", out_l, shard(out)), compare("lse", lse_l, shard(lse, -1))]
+    for name, mine, gold in zip(("dq", "dk", "dv"), local, full):
+        results.append(compare(name, mine.grad, shard(gold.grad)))
+    return results
+
+
+def _backward(out, lse, grad_out, grad_lse):
+    loss = (out * grad_out).sum()
+    if grad_lse is not None:
+        loss = loss + (lse * grad_lse).sum()
+    loss.backward()
+
+
+def check_round_trip(world: int) -> list:
+    failures = []
+    x = torch.arange(2 * 3 * 4 * world * 5, dtype=torch.float32).view(2, 3, 4 * world, 5)
+    for layout in ("contiguous", "zigzag"):
+        for dim in (-2, 2, 0 if world <= 2 else -2):
+            if x.shape[dim] % (2 * world if layout == "zigzag" else world):
+                continue
+            part = shard_sequence(x, layout=layout, dim=dim)
+            back = gather_sequence(part, layout=layout, dim=dim)
+            if not torch.equal(back, x):
+                failures.append(f"gather_sequence(shard_sequence(x)) != x for layout {layout}, dim {dim}")
+    return failures
+
+
+def main() -> int:
+    rank, world, init_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    failed = check_round_trip(world)
+    for case in CASES:
+        results = check_case(case, world, chunk=3)
+        bad = [str(r) for r in results if not r.ok]
+        print(f"rank {rank}: {case}: {'ok' if not bad else 'FAIL ' + '; '.join(bad)}", flush=True)
+        failed += bad
+    dist.barrier()
+    dist.destroy_process_group()
+    for line in failed:
+        print(f"rank {rank}: {line}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
