@@ -3,6 +3,7 @@ itself in 2 and 3 gloo processes on the CPU (tests/ring_worker.py) against mhatt
 
 import datetime
 import os
+import signal
 import subprocess
 import sys
 
@@ -14,7 +15,8 @@ import mhattn
 from mhattn.distributed import (LAYOUTS, _from_parts, _local_part, gather_sequence, ring_attention, shard_sequence,
                                 step_blocks)
 
-WORKER = os.path.join(os.path.dirname(__file__), "ring_worker.py")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "ring_worker.py")
 
 
 def global_positions(layout, rank, world, n_local):
@@ -123,23 +125,31 @@ def test_input_errors(group_of_one):
         ring_attention(q, q, q, backend="nonesuch")
 
 
-def _run_ranks(world: int, tmp_path, timeout_s: float = 120.0):
-    """Run tests/ring_worker.py as ``world`` processes; a hang fails the test after ``timeout_s``."""
-    init_file = tmp_path / "init"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, WORKER, str(rank), str(world), str(init_file)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world)]
+def _communicate(procs, what: str, timeout_s: float) -> list:
+    """Each process's output; a hang kills every process (and its children) and fails the test."""
     logs = []
     try:
         for proc in procs:
-            out, _ = proc.communicate(timeout=timeout_s)
-            logs.append(out)
+            logs.append(proc.communicate(timeout=timeout_s)[0])
     except subprocess.TimeoutExpired:
         for proc in procs:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-        pytest.fail(f"the {world} ring processes did not finish within {timeout_s} s")
+        pytest.fail(f"{what} did not finish within {timeout_s} s")
+    return logs
+
+
+def _start(command, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(tmp_path))
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _run_ranks(world: int, tmp_path, timeout_s: float = 120.0):
+    """Run tests/ring_worker.py as ``world`` processes."""
+    init_file = tmp_path / "init"
+    procs = [_start([sys.executable, WORKER, str(rank), str(world), str(init_file)], tmp_path) for rank in range(world)]
+    logs = _communicate(procs, f"the {world} ring processes", timeout_s)
     return [p.returncode for p in procs], "\n".join(logs)
 
 
@@ -150,3 +160,18 @@ def test_ring_matches_attention_on_gloo(world, tmp_path):
     codes, log = _run_ranks(world, tmp_path)
     assert codes == [0] * world, log
     assert log.count(": ok") == world * 8, log
+
+
+@pytest.mark.parametrize("script, args, expect", [
+    ("examples/ring_train.py", ["--cpu", "--steps", "3"], "OK"),
+    ("benchmarks/check_ring.py", ["--cpu-smoke", "--reps", "1"], "agreement (bf16, conformance tolerance, both "
+                                                                 "layouts): PASS"),
+])
+def test_scripts_run_on_two_cpu_ranks(script, args, expect, tmp_path):
+    """The training example and the GPU check script, on the CPU over gloo under torchrun (2 ranks)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               os.path.join(REPO, script), *args]
+    proc = _start(command, tmp_path)
+    (log,) = _communicate([proc], script, 180.0)
+    assert proc.returncode == 0, log
+    assert expect in log, log
