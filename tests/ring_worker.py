@@ -1,11 +1,13 @@
 """One rank of the CPU ring-attention check (run by tests/test_distributed.py, one process per rank):
 
-    python tests/ring_worker.py RANK WORLD INIT_FILE
+    python tests/ring_worker.py RANK WORLD INIT_FILE [BACKEND]
 
 Joins a gloo group through INIT_FILE, then for each case compares ring_attention on this rank's shard
-(float64, reference backend) with mhattn.attention over the whole sequence: output, log-sum-exp and the
+with mhattn.attention over the whole sequence in float64 (reference backend): output, log-sum-exp and the
 gradients of q, k, v. Every rank draws the same full inputs from one seed. Prints one line per case and
-exits 1 at the first mismatch.
+exits 1 if any differs. BACKEND: "reference" (default; float64 inputs, every case) or "triton" (run with
+TRITON_INTERPRET=1: float32 inputs, a few cases; the kernels' backward then gets the merged output and
+log-sum-exp of the whole sequence, and views of the shards, as on a GPU).
 """
 
 import datetime
@@ -31,7 +33,11 @@ CASES = [
 ]
 
 
-def check_case(case, world: int, chunk: int) -> list:
+# The cases run through the Triton kernels under the interpreter (slow: few and small).
+TRITON_CASES = [CASES[1], CASES[4], CASES[6]]
+
+
+def check_case(case, world: int, chunk: int, dtype=torch.float64, backend: str = "reference") -> list:
     layout, causal, heads_q, heads_kv, dim, dim_v, lse_grad, batch = case
     n = 2 * world * chunk
     gen = torch.Generator().manual_seed(1234)
@@ -49,10 +55,10 @@ def check_case(case, world: int, chunk: int) -> list:
     def shard(t, dim=-2):
         return shard_sequence(t, layout=layout, dim=dim)
 
-    local = [shard(t).detach().clone().requires_grad_(True) for t in (q, k, v)]
+    local = [shard(t).detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
     out_l, lse_l = ring_attention(*local, is_causal=causal, enable_gqa=gqa, layout=layout, return_lse=True,
-                                  backend="reference")
-    _backward(out_l, lse_l, shard(grad_out), None if grad_lse is None else shard(grad_lse, -1))
+                                  backend=backend)
+    _backward(out_l, lse_l, shard(grad_out).to(dtype), None if grad_lse is None else shard(grad_lse, -1).to(dtype))
 
     results = [compare("out", out_l, shard(out)), compare("lse", lse_l, shard(lse, -1))]
     for name, mine, gold in zip(("dq", "dk", "dv"), local, full):
@@ -85,9 +91,13 @@ def main() -> int:
     rank, world, init_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
+    backend = sys.argv[4] if len(sys.argv) > 4 else "reference"
     failed = check_round_trip(world)
-    for case in CASES:
-        results = check_case(case, world, chunk=3)
+    for case in CASES if backend == "reference" else TRITON_CASES:
+        if backend == "reference":
+            results = check_case(case, world, chunk=3)
+        else:
+            results = check_case(case, world, chunk=8, dtype=torch.float32, backend=backend)
         bad = [str(r) for r in results if not r.ok]
         print(f"rank {rank}: {case}: {'ok' if not bad else 'FAIL ' + '; '.join(bad)}", flush=True)
         failed += bad

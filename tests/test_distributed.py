@@ -2,6 +2,7 @@
 itself in 2 and 3 gloo processes on the CPU (tests/ring_worker.py) against mhattn.attention."""
 
 import datetime
+import importlib.util
 import os
 import signal
 import subprocess
@@ -139,16 +140,17 @@ def _communicate(procs, what: str, timeout_s: float) -> list:
     return logs
 
 
-def _start(command, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(tmp_path))
+def _start(command, tmp_path, **env_vars):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(tmp_path), **env_vars)
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
 
-def _run_ranks(world: int, tmp_path, timeout_s: float = 120.0):
+def _run_ranks(world: int, tmp_path, backend: str = "reference", timeout_s: float = 120.0, **env_vars):
     """Run tests/ring_worker.py as ``world`` processes."""
     init_file = tmp_path / "init"
-    procs = [_start([sys.executable, WORKER, str(rank), str(world), str(init_file)], tmp_path) for rank in range(world)]
+    procs = [_start([sys.executable, WORKER, str(rank), str(world), str(init_file), backend], tmp_path, **env_vars)
+             for rank in range(world)]
     logs = _communicate(procs, f"the {world} ring processes", timeout_s)
     return [p.returncode for p in procs], "\n".join(logs)
 
@@ -160,6 +162,16 @@ def test_ring_matches_attention_on_gloo(world, tmp_path):
     codes, log = _run_ranks(world, tmp_path)
     assert codes == [0] * world, log
     assert log.count(": ok") == world * 8, log
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_ring_on_triton_kernels_on_gloo(tmp_path):
+    """The same with the Triton kernels under TRITON_INTERPRET=1 (float32, 2 ranks, 3 cases): their backward
+    takes the merged output and log-sum-exp of the whole sequence and views of the shards."""
+    codes, log = _run_ranks(2, tmp_path, backend="triton", timeout_s=240.0, TRITON_INTERPRET="1")
+    assert codes == [0, 0], log
+    assert log.count(": ok") == 2 * 3, log
 
 
 @pytest.mark.parametrize("script, args, expect", [
