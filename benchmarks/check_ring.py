@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 benchmarks/check_ring.py                 # the checks, then N = 128k and 256k
     torchrun --nproc-per-node 2 benchmarks/check_ring.py --seqlen 128k   # timings at 128k only
 
-1. Agreement: for both layouts, causal and not (GQA 8/2, d = 128, bf16), every rank's shard of the ring's
+1. Agreement: for both layouts, causal and not (N = 8k, GQA 8/2, d = 128, bf16), every rank's shard of the ring's
    output, lse, dq, dk and dv is judged by CONFORMANCE.md's rule (mhattn.conformance.tolerance): gold =
    the reference in float32 over the whole sequence, low precision = the reference in bf16; the single-GPU
    result of the fused backend is judged the same way beside it, and the largest ring vs single-GPU
@@ -156,8 +156,8 @@ def comm_only(ring, kv_numel, dtype, device, reps) -> float:
     """The exchanges of one forward+backward alone: W-1 K/V shards forward, W-1 K/V shards and W dK/dV
     accumulators (float32) backward, one after another."""
     world = ring.size
-    kv = [torch.randn(kv_numel, device=device).to(dtype) for _ in range(2)]
-    dkv = [torch.randn(kv_numel, device=device) for _ in range(2)]
+    kv = [torch.empty(kv_numel, device=device, dtype=dtype) for _ in range(2)]  # contents do not matter
+    dkv = [torch.empty(kv_numel, device=device, dtype=torch.float32) for _ in range(2)]
 
     def run():
         for _ in range(2 * (world - 1)):
@@ -256,7 +256,8 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--reps", type=int, default=2, help="timed runs after one warm-up (median)")
-    parser.add_argument("--check-seqlen", type=int, default=4096, help="total N of the agreement checks")
+    parser.add_argument("--check-seqlen", type=int, default=8192,
+                        help="total N of the agreement checks (8k: the kernels' long-sequence tiles, as timed)")
     parser.add_argument("--check-heads", type=int, default=8)
     parser.add_argument("--backend", default=None, help="mhattn backend of the local work (default: auto)")
     parser.add_argument("--budget-s", type=float, default=200.0, help="skip a size whose estimate passes this")
