@@ -33,8 +33,27 @@ CASES = [
 ]
 
 
-# The cases run through the Triton kernels under the interpreter (slow: few and small).
-TRITON_CASES = [CASES[1], CASES[4], CASES[6]]
+# The cases run through the kernels on the CPU (Triton's interpreter, the CUDA kernels' emulator): slow, so
+# few and small; head dim 32 (the CUDA kernels' smallest).
+KERNEL_CASES = [("contiguous", True, 4, 4, 32, 32, False, (2,)), ("zigzag", False, 4, 4, 32, 32, True, (2,)),
+                ("zigzag", True, 6, 2, 32, 32, True, (1, 2))]
+
+
+def register_emulated_cupy():
+    """The CuPy backend's CUDA kernels on CPU tensors through their host-side emulator, as "cupy-emulated"."""
+    from mhattn.backends.base import Capabilities
+    from mhattn.backends.cupy import CupyBackend
+    from mhattn.backends.cupy.emulator import EmulatorLauncher
+
+    class EmulatedCupy(CupyBackend):
+        name = "cupy-emulated"
+        capabilities = Capabilities(**{**CupyBackend.capabilities.__dict__, "device_types": frozenset({"cpu"}),
+                                       "min_compute_capability": None})
+
+        def unavailable(self):
+            return []
+
+    mhattn.register_backend(EmulatedCupy(launcher=EmulatorLauncher(), compute_capability=(9, 0), deterministic=False))
 
 
 def check_case(case, world: int, chunk: int, dtype=torch.float64, backend: str = "reference") -> list:
@@ -60,9 +79,20 @@ def check_case(case, world: int, chunk: int, dtype=torch.float64, backend: str =
                                   backend=backend)
     _backward(out_l, lse_l, shard(grad_out).to(dtype), None if grad_lse is None else shard(grad_lse, -1).to(dtype))
 
-    results = [compare("out", out_l, shard(out)), compare("lse", lse_l, shard(lse, -1))]
-    for name, mine, gold in zip(("dq", "dk", "dv"), local, full):
-        results.append(compare(name, mine.grad, shard(gold.grad)))
+    golds = [out, lse] + [t.grad for t in full]
+    lowps = [None] * 5
+    if dtype in (torch.float16, torch.bfloat16):  # CONFORMANCE.md's rule: the reference in dtype sets the bar
+        low = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
+        low_out, low_lse = mhattn.attention(*low, is_causal=causal, enable_gqa=gqa, return_lse=True,
+                                            backend="reference")
+        _backward(low_out, low_lse, grad_out.to(dtype), None if grad_lse is None else grad_lse.to(dtype))
+        lowps = [low_out, low_lse] + [t.grad for t in low]
+    results = []
+    for name, mine, gold, lowp in zip(("out", "lse", "dq", "dk", "dv"), [out_l, lse_l] + [t.grad for t in local],
+                                      golds, lowps):
+        seq_dim = -1 if name == "lse" else -2
+        results.append(compare(name, mine, shard(gold, seq_dim), None if lowp is None else shard(lowp, seq_dim),
+                               dtype=dtype))
     return results
 
 
@@ -93,11 +123,15 @@ def main() -> int:
                             timeout=datetime.timedelta(seconds=60))
     backend = sys.argv[4] if len(sys.argv) > 4 else "reference"
     failed = check_round_trip(world)
-    for case in CASES if backend == "reference" else TRITON_CASES:
+    if backend == "cupy-emulated":
+        register_emulated_cupy()
+    for case in CASES if backend == "reference" else KERNEL_CASES:
         if backend == "reference":
             results = check_case(case, world, chunk=3)
-        else:
+        elif backend == "triton":
             results = check_case(case, world, chunk=8, dtype=torch.float32, backend=backend)
+        else:
+            results = check_case(case, world, chunk=8, dtype=torch.bfloat16, backend=backend)
         bad = [str(r) for r in results if not r.ok]
         print(f"rank {rank}: {case}: {'ok' if not bad else 'FAIL ' + '; '.join(bad)}", flush=True)
         failed += bad

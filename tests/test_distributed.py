@@ -1,5 +1,7 @@
 """mhattn.distributed: which blocks each ring step computes, the layouts, argument errors, and the ring
-itself in 2 and 3 gloo processes on the CPU (tests/ring_worker.py) against mhattn.attention."""
+itself in 2 and 3 gloo processes on the CPU (tests/ring_worker.py) against mhattn.attention, on the
+reference, the Triton kernels (interpreter) and the CUDA kernels (emulator); the training example and the
+GPU check script on two CPU ranks."""
 
 import datetime
 import importlib.util
@@ -170,6 +172,17 @@ def test_ring_on_triton_kernels_on_gloo(tmp_path):
     """The same with the Triton kernels under TRITON_INTERPRET=1 (float32, 2 ranks, 3 cases): their backward
     takes the merged output and log-sum-exp of the whole sequence and views of the shards."""
     codes, log = _run_ranks(2, tmp_path, backend="triton", timeout_s=240.0, TRITON_INTERPRET="1")
+    assert codes == [0, 0], log
+    assert log.count(": ok") == 2 * 3, log
+
+
+def test_ring_on_cuda_kernels_emulated_on_gloo(tmp_path):
+    """The same with the CuPy backend's CUDA kernels run by their host-side emulator (bf16, judged by the
+    conformance rule, 2 ranks, 3 cases)."""
+    emulator = pytest.importorskip("mhattn.backends.cupy.emulator")  # in the source tree, not in a wheel
+    if emulator.host_compiler() is None:
+        pytest.skip("no host C++ compiler for the kernel emulator")
+    codes, log = _run_ranks(2, tmp_path, backend="cupy-emulated", timeout_s=300.0)
     assert codes == [0, 0], log
     assert log.count(": ok") == 2 * 3, log
 
