@@ -17,7 +17,7 @@ Layouts (how the global sequence of N = W * N_local tokens maps to ranks), see :
 - ``"contiguous"``: rank r holds tokens [r * N_local, (r + 1) * N_local).
 - ``"zigzag"``: the sequence is cut into 2W equal chunks and rank r holds chunks r and 2W - 1 - r, in
   that order. With causal attention every rank then does the same work; with "contiguous" the last rank
-  does W times the work of the first.
+  does 2W - 1 times the work of the first.
 
 Causal attention per step (the global mask, seen from one (query shard, key shard) pair):
 
@@ -75,7 +75,10 @@ def _group_rank_and_size(group):
     if not dist.is_available() or not dist.is_initialized():
         raise InputError("group: torch.distributed is not initialised (call torch.distributed.init_process_group "
                          "first, e.g. under torchrun)")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise InputError("group: this process is not a member of the group it passed")
+    return rank, dist.get_world_size(group)
 
 
 def _seq_dim(x: torch.Tensor, dim: int, arg: str) -> int:
