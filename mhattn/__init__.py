@@ -14,6 +14,7 @@ from mhattn.registry import names as backend_names
 from mhattn.dispatch import Decision, set_priority, use_backend
 from mhattn.functional import attention, explain
 from mhattn.modules import MultiheadAttention, replace_multihead_attention
+from mhattn import distributed  # context parallelism: mhattn.distributed.ring_attention
 
 __all__ = [
     "attention", "explain", "use_backend", "register_backend", "unregister_backend", "get_backend",
