@@ -83,6 +83,10 @@ class _Plan:
                           MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, DOT_PRECISION=dot_precision)
         # A tile that did not fit is remembered for kernels compiled alike on a device alike.
         self.shrink_key = (q.device.type, q.device.index, cc, q.dtype, tuple(sorted(self.flags.items())))
+        # The Hopper paths (copy-engine loads, warp specialisation) need sm_90; the interpreter runs the
+        # descriptor loads too, so CPU tests cover them.
+        self.hopper = INTERPRET or (cc is not None and cc[0] >= 9)
+        self.warp_specialize_ok = cc is not None and cc[0] >= 9
 
 
 class _Launch:
@@ -116,6 +120,16 @@ class _Launch:
             self.dropout_scale, self.seed, threshold = 1.0, q, 0
         self.band = (int(params.diag_offset), int(params.window_left or 0), int(params.window_right or 0), self.seed,
                      threshold)
+        # The Hopper paths (copy-engine loads) need every tensor the kernels read through descriptors aligned.
+        self.tma_ok = self.plan.hopper and _descriptor_ready(q, k, v)
+
+    def hopper_flags(self, tile: configs.KernelConfig, *query_side) -> dict:
+        """TMA / WARP_SPECIALIZE for a launch of ``tile``: on only where the tile asks for them and this call
+        can have them (sm_90, and every tensor the kernel reads through descriptors suitably aligned)."""
+        tma = tile.tma and self.tma_ok and _descriptor_ready(*query_side)
+        if tma:
+            _ensure_descriptor_allocator()
+        return dict(TMA=tma, WARP_SPECIALIZE=tile.warp_specialize and self.plan.warp_specialize_ok)
 
 
 _plans: dict = {}
@@ -134,6 +148,36 @@ def _plan_for(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout)
             _plans.pop(next(iter(_plans)), None)  # the oldest
         _plans[key] = plan
     return plan
+
+
+def _descriptor_ready(*tensors) -> bool:
+    """True when every (B, H, N, D) tensor can be read through per-head tensor descriptors: the copy
+    engine needs a 16-byte aligned start for every head and a row stride that is a non-zero multiple
+    of 16 bytes (views of a packed QKV projection usually are; a broadcast or odd-strided one falls back
+    to pointer loads)."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or t.stride(2) < t.shape[3]:
+            return False
+        if any((stride * size) % 16 for stride in t.stride()[:3]):
+            return False
+    return True
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda" if not INTERPRET else "cpu")
+
+
+def _ensure_descriptor_allocator():
+    """Tensor descriptors made inside a kernel live in a little global scratch memory per program, which
+    Triton takes from the allocator given to ``triton.set_allocator``. Install one made of torch
+    allocations (stream-ordered by torch's caching allocator) unless the caller has set their own."""
+    import triton
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator.get()
+    if isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)
 
 
 def _as_int32(word) -> int:
@@ -202,8 +246,27 @@ class TritonBackend(Backend):
         features=frozenset(FEATURES),
     )
 
-    def __init__(self):
+    def __init__(self, deterministic: Optional[bool] = None):
         self._unavailable: Optional[list] = None
+        # deterministic: True = dQ from its own kernel (bitwise reproducible); False = dQ summed with atomics
+        # inside the dK/dV kernel where the configuration asks for it; None (default) = deterministic when
+        # torch.use_deterministic_algorithms(True) is on.
+        self.deterministic = deterministic
+
+    def _dq_mode(self, run: "_Launch", mask_grad: bool) -> int:
+        """0: the separate dQ kernel; 1: atomics; 2: the copy engine's bulk reduce-add (see configs.DQ_MODES).
+        The mask gradient needs dS, which only the dQ kernel writes; a deterministic backward needs the dQ kernel."""
+        mode = run.plan.config.dq_mode
+        deterministic = self.deterministic
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        if mode == "separate" or mask_grad or deterministic:
+            return 0
+        # The bulk reduce-add needs descriptors (sm_90, aligned rows) and a real GPU (the interpreter has no
+        # reduce-add through descriptors); float32 rows of D elements are 16-byte multiples when D % 4 == 0.
+        if mode == "tma" and run.tma_ok and not INTERPRET and run.plan.head_dim % 4 == 0:
+            return 2
+        return 1
 
     # ---- availability -------------------------------------------------------------------------
     def unavailable(self) -> list:
@@ -259,11 +322,11 @@ class TritonBackend(Backend):
                 run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale,
                 *run.band,
                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAVY_FIRST=plan.heavy_first, **plan.flags,
-                num_warps=tile.num_warps, num_stages=tile.num_stages,
+                **run.hopper_flags(tile), num_warps=tile.num_warps, num_stages=tile.num_stages,
             )
 
         with _OnDevice(q.device):
-            _run("forward", plan.config.forward, plan.shrink_key, launch)
+            _run("forward", plan.config.forward, plan.shrink_key + (run.tma_ok,), launch)
         return out, lse
 
     # ---- backward -----------------------------------------------------------------------------
@@ -287,6 +350,10 @@ class TritonBackend(Backend):
 
         delta = torch.empty(plan.batch, plan.heads_q, plan.seqlen_q, dtype=torch.float32, device=q.device)
         lse2 = torch.empty_like(delta)
+        dq_mode = self._dq_mode(run, mask_grad)
+        # dQ summed inside the dK/dV kernel: a zeroed float32 buffer (B, Hq, Nq, D), converted at the end.
+        dq_acc = (torch.zeros(plan.batch, plan.heads_q, plan.seqlen_q, plan.head_dim, dtype=torch.float32,
+                              device=q.device) if dq_mode else delta)
         grad_lse_arg = grad_lse if grad_lse is not None else lse
         with _OnDevice(q.device):
             block_pre = 64
@@ -305,13 +372,14 @@ class TritonBackend(Backend):
                 num_n_blocks = triton_cdiv(plan.seqlen_k, tile.block_n)
                 grid = (plan.batch * plan.heads_kv * num_n_blocks,)
                 backward_module.backward_dkdv_kernel[grid](
-                    q, k, v, grad_out, lse2, delta, dk, dv, run.mask,
+                    q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run.mask,
                     *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out),
                     *_strides4(dk), *_strides4(dv), *run.mask_strides,
                     plan.heads_q, plan.heads_kv, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_n_blocks,
                     run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
                     *run.band,
                     BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **plan.flags,
+                    **run.hopper_flags(tile, grad_out), DQ_MODE=dq_mode,
                     num_warps=tile.num_warps, num_stages=tile.num_stages,
                 )
 
@@ -330,8 +398,12 @@ class TritonBackend(Backend):
                     num_warps=tile.num_warps, num_stages=tile.num_stages,
                 )
 
-            _run("dkdv", plan.config.dkdv, plan.shrink_key, launch_dkdv)
-            _run("dq", plan.config.dq, plan.shrink_key, launch_dq)
+            key = plan.shrink_key + (run.tma_ok, dq_mode)
+            _run("dkdv", plan.config.dkdv, key, launch_dkdv)
+            if dq_mode:
+                dq.copy_(dq_acc)
+            else:
+                _run("dq", plan.config.dq, key, launch_dq)
         if dmask is not None:
             dmask = dmask.to(params.mask.dtype)
         return dq, dk, dv, dmask
