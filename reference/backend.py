@@ -45,7 +45,7 @@ class ReferenceBackend(Backend):
         qc, kc, vc, doc, oc = (t.to(dtype) for t in (q, k, v, grad_out, out))
         batch, heads_q, seqlen_q, _ = q.shape
         heads_kv, seqlen_k = k.shape[1], k.shape[2]
-        group = heads_q // heads_kv
+        group = heads_q // heads_kv if heads_kv else 1  # no head at all: nothing to group
         if group > 1:
             kc = kc.repeat_interleave(group, dim=1)
             vc = vc.repeat_interleave(group, dim=1)

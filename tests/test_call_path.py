@@ -219,6 +219,20 @@ def test_triton_tile_shrink_cache_is_keyed_by_device_and_flags():
     tb._shrunk.clear()
 
 
+def test_cupy_launch_arguments_are_typed_once():
+    import numpy as np
+
+    from mhattn.backends.cupy.launcher import f32, i32, i64, ptr, typed_values, u32
+
+    t = torch.zeros(4)
+    args = [ptr(t), i32(-1), u32(-1), i64(1 << 40), f32(0.5), i32(-1)]
+    values = typed_values(args)
+    assert [type(x) for x in values] == [np.uint64, np.int32, np.uint32, np.int64, np.float32, np.int32]
+    assert [int(x) for x in values[:4]] == [t.data_ptr(), -1, 0xFFFFFFFF, 1 << 40] and float(values[4]) == 0.5
+    assert values[1] is values[5]  # the same typed scalar, made once
+    assert typed_values(args) == values
+
+
 # ---- layouts: what backends write is what the fake implementations promise -------------------------------------
 
 
@@ -290,7 +304,7 @@ def _both(q, k, v, **kwargs):
     for fn in (mhattn.attention, F.scaled_dot_product_attention):
         inputs = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
         out = fn(*inputs, **kwargs)
-        grads = torch.autograd.grad(out.sum(), inputs, allow_unused=True) if out.numel() else (None,) * 3
+        grads = torch.autograd.grad(out.sum(), inputs, allow_unused=True, materialize_grads=True)
         results.append((out, grads))
     return results
 
@@ -311,8 +325,9 @@ def test_inputs_sdpa_accepts_give_sdpas_result(shapes):
     assert out.shape == want.shape
     assert (out - want).abs().max().item() <= 1e-10 if out.numel() else True
     for g, w in zip(grads, want_grads):
-        if w is not None and w.numel():
-            assert g is not None and g.shape == w.shape and (g - w).abs().max() <= 1e-10
+        assert g.shape == w.shape
+        if w.numel():
+            assert (g - w).abs().max() <= 1e-10
 
 
 def test_dropout_one_gives_zeros_and_bounds_are_checked():
