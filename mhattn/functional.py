@@ -296,8 +296,9 @@ def _to4d(t: torch.Tensor) -> torch.Tensor:
 def _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p, seed,
             softcap) -> AttentionParams:
     """The backend's view of a call (the causal bound is already folded into window_right by _prepare)."""
-    return AttentionParams(scale, diag_offset, window_left, window_right, mask, mask_requires_grad, dropout_p,
-                           (0, 0) if seed is None else seed, softcap)
+    return AttentionParams(scale=scale, diag_offset=diag_offset, window_left=window_left, window_right=window_right,
+                           mask=mask, mask_requires_grad=mask_requires_grad, dropout_p=dropout_p,
+                           seed=(0, 0) if seed is None else seed, softcap=softcap)
 
 
 def _backend_argument_now(backend) -> str:
@@ -460,7 +461,7 @@ def _attention_backward(
                                 _uses_window(window_left, window_right, is_causal))
         chosen = dispatch.backend_for(q, k, v, features, name, source)
     dq, dk, dv, dmask = _run_backward(chosen, params, grad_out, q, k, v, out, lse, grad_lse)
-    dmask = q.new_empty(0) if dmask is None else layouts.placed(dmask, layouts.grad_strides(mask))
+    dmask = q.new_empty(0) if dmask is None else layouts.placed(dmask, layouts.contiguous_strides(dmask.shape))
     return (layouts.placed(dq, layouts.grad_strides(q)), layouts.placed(dk, layouts.grad_strides(k)),
             layouts.placed(dv, layouts.grad_strides(v)), dmask)
 
@@ -468,7 +469,8 @@ def _attention_backward(
 @_attention_backward.register_fake
 def _(grad_out, grad_lse, q, k, v, out, lse, mask, seed, backend, scale, is_causal, diag_offset, window_left,
       window_right, dropout_p, softcap, mask_requires_grad):
-    dmask = layouts.grad_buffer(mask) if (mask is not None and mask_requires_grad) else q.new_empty(0)
+    # The mask gradient in the mask's broadcast 4-D shape, contiguous (what every built-in backend returns).
+    dmask = mask.new_empty(mask.shape) if (mask is not None and mask_requires_grad) else q.new_empty(0)
     return layouts.grad_buffer(q), layouts.grad_buffer(k), layouts.grad_buffer(v), dmask
 
 
