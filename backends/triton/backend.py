@@ -265,6 +265,7 @@ class TritonBackend(Backend):
         # The bulk reduce-add needs descriptors (sm_90, aligned rows) and a real GPU (the interpreter has no
         # reduce-add through descriptors); float32 rows of D elements are 16-byte multiples when D % 4 == 0.
         if mode == "tma" and run.tma_ok and not INTERPRET and run.plan.head_dim % 4 == 0:
+            _ensure_descriptor_allocator()  # the dQ buffer's descriptor, whatever the tiles' own switches
             return 2
         return 1
 

@@ -95,14 +95,13 @@ def _fill_defaults():
     # coordinate-wise; backends/triton/NOTES.md, version 4). dK/dV tiles of 64 query rows (one wgmma M per
     # warpgroup) with Q and dO through the copy engine gained 15-20% in the backward at d = 128; the forward
     # gains from the copy engine only at d = 256; warp specialisation measured within noise and is not used.
-    for d in (16, 32, 64):
-        TABLE[("sm90", "half", d, False)] = AttentionConfig(_k(128, 64, 4, 3), _k(32, 64, 4, 3), _k(64, 64, 4, 3))
-        TABLE[("sm90", "half", d, True)] = AttentionConfig(_k(128, 64, 8, 3), _k(64, 64, 4, 3, tma=True),
-                                                           _k(64, 64, 4, 3))
     for causal in (False, True):
+        for d in (16, 32, 64):
+            TABLE[("sm90", "half", d, causal)] = AttentionConfig(_k(128, 64, 4, 3), _k(64, 64, 4, 2, tma=True),
+                                                                 _k(64, 64, 4, 3))
         TABLE[("sm90", "half", 128, causal)] = AttentionConfig(_k(128, 128, 8, 3), _k(64, 64, 4, 2, tma=True),
                                                                _k(128, 64, 8, 3))
-        TABLE[("sm90", "half", 256, causal)] = AttentionConfig(_k(128, 64, 8, 2, tma=True), _k(32, 32, 4, 2, tma=True),
+        TABLE[("sm90", "half", 256, causal)] = AttentionConfig(_k(128, 64, 8, 2, tma=True), _k(64, 32, 4, 2, tma=True),
                                                                _k(128, 32, 8, 3))
     # Ampere and the rest: conservative tiles that fit their shared memory (not measured here).
     for causal in (False, True):
