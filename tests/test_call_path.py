@@ -404,3 +404,16 @@ def test_info_says_cupy_needs_a_gpu_and_a_bad_backend_is_a_clear_error():
     assert result.returncode != 0
     assert "Traceback" not in result.stderr + result.stdout
     assert "bogus" in result.stdout and "valid names" in result.stdout
+
+
+@pytest.mark.parametrize("kind", ["fwd", "dkdv", "dq"])
+def test_triton_dropout_kernels_read_their_seed_and_compile_for_the_gpu(kind, monkeypatch):
+    """The kernels with dropout (seed words loaded from the device) compile for sm_80 without a GPU."""
+    pytest.importorskip("triton")
+    from mhattn.backends.triton import ahead, configs
+
+    plain = ahead._constexprs
+    monkeypatch.setattr(ahead, "_constexprs", lambda task: dict(plain(task), HAS_DROPOUT=True))
+    kernel = ahead.compile_kernel(ahead.KernelTask(kind=kind, head_dim=64, causal=True,
+                                                   tile=configs.KernelConfig(64, 64, 4, 2)), 80)
+    assert ".target sm_80" in kernel.asm["ptx"]
