@@ -191,7 +191,10 @@ def backend_for(q, k, v, features: int, name: str, source: str):
 
 def _bucket_agrees(problem: Problem, name: str, source: str, chosen: str) -> bool:
     """Whether the smallest and the largest sizes of ``problem``'s size buckets get the same backend (a limit
-    inside a bucket, such as a grid size, would otherwise be cached for sizes on its other side)."""
+    inside a bucket, such as a grid size, would otherwise be cached for sizes on its other side). This takes
+    a backend's reasons about batch and sequence sizes to be limits (a size works, or every size beyond it
+    fails), as every built-in backend's are; a choice that varies inside a bucket otherwise (a timing table
+    read by :func:`decide`) is made per bucket."""
     ranges = [_bucket_range(n) for n in (problem.batch, problem.seqlen_q, problem.seqlen_k)]
     exact = (problem.batch, problem.seqlen_q, problem.seqlen_k)
     for corner in (tuple(lo for lo, _ in ranges), tuple(hi for _, hi in ranges)):
