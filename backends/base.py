@@ -65,8 +65,10 @@ class AttentionParams:
     mask: Optional[torch.Tensor] = field(default=None, compare=False)
     mask_requires_grad: bool = False
     dropout_p: float = 0.0
-    # Two 32-bit words seeding the counter-based dropout RNG (see mhattn.dropout_rng).
-    seed: tuple = (0, 0)
+    # The two 32-bit words seeding the counter-based dropout RNG (see mhattn.dropout_rng): an int64 tensor (2,)
+    # on the tensors' device (what mhattn.attention passes, so kernels read it from memory and captured CUDA
+    # graphs draw fresh words), or a pair of ints. mhattn.dropout_rng.seed_words gives ints for either.
+    seed: tuple = field(default=(0, 0), compare=False)
     softcap: Optional[float] = None
 
     @property

@@ -33,6 +33,7 @@ def main(argv=None) -> int:
             module.add_arguments(p)
         modules[name] = module
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as given, for reports
     if args.command is None:
         parser.print_help()
         return 2

@@ -130,6 +130,8 @@ class Decision:
     __repr__ = __str__
 
 
+# The decision cache of the call path: key (request, device, dtype, heads, head dims, features, size buckets;
+# see backend_for) -> backend object. Bounded; when full, the oldest entry makes room (no wholesale flush).
 _cache: dict = {}
 _CACHE_LIMIT = 4096
 _cache_lock = threading.Lock()
@@ -146,24 +148,67 @@ registry.on_change(clear_cache)
 
 
 def decide(problem: Problem, name: str, source: str) -> Decision:
-    """Every registered backend's reasons for ``problem`` and the choice for the request ``name``."""
-    key = (problem, name)
-    decision = _cache.get(key)
-    if decision is not None:
-        return decision
+    """Every registered backend's reasons for ``problem`` and the choice for the request ``name`` (not cached:
+    :func:`backend_for` caches the outcome per call signature)."""
     reasons = {b.name: b.unsupported(problem) for b in registry.all_backends()}
     candidates = priority_for(problem) if name == AUTO else (name,)
     chosen = next((n for n in candidates if n in reasons and not reasons[n]), None)
-    decision = Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else ())
-    with _cache_lock:
-        if len(_cache) >= _CACHE_LIMIT:  # many distinct shapes: start over rather than grow without bound
-            _cache.clear()
-        _cache[key] = decision
-    return decision
+    return Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else ())
+
+
+def size_bucket(n: int) -> int:
+    """Sizes that share a cached decision: 0, 1, 2, 3..4, 5..8, ... (the next power of two), so calls whose
+    batch or sequence lengths vary (dynamic shapes) keep hitting the cache."""
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
+def _bucket_range(n: int) -> tuple:
+    return (n, n) if n <= 2 else (size_bucket(n) // 2 + 1, size_bucket(n))
+
+
+def backend_for(q, k, v, features: int, name: str, source: str):
+    """The backend object that runs attention of q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) with
+    the features ``features`` (an int of :data:`mhattn.problem.FEATURE_BITS`) for the request ``(name, source)``
+    of :func:`requested`. The hot path: one tuple of primitives, one dict look-up; a :class:`Problem` is built
+    only on a miss. Raises :class:`BackendUnavailableError` with every reason when nothing can run it."""
+    device = q.device
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    seqlen_k = k.shape[2]
+    key = (name, source, device.type, device.index, q.dtype, heads_q, k.shape[1], head_dim, v.shape[3], features,
+           size_bucket(batch), size_bucket(seqlen_q), size_bucket(seqlen_k))
+    backend = _cache.get(key)
+    if backend is None:
+        problem = Problem.from_shapes(device, q.dtype, (batch, heads_q, seqlen_q, head_dim), k.shape[1], seqlen_k,
+                                      v.shape[3], features)
+        backend = _select(problem, name, source)
+        if _bucket_agrees(problem, name, source, backend.name):
+            with _cache_lock:
+                if len(_cache) >= _CACHE_LIMIT:
+                    _cache.pop(next(iter(_cache)), None)  # the oldest entry
+                _cache[key] = backend
+    return backend
+
+
+def _bucket_agrees(problem: Problem, name: str, source: str, chosen: str) -> bool:
+    """Whether the smallest and the largest sizes of ``problem``'s size buckets get the same backend (a limit
+    inside a bucket, such as a grid size, would otherwise be cached for sizes on its other side). This takes
+    a backend's reasons about batch and sequence sizes to be limits (a size works, or every size beyond it
+    fails), as every built-in backend's are; a choice that varies inside a bucket otherwise (a timing table
+    read by :func:`decide`) is made per bucket."""
+    ranges = [_bucket_range(n) for n in (problem.batch, problem.seqlen_q, problem.seqlen_k)]
+    exact = (problem.batch, problem.seqlen_q, problem.seqlen_k)
+    for corner in (tuple(lo for lo, _ in ranges), tuple(hi for _, hi in ranges)):
+        if corner != exact and decide(problem.resized(*corner), name, source).chosen != chosen:
+            return False
+    return True
 
 
 def select(problem: Problem, name: str, source: str = "automatic selection"):
     """The backend object that runs ``problem`` for the request ``name``; raises with reasons otherwise."""
+    return _select(problem, name, source)
+
+
+def _select(problem: Problem, name: str, source: str):
     decision = decide(problem, name, source)
     if decision.chosen is None:
         if name == AUTO:

@@ -11,6 +11,11 @@ wrapping modulo 2**32; ``fmix32`` is MurmurHash3's finaliser (a bijection with f
     keep    = bits >= threshold(p),   threshold(p) = min(floor(p * 2**32), 2**32 - 1)
 
 so P(keep) = 1 - p up to 2**-32. Kept probabilities are scaled by 1 / (1 - p).
+
+The seed words of a call come from :func:`draw_seed`: an int64 tensor (2,) on the tensors' device, drawn
+from that device's generator, so kernels read it from memory (a captured CUDA graph draws fresh words at
+every replay) and ``torch.manual_seed`` / ``torch.cuda.manual_seed`` reproduce it. A seed may also be a
+pair of ints (tests, the conformance suite); every function here takes either.
 This module is the specification in torch (int64 arithmetic, any device); the Triton and CUDA kernels
 implement the same steps.
 """
@@ -49,7 +54,11 @@ def fmix32(x: torch.Tensor) -> torch.Tensor:
 
 def random_bits(seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     """The 32-bit words (as int64) the RNG draws for every element of a (B, H, Nq, Nk) attention."""
-    seed0, seed1 = (int(s) & MASK32 for s in seed)
+    if isinstance(seed, torch.Tensor):  # stays on the device: no host synchronisation
+        words = seed.to(device=device, dtype=torch.int64) & MASK32
+        seed0, seed1 = words[0], words[1]
+    else:
+        seed0, seed1 = (int(s) & MASK32 for s in seed)
     bh = torch.arange(batch * heads, dtype=torch.int64, device=device)
     i = torch.arange(seqlen_q, dtype=torch.int64, device=device)
     j = torch.arange(seqlen_k, dtype=torch.int64, device=device)
@@ -66,7 +75,25 @@ def keep_mask(seed, batch: int, heads: int, seqlen_q: int, seqlen_k: int, p: flo
     return random_bits(seed, batch, heads, seqlen_q, seqlen_k, device=device) >= threshold(p)
 
 
-def new_seed(generator=None) -> tuple:
-    """Two fresh 32-bit seed words from torch's (CPU) generator, so torch.manual_seed reproduces them."""
-    words = torch.randint(0, 2**32, (2,), dtype=torch.int64, generator=generator)
-    return int(words[0]), int(words[1])
+def draw_seed(device) -> torch.Tensor:
+    """Two fresh 32-bit seed words, int64 tensor (2,) on ``device``, from that device's default generator
+    (the CUDA generator of a GPU's tensors, the CPU generator for CPU tensors). Safe under CUDA-graph
+    capture: each replay of the graph draws new words."""
+    return torch.randint(0, 2**32, (2,), dtype=torch.int64, device=device)
+
+
+def seed_tensor(seed, device) -> torch.Tensor:
+    """``seed`` (a pair of ints or an int64 tensor (2,)) as an int64 tensor (2,) on ``device``, for kernels
+    that read their seed words from memory."""
+    if isinstance(seed, torch.Tensor):
+        if seed.device == device and seed.dtype == torch.int64:
+            return seed
+        return seed.to(device=device, dtype=torch.int64)
+    return torch.tensor([int(s) & MASK32 for s in seed], dtype=torch.int64, device=device)
+
+
+def seed_words(seed) -> tuple:
+    """``seed`` as two Python ints (reads a tensor seed back to the host: not for captured code)."""
+    if isinstance(seed, torch.Tensor):
+        seed = seed.tolist()
+    return int(seed[0]) & MASK32, int(seed[1]) & MASK32

@@ -1,24 +1,30 @@
 """``mhattn.attention``: scaled dot-product attention on the backend the dispatcher picks, with autograd.
 
-The public function validates and canonicalises its arguments (layout, masks, causal alignment), then
-calls the ``mhattn::attention_forward`` custom op. The op selects the backend from a :class:`Problem`
-and the request captured at the call (argument > ``use_backend`` > ``MHATTN_BACKEND`` > auto); its
-backward is a second custom op that runs on the same backend. Both ops have fake implementations,
-so ``torch.compile(fullgraph=True)`` traces a call without a graph break.
+One path serves every call. :func:`_prepare` checks and canonicalises the arguments in one pass (layout,
+broadcast leading dims, masks, causal alignment). :func:`_run_forward` then resolves the backend request
+(argument > ``use_backend`` > ``MHATTN_BACKEND`` > auto) at run time, looks the decision up in the
+dispatcher's cache and runs the backend. Eager calls run it directly when no input needs a gradient, else
+inside :class:`_EagerAttention`, which keeps the chosen backend for the backward. Under ``torch.compile``
+the same function runs inside the ``mhattn::attention_forward`` custom op, whose fake implementation
+promises the layouts every built-in backend writes (:mod:`mhattn.backends.layouts`); the compiled
+backward finds the forward's backend through the log-sum-exp it returned (:data:`_forward_backends`).
+Because the request is resolved when the op runs, ``use_backend`` or ``MHATTN_BACKEND`` changed after
+the first trace is honoured as in eager mode.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import threading
 from typing import Optional
 
 import torch
 
-from mhattn import dispatch
+from mhattn import dispatch, dropout_rng
+from mhattn.backends import layouts
 from mhattn.backends.base import AttentionParams
 from mhattn.errors import InputError
-from mhattn.problem import Problem
+from mhattn.problem import Problem, feature_bits
 
 try:  # torch's causal-alignment objects (torch >= 2.2)
     from torch.nn.attention.bias import CausalBias, CausalVariant
@@ -45,14 +51,16 @@ def attention(
 
     Args:
         query: (..., Hq, Nq, D). Any strides; the last dim is used as is when contiguous.
-        key: (..., Hkv, Nk, D), same leading dims, dtype and device as ``query``.
+        key: (..., Hkv, Nk, D), same dtype and device as ``query``; the leading dims of query, key and
+            value broadcast against each other (as in SDPA).
         value: (..., Hkv, Nk, Dv).
         attn_mask: None; a bool tensor (True = attend) or float tensor (added to the scores) that
             broadcasts to (..., Hq, Nq, Nk); or ``torch.nn.attention.bias.causal_lower_right(Nq, Nk)``
             / ``causal_upper_left(Nq, Nk)`` for causal attention aligned bottom-right / top-left.
-        dropout_p: probability of dropping an attention weight (applied whenever > 0, as SDPA does).
+        dropout_p: probability in [0, 1] of dropping an attention weight (applied whenever > 0, as SDPA
+            does; 1 gives zeros). A float or a 0-dim tensor.
         is_causal: causal attention aligned top-left (query i sees keys j <= i), as SDPA's.
-        scale: score scale; default 1 / sqrt(D).
+        scale: score scale (a float or a 0-dim tensor); default 1 / sqrt(D).
         enable_gqa: allow Hq to be a multiple of Hkv (query head h uses key/value head h // (Hq // Hkv)).
         window: (left, right): query i sees keys j with -left <= j - i - offset <= right, where offset is
             Nk - Nq for a ``causal_lower_right`` mask and 0 otherwise; None or -1 = unbounded side.
@@ -63,92 +71,150 @@ def attention(
 
     Returns:
         (..., Hq, Nq, Dv) in the input dtype; with ``return_lse`` a tuple ``(out, lse)``. A query row
-        that sees no key gives 0 (and lse -inf).
+        that sees no key (and every row when Nk = 0) gives 0 (and lse -inf). Problems with an empty
+        dimension or D = 0 run on the reference whatever the request (there is nothing to fuse).
     """
-    call = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap)
-    name, source = _requested_backend(backend)
-    if dropout_p > 0.0:
-        seed = torch.randint(0, 2**32, (2,), dtype=torch.int64)  # torch's CPU generator: manual_seed reproduces it
-    else:
-        seed = None
-    args = (call.q, call.k, call.v, call.mask, seed, name, source, call.scale, call.is_causal, call.diag_offset,
-            call.window_left, call.window_right, float(dropout_p), call.softcap, call.mask_requires_grad)
+    (q, k, v, mask, scale, dropout_p, causal, diag_offset, window_left, window_right, softcap,
+     out_shape) = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap)
+    if backend is not None:
+        backend = _backend_argument(backend)
+    if dropout_p == 1.0:  # every weight dropped: zeros, as SDPA (the lse keeps its meaning)
+        out, lse = attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window,
+                             softcap=softcap, return_lse=True, backend=backend)
+        out = out * 0
+        return (out, lse) if return_lse else out
+
+    grad = torch.is_grad_enabled()
+    mask_grad = grad and mask is not None and mask.requires_grad and mask.dtype != torch.bool
+    seed = dropout_rng.draw_seed(q.device) if dropout_p > 0.0 else None
+    args = (q, k, v, mask, seed, backend or "", scale, causal, diag_offset, window_left, window_right, dropout_p,
+            softcap, mask_grad)
     if torch.compiler.is_compiling():
         out, lse = torch.ops.mhattn.attention_forward(*args)
-    else:
-        # Eager calls skip the custom op's dispatch (about 100 us a call on a fast host), which would
-        # dominate short sequences; the computation and the chosen backend are the same.
+    elif grad and (q.requires_grad or k.requires_grad or v.requires_grad or mask_grad):
         out, lse = _EagerAttention.apply(*args)
-    out = out.reshape(call.out_shape)
-    if return_lse:
-        return out, lse.reshape(call.out_shape[:-1])
-    return out
+    else:  # nothing to differentiate: no autograd Function, no saved tensors
+        _, _, out, lse = _run_forward(*args)
+    if out.dim() != len(out_shape):
+        out = out.reshape(out_shape)
+        lse = lse.reshape(out_shape[:-1])
+    return (out, lse) if return_lse else out
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
             window=None, softcap=None, return_lse=False, backend=None) -> dispatch.Decision:
     """What :func:`attention` would do with these arguments: ``str()`` of the result shows the problem,
     the request and where it came from, the choice, and every backend's reasons."""
-    call = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap)
+    (q, k, v, mask, scale, dropout_p, causal, diag_offset, window_left, window_right, softcap,
+     _) = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap)
     name, source = dispatch.requested(backend)
-    params = call.params(seed=(0, 0), dropout_p=float(dropout_p))  # the seed does not affect the choice
-    problem = Problem.from_tensors(call.q, call.k, call.v, params, causal=call.is_causal,
-                                   window=call.window_left is not None or call.window_right is not None)
+    params = _params(mask, False, scale, causal, diag_offset, window_left, window_right, dropout_p, (0, 0), softcap)
+    problem = Problem.from_tensors(q, k, v, params, causal=causal, window=_uses_window(window_left, window_right, causal))
     return dispatch.decide(problem, name, source)
 
 
 # ---- argument checking and canonical form --------------------------------------------------------
 
 
-@dataclass
-class _Call:
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    mask: Optional[torch.Tensor]
-    scale: float
-    is_causal: bool
-    diag_offset: int
-    window_left: Optional[int]
-    window_right: Optional[int]
-    softcap: Optional[float]
-    out_shape: tuple
+def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap):
+    """Checks every argument and returns the canonical call, a tuple:
+    (q, k, v, mask, scale, dropout_p, causal, diag_offset, window_left, window_right, softcap, out_shape),
+    with q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) (leading dims collapsed into B, last dim
+    contiguous), mask None or a view broadcast to (B, Hq, Nq, Nk), and out_shape the user's (..., Hq, Nq, Dv).
+    The common case costs a handful of comparisons; messages are built only for bad input."""
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
+        _raise_not_tensor(query, key, value)
+    dim = query.dim()
+    dtype = query.dtype
+    if (dim < 3 or key.dim() < 3 or value.dim() < 3 or key.dtype != dtype or value.dtype != dtype
+            or not query.is_floating_point() or query.device != key.device or query.device != value.device):
+        _raise_bad_tensors(query, key, value)
+    q_shape, k_shape, v_shape = query.shape, key.shape, value.shape
+    heads_q, seqlen_q, head_dim = q_shape[-3:]
+    heads_kv, seqlen_k, head_dim_k = k_shape[-3:]
+    if head_dim_k != head_dim or v_shape[-2] != seqlen_k or v_shape[-3] != heads_kv:
+        _raise_bad_sizes(query, key, value)
+    if heads_q != heads_kv:
+        if not enable_gqa:
+            raise InputError(
+                f"query has {heads_q} heads but key/value have {heads_kv}: pass enable_gqa=True for grouped-query attention"
+            )
+        if heads_kv == 0 or heads_q % heads_kv:
+            raise InputError(f"with enable_gqa, query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
 
-    @property
-    def mask_requires_grad(self) -> bool:
-        return self.mask is not None and self.mask.requires_grad and self.mask.dtype != torch.bool
+    dropout_p = _number(dropout_p, "dropout_p")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise InputError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    else:
+        scale = _number(scale, "scale")
+        if not math.isfinite(scale):
+            raise InputError(f"scale must be a finite float or None, got {scale!r}")
+    if softcap is not None:
+        softcap = _number(softcap, "softcap")
+        if not (softcap > 0 and math.isfinite(softcap)):
+            raise InputError(f"softcap must be a positive finite float or None, got {softcap!r}")
+    window_left, window_right = (None, None) if window is None else _window(window)
 
-    def params(self, seed, dropout_p) -> AttentionParams:
-        return _params(self.mask, self.mask_requires_grad, self.scale, self.is_causal, self.diag_offset, self.window_left,
-                       self.window_right, dropout_p, seed, self.softcap)
+    # Leading (batch) dims: equal in the common case, else broadcast as SDPA does (stride-0 views).
+    batch_shape = q_shape[:-3]
+    if k_shape[:-3] != batch_shape or v_shape[:-3] != batch_shape:
+        query, key, value, batch_shape = _broadcast_leading(query, key, value)
+
+    diag_offset = 0
+    causal = bool(is_causal)
+    mask = None
+    if attn_mask is not None:
+        if CausalBias is not None and isinstance(attn_mask, CausalBias):
+            if is_causal:
+                raise InputError("pass either is_causal=True or a causal attn_mask object, not both")
+            if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (seqlen_q, seqlen_k):
+                raise InputError(
+                    f"attn_mask is a causal bias for (Nq, Nk) = ({attn_mask.seq_len_q}, {attn_mask.seq_len_kv}) "
+                    f"but query/key have ({seqlen_q}, {seqlen_k})"
+                )
+            causal = True
+            if attn_mask.variant == CausalVariant.LOWER_RIGHT:
+                diag_offset = seqlen_k - seqlen_q
+        else:
+            if is_causal:
+                raise InputError("is_causal=True cannot be combined with an explicit attn_mask tensor (as in SDPA)")
+            mask = _canonical_mask(attn_mask, query.device, tuple(batch_shape) + (heads_q, seqlen_q, seqlen_k))
+    if causal:  # causal is a right bound of 0 on the (shifted) diagonal
+        window_right = 0 if window_right is None else min(window_right, 0)
+
+    q, k, v = _to4d(query), _to4d(key), _to4d(value)
+    if mask is not None:
+        mask = mask.expand(*batch_shape, heads_q, seqlen_q, seqlen_k)
+        if mask.dim() != 4:
+            mask = mask.unsqueeze(0) if mask.dim() == 3 else mask.reshape(-1, heads_q, seqlen_q, seqlen_k)
+    out_shape = (*batch_shape, heads_q, seqlen_q, v_shape[-1])
+    return (q, k, v, mask, float(scale), dropout_p, causal, diag_offset, window_left, window_right, softcap,
+            out_shape)
 
 
-def _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p, seed,
-            softcap):
-    right = window_right
-    if is_causal:
-        right = 0 if right is None else min(right, 0)
-    return AttentionParams(
-        scale=scale,
-        diag_offset=diag_offset,
-        window_left=window_left,
-        window_right=right,
-        mask=mask,
-        mask_requires_grad=bool(mask_requires_grad),
-        dropout_p=dropout_p,
-        seed=seed,
-        softcap=softcap,
-    )
+def _number(x, name: str) -> float:
+    """A Python number or a 0-dim tensor (as SDPA takes) as a float."""
+    if isinstance(x, (float, int)) and not isinstance(x, bool):
+        return float(x)
+    if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.dtype.is_complex and x.dtype != torch.bool:
+        return float(x.item())
+    raise InputError(f"{name} must be a float (or a 0-dim tensor), got {x!r}")
 
 
 def _fmt_dtype(dtype):
     return str(dtype).replace("torch.", "")
 
 
-def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap) -> _Call:
+def _raise_not_tensor(query, key, value):
     for arg, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _raise_bad_tensors(query, key, value):
+    for arg, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() < 3:
             raise InputError(f"{arg} must have at least 3 dims (..., heads, seq, head_dim), got shape {tuple(t.shape)}")
         if not t.is_floating_point():
@@ -158,79 +224,32 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
             "query, key and value must have one dtype, got "
             f"{_fmt_dtype(query.dtype)}, {_fmt_dtype(key.dtype)}, {_fmt_dtype(value.dtype)}"
         )
-    if not (query.device == key.device == value.device):
-        raise InputError(f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
-    if not (query.dim() == key.dim() == value.dim()):
-        raise InputError(
-            f"query, key and value must have the same number of dims, got shapes "
-            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-        )
-    if query.shape[:-3] != key.shape[:-3] or key.shape[:-3] != value.shape[:-3]:
-        raise InputError(
-            f"query, key and value must share their batch dims, got shapes "
-            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-        )
+    raise InputError(f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
+
+
+def _raise_bad_sizes(query, key, value):
     if query.shape[-1] != key.shape[-1]:
         raise InputError(f"query and key must have the same head dim (last dim), got {query.shape[-1]} and {key.shape[-1]}")
     if key.shape[-2] != value.shape[-2]:
         raise InputError(f"key and value must have the same sequence length (dim -2), got {key.shape[-2]} and {value.shape[-2]}")
-    if key.shape[-3] != value.shape[-3]:
-        raise InputError(f"key and value must have the same number of heads (dim -3), got {key.shape[-3]} and {value.shape[-3]}")
-    heads_q, heads_kv = query.shape[-3], key.shape[-3]
-    if heads_q != heads_kv:
-        if not enable_gqa:
-            raise InputError(
-                f"query has {heads_q} heads but key/value have {heads_kv}: pass enable_gqa=True for grouped-query attention"
-            )
-        if heads_kv == 0 or heads_q % heads_kv:
-            raise InputError(f"with enable_gqa, query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise InputError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    head_dim = query.shape[-1]
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-    elif not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise InputError(f"scale must be a finite float or None, got {scale!r}")
-    if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0 or not math.isfinite(softcap)):
-        raise InputError(f"softcap must be a positive finite float or None, got {softcap!r}")
-    window_left, window_right = _window(window)
+    raise InputError(f"key and value must have the same number of heads (dim -3), got {key.shape[-3]} and {value.shape[-3]}")
 
-    seqlen_q, seqlen_k = query.shape[-2], key.shape[-2]
-    diag_offset = 0
-    causal = bool(is_causal)
-    mask = None
-    if CausalBias is not None and isinstance(attn_mask, CausalBias):
-        if is_causal:
-            raise InputError("pass either is_causal=True or a causal attn_mask object, not both")
-        if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (seqlen_q, seqlen_k):
-            raise InputError(
-                f"attn_mask is a causal bias for (Nq, Nk) = ({attn_mask.seq_len_q}, {attn_mask.seq_len_kv}) "
-                f"but query/key have ({seqlen_q}, {seqlen_k})"
-            )
-        causal = True
-        if attn_mask.variant == CausalVariant.LOWER_RIGHT:
-            diag_offset = seqlen_k - seqlen_q
-    elif attn_mask is not None:
-        if is_causal:
-            raise InputError("is_causal=True cannot be combined with an explicit attn_mask tensor (as in SDPA)")
-        mask = _canonical_mask(attn_mask, query, seqlen_q, seqlen_k)
 
-    # Collapse leading dims into one batch dim (a view whenever the strides allow).
-    batch_shape = query.shape[:-3]
-    q = _to4d(query)
-    k = _to4d(key)
-    v = _to4d(value)
-    if mask is not None:
-        mask = mask.expand(*batch_shape, heads_q, seqlen_q, seqlen_k)
-        mask = mask.unsqueeze(0) if mask.dim() == 3 else mask.reshape(-1, heads_q, seqlen_q, seqlen_k)
-    out_shape = tuple(batch_shape) + (heads_q, seqlen_q, value.shape[-1])
-    return _Call(q, k, v, mask, float(scale), causal, diag_offset, window_left, window_right,
-                 None if softcap is None else float(softcap), out_shape)
+def _broadcast_leading(query, key, value):
+    """query, key, value with their leading dims broadcast to one batch shape (views), and that shape."""
+    shapes = [tuple(t.shape[:-3]) for t in (query, key, value)]
+    try:
+        batch_shape = torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        raise InputError(
+            f"the leading (batch) dims of query, key and value must broadcast, got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        ) from None
+    query, key, value = (t.expand(*batch_shape, *t.shape[-3:]) for t in (query, key, value))
+    return query, key, value, batch_shape
 
 
 def _window(window):
-    if window is None:
-        return None, None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise InputError(f"window must be None or a pair (left, right) of ints (-1 = unbounded), got {window!r}")
     bounds = []
@@ -244,7 +263,7 @@ def _window(window):
     return tuple(bounds)
 
 
-def _canonical_mask(attn_mask, query, seqlen_q, seqlen_k):
+def _canonical_mask(attn_mask, device, target):
     if not isinstance(attn_mask, torch.Tensor):
         raise InputError(
             "attn_mask must be None, a bool or float tensor, or a torch.nn.attention.bias causal object, "
@@ -252,9 +271,8 @@ def _canonical_mask(attn_mask, query, seqlen_q, seqlen_k):
         )
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
         raise InputError(f"attn_mask must be bool (True = attend) or floating point (added), got {_fmt_dtype(attn_mask.dtype)}")
-    if attn_mask.device != query.device:
-        raise InputError(f"attn_mask must be on the device of query ({query.device}), got {attn_mask.device}")
-    target = tuple(query.shape[:-3]) + (query.shape[-3], seqlen_q, seqlen_k)
+    if attn_mask.device != device:
+        raise InputError(f"attn_mask must be on the device of query ({device}), got {attn_mask.device}")
     try:
         shape = torch.broadcast_shapes(tuple(attn_mask.shape), target)
     except RuntimeError:
@@ -265,134 +283,204 @@ def _canonical_mask(attn_mask, query, seqlen_q, seqlen_k):
 
 
 def _to4d(t: torch.Tensor) -> torch.Tensor:
-    if t.dim() == 4:
-        out = t
-    elif t.dim() == 3:
-        out = t.unsqueeze(0)
-    else:
-        out = t.reshape(-1, *t.shape[-3:])
-    if out.stride(-1) != 1 and out.shape[-1] > 1:
-        out = out.contiguous()  # kernels need a contiguous last dim; other strides are kept
-    return out
+    dim = t.dim()
+    if dim == 3:
+        t = t.unsqueeze(0)
+    elif dim != 4:
+        t = t.reshape(-1, *t.shape[-3:])
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()  # kernels need a contiguous last dim; other strides are kept
+    return t
 
 
-def _requested_backend(backend):
-    # Resolved outside the op, at the call (or at trace time under torch.compile), so the choice is
-    # the one in force where the user called attention(), and the backward reuses it.
-    return _requested_constant(backend)
+def _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p, seed,
+            softcap) -> AttentionParams:
+    """The backend's view of a call (the causal bound is already folded into window_right by _prepare)."""
+    return AttentionParams(scale=scale, diag_offset=diag_offset, window_left=window_left, window_right=window_right,
+                           mask=mask, mask_requires_grad=mask_requires_grad, dropout_p=dropout_p,
+                           seed=(0, 0) if seed is None else seed, softcap=softcap)
 
 
-def _requested_name_impl(backend):
-    return dispatch.requested(backend)
+def _backend_argument_now(backend) -> str:
+    """The ``backend=`` argument checked and lowercased (an unknown name raises at the call)."""
+    return dispatch.requested(backend)[0]
 
 
-try:
-    _requested_constant = torch._dynamo.assume_constant_result(_requested_name_impl)
+try:  # a pure function of a constant argument, so compiled code may evaluate it once per traced value
+    _backend_argument = torch._dynamo.assume_constant_result(_backend_argument_now)
 except Exception:  # pragma: no cover - torch without dynamo
-    _requested_constant = _requested_name_impl
+    _backend_argument = _backend_argument_now
 
 
-# ---- the custom ops --------------------------------------------------------------------------------
+def _uses_window(window_left, window_right, causal) -> bool:
+    """Whether a call needs the window feature (a causal call's right bound of 0 is the causal feature)."""
+    return window_left is not None or (window_right is not None and not causal)
 
 
-def _seed_words(seed: Optional[torch.Tensor]):
-    if seed is None:
-        return (0, 0)
-    words = seed.tolist()
-    return int(words[0]), int(words[1])
+# ---- running a call (shared by the eager path and the custom ops) ---------------------------------------------
 
 
-def _problem_and_params(q, k, v, mask, mask_requires_grad, seed, scale, is_causal, diag_offset, window_left,
-                        window_right, dropout_p, softcap):
+def _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
+                 softcap, mask_requires_grad):
+    """Resolves the request, runs the backend's forward. Returns (backend or None, params, out, lse);
+    None for a problem the front end answers itself (empty sizes, D = 0, meta tensors)."""
     params = _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
-                     _seed_words(seed), softcap)
-    problem = Problem.from_tensors(q, k, v, params, causal=is_causal,
-                                   window=window_left is not None or window_right is not None)
-    return problem, params
+                     seed, softcap)
+    if q.device.type == "meta":  # shape inference only
+        return None, params, layouts.output_buffer(q, v), layouts.lse_buffer(q)
+    if 0 in q.shape or 0 in k.shape or v.shape[3] == 0:
+        return None, params, *_degenerate_forward(q, k, v, params)
+    name, source = dispatch.requested(backend or None)
+    features = feature_bits(q, k, v, mask, mask_requires_grad, dropout_p, softcap, is_causal,
+                            _uses_window(window_left, window_right, is_causal))
+    chosen = dispatch.backend_for(q, k, v, features, name, source)
+    out, lse = chosen.forward(q, k, v, params)
+    return chosen, params, out, lse
+
+
+def _run_backward(chosen, params, grad_out, q, k, v, out, lse, grad_lse):
+    """The backward of a forward that ran on ``chosen`` (None: the front end's own answer)."""
+    if chosen is not None:
+        return chosen.backward(grad_out, q, k, v, out, lse, params, grad_lse=grad_lse)
+    if q.device.type == "meta":
+        return layouts.grad_buffer(q), layouts.grad_buffer(k), layouts.grad_buffer(v), _meta_dmask(params)
+    return _reference().backward(grad_out, q, k, v, out, lse, params, grad_lse=grad_lse)
+
+
+def _degenerate_forward(q, k, v, params):
+    """A problem with an empty dim or D = 0, answered as SDPA does: no key at all gives zeros (lse -inf),
+    otherwise the reference's arithmetic, which handles empty and zero-width matrices."""
+    out, lse = layouts.output_buffer(q, v), layouts.lse_buffer(q)
+    if k.shape[2] == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    ref_out, ref_lse = _reference().forward(q, k, v, params)
+    return out.copy_(ref_out), lse.copy_(ref_lse)
+
+
+def _meta_dmask(params):
+    if not params.mask_requires_grad:
+        return None
+    return torch.empty(params.mask.shape, dtype=params.mask.dtype, device="meta")
+
+
+def _reference():
+    from mhattn.reference import ReferenceBackend
+
+    global _REFERENCE
+    if _REFERENCE is None:
+        _REFERENCE = ReferenceBackend()
+    return _REFERENCE
+
+
+_REFERENCE = None
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The eager path when a gradient is needed: selects once, keeps the chosen backend for the backward.
+    Every tensor the backward reads is saved with save_for_backward, so changing one in place after the
+    forward (the mask included) raises at the backward, as SDPA does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right,
+                dropout_p, softcap, mask_requires_grad):
+        chosen, params, out, lse = _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset,
+                                                window_left, window_right, dropout_p, softcap, mask_requires_grad)
+        ctx.set_materialize_grads(False)  # an unused lse (the usual case) sends no gradient
+        ctx.chosen, ctx.params = chosen, params
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, _mask = ctx.saved_tensors  # unpacking checks the saved versions
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv, dmask = _run_backward(ctx.chosen, ctx.params, grad_out, q, k, v, out, lse, grad_lse)
+        return (dq, dk, dv, dmask if ctx.params.mask_requires_grad else None) + (None,) * 10
+
+
+# ---- the custom ops (the torch.compile path) ------------------------------------------------------------------
+
+# The backend each compiled forward ran on, by the address of the lse it returned: the compiled backward
+# receives that lse and runs on the same backend. Addresses are reused only after an lse is freed, and then
+# overwritten by the forward that made the new one; the oldest entries make room when it is full.
+_forward_backends: dict = {}
+_FORWARD_BACKENDS_LIMIT = 1 << 16
+_forward_backends_lock = threading.Lock()
+
+
+def _remember_backend(lse: torch.Tensor, chosen) -> None:
+    if lse.numel() == 0:
+        return
+    with _forward_backends_lock:
+        if len(_forward_backends) >= _FORWARD_BACKENDS_LIMIT:
+            _forward_backends.pop(next(iter(_forward_backends)), None)
+        _forward_backends[lse.data_ptr()] = chosen
+
+
+def _out_strides(q, v):
+    return layouts.rows_major_strides(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
 
 
 @torch.library.custom_op("mhattn::attention_forward", mutates_args=())
 def _attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], seed: Optional[torch.Tensor],
-    backend: str, source: str, scale: float, is_causal: bool, diag_offset: int, window_left: Optional[int],
+    backend: str, scale: float, is_causal: bool, diag_offset: int, window_left: Optional[int],
     window_right: Optional[int], dropout_p: float, softcap: Optional[float], mask_requires_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    problem, params = _problem_and_params(q, k, v, mask, mask_requires_grad, seed, scale, is_causal, diag_offset, window_left,
-                                          window_right, dropout_p, softcap)
-    chosen = dispatch.select(problem, backend, source)
-    out, lse = chosen.forward(q, k, v, params)
-    # Compiled graphs assume the layouts the fake implementation promises; backends may differ.
-    return _in_layout(out, _forward_out_layout(q, v)), _in_layout(lse, _contiguous_layout(lse))
-
-
-def _forward_out_layout(q, v):
-    """(shape, strides) of the op's output: (B, H, N, Dv) with (B, N, H, Dv) memory, one token's heads side
-    by side (what the Triton backend writes, and a view of (B, N, H * Dv) after a transpose)."""
-    batch, heads, seqlen = q.shape[:3]
-    dim_v = v.shape[-1]
-    return (batch, heads, seqlen, dim_v), (seqlen * heads * dim_v, dim_v, heads * dim_v, 1)
-
-
-def _contiguous_layout(t):
-    return tuple(t.shape), torch.empty(tuple(t.shape), device="meta").stride()
-
-
-def _grad_layout(t):
-    """The layout torch.empty_like(t) gives (a dense t keeps its strides; else contiguous)."""
-    return tuple(t.shape), torch.empty_like(t, device="meta").stride()
-
-
-def _in_layout(t, layout):
-    shape, strides = layout
-    if tuple(t.stride()) == tuple(strides) or t.numel() == 0:
-        return t
-    placed = torch.empty_strided(shape, strides, dtype=t.dtype, device=t.device)
-    placed.copy_(t)
-    return placed
+    chosen, _, out, lse = _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left,
+                                       window_right, dropout_p, softcap, mask_requires_grad)
+    # Compiled graphs assume the layouts the fake implementation promises: every built-in backend writes
+    # them (no copy); a third-party backend's other layout is copied into place.
+    out = layouts.placed(out, _out_strides(q, v))
+    lse = layouts.placed(lse, layouts.contiguous_strides(lse.shape))
+    _remember_backend(lse, chosen)
+    return out, lse
 
 
 @_attention_forward.register_fake
-def _(q, k, v, mask, seed, backend, source, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap,
+def _(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap,
       mask_requires_grad):
-    shape, strides = _forward_out_layout(q, v)
-    out = q.new_empty_strided(shape, strides)
-    lse = q.new_empty(q.shape[:-1], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    return out, lse
+    return layouts.output_buffer(q, v), layouts.lse_buffer(q)
 
 
 @torch.library.custom_op("mhattn::attention_backward", mutates_args=())
 def _attention_backward(
     grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, mask: Optional[torch.Tensor], seed: Optional[torch.Tensor], backend: str,
-    source: str, scale: float, is_causal: bool, diag_offset: int, window_left: Optional[int], window_right: Optional[int],
+    scale: float, is_causal: bool, diag_offset: int, window_left: Optional[int], window_right: Optional[int],
     dropout_p: float, softcap: Optional[float], mask_requires_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    problem, params = _problem_and_params(q, k, v, mask, mask_requires_grad, seed, scale, is_causal, diag_offset, window_left,
-                                          window_right, dropout_p, softcap)
-    chosen = dispatch.select(problem, backend, source)
-    dq, dk, dv, dmask = chosen.backward(grad_out, q, k, v, out, lse, params, grad_lse=grad_lse)
-    if dmask is None:
-        dmask = q.new_empty(0)
-    else:
-        dmask = _in_layout(dmask, _grad_layout(mask))
-    return (_in_layout(dq, _grad_layout(q)), _in_layout(dk, _grad_layout(k)), _in_layout(dv, _grad_layout(v)),
-            dmask)
+    params = _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
+                     seed, softcap)
+    chosen = _forward_backends.get(lse.data_ptr()) if lse.numel() else None
+    if chosen is None and q.device.type != "meta" and not (0 in q.shape or 0 in k.shape or v.shape[3] == 0):
+        # Not recorded (evicted, or a forward recomputed elsewhere): the request as it stands now.
+        name, source = dispatch.requested(backend or None)
+        features = feature_bits(q, k, v, mask, mask_requires_grad, dropout_p, softcap, is_causal,
+                                _uses_window(window_left, window_right, is_causal))
+        chosen = dispatch.backend_for(q, k, v, features, name, source)
+    dq, dk, dv, dmask = _run_backward(chosen, params, grad_out, q, k, v, out, lse, grad_lse)
+    dmask = q.new_empty(0) if dmask is None else layouts.placed(dmask, layouts.contiguous_strides(dmask.shape))
+    return (layouts.placed(dq, layouts.grad_strides(q)), layouts.placed(dk, layouts.grad_strides(k)),
+            layouts.placed(dv, layouts.grad_strides(v)), dmask)
 
 
 @_attention_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, mask, seed, backend, source, scale, is_causal, diag_offset, window_left,
+def _(grad_out, grad_lse, q, k, v, out, lse, mask, seed, backend, scale, is_causal, diag_offset, window_left,
       window_right, dropout_p, softcap, mask_requires_grad):
-    dmask = mask.new_empty(mask.shape, dtype=mask.dtype) if (mask is not None and mask_requires_grad) else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+    # The mask gradient in the mask's broadcast 4-D shape, contiguous (what every built-in backend returns).
+    dmask = mask.new_empty(mask.shape) if (mask is not None and mask_requires_grad) else q.new_empty(0)
+    return layouts.grad_buffer(q), layouts.grad_buffer(k), layouts.grad_buffer(v), dmask
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, mask, seed, backend, source, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap,
+    (q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap,
      mask_requires_grad) = inputs
     out, lse = output
     ctx.mask_requires_grad = mask_requires_grad
     ctx.save_for_backward(q, k, v, out, lse, mask, seed)
-    ctx.args = (backend, source, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap)
+    ctx.args = (backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap)
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -401,31 +489,7 @@ def _backward(ctx, grad_out, grad_lse):
         grad_out, grad_lse, q, k, v, out, lse, mask, seed, *ctx.args, ctx.mask_requires_grad
     )
     dmask = dmask if ctx.mask_requires_grad else None
-    return (dq, dk, dv, dmask) + (None,) * 11
+    return (dq, dk, dv, dmask) + (None,) * 10
 
 
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _EagerAttention(torch.autograd.Function):
-    """The eager-mode twin of the custom ops: selects once, keeps the chosen backend for the backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, seed, backend, source, scale, is_causal, diag_offset, window_left, window_right,
-                dropout_p, softcap, mask_requires_grad):
-        problem, params = _problem_and_params(q, k, v, mask, mask_requires_grad, seed, scale, is_causal, diag_offset,
-                                              window_left, window_right, dropout_p, softcap)
-        chosen = dispatch.select(problem, backend, source)
-        out, lse = chosen.forward(q, k, v, params)
-        ctx.set_materialize_grads(False)  # an unused lse (the usual case) sends no gradient
-        ctx.chosen, ctx.params = chosen, params
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        dq, dk, dv, dmask = ctx.chosen.backward(grad_out, q, k, v, out, lse, ctx.params, grad_lse=grad_lse)
-        return (dq, dk, dv, dmask if ctx.params.mask_requires_grad else None) + (None,) * 11

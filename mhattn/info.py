@@ -22,7 +22,8 @@ def run(args) -> int:
     import torch
 
     import mhattn
-    from mhattn import registry
+    from mhattn import dispatch, registry
+    from mhattn.errors import UnknownBackendError
 
     print(f"mhattn {mhattn.__version__}  python {platform.python_version()}  {platform.machine()}")
     print(f"torch  {torch.__version__}  (CUDA {torch.version.cuda})")
@@ -45,6 +46,11 @@ def run(args) -> int:
         print(f"  {backend.name:<10} {state}")
         if backend.description:
             print(f"  {'':<10} {backend.description}")
+    try:
+        dispatch.requested()
+    except UnknownBackendError as error:  # a bad MHATTN_BACKEND: the call path's own message, no traceback
+        print(f"\nerror: {error}")
+        return 2
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     q = torch.empty(2, 8, 1024, args.head_dim, device=device, dtype=dtype)
     print("\nsample problem (causal):")

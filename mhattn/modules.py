@@ -7,16 +7,18 @@ initialisation are torch's own. Only ``forward`` is new: it does the projections
 materialises them). :func:`replace_multihead_attention` swaps the modules of an existing model.
 """
 
-from __future__ import annotations
 
+import collections
+import copy
 import math
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from mhattn.backends.base import AttentionParams
+from mhattn.dropout_rng import draw_seed
 from mhattn.errors import InputError
 from mhattn.functional import attention
 from mhattn.reference.naive import naive_attention
@@ -27,6 +29,10 @@ _UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 class MultiheadAssertionError(InputError, AssertionError):
     """Bad input where ``torch.nn.MultiheadAttention`` raises ``AssertionError``; catchable as either."""
+
+
+class MultiheadValueError(InputError):
+    """Bad input where ``torch.nn.MultiheadAttention`` raises ``ValueError`` (InputError is one)."""
 
 
 class MultiheadRuntimeError(InputError, RuntimeError):
@@ -40,7 +46,8 @@ def _keeps_module_forward(module, args):
     and runs a fused C++ layer without ever calling ``self_attn.forward``. It takes that path only when
     no module inside the layer has a forward hook or pre-hook, so this hook's presence is what sends
     the layer through ``self_attn(...)``, i.e. through mhattn. It is a module-level function so models
-    holding the module stay picklable.
+    holding the module stay picklable. TorchScript does not see it (see
+    ``MultiheadAttention.__prepare_scriptable__``).
     """
     return None
 
@@ -104,6 +111,15 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
                          device=device, dtype=dtype)
         self.register_forward_pre_hook(_keeps_module_forward)
 
+    def __prepare_scriptable__(self):
+        """What ``torch.jit.script`` compiles: this module without the no-op pre-hook (TorchScript would
+        type its argument tuple strictly). A scripted TransformerEncoderLayer may then take torch's fused
+        inference path, which computes the same attention from the same weights."""
+        scriptable = copy.copy(self)
+        scriptable._forward_pre_hooks = collections.OrderedDict(
+            (k, hook) for k, hook in self._forward_pre_hooks.items() if hook is not _keeps_module_forward)
+        return scriptable
+
     def forward(
         self,
         query: torch.Tensor,
@@ -114,7 +130,24 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         attn_mask: Optional[torch.Tensor] = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
-    ):
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        # TorchScript compiles only this signature; the body runs in Python (mhattn's dispatch is Python),
+        # so torch.jit.script(module) works and a scripted model runs, but cannot be saved without Python.
+        return self._forward(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                             is_causal)
+
+    @torch.jit.ignore
+    def _forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: Optional[torch.Tensor],
+        need_weights: bool,
+        attn_mask: Optional[torch.Tensor],
+        average_attn_weights: bool,
+        is_causal: bool,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.is_nested:
                 raise MultiheadAssertionError(
@@ -149,9 +182,9 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             seq_dim = 1 if self.batch_first else 0
         batch_dim = 1 - seq_dim
         batch, tgt_len, src_len = query.shape[batch_dim], query.shape[seq_dim], key.shape[seq_dim]
-        self._check_shapes(query, key, value, key_padding_mask, attn_mask, batch_dim, seq_dim)
+        _Self._check_shapes(self, query, key, value, key_padding_mask, attn_mask, batch_dim, seq_dim)
 
-        q, k, v = self._project(query, key, value, same_qkv, same_kv)
+        q, k, v = _Self._project(self, query, key, value, same_qkv, same_kv)
         extra_keys = 0
         if self.bias_k is not None and self.bias_v is not None:
             k = torch.cat([k, _bias_row(self.bias_k, batch, seq_dim)], dim=seq_dim)
@@ -159,7 +192,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             extra_keys += 1
         elif self.bias_k is not None or self.bias_v is not None:
             raise MultiheadAssertionError("bias_k and bias_v must be both set or both None")
-        q, k, v = (self._split_heads(t, seq_dim) for t in (q, k, v))  # (N, H, len, head_dim) views
+        q, k, v = (_Self._split_heads(self, t, seq_dim) for t in (q, k, v))  # (N, H, len, head_dim) views
         if self.add_zero_attn:
             zeros = k.new_zeros(batch, self.num_heads, 1, self.head_dim)
             k = torch.cat([k, zeros], dim=2)
@@ -169,6 +202,8 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         mask = _merged_mask(attn_mask, key_padding_mask, batch, self.num_heads, tgt_len, src_len, extra_keys,
                             query.dtype)
         dropout_p = float(self.dropout) if self.training else 0.0
+        if not 0.0 <= dropout_p <= 1.0:  # checked where it applies, as torch's dropout does
+            raise MultiheadValueError(f"dropout probability has to be between 0 and 1, but got {dropout_p}")
         if need_weights:
             out, weights = _attention_with_weights(q, k, v, mask, dropout_p)
             if average_attn_weights:
@@ -179,7 +214,7 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
             out = attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal)
             weights = None
 
-        out = self._merge_heads(out, seq_dim)
+        out = _Self._merge_heads(self, out, seq_dim)
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
         if not is_batched:
             out = out.squeeze(0)
@@ -259,6 +294,11 @@ class MultiheadAttention(torch.nn.MultiheadAttention):
         if seq_dim == 1:
             return out.transpose(1, 2).reshape(batch, tgt_len, self.embed_dim)
         return out.permute(2, 0, 1, 3).reshape(tgt_len, batch, self.embed_dim)
+
+
+# _forward runs with self a scripted module after torch.jit.script, which has only the compiled methods:
+# it calls the helper methods through the class.
+_Self = MultiheadAttention
 
 
 # ---- helpers -----------------------------------------------------------------------------------------
@@ -362,13 +402,22 @@ def _attention_with_weights(q, k, v, mask, dropout_p):
         if mask.dtype != torch.bool:
             mask = mask.to(compute)
     seed = (0, 0)
+    if dropout_p >= 1.0:  # every weight dropped, as torch's dropout: zero weights, zero output
+        out, _, probs = naive_attention(q.to(compute), k.to(compute), v.to(compute),
+                                        AttentionParams(scale=params_scale(head_dim), mask=mask), return_probs=True)
+        return (out * 0).to(q.dtype), (probs * 0).to(q.dtype)
     if dropout_p > 0.0:
         # Drawn as mhattn.attention draws it, so one torch.manual_seed gives the same keep-mask on both paths.
-        seed = tuple(int(w) for w in torch.randint(0, 2**32, (2,), dtype=torch.int64).tolist())
-    params = AttentionParams(scale=1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0, mask=mask,
+        seed = draw_seed(q.device)
+    params = AttentionParams(scale=params_scale(head_dim), mask=mask,
                              dropout_p=dropout_p, seed=seed)
     out, _, probs = naive_attention(q.to(compute), k.to(compute), v.to(compute), params, return_probs=True)
     return out.to(q.dtype), probs.to(q.dtype)
+
+
+def params_scale(head_dim: int) -> float:
+    """The default score scale 1 / sqrt(D) (1 for D = 0)."""
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
 
 
 # ---- converting a model ------------------------------------------------------------------------------

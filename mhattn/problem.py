@@ -6,12 +6,20 @@ features used) and nothing else, so it is hashable and decisions can be cached p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from mhattn.backends.base import AttentionParams
+from mhattn.backends.base import FEATURES, AttentionParams
+
+# Each feature as one bit, so a call's features form one int (a cheap, hashable part of a cache key).
+FEATURE_BITS = {name: 1 << i for i, name in enumerate(FEATURES)}
+
+
+def features_from_bits(bits: int) -> frozenset:
+    return frozenset(name for name, bit in FEATURE_BITS.items() if bits & bit)
 
 
 @dataclass(frozen=True)
@@ -32,37 +40,34 @@ class Problem:
     @classmethod
     def from_tensors(cls, q, k, v, params: AttentionParams, *, causal: bool, window: bool) -> "Problem":
         """q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), already validated."""
-        features = set()
-        if causal:
-            features.add("causal")
-        if window:
-            features.add("window")
-        if q.shape[1] != k.shape[1]:
-            features.add("gqa")
-        if params.mask is not None:
-            features.add("bool_mask" if params.mask.dtype == torch.bool else "float_mask")
-            if params.mask_requires_grad:
-                features.add("mask_grad")
-        if params.dropout_p > 0.0:
-            features.add("dropout")
-        if params.softcap is not None:
-            features.add("softcap")
-        if v.shape[-1] != q.shape[-1]:
-            features.add("value_dim")
+        bits = feature_bits(q, k, v, params.mask, params.mask_requires_grad, params.dropout_p, params.softcap,
+                            causal, window)
+        return cls.from_shapes(q.device, q.dtype, tuple(q.shape), k.shape[1], k.shape[2], v.shape[3], bits)
+
+    @classmethod
+    def from_shapes(cls, device: torch.device, dtype, q_shape: tuple, heads_kv: int, seqlen_k: int, head_dim_v: int,
+                    bits: int) -> "Problem":
+        """The problem of q (B, Hq, Nq, D) = q_shape against Hkv key/value heads of Nk keys, with the features
+        of ``bits`` (see :func:`feature_bits`)."""
+        batch, heads_q, seqlen_q, head_dim = q_shape
         return cls(
-            device_type=q.device.type,
-            device_index=q.device.index,
-            compute_capability=_compute_capability(q.device),
-            dtype=q.dtype,
-            batch=q.shape[0],
-            heads_q=q.shape[1],
-            heads_kv=k.shape[1],
-            seqlen_q=q.shape[2],
-            seqlen_k=k.shape[2],
-            head_dim=q.shape[3],
-            head_dim_v=v.shape[3],
-            features=frozenset(features),
+            device_type=device.type,
+            device_index=device.index,
+            compute_capability=device_capability(device),
+            dtype=dtype,
+            batch=batch,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            head_dim=head_dim,
+            head_dim_v=head_dim_v,
+            features=features_from_bits(bits),
         )
+
+    def resized(self, batch: int, seqlen_q: int, seqlen_k: int) -> "Problem":
+        """The same problem at other batch and sequence sizes."""
+        return dataclasses.replace(self, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
 
     def describe(self) -> str:
         cc = "" if self.compute_capability is None else " sm_%d%d" % tuple(self.compute_capability)
@@ -78,7 +83,8 @@ class Problem:
 _CC_CACHE: dict = {}
 
 
-def _compute_capability(device: torch.device):
+def device_capability(device: torch.device):
+    """(major, minor) of a CUDA device, asked once per device; None for other devices."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -86,3 +92,31 @@ def _compute_capability(device: torch.device):
     if cc is None:
         cc = _CC_CACHE[index] = tuple(torch.cuda.get_device_capability(index))
     return cc
+
+
+def feature_bits(q, k, v, mask, mask_requires_grad, dropout_p, softcap, causal, window) -> int:
+    """The features a call uses, as an int of FEATURE_BITS: q (B, Hq, Nq, D), k (B, Hkv, Nk, D),
+    v (B, Hkv, Nk, Dv), mask None or a bool / float tensor."""
+    bits = 0
+    if causal:
+        bits |= _CAUSAL
+    if window:
+        bits |= _WINDOW
+    if q.shape[1] != k.shape[1]:
+        bits |= _GQA
+    if mask is not None:
+        bits |= _BOOL_MASK if mask.dtype == torch.bool else _FLOAT_MASK
+        if mask_requires_grad:
+            bits |= _MASK_GRAD
+    if dropout_p > 0.0:
+        bits |= _DROPOUT
+    if softcap is not None:
+        bits |= _SOFTCAP
+    if v.shape[-1] != q.shape[-1]:
+        bits |= _VALUE_DIM
+    return bits
+
+
+(_CAUSAL, _WINDOW, _GQA, _BOOL_MASK, _FLOAT_MASK, _MASK_GRAD, _DROPOUT, _SOFTCAP, _VALUE_DIM) = (
+    FEATURE_BITS[name] for name in ("causal", "window", "gqa", "bool_mask", "float_mask", "mask_grad", "dropout",
+                                    "softcap", "value_dim"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mhattn.backends import layouts
 from mhattn.backends.base import FEATURES, AttentionParams, Backend, Capabilities
 from mhattn.reference.naive import naive_attention, visible
 
@@ -32,7 +33,8 @@ class ReferenceBackend(Backend):
 
     def forward(self, q, k, v, params: AttentionParams):
         out, lse = self._compute(q, k, v, params, params.mask)
-        return out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        # Written in the layouts every built-in backend uses (mhattn.backends.layouts).
+        return layouts.output_buffer(q, v).copy_(out), layouts.lse_buffer(q).copy_(lse)
 
     def backward(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
         # The backward written out (custom ops run below autograd, so no recording here):
@@ -43,7 +45,7 @@ class ReferenceBackend(Backend):
         qc, kc, vc, doc, oc = (t.to(dtype) for t in (q, k, v, grad_out, out))
         batch, heads_q, seqlen_q, _ = q.shape
         heads_kv, seqlen_k = k.shape[1], k.shape[2]
-        group = heads_q // heads_kv
+        group = heads_q // heads_kv if heads_kv else 1  # no head at all: nothing to group
         if group > 1:
             kc = kc.repeat_interleave(group, dim=1)
             vc = vc.repeat_interleave(group, dim=1)
@@ -87,4 +89,5 @@ class ReferenceBackend(Backend):
             dv = dv.view(batch, heads_kv, group, seqlen_k, -1).sum(2)
         if dmask is not None:
             dmask = dmask.to(params.mask.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
+        return (layouts.grad_buffer(q).copy_(dq), layouts.grad_buffer(k).copy_(dk), layouts.grad_buffer(v).copy_(dv),
+                dmask)

@@ -6,6 +6,9 @@ import tempfile
 import pytest
 import torch
 
+import mhattn
+from mhattn.reference import ReferenceBackend
+
 # torch.compile caches compiled graphs on disk keyed without our ops' fake implementations: give each
 # test session its own cache so a graph compiled by an older checkout is never reused.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="mhattn-inductor-"))
@@ -18,3 +21,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class Recording(ReferenceBackend):
+    """The reference backend, recording each call and the dropout seed it got (to see which backend ran)."""
+
+    def __init__(self, name):
+        self.name = name
+        self.calls = []
+        self.seeds = []
+
+    def forward(self, q, k, v, params):
+        self.calls.append("forward")
+        self.seeds.append(params.seed)
+        return super().forward(q, k, v, params)
+
+    def backward(self, *args, **kwargs):
+        self.calls.append("backward")
+        return super().backward(*args, **kwargs)
+
+
+@pytest.fixture
+def recorders():
+    """Two recording backends, "rec_a" and "rec_b", registered for the test."""
+    made = [Recording("rec_a"), Recording("rec_b")]
+    for backend in made:
+        mhattn.register_backend(backend)
+    yield made
+    for backend in made:
+        mhattn.unregister_backend(backend.name)

@@ -41,6 +41,9 @@ def _unavailable_reasons() -> tuple:
     except Exception as error:
         return (f"NVRTC cannot be loaded ({type(error).__name__}: {error}); "
                 "pip install nvidia-cuda-nvrtc-cu12 (CUDA 12) or the NVRTC matching your CuPy",)
+    if not torch.cuda.is_available():
+        return ("no CUDA GPU is visible (CuPy and NVRTC are installed: `mhattn build` compiles the kernels "
+                "without a GPU)",)
     return ()
 
 

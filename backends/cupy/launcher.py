@@ -42,6 +42,28 @@ def f32(x) -> tuple:
 
 _NUMPY = {"ptr": np.uint64, "i32": np.int32, "i64": np.int64, "u32": np.uint32, "f32": np.float32}
 
+# Typed scalars of the non-pointer arguments, by (kind, value): sizes, strides and scales repeat from call to
+# call, and a dict look-up costs a tenth of making a numpy scalar. Bounded (cleared when full).
+_scalars: dict = {}
+_SCALARS_LIMIT = 8192
+
+
+def typed_values(args: list) -> tuple:
+    """The numpy scalars CuPy launches with, for ``(kind, value)`` arguments."""
+    values = []
+    for arg in args:
+        kind, value = arg
+        if kind == "ptr":
+            values.append(np.uint64(value))
+            continue
+        scalar = _scalars.get(arg)
+        if scalar is None:
+            if len(_scalars) >= _SCALARS_LIMIT:
+                _scalars.clear()
+            scalar = _scalars[arg] = _NUMPY[kind](value)
+        values.append(scalar)
+    return tuple(values)
+
 # Above this much dynamic shared memory a kernel must opt in (cudaFuncAttributeMaxDynamicSharedMemorySize).
 _DEFAULT_DYNAMIC_SMEM = 48 * 1024
 
@@ -52,6 +74,7 @@ class CupyLauncher:
     def __init__(self):
         self._kernels = {}   # (variant, device index) -> cupy.RawKernel
         self._streams = {}   # (stream pointer, device index) -> cupy.cuda.ExternalStream
+        self._devices = {}   # device index -> cupy.cuda.Device
         self._lock = threading.Lock()
 
     def kernel(self, variant: Variant, device_index: int, cc):
@@ -92,6 +115,9 @@ class CupyLauncher:
 
         index = device.index if device.index is not None else torch.cuda.current_device()
         kernel = self.kernel(variant, index, cc)
-        values = tuple(_NUMPY[kind](value) for kind, value in args)
-        with cupy.cuda.Device(index), self._stream(index):  # CuPy launches on its current stream
+        values = typed_values(args)
+        cupy_device = self._devices.get(index)
+        if cupy_device is None:
+            cupy_device = self._devices[index] = cupy.cuda.Device(index)
+        with cupy_device, self._stream(index):  # CuPy launches on its current stream
             kernel(tuple(grid), (variant.num_threads,), values, shared_mem=variant.smem_bytes)

@@ -1,19 +1,24 @@
 """Host side of the CUDA kernels: pick the variants, allocate outputs with torch, build the arguments.
 
 Shapes: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, D); any batch/head/sequence strides with a
-contiguous last dim (16-byte aligned rows; a tensor that is not gets one contiguous copy). Outputs are
-allocated contiguous: out (B, Hq, Nq, D), lse (B, Hq, Nq) float32; dq, dk, dv like q, k, v.
+contiguous last dim (16-byte aligned rows; a tensor that is not gets one contiguous copy). Outputs have
+the layouts of :mod:`mhattn.backends.layouts` (the kernels take every output's strides): out (B, Hq, Nq, D)
+with (B, Nq, Hq, D) memory, lse (B, Hq, Nq) float32 contiguous; dq, dk, dv like q, k, v where those are
+dense, else in out's layout. The variant choice of a call signature is cached (:func:`_fwd_choice`, ...).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
+from mhattn.backends import layouts
 from mhattn.backends.base import AttentionParams
 from mhattn.backends.cupy import variants
 from mhattn.backends.cupy.launcher import f32, i32, i64, ptr, u32
+from mhattn import dropout_rng
 from mhattn.dropout_rng import threshold as dropout_threshold
 
 LOG2E = 1.0 / math.log(2.0)
@@ -47,6 +52,10 @@ def _empty(shape, dtype, device):
     return out
 
 
+def _poisoned(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan")) if POISON_OUTPUTS else t
+
+
 def kernel_ready(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dim is contiguous and every row starts 16-byte aligned, else a copy."""
     aligned = (
@@ -73,8 +82,13 @@ def _clamp_bound(x) -> int:
     return UNBOUNDED if x is None else max(-UNBOUNDED, min(int(x), UNBOUNDED))
 
 
-def _feature_args(params: AttentionParams) -> list:
-    """diag_offset, window bounds, mask and its strides, dropout seed / threshold / scale."""
+def _seed(params: AttentionParams, device):
+    """The seed tensor the kernels read (None without dropout); the caller holds it until the launch."""
+    return dropout_rng.seed_tensor(params.seed, device) if params.dropout_p > 0 else None
+
+
+def _feature_args(params: AttentionParams, seed) -> list:
+    """diag_offset, window bounds, mask and its strides, dropout seed (a pointer) / threshold / scale."""
     args = [i32(max(-UNBOUNDED, min(params.diag_offset, UNBOUNDED))), i32(_clamp_bound(params.window_left)),
             i32(_clamp_bound(params.window_right))]
     mask = params.mask
@@ -85,9 +99,10 @@ def _feature_args(params: AttentionParams) -> list:
     else:
         args += [ptr(None), i64(0), i64(0), i64(0), i64(0)]
     p = float(params.dropout_p)
-    seed0, seed1 = (int(s) & 0xFFFFFFFF for s in params.seed)
-    args += [u32(seed0), u32(seed1), u32(dropout_threshold(p) if p > 0 else 0),
-             f32(1.0 / (1.0 - p) if p > 0 else 1.0)]
+    if p > 0:  # the kernels read the seed words from the device (graph-safe)
+        args += [ptr(seed), u32(dropout_threshold(p)), f32(1.0 / (1.0 - p))]
+    else:
+        args += [ptr(None), u32(0), f32(1.0)]
     return args
 
 
@@ -95,7 +110,7 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
     """Returns (out, lse) as the backend contract specifies."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    out = _empty((batch, heads_q, seqlen_q, head_dim), q.dtype, q.device)
+    out = _poisoned(layouts.output_buffer(q, v))
     lse = _empty((batch, heads_q, seqlen_q), torch.float32, q.device)
     if out.numel() == 0:
         return out, lse
@@ -103,9 +118,9 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
         return out.zero_(), lse.fill_(float("-inf"))
     q, k, v = (kernel_ready(t) for t in (q, k, v))
     d = variants.head_dim_bucket(head_dim)
-    variant = variants.fwd_variant(cc, _DTYPE_NAMES[q.dtype], d, level_of(params))
-    block_m = variant.define("BLOCK_M")
-    if variant.define("HAS_BOUNDS"):  # query blocks of unequal cost: (group, query block, pair) in x, see fwd.cu
+    variant, block_m, has_bounds = _fwd_choice(cc, q.dtype, d, level_of(params), variants.FWD_TILES.get(d),
+                                               variants.FWD_TILES_BOUNDED.get(d))
+    if has_bounds:  # query blocks of unequal cost: (group, query block, pair) in x, see fwd.cu
         grid = (cdiv(seqlen_q, block_m) * batch * heads_q, 1, 1)
     else:
         grid = (cdiv(seqlen_q, block_m), heads_q, batch)
@@ -113,9 +128,31 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
     args += _strides(q) + _strides(k) + _strides(v) + _strides(out)
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(head_dim),
              i32(sched_pairs(batch * heads_q, seqlen_k, head_dim, q.element_size())), f32(params.scale * LOG2E)]
-    args += _feature_args(params)
+    seed = _seed(params, q.device)
+    args += _feature_args(params, seed)
     launcher.launch(variant, grid, args, q.device, cc)
     return out, lse
+
+
+# The variant choices of a call signature, cached. Their keys hold the tile-table entries the choice reads
+# (``*tables``), so a table changed at run time (a tuning sweep, a test) is seen at the next call.
+
+
+@functools.lru_cache(maxsize=512)
+def _fwd_choice(cc, dtype, d: int, level: str, *tables) -> tuple:
+    """(variant, BLOCK_M, HAS_BOUNDS) of the forward at head-dim bucket ``d``."""
+    variant = variants.fwd_variant(cc, _DTYPE_NAMES[dtype], d, level)
+    return variant, variant.define("BLOCK_M"), bool(variant.define("HAS_BOUNDS"))
+
+
+@functools.lru_cache(maxsize=512)
+def _bwd_choice(cc, dtype, d: int, level: str, deterministic: bool, *tables) -> tuple:
+    """(preprocess variant, dK/dV variants, dQ variant or None when dQ comes from atomics) of the backward."""
+    dtype_name = _DTYPE_NAMES[dtype]
+    atomic_dq = not deterministic and variants.atomic_dq_possible(variants.dkdv_tiles(cc, d, True), d)
+    dkdv = tuple(variants.dkdv_variants(cc, dtype_name, d, level, atomic_dq=atomic_dq))
+    dq = None if atomic_dq else variants.dq_variant(cc, dtype_name, d, level)
+    return variants.preprocess_variant(dtype_name), dkdv, dq
 
 
 def sched_pairs(pairs: int, seqlen_k: int, head_dim: int, element_size: int) -> int:
@@ -133,25 +170,23 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
     """
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    dq = _empty(q.shape, q.dtype, q.device)
-    dk = _empty(k.shape, k.dtype, k.device)
-    dv = _empty(v.shape, v.dtype, v.device)
+    dq, dk, dv = (_poisoned(layouts.grad_buffer(t)) for t in (q, k, v))
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0 or heads_q == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), None
     q, k, v, out, grad_out = (kernel_ready(t) for t in (q, k, v, out, grad_out))
     lse = lse.to(torch.float32).contiguous()
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32).contiguous()
-    dtype_name = _DTYPE_NAMES[q.dtype]
     d = variants.head_dim_bucket(head_dim)
-    level = level_of(params)
+    pre, dkdv_variants, dq_variant = _bwd_choice(
+        cc, q.dtype, d, level_of(params), bool(deterministic), variants.DKDV_TILES.get(d),
+        variants.DKDV_ATOMIC_TILES.get(d), variants.DKDV_FALLBACK_TILES.get(d), variants.DQ_TILES.get(d))
     group = heads_q // heads_kv
 
     # delta = rowsum(dO * O) - grad_lse and lse in log2 units, padded per (b, h) to a multiple of VECTOR_PAD.
     seqlen_q_pad = cdiv(seqlen_q, VECTOR_PAD) * VECTOR_PAD
     lse_log2 = torch.empty((batch, heads_q, seqlen_q_pad), dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse_log2)
-    pre = variants.preprocess_variant(dtype_name)
     rows = batch * heads_q * seqlen_q_pad
     args = [ptr(out), ptr(grad_out), ptr(lse), ptr(grad_lse), ptr(lse_log2), ptr(delta)]
     args += _strides(out) + _strides(grad_out)
@@ -160,11 +195,12 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
 
     shape_args = [i32(seqlen_q), i32(seqlen_q_pad), i32(seqlen_k), i32(heads_q), i32(group), i32(head_dim),
                   f32(params.scale * LOG2E), f32(params.scale)]
-    feature_args = _feature_args(params)
+    seed = _seed(params, q.device)
+    feature_args = _feature_args(params, seed)
 
-    atomic_dq = not deterministic and variants.atomic_dq_possible(variants.dkdv_tiles(cc, d, True), d)
+    atomic_dq = dq_variant is None
     dq_accum = torch.zeros((batch, heads_q, seqlen_q, head_dim), dtype=torch.float32, device=q.device) if atomic_dq else None
-    for variant in variants.dkdv_variants(cc, dtype_name, d, level, atomic_dq=atomic_dq):
+    for variant in dkdv_variants:
         grid = (cdiv(seqlen_k, variant.define("BLOCK_N")), heads_kv, batch)
         args = [ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(lse_log2), ptr(delta), ptr(dk), ptr(dv), ptr(dq_accum)]
         args += _strides(q) + _strides(k) + _strides(v) + _strides(grad_out) + _strides(dk) + _strides(dv)
@@ -173,7 +209,7 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
         dq.copy_(dq_accum)
         return dq, dk, dv, None
 
-    variant = variants.dq_variant(cc, dtype_name, d, level)
+    variant = dq_variant
     grid = (cdiv(seqlen_q, variant.define("BLOCK_M")), heads_q, batch)
     args = [ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(lse_log2), ptr(delta), ptr(dq)]
     args += _strides(q) + _strides(k) + _strides(v) + _strides(grad_out) + _strides(dq)

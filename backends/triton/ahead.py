@@ -21,6 +21,8 @@ from mhattn.backends.triton import configs
 POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", "dV", "dQ", "dMask", "GradLse",
             "dQacc"}
 FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "dQacc"}
+# The dropout seed words, read from the device (see forward.attention_forward_kernel).
+INT32_POINTERS = {"Seed"}
 FLOATS = {"qk_scale2", "softcap_in2", "softcap_out2", "dropout_scale", "sm_scale"}
 KINDS = ("fwd", "dkdv", "dq")
 # "sm_90a" is Hopper with its architecture-specific instructions (wgmma); Triton emits those for 9.0 itself.
@@ -79,6 +81,8 @@ def compile_kernel(task: KernelTask, cc: int = 90):
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name in INT32_POINTERS:
+            signature[name] = "*i32"
         elif name in POINTERS:
             signature[name] = "*fp32" if name in FP32_POINTERS else "*" + task.dtype
             attrs[(i,)] = [["tt.divisibility", 16]]

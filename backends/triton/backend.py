@@ -17,8 +17,10 @@ from typing import Optional
 import torch
 
 from mhattn import dropout_rng
+from mhattn.backends import layouts
 from mhattn.backends.base import FEATURES, AttentionParams, Backend, Capabilities
 from mhattn.backends.triton import configs
+from mhattn.problem import device_capability
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -48,31 +50,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32" if tf32 else "ieee"
 
 
-def _empty_rows_major(batch, heads, seqlen, dim, like: torch.Tensor, dtype=None) -> torch.Tensor:
-    """(B, H, N, D) with (B, N, H, D) memory: one token's heads side by side, as a packed projection
-    lays them out, so reshaping the result to (B, N, H * D) is a view."""
-    t = torch.empty(batch, seqlen, heads, dim, dtype=dtype or like.dtype, device=like.device)
-    return t.transpose(1, 2)
-
-
-def _grad_buffer(t: torch.Tensor) -> torch.Tensor:
-    """A gradient buffer with t's layout when t is dense (empty_like keeps it), else row-major heads."""
-    if _dense(t):
-        return torch.empty_like(t)  # preserve_format keeps a dense tensor's strides
-    b, h, n, d = t.shape
-    return _empty_rows_major(b, h, n, d, t)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """True when t's elements fill a block of memory exactly (no gaps, no overlaps), in any dim order."""
-    expected = 1
-    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda x: x[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _strides4(t: torch.Tensor):
     """(batch, head, row) strides; the last dim is contiguous (checked by the caller)."""
     return t.stride(0), t.stride(1), t.stride(2)
@@ -83,16 +60,50 @@ def _mask_strides(mask: torch.Tensor):
     return tuple(0 if mask.shape[i] == 1 else mask.stride(i) for i in range(4))
 
 
-class _Launch:
-    """Everything the three kernel families share for one call: scalars and compile-time flags."""
+class _Plan:
+    """What the launches of one call signature share, computed once per signature (see _plan_for): sizes,
+    the tile configuration, the compile-time flags and the device's identity for the tile-shrink cache."""
 
-    def __init__(self, q, k, v, params: AttentionParams):
+    def __init__(self, q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout, dot_precision):
         self.batch, self.heads_q, self.seqlen_q, self.head_dim = q.shape
         self.heads_kv, self.seqlen_k = k.shape[1], k.shape[2]
         self.head_dim_v = v.shape[3]
         self.kv_group = self.heads_q // self.heads_kv
         self.block_d = configs.padded_head_dim(self.head_dim)
         self.block_dv = configs.padded_head_dim(self.head_dim_v)
+        self.has_left, self.has_right = has_left, has_right
+        # A causal-like band (right bound only): the last query blocks carry the most keys.
+        self.heavy_first = has_right and not has_left
+        self.mask_kind = mask_kind
+        self.has_dropout = has_dropout
+        cc = device_capability(q.device)
+        self.config = configs.config_for(cc, q.dtype, self.head_dim, self.heavy_first, self.seqlen_q)
+        self.flags = dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
+                          BLOCK_DV=self.block_dv, HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SOFTCAP=has_softcap,
+                          MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, DOT_PRECISION=dot_precision)
+        # A tile that did not fit is remembered for kernels compiled alike on a device alike.
+        self.shrink_key = (q.device.type, q.device.index, cc, q.dtype, tuple(sorted(self.flags.items())))
+        # The Hopper paths (copy-engine loads, warp specialisation) need sm_90; the interpreter runs the
+        # descriptor loads too, so CPU tests cover them.
+        self.hopper = INTERPRET or (cc is not None and cc[0] >= 9)
+        self.warp_specialize_ok = cc is not None and cc[0] >= 9
+
+
+class _Launch:
+    """One call: its plan and the scalars that come from its params (scale, band, mask, dropout)."""
+
+    def __init__(self, q, k, v, params: AttentionParams):
+        mask = params.mask
+        if mask is None:
+            mask_kind, self.mask, self.mask_strides = 0, q, (0, 0, 0, 0)
+        elif mask.dtype == torch.bool:
+            mask_kind, self.mask, self.mask_strides = 1, mask.view(torch.uint8), _mask_strides(mask)
+        else:
+            mask_kind, self.mask, self.mask_strides = 2, mask, _mask_strides(mask)
+        has_dropout = params.dropout_p > 0.0
+        has_left = params.window_left is not None
+        has_right = params.window_right is not None
+        self.plan = _plan_for(q, k, v, mask_kind, has_left, has_right, params.softcap is not None, has_dropout)
         self.sm_scale = float(params.scale)
         self.qk_scale2 = self.sm_scale * LOG2E
         if params.softcap is not None:
@@ -100,36 +111,17 @@ class _Launch:
             self.softcap_out2 = params.softcap * LOG2E
         else:
             self.softcap_in2 = self.softcap_out2 = 0.0
-        self.has_left = params.window_left is not None
-        self.has_right = params.window_right is not None
-        self.diag_offset = int(params.diag_offset)
-        self.window_left = int(params.window_left or 0)
-        self.window_right = int(params.window_right or 0)
-        # A causal-like band (right bound only): the last query blocks carry the most keys.
-        self.heavy_first = self.has_right and not self.has_left
-        mask = params.mask
-        if mask is None:
-            self.mask_kind, self.mask, self.mask_strides = 0, q, (0, 0, 0, 0)
-        elif mask.dtype == torch.bool:
-            self.mask_kind, self.mask, self.mask_strides = 1, mask.view(torch.uint8), _mask_strides(mask)
+        if has_dropout:
+            self.dropout_scale = 1.0 / (1.0 - params.dropout_p)
+            # The kernels read the seed words from memory (int32 words of the int64 seed tensor).
+            self.seed = dropout_rng.seed_tensor(params.seed, q.device).view(torch.int32)
+            threshold = _as_int32(dropout_rng.threshold(params.dropout_p))
         else:
-            self.mask_kind, self.mask, self.mask_strides = 2, mask, _mask_strides(mask)
-        self.has_dropout = params.dropout_p > 0.0
-        self.dropout_scale = 1.0 / (1.0 - params.dropout_p) if self.has_dropout else 1.0
-        self.seed0 = self.seed1 = self.threshold = 0
-        if self.has_dropout:
-            self.seed0, self.seed1 = (_as_int32(s) for s in params.seed)
-            self.threshold = _as_int32(dropout_rng.threshold(params.dropout_p))
-        self.has_softcap = params.softcap is not None
-        self.dot_precision = _dot_precision(q.dtype)
-        cc = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
-        self.config = configs.config_for(cc, q.dtype, self.head_dim, self.has_right and not self.has_left,
-                                         self.seqlen_q)
-        # The Hopper paths (copy-engine loads, warp specialisation) need sm_90; the interpreter runs the
-        # descriptor loads too, so CPU tests cover them.
-        self.hopper = INTERPRET or (cc is not None and cc[0] >= 9)
-        self.warp_specialize_ok = cc is not None and cc[0] >= 9
-        self.tma_ok = self.hopper and _descriptor_ready(q, k, v)
+            self.dropout_scale, self.seed, threshold = 1.0, q, 0
+        self.band = (int(params.diag_offset), int(params.window_left or 0), int(params.window_right or 0), self.seed,
+                     threshold)
+        # The Hopper paths (copy-engine loads) need every tensor the kernels read through descriptors aligned.
+        self.tma_ok = self.plan.hopper and _descriptor_ready(q, k, v)
 
     def hopper_flags(self, tile: configs.KernelConfig, *query_side) -> dict:
         """TMA / WARP_SPECIALIZE for a launch of ``tile``: on only where the tile asks for them and this call
@@ -137,15 +129,25 @@ class _Launch:
         tma = tile.tma and self.tma_ok and _descriptor_ready(*query_side)
         if tma:
             _ensure_descriptor_allocator()
-        return dict(TMA=tma, WARP_SPECIALIZE=tile.warp_specialize and self.warp_specialize_ok)
+        return dict(TMA=tma, WARP_SPECIALIZE=tile.warp_specialize and self.plan.warp_specialize_ok)
 
-    def flags(self):
-        return dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
-                    HAS_LEFT=self.has_left, HAS_RIGHT=self.has_right, HAS_SOFTCAP=self.has_softcap,
-                    MASK_KIND=self.mask_kind, HAS_DROPOUT=self.has_dropout, DOT_PRECISION=self.dot_precision)
 
-    def band(self):
-        return (self.diag_offset, self.window_left, self.window_right, self.seed0, self.seed1, self.threshold)
+_plans: dict = {}
+_PLANS_LIMIT = 1024
+
+
+def _plan_for(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout) -> _Plan:
+    """The cached plan of a call signature (shapes, dtype, device, flags, the pinned configuration)."""
+    dot_precision = _dot_precision(q.dtype)
+    key = (q.shape, k.shape[1], k.shape[2], v.shape[3], q.dtype, q.device, mask_kind, has_left, has_right,
+           has_softcap, has_dropout, dot_precision, configs.pinned())
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _Plan(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout, dot_precision)
+        if len(_plans) >= _PLANS_LIMIT:
+            _plans.pop(next(iter(_plans)), None)  # the oldest
+        _plans[key] = plan
+    return plan
 
 
 def _descriptor_ready(*tensors) -> bool:
@@ -185,21 +187,24 @@ def _as_int32(word) -> int:
     return word - (1 << 32) if word >= (1 << 31) else word
 
 
-# Tiles that ran out of shared memory or registers, and what replaced them: (kernel, tile, key) -> tile.
+# Tiles that ran out of shared memory or registers, and what replaced them:
+# (kernel, tile, plan.shrink_key: device, compute capability, dtype, compile-time flags) -> tile.
 _shrunk: dict = {}
 
 
 def _run(kernel_name: str, tile: configs.KernelConfig, key, launch):
     """launch(tile) with the configured tile; on Triton's OutOfResources, retry with smaller tiles and
     remember the one that fitted for this (kernel, tile, key)."""
-    from triton.runtime.errors import OutOfResources
-
     cache_key = (kernel_name, tile, key)
     tile = _shrunk.get(cache_key, tile)
     while True:
         try:
             launch(tile)
-        except OutOfResources:
+        except Exception as error:
+            from triton.runtime.errors import OutOfResources
+
+            if not isinstance(error, OutOfResources):
+                raise
             smaller = configs.shrink(tile)
             if smaller is None:
                 raise
@@ -251,7 +256,7 @@ class TritonBackend(Backend):
     def _dq_mode(self, run: "_Launch", mask_grad: bool) -> int:
         """0: the separate dQ kernel; 1: atomics; 2: the copy engine's bulk reduce-add (see configs.DQ_MODES).
         The mask gradient needs dS, which only the dQ kernel writes; a deterministic backward needs the dQ kernel."""
-        mode = run.config.dq_mode
+        mode = run.plan.config.dq_mode
         deterministic = self.deterministic
         if deterministic is None:
             deterministic = torch.are_deterministic_algorithms_enabled()
@@ -259,7 +264,7 @@ class TritonBackend(Backend):
             return 0
         # The bulk reduce-add needs descriptors (sm_90, aligned rows) and a real GPU (the interpreter has no
         # reduce-add through descriptors); float32 rows of D elements are 16-byte multiples when D % 4 == 0.
-        if mode == "tma" and run.tma_ok and not INTERPRET and run.head_dim % 4 == 0:
+        if mode == "tma" and run.tma_ok and not INTERPRET and run.plan.head_dim % 4 == 0:
             _ensure_descriptor_allocator()  # the dQ buffer's descriptor, whatever the tiles' own switches
             return 2
         return 1
@@ -298,30 +303,31 @@ class TritonBackend(Backend):
         _check_inputs(q=q, k=k, v=v)
         forward_module, _, _ = kernels()
         run = _Launch(q, k, v, params)
-        out = _empty_rows_major(run.batch, run.heads_q, run.seqlen_q, run.head_dim_v, q)
-        lse = torch.empty(run.batch, run.heads_q, run.seqlen_q, dtype=torch.float32, device=q.device)
+        plan = run.plan
+        out = layouts.output_buffer(q, v)
+        lse = torch.empty(plan.batch, plan.heads_q, plan.seqlen_q, dtype=torch.float32, device=q.device)
         if out.numel() == 0 and lse.numel() == 0:
             return out, lse
-        if run.seqlen_k == 0:  # no key at all: every row is empty
+        if plan.seqlen_k == 0:  # no key at all: every row is empty
             out.zero_()
             lse.fill_(float("-inf"))
             return out, lse
 
         def launch(tile):
-            num_m_blocks = triton_cdiv(run.seqlen_q, tile.block_m)
-            grid = (run.batch * run.heads_q * num_m_blocks,)
+            num_m_blocks = triton_cdiv(plan.seqlen_q, tile.block_m)
+            grid = (plan.batch * plan.heads_q * num_m_blocks,)
             forward_module.attention_forward_kernel[grid](
                 q, k, v, out, lse, run.mask,
                 *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *run.mask_strides,
-                run.heads_q, run.kv_group, run.seqlen_q, run.seqlen_k, num_m_blocks,
+                plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_m_blocks,
                 run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale,
-                *run.band(),
-                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAVY_FIRST=run.heavy_first, **run.flags(),
+                *run.band,
+                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAVY_FIRST=plan.heavy_first, **plan.flags,
                 **run.hopper_flags(tile), num_warps=tile.num_warps, num_stages=tile.num_stages,
             )
 
         with _OnDevice(q.device):
-            _run("forward", run.config.forward, (q.dtype, run.block_d), launch)
+            _run("forward", plan.config.forward, plan.shrink_key + (run.tma_ok,), launch)
         return out, lse
 
     # ---- backward -----------------------------------------------------------------------------
@@ -331,73 +337,74 @@ class TritonBackend(Backend):
             grad_out = grad_out.contiguous()  # a gradient buffer (e.g. expanded by .sum()), not a user input
         _, backward_module, _ = kernels()
         run = _Launch(q, k, v, params)
-        dq, dk, dv = _grad_buffer(q), _grad_buffer(k), _grad_buffer(v)
-        mask_grad = bool(params.mask_requires_grad) and run.mask_kind == 2
+        plan = run.plan
+        dq, dk, dv = layouts.grad_buffer(q), layouts.grad_buffer(k), layouts.grad_buffer(v)
+        mask_grad = bool(params.mask_requires_grad) and plan.mask_kind == 2
         dmask = None
         if mask_grad:
             # Zeros: tiles outside the causal/window band are never visited and their gradient is 0.
-            dmask = torch.zeros(run.batch, run.heads_q, run.seqlen_q, run.seqlen_k, dtype=torch.float32,
+            dmask = torch.zeros(plan.batch, plan.heads_q, plan.seqlen_q, plan.seqlen_k, dtype=torch.float32,
                                 device=q.device)
-        if run.seqlen_k == 0 or run.seqlen_q == 0 or q.numel() == 0:
+        if plan.seqlen_k == 0 or plan.seqlen_q == 0 or q.numel() == 0:
             dq.zero_(), dk.zero_(), dv.zero_()
             return dq, dk, dv, (dmask.to(params.mask.dtype) if dmask is not None else None)
 
-        delta = torch.empty(run.batch, run.heads_q, run.seqlen_q, dtype=torch.float32, device=q.device)
+        delta = torch.empty(plan.batch, plan.heads_q, plan.seqlen_q, dtype=torch.float32, device=q.device)
         lse2 = torch.empty_like(delta)
         dq_mode = self._dq_mode(run, mask_grad)
         # dQ summed inside the dK/dV kernel: a zeroed float32 buffer (B, Hq, Nq, D), converted at the end.
-        dq_acc = (torch.zeros(run.batch, run.heads_q, run.seqlen_q, run.head_dim, dtype=torch.float32,
+        dq_acc = (torch.zeros(plan.batch, plan.heads_q, plan.seqlen_q, plan.head_dim, dtype=torch.float32,
                               device=q.device) if dq_mode else delta)
         grad_lse_arg = grad_lse if grad_lse is not None else lse
         with _OnDevice(q.device):
             block_pre = 64
-            num_pre_blocks = triton_cdiv(run.seqlen_q, block_pre)
-            backward_module.backward_preprocess_kernel[(run.batch * run.heads_q * num_pre_blocks,)](
+            num_pre_blocks = triton_cdiv(plan.seqlen_q, block_pre)
+            backward_module.backward_preprocess_kernel[(plan.batch * plan.heads_q * num_pre_blocks,)](
                 out, grad_out, lse, grad_lse_arg, delta, lse2,
                 *_strides4(out), *_strides4(grad_out),
                 lse.stride(0), lse.stride(1), lse.stride(2),
                 grad_lse_arg.stride(0), grad_lse_arg.stride(1), grad_lse_arg.stride(2),
-                run.heads_q, run.seqlen_q, num_pre_blocks,
-                HEAD_DIM_V=run.head_dim_v, BLOCK_DV=run.block_dv, BLOCK_M=block_pre,
+                plan.heads_q, plan.seqlen_q, num_pre_blocks,
+                HEAD_DIM_V=plan.head_dim_v, BLOCK_DV=plan.block_dv, BLOCK_M=block_pre,
                 HAS_GRAD_LSE=grad_lse is not None, num_warps=4, num_stages=1,
             )
 
             def launch_dkdv(tile):
-                num_n_blocks = triton_cdiv(run.seqlen_k, tile.block_n)
-                grid = (run.batch * run.heads_kv * num_n_blocks,)
+                num_n_blocks = triton_cdiv(plan.seqlen_k, tile.block_n)
+                grid = (plan.batch * plan.heads_kv * num_n_blocks,)
                 backward_module.backward_dkdv_kernel[grid](
                     q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run.mask,
                     *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out),
                     *_strides4(dk), *_strides4(dv), *run.mask_strides,
-                    run.heads_q, run.heads_kv, run.kv_group, run.seqlen_q, run.seqlen_k, num_n_blocks,
+                    plan.heads_q, plan.heads_kv, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_n_blocks,
                     run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
-                    *run.band(),
-                    BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **run.flags(),
+                    *run.band,
+                    BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **plan.flags,
                     **run.hopper_flags(tile, grad_out), DQ_MODE=dq_mode,
                     num_warps=tile.num_warps, num_stages=tile.num_stages,
                 )
 
             def launch_dq(tile):
-                num_m_blocks = triton_cdiv(run.seqlen_q, tile.block_m)
-                grid = (run.batch * run.heads_q * num_m_blocks,)
+                num_m_blocks = triton_cdiv(plan.seqlen_q, tile.block_m)
+                grid = (plan.batch * plan.heads_q * num_m_blocks,)
                 backward_module.backward_dq_kernel[grid](
                     q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta,
                     *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out), *_strides4(dq),
                     *run.mask_strides,
-                    run.heads_q, run.kv_group, run.seqlen_q, run.seqlen_k, num_m_blocks,
+                    plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_m_blocks,
                     run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
-                    *run.band(),
+                    *run.band,
                     BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, MASK_GRAD=mask_grad,
-                    HEAVY_FIRST=run.heavy_first, **run.flags(),
+                    HEAVY_FIRST=plan.heavy_first, **plan.flags,
                     num_warps=tile.num_warps, num_stages=tile.num_stages,
                 )
 
-            key = (q.dtype, run.block_d, dq_mode)
-            _run("dkdv", run.config.dkdv, key, launch_dkdv)
+            key = plan.shrink_key + (run.tma_ok, dq_mode)
+            _run("dkdv", plan.config.dkdv, key, launch_dkdv)
             if dq_mode:
                 dq.copy_(dq_acc)
             else:
-                _run("dq", run.config.dq, key, launch_dq)
+                _run("dq", plan.config.dq, key, launch_dq)
         if dmask is not None:
             dmask = dmask.to(params.mask.dtype)
         return dq, dk, dv, dmask

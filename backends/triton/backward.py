@@ -154,7 +154,7 @@ def dkdv_query_range(dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_acc, dq_
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left",
-                               "window_right", "seed0", "seed1", "threshold"])
+                               "window_right", "threshold"])
 def backward_dkdv_kernel(
     Q, K, V, dOut, Lse2, Delta, dK, dV, dQacc, Mask,
     stride_qb, stride_qh, stride_qm,
@@ -167,7 +167,7 @@ def backward_dkdv_kernel(
     heads_q, heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks,
     qk_scale2, softcap_in2, softcap_out2, dropout_scale, sm_scale,
     diag_offset, window_left, window_right,
-    seed0, seed1, threshold,
+    Seed, threshold,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
@@ -196,6 +196,11 @@ def backward_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     rng_cols = column_hashes(offs_n)
+    seed0 = threshold  # an int32 scalar of the same type; read only with HAS_DROPOUT
+    seed1 = threshold
+    if HAS_DROPOUT:
+        seed0 = tl.load(Seed)  # the int64 seed tensor's low words (see the forward kernel)
+        seed1 = tl.load(Seed + 2)
 
     lo, full_lo, full_hi, hi = key_major_ranges(start_n, seqlen_q, seqlen_k, diag_offset, window_left,
                                                 window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -301,7 +306,7 @@ def dq_key_range(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "diag_offset", "window_left",
-                               "window_right", "seed0", "seed1", "threshold"])
+                               "window_right", "threshold"])
 def backward_dq_kernel(
     Q, K, V, dOut, Lse2, Delta, dQ, Mask, dMask,
     stride_qb, stride_qh, stride_qm,
@@ -313,7 +318,7 @@ def backward_dq_kernel(
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks,
     qk_scale2, softcap_in2, softcap_out2, dropout_scale, sm_scale,
     diag_offset, window_left, window_right,
-    seed0, seed1, threshold,
+    Seed, threshold,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
@@ -353,7 +358,7 @@ def backward_dq_kernel(
     dmask_base = dMask + batch_head.to(tl.int64) * seqlen_q * seqlen_k
     rng_rows = offs_m.to(tl.uint32)
     if HAS_DROPOUT:
-        rng_rows = row_keys(head_key(batch_head, seed0), offs_m, seed1)
+        rng_rows = row_keys(head_key(batch_head, tl.load(Seed)), offs_m, tl.load(Seed + 2))
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = query_major_ranges(start_m, seqlen_q, seqlen_k, diag_offset, window_left,

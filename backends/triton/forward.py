@@ -117,7 +117,7 @@ def forward_key_range(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_k
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "diag_offset", "window_left",
-                               "window_right", "seed0", "seed1", "threshold"])
+                               "window_right", "threshold"])
 def attention_forward_kernel(
     Q, K, V, Out, Lse, Mask,
     stride_qb, stride_qh, stride_qm,
@@ -128,7 +128,7 @@ def attention_forward_kernel(
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks,
     qk_scale2, softcap_in2, softcap_out2, dropout_scale,
     diag_offset, window_left, window_right,
-    seed0, seed1, threshold,
+    Seed, threshold,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
@@ -138,7 +138,8 @@ def attention_forward_kernel(
     """Q (B, Hq, Nq, D), K (B, Hkv, Nk, D), V (B, Hkv, Nk, Dv), Out (B, Hq, Nq, Dv): any strides, last
     dim contiguous. Lse (B, Hq, Nq) fp32 contiguous, natural log. Mask (B, Hq, Nq, Nk) by its strides
     (0 where broadcast). Query head h reads key/value head h // kv_group. qk_scale2 = scale * log2(e);
-    dropout_scale = 1 / (1 - p); seeds and threshold are int32 bit patterns (see rng.py)."""
+    dropout_scale = 1 / (1 - p); Seed: the seed words as int32 (the int64 seed tensor's words: seed0 at
+    Seed[0], seed1 at Seed[2]), read only with HAS_DROPOUT; threshold an int32 bit pattern (see rng.py)."""
     pid = tl.program_id(0)
     batch_head = pid // num_m_blocks
     m_block = pid % num_m_blocks
@@ -166,7 +167,7 @@ def attention_forward_kernel(
 
     rng_rows = offs_m.to(tl.uint32)
     if HAS_DROPOUT:
-        rng_rows = row_keys(head_key(batch_head, seed0), offs_m, seed1)
+        rng_rows = row_keys(head_key(batch_head, tl.load(Seed)), offs_m, tl.load(Seed + 2))
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -6,6 +6,7 @@
     mhattn bench --impl triton,sdpa-flash --head-dim 128 --seqlen 4k,16k --causal yes --mode fwd
     mhattn bench --from-json bench.json --summary # re-print (and re-plot) a saved run, no GPU needed
     mhattn bench --list                           # the implementations and whether each can run here
+    mhattn bench --latency --impl triton,cupy,sdpa-default   # per-call GPU and host-loop time at small shapes
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import signal
 import sys
 import time
 
-from mhattn.benchmark import memory, module_bench, plan, protocol, report
+from mhattn.benchmark import latency, memory, module_bench, plan, protocol, report
 from mhattn.benchmark.timing import BWD_METHODS, TimingSettings, timer_name
 
 PAPER_TIMING = (25.0, 100.0)      # do_bench defaults, as in PERFORMANCE.md
@@ -111,6 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="torch, mhattn (automatic backend) or mhattn:<backend> (default: torch and one per "
                            "selected mhattn backend)")
     what.add_argument("--no-sweep", action="store_true", help="skip the TFLOP/s sweep (memory and module only)")
+    what.add_argument("--latency", action="store_true",
+                      help="only the latency table: per-call GPU and host-loop time, forward and forward+backward, "
+                           "at small shapes (B=1 H=16 N=128, ViT-B/16 batch 32, B=8 H=16 N=512 bf16 and fp32), "
+                           f"beside {latency.BASELINE} (default --impl: every mhattn backend and {latency.BASELINE})")
 
     how = parser.add_argument_group("how to measure")
     how.add_argument("--warmup", type=float, default=None,
@@ -355,6 +360,41 @@ def write_plots(document: dict, folder: str) -> list:
     return written
 
 
+def run_latency(args, table: dict, device) -> int:
+    """``--latency``: the latency table, measured in this process (small shapes, a minute or two)."""
+    impls = _flatten(args.impl) or latency.default_impls(table)
+    unknown = [n for n in impls if n not in table]
+    if unknown:
+        print(f"mhattn bench: --impl: unknown implementation(s) {', '.join(unknown)}; known: {', '.join(table)}",
+              file=sys.stderr)
+        return 2
+    timer = timer_name(device)
+    print(f"mhattn bench --latency on {_device_text(device)}; {len(latency.plan_cells(impls))} cells", file=sys.stderr,
+          flush=True)
+    warmup = args.warmup if args.warmup is not None else latency.WARMUP_MS
+    rep = args.rep if args.rep is not None else latency.REP_MS
+
+    def progress(row):
+        if not args.no_progress:
+            value = "-" if row["host_us"] is None else f"{row['host_us']:.1f} us host loop"
+            print(f"  {row['impl']:<14} {row['mode']:<8} {latency.LatencyShape(**row['shape']).label}: {value}",
+                  file=sys.stderr, flush=True)
+
+    rows = latency.run(impls, table, device, progress=progress, warmup_ms=warmup, rep_ms=rep)
+    text = latency.format_table(rows, timer)
+    if args.json:
+        document = {"meta": {"command": _command_line(args, measured_only=True), "device": _device_text(device),
+                             "versions": _versions(), "timer": timer, "backends": _backend_states()},
+                    "latency": rows}
+        try:
+            report.write_json(args.json, document)
+            print(f"wrote {args.json}", file=sys.stderr)
+        except OSError as error:
+            print(f"mhattn bench: could not write --json {args.json}: {error}", file=sys.stderr)
+    print(text, end="", flush=True)
+    return 0 if all(r["status"] != "error" for r in rows) else 1
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -378,6 +418,8 @@ def run(args) -> int:
         print("mhattn bench needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False). "
               "--list and --from-json FILE work without one.", file=sys.stderr)
         return 2
+    if args.latency:
+        return run_latency(args, table, device)
     try:
         selection = build_selection(args, table)
     except ValueError as error:

@@ -196,13 +196,15 @@ class SdpaImplementation(Implementation):
 
     def __init__(self, name: str, sdpa_backend: str, description: str):
         self.name = name
-        self.sdpa_backend = sdpa_backend     # a member name of torch.nn.attention.SDPBackend
+        self.sdpa_backend = sdpa_backend     # a member name of torch.nn.attention.SDPBackend; None = torch's choice
         self.description = description
         if sdpa_backend == "MATH":
             # The math path materialises S and P in the input dtype (and more for the backward).
             self.scratch_bytes_per_score = {"fwd": 3 * 4, "fwd_bwd": 6 * 4}
 
     def unsupported(self, q, k, v, causal):
+        if self.sdpa_backend is None:  # torch's own choice: always there
+            return []
         try:
             from torch.nn.attention import SDPBackend
         except ImportError as error:
@@ -212,6 +214,8 @@ class SdpaImplementation(Implementation):
         return []
 
     def context(self):
+        if self.sdpa_backend is None:
+            return contextlib.nullcontext()
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         return sdpa_kernel(getattr(SDPBackend, self.sdpa_backend))
@@ -260,12 +264,14 @@ class FlexImplementation(Implementation):
         return self._compiled(q, k, v, block_mask=self._block_mask(q, k) if causal else None)
 
 
-# Peers of PERFORMANCE.md: name -> (SDPBackend member, description). sdpa-math is available on request.
+# Peers of PERFORMANCE.md: name -> (SDPBackend member, description). sdpa-math and sdpa-default (no kernel
+# forced; the baseline of the latency table) are available on request.
 SDPA_PEERS = {
     "sdpa-flash": ("FLASH_ATTENTION", "PyTorch SDPA, FlashAttention-2 kernel"),
     "sdpa-cudnn": ("CUDNN_ATTENTION", "PyTorch SDPA, cuDNN attention kernel"),
     "sdpa-efficient": ("EFFICIENT_ATTENTION", "PyTorch SDPA, memory-efficient (xFormers-derived) kernel"),
     "sdpa-math": ("MATH", "PyTorch SDPA, math path (materialises S and P)"),
+    "sdpa-default": (None, "PyTorch SDPA as a user calls it: torch picks the kernel"),
 }
 # Peers taken when no --impl filter is given (sdpa-math duplicates the naive reference; flex on request,
 # its first call of every shape compiles).

@@ -140,7 +140,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
                        int seqlen_q, int seqlen_q_pad, int seqlen_k, int heads_q, int group, int head_dim,
                        float scale_log2, float scale, int diag_offset, int window_left, int window_right,
                        const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                       u32 seed0, u32 seed1, u32 drop_threshold, float drop_scale) {
+                       const u32* __restrict__ seed_words, u32 drop_threshold, float drop_scale) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -262,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     // dS^T = P^T (dP^T keep / (1 - p) - delta); P^T (dropped) and dS^T to shared memory.
 #if HAS_EXTRAS
     DropoutRng rng;
-    if (use_dropout) rng.init((u32)(b * heads_q + hq), seed0, seed1, drop_threshold);
+    if (use_dropout) rng.init((u32)(b * heads_q + hq), seed_words, drop_threshold);
 #endif
     unsigned char* s_pt = smem + OFF_PT;
     unsigned char* s_dst = smem + OFF_DST;

@@ -196,6 +196,12 @@ struct DropoutRng {
     seed1 = seed1_;
     threshold = threshold_;
   }
+  // The seed as the host passes it: the int64 seed tensor (2,) on the device read as u32 words (little
+  // endian: seed0 = word 0, seed1 = word 2), so a captured CUDA graph reads fresh words at each replay.
+  // Read only with dropout (threshold != 0); the pointer may be null otherwise.
+  MHATTN_DEVICE void init(u32 bh, const u32* __restrict__ seed_words, u32 threshold_) {
+    init(bh, threshold_ ? seed_words[0] : 0u, threshold_ ? seed_words[2] : 0u, threshold_);
+  }
   MHATTN_DEVICE u32 row_key(int i) const { return fmix32(bh_key ^ ((u32)i * 0x85EBCA6Bu + seed1)); }
   MHATTN_DEVICE bool keep(u32 row_key_i, int j) const { return fmix32(row_key_i ^ ((u32)j * 0xC2B2AE35u)) >= threshold; }
 };

@@ -34,7 +34,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
                int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, int sched_pairs, float scale_log2,
                int diag_offset, int window_left, int window_right,
                const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-               u32 seed0, u32 seed1, u32 drop_threshold, float drop_scale) {
+               const u32* __restrict__ seed_words, u32 drop_threshold, float drop_scale) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -91,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   const BoolMask bmask{mask != nullptr ? mask + b * m_sb + h * m_sh : nullptr, m_sq, m_sk};
   const bool use_dropout = drop_threshold != 0u;
   DropoutRng rng;
-  rng.init((u32)(b * heads_q + h), seed0, seed1, drop_threshold);
+  rng.init((u32)(b * heads_q + h), seed_words, drop_threshold);
   u32 row_key[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)

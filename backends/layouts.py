@@ -1,0 +1,74 @@
+"""The memory layouts every built-in backend writes, and that the ``torch.compile`` fake implementations
+promise, so compiled and eager calls return the same strides with no copy.
+
+- out (B, H, N, Dv): (B, N, H, Dv) memory, one token's heads side by side, as a packed projection lays
+  them out (reshaping the result to (B, N, H * Dv) after a transpose is a view).
+- lse (B, H, N): contiguous.
+- dq, dk, dv: the input's own layout when it is dense (``torch.empty_like`` keeps it), else the row-major
+  heads layout of out (for views of a packed QKV projection, whose gradient buffers are not dense).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def empty_rows_major(batch: int, heads: int, seqlen: int, dim: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """(B, H, N, D) with (B, N, H, D) memory, on like's device, in ``dtype`` (default like's)."""
+    t = torch.empty(batch, seqlen, heads, dim, dtype=dtype or like.dtype, device=like.device)
+    return t.transpose(1, 2)
+
+
+def output_buffer(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The attention output of q (B, H, Nq, D) and v (B, Hkv, Nk, Dv): (B, H, Nq, Dv) in q's dtype."""
+    return empty_rows_major(q.shape[0], q.shape[1], q.shape[2], v.shape[3], q)
+
+
+def lse_buffer(q: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp of q (B, H, Nq, D): (B, H, Nq), float32 (float64 for float64 inputs), contiguous."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return torch.empty(q.shape[:3], dtype=dtype, device=q.device)
+
+
+def grad_buffer(t: torch.Tensor) -> torch.Tensor:
+    """A gradient buffer for the 4-D tensor t: t's layout when t is dense, else row-major heads."""
+    if is_dense(t):
+        return torch.empty_like(t)  # preserve_format keeps a dense tensor's strides
+    b, h, n, d = t.shape
+    return empty_rows_major(b, h, n, d, t)
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when t's elements fill a block of memory exactly (no gaps, no overlaps), in any dim order."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda x: x[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def rows_major_strides(batch: int, heads: int, seqlen: int, dim: int) -> tuple:
+    """The strides of :func:`empty_rows_major` (B, H, N, D)."""
+    return (seqlen * heads * dim, dim, heads * dim, 1)
+
+
+def contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def grad_strides(t: torch.Tensor) -> tuple:
+    """The strides of :func:`grad_buffer` (t)."""
+    return tuple(t.stride()) if is_dense(t) else rows_major_strides(*t.shape)
+
+
+def placed(t: torch.Tensor, strides: tuple) -> torch.Tensor:
+    """t itself when it has ``strides`` (or is empty), else a copy with them."""
+    if t.numel() == 0 or tuple(t.stride()) == tuple(strides):
+        return t
+    out = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
+    return out.copy_(t)

@@ -1,0 +1,151 @@
+"""Host cost of the call path on the CPU, no GPU needed: microseconds and Python function calls per call.
+
+    python benchmarks/host_cost.py            # the table below
+    python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|cupy   # cProfile's top entries for one row
+
+Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
+- mhattn.attention forward / forward+backward on a backend that does no work (``null``: allocates its
+  outputs, launches nothing): the front end's own cost (checks, request, decision cache, autograd);
+- the Triton backend's host code for one forward / backward with its kernel launches replaced by no-ops
+  (plan, scalars, grid, argument lists; Triton's own launch is not in it);
+- the CuPy backend's host code for one forward / backward with a launcher that does nothing (variant
+  choice, argument packing up to the launcher);
+- torch's scaled_dot_product_attention at N = 1 (real work, but tiny), for scale.
+The machine's other load moves these numbers: compare rows of one run, best of five repetitions.
+"""
+
+import argparse
+import contextlib
+import cProfile
+import pstats
+import time
+
+import torch
+
+import mhattn
+from mhattn.backends.base import FEATURES, AttentionParams, Backend, Capabilities
+
+SHAPE = (1, 16, 128, 64)
+
+
+class NullBackend(Backend):
+    """Allocates outputs in the layouts of the built-in backends and computes nothing."""
+
+    name = "null"
+    capabilities = Capabilities(device_types=frozenset({"cpu"}), dtypes=frozenset({torch.float32, torch.bfloat16}),
+                                min_compute_capability=None, features=frozenset(FEATURES))
+
+    def forward(self, q, k, v, params):
+        batch, heads, seqlen, _ = q.shape
+        out = torch.empty(batch, seqlen, heads, v.shape[-1], dtype=q.dtype).transpose(1, 2)
+        return out, torch.empty(batch, heads, seqlen)
+
+    def backward(self, grad_out, q, k, v, out, lse, params, grad_lse=None):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+
+
+class _NoKernel:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+class _NoKernels:
+    attention_forward_kernel = backward_preprocess_kernel = backward_dkdv_kernel = backward_dq_kernel = _NoKernel()
+
+
+class _NoLauncher:
+    def launch(self, *args, **kwargs):
+        pass
+
+
+def per_call_us(fn, calls=2000, repeats=5) -> float:
+    for _ in range(100):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def python_calls(fn) -> int:
+    fn()
+    profile = cProfile.Profile()
+    profile.enable()
+    fn()
+    profile.disable()
+    return pstats.Stats(profile).total_calls
+
+
+@contextlib.contextmanager
+def stubbed_triton():
+    from mhattn.backends.triton import backend as triton_backend
+
+    saved = triton_backend._kernels
+    triton_backend._kernels = (_NoKernels, _NoKernels, None)
+    try:
+        yield triton_backend.TritonBackend()
+    finally:
+        triton_backend._kernels = saved
+
+
+def rows():
+    q, k, v = (torch.randn(*SHAPE) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+
+    def fwd():
+        return mhattn.attention(q, k, v, is_causal=True, backend="null")
+
+    def fwd_bwd():
+        out = mhattn.attention(qg, kg, vg, is_causal=True, backend="null")
+        torch.autograd.grad(out, (qg, kg, vg), out)  # no accumulation into .grad: the call path alone
+
+    params = AttentionParams(scale=0.125, window_right=0)
+    out, lse = NullBackend().forward(q, k, v, params)
+    table = [("mhattn.attention forward, null backend", fwd),
+             ("mhattn.attention forward+backward, null backend", fwd_bwd)]
+    from mhattn.backends.cupy import CupyBackend
+
+    cupy = CupyBackend(launcher=_NoLauncher(), compute_capability=(9, 0))
+    qh, kh, vh = (t.to(torch.bfloat16) for t in (q, k, v))
+    out_h, lse_h = cupy.forward(qh, kh, vh, params)
+    table += [("cupy backend forward, host code only", lambda: cupy.forward(qh, kh, vh, params)),
+              ("cupy backend backward, host code only",
+               lambda: cupy.backward(out_h, qh, kh, vh, out_h, lse_h, params))]
+    sdpa_q = q[:, :, :1]
+    table.append(("torch sdpa at N = 1 (for scale)",
+                  lambda: torch.nn.functional.scaled_dot_product_attention(sdpa_q, sdpa_q, sdpa_q)))
+    return table, (q, k, v, out, lse, params)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "cupy"), default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # no intra-op thread pool in the numbers
+    mhattn.register_backend(NullBackend(), replace=True)
+    table, (q, k, v, out, lse, params) = rows()
+    with stubbed_triton() as triton:
+        table[2:2] = [("triton backend forward, launches stubbed", lambda: triton.forward(q, k, v, params)),
+                      ("triton backend backward, launches stubbed",
+                       lambda: triton.backward(out, q, k, v, out, lse, params))]
+        if args.profile:
+            fn = {"fwd": table[0][1], "fwd_bwd": table[1][1], "triton": table[2][1], "cupy": table[4][1]}[args.profile]
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(1000):
+                fn()
+            profile.disable()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+            return
+        print(f"{'host cost per call (B=1 H=16 N=128 d=64, CPU)':<52} {'us':>7} {'Python calls':>13}")
+        for label, fn in table:
+            print(f"{label:<52} {per_call_us(fn):7.1f} {python_calls(fn):13d}")
+
+
+if __name__ == "__main__":
+    main()

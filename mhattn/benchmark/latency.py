@@ -1,0 +1,163 @@
+"""``mhattn bench --latency``: what one small attention call costs, where the host path shows.
+
+At the shapes of encoder models (ViT, BERT, speech: N <= 512) a kernel runs for tens of microseconds, so the
+Python and launch work around it can cost more than the kernel. For each shape of :data:`SHAPES` and each
+implementation, forward and forward+backward, two numbers in microseconds per call:
+
+- GPU time: the bench's timer (``triton.testing.do_bench`` median; wall clock on the CPU), what the GPU
+  spends on one call when the host keeps ahead of it;
+- host-loop time: ``calls`` calls in a Python loop timed on the host, with one synchronize at the end, per
+  call: what a loop of such calls runs at (the larger of the host's and the GPU's cost).
+
+Each is shown beside ``sdpa-default`` (``torch.nn.functional.scaled_dot_product_attention`` with torch's own
+kernel choice) as a ratio. Planning and reporting are plain functions of plain data, tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from mhattn.benchmark import protocol, timing
+from mhattn.benchmark.timing import describe_error, release_memory
+
+BASELINE = "sdpa-default"
+MODES = ("fwd", "fwd_bwd")
+HOST_LOOP_CALLS = 300
+WARMUP_MS, REP_MS = 25.0, 100.0
+
+
+@dataclass(frozen=True)
+class LatencyShape:
+    """q, k, v (B, H, N, d), non-causal."""
+
+    label: str
+    batch: int
+    heads: int
+    seqlen: int
+    head_dim: int
+    dtype: str  # "bf16", "fp16" or "fp32"
+
+    def describe(self) -> str:
+        return f"{self.label}: B={self.batch} H={self.heads} N={self.seqlen} d={self.head_dim} {self.dtype}"
+
+
+SHAPES = (
+    LatencyShape("small", 1, 16, 128, 64, "bf16"),
+    LatencyShape("ViT-B/16 batch 32", 32, 12, 197, 64, "bf16"),
+    LatencyShape("N=512", 8, 16, 512, 64, "bf16"),
+    LatencyShape("N=512 fp32", 8, 16, 512, 64, "fp32"),
+)
+
+
+def default_impls(table: dict) -> list:
+    """Every mhattn backend but the reference, then the baseline."""
+    names = [n for n, impl in table.items() if impl.family == "mhattn" and not impl.is_reference]
+    return names + [BASELINE]
+
+
+def plan_cells(impl_names: list, shapes=None, modes=MODES) -> list:
+    """The cells to measure (``shapes`` default :data:`SHAPES`), as dicts (impl, shape, mode); the baseline
+    first in each (shape, mode) group."""
+    shapes = SHAPES if shapes is None else shapes
+    ordered = [BASELINE] + [n for n in impl_names if n != BASELINE] if BASELINE in impl_names else list(impl_names)
+    return [{"impl": name, "shape": asdict(shape), "mode": mode}
+            for shape in shapes for mode in modes for name in ordered]
+
+
+def host_loop_us(fn, calls: int, device) -> float:
+    """Microseconds per call of ``calls`` calls of ``fn`` in a loop, one synchronize at the end."""
+    fn()
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _synchronize(device)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _synchronize(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_cell(impl: protocol.Implementation, cell: dict, device, warmup_ms=WARMUP_MS, rep_ms=REP_MS,
+                 calls: int = 0) -> dict:
+    """One row: the cell with gpu_us, host_us and a status ("ok", "unsupported" or "error") and reason;
+    ``calls`` in the host loop (default HOST_LOOP_CALLS)."""
+    calls = calls or HOST_LOOP_CALLS
+    shape = LatencyShape(**cell["shape"])
+    row = dict(cell, gpu_us=None, host_us=None, status="ok", reason="")
+    dtype = protocol.TORCH_DTYPES[shape.dtype]
+    grad = cell["mode"] == "fwd_bwd"
+    try:
+        q, k, v = (torch.randn(shape.batch, shape.heads, shape.seqlen, shape.head_dim, device=device, dtype=dtype,
+                               requires_grad=grad) for _ in range(3))
+        reasons = impl.unsupported(q, k, v, False)
+        if reasons:
+            return dict(row, status="unsupported", reason="; ".join(reasons))
+        if grad:
+            dout = torch.randn_like(q)
+
+            def fn():
+                impl(q, k, v, False).backward(dout)
+        else:
+
+            def fn():
+                impl(q, k, v, False)
+
+        with impl.context():
+            row["gpu_us"] = timing.bench_ms(fn, warmup_ms, rep_ms, device) * 1e3
+            row["host_us"] = host_loop_us(fn, calls, device)
+    except Exception as error:  # one cell's failure is a table entry, not the end of the run
+        row.update(status="error", reason=describe_error(error), gpu_us=None, host_us=None)
+    finally:
+        release_memory(device)
+    return row
+
+
+def run(impl_names: list, table: dict, device, shapes=None, modes=MODES, progress=None, **timing_args) -> list:
+    """Measures every cell in this process; returns the rows."""
+    rows = []
+    for cell in plan_cells(impl_names, shapes, modes):
+        rows.append(measure_cell(table[cell["impl"]], cell, device, **timing_args))
+        if progress is not None:
+            progress(rows[-1])
+    return rows
+
+
+# ---- reporting ---------------------------------------------------------------------------------------------------
+
+
+def _ratio(value, baseline) -> str:
+    if value is None or not baseline:
+        return "-"
+    return f"{value / baseline:.2f}x"
+
+
+def _us(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def format_table(rows: list, timer: str = "") -> str:
+    """The latency table as text: one line per (shape, mode, implementation)."""
+    baseline = {(str(r["shape"]), r["mode"]): r for r in rows if r["impl"] == BASELINE and r["status"] == "ok"}
+    lines = [f"latency: microseconds per call (GPU: {timer or 'the bench timer'}; host loop: {HOST_LOOP_CALLS} "
+             f"calls, one synchronize at the end); ratios to {BASELINE}",
+             f"{'shape':<44} {'mode':<8} {'impl':<14} {'GPU us':>9} {'x ' + BASELINE:>16} {'host-loop us':>13} "
+             f"{'x ' + BASELINE:>16}"]
+    for r in rows:
+        base = baseline.get((str(r["shape"]), r["mode"]))
+        shape = LatencyShape(**r["shape"]).describe()
+        mode = protocol.MODE_LABELS.get(r["mode"], r["mode"]).replace("forward+backward", "fwd+bwd")
+        mode = mode.replace("forward", "fwd")
+        if r["status"] != "ok":
+            lines.append(f"{shape:<44} {mode:<8} {r['impl']:<14} {r['status']}: {r['reason'][:90]}")
+            continue
+        lines.append(
+            f"{shape:<44} {mode:<8} {r['impl']:<14} {_us(r['gpu_us']):>9} "
+            f"{_ratio(r['gpu_us'], base and base['gpu_us']):>16} {_us(r['host_us']):>13} "
+            f"{_ratio(r['host_us'], base and base['host_us']):>16}")
+    return "\n".join(lines) + "\n"
