@@ -28,9 +28,9 @@ AUTO = "auto"
 # minimum compute capability the device reaches gives the order in which backends are tried.
 PRIORITY = [
     # (device type, minimum compute capability, backend names, most preferred first)
-    ("cuda", (8, 0), ("triton", "cupy", "reference")),
-    ("cuda", (0, 0), ("triton", "reference")),
-    ("cpu", None, ("reference",)),
+    ("cuda", (8, 0), ("triton", "cupy", "sdpa", "reference")),
+    ("cuda", (0, 0), ("triton", "sdpa", "reference")),
+    ("cpu", None, ("sdpa", "reference")),
 ]
 
 _override: contextvars.ContextVar = contextvars.ContextVar("mhattn_backend_override", default=None)

@@ -28,6 +28,9 @@ class Problem:
     head_dim: int
     head_dim_v: int
     features: frozenset
+    # Offset of the causal/window diagonal (Nk - Nq for bottom-right alignment, else 0): some kernels
+    # align their causal mask one way only.
+    diag_offset: int = 0
 
     @classmethod
     def from_tensors(cls, q, k, v, params: AttentionParams, *, causal: bool, window: bool) -> "Problem":
@@ -62,6 +65,7 @@ class Problem:
             head_dim=q.shape[3],
             head_dim_v=v.shape[3],
             features=frozenset(features),
+            diag_offset=params.diag_offset if (causal or window) else 0,
         )
 
     def describe(self) -> str:
@@ -72,6 +76,7 @@ class Problem:
             f"B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Nq={self.seqlen_q} Nk={self.seqlen_k} "
             f"D={self.head_dim}" + (f" Dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
             + f"; features: {feats}"
+            + (f"; diagonal offset {self.diag_offset}" if self.diag_offset else "")
         )
 
 
