@@ -82,7 +82,7 @@ class TorchKernel:
             why.append("takes no attn_mask here")
         if not self.gqa and "gqa" in problem.features:
             why.append("would repeat K and V for GQA")
-        if _hides_something(problem) and not self._aligns(problem):
+        if problem.causal_hides_keys and not self._aligns(problem):
             why.append(f"aligns causal masks {self.causal.replace('_', '-')} only")
         return why
 
@@ -101,11 +101,6 @@ KERNELS = (
     TorchKernel("efficient", "cuda", "EFFICIENT_ATTENTION", _HALF | {torch.float32}, 8, 256, (5, 0),
                 masks=False, gqa=False, causal="top_left"),
 )
-
-
-def _hides_something(problem) -> bool:
-    """Whether a causal problem's diagonal hides any key (decoding at the end of the keys hides none)."""
-    return "causal" in problem.features and problem.diag_offset < problem.seqlen_k - 1
 
 
 def kernel_from_env(value: Optional[str]) -> str:

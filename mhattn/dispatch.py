@@ -1,9 +1,11 @@
 """The dispatcher: which backend runs a problem, and why.
 
 Precedence: the ``backend=`` argument > ``use_backend(...)`` > ``MHATTN_BACKEND`` > automatic.
-Automatic selection walks the priority table below (data, not nested ifs) and takes the first backend
-with no reason against the problem. A backend asked for by name that cannot run the problem raises
-:class:`BackendUnavailableError` with its reasons: never a silent fallback.
+Automatic selection takes, among the backends of the priority table below (data, not nested ifs) with
+no reason against the problem, the one a timing table (``mhattn.tuning.table``, written by ``mhattn tune``)
+measured fastest at the nearest tuned shape; with no table for this device, the first of them. A backend
+asked for by name that cannot run the problem raises :class:`BackendUnavailableError` with its reasons:
+never a silent fallback.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Optional
 from mhattn import registry
 from mhattn.errors import BackendUnavailableError, UnknownBackendError
 from mhattn.problem import Problem
+from mhattn.tuning import table as timing_table
 
 ENV_VAR = "MHATTN_BACKEND"
 AUTO = "auto"
@@ -115,10 +118,13 @@ class Decision:
     chosen: Optional[str]
     reasons: dict = field(default_factory=dict)  # backend name -> list of reasons ([] = could run it)
     candidates: tuple = ()
+    measured: object = None  # mhattn.tuning.table.Evidence when a timing table made the choice
 
     def __str__(self):
         lines = [f"problem: {self.problem.describe()}", f"requested: {self.requested} (from {self.source})"]
         lines.append(f"chosen: {self.chosen}" if self.chosen else "chosen: none (no backend can run this problem)")
+        if self.measured is not None:
+            lines.append(f"  {self.measured}")
         for name, why in self.reasons.items():
             tag = " [auto order]" if name in self.candidates else ""
             if why:
@@ -140,6 +146,7 @@ def clear_cache() -> None:
     with _cache_lock:
         _cache.clear()
     _parse_name.cache_clear()
+    timing_table.clear_cache()
 
 
 registry.on_change(clear_cache)
@@ -154,7 +161,10 @@ def decide(problem: Problem, name: str, source: str) -> Decision:
     reasons = {b.name: b.unsupported(problem) for b in registry.all_backends()}
     candidates = priority_for(problem) if name == AUTO else (name,)
     chosen = next((n for n in candidates if n in reasons and not reasons[n]), None)
-    decision = Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else ())
+    measured = timing_table.measured_choice(problem, [n for n in candidates if n in reasons and not reasons[n]]) \
+        if name == AUTO else None  # the fastest measured on this GPU, if a table has a close enough shape
+    chosen = measured.chosen if measured is not None else chosen
+    decision = Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else (), measured)
     with _cache_lock:
         if len(_cache) >= _CACHE_LIMIT:  # many distinct shapes: start over rather than grow without bound
             _cache.clear()

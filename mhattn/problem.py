@@ -31,6 +31,8 @@ class Problem:
     # Offset of the causal/window diagonal (Nk - Nq for bottom-right alignment, else 0): some kernels
     # align their causal mask one way only.
     diag_offset: int = 0
+    # Whether q, k or v requires grad (automatic selection then weighs forward+backward time).
+    needs_grad: bool = False
 
     @classmethod
     def from_tensors(cls, q, k, v, params: AttentionParams, *, causal: bool, window: bool) -> "Problem":
@@ -66,7 +68,13 @@ class Problem:
             head_dim_v=v.shape[3],
             features=frozenset(features),
             diag_offset=params.diag_offset if (causal or window) else 0,
+            needs_grad=q.requires_grad or k.requires_grad or v.requires_grad,
         )
+
+    @property
+    def causal_hides_keys(self) -> bool:
+        """Causal, and the diagonal hides some key (decoding at the end of the keys hides none)."""
+        return "causal" in self.features and self.diag_offset < self.seqlen_k - 1
 
     def describe(self) -> str:
         cc = "" if self.compute_capability is None else " sm_%d%d" % tuple(self.compute_capability)
@@ -77,6 +85,7 @@ class Problem:
             f"D={self.head_dim}" + (f" Dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")
             + f"; features: {feats}"
             + (f"; diagonal offset {self.diag_offset}" if self.diag_offset else "")
+            + ("; needs grad" if self.needs_grad else "")
         )
 
 
