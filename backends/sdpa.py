@@ -127,6 +127,7 @@ class SdpaBackend(Backend):
 
     def __init__(self, kernel: Optional[str] = None):
         self.kernel = kernel_from_env(kernel)
+        self._choices = {}   # call signature -> kernel, so forward and backward skip the choice after the first
 
     def _kernels(self, device_type: str):
         return [k for k in KERNELS if k.device_type == device_type and self.kernel in ("auto", k.name)]
@@ -151,6 +152,16 @@ class SdpaBackend(Backend):
         """The kernel for these tensors: the pinned one, or torch's choice among those that fit.
 
         Called by forward and backward alike with the same tensors, so both use one kernel."""
+        signature = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, plan.is_causal,
+                     params.diag_offset, None if plan.mask is None else plan.mask.dtype)
+        kern = self._choices.get(signature)
+        if kern is None:
+            if len(self._choices) > 4096:  # many distinct shapes: start over rather than grow without bound
+                self._choices.clear()
+            kern = self._choices[signature] = self._choose_uncached(q, k, v, params, plan)
+        return kern
+
+    def _choose_uncached(self, q, k, v, params, plan) -> TorchKernel:
         from mhattn.problem import Problem
 
         problem = Problem.from_tensors(q, k, v, params, causal=plan.causal_in_problem, window=False)

@@ -59,7 +59,7 @@ def attention(
         softcap: if given, scores become softcap * tanh(scores / softcap) before masking.
         return_lse: also return the per-row natural-log log-sum-exp (..., Hq, Nq), float32; a gradient
             flowing into it reaches q, k, v (and a float mask) like the output's.
-        backend: name of the backend to use ("auto", "triton", "cupy", "reference", ...).
+        backend: name of the backend to use ("auto", "triton", "cupy", "sdpa", "reference", ...).
 
     Returns:
         (..., Hq, Nq, Dv) in the input dtype; with ``return_lse`` a tuple ``(out, lse)``. A query row

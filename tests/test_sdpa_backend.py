@@ -187,4 +187,5 @@ def test_cuda_kernels_match_the_reference(kernel, case):
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         assert torch.isfinite(a).all() or name == "lse", name
         finite = ~torch.isinf(b)
-        assert (a.double()[finite] - b[finite]).abs().max() < 5e-2, name
+        err = (a.double()[finite] - b[finite]).abs().max().item()
+        assert err <= 0.02 * b[finite].abs().max().item() + 0.01, (name, err)

@@ -215,3 +215,23 @@ def test_tune_and_conformance_tune_on_the_command_line(monkeypatch):
     assert main(["conformance", "--quick", "--backend", "sdpa", "--feature", "basic", "--dtype", "fp32",
                  "--no-progress", "--tune"]) == 0
     assert calls[-1]["quick"] and calls[-1]["device"] == "cpu" and "sdpa" in calls[-1]["backends"]
+
+
+def test_a_backend_with_a_wrong_output_is_not_timed():
+    from mhattn.reference.backend import ReferenceBackend
+    from mhattn.tuning.measure import time_cell
+
+    class Wrong(ReferenceBackend):
+        name = "wrong"
+
+        def forward(self, q, k, v, params):
+            out, lse = super().forward(q, k, v, params)
+            return out * 2, lse
+
+    mhattn.register_backend(Wrong())
+    try:
+        row = time_cell(grid.Cell("fp32", 1, 2, 2, 64, 64, 16), "cpu", 0.5, 1.0, backends=["wrong", "sdpa"])
+    finally:
+        mhattn.unregister_backend("wrong")
+    assert "differs from torch SDPA" in row["skipped"]["wrong"] and "wrong" not in row["fwd_ms"]
+    assert set(row["fwd_ms"]) == set(row["fwd_bwd_ms"]) == {"sdpa"}

@@ -12,6 +12,7 @@ automatic choice on this device reads it, and ``mhattn.explain`` shows the times
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -71,6 +72,8 @@ def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep
     print(f"mhattn tune{' --quick' if quick else ''}: {len(cells)} shapes x {', '.join(names)} on {device}, "
           f"warm-up {settings['warmup_ms']:g} ms, runs {settings['rep_ms']:g} ms per timing", file=stream, flush=True)
     started = time.time()
+    if torch.device(device).type == "cuda" and "cupy" in names:
+        _compile_cupy_kernels(stream)
     bar = Progress(len(tasks), enabled=progress, title="tune")
     try:
         outcome = run_tasks(tasks, device=device, isolate=isolate, progress=bar, task_timeout=task_timeout,
@@ -95,6 +98,21 @@ def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep
     table.clear_cache()
     print(f"wrote {path} ({len(measured)}/{len(rows)} shapes timed, {wall:.0f} s)", file=stream)
     return 0
+
+
+def _compile_cupy_kernels(stream) -> None:
+    """Compile every CuPy kernel variant for this GPU into the kernel cache, on all CPU cores at once (about
+    146 variants): the timed cells would otherwise compile the ones they use one after another."""
+    import argparse
+
+    try:
+        from mhattn.backends.cupy import build
+
+        major, minor = torch.cuda.get_device_capability()
+        with contextlib.redirect_stdout(stream):
+            build.run(argparse.Namespace(arch=f"sm_{major}{minor}", jobs=0, no_cache=False, list=False))
+    except Exception as error:  # the cells compile what they need, slower
+        print(f"mhattn tune: compiling the CuPy kernels ahead failed ({error}); the cells will compile them", file=stream)
 
 
 def _timer(device):

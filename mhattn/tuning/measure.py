@@ -76,6 +76,7 @@ def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None
     device = torch.device(device)
     row = dict(cell.as_dict(), fwd_ms={}, fwd_bwd_ms={}, skipped={})
     q, k, v, dout, kwargs = make_inputs(cell, device)
+    expected = _torch_output(q, k, v, kwargs)
     for name in backends if backends is not None else backends_to_time(device):
         reasons = mhattn.explain(q, k, v, backend=name, **kwargs).reasons.get(name, ["not registered"])
         if reasons:
@@ -84,6 +85,11 @@ def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None
 
         def forward(name=name):
             return mhattn.attention(q, k, v, backend=name, **kwargs)
+
+        wrong = _differs(forward, expected, q.dtype)
+        if wrong:  # a fast wrong answer must never win the table
+            row["skipped"][name] = wrong
+            continue
 
         def forward_backward(name=name):
             return torch.autograd.grad(forward(name), (q, k, v), dout)
@@ -99,3 +105,32 @@ def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None
             if math.isfinite(ms) and ms > 0:
                 row[f"{mode}_ms"][name] = round(ms, 5)
     return row
+
+
+# Largest max-abs difference from torch's SDPA accepted for randn inputs (the benchmark's suspect limit).
+CHECK_TOLERANCE = {torch.float16: timing.SUSPECT_DIFF, torch.bfloat16: timing.SUSPECT_DIFF, torch.float32: 1e-3,
+                   torch.float64: 1e-6}
+
+
+def _torch_output(q, k, v, kwargs):
+    """torch's SDPA on the same call (its default kernel choice), or None when it cannot run it."""
+    try:
+        with torch.no_grad():
+            return torch.nn.functional.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), **kwargs)
+    except Exception:
+        return None
+
+
+def _differs(forward, expected, dtype) -> str:
+    """'' when ``forward()`` matches ``expected`` (or there is nothing to compare with), else why not."""
+    try:
+        with torch.no_grad():
+            out = forward()
+    except Exception as error:
+        return timing.describe_error(error)
+    if expected is None:
+        return ""
+    diff = (out.float() - expected.float()).abs().max().item()
+    if not diff <= CHECK_TOLERANCE.get(dtype, timing.SUSPECT_DIFF):
+        return f"error: its output differs from torch SDPA's by {diff:.3g} (max abs); not timed"
+    return ""
