@@ -1,6 +1,6 @@
 """On the CPU: mhattn on automatic selection against torch, fp32, B=1, H=8, d=64, N = 512..4k.
 
-    python benchmarks/cpu_vs_torch.py [--seqlens 512,1024,2048,4096] [--repeats 7]
+    python benchmarks/cpu_vs_torch.py [--seqlens 512,1024,2048,4096] [--repeats 7] [--threads N]
 
 Rows: ``mhattn.attention`` against ``torch.nn.functional.scaled_dot_product_attention`` (forward, and
 forward+backward), causal and not; ``mhattn.MultiheadAttention`` against ``torch.nn.MultiheadAttention``
@@ -67,7 +67,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", default="512,1024,2048,4096")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     seqlens = [int(n) for n in args.seqlens.split(",")]
     q = torch.randn(1, 8, seqlens[0], 64)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; auto chooses "

@@ -235,3 +235,21 @@ def test_a_backend_with_a_wrong_output_is_not_timed():
         mhattn.unregister_backend("wrong")
     assert "differs from torch SDPA" in row["skipped"]["wrong"] and "wrong" not in row["fwd_ms"]
     assert set(row["fwd_ms"]) == set(row["fwd_bwd_ms"]) == {"sdpa"}
+
+
+def test_bench_has_an_auto_column_and_reports_it_against_the_fastest():
+    from mhattn.benchmark import protocol, report
+
+    table_ = protocol.implementations()
+    assert "auto" in table_ and table_["auto"].unsupported(*[torch.randn(1, 2, 8, 16)] * 3, causal=True) == []
+
+    def row(impl, fwd, both, n=1024):
+        return {"kind": "attn", "impl": impl, "family": "mhattn", "dtype": "bfloat16", "d": 64, "causal": False,
+                "n": n, "b": 16, "h": 32, "status": {"fwd": "ok", "fwd_bwd": "ok"}, "fwd_tflops": fwd,
+                "fwd_bwd_tflops": both}
+
+    rows = [row("auto", 300, 200), row("triton", 300, 150), row("sdpa-cudnn", 400, 200),
+            row("auto", 100, 100, n=2048), row("triton", 100, 100, n=2048)]
+    text = "\n".join(report.target_lines({"rows": rows}))
+    assert "forward          1/2 cells meet; worst 0.75x at bf16 d=64 N=1k (fastest sdpa-cudnn)" in text
+    assert "forward+backward 2/2 cells meet" in text
