@@ -63,11 +63,43 @@ def module_rows(seqlen, repeats):
     return [(f"module N={seqlen} fwd+bwd", *median_ms([lambda: step(ours), lambda: step(theirs)], repeats))]
 
 
+_PEAK_CHILD = """
+import resource, sys, torch, mhattn
+impl, n = sys.argv[1], int(sys.argv[2])
+torch.set_num_threads(1)
+q, k, v = (torch.randn(1, 8, n, 64, requires_grad=True) for _ in range(3))
+dout = torch.randn(1, 8, n, 64)
+call = {"mhattn": lambda *t: mhattn.attention(*t), "torch": torch.nn.functional.scaled_dot_product_attention,
+        "reference": lambda *t: mhattn.attention(*t, backend="reference")}[impl]
+small = [t[:, :, :16].detach().requires_grad_() for t in (q, k, v)]
+torch.autograd.grad(call(*small), small, dout[:, :, :16])  # imports and first-call set-up are not counted
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+torch.autograd.grad(call(q, k, v), (q, k, v), dout)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)
+"""
+
+
+def peak_rows(seqlens):
+    """Growth of the peak resident memory (MiB) over one forward+backward, each in a fresh process."""
+    import subprocess
+    import sys
+
+    rows = []
+    for n in seqlens:
+        got = {}
+        for impl in ("mhattn", "torch", "reference"):
+            done = subprocess.run([sys.executable, "-c", _PEAK_CHILD, impl, str(n)], capture_output=True, text=True)
+            got[impl] = float(done.stdout.strip() or "nan")
+        rows.append((n, got))
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", default="512,1024,2048,4096")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--memory", action="store_true", help="also the peak memory growth of a forward+backward")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,6 +113,11 @@ def main(argv=None):
     print(f"{'what':34s} {'mhattn ms':>10s} {'torch ms':>10s} {'torch/mhattn':>12s}")
     for label, ours, theirs in rows:
         print(f"{label:34s} {ours:10.2f} {theirs:10.2f} {theirs / ours:11.2f}x")
+    if args.memory:
+        print("peak resident memory growth of one forward+backward, MiB (fresh process each)")
+        print(f"{'N':>6s} {'mhattn auto':>12s} {'torch sdpa':>11s} {'reference':>10s}")
+        for n, got in peak_rows(seqlens):
+            print(f"{n:6d} {got['mhattn']:12.1f} {got['torch']:11.1f} {got['reference']:10.1f}")
 
 
 if __name__ == "__main__":

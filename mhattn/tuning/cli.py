@@ -72,7 +72,7 @@ def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep
     print(f"mhattn tune{' --quick' if quick else ''}: {len(cells)} shapes x {', '.join(names)} on {device}, "
           f"warm-up {settings['warmup_ms']:g} ms, runs {settings['rep_ms']:g} ms per timing", file=stream, flush=True)
     started = time.time()
-    if torch.device(device).type == "cuda" and "cupy" in names:
+    if torch.device(device).type == "cuda" and "cupy" in names and not _unavailable("cupy"):
         _compile_cupy_kernels(stream)
     bar = Progress(len(tasks), enabled=progress, title="tune")
     try:
@@ -98,6 +98,12 @@ def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep
     table.clear_cache()
     print(f"wrote {path} ({len(measured)}/{len(rows)} shapes timed, {wall:.0f} s)", file=stream)
     return 0
+
+
+def _unavailable(name) -> list:
+    from mhattn import registry
+
+    return registry.get_backend(name).unavailable()
 
 
 def _compile_cupy_kernels(stream) -> None:
