@@ -3,7 +3,7 @@
 On an H100, from the repository root:
 
     source benchmarks/device_env.sh && python benchmarks/check_tune.py            # all three steps
-    python benchmarks/check_tune.py --steps tests                                 # one step at a time
+    python benchmarks/check_tune.py --steps tests,tune    # then --steps compare (same warm machine)
 
 Steps:
   tests    the sdpa backend's GPU tests and the quick conformance cases of the sdpa backend (~1 min)
@@ -13,7 +13,8 @@ Steps:
            causal and not), two short-sequence shapes, decoding and a chunked prefill; prints
            best / auto per cell (the target: >= 0.95 everywhere)
 
-Logs and the table go to $OUT (else /tmp/mhattn_check_tune). Prints a short table last.
+Logs and a copy of the table go to $OUT (else /tmp/mhattn_check_tune); the cache directory the table is
+written to and read from is $CHECK_CACHE (else /tmp/mhattn_check_tune_cache). Prints a short table last.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import sys
 import time
 
 OUT = os.environ.get("OUT") or "/tmp/mhattn_check_tune"
-CACHE = os.path.join(OUT, "cache")
+# Outside $OUT, so a later call on the same (warm) machine can run `compare` on the table `tune` wrote.
+CACHE = os.environ.get("CHECK_CACHE") or "/tmp/mhattn_check_tune_cache"
 DEVICE = os.environ.get("CHECK_DEVICE", "cuda")   # cpu only to try the script itself on small shapes
 
 
