@@ -253,3 +253,28 @@ def test_bench_has_an_auto_column_and_reports_it_against_the_fastest():
     text = "\n".join(report.target_lines({"rows": rows}))
     assert "forward          1/2 cells meet; worst 0.75x at bf16 d=64 N=1k (fastest sdpa-cudnn)" in text
     assert "forward+backward 2/2 cells meet" in text
+
+
+def test_one_progress_display_serves_conformance_bench_and_tune():
+    import io
+
+    from mhattn.conformance.cases import Case
+    from mhattn.conformance.progress import CaseProgress
+    from mhattn.progress import Progress
+
+    class Result:
+        status = "fail"
+        case = Case(backend="reference", feature="basic")
+
+        def summary(self):
+            return "out: FAIL"
+
+    stream = io.StringIO()
+    progress = CaseProgress(2, stream=stream)
+    assert isinstance(progress, Progress)
+    progress.start("a case")
+    progress.finish_case(Result())
+    progress.close()
+    text = stream.getvalue()
+    assert "FAIL reference basic" in text and "reproduce: mhattn conformance --backend reference" in text
+    assert "1/2 1 failed" in text

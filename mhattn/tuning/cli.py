@@ -57,7 +57,7 @@ def _names(values):
 def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep_ms=None, output=None,
          time_limit=0.0, task_timeout=300.0, isolate=True, progress=True, stream=None) -> int:
     """Time the grid, write the table, print a summary. Returns the exit status (0 = a table was written)."""
-    from mhattn.benchmark.progress import Progress
+    from mhattn.progress import Progress
     from mhattn.benchmark.supervisor import run_tasks
     from mhattn.tuning.measure import backends_to_time
 
