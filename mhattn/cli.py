@@ -1,4 +1,4 @@
-"""The ``mhattn`` command: info, conformance, bench, build.
+"""The ``mhattn`` command: info, conformance, bench, build, tune.
 
 Each subcommand lives in its own module; this file only parses the first word and hands over.
 """
@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "conformance": ("mhattn.conformance.cli", "check every backend against the reference on this machine"),
     "bench": ("mhattn.benchmark.cli", "time every backend beside PyTorch's SDPA backends"),
     "build": ("mhattn.backends.cupy.build", "compile the CUDA kernels with NVRTC (no GPU needed)"),
+    "tune": ("mhattn.tuning.cli", "time every backend on a grid of shapes; automatic selection uses the table"),
 }
 
 

@@ -1,9 +1,11 @@
 """The dispatcher: which backend runs a problem, and why.
 
 Precedence: the ``backend=`` argument > ``use_backend(...)`` > ``MHATTN_BACKEND`` > automatic.
-Automatic selection walks the priority table below (data, not nested ifs) and takes the first backend
-with no reason against the problem. A backend asked for by name that cannot run the problem raises
-:class:`BackendUnavailableError` with its reasons: never a silent fallback.
+Automatic selection takes, among the backends of the priority table below (data, not nested ifs) with
+no reason against the problem, the one a timing table (``mhattn.tuning.table``, written by ``mhattn tune``)
+measured fastest at the nearest tuned shape; with no table for this device, the first of them. A backend
+asked for by name that cannot run the problem raises :class:`BackendUnavailableError` with its reasons:
+never a silent fallback.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Optional
 from mhattn import registry
 from mhattn.errors import BackendUnavailableError, UnknownBackendError
 from mhattn.problem import Problem
+from mhattn.tuning import table as timing_table
 
 ENV_VAR = "MHATTN_BACKEND"
 AUTO = "auto"
@@ -28,9 +31,9 @@ AUTO = "auto"
 # minimum compute capability the device reaches gives the order in which backends are tried.
 PRIORITY = [
     # (device type, minimum compute capability, backend names, most preferred first)
-    ("cuda", (8, 0), ("triton", "cupy", "reference")),
-    ("cuda", (0, 0), ("triton", "reference")),
-    ("cpu", None, ("reference",)),
+    ("cuda", (8, 0), ("triton", "cupy", "sdpa", "reference")),
+    ("cuda", (0, 0), ("triton", "sdpa", "reference")),
+    ("cpu", None, ("sdpa", "reference")),
 ]
 
 _override: contextvars.ContextVar = contextvars.ContextVar("mhattn_backend_override", default=None)
@@ -115,10 +118,13 @@ class Decision:
     chosen: Optional[str]
     reasons: dict = field(default_factory=dict)  # backend name -> list of reasons ([] = could run it)
     candidates: tuple = ()
+    measured: object = None  # mhattn.tuning.table.Evidence when a timing table made the choice
 
     def __str__(self):
         lines = [f"problem: {self.problem.describe()}", f"requested: {self.requested} (from {self.source})"]
         lines.append(f"chosen: {self.chosen}" if self.chosen else "chosen: none (no backend can run this problem)")
+        if self.measured is not None:
+            lines.append(f"  {self.measured}")
         for name, why in self.reasons.items():
             tag = " [auto order]" if name in self.candidates else ""
             if why:
@@ -142,6 +148,7 @@ def clear_cache() -> None:
     with _cache_lock:
         _cache.clear()
     _parse_name.cache_clear()
+    timing_table.clear_cache()
 
 
 registry.on_change(clear_cache)
@@ -153,7 +160,10 @@ def decide(problem: Problem, name: str, source: str) -> Decision:
     reasons = {b.name: b.unsupported(problem) for b in registry.all_backends()}
     candidates = priority_for(problem) if name == AUTO else (name,)
     chosen = next((n for n in candidates if n in reasons and not reasons[n]), None)
-    return Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else ())
+    measured = timing_table.measured_choice(problem, [n for n in candidates if n in reasons and not reasons[n]]) \
+        if name == AUTO else None  # the fastest measured on this GPU, if a table has a close enough shape
+    chosen = measured.chosen if measured is not None else chosen
+    return Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else (), measured)
 
 
 def size_bucket(n: int) -> int:
@@ -166,26 +176,34 @@ def _bucket_range(n: int) -> tuple:
     return (n, n) if n <= 2 else (size_bucket(n) // 2 + 1, size_bucket(n))
 
 
-def backend_for(q, k, v, features: int, name: str, source: str):
+def backend_for(q, k, v, features: int, name: str, source: str, diag_offset: int = 0):
     """The backend object that runs attention of q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) with
-    the features ``features`` (an int of :data:`mhattn.problem.FEATURE_BITS`) for the request ``(name, source)``
-    of :func:`requested`. The hot path: one tuple of primitives, one dict look-up; a :class:`Problem` is built
-    only on a miss. Raises :class:`BackendUnavailableError` with every reason when nothing can run it."""
+    the features ``features`` (an int of :data:`mhattn.problem.FEATURE_BITS`) and the causal/window diagonal
+    at ``diag_offset``, for the request ``(name, source)`` of :func:`requested`. The hot path: one tuple of
+    primitives, one dict look-up; a :class:`Problem` is built only on a miss. Raises
+    :class:`BackendUnavailableError` with every reason when nothing can run it."""
     device = q.device
     batch, heads_q, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
+    needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    # The diagonal as the backends see it: top-left, bottom-right, and whether it hides any key.
     key = (name, source, device.type, device.index, q.dtype, heads_q, k.shape[1], head_dim, v.shape[3], features,
+           diag_offset == 0, diag_offset == seqlen_k - seqlen_q, diag_offset < seqlen_k - 1, needs_grad,
            size_bucket(batch), size_bucket(seqlen_q), size_bucket(seqlen_k))
     backend = _cache.get(key)
     if backend is None:
+        # A choice that differs inside the size buckets (a limit, or a timing table) is cached per exact size.
+        exact_key = key + (batch, seqlen_q, seqlen_k, diag_offset)
+        backend = _cache.get(exact_key)
+        if backend is not None:
+            return backend
         problem = Problem.from_shapes(device, q.dtype, (batch, heads_q, seqlen_q, head_dim), k.shape[1], seqlen_k,
-                                      v.shape[3], features)
+                                      v.shape[3], features, diag_offset=diag_offset, needs_grad=needs_grad)
         backend = _select(problem, name, source)
-        if _bucket_agrees(problem, name, source, backend.name):
-            with _cache_lock:
-                if len(_cache) >= _CACHE_LIMIT:
-                    _cache.pop(next(iter(_cache)), None)  # the oldest entry
-                _cache[key] = backend
+        with _cache_lock:
+            if len(_cache) >= _CACHE_LIMIT:
+                _cache.pop(next(iter(_cache)), None)  # the oldest entry
+            _cache[key if _bucket_agrees(problem, name, source, backend.name) else exact_key] = backend
     return backend
 
 
@@ -194,7 +212,7 @@ def _bucket_agrees(problem: Problem, name: str, source: str, chosen: str) -> boo
     inside a bucket, such as a grid size, would otherwise be cached for sizes on its other side). This takes
     a backend's reasons about batch and sequence sizes to be limits (a size works, or every size beyond it
     fails), as every built-in backend's are; a choice that varies inside a bucket otherwise (a timing table
-    read by :func:`decide`) is made per bucket."""
+    read by :func:`decide`) may be missed, and is then made per bucket."""
     ranges = [_bucket_range(n) for n in (problem.batch, problem.seqlen_q, problem.seqlen_k)]
     exact = (problem.batch, problem.seqlen_q, problem.seqlen_k)
     for corner in (tuple(lo for lo, _ in ranges), tuple(hi for _, hi in ranges)):

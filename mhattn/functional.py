@@ -67,7 +67,7 @@ def attention(
         softcap: if given, scores become softcap * tanh(scores / softcap) before masking.
         return_lse: also return the per-row natural-log log-sum-exp (..., Hq, Nq), float32; a gradient
             flowing into it reaches q, k, v (and a float mask) like the output's.
-        backend: name of the backend to use ("auto", "triton", "cupy", "reference", ...).
+        backend: name of the backend to use ("auto", "triton", "cupy", "sdpa", "reference", ...).
 
     Returns:
         (..., Hq, Nq, Dv) in the input dtype; with ``return_lse`` a tuple ``(out, lse)``. A query row
@@ -333,7 +333,7 @@ def _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, wi
     name, source = dispatch.requested(backend or None)
     features = feature_bits(q, k, v, mask, mask_requires_grad, dropout_p, softcap, is_causal,
                             _uses_window(window_left, window_right, is_causal))
-    chosen = dispatch.backend_for(q, k, v, features, name, source)
+    chosen = dispatch.backend_for(q, k, v, features, name, source, diag_offset)
     out, lse = chosen.forward(q, k, v, params)
     return chosen, params, out, lse
 
@@ -459,7 +459,7 @@ def _attention_backward(
         name, source = dispatch.requested(backend or None)
         features = feature_bits(q, k, v, mask, mask_requires_grad, dropout_p, softcap, is_causal,
                                 _uses_window(window_left, window_right, is_causal))
-        chosen = dispatch.backend_for(q, k, v, features, name, source)
+        chosen = dispatch.backend_for(q, k, v, features, name, source, diag_offset)
     dq, dk, dv, dmask = _run_backward(chosen, params, grad_out, q, k, v, out, lse, grad_lse)
     dmask = q.new_empty(0) if dmask is None else layouts.placed(dmask, layouts.contiguous_strides(dmask.shape))
     return (layouts.placed(dq, layouts.grad_strides(q)), layouts.placed(dk, layouts.grad_strides(k)),

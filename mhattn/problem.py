@@ -36,17 +36,24 @@ class Problem:
     head_dim: int
     head_dim_v: int
     features: frozenset
+    # Offset of the causal/window diagonal (Nk - Nq for bottom-right alignment, else 0): some kernels
+    # align their causal mask one way only.
+    diag_offset: int = 0
+    # Whether q, k or v requires grad (automatic selection then weighs forward+backward time).
+    needs_grad: bool = False
 
     @classmethod
     def from_tensors(cls, q, k, v, params: AttentionParams, *, causal: bool, window: bool) -> "Problem":
         """q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), already validated."""
         bits = feature_bits(q, k, v, params.mask, params.mask_requires_grad, params.dropout_p, params.softcap,
                             causal, window)
-        return cls.from_shapes(q.device, q.dtype, tuple(q.shape), k.shape[1], k.shape[2], v.shape[3], bits)
+        return cls.from_shapes(q.device, q.dtype, tuple(q.shape), k.shape[1], k.shape[2], v.shape[3], bits,
+                               diag_offset=params.diag_offset if (causal or window) else 0,
+                               needs_grad=q.requires_grad or k.requires_grad or v.requires_grad)
 
     @classmethod
     def from_shapes(cls, device: torch.device, dtype, q_shape: tuple, heads_kv: int, seqlen_k: int, head_dim_v: int,
-                    bits: int) -> "Problem":
+                    bits: int, diag_offset: int = 0, needs_grad: bool = False) -> "Problem":
         """The problem of q (B, Hq, Nq, D) = q_shape against Hkv key/value heads of Nk keys, with the features
         of ``bits`` (see :func:`feature_bits`)."""
         batch, heads_q, seqlen_q, head_dim = q_shape
@@ -63,11 +70,21 @@ class Problem:
             head_dim=head_dim,
             head_dim_v=head_dim_v,
             features=features_from_bits(bits),
+            diag_offset=diag_offset,
+            needs_grad=needs_grad,
         )
 
     def resized(self, batch: int, seqlen_q: int, seqlen_k: int) -> "Problem":
-        """The same problem at other batch and sequence sizes."""
-        return dataclasses.replace(self, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        """The same problem at other batch and sequence sizes; a bottom-right aligned diagonal stays aligned."""
+        diag_offset = self.diag_offset
+        if diag_offset != 0 and diag_offset == self.seqlen_k - self.seqlen_q:
+            diag_offset = seqlen_k - seqlen_q
+        return dataclasses.replace(self, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, diag_offset=diag_offset)
+
+    @property
+    def causal_hides_keys(self) -> bool:
+        """Causal, and the diagonal hides some key (decoding at the end of the keys hides none)."""
+        return "causal" in self.features and self.diag_offset < self.seqlen_k - 1
 
     def describe(self) -> str:
         cc = "" if self.compute_capability is None else " sm_%d%d" % tuple(self.compute_capability)

@@ -20,6 +20,7 @@ _BUILTINS = (
     ("reference", "mhattn.reference.backend", "ReferenceBackend"),
     ("triton", "mhattn.backends.triton", "TritonBackend"),
     ("cupy", "mhattn.backends.cupy", "CupyBackend"),
+    ("sdpa", "mhattn.backends.sdpa", "SdpaBackend"),
 )
 
 _lock = threading.RLock()

@@ -13,7 +13,7 @@ import torch
 from mhattn import cli as mhattn_cli
 from mhattn.benchmark import cli as bench_cli
 from mhattn.benchmark import memory, module_bench, plan, protocol, report, supervisor, timing, worker
-from mhattn.benchmark.progress import Progress
+from mhattn.progress import Progress
 
 # ---- protocol ------------------------------------------------------------------------------------------------
 

@@ -443,7 +443,7 @@ def run(args) -> int:
     print(f"{len(tasks)} tasks ({plan.timed_calls(tasks)} timed calls), "
           f"{'a worker process' if not args.no_isolate else 'in this process'}", file=sys.stderr, flush=True)
 
-    from mhattn.benchmark.progress import Progress
+    from mhattn.progress import Progress
     from mhattn.benchmark.supervisor import run_tasks
 
     progress = Progress(len(tasks), enabled=not args.no_progress, title="bench")

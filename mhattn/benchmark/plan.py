@@ -47,7 +47,7 @@ def module_variants(selection: Selection, table: dict) -> list:
     variants = [module_bench.TORCH_VARIANT]
     for name in selection.impls:
         impl = table.get(name)
-        if impl is not None and impl.family == "mhattn" and not impl.is_reference:
+        if impl is not None and impl.family == "mhattn" and not impl.is_reference and name != "auto":
             variants.append(f"{module_bench.MHATTN_VARIANT}:{name}")
     if len(variants) == 1:
         variants.append(module_bench.MHATTN_VARIANT)

@@ -189,6 +189,19 @@ class MhattnImplementation(Implementation):
         return mhattn.attention(q, k, v, is_causal=causal, backend=self.backend_name)
 
 
+class AutoImplementation(MhattnImplementation):
+    """``mhattn.attention`` on automatic selection: the column that shows what a user gets by default."""
+
+    def __init__(self):
+        super().__init__("auto", "mhattn.attention on automatic selection (the timing table, else the priority list)")
+
+    def unsupported(self, q, k, v, causal):
+        import mhattn
+
+        decision = mhattn.explain(q, k, v, is_causal=causal, backend="auto")
+        return [] if decision.chosen else ["no backend can run it"]
+
+
 class SdpaImplementation(Implementation):
     """``torch.nn.functional.scaled_dot_product_attention`` restricted to one SDPA kernel."""
 
@@ -281,11 +294,11 @@ RATIO_PEERS = ("sdpa-flash", "sdpa-cudnn", "flex")
 
 
 def implementations() -> dict:
-    """The table name -> Implementation: every registered mhattn backend (the reference last), then the
-    SDPA peers. Order is the display order of tables and plots."""
+    """The table name -> Implementation: ``auto`` (automatic selection), every registered mhattn backend
+    (the reference last), then the SDPA peers. Order is the display order of tables and plots."""
     from mhattn import registry
 
-    table = {}
+    table = {"auto": AutoImplementation()}
     reference = None
     for backend in registry.all_backends():
         impl = MhattnImplementation(backend.name, getattr(backend, "description", "") or "")

@@ -364,8 +364,40 @@ def target_lines(document: dict) -> list:
         lines.append(f"speed vs PERFORMANCE.md (bf16, N >= {seqlen_label(TARGET_MIN_SEQLEN)}, causal and not; "
                      f"ratios to {SPEED_TARGET_PEER}; triton d in 64/128/256, cupy d in 64/128)")
         lines += _table(header, body, align_left=2)
+    lines += _auto_lines(document)
     lines += _memory_target_lines(document)
     lines += _reference_target_lines(document)
+    return lines
+
+
+AUTO_TARGET = 0.95  # PERFORMANCE.md: auto >= 0.95x the fastest backend, SDPA's included, in every cell
+
+
+def _auto_lines(document) -> list:
+    """Automatic selection against the fastest other implementation of each cell (every dtype)."""
+    rows = [r for r in document.get("rows", []) if r.get("kind", "attn") == "attn"]
+    if not any(r["impl"] == "auto" for r in rows):
+        return []
+    cells = OrderedDict()
+    for r in rows:
+        cells.setdefault((short_dtype(r["dtype"]), r["d"], bool(r["causal"]), r["n"]), []).append(r)
+    lines = [f"auto vs the fastest other implementation of each cell (target >= {AUTO_TARGET:g}x)"]
+    for mode in ("fwd", "fwd_bwd"):
+        ratios = []
+        for (dtype, d, causal, n), found in cells.items():
+            auto = next((cell_value(r, mode)[0] for r in found if r["impl"] == "auto"), None)
+            others = [(cell_value(r, mode)[0], r["impl"]) for r in found if r["impl"] != "auto"]
+            others = [o for o in others if o[0] is not None]
+            if auto is None or not others:
+                continue
+            best, best_name = max(others)
+            ratios.append((auto / best, f"{dtype} d={d} N={seqlen_label(n)}{' causal' if causal else ''} "
+                                        f"(fastest {best_name})"))
+        if ratios:
+            worst = min(ratios)
+            meets = sum(r >= AUTO_TARGET for r, _ in ratios)
+            lines.append(f"  {protocol.MODE_LABELS[mode]:16s} {meets}/{len(ratios)} cells meet; worst "
+                         f"{format_ratio(worst[0])} at {worst[1]}; geomean {format_ratio(geomean(r for r, _ in ratios))}")
     return lines
 
 

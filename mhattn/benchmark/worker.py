@@ -1,4 +1,4 @@
-"""Runs benchmark tasks (see plan.py) and turns each into a result row.
+"""Runs benchmark tasks (see plan.py; ``mhattn tune`` adds ``tune`` tasks) and turns each into a result row.
 
 :class:`Runner` runs tasks in this process. ``python -m mhattn.benchmark.worker`` runs a task file from an
 index on, writing one JSON line per event to a file descriptor the supervisor reads:
@@ -40,6 +40,8 @@ def clean_for_json(value):
 
 def placeholder_row(task: dict, status: str) -> dict:
     """The result row of a task that did not run (or whose process died): its identity and ``status``."""
+    if task["kind"] == "tune":
+        return dict(task["cell"], kind="tune", fwd_ms={}, fwd_bwd_ms={}, skipped={}, status=status)
     if task["kind"] == "module":
         config = module_bench.ModuleConfig(**task["config"])
         row = module_bench.module_row(task["variant"], task["seqlen"], config)
@@ -99,8 +101,10 @@ class Runner:
                 row = self._memory(task)
             elif task["kind"] == "module":
                 row = self._module(task)
+            elif task["kind"] == "tune":
+                row = self._tune(task)
             else:
-                raise ValueError(f"task kind: expected attn, memory or module, got {task['kind']!r}")
+                raise ValueError(f"task kind: expected attn, memory, module or tune, got {task['kind']!r}")
         except Exception as error:  # a bug of the harness itself still leaves a row
             row = placeholder_row(task, timing.describe_error(error))
         if row_failed(row) and self.device.type == "cuda" and not cuda_context_ok():
@@ -157,6 +161,17 @@ class Runner:
         if row["status"].startswith("OOM"):
             self._memory_oom[impl.name] = min(shape.seqlen, smallest_oom or shape.seqlen)
         return row
+
+    def _tune(self, task):
+        from mhattn.tuning.grid import Cell
+        from mhattn.tuning.measure import time_cell
+
+        self._inputs = self._check = self._inputs_shape = None
+        settings = task["timing"]
+        row = time_cell(Cell(**task["cell"]), self.device, settings["warmup_ms"], settings["rep_ms"], task.get("backends"))
+        # An error (not a declared gap) may have broken the CUDA context: the caller checks it.
+        status = next((w for w in row["skipped"].values() if w.startswith("error")), "ok")
+        return dict(row, kind="tune", status=status)
 
     def _module(self, task):
         self._inputs = self._check = self._inputs_shape = None

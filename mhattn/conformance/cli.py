@@ -68,6 +68,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--merge", nargs="+", metavar="FILE.json",
                         help="run nothing: one table from the JSON reports of several runs (with --report to write it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--tune", action="store_true",
+                        help="then run `mhattn tune` (--quick with --quick) on the backends that failed no case, "
+                             "writing the timing table automatic selection uses")
 
 
 def _jobs(text: str, device: str) -> int:
@@ -128,7 +131,8 @@ def _argv(args) -> list:
             argv += [flag, value]
     if args.compile_check is not None:
         argv.append("--compile-check" if args.compile_check else "--no-compile-check")
-    for flag, on in (("--list", args.list), ("--in-process", args.in_process), ("--no-progress", args.no_progress)):
+    for flag, on in (("--list", args.list), ("--in-process", args.in_process), ("--no-progress", args.no_progress),
+                     ("--tune", args.tune)):
         if on:
             argv.append(flag)
     argv += ["--case-timeout", str(args.case_timeout)]
@@ -274,7 +278,7 @@ def run(args) -> int:
 
     from mhattn.conformance.compile_check import nvrtc_compile_check
     from mhattn.conformance.environment import describe_environment
-    from mhattn.conformance.progress import Progress
+    from mhattn.conformance.progress import CaseProgress
     from mhattn.conformance.pool import run_parallel
     from mhattn.conformance.report import Report
     from mhattn.conformance.suite import make_plan, run_in_process, run_isolated
@@ -297,7 +301,7 @@ def run(args) -> int:
     jobs = min(jobs, max(1, len(plan.cases)))  # no more workers than cases
     start = time.perf_counter()
     deadline = None if args.time_limit is None else time.time() + args.time_limit
-    progress = Progress(len(plan.cases), enabled=not args.no_progress)
+    progress = CaseProgress(len(plan.cases), enabled=not args.no_progress)
     try:
         if jobs > 1:
             results = run_parallel(plan.cases, jobs, progress, case_timeout=args.case_timeout, deadline=deadline)
@@ -317,7 +321,23 @@ def run(args) -> int:
     report = Report(args.mode, device, describe_environment(), results=results, unavailable=plan.unavailable,
                     notes=notes, extra=[compile_check] if compile_check else [],
                     seconds=time.perf_counter() - start, jobs=jobs)
-    return _finish(report, args.report, ran_something=bool(results) or bool(report.extra))
+    status = _finish(report, args.report, ran_something=bool(results) or bool(report.extra))
+    if args.tune:
+        status = status or _tune_after(args, device, results)
+    return status
+
+
+def _tune_after(args, device, results) -> int:
+    """``--tune``: time the backends that failed no case of this run (see mhattn.tuning.cli)."""
+    from mhattn.conformance.runner import FAIL
+    from mhattn.tuning.cli import tune
+    from mhattn.tuning.measure import backends_to_time
+
+    failed = sorted({r.case.backend for r in results if r.status == FAIL})
+    names = [n for n in backends_to_time(device) if n not in failed]
+    if failed:
+        print(f"mhattn conformance --tune: not timing {', '.join(failed)} (failed cases above)")
+    return tune(quick=args.mode == "quick", device=device, backends=names, progress=not args.no_progress)
 
 
 def _finish(report, report_paths, ran_something: bool) -> int:

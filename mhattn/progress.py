@@ -1,4 +1,5 @@
-"""A plain progress bar on stderr: one redrawn line on a terminal, a line now and then in a log file."""
+"""The one progress display of ``mhattn conformance``, ``bench`` and ``tune``: a plain bar on stderr, one
+redrawn line on a terminal, a line now and then in a log file."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class Progress:
         self.log_every = log_every
         self.title = title
         self.done = 0
+        self.failed = 0          # shown on the bar when a caller counts failures
         self.label = ""
         self.started = time.monotonic()
         self._last_draw = 0.0
@@ -78,7 +80,8 @@ class Progress:
             eta = f" eta {_clock(elapsed / self.done * (self.total - self.done))}"
         title = f"{self.title} " if self.title else ""
         label = f"  {self.label}" if self.label and self.done < self.total else ""
-        return f"{title}[{bar}] {self.done}/{self.total} {_clock(elapsed)}{eta}{label}"
+        failed = f" {self.failed} failed" if self.failed else ""
+        return f"{title}[{bar}] {self.done}/{self.total}{failed} {_clock(elapsed)}{eta}{label}"
 
     def _draw(self, force: bool = False) -> None:
         if not self.enabled:

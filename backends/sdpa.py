@@ -1,0 +1,373 @@
+"""The ``sdpa`` backend: PyTorch's own fused attention kernels behind mhattn's backend contract.
+
+It calls the kernels that ``torch.nn.functional.scaled_dot_product_attention`` dispatches to, through
+torch's private ops that also return the per-row log-sum-exp (the public function does not), so the
+forward can honour the contract's ``(out, lse)`` and the backward runs torch's own backward kernel on the
+saved lse, with no recomputation:
+
+- CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``): torch's fused CPU kernel,
+  O(N) memory without a mask, any head dim, fp16/bf16/fp32/fp64, GQA without repeating K and V;
+- CUDA: ``flash`` (FlashAttention-2), ``efficient`` (memory-efficient, xFormers-derived) and ``cudnn``,
+  each through its ``aten._scaled_dot_product_<kernel>_attention`` op and that op's backward.
+
+Which kernel runs: the constructor's ``kernel=`` argument, else ``MHATTN_SDPA_KERNEL`` (read once, when
+the backend is built) = ``auto`` (default: torch's own choice among the kernels that can run the call,
+made by ``torch._fused_sdp_choice`` with every kernel enabled) or ``flash``, ``efficient``, ``cudnn``
+(pinned; on the CPU only ``flash`` and ``auto`` exist). SDPA's ``math`` path is not offered: it returns
+no lse and is the same algorithm as the ``reference`` backend.
+
+What SDPA cannot do exactly as mhattn defines it is a reason in ``unsupported``: softcap, sliding
+windows, mhattn's shared counter-based dropout mask (SDPA draws its own), a value head dim different
+from the query's, the gradient of a float mask; on CUDA also attn_mask (not wired through the private
+ops here), GQA except on the flash kernel, and causal alignments a kernel lacks (flash aligns causal
+bottom-right, efficient top-left, cudnn only when Nq == Nk). A query row that sees no key gives 0 and
+lse -inf, as in every mhattn backend (SDPA itself gives NaN there).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mhattn.backends.base import FEATURE_SENTENCES, AttentionParams, Backend, Capabilities
+from mhattn.errors import InputError
+
+__all__ = ["SdpaBackend", "KERNEL_ENV", "KERNEL_CHOICES"]
+
+KERNEL_ENV = "MHATTN_SDPA_KERNEL"
+KERNEL_CHOICES = ("auto", "flash", "efficient", "cudnn")
+
+_HALF = frozenset({torch.float16, torch.bfloat16})
+_NEVER = {
+    "dropout": "dropout with mhattn's shared counter-based mask (SDPA's kernels draw a different mask)",
+    "window": "a sliding window (SDPA has none)",
+    "softcap": "softcap (SDPA has none)",
+    "value_dim": "a value head dim different from the query head dim (torch's fused kernels need equal dims)",
+    "mask_grad": "the gradient of a float attn_mask (these private ops return none)",
+}
+
+
+@dataclass(frozen=True)
+class TorchKernel:
+    """What one of torch's fused kernels can run, as data (checked by :meth:`reasons`)."""
+
+    name: str                      # as in MHATTN_SDPA_KERNEL
+    device_type: str
+    sdp_backend: str               # member of torch.nn.attention.SDPBackend
+    dtypes: frozenset
+    head_dim_multiple: int
+    max_head_dim: int
+    min_compute_capability: Optional[tuple]
+    masks: bool                    # bool / float attn_mask
+    gqa: bool                      # fewer key/value heads without repeating them
+    causal: str                    # "any" alignment, "bottom_right", "top_left" or "square" (Nq == Nk only)
+
+    def reasons(self, problem) -> list:
+        why = []
+        if problem.device_type != self.device_type:
+            return [f"runs on {self.device_type}, got {problem.device_type}"]
+        if problem.dtype not in self.dtypes:
+            names = sorted(str(d).replace("torch.", "") for d in self.dtypes)
+            why.append(f"supports dtypes {names}")
+        if problem.head_dim % self.head_dim_multiple or problem.head_dim > self.max_head_dim:
+            why.append(f"needs a head dim that is a multiple of {self.head_dim_multiple} up to {self.max_head_dim}")
+        cc = problem.compute_capability
+        if self.min_compute_capability and cc is not None and tuple(cc) < self.min_compute_capability:
+            why.append("needs sm_%d%d or newer" % self.min_compute_capability)
+        if not self.masks and problem.features & {"bool_mask", "float_mask"}:
+            why.append("takes no attn_mask here")
+        if not self.gqa and "gqa" in problem.features:
+            why.append("would repeat K and V for GQA")
+        if problem.causal_hides_keys and not self._aligns(problem):
+            why.append(f"aligns causal masks {self.causal.replace('_', '-')} only")
+        return why
+
+    def _aligns(self, problem) -> bool:
+        square = problem.seqlen_q == problem.seqlen_k and problem.diag_offset == 0
+        return (self.causal == "any" or square
+                or (self.causal == "bottom_right" and problem.diag_offset == problem.seqlen_k - problem.seqlen_q)
+                or (self.causal == "top_left" and problem.diag_offset == 0))
+
+
+KERNELS = (
+    TorchKernel("flash", "cpu", "FLASH_ATTENTION", frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+                1, 1 << 20, None, masks=True, gqa=True, causal="any"),
+    TorchKernel("cudnn", "cuda", "CUDNN_ATTENTION", _HALF, 8, 256, (9, 0), masks=False, gqa=False, causal="square"),
+    TorchKernel("flash", "cuda", "FLASH_ATTENTION", _HALF, 8, 256, (8, 0), masks=False, gqa=True, causal="bottom_right"),
+    TorchKernel("efficient", "cuda", "EFFICIENT_ATTENTION", _HALF | {torch.float32}, 8, 256, (5, 0),
+                masks=False, gqa=False, causal="top_left"),
+)
+
+
+def kernel_from_env(value: Optional[str]) -> str:
+    name = (value if value is not None else os.environ.get(KERNEL_ENV, "auto")).strip().lower() or "auto"
+    if name not in KERNEL_CHOICES:
+        source = "kernel" if value is not None else KERNEL_ENV
+        raise InputError(f"{source}={name!r} is not an SDPA kernel; valid: {', '.join(KERNEL_CHOICES)}")
+    return name
+
+
+class SdpaBackend(Backend):
+    name = "sdpa"
+    description = ("PyTorch's fused attention kernels (CPU flash; CUDA cuDNN / FlashAttention-2 / memory-efficient) "
+                   "through torch's private ops that return the log-sum-exp")
+    # The union over the kernels above; unsupported() applies each kernel's own limits.
+    capabilities = Capabilities(
+        device_types=frozenset({"cpu", "cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+        min_head_dim=1,
+        max_head_dim=1 << 20,
+        min_compute_capability=None,
+        features=frozenset({"causal", "gqa", "bool_mask", "float_mask"}),
+    )
+
+    def __init__(self, kernel: Optional[str] = None):
+        self.kernel = kernel_from_env(kernel)
+        self._choices = {}   # call signature -> kernel, so forward and backward skip the choice after the first
+
+    def _kernels(self, device_type: str):
+        return [k for k in KERNELS if k.device_type == device_type and self.kernel in ("auto", k.name)]
+
+    def unsupported(self, problem) -> list:
+        # The base class's generic sentence for a missing feature gives way to the specific one above.
+        generic = {f"does not support {FEATURE_SENTENCES.get(f, f)}" for f in _NEVER}
+        reasons = [_NEVER[f] for f in sorted(problem.features & set(_NEVER))]
+        reasons += [r for r in super().unsupported(problem) if r not in generic]
+        if reasons:
+            return reasons
+        kernels = self._kernels(problem.device_type)
+        if not kernels:
+            return [f"{KERNEL_ENV}={self.kernel} names no {problem.device_type} kernel"]
+        why = {k.name: k.reasons(problem) for k in kernels}
+        if any(not w for w in why.values()):
+            return []
+        return ["no torch kernel fits: " + "; ".join(f"{n}: {', '.join(w)}" for n, w in why.items())]
+
+    # ---- which kernel runs a call ------------------------------------------------------------------------
+    def _choose(self, q, k, v, params: AttentionParams, plan: "_Plan") -> TorchKernel:
+        """The kernel for these tensors: the pinned one, or torch's choice among those that fit.
+
+        Called by forward and backward alike with the same tensors, so both use one kernel."""
+        signature = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, plan.is_causal,
+                     params.diag_offset, None if plan.mask is None else plan.mask.dtype)
+        kern = self._choices.get(signature)
+        if kern is None:
+            if len(self._choices) > 4096:  # many distinct shapes: start over rather than grow without bound
+                self._choices.clear()
+            kern = self._choices[signature] = self._choose_uncached(q, k, v, params, plan)
+        return kern
+
+    def _choose_uncached(self, q, k, v, params, plan) -> TorchKernel:
+        from mhattn.problem import Problem
+
+        problem = Problem.from_tensors(q, k, v, params, causal=plan.causal_in_problem, window=False)
+        fitting = [kern for kern in self._kernels(q.device.type) if not kern.reasons(problem)]
+        if not fitting:
+            raise RuntimeError(f"sdpa backend: no torch kernel fits {problem.describe()}")
+        if len(fitting) == 1 or q.device.type != "cuda":
+            return fitting[0]
+        return _torch_choice(q, k, v, plan, fitting)
+
+    # ---- the contract ------------------------------------------------------------------------------------
+    def forward(self, q, k, v, params: AttentionParams):
+        plan = _Plan.make(q, k, params)
+        kern = self._choose(q, k, v, params, plan)
+        out, lse = _OPS[(kern.device_type, kern.name)].forward(q, k, v, params.scale, plan)
+        if plan.empty_rows is not None:
+            out = out.masked_fill(plan.empty_rows[..., None], 0.0)
+            lse = lse.masked_fill(plan.empty_rows, -math.inf)
+        elif plan.may_have_empty_rows:
+            empty = ~torch.isfinite(lse)
+            out = out.masked_fill(empty[..., None], 0.0)
+            lse = lse.masked_fill(empty, -math.inf)
+        return out, lse
+
+    def backward(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
+        plan = _Plan.make(q, k, params)
+        kern = self._choose(q, k, v, params, plan)
+        ops = _OPS[(kern.device_type, kern.name)]
+        # A row that sees no key has lse -inf; +inf makes every kernel's P = exp(S - lse) exactly 0 there.
+        lse_k = lse.masked_fill(lse == -math.inf, math.inf)
+        dq, dk, dv = ops.backward(grad_out, q, k, v, out, lse_k, params.scale, plan)
+        if grad_lse is not None:
+            dq, dk = _add_lse_gradient(ops, grad_lse, q, k, lse, lse_k, params.scale, plan, dq, dk)
+        return dq, dk, dv, None
+
+
+def _add_lse_gradient(ops, grad_lse, q, k, lse, lse_k, scale, plan, dq, dk):
+    """Add the gradient flowing into the returned lse, which torch's backward kernels do not take.
+
+    d lse_i / d s_ij = P_ij, so the extra dS is g_i * P_ij (g = grad_lse, 0 on rows that see no key):
+    dQ_i += scale * g_i * (P K)_i, the output of attention with K as the values; and
+    dK += scale * P^T (g * Q), the value gradient of that same attention for an output gradient
+    scale * g * Q. One more forward and backward of the kernel, only when the lse carries a gradient.
+    """
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    g = grad_lse.masked_fill(lse == -math.inf, 0.0).to(compute)[..., None]
+    out_k, _ = ops.forward(q, k, k, scale, plan)
+    out_k = out_k.masked_fill((lse == -math.inf)[..., None], 0.0)
+    dq = (dq.to(compute) + scale * g * out_k.to(compute)).to(dq.dtype)
+    grad_k_as_value = (scale * g * q.to(compute)).to(q.dtype)
+    _, _, dk_extra = ops.backward(grad_k_as_value, q, k, k, out_k, lse_k, scale, plan)
+    return dq, (dk.to(compute) + dk_extra.to(compute)).to(dk.dtype)
+
+
+# ---- one call's plan: causal flag, mask and the rows that see no key ---------------------------------------
+
+
+@dataclass
+class _Plan:
+    is_causal: bool                      # the is_causal flag the kernel gets
+    causal_in_problem: bool              # whether the diagonal hides anything (for kernel choice)
+    mask: Optional[torch.Tensor]         # additive float mask for the kernel (CPU), broadcast dims kept at 1
+    empty_rows: Optional[torch.Tensor]   # bool (B or 1, H or 1, Nq): rows that see no key, known from the mask
+    may_have_empty_rows: bool            # rows may see no key without a mask (bottom-right causal, Nq > Nk)
+
+    @classmethod
+    def make(cls, q, k, params: AttentionParams) -> "_Plan":
+        seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+        causal = params.window_right == 0 and params.window_left is None
+        hides = causal and params.diag_offset < seqlen_k - 1
+        mask = params.mask
+        if q.device.type == "cpu" and hides and (params.diag_offset != 0 or mask is not None):
+            # The CPU kernel aligns is_causal top-left and does not combine it with a mask: other
+            # alignments, and causal with a mask, become one (Nq, Nk) mask.
+            from mhattn.reference.naive import visible
+
+            allowed = visible(seqlen_q, seqlen_k, params, device=q.device)[None, None]
+            if mask is None:
+                mask = allowed
+            elif mask.dtype == torch.bool:
+                mask = _compact(mask) & allowed
+            else:
+                mask = _compact(mask).masked_fill(~allowed, -math.inf)
+            return cls(False, True, _additive(mask, q.dtype), _no_key_rows(mask), False)
+        if mask is not None:
+            compact = _compact(mask)
+            return cls(False, False, _additive(compact, q.dtype), _no_key_rows(compact), False)
+        return cls(hides, hides, None, None, hides and params.diag_offset < 0)
+
+
+def _compact(mask: torch.Tensor) -> torch.Tensor:
+    """The broadcast 4-D mask with each stride-0 dim narrowed to size 1 (the kernel broadcasts it)."""
+    for dim in range(mask.dim()):
+        if mask.stride(dim) == 0 and mask.shape[dim] > 1:
+            mask = mask.narrow(dim, 0, 1)
+    return mask
+
+
+def _additive(mask: torch.Tensor, dtype) -> torch.Tensor:
+    compute = torch.float32 if dtype in _HALF else dtype
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=compute, device=mask.device).masked_fill_(~mask, -math.inf)
+    return mask.to(compute)
+
+
+def _no_key_rows(mask: torch.Tensor) -> Optional[torch.Tensor]:
+    hidden = ~mask if mask.dtype == torch.bool else (mask == -math.inf)
+    rows = hidden.all(-1)
+    return rows if bool(rows.any()) else None
+
+
+# ---- torch's kernels --------------------------------------------------------------------------------------
+
+
+def _torch_choice(q, k, v, plan, fitting) -> TorchKernel:
+    """torch's own pick (``torch._fused_sdp_choice``) among ``fitting``, the global enable flags aside."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    members = [getattr(SDPBackend, kern.sdp_backend) for kern in fitting]
+    gqa = q.shape[1] != k.shape[1]
+    try:
+        with sdpa_kernel(members):
+            choice = torch._fused_sdp_choice(q, k, v, None, 0.0, plan.is_causal, None, gqa)
+    except Exception:  # torch found none of them usable: keep mhattn's order
+        return fitting[0]
+    for kern, member in zip(fitting, members):
+        if choice == _member_value(member):
+            return kern
+    return fitting[0]
+
+
+def _member_value(member) -> int:
+    value = getattr(member, "value", member)
+    return int(value)
+
+
+class _CpuFlash:
+    @staticmethod
+    def forward(q, k, v, scale, plan):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, plan.is_causal, attn_mask=plan.mask, scale=scale)
+        return out, lse.contiguous()   # the kernel writes it (B, Nq, H)-major; the contract's is (B, H, Nq)
+
+    @staticmethod
+    def backward(grad_out, q, k, v, out, lse, scale, plan):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, plan.is_causal, attn_mask=plan.mask, scale=scale)
+
+
+def _placeholder_rng(device):
+    # The philox seed and offset are read only when dropout_p > 0, which this backend never runs.
+    return torch.zeros((), dtype=torch.long, device=device), torch.zeros((), dtype=torch.long, device=device)
+
+
+class _CudaFlash:
+    @staticmethod
+    def forward(q, k, v, scale, plan):
+        # With Nq != Nk, FlashAttention-2's is_causal is aligned bottom-right.
+        result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, plan.is_causal, False, scale=scale)
+        return result[0], result[1]
+
+    @staticmethod
+    def backward(grad_out, q, k, v, out, lse, scale, plan):
+        seed, offset = _placeholder_rng(q.device)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, plan.is_causal,
+            seed, offset, scale=scale)
+
+
+class _CudaEfficient:
+    @staticmethod
+    def forward(q, k, v, scale, plan):
+        out, lse, _seed, _offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, plan.is_causal, scale=scale)
+        return out, lse[..., : q.shape[2]]    # its lse rows are padded to a multiple of 32
+
+    @staticmethod
+    def backward(grad_out, q, k, v, out, lse, scale, plan):
+        padded = -(-q.shape[2] // 32) * 32
+        lse = torch.nn.functional.pad(lse, (0, padded - q.shape[2])).contiguous()
+        seed, offset = _placeholder_rng(q.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], plan.is_causal,
+            scale=scale)
+        return dq, dk, dv
+
+
+class _CudaCudnn:
+    @staticmethod
+    def forward(q, k, v, scale, plan):
+        result = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, plan.is_causal, False,
+                                                                    scale=scale)
+        lse = result[1]
+        return result[0], lse.reshape(lse.shape[:3])   # cuDNN's lse is (B, H, Nq, 1)
+
+    @staticmethod
+    def backward(grad_out, q, k, v, out, lse, scale, plan):
+        seed, offset = _placeholder_rng(q.device)
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, None, None,
+            q.shape[2], k.shape[2], 0.0, plan.is_causal, scale=scale)
+
+
+_OPS = {
+    ("cpu", "flash"): _CpuFlash,
+    ("cuda", "flash"): _CudaFlash,
+    ("cuda", "efficient"): _CudaEfficient,
+    ("cuda", "cudnn"): _CudaCudnn,
+}

@@ -1,0 +1,158 @@
+"""``mhattn tune``: time every backend on a grid of shapes and write the timing table automatic selection reads.
+
+    mhattn tune --quick          # 47 shapes, a few minutes on an H100 (compiling kernels included)
+    mhattn tune                  # the full grid (238 shapes)
+    mhattn tune --quick --output mhattn/tables/h100.json   # the table shipped in the package
+
+The cells run in a worker process (the benchmark engine's supervisor): a kernel that crashes, hangs or
+breaks its CUDA context loses its own cell, not the run. The table goes to ``$MHATTN_CACHE_DIR/tables``
+(default ``~/.cache/mhattn/tables``) unless ``--output`` says otherwise; the next process that makes an
+automatic choice on this device reads it, and ``mhattn.explain`` shows the times behind a choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+import torch
+
+from mhattn.tuning import grid, table
+
+# Timing per do_bench call (ms of warm-up, ms of timed runs): quick keeps the whole run to minutes.
+QUICK_TIMING = (5.0, 20.0)
+FULL_TIMING = (10.0, 50.0)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help=f"the quick grid ({len(grid.quick_grid())} shapes)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when a GPU is visible, else cpu")
+    parser.add_argument("--backend", action="append", metavar="NAME",
+                        help="time only these backends (repeat or comma-separate); default: every backend of "
+                             "automatic selection's order on the device")
+    parser.add_argument("--max-n", type=int, default=0, metavar="N", help="leave out shapes with Nq or Nk > N")
+    parser.add_argument("--warmup-ms", type=float, default=None, help="warm-up per timing (default 5 quick, 10 full)")
+    parser.add_argument("--rep-ms", type=float, default=None, help="timed runs per timing (default 20 quick, 50 full)")
+    parser.add_argument("--output", metavar="FILE", help="where to write the table (default: the cache directory)")
+    parser.add_argument("--time-limit", type=float, default=0.0, metavar="S", help="start no shape after S seconds")
+    parser.add_argument("--task-timeout", type=float, default=300.0, metavar="S",
+                        help="a shape running longer is stopped and reported (default 300)")
+    parser.add_argument("--no-isolate", action="store_true", help="run the shapes in this process")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    return tune(quick=args.quick, device=args.device, backends=_names(args.backend), max_n=args.max_n,
+                warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, output=args.output, time_limit=args.time_limit,
+                task_timeout=args.task_timeout, isolate=not args.no_isolate, progress=not args.no_progress)
+
+
+def _names(values):
+    if not values:
+        return None
+    return [n.strip().lower() for v in values for n in v.split(",") if n.strip()]
+
+
+def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep_ms=None, output=None,
+         time_limit=0.0, task_timeout=300.0, isolate=True, progress=True, stream=None) -> int:
+    """Time the grid, write the table, print a summary. Returns the exit status (0 = a table was written)."""
+    from mhattn.progress import Progress
+    from mhattn.benchmark.supervisor import run_tasks
+    from mhattn.tuning.measure import backends_to_time
+
+    stream = stream or sys.stdout
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    default_warmup, default_rep = QUICK_TIMING if quick else FULL_TIMING
+    settings = {"warmup_ms": warmup_ms or default_warmup, "rep_ms": rep_ms or default_rep}
+    cells = grid.limit(grid.cells_for(torch.device(device).type, quick), max_n)
+    names = backends or backends_to_time(device)
+    tasks = [{"kind": "tune", "cell": c.as_dict(), "timing": settings, "backends": names, "label": c.label()}
+             for c in cells]
+    print(f"mhattn tune{' --quick' if quick else ''}: {len(cells)} shapes x {', '.join(names)} on {device}, "
+          f"warm-up {settings['warmup_ms']:g} ms, runs {settings['rep_ms']:g} ms per timing", file=stream, flush=True)
+    started = time.time()
+    if torch.device(device).type == "cuda" and "cupy" in names and not _unavailable("cupy"):
+        _compile_cupy_kernels(stream)
+    bar = Progress(len(tasks), enabled=progress, title="tune")
+    try:
+        outcome = run_tasks(tasks, device=device, isolate=isolate, progress=bar, task_timeout=task_timeout,
+                            deadline=started + time_limit if time_limit else None)
+    finally:
+        bar.close()
+    rows = [_table_row(r) for r in outcome.results]
+    measured = [r for r in rows if r["fwd_ms"] or r["fwd_bwd_ms"]]
+    wall = time.time() - started
+    print(summary(rows), file=stream)
+    for note in outcome.notes:
+        print(f"note: {note}", file=stream)
+    if not measured:
+        print("no shape was timed: no table written", file=stream)
+        return 1
+    key = table.environment_key(device)
+    made = {"command": "mhattn tune" + (" --quick" if quick else ""), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "unix_time": time.time(), "timing": dict(settings, timer=_timer(device)), "wall_s": round(wall, 1),
+            "backends": names, "complete": not (outcome.interrupted or outcome.deadline_reached)}
+    result = table.TimingTable(key, rows, made)
+    path = result.save(output or table.cache_tables_dir() / table.table_file_name(key))
+    table.clear_cache()
+    print(f"wrote {path} ({len(measured)}/{len(rows)} shapes timed, {wall:.0f} s)", file=stream)
+    return 0
+
+
+def _unavailable(name) -> list:
+    from mhattn import registry
+
+    return registry.get_backend(name).unavailable()
+
+
+def _compile_cupy_kernels(stream) -> None:
+    """Compile every CuPy kernel variant for this GPU into the kernel cache, on all CPU cores at once (about
+    146 variants): the timed cells would otherwise compile the ones they use one after another."""
+    import argparse
+
+    try:
+        from mhattn.backends.cupy import build
+
+        major, minor = torch.cuda.get_device_capability()
+        with contextlib.redirect_stdout(stream):
+            build.run(argparse.Namespace(arch=f"sm_{major}{minor}", jobs=0, no_cache=False, list=False))
+    except Exception as error:  # the cells compile what they need, slower
+        print(f"mhattn tune: compiling the CuPy kernels ahead failed ({error}); the cells will compile them", file=stream)
+
+
+def _timer(device):
+    from mhattn.benchmark.timing import timer_name
+
+    return timer_name(device)
+
+
+def _table_row(row: dict) -> dict:
+    """A worker's row as a table cell: the Cell fields, the times and the reasons, nothing else."""
+    keep = set(grid.Cell.__dataclass_fields__) | {"fwd_ms", "fwd_bwd_ms", "skipped"}
+    cell = {k: v for k, v in row.items() if k in keep}
+    if row.get("status", "ok") != "ok" and not cell.get("skipped"):
+        cell["skipped"] = {"*": row["status"]}
+    return cell
+
+
+def summary(rows) -> str:
+    """One line per shape: each backend's forward / forward+backward milliseconds, the fastest marked."""
+    lines = ["shape                                              times in ms (forward / forward+backward; * fastest)"]
+    for row in rows:
+        names = sorted(set(row.get("fwd_ms", {})) | set(row.get("fwd_bwd_ms", {})))
+        parts = []
+        for name in names:
+            fwd, both = row["fwd_ms"].get(name), row["fwd_bwd_ms"].get(name)
+            star_f = "*" if fwd is not None and fwd == min(row["fwd_ms"].values()) else ""
+            star_b = "*" if both is not None and both == min(row["fwd_bwd_ms"].values()) else ""
+            text = f"{name} {_ms(fwd)}{star_f}" + (f" / {_ms(both)}{star_b}" if row.get("grad", True) else "")
+            parts.append(text)
+        if not parts:
+            parts = ["not timed: " + "; ".join(f"{k}: {v}" for k, v in row.get("skipped", {}).items())[:160]]
+        lines.append(f"{table.cell_label(row):50s} " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def _ms(value):
+    return "-" if value is None else f"{value:.4g}"

@@ -1,0 +1,127 @@
+"""The problem shapes ``mhattn tune`` times: one :class:`Cell` per shape, in a quick and a full grid.
+
+A cell is plain data (it travels to a worker process as a dict). The grids cover what users run:
+training shapes (B * N = 16k tokens, H = 2048 / d, as the benchmark protocol), short sequences,
+decoding (Nq = 1 against a long key cache, grouped-query heads), a chunked prefill (bottom-right
+causal, Nq << Nk), grouped-query training shapes and masked attention (key padding, a float bias).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+CAUSAL_KINDS = ("none", "top_left", "bottom_right")
+MASK_KINDS = ("none", "bool", "float")
+TOKENS = 16384
+HIDDEN = 2048
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One timed problem: q (batch, heads_q, seqlen_q, head_dim), k and v (batch, heads_kv, seqlen_k, head_dim).
+
+    ``causal``: "none", "top_left" (SDPA's is_causal) or "bottom_right" (causal_lower_right);
+    ``mask``: "none", "bool" (a key-padding mask, (B, 1, 1, Nk), the last eighth of the keys masked)
+    or "float" (an additive bias (1, 1, Nq, Nk)); ``grad``: also time forward+backward.
+    """
+
+    dtype: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    causal: str = "none"
+    mask: str = "none"
+    grad: bool = True
+
+    def __post_init__(self):
+        if self.causal not in CAUSAL_KINDS:
+            raise ValueError(f"Cell.causal: expected one of {CAUSAL_KINDS}, got {self.causal!r}")
+        if self.mask not in MASK_KINDS:
+            raise ValueError(f"Cell.mask: expected one of {MASK_KINDS}, got {self.mask!r}")
+        if self.heads_q % self.heads_kv:
+            raise ValueError(f"Cell: heads_q ({self.heads_q}) must be a multiple of heads_kv ({self.heads_kv})")
+
+    def label(self) -> str:
+        heads = f"H={self.heads_q}" + (f"/{self.heads_kv}" if self.heads_kv != self.heads_q else "")
+        n = f"N={self.seqlen_q}" if self.seqlen_q == self.seqlen_k else f"N={self.seqlen_q}x{self.seqlen_k}"
+        extra = "".join(f" {x}" for x in (self.causal, self.mask + "-mask") if not x.startswith("none"))
+        return f"{self.dtype} d={self.head_dim} B={self.batch} {heads} {n}{extra}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def training(dtype, head_dim, seqlen, causal="none", group=1, mask="none") -> Cell:
+    """A training-like cell: B * N = 16k tokens, Hq = 2048 / d, Hkv = Hq / group."""
+    heads = max(1, HIDDEN // head_dim)
+    return Cell(dtype, max(1, TOKENS // seqlen), heads, max(1, heads // group), seqlen, seqlen, head_dim, causal, mask)
+
+
+def decode(dtype, batch, seqlen_k, heads_q=32, heads_kv=8, head_dim=128) -> Cell:
+    """One new query against a key cache of ``seqlen_k``; forward only (decoding keeps no graph)."""
+    return Cell(dtype, batch, heads_q, heads_kv, 1, seqlen_k, head_dim, "bottom_right", "none", grad=False)
+
+
+def quick_grid() -> list:
+    """47 cells: every training shape of ``mhattn bench`` (bf16) and one of each other kind."""
+    cells = []
+    for d in (64, 128, 256):
+        for n in (512, 1024, 2048, 4096, 8192, 16384):
+            for causal in ("none", "top_left"):
+                cells.append(training("bf16", d, n, causal))
+    for d in (64, 128):
+        cells.append(training("bf16", d, 128))
+        cells.append(training("fp16", d, 2048, "top_left"))
+    for batch, nk in ((1, 2048), (8, 8192), (1, 32768)):
+        cells.append(decode("bf16", batch, nk))
+    cells.append(training("bf16", 128, 2048, "top_left", group=4))
+    cells.append(Cell("bf16", 1, 32, 8, 512, 32768, 128, "bottom_right"))    # chunked prefill
+    cells.append(training("bf16", 64, 1024, mask="bool"))
+    cells.append(training("bf16", 128, 1024, mask="float"))
+    return cells
+
+
+def full_grid() -> list:
+    """Every combination the quick grid samples, and more sequence lengths, head dims and GQA ratios."""
+    cells = []
+    for dtype in ("bf16", "fp16"):
+        for d in (32, 64, 128, 256):
+            for n in (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768):
+                for causal in ("none", "top_left"):
+                    cells.append(training(dtype, d, n, causal))
+            for n in (1024, 4096):
+                for group in (4, 8):
+                    if HIDDEN // d >= group:
+                        cells.append(training(dtype, d, n, "top_left", group=group))
+                for mask in ("bool", "float"):
+                    cells.append(training(dtype, d, n, mask=mask))
+        for batch in (1, 8, 32):
+            for nk in (512, 2048, 8192, 32768):
+                cells.append(decode(dtype, batch, nk))
+        for nk in (4096, 32768):
+            cells.append(Cell(dtype, 1, 32, 8, 512, nk, 128, "bottom_right"))
+    cells.append(training("fp32", 64, 1024))
+    cells.append(training("fp32", 64, 1024, "top_left"))
+    return cells
+
+
+def cpu_grid(quick: bool) -> list:
+    """The CPU's shapes: fp32, B=1, H=8, d=64 (torch's fused CPU kernel against the reference)."""
+    seqlens = (128, 512, 2048) if quick else (128, 256, 512, 1024, 2048, 4096)
+    return [Cell("fp32", 1, 8, 8, n, n, 64, causal) for n in seqlens for causal in ("none", "top_left")]
+
+
+def cells_for(device_type: str, quick: bool) -> list:
+    if device_type == "cpu":
+        return cpu_grid(quick)
+    return quick_grid() if quick else full_grid()
+
+
+def limit(cells, max_seqlen=None) -> list:
+    """``cells`` without those whose Nq or Nk exceeds ``max_seqlen`` (None: all)."""
+    if not max_seqlen:
+        return list(cells)
+    return [c for c in cells if max(c.seqlen_q, c.seqlen_k) <= max_seqlen]

@@ -1,0 +1,136 @@
+"""Timing one tuned shape: every backend that can run it, forward and forward+backward.
+
+Each backend runs through the public ``mhattn.attention(..., backend=name)``, so what is timed is what
+automatic selection would call (argument handling included, which dominates short sequences). Times are
+medians from :func:`mhattn.benchmark.timing.bench_ms` (``triton.testing.do_bench`` on a GPU, the L2 cache
+flushed before each run). Inputs are drawn from a generator seeded by the cell, so every process times
+the same inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+
+from mhattn.benchmark import timing
+from mhattn.tuning.grid import Cell
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+PADDED_FRACTION = 8   # the bool mask hides the last 1/8 of the keys of every sequence
+
+
+def make_inputs(cell: Cell, device):
+    """q, k, v (requiring grad when the cell times a backward), the output gradient, and the call's keyword
+    arguments (mask, causal flag, GQA) for ``mhattn.attention``."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(zlib.crc32(repr(cell).encode()))
+    dtype = TORCH_DTYPES[cell.dtype]
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+
+    q = randn(cell.batch, cell.heads_q, cell.seqlen_q, cell.head_dim)
+    k = randn(cell.batch, cell.heads_kv, cell.seqlen_k, cell.head_dim)
+    v = randn(cell.batch, cell.heads_kv, cell.seqlen_k, cell.head_dim)
+    dout = randn(cell.batch, cell.heads_q, cell.seqlen_q, cell.head_dim)
+    for t in (q, k, v):
+        t.requires_grad_(cell.grad)
+    kwargs = {"enable_gqa": cell.heads_q != cell.heads_kv}
+    if cell.causal == "top_left":
+        kwargs["is_causal"] = True
+    elif cell.causal == "bottom_right":
+        from torch.nn.attention.bias import causal_lower_right
+
+        kwargs["attn_mask"] = causal_lower_right(cell.seqlen_q, cell.seqlen_k)
+    if cell.mask == "bool":
+        keep = cell.seqlen_k - max(1, cell.seqlen_k // PADDED_FRACTION)
+        mask = torch.zeros(cell.batch, 1, 1, cell.seqlen_k, dtype=torch.bool, device=device)
+        mask[..., :keep] = True
+        kwargs["attn_mask"] = mask
+    elif cell.mask == "float":
+        kwargs["attn_mask"] = torch.randn(1, 1, cell.seqlen_q, cell.seqlen_k, generator=generator, device=device,
+                                          dtype=dtype)
+    return q, k, v, dout, kwargs
+
+
+def backends_to_time(device) -> list:
+    """Every backend of automatic selection's order on ``device`` (the reference only on the CPU)."""
+    from mhattn import dispatch, registry
+
+    names = []
+    for device_type, _min_cc, row in dispatch.PRIORITY:
+        if device_type == torch.device(device).type:
+            names += [n for n in row if n not in names and n in registry.names()]
+    if torch.device(device).type == "cuda":
+        names = [n for n in names if n != "reference"]  # never the fastest on a GPU, and O(N^2) memory
+    return names
+
+
+def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None) -> dict:
+    """The table row of ``cell``: its fields, ``fwd_ms`` and ``fwd_bwd_ms`` {backend: ms}, and ``skipped``
+    {backend: why} for each backend that cannot run it or failed. Never raises for a backend's failure."""
+    import mhattn
+
+    device = torch.device(device)
+    row = dict(cell.as_dict(), fwd_ms={}, fwd_bwd_ms={}, skipped={})
+    q, k, v, dout, kwargs = make_inputs(cell, device)
+    expected = _torch_output(q, k, v, kwargs)
+    for name in backends if backends is not None else backends_to_time(device):
+        reasons = mhattn.explain(q, k, v, backend=name, **kwargs).reasons.get(name, ["not registered"])
+        if reasons:
+            row["skipped"][name] = "; ".join(reasons)
+            continue
+
+        def forward(name=name):
+            return mhattn.attention(q, k, v, backend=name, **kwargs)
+
+        wrong = _differs(forward, expected, q.dtype)
+        if wrong:  # a fast wrong answer must never win the table
+            row["skipped"][name] = wrong
+            continue
+
+        def forward_backward(name=name):
+            return torch.autograd.grad(forward(name), (q, k, v), dout)
+
+        modes = (("fwd", forward), ("fwd_bwd", forward_backward)) if cell.grad else (("fwd", forward),)
+        for mode, fn in modes:
+            try:
+                ms = timing.bench_ms(fn, warmup_ms, rep_ms, device)
+            except Exception as error:  # report, never stop the tuning run
+                row["skipped"][name] = timing.describe_error(error)
+                timing.release_memory(device)
+                break
+            if math.isfinite(ms) and ms > 0:
+                row[f"{mode}_ms"][name] = round(ms, 5)
+    return row
+
+
+# Largest max-abs difference from torch's SDPA accepted for randn inputs (the benchmark's suspect limit).
+CHECK_TOLERANCE = {torch.float16: timing.SUSPECT_DIFF, torch.bfloat16: timing.SUSPECT_DIFF, torch.float32: 1e-3,
+                   torch.float64: 1e-6}
+
+
+def _torch_output(q, k, v, kwargs):
+    """torch's SDPA on the same call (its default kernel choice), or None when it cannot run it."""
+    try:
+        with torch.no_grad():
+            return torch.nn.functional.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), **kwargs)
+    except Exception:
+        return None
+
+
+def _differs(forward, expected, dtype) -> str:
+    """'' when ``forward()`` matches ``expected`` (or there is nothing to compare with), else why not."""
+    try:
+        with torch.no_grad():
+            out = forward()
+    except Exception as error:
+        return timing.describe_error(error)
+    if expected is None:
+        return ""
+    diff = (out.float() - expected.float()).abs().max().item()
+    if not diff <= CHECK_TOLERANCE.get(dtype, timing.SUSPECT_DIFF):
+        return f"error: its output differs from torch SDPA's by {diff:.3g} (max abs); not timed"
+    return ""

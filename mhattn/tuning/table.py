@@ -1,0 +1,254 @@
+"""Timing tables: what ``mhattn tune`` measured on one GPU, and the lookup automatic selection makes in them.
+
+A table is a small JSON file: ``key`` (device name, compute capability, driver and library versions),
+``cells`` (one per timed shape: the :class:`~mhattn.tuning.grid.Cell` fields, and per backend the median
+milliseconds of the forward, ``fwd_ms``, and of forward+backward, ``fwd_bwd_ms``) and how it was made.
+
+Which table applies: ``MHATTN_TABLE=off`` disables tables, ``MHATTN_TABLE=<file>`` uses that file;
+otherwise the tables in ``$MHATTN_CACHE_DIR/tables`` (default ``~/.cache/mhattn/tables``, where
+``mhattn tune`` writes), then those shipped in ``mhattn/tables/``, whose device name and compute
+capability equal this device's; among several, one made with this torch version first, then the newest.
+
+The nearest tuned shape to a problem: among the table's cells with the same dtype, the same causal
+kind (the diagonal hides keys or not) and the same mask kind (none, bool, float), and that timed at
+least one of the backends that can run the problem in the mode needed (forward+backward when q, k or
+v requires grad, else forward), the one with the smallest distance
+
+    2 |dlog2 d| + |dlog2 Nq| + |dlog2 Nk| + 0.5 |dlog2 (B * Hq)| + |dlog2 (Hq / Hkv)|
+
+(ties: the first in the table), if that distance is at most :data:`MAX_DISTANCE`. The backend measured
+fastest there is the choice. With no such cell the priority list decides.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+FORMAT = 1
+TABLE_ENV = "MHATTN_TABLE"
+MAX_DISTANCE = 4.0
+# Weights of the log2 distances: head dim (tiles change with it), Nq, Nk, B * Hq, the GQA group size.
+WEIGHTS = (2.0, 1.0, 1.0, 0.5, 1.0)
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tables"
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def cache_tables_dir() -> Path:
+    """Where ``mhattn tune`` writes tables: ``$MHATTN_CACHE_DIR/tables``, else ``~/.cache/mhattn/tables``."""
+    root = os.environ.get("MHATTN_CACHE_DIR")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "mhattn")
+    return Path(root) / "tables"
+
+
+def device_identity(device_type: str, device_index: Optional[int] = None) -> dict:
+    """What a table must match: the device's name and compute capability (None on the CPU)."""
+    if device_type == "cuda":
+        index = torch.cuda.current_device() if device_index is None else device_index
+        return {"device": torch.cuda.get_device_name(index),
+                "compute_capability": list(torch.cuda.get_device_capability(index))}
+    return {"device": f"cpu {platform.machine()} {os.cpu_count()} cores", "compute_capability": None}
+
+
+# ---- the table ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TimingTable:
+    key: dict                                  # device, compute_capability, driver and library versions
+    cells: list                                # dicts: Cell fields + fwd_ms / fwd_bwd_ms {backend: ms}
+    made: dict = field(default_factory=dict)   # command, date, timing settings, wall time
+    path: Optional[str] = None
+
+    def matches(self, identity: dict) -> bool:
+        return (self.key.get("device") == identity["device"]
+                and self.key.get("compute_capability") == identity["compute_capability"])
+
+    def as_json(self) -> dict:
+        return {"format": FORMAT, "key": self.key, "made": self.made, "cells": self.cells}
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.as_json(), indent=1, sort_keys=False) + "\n")
+        os.replace(tmp, path)  # a reader never sees half a table
+        self.path = str(path)
+        return path
+
+    @classmethod
+    def load(cls, path) -> "TimingTable":
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{path}: table format {data.get('format')!r}, this mhattn reads {FORMAT}")
+        for name in ("key", "cells"):
+            if name not in data:
+                raise ValueError(f"{path}: a timing table needs {name!r}")
+        return cls(data["key"], data["cells"], data.get("made", {}), str(path))
+
+
+def table_file_name(key: dict) -> str:
+    cc = key.get("compute_capability")
+    parts = [key.get("device", "device"), "sm_%d%d" % tuple(cc) if cc else "", "torch-" + key.get("torch", "")]
+    slug = "-".join(p for p in parts if p)
+    return "".join(ch if ch.isalnum() or ch in "-._" else "_" for ch in slug) + ".json"
+
+
+# ---- which table applies ------------------------------------------------------------------------------------
+
+
+def _tables_in(folder: Path) -> list:
+    found = []
+    if not folder.is_dir():
+        return found
+    for path in sorted(folder.glob("*.json")):
+        try:
+            found.append(TimingTable.load(path))
+        except Exception as error:  # a broken file must not break attention calls
+            warnings.warn(f"mhattn: ignoring timing table {path}: {error}")
+    return found
+
+
+_active: dict = {}   # (device type, index) -> the table found for it, or None
+
+
+def active_table(device_type: str, device_index: Optional[int]) -> Optional[TimingTable]:
+    """The table automatic selection uses on this device, or None (see the module docstring). Cached
+    until :func:`clear_cache` (which ``mhattn.dispatch.clear_cache`` calls)."""
+    key = (device_type, device_index)
+    if key not in _active:
+        _active[key] = _find_table(device_type, device_index)
+    return _active[key]
+
+
+def _find_table(device_type, device_index) -> Optional[TimingTable]:
+    setting = os.environ.get(TABLE_ENV, "").strip()
+    if setting.lower() == "off":
+        return None
+    if setting:
+        return TimingTable.load(setting)
+    identity = device_identity(device_type, device_index)
+    for folder in (cache_tables_dir(), SHIPPED_DIR):
+        tables = [t for t in _tables_in(folder) if t.matches(identity)]
+        if tables:
+            same_torch = [t for t in tables if t.key.get("torch") == torch.__version__]
+            pool = same_torch or tables
+            return max(pool, key=lambda t: t.made.get("unix_time", 0))
+    return None
+
+
+def clear_cache() -> None:
+    _active.clear()
+
+
+# ---- the nearest tuned shape --------------------------------------------------------------------------------
+
+
+def _bucket_of_problem(problem) -> tuple:
+    mask = "bool" if "bool_mask" in problem.features else "float" if "float_mask" in problem.features else "none"
+    return _DTYPE_NAMES.get(problem.dtype, str(problem.dtype)), problem.causal_hides_keys, mask
+
+
+def _bucket_of_cell(cell: dict) -> tuple:
+    offset = cell["seqlen_k"] - cell["seqlen_q"] if cell["causal"] == "bottom_right" else 0
+    hides = cell["causal"] != "none" and offset < cell["seqlen_k"] - 1
+    return cell["dtype"], hides, cell["mask"]
+
+
+def _coordinates(head_dim, seqlen_q, seqlen_k, batch, heads_q, heads_kv) -> tuple:
+    return tuple(math.log2(max(1, x)) for x in (head_dim, seqlen_q, seqlen_k, batch * heads_q, heads_q / heads_kv))
+
+
+def distance(problem, cell: dict) -> float:
+    a = _coordinates(problem.head_dim, problem.seqlen_q, problem.seqlen_k, problem.batch, problem.heads_q,
+                     problem.heads_kv)
+    b = _coordinates(cell["head_dim"], cell["seqlen_q"], cell["seqlen_k"], cell["batch"], cell["heads_q"],
+                     cell["heads_kv"])
+    return sum(w * abs(x - y) for w, x, y in zip(WEIGHTS, a, b))
+
+
+def cell_label(cell: dict) -> str:
+    from mhattn.tuning.grid import Cell
+
+    fields = {k: cell[k] for k in Cell.__dataclass_fields__ if k in cell}
+    return Cell(**fields).label()
+
+
+@dataclass
+class Evidence:
+    """Why automatic selection took a backend: the measured times at the nearest tuned shape."""
+
+    chosen: str
+    mode: str            # "fwd" or "fwd_bwd"
+    cell: dict
+    distance: float
+    times: dict          # backend -> ms, for the backends that can run the problem
+    table: TimingTable
+
+    def __str__(self):
+        mode = "forward+backward" if self.mode == "fwd_bwd" else "forward"
+        ranked = sorted(self.times.items(), key=lambda item: item[1])
+        times = ", ".join(f"{name} {ms:.4g} ms" + (" (fastest)" if name == self.chosen else "") for name, ms in ranked)
+        versions = ", ".join(f"{k} {self.table.key[k]}" for k in ("torch", "triton", "cupy", "driver")
+                             if self.table.key.get(k))
+        stale = "" if self.table.key.get("torch") == torch.__version__ else f" (this process: torch {torch.__version__})"
+        return (f"measured ({mode}) at the nearest tuned shape {cell_label(self.cell)}, distance {self.distance:.2f}: "
+                f"{times}\n  table: {self.table.path or 'in memory'} ({self.table.key.get('device')}; {versions}){stale}")
+
+
+def nearest(table: TimingTable, problem, candidates) -> Optional[Evidence]:
+    """The evidence for the fastest of ``candidates`` (backend names that can run ``problem``) at the
+    nearest tuned shape, or None when the table has no cell close enough that timed one of them."""
+    mode = "fwd_bwd" if problem.needs_grad else "fwd"
+    bucket = _bucket_of_problem(problem)
+    best = None
+    for cell in table.cells:
+        if _bucket_of_cell(cell) != bucket:
+            continue
+        times = {n: ms for n, ms in (cell.get(f"{mode}_ms") or {}).items() if n in candidates and ms}
+        if not times:
+            continue
+        d = distance(problem, cell)
+        if d <= MAX_DISTANCE and (best is None or d < best[0]):
+            best = (d, cell, times)
+    if best is None:
+        return None
+    d, cell, times = best
+    return Evidence(min(times, key=times.get), mode, cell, d, times, table)
+
+
+def measured_choice(problem, candidates) -> Optional[Evidence]:
+    """The dispatcher's hook: evidence for a choice among ``candidates``, or None (no table, no close cell)."""
+    if len(candidates) < 2:
+        return None
+    try:
+        table = active_table(problem.device_type, problem.device_index)
+    except Exception as error:  # a table that cannot be read must not break attention calls
+        warnings.warn(f"mhattn: timing table not used: {error}")
+        return None
+    return None if table is None else nearest(table, problem, candidates)
+
+
+def environment_key(device) -> dict:
+    """The key ``mhattn tune`` writes: the device identity and the versions of everything that was timed."""
+    from mhattn.conformance.environment import describe_environment
+
+    device = torch.device(device)
+    key = device_identity(device.type, device.index)
+    env = describe_environment()
+    key["torch"] = torch.__version__
+    key["cuda"] = torch.version.cuda
+    for name in ("driver", "triton", "cupy", "nvrtc", "mhattn"):
+        if name in env:
+            key[name] = env[name]
+    return key

@@ -1,0 +1,191 @@
+"""The sdpa backend (torch's fused kernels): on the CPU against the float64 reference and through the
+conformance suite; its declared gaps as reasons; its kernel setting; on a GPU (marked gpu) each CUDA kernel."""
+
+import math
+
+import pytest
+import torch
+from torch.nn.attention.bias import causal_lower_right
+
+import mhattn
+from mhattn.backends import sdpa
+from mhattn.conformance.cases import full_cases
+from mhattn.conformance.runner import PASS, run_case
+from mhattn.problem import Problem
+
+SDPA = mhattn.get_backend("sdpa")
+
+
+def draw(batch, heads_q, heads_kv, seqlen_q, seqlen_k, dim, dtype=torch.float64, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = [(batch, heads_q, seqlen_q, dim), (batch, heads_kv, seqlen_k, dim), (batch, heads_kv, seqlen_k, dim)]
+    return [torch.randn(s, generator=gen, device=device, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def out_lse_and_grads(backend, q, k, v, **kwargs):
+    """out, lse and (dq, dk, dv) of a loss that sends gradients into both the output and the lse."""
+    out, lse = mhattn.attention(q, k, v, return_lse=True, backend=backend, enable_gqa=q.shape[1] != k.shape[1],
+                                **kwargs)
+    gen = torch.Generator(device=q.device).manual_seed(7)
+    g_out = torch.randn(out.shape, generator=gen, device=q.device, dtype=out.dtype)
+    g_lse = torch.randn(lse.shape, generator=gen, device=q.device, dtype=lse.dtype)
+    loss = (out * g_out).sum() + (torch.where(torch.isinf(lse), 0.0, lse) * g_lse).sum()
+    return (out, lse) + torch.autograd.grad(loss, (q, k, v))
+
+
+def assert_matches_reference(q, k, v, atol, **kwargs):
+    got = out_lse_and_grads("sdpa", q, k, v, **kwargs)
+    want = out_lse_and_grads("reference", q, k, v, **kwargs)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), name
+        finite = ~torch.isinf(b)
+        assert torch.allclose(a[finite].double(), b[finite].double(), atol=atol, rtol=0), name
+
+
+def bool_mask(seqlen_q, seqlen_k):
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(2, 1, seqlen_q, seqlen_k, generator=gen) > 0.3
+    mask[0, 0, 2] = False  # a row that sees no key
+    return mask
+
+
+def float_mask(seqlen_q, seqlen_k):
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.randn(seqlen_q, seqlen_k, generator=gen, dtype=torch.float64)
+    mask[1] = -math.inf
+    return mask
+
+
+CASES = {
+    "plain": dict(),
+    "causal top-left": dict(is_causal=True),
+    "causal top-left Nq>Nk": dict(nq=41, nk=19, is_causal=True),
+    "causal bottom-right": dict(mask=causal_lower_right),
+    "causal bottom-right Nq>Nk (rows without keys)": dict(nq=41, nk=19, mask=causal_lower_right),
+    "decode (Nq=1) bottom-right": dict(nq=1, mask=causal_lower_right),
+    "gqa": dict(hq=6, hkv=2),
+    "gqa causal": dict(hq=6, hkv=3, is_causal=True),
+    "bool mask": dict(mask=bool_mask),
+    "float mask": dict(mask=float_mask),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_matches_the_reference_in_float64(case):
+    spec = dict(CASES[case])
+    nq, nk, hq, hkv = spec.pop("nq", 23), spec.pop("nk", 37), spec.pop("hq", 4), spec.pop("hkv", 4)
+    make_mask = spec.pop("mask", None)
+    q, k, v = draw(2, hq, hkv, nq, nk, 16)
+    if make_mask is not None:
+        spec["attn_mask"] = make_mask(nq, nk)
+    assert mhattn.explain(q, k, v, enable_gqa=hq != hkv, **spec).chosen == "sdpa"
+    assert_matches_reference(q, k, v, atol=1e-10, **spec)
+
+
+def test_cpu_float32_is_the_fused_kernel_with_linear_memory():
+    q, k, v = draw(1, 2, 2, 300, 300, 32, dtype=torch.float32)
+    assert_matches_reference(q, k, v, atol=2e-5, is_causal=True)
+
+
+def test_conformance_suite_passes_on_the_cpu():
+    cases = full_cases(SDPA, "cpu", ["fp16", "fp32"])
+    results = [run_case(SDPA, c) for c in cases]
+    failed = [f"{r.case.command()}: {r.summary()}" for r in results if r.status not in (PASS, "unsupported")]
+    assert not failed, "\n".join(failed)
+    assert sum(r.status == PASS for r in results) >= 100
+
+
+def problem(**overrides):
+    fields = dict(device_type="cuda", device_index=0, compute_capability=(9, 0), dtype=torch.bfloat16, batch=1,
+                  heads_q=8, heads_kv=8, seqlen_q=512, seqlen_k=512, head_dim=128, head_dim_v=128,
+                  features=frozenset())
+    fields.update(overrides)
+    return Problem(**fields)
+
+
+@pytest.mark.parametrize("feature, words", [("dropout", "dropout"), ("window", "sliding window"),
+                                            ("softcap", "softcap"), ("mask_grad", "gradient"),
+                                            ("value_dim", "value head dim")])
+def test_what_sdpa_cannot_do_is_a_reason(feature, words):
+    for device in ("cpu", "cuda"):
+        reasons = SDPA.unsupported(problem(device_type=device, features=frozenset({feature})))
+        assert len(reasons) == 1 and words in reasons[0]
+
+
+def test_cuda_kernels_declare_their_limits():
+    assert SDPA.unsupported(problem()) == []
+    assert SDPA.unsupported(problem(dtype=torch.float64))                       # no CUDA kernel takes float64
+    assert SDPA.unsupported(problem(head_dim=59, head_dim_v=59))                # multiples of 8 only
+    assert "attn_mask" in " ".join(SDPA.unsupported(problem(features=frozenset({"bool_mask"}))))
+    rect = dict(seqlen_q=128, seqlen_k=512, features=frozenset({"causal"}))
+    assert SDPA.unsupported(problem(diag_offset=384, **rect)) == []             # bottom-right: flash
+    assert SDPA.unsupported(problem(diag_offset=0, **rect)) == []               # top-left: efficient
+    assert SDPA.unsupported(problem(seqlen_q=128, seqlen_k=512, diag_offset=0, heads_kv=2,
+                                    features=frozenset({"causal", "gqa"})))      # top-left GQA: none of them
+    pinned = {name: sdpa.SdpaBackend(kernel=name) for name in ("flash", "efficient", "cudnn")}
+    assert pinned["flash"].unsupported(problem(diag_offset=0, **rect))
+    assert pinned["efficient"].unsupported(problem(diag_offset=384, **rect))
+    assert pinned["cudnn"].unsupported(problem(heads_kv=2, features=frozenset({"gqa"})))
+    assert pinned["cudnn"].unsupported(problem(compute_capability=(8, 0)))
+    assert pinned["flash"].unsupported(problem(heads_kv=2, features=frozenset({"gqa"}))) == []
+    decode = problem(seqlen_q=1, seqlen_k=4096, diag_offset=4095, features=frozenset({"causal"}))
+    assert pinned["cudnn"].unsupported(decode) == []                            # causal that hides nothing
+    assert "cudnn" in pinned["cudnn"].unsupported(problem(device_type="cpu", compute_capability=None))[0]
+
+
+def test_kernel_setting(monkeypatch):
+    monkeypatch.setenv(sdpa.KERNEL_ENV, "FLASH")
+    assert sdpa.SdpaBackend().kernel == "flash"
+    monkeypatch.setenv(sdpa.KERNEL_ENV, "math")
+    with pytest.raises(mhattn.InputError, match="MHATTN_SDPA_KERNEL='math'.*auto, flash, efficient, cudnn"):
+        sdpa.SdpaBackend()
+    with pytest.raises(mhattn.InputError, match="kernel='bogus'"):
+        sdpa.SdpaBackend(kernel="bogus")
+
+
+def test_sdpa_is_a_backend_name_and_first_on_the_cpu():
+    assert "sdpa" in mhattn.backend_names()
+    with pytest.raises(mhattn.UnknownBackendError, match="sdpa"):
+        mhattn.attention(*draw(1, 1, 1, 4, 4, 8), backend="nope")
+    mha = mhattn.MultiheadAttention(32, 4, batch_first=True, dtype=torch.float64)
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    torch_mha = torch.nn.MultiheadAttention(32, 4, batch_first=True, dtype=torch.float64)
+    torch_mha.load_state_dict(mha.state_dict())
+    out, _ = mha(x, x, x, need_weights=False)
+    want, _ = torch_mha(x, x, x, need_weights=False)
+    assert torch.allclose(out, want, atol=1e-12)
+
+
+# ---- GPU: each CUDA kernel against the reference --------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["auto", "flash", "efficient", "cudnn"])
+@pytest.mark.parametrize("case", ["plain", "causal", "bottom-right", "gqa", "decode"])
+def test_cuda_kernels_match_the_reference(kernel, case):
+    backend = sdpa.SdpaBackend(kernel=kernel)
+    nq, nk, hkv, kwargs = 256, 256, 4, {}
+    if case == "causal":
+        kwargs["is_causal"] = True
+    elif case == "bottom-right":
+        nq, nk = 96, 300
+        kwargs["attn_mask"] = causal_lower_right(nq, nk)
+    elif case == "gqa":
+        hkv = 2
+    elif case == "decode":
+        nq, nk, kwargs["attn_mask"] = 1, 1000, causal_lower_right(1, 1000)
+    q, k, v = draw(2, 4, hkv, nq, nk, 64, dtype=torch.bfloat16, device="cuda")
+    params_problem = mhattn.explain(q, k, v, enable_gqa=hkv != 4, backend="reference", **kwargs).problem
+    if backend.unsupported(params_problem):
+        pytest.skip("; ".join(backend.unsupported(params_problem)))
+    mhattn.register_backend(backend, replace=True)
+    try:
+        got = out_lse_and_grads("sdpa", q, k, v, **kwargs)
+    finally:
+        mhattn.register_backend(sdpa.SdpaBackend(), replace=True)
+    want = out_lse_and_grads("reference", *(t.detach().double().requires_grad_() for t in (q, k, v)), **kwargs)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all() or name == "lse", name
+        finite = ~torch.isinf(b)
+        err = (a.double()[finite] - b[finite]).abs().max().item()
+        assert err <= 0.02 * b[finite].abs().max().item() + 0.01, (name, err)

@@ -1,0 +1,280 @@
+"""Dispatch by measured speed, without a GPU: the grids, timing tables (save, load, which one applies), the
+nearest-shape lookup, the dispatcher's hook and its fallback, and `mhattn tune` end to end on the CPU."""
+
+import json
+
+import pytest
+import torch
+
+import mhattn
+from mhattn import dispatch
+from mhattn.problem import Problem
+from mhattn.tuning import cli as tune_cli
+from mhattn.tuning import grid, table
+
+H100 = {"device": "NVIDIA H100 80GB HBM3", "compute_capability": [9, 0]}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Every test reads and writes tables in its own cache directory, and starts with no cached decision."""
+    monkeypatch.setenv("MHATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(table.TABLE_ENV, raising=False)
+    monkeypatch.setattr(table, "SHIPPED_DIR", tmp_path / "shipped")
+    dispatch.clear_cache()
+    yield
+    dispatch.clear_cache()
+
+
+def cell(times_fwd, times_both=None, **fields):
+    c = grid.Cell(**{**dict(dtype="bf16", batch=8, heads_q=16, heads_kv=16, seqlen_q=2048, seqlen_k=2048,
+                            head_dim=128), **fields})
+    return dict(c.as_dict(), fwd_ms=times_fwd, fwd_bwd_ms=times_both or {}, skipped={})
+
+
+def gpu_problem(**overrides):
+    fields = dict(device_type="cuda", device_index=0, compute_capability=(9, 0), dtype=torch.bfloat16, batch=8,
+                  heads_q=16, heads_kv=16, seqlen_q=2048, seqlen_k=2048, head_dim=128, head_dim_v=128,
+                  features=frozenset())
+    fields.update(overrides)
+    return Problem(**fields)
+
+
+def make_table(cells, key=H100, **made):
+    return table.TimingTable(dict(key, torch=torch.__version__), cells, dict({"unix_time": 1.0}, **made))
+
+
+# ---- grids ----------------------------------------------------------------------------------------------------
+
+
+def test_grids_cover_what_users_run():
+    quick = grid.quick_grid()
+    assert len(quick) == 47 and len(set(quick)) == len(quick)
+    full = grid.full_grid()
+    assert len(set(full)) == len(full) > len(quick)
+    for cells in (quick, full):
+        assert {c.head_dim for c in cells} >= {64, 128, 256}
+        assert any(c.seqlen_q == 1 and not c.grad for c in cells)                    # decoding
+        assert any(c.heads_q != c.heads_kv for c in cells)                           # GQA
+        assert {c.mask for c in cells} == set(grid.MASK_KINDS)
+        assert {c.causal for c in cells} == set(grid.CAUSAL_KINDS)
+    assert max(c.seqlen_k for c in full) == 32768 and min(c.seqlen_q for c in full if c.grad) == 128
+    assert all(c.dtype == "fp32" for c in grid.cpu_grid(quick=False))
+    assert grid.limit(quick, 1024) and all(max(c.seqlen_q, c.seqlen_k) <= 1024 for c in grid.limit(quick, 1024))
+    with pytest.raises(ValueError, match="causal"):
+        grid.Cell("bf16", 1, 2, 2, 4, 4, 8, causal="diagonal")
+
+
+# ---- tables ---------------------------------------------------------------------------------------------------
+
+
+def test_table_round_trips_and_rejects_other_formats(tmp_path):
+    t = make_table([cell({"triton": 1.0})])
+    path = t.save(tmp_path / "t.json")
+    loaded = table.TimingTable.load(path)
+    assert loaded.key == t.key and loaded.cells == t.cells and loaded.path == str(path)
+    data = json.loads(path.read_text())
+    data["format"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="format"):
+        table.TimingTable.load(path)
+
+
+def test_the_table_of_this_device_applies(monkeypatch, tmp_path):
+    monkeypatch.setattr(table, "device_identity", lambda *_: dict(H100))
+    assert table.active_table("cuda", 0) is None
+    other = make_table([cell({"cupy": 1.0})], key={"device": "NVIDIA A100", "compute_capability": [8, 0]})
+    other.save(table.cache_tables_dir() / "a100.json")
+    shipped = make_table([cell({"triton": 1.0})])
+    shipped.save(table.SHIPPED_DIR / "h100.json")
+    table.clear_cache()
+    assert table.active_table("cuda", 0).path.endswith("h100.json")          # shipped, when nothing else
+    old_torch = table.TimingTable(dict(H100, torch="1.0"), [cell({"sdpa": 1.0})], {"unix_time": 9.0})
+    old_torch.save(table.cache_tables_dir() / "old.json")
+    mine = make_table([cell({"cupy": 1.0})], unix_time=2.0)
+    mine.save(table.cache_tables_dir() / "mine.json")
+    table.clear_cache()
+    assert table.active_table("cuda", 0).path.endswith("mine.json")          # the cache, this torch first
+    (table.cache_tables_dir() / "broken.json").write_text("{")
+    table.clear_cache()
+    with pytest.warns(UserWarning, match="broken.json"):
+        assert table.active_table("cuda", 0).path.endswith("mine.json")      # a broken file is skipped
+    monkeypatch.setenv(table.TABLE_ENV, "off")
+    table.clear_cache()
+    assert table.active_table("cuda", 0) is None
+    monkeypatch.setenv(table.TABLE_ENV, str(table.cache_tables_dir() / "a100.json"))
+    table.clear_cache()
+    assert table.active_table("cuda", 0).key["device"] == "NVIDIA A100"      # a named file is used as it is
+
+
+# ---- the nearest tuned shape ----------------------------------------------------------------------------------
+
+
+def test_nearest_shape_takes_the_fastest_that_can_run_the_problem():
+    t = make_table([
+        cell({"triton": 1.0, "sdpa": 0.5}, {"triton": 3.0, "sdpa": 4.0}, seqlen_q=2048, seqlen_k=2048),
+        cell({"triton": 4.0, "sdpa": 9.0}, {"triton": 12.0, "sdpa": 9.0}, seqlen_q=8192, seqlen_k=8192, batch=2),
+    ])
+    near_2k = gpu_problem(seqlen_q=2500, seqlen_k=2500, batch=6)
+    evidence = table.nearest(t, near_2k, ["triton", "sdpa", "cupy"])
+    assert evidence.chosen == "sdpa" and evidence.mode == "fwd" and evidence.cell["seqlen_q"] == 2048
+    assert evidence.times == {"triton": 1.0, "sdpa": 0.5}
+    # with grad: forward+backward times decide
+    assert table.nearest(t, gpu_problem(needs_grad=True), ["triton", "sdpa"]).chosen == "triton"
+    # a backend with a reason against the problem is never chosen, however fast
+    assert table.nearest(t, near_2k, ["triton", "cupy"]).chosen == "triton"
+    # nearer to 8k
+    assert table.nearest(t, gpu_problem(seqlen_q=7000, seqlen_k=7000, batch=2), ["triton", "sdpa"]).chosen == "triton"
+    # the distance: 2|dlog2 d| + |dlog2 Nq| + |dlog2 Nk| + 0.5|dlog2 B*Hq| + |dlog2 group|
+    assert table.distance(gpu_problem(seqlen_q=4096, seqlen_k=4096, batch=4), t.cells[0]) == pytest.approx(2.5)
+
+
+def test_nearest_shape_needs_the_same_dtype_causal_and_mask_kind_and_a_close_cell():
+    t = make_table([cell({"triton": 1.0, "sdpa": 0.5})])
+    candidates = ["triton", "sdpa"]
+    assert table.nearest(t, gpu_problem(dtype=torch.float16), candidates) is None
+    assert table.nearest(t, gpu_problem(features=frozenset({"causal"})), candidates) is None
+    assert table.nearest(t, gpu_problem(features=frozenset({"bool_mask"})), candidates) is None
+    assert table.nearest(t, gpu_problem(seqlen_q=1, seqlen_k=2048), candidates) is None          # decode is far
+    assert table.nearest(t, gpu_problem(head_dim=16, head_dim_v=16), candidates) is None         # 2 * 3 > 4
+    # a causal problem whose diagonal hides no key (decoding at the end) is not causal for the lookup
+    decode = make_table([cell({"triton": 2.0, "sdpa": 1.0}, seqlen_q=1, seqlen_k=8192, causal="bottom_right",
+                              grad=False)])
+    problem = gpu_problem(seqlen_q=1, seqlen_k=8192, diag_offset=8191, features=frozenset({"causal"}))
+    assert table.nearest(decode, problem, candidates).chosen == "sdpa"
+    assert table.nearest(decode, gpu_problem(seqlen_q=1, seqlen_k=8192, needs_grad=True), candidates) is None
+
+
+# ---- the dispatcher's hook ------------------------------------------------------------------------------------
+
+
+def test_automatic_selection_uses_the_table_and_falls_back_to_the_priority_list(monkeypatch):
+    from mhattn.backends.base import Backend, Capabilities
+
+    class Runs(Backend):
+        capabilities = Capabilities(device_types=frozenset({"cuda"}), dtypes=frozenset({torch.bfloat16}))
+
+        def __init__(self, name):
+            self.name = name
+
+    monkeypatch.setattr(table, "device_identity", lambda *_: dict(H100))
+    saved = list(dispatch.PRIORITY)
+    for name in ("fast_one", "slow_one"):
+        mhattn.register_backend(Runs(name))
+    try:
+        mhattn.set_priority("cuda", ["slow_one", "fast_one"], (9, 0))
+        problem = gpu_problem()
+        assert dispatch.decide(problem, "auto", "test").chosen == "slow_one"          # no table: priority
+        t = make_table([cell({"slow_one": 2.0, "fast_one": 1.0})])
+        monkeypatch.setattr(table, "active_table", lambda *_: t)
+        dispatch.clear_cache()
+        decision = dispatch.decide(problem, "auto", "test")
+        assert decision.chosen == "fast_one" and decision.measured.chosen == "fast_one"
+        text = str(decision)
+        assert "measured (forward) at the nearest tuned shape" in text and "fast_one 1 ms (fastest)" in text
+        # a backend asked for by name is never overridden by the table
+        assert dispatch.decide(problem, "slow_one", "test").chosen == "slow_one"
+        # far from every tuned shape: the priority list again
+        assert dispatch.decide(gpu_problem(seqlen_q=64, seqlen_k=64), "auto", "test").chosen == "slow_one"
+    finally:
+        dispatch.PRIORITY[:] = saved
+        for name in ("fast_one", "slow_one"):
+            mhattn.unregister_backend(name)
+
+
+# ---- `mhattn tune` on the CPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_tune_writes_a_table_that_automatic_selection_reads(isolate, capsys):
+    status = tune_cli.tune(quick=True, device="cpu", max_n=128, warmup_ms=0.5, rep_ms=1.0, isolate=isolate,
+                           progress=False)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    written = list(table.cache_tables_dir().glob("*.json"))
+    assert len(written) == 1 and f"wrote {written[0]}" in out
+    t = table.TimingTable.load(written[0])
+    assert t.key["device"] == table.device_identity("cpu")["device"] and t.key["torch"] == torch.__version__
+    assert [c["seqlen_q"] for c in t.cells] == [128, 128]
+    for c in t.cells:
+        assert set(c["fwd_ms"]) == set(c["fwd_bwd_ms"]) == {"sdpa", "reference"}
+    q = torch.randn(1, 8, 128, 64, requires_grad=True)
+    decision = mhattn.explain(q, q, q)
+    assert decision.measured is not None and decision.measured.table.path == str(written[0])
+    assert decision.chosen == min(t.cells[0]["fwd_bwd_ms"], key=t.cells[0]["fwd_bwd_ms"].get)
+    assert "measured (forward+backward)" in str(decision)
+
+
+def test_tune_and_conformance_tune_on_the_command_line(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tune_cli, "tune", lambda **kwargs: calls.append(kwargs) or 0)
+    from mhattn.cli import main
+
+    assert main(["tune", "--quick", "--device", "cpu", "--max-n", "128", "--backend", "sdpa,reference"]) == 0
+    assert calls[-1]["quick"] and calls[-1]["backends"] == ["sdpa", "reference"] and calls[-1]["max_n"] == 128
+    assert main(["conformance", "--quick", "--backend", "sdpa", "--feature", "basic", "--dtype", "fp32",
+                 "--no-progress", "--tune"]) == 0
+    assert calls[-1]["quick"] and calls[-1]["device"] == "cpu" and "sdpa" in calls[-1]["backends"]
+
+
+def test_a_backend_with_a_wrong_output_is_not_timed():
+    from mhattn.reference.backend import ReferenceBackend
+    from mhattn.tuning.measure import time_cell
+
+    class Wrong(ReferenceBackend):
+        name = "wrong"
+
+        def forward(self, q, k, v, params):
+            out, lse = super().forward(q, k, v, params)
+            return out * 2, lse
+
+    mhattn.register_backend(Wrong())
+    try:
+        row = time_cell(grid.Cell("fp32", 1, 2, 2, 64, 64, 16), "cpu", 0.5, 1.0, backends=["wrong", "sdpa"])
+    finally:
+        mhattn.unregister_backend("wrong")
+    assert "differs from torch SDPA" in row["skipped"]["wrong"] and "wrong" not in row["fwd_ms"]
+    assert set(row["fwd_ms"]) == set(row["fwd_bwd_ms"]) == {"sdpa"}
+
+
+def test_bench_has_an_auto_column_and_reports_it_against_the_fastest():
+    from mhattn.benchmark import protocol, report
+
+    table_ = protocol.implementations()
+    assert "auto" in table_ and table_["auto"].unsupported(*[torch.randn(1, 2, 8, 16)] * 3, causal=True) == []
+
+    def row(impl, fwd, both, n=1024):
+        return {"kind": "attn", "impl": impl, "family": "mhattn", "dtype": "bfloat16", "d": 64, "causal": False,
+                "n": n, "b": 16, "h": 32, "status": {"fwd": "ok", "fwd_bwd": "ok"}, "fwd_tflops": fwd,
+                "fwd_bwd_tflops": both}
+
+    rows = [row("auto", 300, 200), row("triton", 300, 150), row("sdpa-cudnn", 400, 200),
+            row("auto", 100, 100, n=2048), row("triton", 100, 100, n=2048)]
+    text = "\n".join(report.target_lines({"rows": rows}))
+    assert "forward          1/2 cells meet; worst 0.75x at bf16 d=64 N=1k (fastest sdpa-cudnn)" in text
+    assert "forward+backward 2/2 cells meet" in text
+
+
+def test_one_progress_display_serves_conformance_bench_and_tune():
+    import io
+
+    from mhattn.conformance.cases import Case
+    from mhattn.conformance.progress import CaseProgress
+    from mhattn.progress import Progress
+
+    class Result:
+        status = "fail"
+        case = Case(backend="reference", feature="basic")
+
+        def summary(self):
+            return "out: FAIL"
+
+    stream = io.StringIO()
+    progress = CaseProgress(2, stream=stream)
+    assert isinstance(progress, Progress)
+    progress.start("a case")
+    progress.finish_case(Result())
+    progress.close()
+    text = stream.getvalue()
+    assert "FAIL reference basic" in text and "reproduce: mhattn conformance --backend reference" in text
+    assert "1/2 1 failed" in text
