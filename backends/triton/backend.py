@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 
 from mhattn import dropout_rng
-from mhattn.backends.base import FEATURES, AttentionParams, Backend, Capabilities
-from mhattn.backends.triton import configs
+from mhattn.backends.base import FEATURES, OPERATIONS, AttentionParams, Backend, Capabilities
+from mhattn.backends.triton import configs, decode_launch, varlen_launch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -196,6 +196,7 @@ class TritonBackend(Backend):
         max_head_dim=MAX_HEAD_DIM,
         min_compute_capability=(8, 0),
         features=frozenset(FEATURES),
+        operations=frozenset(OPERATIONS),
     )
 
     def __init__(self):
@@ -243,13 +244,17 @@ class TritonBackend(Backend):
             out.zero_()
             lse.fill_(float("-inf"))
             return out, lse
+        # Decoding (few query rows per key/value head): the split-KV kernels (decode.py, decode_launch.py).
+        if decode_launch.eligible(q, k, params):
+            return decode_launch.split_kv_forward(q, k, v, params)
 
         def launch(tile):
             num_m_blocks = triton_cdiv(run.seqlen_q, tile.block_m)
             grid = (run.batch * run.heads_q * num_m_blocks,)
             forward_module.attention_forward_kernel[grid](
-                q, k, v, out, lse, run.mask,
+                q, k, v, out, lse, run.mask, lse, lse,
                 *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *run.mask_strides,
+                lse.stride(0), lse.stride(1),
                 run.heads_q, run.kv_group, run.seqlen_q, run.seqlen_k, num_m_blocks,
                 run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale,
                 *run.band(),
@@ -299,9 +304,9 @@ class TritonBackend(Backend):
                 num_n_blocks = triton_cdiv(run.seqlen_k, tile.block_n)
                 grid = (run.batch * run.heads_kv * num_n_blocks,)
                 backward_module.backward_dkdv_kernel[grid](
-                    q, k, v, grad_out, lse2, delta, dk, dv, run.mask,
+                    q, k, v, grad_out, lse2, delta, dk, dv, run.mask, delta, delta,
                     *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out),
-                    *_strides4(dk), *_strides4(dv), *run.mask_strides,
+                    *_strides4(dk), *_strides4(dv), *run.mask_strides, delta.stride(0), delta.stride(1),
                     run.heads_q, run.heads_kv, run.kv_group, run.seqlen_q, run.seqlen_k, num_n_blocks,
                     run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
                     *run.band(),
@@ -313,9 +318,9 @@ class TritonBackend(Backend):
                 num_m_blocks = triton_cdiv(run.seqlen_q, tile.block_m)
                 grid = (run.batch * run.heads_q * num_m_blocks,)
                 backward_module.backward_dq_kernel[grid](
-                    q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta,
+                    q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta, delta, delta,
                     *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out), *_strides4(dq),
-                    *run.mask_strides,
+                    *run.mask_strides, delta.stride(0), delta.stride(1),
                     run.heads_q, run.kv_group, run.seqlen_q, run.seqlen_k, num_m_blocks,
                     run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
                     *run.band(),
@@ -330,6 +335,17 @@ class TritonBackend(Backend):
         if dmask is not None:
             dmask = dmask.to(params.mask.dtype)
         return dq, dk, dv, dmask
+
+    # ---- KV cache and packed sequences (decode_launch.py, varlen_launch.py) --------------------
+    def forward_kvcache(self, q, cache, params: AttentionParams):
+        _check_inputs(q=q, k_cache=cache.k, v_cache=cache.v)
+        return decode_launch.split_kv_forward(q, cache.k, cache.v, params, cache=cache)
+
+    def forward_varlen(self, q, k, v, packing, params: AttentionParams):
+        return varlen_launch.forward(q, k, v, packing, params)
+
+    def backward_varlen(self, grad_out, q, k, v, out, lse, packing, params: AttentionParams, grad_lse=None):
+        return varlen_launch.backward(grad_out, q, k, v, out, lse, packing, params, grad_lse)
 
     # ---- dropout ------------------------------------------------------------------------------
     def dropout_bits(self, batch, heads, seqlen_q, seqlen_k, seed, device) -> torch.Tensor:

@@ -23,7 +23,7 @@ gradients are bitwise reproducible.
 import triton
 import triton.language as tl
 
-from mhattn.backends.triton.forward import load_rows
+from mhattn.backends.triton.forward import load_rows, sequence_bounds
 from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile, keep_tile_transposed, row_keys
 from mhattn.backends.triton.scores import LOG2E, attention_scores, key_major_ranges, query_major_ranges
 
@@ -123,9 +123,9 @@ def dkdv_query_range(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, strid
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left",
-                               "window_right", "seed0", "seed1", "threshold"])
+                               "window_right", "seed0", "seed1", "threshold", "stride_lb", "stride_lh"])
 def backward_dkdv_kernel(
-    Q, K, V, dOut, Lse2, Delta, dK, dV, Mask,
+    Q, K, V, dOut, Lse2, Delta, dK, dV, Mask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -133,6 +133,7 @@ def backward_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_lb, stride_lh,
     heads_q, heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks,
     qk_scale2, softcap_in2, softcap_out2, dropout_scale, sm_scale,
     diag_offset, window_left, window_right,
@@ -140,24 +141,28 @@ def backward_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
-    """dK (B, Hkv, Nk, D) and dV (B, Hkv, Nk, Dv) in the input dtype. Lse2 and Delta (B, Hq, Nq) fp32
-    contiguous from the preprocess. Grid: (B * Hkv * cdiv(Nk, BLOCK_N),)."""
+    """dK (B, Hkv, Nk, D) and dV (B, Hkv, Nk, Dv) in the input dtype. Lse2 and Delta (B, Hq, Nq) fp32 from
+    the preprocess, by (stride_lb, stride_lh), rows contiguous. Grid: (B * Hkv * cdiv(Nk, BLOCK_N),).
+    VARLEN: packed sequences, as in the forward kernel (a key block past its sequence's end exits)."""
     pid = tl.program_id(0)
     batch_head_kv = pid // num_n_blocks
     start_n = (pid % num_n_blocks) * BLOCK_N
     batch = batch_head_kv // heads_kv
     head_kv = batch_head_kv % heads_kv
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN)
+    if VARLEN:
+        if start_n >= seqlen_k:
+            return
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    k_ptrs = (K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
-              + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :])
-    v_ptrs = (V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
-              + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :])
+    key_rows = (k_start + offs_n)[:, None].to(tl.int64)
+    k_ptrs = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh + key_rows * stride_kn + offs_d[None, :]
+    v_ptrs = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh + key_rows * stride_vn + offs_dv[None, :]
     k = load_rows(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
     v = load_rows(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -170,10 +175,12 @@ def backward_dkdv_kernel(
     for group_index in range(0, kv_group):
         head = head_kv * kv_group + group_index
         batch_head = batch * heads_q + head
-        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-        do_base = dOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-        lse2_base = Lse2 + batch_head.to(tl.int64) * seqlen_q
-        delta_base = Delta + batch_head.to(tl.int64) * seqlen_q
+        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
+        do_base = (dOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+                   + q_start.to(tl.int64) * stride_dom)
+        row_base = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start
+        lse2_base = Lse2 + row_base
+        delta_base = Delta + row_base
         mask_base = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
         rng_head_key = head_key(batch_head, seed0)
         # Query blocks above the causal diagonal / before the window's right edge: masked.
@@ -204,9 +211,9 @@ def backward_dkdv_kernel(
     dk = dk * sm_scale
     rows_ok = offs_n[:, None] < seqlen_k
     dk_ptrs = (dK + batch.to(tl.int64) * stride_dkb + head_kv.to(tl.int64) * stride_dkh
-               + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :])
+               + key_rows * stride_dkn + offs_d[None, :])
     dv_ptrs = (dV + batch.to(tl.int64) * stride_dvb + head_kv.to(tl.int64) * stride_dvh
-               + offs_n[:, None].to(tl.int64) * stride_dvn + offs_dv[None, :])
+               + key_rows * stride_dvn + offs_dv[None, :])
     if BLOCK_D != HEAD_DIM:
         tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=rows_ok & (offs_d[None, :] < HEAD_DIM))
     else:
@@ -261,15 +268,16 @@ def dq_key_range(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "diag_offset", "window_left",
-                               "window_right", "seed0", "seed1", "threshold"])
+                               "window_right", "seed0", "seed1", "threshold", "stride_lb", "stride_lh"])
 def backward_dq_kernel(
-    Q, K, V, dOut, Lse2, Delta, dQ, Mask, dMask,
+    Q, K, V, dOut, Lse2, Delta, dQ, Mask, dMask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
     stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks,
     qk_scale2, softcap_in2, softcap_out2, dropout_scale, sm_scale,
     diag_offset, window_left, window_right,
@@ -278,10 +286,10 @@ def backward_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAVY_FIRST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False,
 ):
     """dQ (B, Hq, Nq, D) in the input dtype; dMask (B, Hq, Nq, Nk) fp32 contiguous when MASK_GRAD.
-    Grid: (B * Hq * cdiv(Nq, BLOCK_M),)."""
+    Lse2/Delta as in the dK/dV kernel. Grid: (B * Hq * cdiv(Nq, BLOCK_M),). VARLEN: packed sequences."""
     pid = tl.program_id(0)
     batch_head = pid // num_m_blocks
     m_block = pid % num_m_blocks
@@ -291,24 +299,28 @@ def backward_dq_kernel(
     head = batch_head % heads_q
     head_kv = head // kv_group
     start_m = m_block * BLOCK_M
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN)
+    if VARLEN:
+        if start_m >= seqlen_q:
+            return
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     rows_ok = offs_m < seqlen_q
 
-    q_ptrs = (Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-              + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :])
+    query_rows = (q_start + offs_m)[:, None].to(tl.int64)
+    q_ptrs = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + query_rows * stride_qm + offs_d[None, :]
     do_ptrs = (dOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-               + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :])
+               + query_rows * stride_dom + offs_dv[None, :])
     q = load_rows(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
     do = load_rows(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
-    row_offsets = batch_head.to(tl.int64) * seqlen_q + offs_m
+    row_offsets = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start + offs_m
     lse2 = tl.load(Lse2 + row_offsets, mask=rows_ok, other=float("inf"))
     delta = tl.load(Delta + row_offsets, mask=rows_ok, other=0.0)
 
-    k_base = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
-    v_base = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
+    k_base = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
     mask_base = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
     dmask_base = dMask + batch_head.to(tl.int64) * seqlen_q * seqlen_k
     rng_rows = offs_m.to(tl.uint32)
@@ -340,7 +352,7 @@ def backward_dq_kernel(
 
     dq = dq * sm_scale
     dq_ptrs = (dQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
-               + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :])
+               + query_rows * stride_dqm + offs_d[None, :])
     if BLOCK_D != HEAD_DIM:
         tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     else:
