@@ -312,12 +312,14 @@ def section_memory(args, state):
 
 # ---- compiler report without a GPU ---------------------------------------------------------------------
 
-_POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", "dV", "dQ", "dMask", "GradLse"}
-_FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse"}
+_POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", "dV", "dQ", "dMask", "GradLse",
+             "OutSplit", "LseSplit"}
+_FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "OutSplit", "LseSplit"}
+_INT32_POINTERS = {"CuSeqlensQ", "CuSeqlensK", "Seqlens", "BlockTable"}
 _FLOATS = {"qk_scale2", "softcap_in2", "softcap_out2", "dropout_scale", "sm_scale"}
 
 
-def compile_report(kind, head_dim, causal, tile, dtype="bf16", cc=90):
+def compile_report(kind, head_dim, causal, tile, dtype="bf16", cc=90, extra_constexprs=None):
     """Compile one kernel for sm_<cc> ahead of time (no GPU needed) and return its resource line:
     shared memory, registers, stack (spills), wgmma / mma.sync / cp.async counts in the PTX. Strides
     get the divisibility-16 hint the JIT adds for the protocol's shapes."""
@@ -336,16 +338,27 @@ def compile_report(kind, head_dim, causal, tile, dtype="bf16", cc=90):
     constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=padded, BLOCK_DV=padded, BLOCK_M=block_m,
                       BLOCK_N=block_n, HAS_LEFT=False, HAS_RIGHT=causal, HAS_SOFTCAP=False, MASK_KIND=0,
                       HAS_DROPOUT=False, DOT_PRECISION="tf32")
+    from mhattn.backends.triton import decode
+
     fn = {"fwd": forward.attention_forward_kernel, "dkdv": backward.backward_dkdv_kernel,
-          "dq": backward.backward_dq_kernel}[kind]
+          "dq": backward.backward_dq_kernel, "splitkv": decode.split_kv_kernel}[kind]
     if kind in ("fwd", "dq"):
         constexprs["HEAVY_FIRST"] = causal
     if kind == "dq":
         constexprs["MASK_GRAD"] = False
+    if kind in ("fwd", "dkdv", "dq"):
+        constexprs["VARLEN"] = False
+    if kind == "splitkv":
+        for name in ("MASK_KIND", "HAS_DROPOUT"):
+            del constexprs[name]
+        constexprs.update(HAS_SEQLENS=False, PAGED=False, PAGE_SIZE=1, SPLIT=True)
+    constexprs.update(extra_constexprs or {})
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name in _INT32_POINTERS:
+            signature[name] = "*i32"
         elif name in _POINTERS:
             signature[name] = "*fp32" if name in _FP32_POINTERS else "*" + dtype
             attrs[(i,)] = [["tt.divisibility", 16]]

@@ -271,6 +271,7 @@ _WORKER_MAIN = r"""
 import importlib.util, json, os, sys, traceback
 replies = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)  # whatever the checks print goes to stderr, not into the replies
+sys.path.insert(0, os.path.dirname(sys.argv[1]))  # the test files import each other's helpers
 spec = importlib.util.spec_from_file_location("_triton_backend_checks", sys.argv[1])
 checks = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(checks)
@@ -287,12 +288,13 @@ for line in sys.stdin:
 
 
 class _InterpreterWorker:
-    """One child Python with TRITON_INTERPRET=1 that runs check functions of this file on request."""
+    """One child Python with TRITON_INTERPRET=1 that runs check functions of a test file (this one by
+    default) on request."""
 
-    def __init__(self):
+    def __init__(self, path=__file__):
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
         env.pop("MHATTN_TRITON_CONFIG", None)
-        self.process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, os.path.abspath(__file__)], env=env,
+        self.process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, os.path.abspath(path)], env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lock = threading.Lock()
         ready = self.process.stdout.readline()
