@@ -95,7 +95,8 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
     else:  # Triton's interpreter (CPU tensors)
         tile = INTERPRETER_TILE
         splits = num_splits(programs, keys, INTERPRETER_SM_COUNT, INTERPRETER_MIN_KEYS_PER_SPLIT)
-    assert INTERPRET or q.device.type == "cuda"
+    if q.device.type != "cuda" and not INTERPRET:
+        raise ValueError("triton backend: CPU tensors need TRITON_INTERPRET=1 (set before import)")
 
     if splits > 1:
         out_split = torch.empty(batch * heads_q * seqlen_q, splits, run.head_dim_v, dtype=torch.float32,
