@@ -13,7 +13,7 @@ import torch
 
 from mhattn import dispatch
 from mhattn.arguments import (check_heads, check_index_tensor, check_same, check_softcap, check_tensor,
-                              host_checks_allowed, scale_or_default)
+                              check_values_once, host_checks_allowed, scale_or_default)
 from mhattn.backends.base import KVCache
 from mhattn.errors import InputError
 from mhattn.functional import _params, _window
@@ -142,7 +142,10 @@ def _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
     else:
         seqlens = cache_seqlens + appended if appended else cache_seqlens
         if host_checks_allowed(q):
-            _check_lengths(cache_seqlens, seqlens, block_table, k_cache.shape[0], k_cache.shape[2], capacity)
+            checked = (cache_seqlens,) if block_table is None else (cache_seqlens, block_table)
+            check_values_once(checked, (appended, capacity, k_cache.shape[0], k_cache.shape[2]),
+                              lambda: _check_lengths(cache_seqlens, seqlens, block_table, k_cache.shape[0],
+                                                     k_cache.shape[2], capacity))
     left, right = _window(window)
     params = _params(None, False, scale_or_default(scale, head_dim), bool(is_causal), 0, left, right, 0.0, (0, 0),
                      check_softcap(softcap))

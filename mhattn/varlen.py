@@ -13,7 +13,7 @@ import torch
 
 from mhattn import dispatch
 from mhattn.arguments import (check_heads, check_index_tensor, check_same, check_softcap, check_tensor,
-                              host_checks_allowed, scale_or_default)
+                              check_values_once, host_checks_allowed, scale_or_default)
 from mhattn.backends.base import Packing
 from mhattn.errors import InputError
 from mhattn.functional import _params, _window
@@ -133,8 +133,9 @@ def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dr
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise InputError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if host_checks_allowed(q):
-        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
-        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+        check_values_once((cu_seqlens_q, cu_seqlens_k), (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k), lambda: (
+            _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
+            _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)))
     left, right = _window(window)
     params = _params(None, False, scale_or_default(scale, q.shape[2]), bool(is_causal), 0, left, right,
                      float(dropout_p), (0, 0), check_softcap(softcap))

@@ -354,6 +354,36 @@ def test_paged_table_entries_past_a_sequence_are_not_read():
     assert torch.isfinite(out).all()
 
 
+def test_cache_values_are_read_back_once_per_change(monkeypatch):
+    """The same cache_seqlens (a decoding step's layers) is checked once; changed in place, it is checked again."""
+    from mhattn import decode
+
+    calls = []
+    original = decode._check_lengths
+    monkeypatch.setattr(decode, "_check_lengths", lambda *a: (calls.append(1), original(*a)))
+    q, kc, vc, _ = _kv_inputs()
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+    for _ in range(3):
+        _kv_call(q, kc, vc, cache_seqlens=seqlens)
+    assert len(calls) == 1
+    seqlens += 5
+    _kv_call(q, kc, vc, cache_seqlens=seqlens)
+    assert len(calls) == 2
+    seqlens[1] = 11  # in place, past the cache: caught on the next call
+    with pytest.raises(mhattn.InputError, match="sequence 1 needs 11"):
+        _kv_call(q, kc, vc, cache_seqlens=seqlens)
+    with pytest.raises(mhattn.InputError, match="sequence 1 needs 11"):
+        _kv_call(q, kc, vc, cache_seqlens=torch.tensor([3, 11], dtype=torch.int32))  # a new tensor
+
+
+def test_varlen_cu_seqlens_checked_once_per_change():
+    q, k, v, cq, ck = _varlen_inputs()
+    mhattn.varlen_attention(q, k, v, cq, ck, 6, 7)
+    cq[1] = 7  # sequence 1 now has 3 queries, sequence 0 has 7 > max_seqlen_q
+    with pytest.raises(mhattn.InputError, match="more than max_seqlen_q = 6"):
+        mhattn.varlen_attention(q, k, v, cq, ck, 6, 7)
+
+
 def _varlen_inputs():
     q, k, v = torch.randn(10, 2, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 8)
     return q, k, v, torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)

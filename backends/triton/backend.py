@@ -246,7 +246,7 @@ class TritonBackend(Backend):
             return out, lse
         # Decoding (few query rows per key/value head): the split-KV kernels (decode.py, decode_launch.py).
         if decode_launch.eligible(q, k, params):
-            return decode_launch.split_kv_forward(q, k, v, params)
+            return decode_launch.split_kv_forward(q, k, v, params, run=run)
 
         def launch(tile):
             num_m_blocks = triton_cdiv(run.seqlen_q, tile.block_m)

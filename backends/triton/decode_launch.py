@@ -65,17 +65,18 @@ def num_splits(programs: int, keys: int, sm_count: int, min_keys: int = MIN_KEYS
     return max(1, min(wanted, -(-keys // min_keys), MAX_SPLITS))
 
 
-def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None):
+def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None, run=None):
     """out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) fp32 of q over k, v.
 
     Dense (cache None): k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), diagonal at params.diag_offset. With a
     cache, k and v are its tensors (contiguous or the paged pool) and each sequence b attends over its
-    first cache.seqlens[b] keys with its diagonal at seqlens[b] - Nq.
+    first cache.seqlens[b] keys with its diagonal at seqlens[b] - Nq. ``run``: the backend's _Launch of
+    these arguments when the caller has it already.
     """
     from mhattn.backends.triton import decode
     from mhattn.backends.triton.backend import INTERPRET, _empty_rows_major, _Launch, _OnDevice
 
-    run = _Launch(q, k, v, params)
+    run = run or _Launch(q, k, v, params)
     batch, heads_q, seqlen_q = q.shape[:3]
     heads_kv = k.shape[1]
     out = _empty_rows_major(batch, heads_q, seqlen_q, run.head_dim_v, q)

@@ -5,12 +5,11 @@ default). Every implementation reads the same K and V:
 
 - ``sdpa``: torch SDPA with its default kernel choice (``enable_gqa=True``); ``sdpa-cudnn``: forced to cuDNN;
 - ``triton``: ``mhattn.attention(..., backend="triton")`` (the split-KV kernels for few query rows);
-- ``kvcache``: the Triton backend's ``forward_kvcache`` over the same tensors as a contiguous cache;
-- ``paged``: ``forward_kvcache`` over a paged pool (blocks of ``block_size`` keys in a shuffled order).
+- ``kvcache``: ``mhattn.attention_with_kvcache(..., backend="triton")`` over the same tensors as a contiguous
+  cache (its value checks read cache_seqlens back on the first call only: the timed calls reuse it);
+- ``paged``: the same over a paged pool (blocks of ``block_size`` keys in a shuffled order).
 
-The two cache columns time the backend entry point: the public ``attention_with_kvcache`` adds one host
-read-back of ``cache_seqlens`` for its checks (skipped under CUDA graph capture). Bandwidth is
-FlashAttention's measure: the bytes of K and V / time. Query rows past the first sit at the bottom-right
+Bandwidth is FlashAttention's measure: the bytes of K and V / time. Query rows past the first sit at the bottom-right
 diagonal (causal), as in speculative decoding.
 """
 
@@ -101,24 +100,19 @@ def _paged_pool(cell: DecodeCell, device, generator):
     return k_pool, v_pool, order.view(cell.batch, per_sequence).to(torch.int32)
 
 
-def _cache_call(q, cache, params):
-    """The Triton backend's forward_kvcache on ``cache``, after the dispatcher has confirmed it can run it
-    (its reasons raised otherwise)."""
+def _cache_call(q, cache):
+    """attention_with_kvcache over ``cache`` (no new tokens) on the Triton backend. Its value checks read
+    cache_seqlens back once (the first call); the timed calls reuse the same tensors and skip them."""
     import mhattn
-    from mhattn import decode
 
-    decision = decode.explain(q, cache.k, cache.v, cache_seqlens=cache.seqlens, block_table=cache.block_table,
-                              backend="triton")
-    if decision.chosen is None:
-        raise mhattn.BackendUnavailableError("triton cannot run it: " + "; ".join(decision.reasons["triton"]))
-    backend = mhattn.get_backend("triton")
-    return lambda: backend.forward_kvcache(q, cache, params)
+    return lambda: mhattn.attention_with_kvcache(q, cache.k, cache.v, cache_seqlens=cache.seqlens,
+                                                 block_table=cache.block_table, backend="triton")
 
 
 def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) -> dict:
     """One row: microseconds per implementation (None where it failed, with the reason in ``status``)."""
     import mhattn
-    from mhattn.backends.base import AttentionParams, KVCache
+    from mhattn.backends.base import KVCache
 
     device = torch.device(device)
     dtype = DTYPES[cell.dtype]
@@ -126,7 +120,6 @@ def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) 
     generator = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(cell.batch, cell.heads_q, cell.seqlen_q, cell.head_dim, device=device, dtype=dtype,
                     generator=generator)
-    params = AttentionParams(scale=cell.head_dim ** -0.5, window_right=0)
     seqlens = torch.full((cell.batch,), cell.seqlen_k, dtype=torch.int32, device=device)
 
     def measure(name, make):
@@ -151,13 +144,13 @@ def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) 
         measure("sdpa", lambda: _sdpa(q, k, v, mask))
         measure("sdpa-cudnn", lambda: _sdpa(q, k, v, mask, "CUDNN_ATTENTION"))
         measure("triton", lambda: lambda: mhattn.attention(q, k, v, attn_mask=bias, enable_gqa=True, backend="triton"))
-        measure("kvcache", lambda: _cache_call(q, KVCache(k, v, seqlens), params))
+        measure("kvcache", lambda: _cache_call(q, KVCache(k, v, seqlens)))
         del k, v
         timing.release_memory(device)
     if "paged" in impls:
         def make_paged():
             k_pool, v_pool, table = _paged_pool(cell, device, generator)
-            return _cache_call(q, KVCache(k_pool, v_pool, seqlens, table), params)
+            return _cache_call(q, KVCache(k_pool, v_pool, seqlens, table))
 
         measure("paged", make_paged)
         timing.release_memory(device)
