@@ -8,7 +8,9 @@ SDPA's default and cuDNN times, mhattn's (``attention`` with backend="triton", t
 and paged), triton's speed-up over each, its bandwidth (KV bytes / time) and paged / contiguous. Then the
 varlen comparison: forward+backward of packed sequences (lengths 100 .. 8k, 16k tokens, d = 128, causal)
 against the same sequences as a right-padded batch through SDPA's cuDNN kernel (causal, so the padding
-after each sequence is never seen). Before timing, a few outputs are checked against SDPA.
+after each sequence is never seen). Last, a right-padding key mask as (B, 1, 1, Nk) (the kernels stop at each
+entry's last key) against the same mask materialised per query row (every key block read). Before timing, a
+few outputs are checked against SDPA.
 
 ``--device cpu --tiny`` runs the same code on tiny shapes (with TRITON_INTERPRET=1) to test the script.
 """
@@ -136,6 +138,37 @@ def varlen_section(device, dtype, settings, tiny):
     return lines, row
 
 
+def key_padding_section(device, dtype, settings, tiny):
+    """Forward+backward with a right-padding key mask (B, 1, 1, Nk) (the kernels bound each batch entry's keys)
+    against the same mask materialised per query row (B, 1, Nq, Nk) (no bound: every key block is read)."""
+    import mhattn
+
+    b, h, n, d = (2, 2, 64, 16) if tiny else (8, 16, 4096, 128)
+    gen = torch.Generator(device=device).manual_seed(3)
+    lengths = torch.tensor([n // 4, n // 2, n, 3 * n // 8] * (b // 4 or 1), device=device)[:b]
+    keys = torch.arange(n, device=device)[None, :] < lengths[:, None]
+    shared = keys.view(b, 1, 1, n)
+    per_row = shared.expand(b, 1, n, n).contiguous()
+    q, k, v, grad = (torch.randn(b, h, n, d, device=device, dtype=dtype, generator=gen) for _ in range(4))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    lines = [f"key padding, {str(dtype).replace('torch.', '')}, B={b} H={h} N={n} d={d}, "
+             f"key lengths {lengths.tolist()}: fwd+bwd ms"]
+    times = {}
+    outs = {}
+    for name, mask in (("bounded (B,1,1,Nk)", shared), ("per row (B,1,Nq,Nk)", per_row)):
+        def step(mask=mask):
+            out = mhattn.attention(*leaves, attn_mask=mask, backend="triton")
+            torch.autograd.grad(out, leaves, grad)
+            return out
+        outs[name] = step().detach()
+        times[name] = timing.bench_ms(step, settings.warmup_ms, settings.rep_ms, device)
+    first, second = list(times)
+    same = float((outs[first].float() - outs[second].float()).abs().max())
+    lines.append(f"  {first}: {times[first]:.3f}   {second}: {times[second]:.3f}   "
+                 f"speed-up {times[second] / times[first]:.2f}x   max |difference| {same:.1e}")
+    return lines
+
+
 class _nothing:
     def __enter__(self):
         return None
@@ -186,6 +219,7 @@ def main(argv=None) -> int:
         lines, row = varlen_section(device, decode_bench.DTYPES[name], settings, args.tiny)
         varlen_rows.append(row)
         summary += lines
+    summary += key_padding_section(device, decode_bench.DTYPES[dtypes[0]], settings, args.tiny)
     if out_dir:
         with open(os.path.join(out_dir, "check_inference.json"), "w") as f:
             json.dump({"decode": rows, "varlen": varlen_rows}, f, indent=1)
@@ -199,7 +233,7 @@ def main(argv=None) -> int:
         ratio = min(r["us"]["sdpa"] / r["us"]["triton"] for r in worst)
         log(out_dir, f"lowest x sdpa (default): {ratio:.2f}")
     log(out_dir, "")
-    log(out_dir, "== varlen ==")
+    log(out_dir, "== varlen, key padding ==")
     for line in summary:
         log(out_dir, line)
     log(out_dir, f"({time.monotonic() - started:.0f} s)")

@@ -113,6 +113,15 @@ def make_mask(kind, batch, heads_q, seqlen_q, seqlen_k, device, generator, requi
     """A (B, Hq, Nq, Nk) broadcast view (stride 0 along B or H) of the kind asked for."""
     if kind is None:
         return None
+    if kind.startswith("key_padding"):
+        # (B, 1, 1, Nk) expanded: the kernels bound each batch entry's keys by it (key_padding.py). Right
+        # padding, batch entry 0 with every key padded; "key_padding_holes": scattered keys padded too.
+        lengths = torch.randint(seqlen_k // 3, seqlen_k + 1, (batch,), generator=generator)
+        lengths[0] = 0
+        keys = torch.arange(seqlen_k)[None, :] < lengths[:, None]
+        if kind == "key_padding_holes":
+            keys &= torch.rand(batch, seqlen_k, generator=generator) > 0.3
+        return keys.view(batch, 1, 1, seqlen_k).to(device).expand(batch, heads_q, seqlen_q, seqlen_k)
     if kind.startswith("bool"):
         base = torch.rand(batch, 1, seqlen_q, seqlen_k, generator=generator) > 0.3  # broadcast over heads
         if kind == "bool_empty_rows":
@@ -201,7 +210,7 @@ def check_attention(dtype="float16", device="cpu", batch=2, heads_q=2, heads_kv=
         floor_scale = grad_scale if name in ("dq", "dk", "dmask") and bool((gold[i] == 0).all()) else None
         results.append(compare(name, x.cpu(), gold[i].cpu(), None if lowp is None else lowp[i].cpu(), dtype=dt,
                                floor_scale=floor_scale))
-    if mask == "bool_empty_rows":
+    if mask in ("bool_empty_rows", "key_padding"):
         empty = ~attn_mask[:, :, :, :].any(-1)
         assert bool((out[empty] == 0).all()), "a row that sees no key must give 0"
         assert bool((lse[empty] == float("-inf")).all()), "a row that sees no key must give lse -inf"
@@ -409,6 +418,9 @@ CPU_CASES = {
     "bool_mask": dict(mask="bool", seqlen_q=30, seqlen_k=47),
     "bool_mask_empty_rows": dict(mask="bool_empty_rows", seqlen_q=30, seqlen_k=40, dtype="float32"),
     "float_mask_grad": dict(mask="float", mask_grad=True, seqlen_q=33, seqlen_k=41),
+    "key_padding_right": dict(mask="key_padding", batch=3, seqlen_q=30, seqlen_k=70, heads_q=4, heads_kv=2),
+    "key_padding_holes_causal_fp32": dict(mask="key_padding_holes", batch=3, seqlen_q=40, seqlen_k=57,
+                                          dtype="float32", causal=None, window=(30, 10)),
     "float_mask_grad_fp32_causal": dict(mask="float", mask_grad=True, dtype="float32", causal="top_left",
                                         seqlen_q=30, seqlen_k=30),
     "float_mask_neginf": dict(mask="float_neginf", seqlen_q=20, seqlen_k=52),
@@ -490,6 +502,8 @@ def test_gpu_conformance_shapes(dtype, shape):
 GPU_FEATURE_CASES = {
     "bool_mask": dict(mask="bool", seqlen_q=300, seqlen_k=517),
     "bool_mask_empty_rows": dict(mask="bool_empty_rows", seqlen_q=200, seqlen_k=300),
+    "key_padding": dict(mask="key_padding", batch=4, seqlen_q=500, seqlen_k=700, heads_q=6, heads_kv=2),
+    "key_padding_holes": dict(mask="key_padding_holes", batch=3, seqlen_q=300, seqlen_k=1000),
     "float_mask_grad": dict(mask="float", mask_grad=True, seqlen_q=257, seqlen_k=300, causal="bottom_right"),
     "dropout": dict(dropout_p=0.17, seqlen_q=333, seqlen_k=400, heads_q=6, heads_kv=2),
     "dropout_causal": dict(dropout_p=0.17, seqlen_q=512, seqlen_k=512, causal="top_left"),
@@ -565,3 +579,14 @@ def test_gpu_over_2_31_elements_and_huge_batch_heads():
                                    (ref_out, ref_lse, *ref_grads)):
             err = float((got.double() - want).abs().max())
             assert err < 0.05 * max(1.0, float(want.abs().max())), f"batch {b} {name}: max error {err}"
+
+
+def test_key_bounds_of_key_padding_masks():
+    """Per-batch key bounds for masks shared by heads and rows (no Triton needed); None for other masks."""
+    from mhattn.backends.triton.key_padding import key_bounds
+
+    keys = torch.tensor([[True, True, False, False], [False, False, False, False], [True, False, True, False]])
+    mask = keys.view(3, 1, 1, 4).expand(3, 2, 5, 4)
+    assert key_bounds(mask).tolist() == [2, 0, 3] and key_bounds(mask).dtype == torch.int32
+    assert key_bounds(torch.ones(3, 2, 5, 4, dtype=torch.bool)) is None  # varies along H and Nq (strides)
+    assert key_bounds(mask.float()) is None and key_bounds(None) is None

@@ -18,7 +18,7 @@ import torch
 
 from mhattn import dropout_rng
 from mhattn.backends.base import FEATURES, OPERATIONS, AttentionParams, Backend, Capabilities
-from mhattn.backends.triton import configs, decode_launch, varlen_launch
+from mhattn.backends.triton import configs, decode_launch, key_padding, varlen_launch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -108,6 +108,8 @@ class _Launch:
         # A causal-like band (right bound only): the last query blocks carry the most keys.
         self.heavy_first = self.has_right and not self.has_left
         mask = params.mask
+        # A bool mask shared by heads and query rows (key padding): per-batch key bounds (key_padding.py).
+        self.key_bounds = key_padding.key_bounds(mask) if self.seqlen_k > 0 else None
         if mask is None:
             self.mask_kind, self.mask, self.mask_strides = 0, q, (0, 0, 0, 0)
         elif mask.dtype == torch.bool:
@@ -129,7 +131,12 @@ class _Launch:
     def flags(self):
         return dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
                     HAS_LEFT=self.has_left, HAS_RIGHT=self.has_right, HAS_SOFTCAP=self.has_softcap,
-                    MASK_KIND=self.mask_kind, HAS_DROPOUT=self.has_dropout, DOT_PRECISION=self.dot_precision)
+                    MASK_KIND=self.mask_kind, HAS_DROPOUT=self.has_dropout, DOT_PRECISION=self.dot_precision,
+                    KEY_LENGTHS=self.key_bounds is not None)
+
+    def key_bounds_or(self, placeholder):
+        """The key bounds tensor for the kernels' CuSeqlensK argument, or a placeholder when unused."""
+        return placeholder if self.key_bounds is None else self.key_bounds
 
     def band(self):
         return (self.diag_offset, self.window_left, self.window_right, self.seed0, self.seed1, self.threshold)
@@ -252,7 +259,7 @@ class TritonBackend(Backend):
             num_m_blocks = triton_cdiv(run.seqlen_q, tile.block_m)
             grid = (run.batch * run.heads_q * num_m_blocks,)
             forward_module.attention_forward_kernel[grid](
-                q, k, v, out, lse, run.mask, lse, lse,
+                q, k, v, out, lse, run.mask, lse, run.key_bounds_or(lse),
                 *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *run.mask_strides,
                 lse.stride(0), lse.stride(1),
                 run.heads_q, run.kv_group, run.seqlen_q, run.seqlen_k, num_m_blocks,
@@ -304,7 +311,7 @@ class TritonBackend(Backend):
                 num_n_blocks = triton_cdiv(run.seqlen_k, tile.block_n)
                 grid = (run.batch * run.heads_kv * num_n_blocks,)
                 backward_module.backward_dkdv_kernel[grid](
-                    q, k, v, grad_out, lse2, delta, dk, dv, run.mask, delta, delta,
+                    q, k, v, grad_out, lse2, delta, dk, dv, run.mask, delta, run.key_bounds_or(delta),
                     *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out),
                     *_strides4(dk), *_strides4(dv), *run.mask_strides, delta.stride(0), delta.stride(1),
                     run.heads_q, run.heads_kv, run.kv_group, run.seqlen_q, run.seqlen_k, num_n_blocks,
@@ -318,7 +325,8 @@ class TritonBackend(Backend):
                 num_m_blocks = triton_cdiv(run.seqlen_q, tile.block_m)
                 grid = (run.batch * run.heads_q * num_m_blocks,)
                 backward_module.backward_dq_kernel[grid](
-                    q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta, delta, delta,
+                    q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta, delta,
+                    run.key_bounds_or(delta),
                     *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out), *_strides4(dq),
                     *run.mask_strides, delta.stride(0), delta.stride(1),
                     run.heads_q, run.kv_group, run.seqlen_q, run.seqlen_k, num_m_blocks,

@@ -142,17 +142,22 @@ def backward_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False,
+    KEY_LENGTHS: tl.constexpr = False,
 ):
     """dK (B, Hkv, Nk, D) and dV (B, Hkv, Nk, Dv) in the input dtype. Lse2 and Delta (B, Hq, Nq) fp32 from
     the preprocess, by (stride_lb, stride_lh), rows contiguous. Grid: (B * Hkv * cdiv(Nk, BLOCK_N),).
-    VARLEN: packed sequences, as in the forward kernel (a key block past its sequence's end exits)."""
+    VARLEN: packed sequences, as in the forward kernel (a key block past its sequence's end exits).
+    KEY_LENGTHS: keys past the batch entry's bound get dK = dV = 0 without visiting any query."""
     pid = tl.program_id(0)
     batch_head_kv = pid // num_n_blocks
     start_n = (pid % num_n_blocks) * BLOCK_N
     batch = batch_head_kv // heads_kv
     head_kv = batch_head_kv % heads_kv
-    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN)
+    stored_keys = seqlen_k  # the rows of dK / dV this batch entry owns, whatever the key bound
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN,
+                                                           KEY_LENGTHS)
     if VARLEN:
+        stored_keys = seqlen_k
         if start_n >= seqlen_k:
             return
 
@@ -171,6 +176,11 @@ def backward_dkdv_kernel(
 
     lo, full_lo, full_hi, hi = key_major_ranges(start_n, seqlen_q, seqlen_k, diag_offset, window_left,
                                                 window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if KEY_LENGTHS:  # a key block wholly past the bound: no query sees it
+        past = start_n >= seqlen_k
+        hi = tl.where(past, lo, hi)
+        full_lo = tl.where(past, lo, full_lo)
+        full_hi = tl.where(past, lo, full_hi)
     # The query heads sharing this key/value head, one after the other in a fixed order (deterministic).
     for group_index in range(0, kv_group):
         head = head_kv * kv_group + group_index
@@ -209,7 +219,7 @@ def backward_dkdv_kernel(
             HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION)
 
     dk = dk * sm_scale
-    rows_ok = offs_n[:, None] < seqlen_k
+    rows_ok = offs_n[:, None] < stored_keys
     dk_ptrs = (dK + batch.to(tl.int64) * stride_dkb + head_kv.to(tl.int64) * stride_dkh
                + key_rows * stride_dkn + offs_d[None, :])
     dv_ptrs = (dV + batch.to(tl.int64) * stride_dvb + head_kv.to(tl.int64) * stride_dvh
@@ -286,7 +296,7 @@ def backward_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAVY_FIRST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False, KEY_LENGTHS: tl.constexpr = False,
 ):
     """dQ (B, Hq, Nq, D) in the input dtype; dMask (B, Hq, Nq, Nk) fp32 contiguous when MASK_GRAD.
     Lse2/Delta as in the dK/dV kernel. Grid: (B * Hq * cdiv(Nq, BLOCK_M),). VARLEN: packed sequences."""
@@ -299,7 +309,8 @@ def backward_dq_kernel(
     head = batch_head % heads_q
     head_kv = head // kv_group
     start_m = m_block * BLOCK_M
-    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN)
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN,
+                                                           KEY_LENGTHS)
     if VARLEN:
         if start_m >= seqlen_q:
             return

@@ -41,9 +41,12 @@ def load_rows(ptrs, offs_rows, limit, offs_cols, COLS: tl.constexpr, BLOCK_COLS:
 
 
 @triton.jit
-def sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+def sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN: tl.constexpr,
+                    KEY_LENGTHS: tl.constexpr = False):
     """(q_start, k_start, seqlen_q, seqlen_k) of batch entry ``batch``: with VARLEN the packed sequence's first
-    rows and lengths from the cu_seqlens prefix sums (int32, B + 1); otherwise (0, 0) and the given lengths."""
+    rows and lengths from the cu_seqlens prefix sums (int32, B + 1); otherwise (0, 0) and the given lengths.
+    KEY_LENGTHS (a key padding mask): CuSeqlensK (B,) int32 holds, per batch entry, one past the last key the
+    mask lets any query see; keys from there on are skipped (seqlen_k becomes the smaller of the two)."""
     if VARLEN:
         q_start = tl.load(CuSeqlensQ + batch)
         k_start = tl.load(CuSeqlensK + batch)
@@ -52,6 +55,8 @@ def sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN: t
     else:
         q_start = batch * 0
         k_start = batch * 0
+        if KEY_LENGTHS:
+            seqlen_k = tl.minimum(seqlen_k, tl.load(CuSeqlensK + batch))
     return q_start, k_start, seqlen_q, seqlen_k
 
 
@@ -120,7 +125,7 @@ def attention_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, KEY_LENGTHS: tl.constexpr = False,
 ):
     """Q (B, Hq, Nq, D), K (B, Hkv, Nk, D), V (B, Hkv, Nk, Dv), Out (B, Hq, Nq, Dv): any strides, last
     dim contiguous. Lse (B, Hq, Nq) fp32 by (stride_lb, stride_lh), rows contiguous, natural log. Mask
@@ -130,7 +135,8 @@ def attention_forward_kernel(
 
     VARLEN: packed sequences (see :func:`sequence_bounds`): batch b is sequence b, whose rows start at
     CuSeqlensQ[b] / CuSeqlensK[b] (the batch strides are 0, the row strides step over tokens); seqlen_q /
-    seqlen_k / num_m_blocks are the longest sequence's, and a program past its sequence's end exits."""
+    seqlen_k / num_m_blocks are the longest sequence's, and a program past its sequence's end exits.
+    KEY_LENGTHS: per-batch key bounds of a key padding mask (see :func:`sequence_bounds`)."""
     pid = tl.program_id(0)
     batch_head = pid // num_m_blocks
     m_block = pid % num_m_blocks
@@ -140,7 +146,8 @@ def attention_forward_kernel(
     head = batch_head % heads_q
     head_kv = head // kv_group
     start_m = m_block * BLOCK_M
-    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN)
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN,
+                                                           KEY_LENGTHS)
     if VARLEN:
         if start_m >= seqlen_q:  # this sequence is shorter: no work here
             return
