@@ -141,11 +141,12 @@ def _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
         seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
     else:
         seqlens = cache_seqlens + appended if appended else cache_seqlens
-        if host_checks_allowed(q):
-            checked = (cache_seqlens,) if block_table is None else (cache_seqlens, block_table)
-            check_values_once(checked, (appended, capacity, k_cache.shape[0], k_cache.shape[2]),
-                              lambda: _check_lengths(cache_seqlens, seqlens, block_table, k_cache.shape[0],
-                                                     k_cache.shape[2], capacity))
+    checked = tuple(t for t in (cache_seqlens, block_table) if t is not None)
+    if checked and host_checks_allowed(q):
+        before = seqlens if cache_seqlens is None else cache_seqlens
+        check_values_once(checked, (appended, capacity, k_cache.shape[0], k_cache.shape[2]),
+                          lambda: _check_lengths(before, seqlens, block_table, k_cache.shape[0], k_cache.shape[2],
+                                                 capacity))
     left, right = _window(window)
     params = _params(None, False, scale_or_default(scale, head_dim), bool(is_causal), 0, left, right, 0.0, (0, 0),
                      check_softcap(softcap))

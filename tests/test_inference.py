@@ -346,6 +346,15 @@ def test_paged_kvcache_input_errors(bad, match):
         bad(q, kc, vc, table)
 
 
+def test_paged_table_checked_without_cache_seqlens():
+    """No cache_seqlens: every sequence fills its blocks, so every table entry must be in the pool."""
+    q, kc, vc, _ = _kv_inputs(paged=True)
+    with pytest.raises(mhattn.InputError, match=r"block_table\[1, 1\] = 6"):
+        mhattn.attention_with_kvcache(q, kc, vc, block_table=torch.tensor([[0, 1], [2, 6]], dtype=torch.int32))
+    out = mhattn.attention_with_kvcache(q, kc, vc, block_table=torch.tensor([[0, 1], [2, 5]], dtype=torch.int32))
+    assert out.shape == (2, 4, 1, 8)
+
+
 def test_paged_table_entries_past_a_sequence_are_not_read():
     """Entries past a sequence's last used block may be anything (e.g. -1 padding)."""
     q, kc, vc, _ = _kv_inputs(paged=True)
