@@ -48,6 +48,27 @@ def test_greedy_generation_matches_sdpa():
     check_generation_matches_sdpa(torch.float64, "cpu")
 
 
+def test_sliding_window_model_with_padding_matches_sdpa():
+    """A tiny random Mistral (sliding window 8) on a left-padded batch: logits and greedy tokens as "sdpa"."""
+    mhattn_hf.register()
+    config = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                        sliding_window=8, pad_token_id=0)
+    gen = torch.Generator().manual_seed(3)
+    prompts = torch.randint(3, 97, (2, 13), generator=gen)
+    mask = torch.ones_like(prompts)
+    mask[1, :4] = 0
+    results = {}
+    for name in ("sdpa", "mhattn"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name).double().eval()
+        with torch.no_grad():
+            logits = model(prompts, attention_mask=mask).logits[mask.bool()]
+        results[name] = (logits, generate(model, prompts, mask))
+    assert float((results["mhattn"][0] - results["sdpa"][0]).abs().max()) < 1e-10
+    assert torch.equal(results["mhattn"][1], results["sdpa"][1])
+
+
 def _sequences(gen, lengths):
     return [torch.randint(3, 97, (n,), generator=gen) for n in lengths]
 
