@@ -49,6 +49,19 @@ DKDV_CANDIDATES = {
     128: ["32,128,8,2", "32,128,8,3", "16,128,8,2", "64,64,8,2"],
     256: ["32,32,8,2", "32,32,8,3", "16,32,8,2", "64,32,8,2", "16,32,4,2"],
 }
+# sm_90 candidates: copy-engine loads (tma), warp-specialised loops (ws); run with --hopper.
+HOPPER_FWD_CANDIDATES = {
+    64: ["128,64,4,3", "128,64,4,3,tma", "128,64,8,3,tma", "128,64,4,4,tma", "128,128,8,3,tma"],
+    128: ["128,128,8,3", "128,128,8,3,tma", "128,128,8,4,tma", "128,64,4,3,tma", "128,64,8,4,tma"],
+    256: ["128,64,8,2,tma", "128,64,8,2", "128,32,8,2,tma", "64,64,4,2,tma"],
+}
+HOPPER_DQ_MODES = ["separate", "atomic", "tma"]
+HOPPER_DKDV_CANDIDATES = {
+    64: ["32,64,4,3", "64,64,4,3,tma", "64,64,4,2,tma", "64,128,8,2,tma", "64,64,8,3,tma"],
+    128: ["64,64,4,2,tma", "64,64,4,3,tma", "64,128,8,2,tma", "64,64,8,2,tma", "64,32,4,2,tma"],
+    256: ["32,32,4,2,tma", "64,32,8,2,tma", "32,64,8,2,tma", "64,32,4,2,tma"],
+}
+
 DQ_CANDIDATES = {
     64: ["64,64,4,3", "64,64,4,2", "64,32,4,3", "128,64,8,3", "128,32,4,3", "64,64,4,4"],
     128: ["128,64,8,3", "128,64,8,2", "128,64,8,4", "64,64,4,3", "128,32,8,3", "64,32,4,3"],
@@ -158,11 +171,12 @@ def time_triton(q, k, v, params, config=None, which=("fwd", "bwd")):
     return fwd, bwd
 
 
-def time_sdpa_flash(q, k, v, causal):
+def time_sdpa_flash(q, k, v, causal, kernel="FLASH_ATTENTION"):
+    """(forward ms, backward ms) of SDPA pinned to one of its kernels (FLASH_ATTENTION, CUDNN_ATTENTION)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    with sdpa_kernel(getattr(SDPBackend, kernel)):
         fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
         qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
         out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
@@ -187,6 +201,9 @@ def section_sweep(args, state):
 
     kinds = args.kinds.split(",")
     candidates = {"fwd": FWD_CANDIDATES, "dkdv": DKDV_CANDIDATES, "dq": DQ_CANDIDATES}
+    if args.hopper:
+        candidates = {"fwd": HOPPER_FWD_CANDIDATES, "dkdv": HOPPER_DKDV_CANDIDATES, "dq": DQ_CANDIDATES,
+                      "dqmode": {d: HOPPER_DQ_MODES for d in (64, 128, 256)}}
     dims = [int(d) for d in args.dims.split(",")]
     jobs = []
     for d in dims:
@@ -194,7 +211,7 @@ def section_sweep(args, state):
             base = default_config(d, causal, args.sweep_n)
             for kind in kinds:
                 for tile in candidates[kind][d]:
-                    cfg = _with_tile(base, kind, configs.parse(tile).forward)
+                    cfg = _with_tile(base, kind, tile)
                     jobs.append((d, causal, str(cfg), "bfloat16", "fwd" if kind == "fwd" else "both"))
     precompile(jobs, args.out)
     winners = {}
@@ -207,13 +224,15 @@ def section_sweep(args, state):
             params = params_for(d, causal)
             flops = fwd_flops(q.shape[0], q.shape[1], args.sweep_n, d, causal)
             sdpa = time_sdpa_flash(q, k, v, causal)
+            cudnn = time_sdpa_flash(q, k, v, causal, "CUDNN_ATTENTION")
             log(args.out, f"\n== sweep d={d} causal={causal} N={args.sweep_n}: sdpa-flash "
-                          f"fwd {flops / sdpa[0] * 1e-9:.0f} bwd {2.5 * flops / sdpa[1] * 1e-9:.0f} TFLOP/s")
+                          f"fwd {flops / sdpa[0] * 1e-9:.0f} bwd {2.5 * flops / sdpa[1] * 1e-9:.0f} TFLOP/s; "
+                          f"sdpa-cudnn fwd {flops / cudnn[0] * 1e-9:.0f} bwd {2.5 * flops / cudnn[1] * 1e-9:.0f}")
             best = default_config(d, causal, args.sweep_n)
             for kind in kinds:
                 best_ms = None
                 for tile_text in candidates[kind][d]:
-                    cfg = _with_tile(best, kind, configs.parse(tile_text).forward)
+                    cfg = _with_tile(best, kind, tile_text)
                     try:
                         f_ms, b_ms = time_triton(q, k, v, params, cfg, which=("fwd",) if kind == "fwd" else ("bwd",))
                     except Exception as error:
@@ -237,10 +256,15 @@ def section_sweep(args, state):
         log(args.out, f"  ('sm90', 'half', {d}, {causal}): {win}")
 
 
-def _with_tile(config, kind, tile):
+def _with_tile(config, kind, tile_text):
+    """``config`` with one kernel's tile (kind fwd, dkdv, dq) or the dQ mode (kind dqmode) replaced."""
     from dataclasses import replace
 
-    return replace(config, **{{"fwd": "forward"}.get(kind, kind): tile})
+    from mhattn.backends.triton import configs
+
+    if kind == "dqmode":
+        return replace(config, dq_mode=tile_text)
+    return replace(config, **{{"fwd": "forward"}.get(kind, kind): configs.parse(tile_text).forward})
 
 
 def _config_for_run(state, d, causal):
@@ -268,13 +292,17 @@ def section_table(args, state, dims=(64, 128), seqlens=(512, 1024, 2048, 4096, 8
                     log(args.out, f"  triton d={d} N={n} causal={causal} FAILED: {error}")
                     continue
                 s_fwd, s_bwd = time_sdpa_flash(q, k, v, causal)
+                c_fwd, c_bwd = time_sdpa_flash(q, k, v, causal, "CUDNN_ATTENTION")
                 row = dict(d=d, n=n, causal=causal, fwd=flops / t_fwd * 1e-9, bwd=2.5 * flops / t_bwd * 1e-9,
-                           sdpa_fwd=flops / s_fwd * 1e-9, sdpa_bwd=2.5 * flops / s_bwd * 1e-9)
+                           sdpa_fwd=flops / s_fwd * 1e-9, sdpa_bwd=2.5 * flops / s_bwd * 1e-9,
+                           cudnn_fwd=flops / c_fwd * 1e-9, cudnn_bwd=2.5 * flops / c_bwd * 1e-9)
                 rows.append(row)
                 log(args.out, f"  d={d:3d} N={n:5d} causal={int(causal)}"
                               f"  triton fwd {row['fwd']:5.0f} bwd {row['bwd']:5.0f}"
                               f"  sdpa-flash fwd {row['sdpa_fwd']:5.0f} bwd {row['sdpa_bwd']:5.0f}"
-                              f"  ratio fwd {row['fwd'] / row['sdpa_fwd']:.2f} bwd {row['bwd'] / row['sdpa_bwd']:.2f}")
+                              f"  cudnn fwd {row['cudnn_fwd']:5.0f} bwd {row['cudnn_bwd']:5.0f}"
+                              f"  /flash {row['fwd'] / row['sdpa_fwd']:.2f} {row['bwd'] / row['sdpa_bwd']:.2f}"
+                              f"  /cudnn {row['fwd'] / row['cudnn_fwd']:.2f} {row['bwd'] / row['cudnn_bwd']:.2f}")
                 del q, k, v
                 torch.cuda.empty_cache()
 
@@ -312,65 +340,20 @@ def section_memory(args, state):
 
 # ---- compiler report without a GPU ---------------------------------------------------------------------
 
-_POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", "dV", "dQ", "dMask", "GradLse",
-             "OutSplit", "LseSplit"}
-_FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "OutSplit", "LseSplit"}
-_INT32_POINTERS = {"CuSeqlensQ", "CuSeqlensK", "Seqlens", "BlockTable"}
-_FLOATS = {"qk_scale2", "softcap_in2", "softcap_out2", "dropout_scale", "sm_scale"}
 
-
-def compile_report(kind, head_dim, causal, tile, dtype="bf16", cc=90, extra_constexprs=None):
-    """Compile one kernel for sm_<cc> ahead of time (no GPU needed) and return its resource line:
-    shared memory, registers, stack (spills), wgmma / mma.sync / cp.async counts in the PTX. Strides
-    get the divisibility-16 hint the JIT adds for the protocol's shapes."""
+def compile_report(kind, head_dim, causal, tile, dtype="bf16", cc=90, dq_mode=0, flags=()):
+    """Compile one kernel for sm_<cc> ahead of time (no GPU needed; backends/triton/ahead.py) and return its
+    resource line: shared memory, registers, stack (spills), wgmma / mma.sync / cp.async counts in the PTX.
+    ``kind``: fwd, dkdv, dq or splitkv (decode.py); ``flags``: (name, value) compile-time flag overrides."""
     import re
     import subprocess
     import tempfile
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    from mhattn.backends.triton import backward, configs, forward
+    from mhattn.backends.triton import ahead
 
-    block_m, block_n, warps, stages = tile
-    padded = configs.padded_head_dim(head_dim)
-    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=padded, BLOCK_DV=padded, BLOCK_M=block_m,
-                      BLOCK_N=block_n, HAS_LEFT=False, HAS_RIGHT=causal, HAS_SOFTCAP=False, MASK_KIND=0,
-                      HAS_DROPOUT=False, DOT_PRECISION="tf32")
-    from mhattn.backends.triton import decode
-
-    fn = {"fwd": forward.attention_forward_kernel, "dkdv": backward.backward_dkdv_kernel,
-          "dq": backward.backward_dq_kernel, "splitkv": decode.split_kv_kernel}[kind]
-    if kind in ("fwd", "dq"):
-        constexprs["HEAVY_FIRST"] = causal
-    if kind == "dq":
-        constexprs["MASK_GRAD"] = False
-    if kind in ("fwd", "dkdv", "dq"):
-        constexprs["VARLEN"] = False
-    if kind == "splitkv":
-        for name in ("MASK_KIND", "HAS_DROPOUT"):
-            del constexprs[name]
-        constexprs.update(HAS_SEQLENS=False, PAGED=False, PAGE_SIZE=1, SPLIT=True)
-    constexprs.update(extra_constexprs or {})
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in _INT32_POINTERS:
-            signature[name] = "*i32"
-        elif name in _POINTERS:
-            signature[name] = "*fp32" if name in _FP32_POINTERS else "*" + dtype
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in _FLOATS:
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if name.startswith("stride_") and not name.endswith(("mq", "mk")):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", cc, 32),
-                            options=dict(num_warps=warps, num_stages=stages))
+    kernel = ahead.compile_kernel(ahead.KernelTask(kind, head_dim, causal, tile, dq_mode, dtype, tuple(flags)), cc)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -380,22 +363,29 @@ def compile_report(kind, head_dim, causal, tile, dtype="bf16", cc=90, extra_cons
     ptx = kernel.asm["ptx"]
     return (f"smem={kernel.metadata.shared} regs={found.group(1)} stack={found.group(2)} "
             f"wgmma={ptx.count('wgmma.mma_async')} mma.sync={ptx.count('mma.sync')} "
-            f"cp.async={ptx.count('cp.async.cg') + ptx.count('cp.async.ca')}")
+            f"cp.async={ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} "
+            f"tma={ptx.count('cp.async.bulk.tensor')} setmaxnreg={ptx.count('setmaxnreg')}")
 
 
 def section_resources(args, state):
-    """--specs kind:d:causal:BM,BN,W,S ... compiled for sm_90 (no GPU needed)."""
+    """--specs kind:d:causal:BM,BN,W,S[,tma][,ws][:dqmode] ... compiled for sm_90 (no GPU needed)."""
+    from mhattn.backends.triton import configs
+
     for spec in args.specs:
-        kind, head_dim, causal, tile = spec.split(":")
-        tile = tuple(int(x) for x in tile.split(","))
+        kind, head_dim, causal, tile, *dq_mode = spec.split(":")
+        mode = configs.DQ_MODES.index(dq_mode[0]) if dq_mode else 0
         try:
-            line = compile_report(kind, int(head_dim), causal == "1", tile)
+            line = compile_report(kind, int(head_dim), causal == "1", configs.parse(tile).forward, dq_mode=mode)
         except Exception as error:
             line = f"FAILED {type(error).__name__}: {str(error)[:300]}"
         log(args.out, f"  {spec:24s} {line}")
 
 
-SECTIONS = {"sweep": section_sweep, "table": section_table, "d256": section_d256, "memory": section_memory,
+def section_table_dims(args, state):
+    section_table(args, state, dims=tuple(int(d) for d in args.table_dims.split(",")))
+
+
+SECTIONS = {"sweep": section_sweep, "table": section_table_dims, "d256": section_d256, "memory": section_memory,
             "resources": section_resources}
 
 
@@ -430,6 +420,9 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=360.0, help="seconds after which sections stop")
     parser.add_argument("--kinds", default="fwd,dkdv,dq", help="kernels the sweep tunes, in order (fwd,dkdv,dq)")
     parser.add_argument("--dims", default="64,128", help="head dims the sweep tunes")
+    parser.add_argument("--hopper", action="store_true",
+                        help="sweep the sm_90 candidates (tma / ws tiles, kind dqmode: the dQ summation)")
+    parser.add_argument("--table-dims", default="64,128", help="head dims of the table section")
     parser.add_argument("--sweep-n", type=int, default=4096, help="sequence length of the sweep")
     parser.add_argument("--specs", nargs="*", default=["fwd:128:0:128,128,8,3", "dkdv:128:0:32,128,8,2",
                                                        "dq:128:0:128,64,8,3"],

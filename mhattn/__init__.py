@@ -17,6 +17,7 @@ from mhattn.functional import attention, explain
 from mhattn.decode import attention_with_kvcache
 from mhattn.varlen import varlen_attention
 from mhattn.modules import MultiheadAttention, replace_multihead_attention
+from mhattn import distributed  # context parallelism: mhattn.distributed.ring_attention
 
 __all__ = [
     "attention", "attention_with_kvcache", "varlen_attention", "explain", "use_backend", "register_backend", "unregister_backend", "get_backend",

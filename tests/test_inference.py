@@ -204,6 +204,15 @@ def check_varlen(backend="triton", dtype="float16", device="cpu", lengths_q=(5, 
     assert not failed, "; ".join(failed) + " | all: " + "; ".join(str(r) for r in results)
 
 
+def check_varlen_through_descriptors(**kwargs):
+    """check_varlen with a pinned tile that loads K/V (and Q/dO in the dK/dV kernel) through tensor
+    descriptors: each descriptor starts at its sequence's first row."""
+    from mhattn.backends.triton import configs
+
+    with configs.pin("16,16,4,1,tma"):
+        check_varlen(**kwargs)
+
+
 def check_dense_decode(dtype="float16", device="cpu", batch=1, heads_q=8, heads_kv=2, seqlen_q=1, seqlen_k=300,
                        head_dim=32, causal=None, window=None, softcap=None):
     """mhattn.attention with few query rows per key/value head (the split-KV path of the Triton backend),
@@ -519,6 +528,12 @@ def test_interpreter_split_kv_path_taken(interpreter):
 def test_interpreter_varlen(interpreter, case):
     dtype = "float32" if case in ("causal_q_ne_k", "dropout") else "float16"
     interpreter.run("check_varlen", dtype=dtype, **VARLEN_CASES[case])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", ["uneven", "causal_q_ne_k"])
+def test_interpreter_varlen_through_descriptors(interpreter, case):
+    interpreter.run("check_varlen_through_descriptors", **VARLEN_CASES[case])
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------

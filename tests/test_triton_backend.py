@@ -79,13 +79,26 @@ def _backend():
     return TritonBackend()
 
 
-def _pinned_config(device):
-    """The interpreter's small tiles on the CPU (many blocks on small shapes); the table on a GPU."""
+def _pinned_config(device, config=None):
+    """``config`` (a configs string) when given; else the interpreter's small tiles on the CPU (many blocks on
+    small shapes) and the table on a GPU."""
     from mhattn.backends.triton import configs
 
+    if config is not None:
+        return configs.pin(config)
     if device == "cpu":
         return configs.pin(configs.INTERPRETER)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms(on: bool):
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 def make_inputs(dtype, device, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, head_dim_v, layout,
@@ -166,9 +179,11 @@ def _reference(q, k, v, params, mask, keep_grad_mask, grad_out, grad_lse, dtype)
 def check_attention(dtype="float16", device="cpu", batch=2, heads_q=2, heads_kv=None, seqlen_q=37, seqlen_k=45,
                     head_dim=32, head_dim_v=None, causal=None, window=None, mask=None, mask_grad=False,
                     dropout_p=0.0, softcap=None, layout="bhnd", overflow=False, grad_lse=False, det_runs=1,
-                    seed=0):
+                    seed=0, config=None):
     """Forward and backward of the Triton backend against the float64 reference (CONFORMANCE.md's rule:
-    err <= factor * err_lowp + floor for fp16/bf16, relative 1e-4 for fp32). Raises AssertionError."""
+    err <= factor * err_lowp + floor for fp16/bf16, relative 1e-4 for fp32). Raises AssertionError.
+    ``config``: a configs string to pin (the Hopper paths, say); det_runs > 1 runs the backward that many
+    times under torch.use_deterministic_algorithms(True) and requires bitwise-equal gradients."""
     dt = DTYPES[dtype]
     heads_kv = heads_kv or heads_q
     head_dim_v = head_dim_v or head_dim
@@ -184,7 +199,7 @@ def check_attention(dtype="float16", device="cpu", batch=2, heads_q=2, heads_kv=
     glse = torch.randn(batch, heads_q, seqlen_q, generator=gen).to(device) if grad_lse else None
 
     backend = _backend()
-    with _pinned_config(device), poisoned_allocations():
+    with _pinned_config(device, config), poisoned_allocations(), _deterministic_algorithms(det_runs > 1):
         out, lse = backend.forward(q, k, v, params)
         grads = [backend.backward(grad_out, q, k, v, out, lse, params, grad_lse=glse) for _ in range(det_runs)]
     dq, dk, dv, dmask = grads[0]
@@ -446,11 +461,33 @@ CPU_CASES = {
     "deterministic": dict(det_runs=3, heads_q=4, heads_kv=2, batch=1, seqlen_q=40, seqlen_k=40, causal="top_left"),
 }
 
+# The sm_90 paths under the interpreter: K/V (and Q/dO in the backward) through tensor descriptors, dQ summed
+# with atomics in the dK/dV kernel; the interpreter zero-fills descriptor reads past the ends as TMA does.
+HOPPER_INTERPRETER = "fwd=16,16,4,1,tma,ws;dkdv=16,16,4,1,tma,ws;dq=atomic"
+HOPPER_CPU_CASES = {
+    "plain_fp16": dict(seqlen_q=37, seqlen_k=45),
+    "causal_bottom_right_gqa": dict(heads_q=6, heads_kv=2, batch=1, causal="bottom_right", seqlen_q=33,
+                                    seqlen_k=40, dtype="float32"),
+    "head_dim_40_window_dropout": dict(head_dim=40, window=(9, 4), dropout_p=0.17, seqlen_q=45, seqlen_k=50),
+    "softcap_bool_mask": dict(softcap=3.0, mask="bool_empty_rows", seqlen_q=30, seqlen_k=40, dtype="float32"),
+    "packed_qkv_views_grad_lse": dict(layout="packed", seqlen_q=40, seqlen_k=40, heads_q=3, causal="top_left",
+                                      grad_lse=True),
+    "float_mask_grad_falls_back_to_dq_kernel": dict(mask="float", mask_grad=True, seqlen_q=33, seqlen_k=41),
+    "deterministic_falls_back_to_dq_kernel": dict(det_runs=2, heads_q=4, heads_kv=2, batch=1, seqlen_q=40,
+                                                  seqlen_k=40, causal="top_left"),
+}
+
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("case", list(CPU_CASES))
 def test_interpreter_attention(interpreter, case):
     interpreter.run("check_attention", **CPU_CASES[case])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", list(HOPPER_CPU_CASES))
+def test_interpreter_hopper_paths(interpreter, case):
+    interpreter.run("check_attention", config=HOPPER_INTERPRETER, **HOPPER_CPU_CASES[case])
 
 
 @pytest.mark.interpret
@@ -524,6 +561,30 @@ def test_gpu_features(dtype, case):
     check_attention(dtype=dtype, device="cuda", **{"head_dim": 64, **GPU_FEATURE_CASES[case]})
 
 
+# The sm_90 paths pinned on whatever GPU runs the tests (the table picks them only on sm_90): descriptor loads,
+# warp-specialised loops, dQ through atomics and through the copy engine's reduce-add.
+HOPPER_GPU_CONFIGS = {
+    "tma_ws_dq_tma": "fwd=128,128,8,3,tma,ws;dkdv=32,128,8,2,tma;dq=tma",
+    "tma_dq_atomic": "fwd=128,64,8,3,tma;dkdv=64,64,4,2,tma;dq=atomic",
+}
+HOPPER_GPU_CASES = {
+    "d128_causal_gqa": dict(head_dim=128, heads_q=6, heads_kv=2, seqlen_q=1023, seqlen_k=1024, causal="top_left"),
+    "d64_bottom_right": dict(head_dim=64, seqlen_q=300, seqlen_k=517, causal="bottom_right"),
+    "d96_window_dropout": dict(head_dim=96, seqlen_q=333, seqlen_k=400, window=(100, 30), dropout_p=0.17),
+    "d256_softcap_bool_mask": dict(head_dim=256, seqlen_q=200, seqlen_k=300, softcap=20.0, mask="bool_empty_rows"),
+    "d128_packed_grad_lse": dict(head_dim=128, layout="packed", seqlen_q=600, seqlen_k=600, heads_q=4, grad_lse=True),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability()[0] < 9, reason="needs sm_90 (TMA)")
+@pytest.mark.parametrize("config", list(HOPPER_GPU_CONFIGS))
+@pytest.mark.parametrize("case", list(HOPPER_GPU_CASES))
+def test_gpu_hopper_paths(config, case):
+    check_attention(dtype="bfloat16", device="cuda", config=HOPPER_GPU_CONFIGS[config], **HOPPER_GPU_CASES[case])
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("tf32", [False, True])
@@ -579,6 +640,27 @@ def test_gpu_over_2_31_elements_and_huge_batch_heads():
                                    (ref_out, ref_lse, *ref_grads)):
             err = float((got.double() - want).abs().max())
             assert err < 0.05 * max(1.0, float(want.abs().max())), f"batch {b} {name}: max error {err}"
+
+
+# ---- ahead-of-time compilation for Hopper (no GPU needed) ------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
+    """Every table entry that uses the Hopper switches compiles for sm_90a through Triton's compiler, and the
+    copy-engine switch really gives bulk tensor copies in the PTX."""
+    from mhattn.backends.triton import ahead
+
+    tasks = ahead.table_tasks("sm_90a")
+    assert tasks and all(task.tile.tma or task.tile.warp_specialize or task.dq_mode for task in tasks)
+    for task in tasks:
+        kernel = ahead.compile_kernel(task, 90)
+        ptx = kernel.asm["ptx"]
+        assert ".target sm_90a" in ptx, task.label
+        if task.tile.tma:
+            assert "cp.async.bulk.tensor" in ptx, task.label
+    with pytest.raises(ValueError, match="unknown architecture"):
+        ahead.table_tasks("sm_91x")
 
 
 def test_key_bounds_of_key_padding_masks():

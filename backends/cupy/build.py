@@ -1,11 +1,15 @@
 """``mhattn build``: compile every CUDA kernel variant with NVRTC, no GPU needed.
 
     mhattn build --arch sm_80,sm_90 [--jobs N] [--no-cache] [--list]
+    mhattn build --arch sm_90a            # the Triton backend's Hopper kernels (TMA) for sm_90a
 
 Each variant that a GPU of the given architecture may launch is compiled to a cubin; by default the
 cubins go to the kernel cache (``$MHATTN_CACHE_DIR``, else ``~/.cache/mhattn/cupy-kernels``) so a
-container image built this way starts without compiling. Exits 1 and names every variant that failed
-(with NVRTC's log) when any does: CI uses it as the check that the sources compile.
+container image built this way starts without compiling. ``sm_90a`` names the Hopper-specific target:
+the CUDA backend has no sm_90a variants yet, so for it the command compiles the Triton backend's
+Hopper kernels (copy-engine loads, wgmma) through Triton's compiler (backends/triton/ahead.py).
+Exits 1 and names every variant that failed (with the compiler's log) when any does: CI uses it as the
+check that the sources compile.
 """
 
 from __future__ import annotations
@@ -47,13 +51,49 @@ def tasks_for(archs, use_cache=True) -> list:
 
     tasks = []
     for arch in archs:
+        if arch == "sm_90a":
+            continue  # no CUDA-backend variants for the architecture-specific target (see run_triton)
         cc = variants.parse_arch(arch)
         tasks.extend((variant, cc, use_cache) for variant in variants.all_variants(cc))
     return tasks
 
 
+def run_triton(arch: str, jobs: int) -> int:
+    """Compile the Triton backend's kernels of the configuration table for ``arch`` (sm_90a: its Hopper
+    entries). Returns the number of failures."""
+    try:
+        from mhattn.backends.triton import ahead
+
+        tasks = ahead.table_tasks(arch)
+    except ImportError as error:
+        print(f"mhattn build: Triton kernels skipped for {arch}: {error}", file=sys.stderr)
+        return 0
+    cc = ahead.ARCHS[arch]
+    print(f"mhattn build: {len(tasks)} Triton kernels for {arch}, {jobs} jobs")
+    start = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(tasks)))) as pool:
+        results = list(pool.map(ahead.compile_task, [(task, cc) for task in tasks]))
+    failures = [(label, error) for label, error in results if error]
+    for label, error in failures:
+        print(f"  FAILED {arch} triton {label}\n    {error}", file=sys.stderr)
+    print(f"mhattn build: {len(tasks) - len(failures)} of {len(tasks)} Triton kernels compiled for {arch} "
+          f"({time.perf_counter() - start:.0f} s)")
+    return len(failures)
+
+
 def run(args) -> int:
     archs = [a for a in (s.strip() for s in args.arch.split(",")) if a]
+    if "sm_90a" in archs:
+        failed = run_triton("sm_90a", args.jobs or os.cpu_count() or 1)
+        archs = [a for a in archs if a != "sm_90a"]
+        if not archs:
+            return 1 if failed else 0
+        code = run_cupy(args, archs)
+        return 1 if failed else code
+    return run_cupy(args, archs)
+
+
+def run_cupy(args, archs) -> int:
     try:
         tasks = tasks_for(archs, use_cache=not args.no_cache)
     except ValueError as error:

@@ -127,6 +127,19 @@ class _Launch:
         cc = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
         self.config = configs.config_for(cc, q.dtype, self.head_dim, self.has_right and not self.has_left,
                                          self.seqlen_q)
+        # The Hopper paths (copy-engine loads, warp specialisation) need sm_90; the interpreter runs the
+        # descriptor loads too, so CPU tests cover them.
+        self.hopper = INTERPRET or (cc is not None and cc[0] >= 9)
+        self.warp_specialize_ok = cc is not None and cc[0] >= 9
+        self.tma_ok = self.hopper and _descriptor_ready(q, k, v)
+
+    def hopper_flags(self, tile: configs.KernelConfig, *query_side) -> dict:
+        """TMA / WARP_SPECIALIZE for a launch of ``tile``: on only where the tile asks for them and this call
+        can have them (sm_90, and every tensor the kernel reads through descriptors suitably aligned)."""
+        tma = tile.tma and self.tma_ok and _descriptor_ready(*query_side)
+        if tma:
+            _ensure_descriptor_allocator()
+        return dict(TMA=tma, WARP_SPECIALIZE=tile.warp_specialize and self.warp_specialize_ok)
 
     def flags(self):
         return dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
@@ -140,6 +153,36 @@ class _Launch:
 
     def band(self):
         return (self.diag_offset, self.window_left, self.window_right, self.seed0, self.seed1, self.threshold)
+
+
+def _descriptor_ready(*tensors) -> bool:
+    """True when every (B, H, N, D) tensor can be read through per-head tensor descriptors: the copy
+    engine needs a 16-byte aligned start for every head and a row stride that is a non-zero multiple
+    of 16 bytes (views of a packed QKV projection usually are; a broadcast or odd-strided one falls back
+    to pointer loads)."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or t.stride(2) < t.shape[3]:
+            return False
+        if any((stride * size) % 16 for stride in t.stride()[:3]):
+            return False
+    return True
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda" if not INTERPRET else "cpu")
+
+
+def _ensure_descriptor_allocator():
+    """Tensor descriptors made inside a kernel live in a little global scratch memory per program, which
+    Triton takes from the allocator given to ``triton.set_allocator``. Install one made of torch
+    allocations (stream-ordered by torch's caching allocator) unless the caller has set their own."""
+    import triton
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator.get()
+    if isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)
 
 
 def _as_int32(word) -> int:
@@ -206,8 +249,28 @@ class TritonBackend(Backend):
         operations=frozenset(OPERATIONS),
     )
 
-    def __init__(self):
+    def __init__(self, deterministic: Optional[bool] = None):
         self._unavailable: Optional[list] = None
+        # deterministic: True = dQ from its own kernel (bitwise reproducible); False = dQ summed with atomics
+        # inside the dK/dV kernel where the configuration asks for it; None (default) = deterministic when
+        # torch.use_deterministic_algorithms(True) is on.
+        self.deterministic = deterministic
+
+    def _dq_mode(self, run: "_Launch", mask_grad: bool) -> int:
+        """0: the separate dQ kernel; 1: atomics; 2: the copy engine's bulk reduce-add (see configs.DQ_MODES).
+        The mask gradient needs dS, which only the dQ kernel writes; a deterministic backward needs the dQ kernel."""
+        mode = run.config.dq_mode
+        deterministic = self.deterministic
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        if mode == "separate" or mask_grad or deterministic:
+            return 0
+        # The bulk reduce-add needs descriptors (sm_90, aligned rows) and a real GPU (the interpreter has no
+        # reduce-add through descriptors); float32 rows of D elements are 16-byte multiples when D % 4 == 0.
+        if mode == "tma" and run.tma_ok and not INTERPRET and run.head_dim % 4 == 0:
+            _ensure_descriptor_allocator()  # the dQ buffer's descriptor, whatever the tiles' own switches
+            return 2
+        return 1
 
     # ---- availability -------------------------------------------------------------------------
     def unavailable(self) -> list:
@@ -266,7 +329,7 @@ class TritonBackend(Backend):
                 run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale,
                 *run.band(),
                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAVY_FIRST=run.heavy_first, **run.flags(),
-                num_warps=tile.num_warps, num_stages=tile.num_stages,
+                **run.hopper_flags(tile), num_warps=tile.num_warps, num_stages=tile.num_stages,
             )
 
         with _OnDevice(q.device):
@@ -293,6 +356,10 @@ class TritonBackend(Backend):
 
         delta = torch.empty(run.batch, run.heads_q, run.seqlen_q, dtype=torch.float32, device=q.device)
         lse2 = torch.empty_like(delta)
+        dq_mode = self._dq_mode(run, mask_grad)
+        # dQ summed inside the dK/dV kernel: a zeroed float32 buffer (B, Hq, Nq, D), converted at the end.
+        dq_acc = (torch.zeros(run.batch, run.heads_q, run.seqlen_q, run.head_dim, dtype=torch.float32,
+                              device=q.device) if dq_mode else delta)
         grad_lse_arg = grad_lse if grad_lse is not None else lse
         with _OnDevice(q.device):
             block_pre = 64
@@ -311,13 +378,14 @@ class TritonBackend(Backend):
                 num_n_blocks = triton_cdiv(run.seqlen_k, tile.block_n)
                 grid = (run.batch * run.heads_kv * num_n_blocks,)
                 backward_module.backward_dkdv_kernel[grid](
-                    q, k, v, grad_out, lse2, delta, dk, dv, run.mask, delta, run.key_bounds_or(delta),
+                    q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run.mask, delta, run.key_bounds_or(delta),
                     *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out),
                     *_strides4(dk), *_strides4(dv), *run.mask_strides, delta.stride(0), delta.stride(1),
                     run.heads_q, run.heads_kv, run.kv_group, run.seqlen_q, run.seqlen_k, num_n_blocks,
                     run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
                     *run.band(),
                     BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **run.flags(),
+                    **run.hopper_flags(tile, grad_out), DQ_MODE=dq_mode,
                     num_warps=tile.num_warps, num_stages=tile.num_stages,
                 )
 
@@ -337,9 +405,12 @@ class TritonBackend(Backend):
                     num_warps=tile.num_warps, num_stages=tile.num_stages,
                 )
 
-            key = (q.dtype, run.block_d)
+            key = (q.dtype, run.block_d, dq_mode)
             _run("dkdv", run.config.dkdv, key, launch_dkdv)
-            _run("dq", run.config.dq, key, launch_dq)
+            if dq_mode:
+                dq.copy_(dq_acc)
+            else:
+                _run("dq", run.config.dq, key, launch_dq)
         if dmask is not None:
             dmask = dmask.to(params.mask.dtype)
         return dq, dk, dv, dmask

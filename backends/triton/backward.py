@@ -18,12 +18,19 @@ where delta = rowsum(dO * O) - grad_lse. Three launches:
 
 Every output element is written by exactly one program with a fixed summation order, so the
 gradients are bitwise reproducible.
+
+The faster mode (configs.DQ_MODES "atomic" / "tma") drops the third kernel: each step of the dK/dV
+kernel also forms its query block's share of dQ, scale * dS K, and adds it into a float32 buffer,
+element by element with atomics or as one tile with the copy engine's bulk reduce-add (sm_90). That
+saves recomputing S and dP (5 matrix products per tile instead of 7) at the price of an order of
+additions that varies between runs; the deterministic mode keeps the dQ kernel. With TMA, the query-side
+tiles (Q, dO) of each step are loaded through tensor descriptors as in the forward.
 """
 
 import triton
 import triton.language as tl
 
-from mhattn.backends.triton.forward import load_rows, sequence_bounds
+from mhattn.backends.triton.forward import head_descriptor, load_block, load_rows, sequence_bounds
 from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile, keep_tile_transposed, row_keys
 from mhattn.backends.triton.scores import LOG2E, attention_scores, key_major_ranges, query_major_ranges
 
@@ -70,7 +77,26 @@ def backward_preprocess_kernel(
 
 
 @triton.jit
-def dkdv_query_range(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom,
+def add_dq_share(dq_acc, dq_desc, ds_t, k, start_m, offs_m, offs_d, seqlen_q, sm_scale, stride_dqm,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DQ_MODE: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """Add this step's share of dQ, scale * dS K ((BLOCK_M, BLOCK_D) fp32), into the float32 buffer:
+    DQ_MODE 1 with one atomic per element (rows past Nq and padding columns skipped), 2 with one bulk
+    reduce-add of the tile through the descriptor (the copy engine clips what lies outside)."""
+    dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * sm_scale
+    if DQ_MODE == 2:
+        dq_desc.atomic_add([start_m, 0], dq)
+    else:
+        ptrs = dq_acc + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :]
+        inside = offs_m[:, None] < seqlen_q
+        if BLOCK_D != HEAD_DIM:
+            inside = inside & (offs_d[None, :] < HEAD_DIM)
+        tl.atomic_add(ptrs, dq, mask=inside, sem="relaxed")
+
+
+@triton.jit
+def dkdv_query_range(dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_acc, dq_desc, lse2_base, delta_base,
+                     stride_qm, stride_dom, stride_dqm,
                      start, end, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k,
                      qk_scale2, softcap_in2, softcap_out2, dropout_scale,
                      diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
@@ -79,18 +105,19 @@ def dkdv_query_range(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, strid
                      BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                      MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                      HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                     DQ_MODE: tl.constexpr, sm_scale):
     """The dK/dV inner loop over query blocks [start, end) of one query head, in key-major tiles
     (BLOCK_N keys x BLOCK_M queries). dk (BLOCK_N, BLOCK_D), dv (BLOCK_N, BLOCK_DV) fp32, updated and
-    returned; k, v the key block's tiles in the input dtype."""
+    returned; k, v the key block's tiles in the input dtype. DQ_MODE 0: dQ is left to the dQ kernel;
+    1 / 2: each step adds its share into dq_acc (see :func:`add_dq_share`)."""
     offs_local = tl.arange(0, BLOCK_M)
-    q_offsets = offs_local[:, None] * stride_qm + offs_d[None, :]
-    do_offsets = offs_local[:, None] * stride_dom + offs_dv[None, :]
-    for start_m in range(start, end, BLOCK_M):
+    # Only the unmasked middle range is long enough for warp specialisation to pay.
+    for start_m in tl.range(start, end, BLOCK_M, warp_specialize=WARP_SPECIALIZE and not MASKED):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_local
-        q = load_rows(q_base + start_m.to(tl.int64) * stride_qm + q_offsets, offs_m, seqlen_q, offs_d,
-                      HEAD_DIM, BLOCK_D, MASKED)
+        q = load_block(q_desc, q_base, start_m, offs_local, stride_qm, offs_d, seqlen_q, HEAD_DIM, BLOCK_D,
+                       MASKED, TMA)
         if MASKED:
             lse2 = tl.load(lse2_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
         else:
@@ -101,8 +128,8 @@ def dkdv_query_range(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, strid
                                         window_right, mask_base, stride_mq, stride_mk,
                                         MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, MASK_KIND)
         p_t = tl.exp2(s2_t - lse2[None, :])
-        do = load_rows(do_base + start_m.to(tl.int64) * stride_dom + do_offsets, offs_m, seqlen_q, offs_dv,
-                       HEAD_DIM_V, BLOCK_DV, MASKED)
+        do = load_block(do_desc, do_base, start_m, offs_local, stride_dom, offs_dv, seqlen_q, HEAD_DIM_V,
+                        BLOCK_DV, MASKED, TMA)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
             keep_t = keep_tile_transposed(row_keys(rng_head_key, offs_m, seed1), rng_cols, threshold)
@@ -118,14 +145,18 @@ def dkdv_query_range(dk, dv, k, v, q_base, do_base, lse2_base, delta_base, strid
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        ds_t = ds_t.to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+        if DQ_MODE != 0:
+            add_dq_share(dq_acc, dq_desc, ds_t, k, start_m, offs_m, offs_d, seqlen_q, sm_scale, stride_dqm,
+                         HEAD_DIM, BLOCK_D, DQ_MODE, DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left",
                                "window_right", "seed0", "seed1", "threshold", "stride_lb", "stride_lh"])
 def backward_dkdv_kernel(
-    Q, K, V, dOut, Lse2, Delta, dK, dV, Mask, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, dOut, Lse2, Delta, dK, dV, dQacc, Mask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -141,12 +172,14 @@ def backward_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False,
-    KEY_LENGTHS: tl.constexpr = False,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, DQ_MODE: tl.constexpr = 0,
+    VARLEN: tl.constexpr = False, KEY_LENGTHS: tl.constexpr = False,
 ):
     """dK (B, Hkv, Nk, D) and dV (B, Hkv, Nk, Dv) in the input dtype. Lse2 and Delta (B, Hq, Nq) fp32 from
-    the preprocess, by (stride_lb, stride_lh), rows contiguous. Grid: (B * Hkv * cdiv(Nk, BLOCK_N),).
-    VARLEN: packed sequences, as in the forward kernel (a key block past its sequence's end exits).
+    the preprocess, by (stride_lb, stride_lh), rows contiguous. With DQ_MODE 1 or 2, dQacc (B, Hq, Nq, D)
+    fp32 contiguous, zeroed, receives scale * dS K. Grid: (B * Hkv * cdiv(Nk, BLOCK_N),).
+    VARLEN: packed sequences, as in the forward kernel (a key block past its sequence's end exits; DQ_MODE 0).
     KEY_LENGTHS: keys past the batch entry's bound get dK = dV = 0 without visiting any query."""
     pid = tl.program_id(0)
     batch_head_kv = pid // num_n_blocks
@@ -193,30 +226,37 @@ def backward_dkdv_kernel(
         delta_base = Delta + row_base
         mask_base = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
         rng_head_key = head_key(batch_head, seed0)
+        q_desc = head_descriptor(q_base, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        do_desc = head_descriptor(do_base, seqlen_q, stride_dom, HEAD_DIM_V, BLOCK_M, BLOCK_DV, TMA)
+        dq_base = dQacc + batch_head.to(tl.int64) * seqlen_q * HEAD_DIM
+        dq_desc = head_descriptor(dq_base, seqlen_q, HEAD_DIM, HEAD_DIM, BLOCK_M, BLOCK_D, DQ_MODE == 2)
         # Query blocks above the causal diagonal / before the window's right edge: masked.
         if HAS_RIGHT:
             dk, dv = dkdv_query_range(
-                dk, dv, k, v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom, lo, full_lo,
+                dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_base, dq_desc, lse2_base, delta_base,
+                stride_qm, stride_dom, HEAD_DIM, lo, full_lo,
                 offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2,
                 dropout_scale, diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
                 rng_head_key, rng_cols, seed1, threshold,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
-                HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION)
+                HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION, TMA, WARP_SPECIALIZE, DQ_MODE, sm_scale)
         dk, dv = dkdv_query_range(
-            dk, dv, k, v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom, full_lo, full_hi,
+            dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_base, dq_desc, lse2_base, delta_base,
+                stride_qm, stride_dom, HEAD_DIM, full_lo, full_hi,
             offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2,
             dropout_scale, diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
             rng_head_key, rng_cols, seed1, threshold,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False, HAS_LEFT, HAS_RIGHT,
-            HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION)
+            HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION, TMA, WARP_SPECIALIZE, DQ_MODE, sm_scale)
         # The window's left edge, the ragged query end, the ragged key block: masked.
         dk, dv = dkdv_query_range(
-            dk, dv, k, v, q_base, do_base, lse2_base, delta_base, stride_qm, stride_dom, full_hi, hi,
+            dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_base, dq_desc, lse2_base, delta_base,
+                stride_qm, stride_dom, HEAD_DIM, full_hi, hi,
             offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2,
             dropout_scale, diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
             rng_head_key, rng_cols, seed1, threshold,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
-            HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION)
+            HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION, TMA, WARP_SPECIALIZE, DQ_MODE, sm_scale)
 
     dk = dk * sm_scale
     rows_ok = offs_n[:, None] < stored_keys

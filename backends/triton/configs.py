@@ -13,7 +13,10 @@ If a tile does not fit the device (Triton raises OutOfResources), the backend ha
 the result (see :func:`shrink`).
 
 ``MHATTN_TRITON_CONFIG``: ``"BM,BN,W,S"`` for all three kernels, or per kernel
-``"fwd=128,64,8,3;dkdv=64,128,8,2;dq=128,64,8,2"`` (BLOCK_M, BLOCK_N, num_warps, num_stages).
+``"fwd=128,64,8,3;dkdv=64,128,8,2;dq=128,64,8,2"`` (BLOCK_M, BLOCK_N, num_warps, num_stages). A tile may
+end in flags: ``tma`` (tiles loaded by the copy engine through tensor descriptors, sm_90+) and ``ws``
+(warp-specialised inner loops, sm_90+), e.g. ``"fwd=128,128,8,3,tma,ws"``; ``dq=atomic`` or ``dq=tma``
+instead of a dQ tile sums dQ inside the dK/dV kernel (see :data:`DQ_MODES`).
 """
 
 from __future__ import annotations
@@ -35,9 +38,24 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # Hopper paths (sm_90+): K/V (and Q/dO in the backward) loaded by the copy engine (TMA) through
+    # tensor descriptors built in the kernel; inner loops warp-specialised by Triton (a producer warp
+    # issues the copies, the others compute).
+    tma: bool = False
+    warp_specialize: bool = False
 
     def __str__(self):
-        return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}"
+        flags = (",tma" if self.tma else "") + (",ws" if self.warp_specialize else "")
+        return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}{flags}"
+
+
+# How the backward sums dQ:
+# - "separate": a dQ kernel per query block recomputes S and dP (7 matrix products in all, no atomics,
+#   bitwise reproducible);
+# - "atomic": the dK/dV kernel also forms dS K for each step and adds it into a float32 buffer with
+#   atomics (5 matrix products; the order of the additions varies between runs);
+# - "tma": as "atomic", with the copy engine's bulk reduce-add of the whole tile (sm_90+).
+DQ_MODES = ("separate", "atomic", "tma")
 
 
 @dataclass(frozen=True)
@@ -45,13 +63,23 @@ class AttentionConfig:
     forward: KernelConfig
     dkdv: KernelConfig
     dq: KernelConfig
+    dq_mode: str = "separate"
+
+    def __post_init__(self):
+        if self.dq_mode not in DQ_MODES:
+            raise ValueError(f"dq_mode must be one of {DQ_MODES}, got {self.dq_mode!r}")
 
     def __str__(self):
-        return f"fwd={self.forward};dkdv={self.dkdv};dq={self.dq}"
+        dq = self.dq_mode if self.dq_mode != "separate" else self.dq
+        return f"fwd={self.forward};dkdv={self.dkdv};dq={dq}"
+
+    def deterministic(self) -> "AttentionConfig":
+        """The same tiles with dQ summed by the separate kernel (no atomics)."""
+        return replace(self, dq_mode="separate")
 
 
-def _k(bm, bn, w, s):
-    return KernelConfig(bm, bn, w, s)
+def _k(bm, bn, w, s, tma=False, ws=False):
+    return KernelConfig(bm, bn, w, s, tma, ws)
 
 
 # (arch, dtype class, padded head dim, causal) -> AttentionConfig.
@@ -63,14 +91,18 @@ TABLE = {}
 
 
 def _fill_defaults():
-    # Hopper, 16-bit: measured on an H100 (benchmarks/dev_triton.py sweep, bf16, N = 4096, coordinate-wise).
-    for d in (16, 32, 64):
-        TABLE[("sm90", "half", d, False)] = AttentionConfig(_k(128, 64, 4, 3), _k(32, 64, 4, 2), _k(64, 64, 4, 3))
-        TABLE[("sm90", "half", d, True)] = AttentionConfig(_k(128, 64, 8, 3), _k(64, 128, 8, 2), _k(64, 64, 4, 3))
+    # Hopper, 16-bit: measured on an H100 (benchmarks/dev_triton.py sweep --hopper, bf16, N = 4096,
+    # coordinate-wise; backends/triton/NOTES.md, version 4). dK/dV tiles of 64 query rows (one wgmma M per
+    # warpgroup) with Q and dO through the copy engine gained 15-20% in the backward at d = 128; the forward
+    # gains from the copy engine only at d = 256; warp specialisation measured within noise and is not used.
     for causal in (False, True):
-        TABLE[("sm90", "half", 128, causal)] = AttentionConfig(_k(128, 128, 8, 3), _k(32, 128, 8, 2), _k(128, 64, 8, 3))
-        # d = 256: swept at N = 4096 (forward 504 / 433 TFLOP/s, backward 192 / 183 non-causal / causal).
-        TABLE[("sm90", "half", 256, causal)] = AttentionConfig(_k(128, 64, 8, 2), _k(64, 32, 8, 2), _k(128, 32, 8, 3))
+        for d in (16, 32, 64):
+            TABLE[("sm90", "half", d, causal)] = AttentionConfig(_k(128, 64, 4, 3), _k(64, 64, 4, 2, tma=True),
+                                                                 _k(64, 64, 4, 3))
+        TABLE[("sm90", "half", 128, causal)] = AttentionConfig(_k(128, 128, 8, 3), _k(64, 64, 4, 2, tma=True),
+                                                               _k(128, 64, 8, 3))
+        TABLE[("sm90", "half", 256, causal)] = AttentionConfig(_k(128, 64, 8, 2, tma=True), _k(64, 32, 4, 2, tma=True),
+                                                               _k(128, 32, 8, 3))
     # Ampere and the rest: conservative tiles that fit their shared memory (not measured here).
     for causal in (False, True):
         for d in (16, 32, 64):
@@ -108,14 +140,20 @@ def parse(text: str) -> AttentionConfig:
     """``"BM,BN,W,S"`` (all kernels) or ``"fwd=...;dkdv=...;dq=..."`` -> AttentionConfig."""
 
     def one(part: str) -> KernelConfig:
-        values = [int(x) for x in part.split(",")]
-        if len(values) != 4:
-            raise ValueError(f"{ENV_VAR}: expected BLOCK_M,BLOCK_N,num_warps,num_stages, got {part!r}")
+        items = [x.strip() for x in part.split(",")]
+        flags = [x for x in items[4:]]
+        unknown = sorted(set(flags) - {"tma", "ws"})
+        try:
+            values = [int(x) for x in items[:4]]
+        except ValueError:
+            values = []
+        if len(values) != 4 or unknown:
+            raise ValueError(f"{ENV_VAR}: expected BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,ws], got {part!r}")
         bm, bn, warps, stages = values
         for name, v in (("BLOCK_M", bm), ("BLOCK_N", bn)):
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{ENV_VAR}: {name} must be a power of two >= 16, got {v} in {text!r}")
-        return KernelConfig(bm, bn, warps, stages)
+        return KernelConfig(bm, bn, warps, stages, "tma" in flags, "ws" in flags)
 
     text = text.strip()
     if "=" not in text:
@@ -129,11 +167,15 @@ def parse(text: str) -> AttentionConfig:
         name = name.strip()
         if name not in ("fwd", "dkdv", "dq"):
             raise ValueError(f"{ENV_VAR}: kernel names are fwd, dkdv, dq; got {name!r} in {text!r}")
+        if name == "dq" and value.strip() in DQ_MODES[1:]:
+            parts["dq_mode"] = value.strip()
+            parts["dq"] = FALLBACK.dq  # the tile of the deterministic path, which still needs one
+            continue
         parts[name] = one(value)
     missing = {"fwd", "dkdv", "dq"} - set(parts)
     if missing:
         raise ValueError(f"{ENV_VAR}: missing {sorted(missing)} in {text!r}")
-    return AttentionConfig(parts["fwd"], parts["dkdv"], parts["dq"])
+    return AttentionConfig(parts["fwd"], parts["dkdv"], parts["dq"], parts.get("dq_mode", "separate"))
 
 
 _pinned: Optional[AttentionConfig] = parse(os.environ[ENV_VAR]) if os.environ.get(ENV_VAR) else None

@@ -14,6 +14,12 @@ The key range is split in three (see :func:`scores.query_major_ranges`): the ban
 end run the masked inner loop, the blocks in between run the same loop with masking compiled out.
 Grid: 1-D, (B * Hq * cdiv(Nq, BLOCK_M),), query blocks fastest so that neighbouring programs share
 their key/value head in L2; under a causal mask the longest query blocks of each head start first.
+
+On sm_90 two compile-time switches give the Hopper path (configs.KernelConfig): TMA loads K and V
+through tensor descriptors made in the kernel for this (batch, head), so the copy engine moves whole
+tiles into swizzled shared memory and zero-fills rows past the sequence end and columns past the head
+dim; WARP_SPECIALIZE lets Triton split each inner loop into a producer warp that issues the copies and
+consumer warps that compute.
 """
 
 import triton
@@ -61,7 +67,31 @@ def sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN: t
 
 
 @triton.jit
-def forward_key_range(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
+def load_block(desc, base, start, offs_local, stride, offs_cols, limit, COLS: tl.constexpr,
+               BLOCK_COLS: tl.constexpr, CHECK_ROWS: tl.constexpr, TMA: tl.constexpr):
+    """Rows [start, start + len(offs_local)) of one head's (rows, COLS) matrix: through the tensor
+    descriptor ``desc`` (TMA; out-of-range rows and columns read as 0) or by pointers from ``base``."""
+    if TMA:
+        return desc.load([start, 0])
+    else:
+        ptrs = base + start.to(tl.int64) * stride + offs_local[:, None] * stride + offs_cols[None, :]
+        return load_rows(ptrs, start + offs_local, limit, offs_cols, COLS, BLOCK_COLS, CHECK_ROWS)
+
+
+@triton.jit
+def head_descriptor(base, rows, stride, COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                    TMA: tl.constexpr):
+    """A tensor descriptor over one head's (rows, COLS) matrix with row stride ``stride``, loading
+    (BLOCK_ROWS, BLOCK_COLS) tiles; without TMA, the base pointer itself (loads go by pointers)."""
+    if TMA:
+        return tl.make_tensor_descriptor(base, shape=[rows, COLS], strides=[stride, 1],
+                                         block_shape=[BLOCK_ROWS, BLOCK_COLS])
+    else:
+        return base
+
+
+@triton.jit
+def forward_key_range(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_vn,
                       start, end, offs_m, offs_d, offs_dv, seqlen_q, seqlen_k,
                       qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left, window_right,
                       mask_base, stride_mq, stride_mk, rng_rows, threshold,
@@ -69,7 +99,7 @@ def forward_key_range(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
                       BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                       MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """The inner loop over key blocks [start, end): updates (acc, l_i, m_i) and returns them.
 
     acc (BLOCK_M, BLOCK_DV) fp32, l_i and m_i (BLOCK_M,) fp32, q (BLOCK_M, BLOCK_D) in the input dtype.
@@ -77,13 +107,12 @@ def forward_key_range(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
     the visibility mask; unmasked blocks are fully visible and load without checks.
     """
     offs_local = tl.arange(0, BLOCK_N)
-    k_offsets = offs_local[:, None] * stride_kn + offs_d[None, :]
-    v_offsets = offs_local[:, None] * stride_vn + offs_dv[None, :]
-    for start_n in range(start, end, BLOCK_N):
+    # Only the unmasked middle range is long enough for warp specialisation to pay.
+    for start_n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE and not MASKED):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_local
-        k = load_rows(k_base + start_n.to(tl.int64) * stride_kn + k_offsets, offs_n, seqlen_k, offs_d,
-                      HEAD_DIM, BLOCK_D, MASKED)
+        k = load_block(k_desc, k_base, start_n, offs_local, stride_kn, offs_d, seqlen_k, HEAD_DIM, BLOCK_D,
+                       MASKED, TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s2, _ = attention_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
                                  qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left, window_right,
@@ -100,8 +129,8 @@ def forward_key_range(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn,
         if HAS_DROPOUT:
             keep = keep_tile(rng_rows, column_hashes(offs_n), threshold)
             p = tl.where(keep, p, 0.0)
-        v = load_rows(v_base + start_n.to(tl.int64) * stride_vn + v_offsets, offs_n, seqlen_k, offs_dv,
-                      HEAD_DIM_V, BLOCK_DV, MASKED)
+        v = load_block(v_desc, v_base, start_n, offs_local, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, BLOCK_DV,
+                       MASKED, TMA)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -125,6 +154,7 @@ def attention_forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
     VARLEN: tl.constexpr = False, KEY_LENGTHS: tl.constexpr = False,
 ):
     """Q (B, Hq, Nq, D), K (B, Hkv, Nk, D), V (B, Hkv, Nk, Dv), Out (B, Hq, Nq, Dv): any strides, last
@@ -164,6 +194,8 @@ def attention_forward_kernel(
 
     q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
     q = load_rows(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    k_desc = head_descriptor(k_base, seqlen_k, stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    v_desc = head_descriptor(v_base, seqlen_k, stride_vn, HEAD_DIM_V, BLOCK_N, BLOCK_DV, TMA)
 
     rng_rows = offs_m.to(tl.uint32)
     if HAS_DROPOUT:
@@ -178,25 +210,28 @@ def attention_forward_kernel(
     # Left edge of a sliding window: masked.
     if HAS_LEFT:
         acc, l_i, m_i = forward_key_range(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, full_lo, offs_m, offs_d, offs_dv,
+            acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_vn, lo, full_lo,
+            offs_m, offs_d, offs_dv,
             seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left, window_right,
             mask_base, stride_mq, stride_mk, rng_rows, threshold,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            MASK_KIND, HAS_DROPOUT, DOT_PRECISION)
+            MASK_KIND, HAS_DROPOUT, DOT_PRECISION, TMA, WARP_SPECIALIZE)
     # Fully visible blocks: no masking.
     acc, l_i, m_i = forward_key_range(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full_lo, full_hi, offs_m, offs_d, offs_dv,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_vn, full_lo, full_hi,
+        offs_m, offs_d, offs_dv,
         seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left, window_right,
         mask_base, stride_mq, stride_mk, rng_rows, threshold,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-        MASK_KIND, HAS_DROPOUT, DOT_PRECISION)
+        MASK_KIND, HAS_DROPOUT, DOT_PRECISION, TMA, WARP_SPECIALIZE)
     # The causal diagonal / right edge of the window, and the ragged last key block: masked.
     acc, l_i, m_i = forward_key_range(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full_hi, hi, offs_m, offs_d, offs_dv,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_kn, stride_vn, full_hi, hi,
+        offs_m, offs_d, offs_dv,
         seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left, window_right,
         mask_base, stride_mq, stride_mk, rng_rows, threshold,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-        MASK_KIND, HAS_DROPOUT, DOT_PRECISION)
+        MASK_KIND, HAS_DROPOUT, DOT_PRECISION, TMA, WARP_SPECIALIZE)
 
     # Rows that saw no visible key have l = 0: output 0, lse -inf.
     empty = l_i == 0.0

@@ -28,11 +28,17 @@ def _check_packed(**tensors):
             raise ValueError(f"triton backend: {name} must have a contiguous last dim, got strides {tuple(t.stride())}")
 
 
+def _as_batch_view(t: torch.Tensor) -> torch.Tensor:
+    """A packed (total, H, D) tensor as the (1, H, total, D) view the backend's checks take."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
 def _launch_state(q, k, v, params):
-    """The backend's per-call scalars and flags (its _Launch) for packed tensors, seen as (1, H, total, D)."""
+    """The backend's per-call scalars and flags (its _Launch) for packed tensors. Its Hopper switches hold for
+    every sequence: the tensor descriptors start at a sequence's first row, aligned as the whole tensor's."""
     from mhattn.backends.triton.backend import _Launch
 
-    return _Launch(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), params)
+    return _Launch(*(_as_batch_view(t) for t in (q, k, v)), params)
 
 
 def forward(q, k, v, packing: Packing, params: AttentionParams):
@@ -61,8 +67,8 @@ def forward(q, k, v, packing: Packing, params: AttentionParams):
             heads_q, run.kv_group, packing.max_seqlen_q, packing.max_seqlen_k, num_m_blocks,
             run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale,
             *run.band(),
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAVY_FIRST=run.heavy_first, **run.flags(), VARLEN=True,
-            num_warps=tile.num_warps, num_stages=tile.num_stages,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAVY_FIRST=run.heavy_first, **run.flags(),
+            **run.hopper_flags(tile), VARLEN=True, num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
 
     with _OnDevice(q.device):
@@ -71,7 +77,8 @@ def forward(q, k, v, packing: Packing, params: AttentionParams):
 
 
 def backward(grad_out, q, k, v, out, lse, packing: Packing, params: AttentionParams, grad_lse=None):
-    """(dq, dk, dv) shaped like q, k, v (see Backend.backward_varlen)."""
+    """(dq, dk, dv) shaped like q, k, v (see Backend.backward_varlen). dQ comes from its own kernel (the dK/dV
+    kernel's DQ_MODE stays 0, so no dQ accumulator: ``delta`` fills that argument)."""
     from mhattn.backends.triton.backend import _OnDevice, _run, kernels, triton_cdiv
 
     _check_packed(q=q, k=k, v=v, out=out, grad_out=grad_out)
@@ -103,13 +110,14 @@ def backward(grad_out, q, k, v, out, lse, packing: Packing, params: AttentionPar
         def launch_dkdv(tile):
             num_n_blocks = triton_cdiv(packing.max_seqlen_k, tile.block_n)
             backward_module.backward_dkdv_kernel[(packing.batch * heads_kv * num_n_blocks,)](
-                q, k, v, grad_out, lse2, delta, dk, dv, q, packing.cu_seqlens_q, packing.cu_seqlens_k,
+                q, k, v, grad_out, lse2, delta, dk, dv, delta, q, packing.cu_seqlens_q, packing.cu_seqlens_k,
                 *_packed_strides(q), *_packed_strides(k), *_packed_strides(v), *_packed_strides(grad_out),
                 *_packed_strides(dk), *_packed_strides(dv), 0, 0, 0, 0, 0, delta.stride(0),
                 heads_q, heads_kv, run.kv_group, packing.max_seqlen_q, packing.max_seqlen_k, num_n_blocks,
                 run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
                 *run.band(),
-                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **run.flags(), VARLEN=True,
+                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **run.flags(),
+                **run.hopper_flags(tile, _as_batch_view(grad_out)), VARLEN=True,
                 num_warps=tile.num_warps, num_stages=tile.num_stages,
             )
 

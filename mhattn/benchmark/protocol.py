@@ -220,6 +220,46 @@ class SdpaImplementation(Implementation):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
+class FlexImplementation(Implementation):
+    """torch's FlexAttention: ``flex_attention`` under ``torch.compile`` (Inductor generates Triton kernels),
+    with a causal block mask built once per shape. The first call of a shape compiles (tens of seconds)."""
+
+    family = "flex"
+
+    def __init__(self):
+        self.name = "flex"
+        self.description = "torch FlexAttention (torch.compile'd flex_attention, causal BlockMask)"
+        self._compiled = None
+        self._block_masks = {}
+
+    def unsupported(self, q, k, v, causal):
+        try:
+            import torch.nn.attention.flex_attention  # noqa: F401
+        except ImportError as error:
+            return [f"torch {torch.__version__} has no FlexAttention ({error})"]
+        if q.device.type != "cuda":
+            return ["runs on CUDA tensors here (its CPU path is not a peer of the GPU kernels)"]
+        return []
+
+    def _block_mask(self, q, k):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        key = (q.shape[-2], k.shape[-2], q.device)
+        if key not in self._block_masks:
+            def causal_mask(b, h, q_idx, kv_idx):
+                return q_idx >= kv_idx
+
+            self._block_masks[key] = create_block_mask(causal_mask, None, None, key[0], key[1], device=q.device)
+        return self._block_masks[key]
+
+    def __call__(self, q, k, v, causal):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if self._compiled is None:
+            self._compiled = torch.compile(flex_attention, dynamic=False)
+        return self._compiled(q, k, v, block_mask=self._block_mask(q, k) if causal else None)
+
+
 # Peers of PERFORMANCE.md: name -> (SDPBackend member, description). sdpa-math is available on request.
 SDPA_PEERS = {
     "sdpa-flash": ("FLASH_ATTENTION", "PyTorch SDPA, FlashAttention-2 kernel"),
@@ -227,10 +267,11 @@ SDPA_PEERS = {
     "sdpa-efficient": ("EFFICIENT_ATTENTION", "PyTorch SDPA, memory-efficient (xFormers-derived) kernel"),
     "sdpa-math": ("MATH", "PyTorch SDPA, math path (materialises S and P)"),
 }
-# Peers taken when no --impl filter is given (sdpa-math duplicates the naive reference).
+# Peers taken when no --impl filter is given (sdpa-math duplicates the naive reference; flex on request,
+# its first call of every shape compiles).
 DEFAULT_SDPA_PEERS = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
-# The peers every ratio column is computed against.
-RATIO_PEERS = ("sdpa-flash", "sdpa-cudnn")
+# The peers every ratio column is computed against (those present in the run).
+RATIO_PEERS = ("sdpa-flash", "sdpa-cudnn", "flex")
 
 
 def implementations() -> dict:
@@ -250,6 +291,8 @@ def implementations() -> dict:
         if name in table:  # a third-party mhattn backend with a peer's name keeps its own name
             continue
         table[name] = SdpaImplementation(name, member, description)
+    if "flex" not in table:
+        table["flex"] = FlexImplementation()
     if reference is not None:
         table[reference.name] = reference
     return table

@@ -1,0 +1,140 @@
+"""Ahead-of-time compilation of the Triton kernels for a GPU target, with no GPU present.
+
+``mhattn build --arch sm_90a`` compiles, through Triton's own compiler for an explicit target, every kernel
+that the configuration table (configs.py) launches on that architecture: the forward, the dK/dV and the dQ
+kernel of each (head dim, causal) entry, with their copy-engine (TMA) and dQ-mode switches. CI runs a
+sample of it so a kernel that no longer compiles for Hopper fails on a machine without a GPU. The
+development harness (benchmarks/dev_triton.py) reads registers, shared memory and spills from the same
+compiled objects.
+
+Strides get the divisibility-16 hint that the JIT adds for aligned shapes, so what compiles here is what
+the launches on the protocol's shapes compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mhattn.backends.triton import configs
+
+# Kernel arguments that are pointers (float32 ones listed apart), floats; every other argument is an int32.
+POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", "dV", "dQ", "dMask", "GradLse",
+            "dQacc", "OutSplit", "LseSplit"}
+FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "dQacc", "OutSplit", "LseSplit"}
+# int32 index pointers: cu_seqlens of packed sequences, key bounds of key padding masks (varlen_launch.py,
+# key_padding.py), a KV cache's lengths and block table (decode.py).
+INT32_POINTERS = {"CuSeqlensQ", "CuSeqlensK", "Seqlens", "BlockTable"}
+FLOATS = {"qk_scale2", "softcap_in2", "softcap_out2", "dropout_scale", "sm_scale"}
+KINDS = ("fwd", "dkdv", "dq")
+# "sm_90a" is Hopper with its architecture-specific instructions (wgmma); Triton emits those for 9.0 itself.
+ARCHS = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90, "sm_90a": 90}
+
+
+@dataclass(frozen=True)
+class KernelTask:
+    """One kernel to compile: which kernel, for which problem class and tile."""
+
+    kind: str            # "fwd", "dkdv" or "dq"
+    head_dim: int
+    causal: bool
+    tile: configs.KernelConfig
+    dq_mode: int = 0     # dK/dV kernel only: 0 separate dQ kernel, 1 atomics, 2 bulk reduce-add
+    dtype: str = "bf16"
+    flags: tuple = ()    # (name, value) pairs overriding compile-time flags, e.g. (("VARLEN", True),)
+
+    @property
+    def label(self) -> str:
+        mode = f" dq={configs.DQ_MODES[self.dq_mode]}" if self.kind == "dkdv" else ""
+        flags = "".join(f" {name}={value}" for name, value in self.flags)
+        return f"{self.kind} d={self.head_dim} causal={int(self.causal)} tile={self.tile}{mode} {self.dtype}{flags}"
+
+
+def _kernel_function(kind: str):
+    from mhattn.backends.triton import backward, decode, forward
+
+    return {"fwd": forward.attention_forward_kernel, "dkdv": backward.backward_dkdv_kernel,
+            "dq": backward.backward_dq_kernel, "splitkv": decode.split_kv_kernel}[kind]
+
+
+def _constexprs(task: KernelTask) -> dict:
+    padded = configs.padded_head_dim(task.head_dim)
+    values = dict(HEAD_DIM=task.head_dim, HEAD_DIM_V=task.head_dim, BLOCK_D=padded, BLOCK_DV=padded,
+                  BLOCK_M=task.tile.block_m, BLOCK_N=task.tile.block_n, HAS_LEFT=False, HAS_RIGHT=task.causal,
+                  HAS_SOFTCAP=False, MASK_KIND=0, HAS_DROPOUT=False, DOT_PRECISION="tf32")
+    if task.kind in ("fwd", "dq"):
+        values["HEAVY_FIRST"] = task.causal
+    if task.kind == "dq":
+        values["MASK_GRAD"] = False
+    if task.kind in ("fwd", "dkdv"):
+        values.update(TMA=task.tile.tma, WARP_SPECIALIZE=task.tile.warp_specialize)
+    if task.kind == "dkdv":
+        values["DQ_MODE"] = task.dq_mode
+    if task.kind == "splitkv":  # the split-KV decoding kernel (decode.py): no mask, no dropout, a cache or not
+        for name in ("MASK_KIND", "HAS_DROPOUT"):
+            del values[name]
+        values.update(HAS_SEQLENS=False, PAGED=False, PAGE_SIZE=1, SPLIT=True)
+    values.update(dict(task.flags))
+    return values
+
+
+def compile_kernel(task: KernelTask, cc: int = 90):
+    """Triton's compiled kernel for ``task`` on compute capability ``cc`` (e.g. 90); raises on failure."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _kernel_function(task.kind)
+    constexprs = _constexprs(task)
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in INT32_POINTERS:
+            signature[name] = "*i32"
+        elif name in POINTERS:
+            signature[name] = "*fp32" if name in FP32_POINTERS else "*" + task.dtype
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in FLOATS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride_") and not name.endswith(("mq", "mk")):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", cc, 32),
+                          options=dict(num_warps=task.tile.num_warps, num_stages=task.tile.num_stages))
+
+
+def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
+    """Every kernel the table launches for 16-bit inputs on ``arch`` (sm_90a: only the entries that use the
+    Hopper switches, i.e. what differs from plain sm_90 code)."""
+    cc = ARCHS.get(arch)
+    if cc is None:
+        raise ValueError(f"--arch: unknown architecture {arch!r}; known: {', '.join(ARCHS)}")
+    hopper_only = arch == "sm_90a"
+    tasks = []
+    for head_dim in head_dims:
+        for causal in (False, True):
+            config = configs.table_config((cc // 10, cc % 10), _torch_dtype("bf16"), head_dim, causal)
+            dq_mode = configs.DQ_MODES.index(config.dq_mode)
+            for kind, tile in (("fwd", config.forward), ("dkdv", config.dkdv), ("dq", config.dq)):
+                if hopper_only and not (tile.tma or tile.warp_specialize or (kind == "dkdv" and dq_mode)):
+                    continue
+                tasks.append(KernelTask(kind, head_dim, causal, tile, dq_mode if kind == "dkdv" else 0))
+    return tasks
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def compile_task(job):
+    """For a process pool: (task, cc) -> (label, error or None)."""
+    task, cc = job
+    try:
+        compile_kernel(task, cc)
+        return task.label, None
+    except Exception as error:  # one failing kernel must not hide the others
+        return task.label, f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:500]}"

@@ -1,0 +1,448 @@
+"""Context parallelism: attention over a sequence sharded across the ranks of a ``torch.distributed`` group.
+
+:func:`ring_attention` keeps each rank's queries in place and passes the key/value shards around a ring
+of ranks. At step ``s`` rank ``r`` holds the keys and values of rank ``(r - s) mod W`` and runs the local
+attention of its queries against them on an mhattn backend (with ``return_lse``'s log-sum-exp); the
+partial outputs are merged by their log-sum-exp into the result of attention over the whole sequence.
+The backward walks the same ring: every rank forms its queries' gradient contributions for the visiting
+shard (from the merged output and log-sum-exp, as a single-device backward does), and the dK/dV
+accumulators travel around the ring with the shards until they come home.
+
+Communication is point to point (``torch.distributed.batch_isend_irecv``: NCCL on GPUs, gloo on the CPU).
+The next step's exchange starts before the current step's attention, on a side CUDA stream, so it runs
+while the kernels compute.
+
+Layouts (how the global sequence of N = W * N_local tokens maps to ranks), see :func:`shard_sequence`:
+
+- ``"contiguous"``: rank r holds tokens [r * N_local, (r + 1) * N_local).
+- ``"zigzag"``: the sequence is cut into 2W equal chunks and rank r holds chunks r and 2W - 1 - r, in
+  that order. With causal attention every rank then does the same work; with "contiguous" the last rank
+  does 2W - 1 times the work of the first.
+
+Causal attention per step (the global mask, seen from one (query shard, key shard) pair):
+
+- contiguous: keys of an earlier rank are all visible, the rank's own keys are causal (top-left aligned),
+  keys of a later rank are skipped.
+- zigzag (chunks of C = N_local / 2 tokens; both halves of a shard are in global order, so within a shard
+  the global causal mask is the local top-left causal mask): own keys causal; keys of an earlier rank s:
+  chunk s is before both query chunks and chunk 2W - 1 - s after both, so every query sees the first half
+  of the keys only; keys of a later rank s: chunk s and 2W - 1 - s both lie between the query chunks, so
+  the second half of the queries sees all keys and the first half sees none. Every step but the diagonal
+  is then a non-causal call of C x 2C or 2C x C: balanced, and no offset mask is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mhattn import dispatch
+from mhattn.backends.base import AttentionParams
+from mhattn.errors import InputError
+from mhattn.functional import _prepare
+from mhattn.problem import Problem
+
+LAYOUTS = ("contiguous", "zigzag")
+
+__all__ = ["ring_attention", "shard_sequence", "gather_sequence", "LAYOUTS"]
+
+
+# ---- layouts -----------------------------------------------------------------------------------------
+
+
+def _check_layout(layout) -> str:
+    if layout not in LAYOUTS:
+        raise InputError(f"layout must be one of {', '.join(repr(name) for name in LAYOUTS)}, got {layout!r}")
+    return layout
+
+
+def _chunks_of_rank(layout: str, rank: int, world: int) -> tuple:
+    """Indices of the global chunks rank ``rank`` holds, in its local order. The sequence is cut into
+    ``world`` chunks for "contiguous" and ``2 * world`` for "zigzag"."""
+    if layout == "contiguous":
+        return (rank,)
+    return (rank, 2 * world - 1 - rank)
+
+
+def _chunk_count(layout: str, world: int) -> int:
+    return world if layout == "contiguous" else 2 * world
+
+
+def _group_rank_and_size(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise InputError("group: torch.distributed is not initialised (call torch.distributed.init_process_group "
+                         "first, e.g. under torchrun)")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise InputError("group: this process is not a member of the group it passed")
+    return rank, dist.get_world_size(group)
+
+
+def _seq_dim(x: torch.Tensor, dim: int, arg: str) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"{arg} must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise InputError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for {arg} of shape {tuple(x.shape)}, "
+                         f"got {dim!r}")
+    return dim % x.dim()
+
+
+def _local_part(x: torch.Tensor, dim: int, layout: str, rank: int, world: int) -> torch.Tensor:
+    """The part of the full tensor ``x`` that rank ``rank`` of ``world`` holds (no communication)."""
+    chunk = x.shape[dim] // _chunk_count(layout, world)
+    parts = [x.narrow(dim, c * chunk, chunk) for c in _chunks_of_rank(layout, rank, world)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _from_parts(parts, dim: int, layout: str) -> torch.Tensor:
+    """The full tensor from every rank's local part (``parts[r]`` from rank r)."""
+    world = len(parts)
+    pieces = [None] * _chunk_count(layout, world)
+    for rank, part in enumerate(parts):
+        chunks = _chunks_of_rank(layout, rank, world)
+        for c, piece in zip(chunks, part.chunk(len(chunks), dim)):
+            pieces[c] = piece
+    return torch.cat(pieces, dim)
+
+
+def shard_sequence(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int = -2) -> torch.Tensor:
+    """This rank's shard of the full sequence ``x`` (every rank passes the same full tensor).
+
+    Args:
+        x: any shape and dtype; the sequence runs along ``dim`` (default -2, as in (B, H, N, D)). Its
+            length N must be a multiple of W (the group size) for "contiguous" and of 2W for "zigzag".
+        group: the process group (default: the world group).
+        layout: "contiguous" (rank r holds tokens [r * N / W, (r + 1) * N / W)) or "zigzag" (N cut into
+            2W chunks, rank r holds chunks r and 2W - 1 - r, concatenated in that order).
+        dim: the sequence dim.
+
+    Returns:
+        x's shape with N / W along ``dim``, x's dtype and device: a view for "contiguous", a new tensor for
+        "zigzag". Differentiable (it is indexing).
+    """
+    layout = _check_layout(layout)
+    dim = _seq_dim(x, dim, "x")
+    rank, world = _group_rank_and_size(group)
+    parts = _chunk_count(layout, world)
+    if x.shape[dim] % parts:
+        raise InputError(f"x has {x.shape[dim]} tokens along dim {dim}: layout {layout!r} over {world} ranks needs "
+                         f"a multiple of {parts}")
+    return _local_part(x, dim, layout, rank, world)
+
+
+def gather_sequence(x_local: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int = -2) -> torch.Tensor:
+    """The full sequence from every rank's shard: the inverse of :func:`shard_sequence` (an all-gather).
+
+    Args:
+        x_local: this rank's shard; the same shape, dtype and device on every rank of ``group``.
+        group, layout, dim: as for :func:`shard_sequence`.
+
+    Returns:
+        x_local's shape with W times its length along ``dim``, on every rank. Not differentiable (for
+        results and checks; gradients of a sharded model stay sharded).
+    """
+    layout = _check_layout(layout)
+    dim = _seq_dim(x_local, dim, "x_local")
+    rank, world = _group_rank_and_size(group)
+    if layout == "zigzag" and x_local.shape[dim] % 2:
+        raise InputError(f"x_local has {x_local.shape[dim]} tokens along dim {dim}: layout 'zigzag' needs an even "
+                         "local length (two equal chunks)")
+    contiguous = x_local.detach().contiguous()
+    parts = [torch.empty_like(contiguous) for _ in range(world)]
+    dist.all_gather(parts, contiguous, group=group)
+    return _from_parts(parts, dim, layout)
+
+
+# ---- which (query rows, key rows) pairs each ring step computes --------------------------------------
+
+
+@dataclass(frozen=True)
+class Block:
+    """One local attention call of a ring step: rows of the local queries against rows of the visiting
+    key/value shard, causal (top-left aligned within the two slices) or not."""
+
+    q_rows: slice
+    kv_rows: slice
+    causal: bool
+
+
+def step_blocks(layout: str, rank: int, source: int, n_local: int, is_causal: bool) -> tuple:
+    """The :class:`Block` calls of rank ``rank`` at the step where it holds the keys of rank ``source``
+    (the module docstring derives them). An empty tuple: nothing to compute at this step."""
+    every = slice(0, n_local)
+    if not is_causal:
+        return (Block(every, every, False),)
+    if source == rank:
+        return (Block(every, every, True),)
+    if layout == "contiguous":
+        return (Block(every, every, False),) if source < rank else ()
+    half = n_local // 2
+    if source < rank:  # chunk `source` precedes both query chunks, chunk 2W-1-source follows both
+        return (Block(every, slice(0, half), False),)
+    return (Block(slice(half, n_local), every, False),)  # both key chunks lie between the query chunks
+
+
+# ---- the ring ----------------------------------------------------------------------------------------
+
+
+class PeerRing:
+    """Point-to-point exchange around the ranks of a group: send a buffer to the next rank, receive the
+    previous rank's into another, with ``batch_isend_irecv`` (on a side stream for CUDA tensors)."""
+
+    def __init__(self, group=None, device: Optional[torch.device] = None):
+        self.group = group
+        self.rank, self.size = _group_rank_and_size(group)
+        whole = group if group is not None else dist.group.WORLD
+        self.next_peer = dist.get_global_rank(whole, (self.rank + 1) % self.size)
+        self.prev_peer = dist.get_global_rank(whole, (self.rank - 1) % self.size)
+        self.stream = None
+        if device is not None and device.type == "cuda":
+            self.stream = _side_stream(device)
+
+    def start(self, send: torch.Tensor, recv: torch.Tensor) -> "_Pending":
+        """Start sending ``send`` to the next rank and receiving the previous rank's into ``recv``.
+
+        Call ``.wait()`` on the result before reading ``recv`` or writing ``send``. Both buffers must be
+        free now: the exchange is ordered after all work already queued on the current stream."""
+        if self.size == 1:
+            recv.copy_(send)
+            return _Pending([])
+        ops = [dist.P2POp(dist.isend, send, self.next_peer, self.group),
+               dist.P2POp(dist.irecv, recv, self.prev_peer, self.group)]
+        if self.stream is None:
+            return _Pending(dist.batch_isend_irecv(ops))
+        self.stream.wait_stream(torch.cuda.current_stream(send.device))
+        with torch.cuda.stream(self.stream):
+            works = dist.batch_isend_irecv(ops)
+        return _Pending(works)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+class _Pending:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> None:
+        """Block the host (gloo) or the current CUDA stream (NCCL) until the exchange is complete."""
+        for work in self.works:
+            work.wait()
+
+
+class _Travelling:
+    """A buffer that moves one rank along the ring per step: ``current`` is what this rank holds now;
+    ``pass_on()`` starts sending it to the next rank while receiving the previous rank's into a spare
+    buffer, ``arrive()`` waits for that exchange and makes the received buffer ``current``."""
+
+    def __init__(self, ring, current: torch.Tensor):
+        self.ring, self.current, self.spare, self.pending = ring, current, None, None
+
+    def pass_on(self) -> None:
+        if self.spare is None:
+            self.spare = torch.empty_like(self.current)
+        self.pending = self.ring.start(self.current, self.spare)
+
+    def arrive(self) -> torch.Tensor:
+        self.pending.wait()
+        self.pending = None
+        self.current, self.spare = self.spare, self.current
+        return self.current
+
+
+# ---- packing K and V into one buffer (one message per step) ------------------------------------------
+
+
+def _pack(tensors, dtype=None) -> torch.Tensor:
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype or tensors[0].dtype, device=tensors[0].device)
+    for view, t in zip(_unpack(flat, [t.shape for t in tensors]), tensors):
+        view.copy_(t)
+    return flat
+
+
+def _unpack(flat: torch.Tensor, shapes) -> list:
+    views, start = [], 0
+    for shape in shapes:
+        count = torch.Size(shape).numel()
+        views.append(flat[start:start + count].view(shape))
+        start += count
+    return views
+
+
+# ---- local attention calls ---------------------------------------------------------------------------
+
+
+def _block_call(block: Block, q, k, v, scale: float, request):
+    """(backend, params, q rows, k rows, v rows) of one block."""
+    q_b, k_b, v_b = q[:, :, block.q_rows], k[:, :, block.kv_rows], v[:, :, block.kv_rows]
+    params = AttentionParams(scale=scale, window_right=0 if block.causal else None)
+    problem = Problem.from_tensors(q_b, k_b, v_b, params, causal=block.causal, window=False)
+    backend = dispatch.select(problem, *request)
+    return backend, params, q_b, k_b, v_b
+
+
+def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_block: torch.Tensor, lse_block: torch.Tensor) -> None:
+    """Fold one block's attention into the accumulators (in place), giving attention over both key sets:
+    lse := log(e^lse_acc + e^lse_block), out_acc := out_acc e^(lse_acc_old - lse) + out_block e^(lse_block - lse).
+    Rows that see no key in either part (both -inf) stay 0 / -inf."""
+    lse_block = lse_block.to(lse_acc.dtype)
+    merged = torch.logaddexp(lse_acc, lse_block)
+    old_weight = torch.exp(lse_acc - merged).nan_to_num_(0.0).unsqueeze(-1)
+    new_weight = torch.exp(lse_block - merged).nan_to_num_(0.0).unsqueeze(-1)
+    out_acc.mul_(old_weight).add_(out_block.to(out_acc.dtype) * new_weight)
+    lse_acc.copy_(merged)
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _RingAttention(torch.autograd.Function):
+    """q (B, Hq, n, D), k (B, Hkv, n, D), v (B, Hkv, n, Dv): this rank's shard (4-D, last dim contiguous).
+    ``steps[s]``: the blocks of step s, where the ring holds the shard of rank (rank - s) mod W.
+    Returns out (B, Hq, n, Dv) in q's dtype and lse (B, Hq, n) float32 (float64 for float64 inputs)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring, steps, scale, request):
+        acc = _accumulate_dtype(q.dtype)
+        out_acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
+        lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        shapes = (k.shape, v.shape)
+        kv = _Travelling(ring, _pack((k, v)))
+        for step, blocks in enumerate(steps):
+            last = step + 1 == len(steps)
+            if not last:
+                kv.pass_on()  # the next step's shard moves while this step computes
+            k_s, v_s = _unpack(kv.current, shapes)
+            for block in blocks:
+                backend, params, q_b, k_b, v_b = _block_call(block, q, k_s, v_s, scale, request)
+                out_b, lse_b = backend.forward(q_b, k_b, v_b, params)
+                _merge(out_acc[:, :, block.q_rows], lse_acc[:, :, block.q_rows], out_b, lse_b)
+            if not last:
+                kv.arrive()
+        out = out_acc.to(q.dtype)
+        lse = lse_acc.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        ctx.set_materialize_grads(False)  # an unused lse (the usual case) sends no gradient
+        ctx.ring, ctx.steps, ctx.scale, ctx.request = ring, steps, scale, request
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, steps = ctx.ring, ctx.steps
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        acc = _accumulate_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        shapes = (k.shape, v.shape)
+        kv = _Travelling(ring, _pack((k, v)))
+        # The dK/dV accumulator of the visiting shard: it travels with the shard, one step behind, and
+        # reaches its owner after the last step. Summed in float32 (float64) as it goes.
+        dkv = _Travelling(ring, torch.zeros(kv.current.numel(), dtype=acc, device=q.device))
+        for step, blocks in enumerate(steps):
+            last = step + 1 == len(steps)
+            if not last:
+                kv.pass_on()
+            k_s, v_s = _unpack(kv.current, shapes)
+            grads = []
+            for block in blocks:
+                backend, params, q_b, k_b, v_b = _block_call(block, q, k_s, v_s, ctx.scale, ctx.request)
+                rows = block.q_rows
+                dq_b, dk_b, dv_b, _ = backend.backward(
+                    grad_out[:, :, rows], q_b, k_b, v_b, out[:, :, rows], lse[:, :, rows], params,
+                    grad_lse=None if grad_lse is None else grad_lse[:, :, rows])
+                dq[:, :, rows] += dq_b
+                grads.append((block.kv_rows, dk_b, dv_b))
+            if step > 0:
+                dkv.arrive()  # this shard's accumulator from the previous rank
+            dk_acc, dv_acc = _unpack(dkv.current, shapes)
+            for kv_rows, dk_b, dv_b in grads:
+                dk_acc[:, :, kv_rows] += dk_b
+                dv_acc[:, :, kv_rows] += dv_b
+            dkv.pass_on()  # after the last step this sends each accumulator to its owner
+            if not last:
+                kv.arrive()
+        dk, dv = _unpack(dkv.arrive(), shapes)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    layout: str = "contiguous",
+    return_lse: bool = False,
+    backend: Optional[str] = None,
+):
+    """Attention over a sequence sharded across the ranks of ``group``, differentiable.
+
+    Every rank passes its shard (:func:`shard_sequence` cuts one); the result on each rank is the rows of
+    ``mhattn.attention(q_full, k_full, v_full, is_causal=..., ...)`` that belong to its shard, and the
+    gradients of q, k, v are those rows' gradients likewise.
+
+    Args:
+        q: (B, Hq, N_local, D), or (..., Hq, N_local, D) with any leading dims; float16, bfloat16, float32
+            or float64 (what the backend takes).
+        k: (B, Hkv, N_local, D), same dtype and device. v: (B, Hkv, N_local, Dv).
+            N_local and every other dim must be the same on every rank (not checked: a mismatch fails or
+            hangs inside the exchange).
+        group: the process group whose ranks hold the shards, in rank order (default: the world group).
+            Its backend moves the shards: NCCL for CUDA tensors, gloo for CPU tensors.
+        is_causal: causal over the global sequence (token i sees tokens j <= i).
+        scale: score scale; default 1 / sqrt(D).
+        enable_gqa: allow Hq to be a multiple of Hkv (K and V are never repeated).
+        layout: "contiguous" or "zigzag" (see :func:`shard_sequence`); zigzag needs an even N_local.
+        return_lse: also return the log-sum-exp over the whole sequence (..., Hq, N_local), float32 (float64
+            for float64 inputs); its gradient is supported.
+        backend: the mhattn backend that runs the local attention (as ``mhattn.attention``'s argument).
+
+    Returns:
+        (..., Hq, N_local, Dv) in q's dtype; with ``return_lse`` a tuple ``(out, lse)``.
+    """
+    layout = _check_layout(layout)
+    if not isinstance(is_causal, bool):
+        raise InputError(f"is_causal must be a bool, got {is_causal!r}")
+    call = _prepare(q, k, v, None, 0.0, False, scale, enable_gqa, None, None)
+    if call.q.shape[-2] != call.k.shape[-2]:
+        raise InputError(f"q and k must hold the same tokens of the sequence: N_local {call.q.shape[-2]} for q, "
+                         f"{call.k.shape[-2]} for k")
+    n_local = call.q.shape[-2]
+    if layout == "zigzag" and n_local % 2:
+        raise InputError(f"layout 'zigzag' holds two equal chunks per rank: N_local must be even, got {n_local}")
+    rank, world = _group_rank_and_size(group)
+    comm_backend = str(dist.get_backend(group)).lower()
+    if comm_backend == "nccl" and call.q.device.type != "cuda":
+        raise InputError(f"group uses NCCL, which moves CUDA tensors only; q is on {call.q.device}")
+    request = dispatch.requested(backend)
+    ring = PeerRing(group, call.q.device)
+    out, lse = _run_ring(call.q, call.k, call.v, ring, layout, is_causal, call.scale, request)
+    out = out.reshape(call.out_shape)
+    if return_lse:
+        return out, lse.reshape(call.out_shape[:-1])
+    return out
+
+
+def _run_ring(q, k, v, ring, layout, is_causal, scale, request):
+    """The ring on canonical 4-D tensors with a given ring object (``PeerRing``, or a stand-in with the
+    same ``rank``, ``size`` and ``start(send, recv)`` for timing the computation alone)."""
+    n_local = q.shape[-2]
+    steps = [step_blocks(layout, ring.rank, (ring.rank - s) % ring.size, n_local, is_causal)
+             for s in range(ring.size)]
+    return _RingAttention.apply(q, k, v, ring, steps, scale, request)
