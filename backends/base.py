@@ -1,8 +1,10 @@
-"""The backend contract: capabilities declared as data, reasons as sentences, one forward and one backward.
+"""The backend contract: capabilities declared as data, reasons as sentences, one forward and one backward
+per operation.
 
 Every backend (built-in or third-party) subclasses :class:`Backend`. The dispatcher only ever calls
-``unsupported(problem)``, ``forward`` and ``backward``; the conformance suite generates its cases from
-``capabilities``. A backend never sees the module, the masks in their user-facing forms or the
+``unsupported(problem)`` and the entry point of the problem's operation (``forward``/``backward`` for
+dense attention, ``forward_kvcache`` for attention over a KV cache, ``forward_varlen``/``backward_varlen``
+for packed variable-length batches); the conformance suite generates its cases from ``capabilities``. A backend never sees the module, the masks in their user-facing forms or the
 environment: it receives canonical tensors and an :class:`AttentionParams`.
 """
 
@@ -28,6 +30,14 @@ FEATURES = (
     "value_dim",       # value head dim different from the query/key head dim
 )
 
+# Operations (entry points) a backend may implement; Capabilities.operations lists the ones it does.
+OPERATIONS = (
+    "attention",       # forward / backward: dense (B, H, N, D) attention (every backend)
+    "kvcache",         # forward_kvcache with a contiguous (B, Hkv, Nmax, D) cache
+    "paged_kvcache",   # forward_kvcache with a paged (num_blocks, Hkv, block_size, D) cache and a block table
+    "varlen",          # forward_varlen / backward_varlen: packed sequences described by cu_seqlens
+)
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -40,11 +50,15 @@ class Capabilities:
     # Lowest CUDA compute capability (major, minor); None when not a CUDA backend.
     min_compute_capability: Optional[tuple] = (8, 0)
     features: frozenset = frozenset()
+    operations: frozenset = frozenset({"attention"})
 
     def __post_init__(self):
         unknown = set(self.features) - set(FEATURES)
         if unknown:
             raise ValueError(f"Capabilities.features: unknown feature names {sorted(unknown)}; known: {FEATURES}")
+        unknown = set(self.operations) - set(OPERATIONS)
+        if unknown:
+            raise ValueError(f"Capabilities.operations: unknown names {sorted(unknown)}; known: {OPERATIONS}")
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,53 @@ class AttentionParams:
 
     def replace(self, **changes) -> "AttentionParams":
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """The key/value cache of one ``forward_kvcache`` call, new tokens already written into it.
+
+    Contiguous: ``k`` (B, Hkv, Nmax, D), ``v`` (B, Hkv, Nmax, Dv), ``block_table`` None.
+    Paged: ``k`` (num_blocks, Hkv, block_size, D), ``v`` (num_blocks, Hkv, block_size, Dv) and
+    ``block_table`` (B, max_blocks) int32: key j of sequence b lives in block ``block_table[b, j // block_size]``
+    at row ``j % block_size``. ``seqlens`` (B,) int32: the number of keys sequence b attends over (cached plus
+    new), validated to fit the cache. Last dims contiguous; other strides as they come.
+    """
+
+    k: torch.Tensor = field(compare=False)
+    v: torch.Tensor = field(compare=False)
+    seqlens: torch.Tensor = field(compare=False)
+    block_table: Optional[torch.Tensor] = field(default=None, compare=False)
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+    @property
+    def capacity(self) -> int:
+        """The most keys any sequence can hold (Nmax, or max_blocks * block_size)."""
+        if self.block_table is None:
+            return self.k.shape[2]
+        return self.block_table.shape[1] * self.k.shape[2]
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How a varlen batch is packed: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1
+    of q (total_q, Hq, D), its keys rows cu_seqlens_k[b] .. cu_seqlens_k[b+1] - 1 of k and v.
+
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` (B + 1,) int32 prefix sums starting at 0 (validated);
+    ``max_seqlen_q`` / ``max_seqlen_k`` bound every sequence's length (they size the kernels' grids).
+    """
+
+    cu_seqlens_q: torch.Tensor = field(compare=False)
+    cu_seqlens_k: torch.Tensor = field(compare=False)
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
 
 
 class Backend:
@@ -120,6 +181,9 @@ class Backend:
             reasons.append(f"needs compute capability {want} or newer, the device is {got}")
         for feature in sorted(problem.features - caps.features):
             reasons.append(f"does not support {FEATURE_SENTENCES.get(feature, feature)}")
+        operation = getattr(problem, "operation", "attention")
+        if operation not in caps.operations:
+            reasons.append(f"does not implement {OPERATION_SENTENCES.get(operation, operation)}")
         return reasons
 
     # ---- computation --------------------------------------------------------------------------
@@ -140,6 +204,32 @@ class Backend:
         ``grad_lse * P`` to dS, i.e. the row term delta = rowsum(dO * O) becomes delta - grad_lse.
         dmask is None unless ``params.mask_requires_grad``; else the gradient of the float mask in its
         broadcast 4-D shape (B, H, Nq, Nk) (the caller's autograd reduces it to the user's shape)."""
+        raise NotImplementedError
+
+    def forward_kvcache(self, q, cache: KVCache, params: AttentionParams):
+        """Attention of q (B, Hq, Nq, D) over each sequence's first ``cache.seqlens[b]`` cached keys.
+
+        Query row i of sequence b sits at position L_b - Nq + i (L_b = cache.seqlens[b]): the causal/window
+        bounds of ``params`` are relative to that diagonal, so ``params.diag_offset`` is ignored (each
+        sequence has its own). No mask, no dropout. Returns ``(out, lse)`` as :meth:`forward` does.
+        Backends declaring "kvcache" / "paged_kvcache" in ``capabilities.operations`` implement it.
+        """
+        raise NotImplementedError
+
+    def forward_varlen(self, q, k, v, packing: Packing, params: AttentionParams):
+        """Attention over packed sequences: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv),
+        last dims contiguous. Sequence b's queries see only its own keys, causal/window bounds aligned
+        top-left per sequence (``params.diag_offset`` is 0). No mask.
+
+        Returns ``(out, lse)``: out (total_q, Hq, Dv) in q's dtype, lse (Hq, total_q) float32 (natural log,
+        -inf for a row that sees no key). Backends declaring "varlen" implement it and
+        :meth:`backward_varlen`."""
+        raise NotImplementedError
+
+    def backward_varlen(self, grad_out, q, k, v, out, lse, packing: Packing, params: AttentionParams,
+                        grad_lse=None):
+        """``(dq, dk, dv)`` of :meth:`forward_varlen`, in the shapes and dtypes of q, k, v; grad_out
+        (total_q, Hq, Dv), grad_lse (Hq, total_q) float32 or None."""
         raise NotImplementedError
 
     def dropout_keep_mask(self, batch, heads, seqlen_q, seqlen_k, params: AttentionParams, device):
@@ -166,4 +256,11 @@ FEATURE_SENTENCES = {
     "softcap": "softcap",
     "deterministic": "a deterministic backward",
     "value_dim": "a value head dim different from the query head dim",
+}
+
+OPERATION_SENTENCES = {
+    "attention": "dense attention",
+    "kvcache": "attention over a contiguous KV cache (attention_with_kvcache)",
+    "paged_kvcache": "attention over a paged KV cache (attention_with_kvcache with a block_table)",
+    "varlen": "variable-length packed attention (varlen_attention)",
 }

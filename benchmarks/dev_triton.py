@@ -341,9 +341,10 @@ def section_memory(args, state):
 # ---- compiler report without a GPU ---------------------------------------------------------------------
 
 
-def compile_report(kind, head_dim, causal, tile, dtype="bf16", cc=90, dq_mode=0):
+def compile_report(kind, head_dim, causal, tile, dtype="bf16", cc=90, dq_mode=0, flags=()):
     """Compile one kernel for sm_<cc> ahead of time (no GPU needed; backends/triton/ahead.py) and return its
-    resource line: shared memory, registers, stack (spills), wgmma / mma.sync / cp.async counts in the PTX."""
+    resource line: shared memory, registers, stack (spills), wgmma / mma.sync / cp.async counts in the PTX.
+    ``kind``: fwd, dkdv, dq or splitkv (decode.py); ``flags``: (name, value) compile-time flag overrides."""
     import re
     import subprocess
     import tempfile
@@ -352,7 +353,7 @@ def compile_report(kind, head_dim, causal, tile, dtype="bf16", cc=90, dq_mode=0)
 
     from mhattn.backends.triton import ahead
 
-    kernel = ahead.compile_kernel(ahead.KernelTask(kind, head_dim, causal, tile, dq_mode, dtype), cc)
+    kernel = ahead.compile_kernel(ahead.KernelTask(kind, head_dim, causal, tile, dq_mode, dtype, tuple(flags)), cc)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()

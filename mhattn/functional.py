@@ -181,8 +181,7 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
             if is_causal:
                 raise InputError("is_causal=True cannot be combined with an explicit attn_mask tensor (as in SDPA)")
             mask = _canonical_mask(attn_mask, query.device, tuple(batch_shape) + (heads_q, seqlen_q, seqlen_k))
-    if causal:  # causal is a right bound of 0 on the (shifted) diagonal
-        window_right = 0 if window_right is None else min(window_right, 0)
+    window_right = _causal_right(window_right, causal)
 
     q, k, v = _to4d(query), _to4d(key), _to4d(value)
     if mask is not None:
@@ -247,6 +246,13 @@ def _broadcast_leading(query, key, value):
         ) from None
     query, key, value = (t.expand(*batch_shape, *t.shape[-3:]) for t in (query, key, value))
     return query, key, value, batch_shape
+
+
+def _causal_right(window_right, causal: bool):
+    """The right bound of the band: causal is a right bound of 0 on the (shifted) diagonal."""
+    if not causal:
+        return window_right
+    return 0 if window_right is None else min(window_right, 0)
 
 
 def _window(window):

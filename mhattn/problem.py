@@ -41,19 +41,28 @@ class Problem:
     diag_offset: int = 0
     # Whether q, k or v requires grad (automatic selection then weighs forward+backward time).
     needs_grad: bool = False
+    # The entry point the call needs (see mhattn.backends.base.OPERATIONS). For "kvcache" /
+    # "paged_kvcache" seqlen_k is the cache's capacity; for "varlen" batch is the number of sequences and
+    # seqlen_q / seqlen_k the longest sequence lengths.
+    operation: str = "attention"
 
     @classmethod
-    def from_tensors(cls, q, k, v, params: AttentionParams, *, causal: bool, window: bool) -> "Problem":
-        """q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), already validated."""
+    def from_tensors(cls, q, k, v, params: AttentionParams, *, causal: bool, window: bool,
+                     operation: str = "attention", sizes=None) -> "Problem":
+        """q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), already validated. ``sizes``: (B, Nq, Nk)
+        instead of the tensors' own, for the packed and cached operations (their tensors hold the heads in
+        dim 1 too: q (total_q, Hq, D) or (B, Hq, Nq, D), caches (B or num_blocks, Hkv, N, D))."""
         bits = feature_bits(q, k, v, params.mask, params.mask_requires_grad, params.dropout_p, params.softcap,
                             causal, window)
-        return cls.from_shapes(q.device, q.dtype, tuple(q.shape), k.shape[1], k.shape[2], v.shape[3], bits,
-                               diag_offset=params.diag_offset if (causal or window) else 0,
-                               needs_grad=q.requires_grad or k.requires_grad or v.requires_grad)
+        batch, seqlen_q, seqlen_k = sizes if sizes is not None else (q.shape[0], q.shape[2], k.shape[2])
+        return cls.from_shapes(q.device, q.dtype, (batch, q.shape[1], seqlen_q, q.shape[-1]), k.shape[1], seqlen_k,
+                               v.shape[-1], bits, diag_offset=params.diag_offset if (causal or window) else 0,
+                               needs_grad=q.requires_grad or k.requires_grad or v.requires_grad, operation=operation)
 
     @classmethod
     def from_shapes(cls, device: torch.device, dtype, q_shape: tuple, heads_kv: int, seqlen_k: int, head_dim_v: int,
-                    bits: int, diag_offset: int = 0, needs_grad: bool = False) -> "Problem":
+                    bits: int, diag_offset: int = 0, needs_grad: bool = False,
+                    operation: str = "attention") -> "Problem":
         """The problem of q (B, Hq, Nq, D) = q_shape against Hkv key/value heads of Nk keys, with the features
         of ``bits`` (see :func:`feature_bits`)."""
         batch, heads_q, seqlen_q, head_dim = q_shape
@@ -72,6 +81,7 @@ class Problem:
             features=features_from_bits(bits),
             diag_offset=diag_offset,
             needs_grad=needs_grad,
+            operation=operation,
         )
 
     def resized(self, batch: int, seqlen_q: int, seqlen_k: int) -> "Problem":
@@ -89,7 +99,8 @@ class Problem:
     def describe(self) -> str:
         cc = "" if self.compute_capability is None else " sm_%d%d" % tuple(self.compute_capability)
         feats = ", ".join(sorted(self.features)) or "none"
-        return (
+        operation = "" if self.operation == "attention" else f"{self.operation}: "
+        return operation + (
             f"{self.device_type}{cc} {str(self.dtype).replace('torch.', '')} "
             f"B={self.batch} Hq={self.heads_q} Hkv={self.heads_kv} Nq={self.seqlen_q} Nk={self.seqlen_k} "
             f"D={self.head_dim}" + (f" Dv={self.head_dim_v}" if self.head_dim_v != self.head_dim else "")

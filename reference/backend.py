@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mhattn.backends import layouts
-from mhattn.backends.base import FEATURES, AttentionParams, Backend, Capabilities
+from mhattn.backends.base import FEATURES, OPERATIONS, AttentionParams, Backend, Capabilities, KVCache, Packing
 from mhattn.reference.naive import naive_attention, visible
 
 # Half-precision inputs are computed in float32 so the fallback is as accurate as a fused kernel.
@@ -22,21 +22,41 @@ class ReferenceBackend(Backend):
         max_head_dim=1 << 20,
         min_compute_capability=None,
         features=frozenset(FEATURES),
+        operations=frozenset(OPERATIONS),
     )
 
     @staticmethod
-    def _compute(q, k, v, params, mask):
+    def _compute(q, k, v, params, mask, keep=None):
         dtype = _UPCAST.get(q.dtype, q.dtype)
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(dtype)
-        return naive_attention(q.to(dtype), k.to(dtype), v.to(dtype), params, mask=mask)
+        return naive_attention(q.to(dtype), k.to(dtype), v.to(dtype), params, mask=mask, keep=keep)
 
-    def forward(self, q, k, v, params: AttentionParams):
-        out, lse = self._compute(q, k, v, params, params.mask)
+    def forward(self, q, k, v, params: AttentionParams, keep=None):
+        """As :meth:`Backend.forward`; ``keep`` (B, Hq, Nq, Nk) bool overrides the dropout keep-mask drawn
+        from ``params.seed`` (the varlen path passes each sequence's slice of the batch's mask)."""
+        out, lse = self._compute(q, k, v, params, params.mask, keep)
         # Written in the layouts every built-in backend uses (mhattn.backends.layouts).
         return layouts.output_buffer(q, v).copy_(out), layouts.lse_buffer(q).copy_(lse)
 
-    def backward(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
+    def forward_kvcache(self, q, cache: KVCache, params: AttentionParams):
+        from mhattn.reference.packed import kvcache_forward
+
+        return kvcache_forward(self, q, cache, params)
+
+    def forward_varlen(self, q, k, v, packing: Packing, params: AttentionParams):
+        from mhattn.reference.packed import varlen_forward
+
+        return varlen_forward(self, q, k, v, packing, params)
+
+    def backward_varlen(self, grad_out, q, k, v, out, lse, packing: Packing, params: AttentionParams,
+                        grad_lse=None):
+        from mhattn.reference.packed import varlen_backward
+
+        return varlen_backward(self, grad_out, q, k, v, out, lse, packing, params, grad_lse)
+
+    def backward(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None, keep=None):
+        """As :meth:`Backend.backward`; ``keep`` as in :meth:`forward`."""
         # The backward written out (custom ops run below autograd, so no recording here):
         #   dV = Pd^T dO,  dPd = dO V^T,  dP = dPd * keep / (1 - p),
         #   dS = P * (dP - delta) with delta = rowsum(dO * O) - grad_lse,
@@ -70,8 +90,9 @@ class ReferenceBackend(Backend):
         grad_probs = torch.matmul(doc, vc.transpose(-1, -2))
         dropped = probs
         if params.dropout_p > 0.0:
-            keep = self.dropout_keep_mask(batch, heads_q, seqlen_q, seqlen_k, params, q.device).to(dtype)
-            keep = keep / (1.0 - params.dropout_p)
+            if keep is None:
+                keep = self.dropout_keep_mask(batch, heads_q, seqlen_q, seqlen_k, params, q.device)
+            keep = keep.to(dtype) / (1.0 - params.dropout_p)
             dropped = probs * keep
             grad_probs = grad_probs * keep
         delta = (doc * oc).sum(-1, keepdim=True)

@@ -233,7 +233,9 @@ def test_full_gpu_cases_cover_conformance_lists():
     assert any(c.dropout_p == cases_module.DROPOUT_P for c in cases)
     assert max(c.det_runs for c in cases) == 50
     # sequences of 1024 and more keys run with batch 1
-    assert all(c.batch == 1 for c in cases if max(c.seqlen_q, c.seqlen_k) >= 1024)
+    # (the inference columns' golds are cheap: few query rows, or one sequence at a time)
+    assert all(c.batch == 1 for c in cases if max(c.seqlen_q, c.seqlen_k) >= 1024
+               and c.feature not in ("decode", "kvcache", "varlen"))
 
 
 def test_head_dims_follow_declared_capabilities():

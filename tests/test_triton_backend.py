@@ -126,6 +126,15 @@ def make_mask(kind, batch, heads_q, seqlen_q, seqlen_k, device, generator, requi
     """A (B, Hq, Nq, Nk) broadcast view (stride 0 along B or H) of the kind asked for."""
     if kind is None:
         return None
+    if kind.startswith("key_padding"):
+        # (B, 1, 1, Nk) expanded: the kernels bound each batch entry's keys by it (key_padding.py). Right
+        # padding, batch entry 0 with every key padded; "key_padding_holes": scattered keys padded too.
+        lengths = torch.randint(seqlen_k // 3, seqlen_k + 1, (batch,), generator=generator)
+        lengths[0] = 0
+        keys = torch.arange(seqlen_k)[None, :] < lengths[:, None]
+        if kind == "key_padding_holes":
+            keys &= torch.rand(batch, seqlen_k, generator=generator) > 0.3
+        return keys.view(batch, 1, 1, seqlen_k).to(device).expand(batch, heads_q, seqlen_q, seqlen_k)
     if kind.startswith("bool"):
         base = torch.rand(batch, 1, seqlen_q, seqlen_k, generator=generator) > 0.3  # broadcast over heads
         if kind == "bool_empty_rows":
@@ -216,7 +225,7 @@ def check_attention(dtype="float16", device="cpu", batch=2, heads_q=2, heads_kv=
         floor_scale = grad_scale if name in ("dq", "dk", "dmask") and bool((gold[i] == 0).all()) else None
         results.append(compare(name, x.cpu(), gold[i].cpu(), None if lowp is None else lowp[i].cpu(), dtype=dt,
                                floor_scale=floor_scale))
-    if mask == "bool_empty_rows":
+    if mask in ("bool_empty_rows", "key_padding"):
         empty = ~attn_mask[:, :, :, :].any(-1)
         assert bool((out[empty] == 0).all()), "a row that sees no key must give 0"
         assert bool((lse[empty] == float("-inf")).all()), "a row that sees no key must give lse -inf"
@@ -286,6 +295,7 @@ _WORKER_MAIN = r"""
 import importlib.util, json, os, sys, traceback
 replies = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)  # whatever the checks print goes to stderr, not into the replies
+sys.path.insert(0, os.path.dirname(sys.argv[1]))  # the test files import each other's helpers
 spec = importlib.util.spec_from_file_location("_triton_backend_checks", sys.argv[1])
 checks = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(checks)
@@ -302,12 +312,13 @@ for line in sys.stdin:
 
 
 class _InterpreterWorker:
-    """One child Python with TRITON_INTERPRET=1 that runs check functions of this file on request."""
+    """One child Python with TRITON_INTERPRET=1 that runs check functions of a test file (this one by
+    default) on request."""
 
-    def __init__(self):
+    def __init__(self, path=__file__):
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
         env.pop("MHATTN_TRITON_CONFIG", None)
-        self.process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, os.path.abspath(__file__)], env=env,
+        self.process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, os.path.abspath(path)], env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lock = threading.Lock()
         ready = self.process.stdout.readline()
@@ -422,6 +433,9 @@ CPU_CASES = {
     "bool_mask": dict(mask="bool", seqlen_q=30, seqlen_k=47),
     "bool_mask_empty_rows": dict(mask="bool_empty_rows", seqlen_q=30, seqlen_k=40, dtype="float32"),
     "float_mask_grad": dict(mask="float", mask_grad=True, seqlen_q=33, seqlen_k=41),
+    "key_padding_right": dict(mask="key_padding", batch=3, seqlen_q=30, seqlen_k=70, heads_q=4, heads_kv=2),
+    "key_padding_holes_causal_fp32": dict(mask="key_padding_holes", batch=3, seqlen_q=40, seqlen_k=57,
+                                          dtype="float32", causal=None, window=(30, 10)),
     "float_mask_grad_fp32_causal": dict(mask="float", mask_grad=True, dtype="float32", causal="top_left",
                                         seqlen_q=30, seqlen_k=30),
     "float_mask_neginf": dict(mask="float_neginf", seqlen_q=20, seqlen_k=52),
@@ -525,6 +539,8 @@ def test_gpu_conformance_shapes(dtype, shape):
 GPU_FEATURE_CASES = {
     "bool_mask": dict(mask="bool", seqlen_q=300, seqlen_k=517),
     "bool_mask_empty_rows": dict(mask="bool_empty_rows", seqlen_q=200, seqlen_k=300),
+    "key_padding": dict(mask="key_padding", batch=4, seqlen_q=500, seqlen_k=700, heads_q=6, heads_kv=2),
+    "key_padding_holes": dict(mask="key_padding_holes", batch=3, seqlen_q=300, seqlen_k=1000),
     "float_mask_grad": dict(mask="float", mask_grad=True, seqlen_q=257, seqlen_k=300, causal="bottom_right"),
     "dropout": dict(dropout_p=0.17, seqlen_q=333, seqlen_k=400, heads_q=6, heads_kv=2),
     "dropout_causal": dict(dropout_p=0.17, seqlen_q=512, seqlen_k=512, causal="top_left"),
@@ -645,3 +661,14 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
             assert "cp.async.bulk.tensor" in ptx, task.label
     with pytest.raises(ValueError, match="unknown architecture"):
         ahead.table_tasks("sm_91x")
+
+
+def test_key_bounds_of_key_padding_masks():
+    """Per-batch key bounds for masks shared by heads and rows (no Triton needed); None for other masks."""
+    from mhattn.backends.triton.key_padding import key_bounds
+
+    keys = torch.tensor([[True, True, False, False], [False, False, False, False], [True, False, True, False]])
+    mask = keys.view(3, 1, 1, 4).expand(3, 2, 5, 4)
+    assert key_bounds(mask).tolist() == [2, 0, 3] and key_bounds(mask).dtype == torch.int32
+    assert key_bounds(torch.ones(3, 2, 5, 4, dtype=torch.bool)) is None  # varies along H and Nq (strides)
+    assert key_bounds(mask.float()) is None and key_bounds(None) is None

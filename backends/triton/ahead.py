@@ -19,10 +19,12 @@ from mhattn.backends.triton import configs
 
 # Kernel arguments that are pointers (float32 ones listed apart), floats; every other argument is an int32.
 POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", "dV", "dQ", "dMask", "GradLse",
-            "dQacc"}
-FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "dQacc"}
-# The dropout seed words, read from the device (see forward.attention_forward_kernel).
-INT32_POINTERS = {"Seed"}
+            "dQacc", "OutSplit", "LseSplit"}
+FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "dQacc", "OutSplit", "LseSplit"}
+# int32 pointers: the dropout seed words read from the device (see forward.attention_forward_kernel); the
+# cu_seqlens of packed sequences, key bounds of key padding masks (varlen_launch.py, key_padding.py), a KV
+# cache's lengths and block table (decode.py).
+INT32_POINTERS = {"Seed", "CuSeqlensQ", "CuSeqlensK", "Seqlens", "BlockTable"}
 FLOATS = {"qk_scale2", "softcap_in2", "softcap_out2", "dropout_scale", "sm_scale"}
 KINDS = ("fwd", "dkdv", "dq")
 # "sm_90a" is Hopper with its architecture-specific instructions (wgmma); Triton emits those for 9.0 itself.
@@ -39,18 +41,20 @@ class KernelTask:
     tile: configs.KernelConfig
     dq_mode: int = 0     # dK/dV kernel only: 0 separate dQ kernel, 1 atomics, 2 bulk reduce-add
     dtype: str = "bf16"
+    flags: tuple = ()    # (name, value) pairs overriding compile-time flags, e.g. (("VARLEN", True),)
 
     @property
     def label(self) -> str:
         mode = f" dq={configs.DQ_MODES[self.dq_mode]}" if self.kind == "dkdv" else ""
-        return f"{self.kind} d={self.head_dim} causal={int(self.causal)} tile={self.tile}{mode} {self.dtype}"
+        flags = "".join(f" {name}={value}" for name, value in self.flags)
+        return f"{self.kind} d={self.head_dim} causal={int(self.causal)} tile={self.tile}{mode} {self.dtype}{flags}"
 
 
 def _kernel_function(kind: str):
-    from mhattn.backends.triton import backward, forward
+    from mhattn.backends.triton import backward, decode, forward
 
     return {"fwd": forward.attention_forward_kernel, "dkdv": backward.backward_dkdv_kernel,
-            "dq": backward.backward_dq_kernel}[kind]
+            "dq": backward.backward_dq_kernel, "splitkv": decode.split_kv_kernel}[kind]
 
 
 def _constexprs(task: KernelTask) -> dict:
@@ -66,6 +70,11 @@ def _constexprs(task: KernelTask) -> dict:
         values.update(TMA=task.tile.tma, WARP_SPECIALIZE=task.tile.warp_specialize)
     if task.kind == "dkdv":
         values["DQ_MODE"] = task.dq_mode
+    if task.kind == "splitkv":  # the split-KV decoding kernel (decode.py): no mask, no dropout, a cache or not
+        for name in ("MASK_KIND", "HAS_DROPOUT"):
+            del values[name]
+        values.update(HAS_SEQLENS=False, PAGED=False, PAGE_SIZE=1, SPLIT=True)
+    values.update(dict(task.flags))
     return values
 
 

@@ -18,8 +18,8 @@ import torch
 
 from mhattn import dropout_rng
 from mhattn.backends import layouts
-from mhattn.backends.base import FEATURES, AttentionParams, Backend, Capabilities
-from mhattn.backends.triton import configs
+from mhattn.backends.base import FEATURES, OPERATIONS, AttentionParams, Backend, Capabilities
+from mhattn.backends.triton import configs, decode_launch, key_padding, varlen_launch
 from mhattn.problem import device_capability
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
@@ -64,7 +64,8 @@ class _Plan:
     """What the launches of one call signature share, computed once per signature (see _plan_for): sizes,
     the tile configuration, the compile-time flags and the device's identity for the tile-shrink cache."""
 
-    def __init__(self, q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout, dot_precision):
+    def __init__(self, q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout, dot_precision,
+                 key_lengths=False):
         self.batch, self.heads_q, self.seqlen_q, self.head_dim = q.shape
         self.heads_kv, self.seqlen_k = k.shape[1], k.shape[2]
         self.head_dim_v = v.shape[3]
@@ -80,7 +81,10 @@ class _Plan:
         self.config = configs.config_for(cc, q.dtype, self.head_dim, self.heavy_first, self.seqlen_q)
         self.flags = dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
                           BLOCK_DV=self.block_dv, HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SOFTCAP=has_softcap,
-                          MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, DOT_PRECISION=dot_precision)
+                          MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, DOT_PRECISION=dot_precision,
+                          KEY_LENGTHS=key_lengths)
+        self.has_softcap = has_softcap
+        self.dot_precision = dot_precision
         # A tile that did not fit is remembered for kernels compiled alike on a device alike.
         self.shrink_key = (q.device.type, q.device.index, cc, q.dtype, tuple(sorted(self.flags.items())))
         # The Hopper paths (copy-engine loads, warp specialisation) need sm_90; the interpreter runs the
@@ -103,7 +107,10 @@ class _Launch:
         has_dropout = params.dropout_p > 0.0
         has_left = params.window_left is not None
         has_right = params.window_right is not None
-        self.plan = _plan_for(q, k, v, mask_kind, has_left, has_right, params.softcap is not None, has_dropout)
+        # A bool mask shared by heads and query rows (key padding): per-batch key bounds (key_padding.py).
+        self.key_bounds = key_padding.key_bounds(mask) if k.shape[2] > 0 else None
+        self.plan = _plan_for(q, k, v, mask_kind, has_left, has_right, params.softcap is not None, has_dropout,
+                              self.key_bounds is not None)
         self.sm_scale = float(params.scale)
         self.qk_scale2 = self.sm_scale * LOG2E
         if params.softcap is not None:
@@ -118,10 +125,15 @@ class _Launch:
             threshold = _as_int32(dropout_rng.threshold(params.dropout_p))
         else:
             self.dropout_scale, self.seed, threshold = 1.0, q, 0
-        self.band = (int(params.diag_offset), int(params.window_left or 0), int(params.window_right or 0), self.seed,
-                     threshold)
+        self.diag_offset = int(params.diag_offset)
+        self.window_left, self.window_right = int(params.window_left or 0), int(params.window_right or 0)
+        self.band = (self.diag_offset, self.window_left, self.window_right, self.seed, threshold)
         # The Hopper paths (copy-engine loads) need every tensor the kernels read through descriptors aligned.
         self.tma_ok = self.plan.hopper and _descriptor_ready(q, k, v)
+
+    def key_bounds_or(self, placeholder):
+        """The key bounds tensor for the kernels' CuSeqlensK argument, or a placeholder when unused."""
+        return placeholder if self.key_bounds is None else self.key_bounds
 
     def hopper_flags(self, tile: configs.KernelConfig, *query_side) -> dict:
         """TMA / WARP_SPECIALIZE for a launch of ``tile``: on only where the tile asks for them and this call
@@ -136,14 +148,14 @@ _plans: dict = {}
 _PLANS_LIMIT = 1024
 
 
-def _plan_for(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout) -> _Plan:
+def _plan_for(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout, key_lengths=False) -> _Plan:
     """The cached plan of a call signature (shapes, dtype, device, flags, the pinned configuration)."""
     dot_precision = _dot_precision(q.dtype)
     key = (q.shape, k.shape[1], k.shape[2], v.shape[3], q.dtype, q.device, mask_kind, has_left, has_right,
-           has_softcap, has_dropout, dot_precision, configs.pinned())
+           has_softcap, has_dropout, key_lengths, dot_precision, configs.pinned())
     plan = _plans.get(key)
     if plan is None:
-        plan = _Plan(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout, dot_precision)
+        plan = _Plan(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout, dot_precision, key_lengths)
         if len(_plans) >= _PLANS_LIMIT:
             _plans.pop(next(iter(_plans)), None)  # the oldest
         _plans[key] = plan
@@ -244,6 +256,7 @@ class TritonBackend(Backend):
         max_head_dim=MAX_HEAD_DIM,
         min_compute_capability=(8, 0),
         features=frozenset(FEATURES),
+        operations=frozenset(OPERATIONS),
     )
 
     def __init__(self, deterministic: Optional[bool] = None):
@@ -312,13 +325,17 @@ class TritonBackend(Backend):
             out.zero_()
             lse.fill_(float("-inf"))
             return out, lse
+        # Decoding (few query rows per key/value head): the split-KV kernels (decode.py, decode_launch.py).
+        if decode_launch.eligible(q, k, params):
+            return decode_launch.split_kv_forward(q, k, v, params, run=run)
 
         def launch(tile):
             num_m_blocks = triton_cdiv(plan.seqlen_q, tile.block_m)
             grid = (plan.batch * plan.heads_q * num_m_blocks,)
             forward_module.attention_forward_kernel[grid](
-                q, k, v, out, lse, run.mask,
+                q, k, v, out, lse, run.mask, lse, run.key_bounds_or(lse),
                 *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *run.mask_strides,
+                lse.stride(0), lse.stride(1),
                 plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_m_blocks,
                 run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale,
                 *run.band,
@@ -373,9 +390,9 @@ class TritonBackend(Backend):
                 num_n_blocks = triton_cdiv(plan.seqlen_k, tile.block_n)
                 grid = (plan.batch * plan.heads_kv * num_n_blocks,)
                 backward_module.backward_dkdv_kernel[grid](
-                    q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run.mask,
+                    q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run.mask, delta, run.key_bounds_or(delta),
                     *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out),
-                    *_strides4(dk), *_strides4(dv), *run.mask_strides,
+                    *_strides4(dk), *_strides4(dv), *run.mask_strides, delta.stride(0), delta.stride(1),
                     plan.heads_q, plan.heads_kv, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_n_blocks,
                     run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
                     *run.band,
@@ -388,9 +405,10 @@ class TritonBackend(Backend):
                 num_m_blocks = triton_cdiv(plan.seqlen_q, tile.block_m)
                 grid = (plan.batch * plan.heads_q * num_m_blocks,)
                 backward_module.backward_dq_kernel[grid](
-                    q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta,
+                    q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta, delta,
+                    run.key_bounds_or(delta),
                     *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out), *_strides4(dq),
-                    *run.mask_strides,
+                    *run.mask_strides, delta.stride(0), delta.stride(1),
                     plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_m_blocks,
                     run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
                     *run.band,
@@ -408,6 +426,17 @@ class TritonBackend(Backend):
         if dmask is not None:
             dmask = dmask.to(params.mask.dtype)
         return dq, dk, dv, dmask
+
+    # ---- KV cache and packed sequences (decode_launch.py, varlen_launch.py) --------------------
+    def forward_kvcache(self, q, cache, params: AttentionParams):
+        _check_inputs(q=q, k_cache=cache.k, v_cache=cache.v)
+        return decode_launch.split_kv_forward(q, cache.k, cache.v, params, cache=cache)
+
+    def forward_varlen(self, q, k, v, packing, params: AttentionParams):
+        return varlen_launch.forward(q, k, v, packing, params)
+
+    def backward_varlen(self, grad_out, q, k, v, out, lse, packing, params: AttentionParams, grad_lse=None):
+        return varlen_launch.backward(grad_out, q, k, v, out, lse, packing, params, grad_lse)
 
     # ---- dropout ------------------------------------------------------------------------------
     def dropout_bits(self, batch, heads, seqlen_q, seqlen_k, seed, device) -> torch.Tensor:

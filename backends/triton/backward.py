@@ -30,7 +30,7 @@ tiles (Q, dO) of each step are loaded through tensor descriptors as in the forwa
 import triton
 import triton.language as tl
 
-from mhattn.backends.triton.forward import head_descriptor, load_block, load_rows
+from mhattn.backends.triton.forward import head_descriptor, load_block, load_rows, sequence_bounds
 from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile, keep_tile_transposed, row_keys
 from mhattn.backends.triton.scores import LOG2E, attention_scores, key_major_ranges, query_major_ranges
 
@@ -154,9 +154,9 @@ def dkdv_query_range(dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_acc, dq_
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left",
-                               "window_right", "threshold"])
+                               "window_right", "threshold", "stride_lb", "stride_lh"])
 def backward_dkdv_kernel(
-    Q, K, V, dOut, Lse2, Delta, dK, dV, dQacc, Mask,
+    Q, K, V, dOut, Lse2, Delta, dK, dV, dQacc, Mask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -164,6 +164,7 @@ def backward_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_lb, stride_lh,
     heads_q, heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks,
     qk_scale2, softcap_in2, softcap_out2, dropout_scale, sm_scale,
     diag_offset, window_left, window_right,
@@ -173,24 +174,33 @@ def backward_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, DQ_MODE: tl.constexpr = 0,
+    VARLEN: tl.constexpr = False, KEY_LENGTHS: tl.constexpr = False,
 ):
-    """dK (B, Hkv, Nk, D) and dV (B, Hkv, Nk, Dv) in the input dtype. Lse2 and Delta (B, Hq, Nq) fp32
-    contiguous from the preprocess. With DQ_MODE 1 or 2, dQacc (B, Hq, Nq, D) fp32 contiguous, zeroed,
-    receives scale * dS K. Grid: (B * Hkv * cdiv(Nk, BLOCK_N),)."""
+    """dK (B, Hkv, Nk, D) and dV (B, Hkv, Nk, Dv) in the input dtype. Lse2 and Delta (B, Hq, Nq) fp32 from
+    the preprocess, by (stride_lb, stride_lh), rows contiguous. With DQ_MODE 1 or 2, dQacc (B, Hq, Nq, D)
+    fp32 contiguous, zeroed, receives scale * dS K. Grid: (B * Hkv * cdiv(Nk, BLOCK_N),).
+    VARLEN: packed sequences, as in the forward kernel (a key block past its sequence's end exits; DQ_MODE 0).
+    KEY_LENGTHS: keys past the batch entry's bound get dK = dV = 0 without visiting any query."""
     pid = tl.program_id(0)
     batch_head_kv = pid // num_n_blocks
     start_n = (pid % num_n_blocks) * BLOCK_N
     batch = batch_head_kv // heads_kv
     head_kv = batch_head_kv % heads_kv
+    stored_keys = seqlen_k  # the rows of dK / dV this batch entry owns, whatever the key bound
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN,
+                                                           KEY_LENGTHS)
+    if VARLEN:
+        stored_keys = seqlen_k
+        if start_n >= seqlen_k:
+            return
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    k_ptrs = (K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
-              + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :])
-    v_ptrs = (V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
-              + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :])
+    key_rows = (k_start + offs_n)[:, None].to(tl.int64)
+    k_ptrs = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh + key_rows * stride_kn + offs_d[None, :]
+    v_ptrs = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh + key_rows * stride_vn + offs_dv[None, :]
     k = load_rows(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
     v = load_rows(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -204,14 +214,21 @@ def backward_dkdv_kernel(
 
     lo, full_lo, full_hi, hi = key_major_ranges(start_n, seqlen_q, seqlen_k, diag_offset, window_left,
                                                 window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if KEY_LENGTHS:  # a key block wholly past the bound: no query sees it
+        past = start_n >= seqlen_k
+        hi = tl.where(past, lo, hi)
+        full_lo = tl.where(past, lo, full_lo)
+        full_hi = tl.where(past, lo, full_hi)
     # The query heads sharing this key/value head, one after the other in a fixed order (deterministic).
     for group_index in range(0, kv_group):
         head = head_kv * kv_group + group_index
         batch_head = batch * heads_q + head
-        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-        do_base = dOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-        lse2_base = Lse2 + batch_head.to(tl.int64) * seqlen_q
-        delta_base = Delta + batch_head.to(tl.int64) * seqlen_q
+        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
+        do_base = (dOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+                   + q_start.to(tl.int64) * stride_dom)
+        row_base = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start
+        lse2_base = Lse2 + row_base
+        delta_base = Delta + row_base
         mask_base = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
         rng_head_key = head_key(batch_head, seed0)
         q_desc = head_descriptor(q_base, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
@@ -247,11 +264,11 @@ def backward_dkdv_kernel(
             HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION, TMA, WARP_SPECIALIZE, DQ_MODE, sm_scale)
 
     dk = dk * sm_scale
-    rows_ok = offs_n[:, None] < seqlen_k
+    rows_ok = offs_n[:, None] < stored_keys
     dk_ptrs = (dK + batch.to(tl.int64) * stride_dkb + head_kv.to(tl.int64) * stride_dkh
-               + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :])
+               + key_rows * stride_dkn + offs_d[None, :])
     dv_ptrs = (dV + batch.to(tl.int64) * stride_dvb + head_kv.to(tl.int64) * stride_dvh
-               + offs_n[:, None].to(tl.int64) * stride_dvn + offs_dv[None, :])
+               + key_rows * stride_dvn + offs_dv[None, :])
     if BLOCK_D != HEAD_DIM:
         tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=rows_ok & (offs_d[None, :] < HEAD_DIM))
     else:
@@ -306,15 +323,16 @@ def dq_key_range(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "diag_offset", "window_left",
-                               "window_right", "threshold"])
+                               "window_right", "threshold", "stride_lb", "stride_lh"])
 def backward_dq_kernel(
-    Q, K, V, dOut, Lse2, Delta, dQ, Mask, dMask,
+    Q, K, V, dOut, Lse2, Delta, dQ, Mask, dMask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
     stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks,
     qk_scale2, softcap_in2, softcap_out2, dropout_scale, sm_scale,
     diag_offset, window_left, window_right,
@@ -323,10 +341,10 @@ def backward_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAVY_FIRST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False, KEY_LENGTHS: tl.constexpr = False,
 ):
     """dQ (B, Hq, Nq, D) in the input dtype; dMask (B, Hq, Nq, Nk) fp32 contiguous when MASK_GRAD.
-    Grid: (B * Hq * cdiv(Nq, BLOCK_M),)."""
+    Lse2/Delta as in the dK/dV kernel. Grid: (B * Hq * cdiv(Nq, BLOCK_M),). VARLEN: packed sequences."""
     pid = tl.program_id(0)
     batch_head = pid // num_m_blocks
     m_block = pid % num_m_blocks
@@ -336,24 +354,29 @@ def backward_dq_kernel(
     head = batch_head % heads_q
     head_kv = head // kv_group
     start_m = m_block * BLOCK_M
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN,
+                                                           KEY_LENGTHS)
+    if VARLEN:
+        if start_m >= seqlen_q:
+            return
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     rows_ok = offs_m < seqlen_q
 
-    q_ptrs = (Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-              + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :])
+    query_rows = (q_start + offs_m)[:, None].to(tl.int64)
+    q_ptrs = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + query_rows * stride_qm + offs_d[None, :]
     do_ptrs = (dOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-               + offs_m[:, None].to(tl.int64) * stride_dom + offs_dv[None, :])
+               + query_rows * stride_dom + offs_dv[None, :])
     q = load_rows(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
     do = load_rows(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
-    row_offsets = batch_head.to(tl.int64) * seqlen_q + offs_m
+    row_offsets = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start + offs_m
     lse2 = tl.load(Lse2 + row_offsets, mask=rows_ok, other=float("inf"))
     delta = tl.load(Delta + row_offsets, mask=rows_ok, other=0.0)
 
-    k_base = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
-    v_base = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
+    k_base = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
     mask_base = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
     dmask_base = dMask + batch_head.to(tl.int64) * seqlen_q * seqlen_k
     rng_rows = offs_m.to(tl.uint32)
@@ -385,7 +408,7 @@ def backward_dq_kernel(
 
     dq = dq * sm_scale
     dq_ptrs = (dQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
-               + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :])
+               + query_rows * stride_dqm + offs_d[None, :])
     if BLOCK_D != HEAD_DIM:
         tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     else:

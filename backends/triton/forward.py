@@ -47,6 +47,26 @@ def load_rows(ptrs, offs_rows, limit, offs_cols, COLS: tl.constexpr, BLOCK_COLS:
 
 
 @triton.jit
+def sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN: tl.constexpr,
+                    KEY_LENGTHS: tl.constexpr = False):
+    """(q_start, k_start, seqlen_q, seqlen_k) of batch entry ``batch``: with VARLEN the packed sequence's first
+    rows and lengths from the cu_seqlens prefix sums (int32, B + 1); otherwise (0, 0) and the given lengths.
+    KEY_LENGTHS (a key padding mask): CuSeqlensK (B,) int32 holds, per batch entry, one past the last key the
+    mask lets any query see; keys from there on are skipped (seqlen_k becomes the smaller of the two)."""
+    if VARLEN:
+        q_start = tl.load(CuSeqlensQ + batch)
+        k_start = tl.load(CuSeqlensK + batch)
+        seqlen_q = tl.load(CuSeqlensQ + batch + 1) - q_start
+        seqlen_k = tl.load(CuSeqlensK + batch + 1) - k_start
+    else:
+        q_start = batch * 0
+        k_start = batch * 0
+        if KEY_LENGTHS:
+            seqlen_k = tl.minimum(seqlen_k, tl.load(CuSeqlensK + batch))
+    return q_start, k_start, seqlen_q, seqlen_k
+
+
+@triton.jit
 def load_block(desc, base, start, offs_local, stride, offs_cols, limit, COLS: tl.constexpr,
                BLOCK_COLS: tl.constexpr, CHECK_ROWS: tl.constexpr, TMA: tl.constexpr):
     """Rows [start, start + len(offs_local)) of one head's (rows, COLS) matrix: through the tensor
@@ -117,14 +137,15 @@ def forward_key_range(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_k
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "diag_offset", "window_left",
-                               "window_right", "threshold"])
+                               "window_right", "threshold", "stride_lb", "stride_lh"])
 def attention_forward_kernel(
-    Q, K, V, Out, Lse, Mask,
+    Q, K, V, Out, Lse, Mask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks,
     qk_scale2, softcap_in2, softcap_out2, dropout_scale,
     diag_offset, window_left, window_right,
@@ -134,12 +155,19 @@ def attention_forward_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HEAVY_FIRST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, KEY_LENGTHS: tl.constexpr = False,
 ):
     """Q (B, Hq, Nq, D), K (B, Hkv, Nk, D), V (B, Hkv, Nk, Dv), Out (B, Hq, Nq, Dv): any strides, last
-    dim contiguous. Lse (B, Hq, Nq) fp32 contiguous, natural log. Mask (B, Hq, Nq, Nk) by its strides
-    (0 where broadcast). Query head h reads key/value head h // kv_group. qk_scale2 = scale * log2(e);
-    dropout_scale = 1 / (1 - p); Seed: the seed words as int32 (the int64 seed tensor's words: seed0 at
-    Seed[0], seed1 at Seed[2]), read only with HAS_DROPOUT; threshold an int32 bit pattern (see rng.py)."""
+    dim contiguous. Lse (B, Hq, Nq) fp32 by (stride_lb, stride_lh), rows contiguous, natural log. Mask
+    (B, Hq, Nq, Nk) by its strides (0 where broadcast). Query head h reads key/value head h // kv_group.
+    qk_scale2 = scale * log2(e); dropout_scale = 1 / (1 - p); Seed: the seed words as int32 (the int64 seed
+    tensor's words: seed0 at Seed[0], seed1 at Seed[2]), read only with HAS_DROPOUT; threshold an int32 bit
+    pattern (see rng.py).
+
+    VARLEN: packed sequences (see :func:`sequence_bounds`): batch b is sequence b, whose rows start at
+    CuSeqlensQ[b] / CuSeqlensK[b] (the batch strides are 0, the row strides step over tokens); seqlen_q /
+    seqlen_k / num_m_blocks are the longest sequence's, and a program past its sequence's end exits.
+    KEY_LENGTHS: per-batch key bounds of a key padding mask (see :func:`sequence_bounds`)."""
     pid = tl.program_id(0)
     batch_head = pid // num_m_blocks
     m_block = pid % num_m_blocks
@@ -149,15 +177,20 @@ def attention_forward_kernel(
     head = batch_head % heads_q
     head_kv = head // kv_group
     start_m = m_block * BLOCK_M
+    q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN,
+                                                           KEY_LENGTHS)
+    if VARLEN:
+        if start_m >= seqlen_q:  # this sequence is shorter: no work here
+            return
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
 
     # Batch/head base offsets in int64: tensors may exceed 2**31 elements.
-    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    k_base = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
-    v_base = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
+    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
+    k_base = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
     mask_base = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
 
     q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
@@ -208,10 +241,11 @@ def attention_forward_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
 
     o_ptrs = (Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-              + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :])
+              + (q_start + offs_m)[:, None].to(tl.int64) * stride_om + offs_dv[None, :])
     if BLOCK_DV != HEAD_DIM_V:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty),
                  mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V))
     else:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < seqlen_q)
-    tl.store(Lse + batch_head.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    lse_base = Lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start
+    tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)

@@ -7,6 +7,8 @@
     mhattn bench --from-json bench.json --summary # re-print (and re-plot) a saved run, no GPU needed
     mhattn bench --list                           # the implementations and whether each can run here
     mhattn bench --latency --impl triton,cupy,sdpa-default   # per-call GPU and host-loop time at small shapes
+    mhattn bench --decode                         # decoding: triton (dense, KV cache, paged) beside SDPA
+    mhattn bench --decode --batch 1,8 --seqlen 8k,128k --nq 1 --dtype bf16,fp16
 """
 
 from __future__ import annotations
@@ -116,6 +118,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="only the latency table: per-call GPU and host-loop time, forward and forward+backward, "
                            "at small shapes (B=1 H=16 N=128, ViT-B/16 batch 32, B=8 H=16 N=512 bf16 and fp32), "
                            f"beside {latency.BASELINE} (default --impl: every mhattn backend and {latency.BASELINE})")
+    what.add_argument("--decode", action="store_true",
+                      help="the decoding table instead (mhattn.benchmark.decode_bench): Hq=32, Hkv=8, d=128; "
+                           "--seqlen is Nk (default 1k,8k,32k,128k); --impl among sdpa, sdpa-cudnn, triton, "
+                           "kvcache, paged")
+    what.add_argument("--batch", type=_int_list, default=None, help="--decode: batch sizes (default 1,8,64)")
+    what.add_argument("--nq", type=_int_list, default=None, help="--decode: query rows per step (default 1,4)")
+    what.add_argument("--block-size", type=int, default=None, help="--decode: paged cache block size (default 256)")
 
     how = parser.add_argument_group("how to measure")
     how.add_argument("--warmup", type=float, default=None,
@@ -410,6 +419,10 @@ def run(args) -> int:
             return 2
         render(document, args)
         return 0
+    if args.decode:
+        from mhattn.benchmark import decode_bench
+
+        return decode_bench.run(args)
     table = protocol.implementations()
     if args.list:
         return list_implementations(table)

@@ -13,7 +13,8 @@ Sampling (the full cartesian product of CONFORMANCE.md's lists is tens of thousa
 - every other column runs a handful of cases that vary the sizes, the alignment and the heads around
   its own feature;
 - batch sizes 1..4 rotate, but sequences of 1024 keys and more use batch 1 and float32 drops (2048, 2048)
-  with head dims above 128 (the float64 gold of those costs more than the rest of the column);
+  with head dims above 128 (the float64 gold of those costs more than the rest of the column); the
+  decode, kvcache and varlen columns keep their batches (few query rows, or a gold per sequence);
 - on the CPU (the reference and the Triton interpreter) the sizes are small: Nq, Nk <= 64, D <= 64,
   2 or 4 query heads.
 """
@@ -47,7 +48,10 @@ CPU_HEADS = {"mha": (2, 2), "gqa": (4, 2), "mqa": (4, 1)}
 COLUMNS = (
     "basic", "causal", "gqa", "key_padding", "bool_mask", "float_mask", "mask_grad", "dropout", "window",
     "softcap", "value_dim", "strided", "fully_masked", "overflow", "deterministic",
+    "decode", "kvcache", "varlen",
 )
+# Columns run through other entry points than forward/backward (mhattn.conformance.packed judges them).
+PACKED_COLUMNS = ("kvcache", "varlen")
 COLUMN_DESCRIPTIONS = {
     "basic": "outputs and gradients, no mask, every head dim and (Nq, Nk) pair",
     "causal": "causal, top-left (SDPA is_causal) and bottom-right (causal_lower_right) aligned",
@@ -64,6 +68,9 @@ COLUMN_DESCRIPTIONS = {
     "fully_masked": "rows that see no key: output 0, gradients 0 and finite, lse -inf",
     "overflow": "large scores: q * 5, k * 3",
     "deterministic": "backward run repeatedly, bitwise equal every time",
+    "decode": "few query rows per key/value head (decoding, speculative decoding), long key sequences",
+    "kvcache": "forward_kvcache: new tokens appended to a contiguous or paged (block) cache, uneven lengths",
+    "varlen": "forward_varlen / backward_varlen: packed sequences of uneven lengths, empty ones included",
 }
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
@@ -123,6 +130,7 @@ class Case:
     fully_masked: bool = False              # some rows (or a whole batch element) see no key
     grad_lse: bool = False                  # a gradient also flows into the returned lse
     det_runs: int = 0                       # > 0: run the backward this many times, bitwise equal
+    block_size: Optional[int] = None        # kvcache: a paged cache of blocks this big (None: contiguous)
     seed: int = 0
 
     def __post_init__(self):
@@ -152,6 +160,11 @@ class Case:
             raise ValueError("Case.grad_lse: cannot be combined with fully_masked and mask='float'")
         if self.feature not in COLUMNS:
             raise ValueError(f"Case.feature: expected one of {COLUMNS}, got {self.feature!r}")
+        if self.feature in PACKED_COLUMNS and (self.mask is not None or self.strided or self.det_runs
+                                               or self.fully_masked):
+            raise ValueError(f"Case: the {self.feature} column takes no mask, strided, det or fully_masked")
+        if self.block_size is not None and (self.feature != "kvcache" or self.block_size < 1):
+            raise ValueError("Case.block_size: a positive block size, for kvcache cases only")
 
     # ---- derived ----------------------------------------------------------------------------------
     @property
@@ -190,6 +203,8 @@ class Case:
                 f"N={self.seqlen_q}x{self.seqlen_k}", f"d={self.head_dim}"]
         if self.head_dim_v is not None:
             bits.append(f"dv={self.head_dim_v}")
+        if self.block_size is not None:
+            bits.append(f"paged block={self.block_size}")
         for name in ("causal", "mask", "window", "softcap"):
             value = getattr(self, name)
             if value is not None:
@@ -216,11 +231,12 @@ _SHORT = {
     "seqlen_q": "nq", "seqlen_k": "nk", "head_dim": "d", "head_dim_v": "dv", "causal": "causal", "mask": "mask",
     "mask_dims": "mask_dims", "mask_grad": "mask_grad", "dropout_p": "dropout", "window": "window",
     "softcap": "softcap", "strided": "strided", "overflow": "overflow", "fully_masked": "fully_masked",
-    "grad_lse": "grad_lse", "det_runs": "det", "seed": "seed",
+    "grad_lse": "grad_lse", "det_runs": "det", "block_size": "block", "seed": "seed",
 }
 _LONG = {short: name for name, short in _SHORT.items()}
 _BOOL_FIELDS = {"mask_grad", "strided", "overflow", "fully_masked", "grad_lse"}
-_INT_FIELDS = {"batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "det_runs", "seed"}
+_INT_FIELDS = {"batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "det_runs", "seed",
+               "block_size"}
 
 
 def _format_value(name, value) -> str:
@@ -242,7 +258,7 @@ def _parse_value(name, text):
         if text.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"case spec: {_SHORT[name]} takes 0 or 1, got {text!r}")
-    if text.lower() == "none" and name in ("head_dim_v", "causal", "mask", "window", "softcap"):
+    if text.lower() == "none" and name in ("head_dim_v", "causal", "mask", "window", "softcap", "block_size"):
         return None
     if name in _INT_FIELDS:
         return int(text)
@@ -369,8 +385,46 @@ def quick_cases(backend, device: str, dtypes) -> list:
               overflow=True, causal="bottom_right")
         b.add("deterministic", batch=two, heads_q=heads["gqa"][0], heads_kv=heads["gqa"][1], seqlen_q=mid[0],
               seqlen_k=mid[1], head_dim=d_main, causal="top_left", det_runs=det_runs)
+        _inference_cases(b, dims, device == "cpu", full=False)
         cases += b.cases
     return cases
+
+
+def _inference_cases(b: "_Builder", dims, cpu: bool, full: bool) -> None:
+    """decode (dense attention with few query rows per key/value head), kvcache (contiguous and paged, with
+    appends) and varlen cases; ``full`` adds more variants of each."""
+    d = _closest(dims, 32 if cpu else 128)
+    heads = (4, 2) if cpu else (32, 8)
+    long_k = 300 if cpu else 8192
+    decode = [dict(batch=1, seqlen_q=1, seqlen_k=long_k, causal="bottom_right"),
+              dict(batch=2, seqlen_q=4, seqlen_k=long_k // 2 + 3, causal="bottom_right")]
+    if full:
+        decode += [dict(batch=3, seqlen_q=1, seqlen_k=97 if cpu else 1000, causal=None, softcap=5.0),
+                   dict(batch=1, seqlen_q=2, seqlen_k=long_k, causal="bottom_right", window=(long_k // 4, None)),
+                   dict(batch=1, seqlen_q=16 if cpu else 8, seqlen_k=long_k, causal="top_left", heads=(2, 2),
+                        grad_lse=True)]
+    for fields in decode:
+        hq, hkv = fields.pop("heads", heads)
+        b.add("decode", heads_q=hq, heads_kv=hkv, head_dim=d, **fields)
+    capacity = 160 if cpu else 6144
+    kvcache = [dict(batch=3, seqlen_q=1, causal="bottom_right"),
+               dict(batch=3, seqlen_q=4, causal="bottom_right", block_size=16 if cpu else 256),
+               dict(batch=2, seqlen_q=3, causal="bottom_right", block_size=7 if cpu else 16, window=(40, None))]
+    if full:
+        kvcache += [dict(batch=2, seqlen_q=1, causal=None, softcap=5.0, block_size=16 if cpu else 64),
+                    dict(batch=4, seqlen_q=1, causal="bottom_right", heads=(4, 1) if cpu else (32, 1))]
+    for fields in kvcache:
+        hq, hkv = fields.pop("heads", heads)
+        b.add("kvcache", heads_q=hq, heads_kv=hkv, head_dim=d, seqlen_k=capacity, **fields)
+    longest = 48 if cpu else 1024
+    varlen = [dict(batch=4, causal=None), dict(batch=3, causal="top_left", grad_lse=True)]
+    if full:
+        varlen += [dict(batch=5, causal="top_left", window=(longest // 8, None)),
+                   dict(batch=2, causal=None, softcap=4.0, overflow=True),
+                   dict(batch=3, causal=None, dropout_p=DROPOUT_P)]
+    for fields in varlen:
+        b.add("varlen", heads_q=heads[0] // 2, heads_kv=heads[1] // 2 if heads[1] > 2 else 1, head_dim=d,
+              seqlen_q=longest, seqlen_k=longest, **fields)
 
 
 def full_cases(backend, device: str, dtypes) -> list:
@@ -478,6 +532,7 @@ def full_cases(backend, device: str, dtypes) -> list:
             hq_, hkv_ = heads[("gqa", "mha")[i]]
             b.add("deterministic", heads_q=hq_, heads_kv=hkv_, det_runs=det_runs, causal=("top_left", None)[i],
                   **sized(i, nq, nk, _pick(dims, 4 * i + 4)))
+        _inference_cases(b, dims, cpu, full=True)
         cases += b.cases
     return cases
 

@@ -24,7 +24,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 import torch
 
-from mhattn.conformance import tolerance
+from mhattn.conformance import packed, tolerance
 from mhattn.conformance.cases import Case, parse_spec
 from mhattn.conformance.inputs import CaseInputs, make_inputs
 from mhattn.conformance.poison import poisoned_allocations, prefill_cuda_cache
@@ -122,11 +122,13 @@ def run_case(backend, case: Case) -> CaseResult:
     start = time.perf_counter()
     inputs = None
     try:
-        inputs = make_inputs(case, case.device)
+        # KV-cache and varlen cases go through their own entry points (mhattn.conformance.packed).
+        on_packed = case.feature in packed.FEATURES
+        inputs = (packed.make_inputs if on_packed else make_inputs)(case, case.device)
         reasons = list(backend.unsupported(inputs.problem))
         if reasons:
             return CaseResult(case, UNSUPPORTED, reasons=reasons, seconds=time.perf_counter() - start)
-        checks = _judge(backend, case, inputs)
+        checks = (packed.judge if on_packed else _judge)(backend, case, inputs)
         status = PASS if all(c.ok for c in checks) else FAIL
         return CaseResult(case, status, checks=checks, seconds=time.perf_counter() - start)
     except Exception as error:  # a crashing kernel is a failure of this case, not of the suite

@@ -1,0 +1,187 @@
+"""Split-KV decoding kernels: attention of a few query rows over many keys, contiguous or paged.
+
+With one query row per head, one program per (batch, head) leaves most of the GPU idle and reads each
+key/value head once per query head. Here:
+
+- the query rows of all query heads sharing one key/value head are packed into the rows of one tile
+  (row r = group_index * Nq + i), so K and V are read once per group;
+- the keys of one (batch, key/value head) are split over ``num_splits`` programs; each runs the online
+  softmax of the forward kernel over its share and writes a normalised partial output and its
+  log-sum-exp; :func:`combine_splits_kernel` then merges the splits by their LSE:
+
+      lse = log(sum_s exp(lse_s)),   out = sum_s exp(lse_s - lse) * out_s
+
+- a paged cache is read through the block table one key at a time (page = table[j // PAGE_SIZE], row
+  j % PAGE_SIZE), so any block size works; a contiguous cache is the same code with the batch as page.
+
+Grid of :func:`split_kv_kernel`: (B * Hkv, num_splits, row blocks). With one split the kernel writes the
+final output and LSE itself and no combine runs.
+"""
+
+import triton
+import triton.language as tl
+
+from mhattn.backends.triton.scores import LN2, LOG2E, attention_scores
+
+
+@triton.jit
+def load_key_tile(base, page_base, offs_n, ok_n, offs_d, stride_page, stride_row,
+                  DIM: tl.constexpr, BLOCK: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Rows offs_n (BLOCK_N,) of one sequence's keys (or values) as a (BLOCK_N, BLOCK) tile; rows where ok_n is
+    False and head-dim padding read as 0. ``base`` already points at the (sequence or pool, head) start;
+    ``page_base`` at the sequence's block-table row when PAGED."""
+    if PAGED:
+        page = tl.load(page_base + offs_n // PAGE_SIZE, mask=ok_n, other=0).to(tl.int64)
+        rows = page * stride_page + (offs_n % PAGE_SIZE).to(tl.int64) * stride_row
+    else:
+        rows = offs_n.to(tl.int64) * stride_row
+    mask = ok_n[:, None]
+    if BLOCK != DIM:
+        mask = mask & (offs_d[None, :] < DIM)
+    return tl.load(base + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "diag_offset", "window_left", "window_right"])
+def split_kv_kernel(
+    Q, K, V, Out, Lse, OutSplit, LseSplit, Seqlens, BlockTable,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_table,
+    heads_q, heads_kv, kv_group, seqlen_q, seqlen_k, num_splits,
+    qk_scale2, softcap_in2, softcap_out2,
+    diag_offset, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Q (B, Hq, Nq, D) and Out (B, Hq, Nq, Dv) by strides, last dim contiguous; Lse (B, Hq, Nq) fp32
+    contiguous. K/V: contiguous (B, Hkv, Nk, D) (stride_kb per sequence), or with PAGED a pool
+    (num_blocks, Hkv, PAGE_SIZE, D) (stride_kb per block) and BlockTable (B, max_blocks) int32.
+    HAS_SEQLENS: sequence b attends over its first Seqlens[b] keys with its diagonal at Seqlens[b] - Nq;
+    else over seqlen_k keys with the diagonal at diag_offset. SPLIT: write OutSplit (B*Hq*Nq, num_splits,
+    Dv) and LseSplit (B*Hq*Nq, num_splits) fp32 for :func:`combine_splits_kernel` instead of Out/Lse."""
+    batch_head_kv = tl.program_id(0)
+    split = tl.program_id(1)
+    row_block = tl.program_id(2)
+    batch = batch_head_kv // heads_kv
+    head_kv = batch_head_kv % heads_kv
+
+    if HAS_SEQLENS:
+        seqlen_k = tl.load(Seqlens + batch)
+        diag_offset = seqlen_k - seqlen_q
+
+    # Packed rows: row r is query position r % Nq of query head head_kv * kv_group + r // Nq.
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    num_rows = kv_group * seqlen_q
+    row_ok = rows < num_rows
+    q_pos = rows % seqlen_q
+    head = head_kv * kv_group + rows // seqlen_q
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_rows = batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_pos.to(tl.int64) * stride_qm
+    q_mask = row_ok[:, None]
+    if BLOCK_D != HEAD_DIM:
+        q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
+
+    # The keys any row of this block may see: [lo, hi) from the band of its first and last query positions.
+    first_row = row_block * BLOCK_M
+    last_row = tl.minimum(first_row + BLOCK_M, num_rows) - 1
+    one_head = first_row // seqlen_q == last_row // seqlen_q
+    pos_min = tl.where(one_head, first_row % seqlen_q, 0)
+    pos_max = tl.where(one_head, last_row % seqlen_q, seqlen_q - 1)
+    lo = 0
+    hi = seqlen_k
+    if HAS_LEFT:
+        lo = tl.maximum(pos_min + diag_offset - window_left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, tl.maximum(pos_max + diag_offset + window_right + 1, 0))
+    hi = tl.maximum(hi, lo)
+    # This program's share: a whole number of key blocks.
+    per_split = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = tl.minimum(lo + split * per_split, hi)
+    end = tl.minimum(start + per_split, hi)
+
+    k_base = K + head_kv.to(tl.int64) * stride_kh
+    v_base = V + head_kv.to(tl.int64) * stride_vh
+    page_base = BlockTable + batch.to(tl.int64) * stride_table
+    if not PAGED:
+        k_base += batch.to(tl.int64) * stride_kb
+        v_base += batch.to(tl.int64) * stride_vb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    offs_local = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + offs_local
+        ok_n = offs_n < end
+        k = load_key_tile(k_base, page_base, offs_n, ok_n, offs_d, stride_kb, stride_kn,
+                          HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        # seqlen_k = end: keys past this split's share are masked like keys past the sequence.
+        s2, _ = attention_scores(qk, q_pos[:, None], offs_n[None, :], seqlen_q, end,
+                                 qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left, window_right,
+                                 Q, 0, 0, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, 0)
+        m_new = tl.maximum(m_i, tl.max(s2, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet stays at 0
+        p = tl.exp2(s2 - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_key_tile(v_base, page_base, offs_n, ok_n, offs_dv, stride_vb, stride_vn,
+                          HEAD_DIM_V, BLOCK_DV, PAGED, PAGE_SIZE)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    out_row = (batch * heads_q + head).to(tl.int64) * seqlen_q + q_pos  # row of (B*Hq*Nq)
+    dv_ok = offs_dv[None, :] < HEAD_DIM_V
+    if SPLIT:
+        part = out_row * num_splits + split
+        tl.store(OutSplit + part[:, None] * HEAD_DIM_V + offs_dv[None, :], out, mask=row_ok[:, None] & dv_ok)
+        tl.store(LseSplit + part, lse, mask=row_ok)
+    else:
+        o_rows = batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + q_pos.to(tl.int64) * stride_om
+        o_ptrs = Out + o_rows[:, None] + offs_dv[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
+        tl.store(Lse + out_row, lse, mask=row_ok)
+
+
+@triton.jit
+def combine_splits_kernel(
+    Out, Lse, OutSplit, LseSplit,
+    stride_ob, stride_oh, stride_om,
+    heads_q, seqlen_q, num_splits,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge the splits of one query row (one program per row of B*Hq*Nq): out = sum_s w_s out_s with
+    w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s). A row no split saw gives 0 and lse -inf."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_ok = offs_s < num_splits
+    lse_s = tl.load(LseSplit + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2((lse_s - m_shift) * LOG2E)
+    total = tl.sum(w, 0)
+    parts = tl.load(OutSplit + (row * num_splits + offs_s)[:, None] * HEAD_DIM_V + offs_dv[None, :],
+                    mask=s_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    empty = total == 0.0
+    out = tl.sum(parts * w[:, None], 0) / tl.where(empty, 1.0, total)
+    lse = tl.where(empty, float("-inf"), m_shift + tl.log(tl.where(empty, 1.0, total)))
+
+    batch_head = row // seqlen_q
+    q_pos = row % seqlen_q
+    batch = batch_head // heads_q
+    head = batch_head % heads_q
+    o_ptrs = Out + batch * stride_ob + head * stride_oh + q_pos * stride_om + offs_dv
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
+    tl.store(Lse + row, lse)

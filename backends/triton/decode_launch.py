@@ -1,0 +1,139 @@
+"""Host side of the split-KV decoding kernels (decode.py): when they run, how many splits, the launches.
+
+Used by ``TritonBackend.forward_kvcache`` (contiguous and paged caches, any Nq) and by
+``TritonBackend.forward`` for dense attention with few query rows per key/value head (decoding steps
+through ``mhattn.attention``). The kernel module is imported on first use, like the others.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mhattn.backends.base import AttentionParams, KVCache
+from mhattn.backends.triton import configs
+
+# mhattn.attention takes this path when Hq / Hkv * Nq (the rows one key/value head serves) is at most this.
+DECODE_MAX_ROWS = 16
+# Rows of one program's tile; more packed rows (e.g. a chunk of a prompt over a cache) take more programs.
+MAX_BLOCK_M = 64
+# A split gets at least this many keys: fewer would spend more on the combine than they save.
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 128
+# Programs per SM to aim for when splitting (memory-bound work wants several in flight per SM).
+PROGRAMS_PER_SM = 2
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Keys per step by padded head dim on GPUs (not swept yet: a starting point, see benchmarks/check_inference.py).
+GPU_TILES = {16: DecodeTile(128, 4, 3), 32: DecodeTile(128, 4, 3), 64: DecodeTile(128, 4, 3),
+             128: DecodeTile(64, 4, 3), 256: DecodeTile(32, 4, 2)}
+# The interpreter: small steps and small splits so that tiny test shapes take several of each.
+INTERPRETER_TILE = DecodeTile(16, 4, 1)
+INTERPRETER_MIN_KEYS_PER_SPLIT = 16
+INTERPRETER_SM_COUNT = 16
+
+
+def eligible(q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> bool:
+    """Whether mhattn.attention's forward runs on the split-KV kernels: few rows per key/value head, no
+    attn_mask, no dropout."""
+    rows = q.shape[2] * (q.shape[1] // k.shape[1])
+    return 0 < rows <= DECODE_MAX_ROWS and params.mask is None and params.dropout_p == 0.0
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(programs: int, keys: int, sm_count: int, min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
+    """How many programs share the keys of one (batch, key/value head, row block): enough to put
+    PROGRAMS_PER_SM programs on every SM, each with at least ``min_keys`` keys. One when the unsplit grid
+    already fills the GPU."""
+    if programs >= sm_count or keys <= min_keys:
+        return 1
+    wanted = -(-PROGRAMS_PER_SM * sm_count // programs)
+    return max(1, min(wanted, -(-keys // min_keys), MAX_SPLITS))
+
+
+def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None, run=None):
+    """out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) fp32 of q over k, v.
+
+    Dense (cache None): k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), diagonal at params.diag_offset. With a
+    cache, k and v are its tensors (contiguous or the paged pool) and each sequence b attends over its
+    first cache.seqlens[b] keys with its diagonal at seqlens[b] - Nq. ``run``: the backend's _Launch of
+    these arguments when the caller has it already.
+    """
+    from mhattn.backends.triton import decode
+    from mhattn.backends import layouts
+    from mhattn.backends.triton.backend import INTERPRET, _Launch, _OnDevice
+
+    run = run or _Launch(q, k, v, params)
+    batch, heads_q, seqlen_q = q.shape[:3]
+    heads_kv = k.shape[1]
+    out = layouts.output_buffer(q, v)
+    lse = layouts.lse_buffer(q)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+
+    paged = cache is not None and cache.paged
+    keys = cache.capacity if cache is not None else k.shape[2]
+    rows = run.plan.kv_group * seqlen_q
+    block_m = max(16, configs.triton_next_power_of_2(min(rows, MAX_BLOCK_M)))
+    row_blocks = -(-rows // block_m)
+    programs = batch * heads_kv * row_blocks
+    if q.device.type == "cuda":
+        tile = GPU_TILES.get(run.plan.block_d, DecodeTile(32, 4, 1))
+        splits = num_splits(programs, keys, _sm_count(q.device.index or torch.cuda.current_device()))
+    else:  # Triton's interpreter (CPU tensors)
+        tile = INTERPRETER_TILE
+        splits = num_splits(programs, keys, INTERPRETER_SM_COUNT, INTERPRETER_MIN_KEYS_PER_SPLIT)
+    if q.device.type != "cuda" and not INTERPRET:
+        raise ValueError("triton backend: CPU tensors need TRITON_INTERPRET=1 (set before import)")
+
+    if splits > 1:
+        out_split = torch.empty(batch * heads_q * seqlen_q, splits, run.plan.head_dim_v, dtype=torch.float32,
+                                device=q.device)
+        lse_split = torch.empty(batch * heads_q * seqlen_q, splits, dtype=torch.float32, device=q.device)
+    else:
+        out_split = lse_split = lse
+    seqlens = cache.seqlens if cache is not None else lse
+    table = cache.block_table if paged else lse
+    with _OnDevice(q.device):
+        decode.split_kv_kernel[(batch * heads_kv, splits, row_blocks)](
+            q, k, v, out, lse, out_split, lse_split, seqlens, table,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            table.stride(0) if paged else 0,
+            heads_q, heads_kv, run.plan.kv_group, seqlen_q, k.shape[2], splits,
+            run.qk_scale2, run.softcap_in2, run.softcap_out2,
+            run.diag_offset, run.window_left, run.window_right,
+            HEAD_DIM=run.plan.head_dim, HEAD_DIM_V=run.plan.head_dim_v, BLOCK_D=run.plan.block_d,
+            BLOCK_DV=run.plan.block_dv,
+            BLOCK_M=block_m, BLOCK_N=tile.block_n,
+            HAS_SEQLENS=cache is not None, PAGED=paged, PAGE_SIZE=k.shape[2] if paged else 1,
+            HAS_LEFT=run.plan.has_left, HAS_RIGHT=run.plan.has_right, HAS_SOFTCAP=run.plan.has_softcap,
+            SPLIT=splits > 1, DOT_PRECISION=run.plan.dot_precision,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
+        )
+        if splits > 1:
+            decode.combine_splits_kernel[(batch * heads_q * seqlen_q,)](
+                out, lse, out_split, lse_split,
+                out.stride(0), out.stride(1), out.stride(2),
+                heads_q, seqlen_q, splits,
+                HEAD_DIM_V=run.plan.head_dim_v, BLOCK_DV=run.plan.block_dv,
+                BLOCK_S=max(2, configs.triton_next_power_of_2(splits)),
+                num_warps=4 if run.plan.block_dv >= 128 else 2, num_stages=1,
+            )
+    return out, lse

@@ -1,0 +1,244 @@
+"""GPU check of the inference paths (issue 13): decode table, paged vs contiguous, varlen vs padded cuDNN.
+
+    source benchmarks/device_env.sh
+    python benchmarks/check_inference.py            # H100: about 2-3 minutes; logs under $OUT when set
+
+Prints, for bf16 and fp16 (Hq = 32, Hkv = 8, d = 128; B in 1, 8, 64; Nk in 1k, 8k, 32k, 128k; Nq = 1 and 4):
+SDPA's default and cuDNN times, mhattn's (``attention`` with backend="triton", the KV-cache entry contiguous
+and paged), triton's speed-up over each, its bandwidth (KV bytes / time) and paged / contiguous. Then the
+varlen comparison: forward+backward of packed sequences (lengths 100 .. 8k, 16k tokens, d = 128, causal)
+against the same sequences as a right-padded batch through SDPA's cuDNN kernel (causal, so the padding
+after each sequence is never seen). Last, a right-padding key mask as (B, 1, 1, Nk) (the kernels stop at each
+entry's last key) against the same mask materialised per query row (every key block read). Before timing, a
+few outputs are checked against SDPA.
+
+``--device cpu --tiny`` runs the same code on tiny shapes (with TRITON_INTERPRET=1) to test the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from mhattn.benchmark import decode_bench, timing
+
+VARLEN_LENGTHS = (8192, 4096, 2048, 1024, 512, 256, 156, 100)  # 16384 tokens
+VARLEN_HEADS = 16
+
+
+def log(out_dir, text):
+    print(text, flush=True)
+    if out_dir:
+        with open(os.path.join(out_dir, "check_inference.log"), "a") as f:
+            f.write(text + "\n")
+
+
+def check_outputs(device, dtype, tiny):
+    """Max |mhattn - SDPA| of a decode step (dense, contiguous cache, paged cache) and of a varlen forward."""
+    import mhattn
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    b, hq, hkv, nk, d = (2, 4, 2, 100, 16) if tiny else (4, 32, 8, 5000, 128)
+    lines = []
+    for nq in (1, 4):
+        q = torch.randn(b, hq, nq, d, device=device, dtype=dtype, generator=gen)
+        k = torch.randn(b, hkv, nk, d, device=device, dtype=dtype, generator=gen)
+        v = torch.randn(b, hkv, nk, d, device=device, dtype=dtype, generator=gen)
+        mask = decode_bench._causal_mask(decode_bench.DecodeCell("fp16", b, nk, nq), device)
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+        bias = None if nq == 1 else torch.nn.attention.bias.causal_lower_right(nq, nk)
+        dense = mhattn.attention(q, k, v, attn_mask=bias, enable_gqa=True, backend="triton")
+        seqlens = torch.full((b,), nk, dtype=torch.int32, device=device)
+        cached = mhattn.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, backend="triton")
+        block = 16
+        blocks = -(-nk // block)
+        pad = blocks * block - nk
+        pool_k = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(b, hkv, blocks, block, d).transpose(1, 2)
+        pool_v = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(b, hkv, blocks, block, d).transpose(1, 2)
+        order = torch.randperm(b * blocks, device=device, generator=gen)
+        pool = (torch.empty_like(pool_k.reshape(b * blocks, hkv, block, d)),
+                torch.empty_like(pool_v.reshape(b * blocks, hkv, block, d)))
+        pool[0][order] = pool_k.reshape(b * blocks, hkv, block, d)
+        pool[1][order] = pool_v.reshape(b * blocks, hkv, block, d)
+        table = order.view(b, blocks).to(torch.int32)
+        paged = mhattn.attention_with_kvcache(q, pool[0], pool[1], cache_seqlens=seqlens, block_table=table,
+                                              backend="triton")
+        for name, got in (("attention", dense), ("kvcache", cached), ("paged", paged)):
+            lines.append(f"  Nq={nq} {name:9s} max |mhattn - sdpa(fp32)| = {float((got.float() - want).abs().max()):.2e}")
+    return lines
+
+
+def varlen_section(device, dtype, settings, tiny):
+    """(text lines, row) comparing varlen fwd+bwd with the padded batch through SDPA (cuDNN, and default)."""
+    import mhattn
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    lengths = (40, 25, 7, 1) if tiny else VARLEN_LENGTHS
+    heads, d = (2, 16) if tiny else (VARLEN_HEADS, 128)
+    gen = torch.Generator(device=device).manual_seed(2)
+    total, longest = sum(lengths), max(lengths)
+    q, k, v, grad = (torch.randn(total, heads, d, device=device, dtype=dtype, generator=gen) for _ in range(4))
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def varlen_step():
+        out = mhattn.varlen_attention(*leaves, cu, cu, longest, longest, is_causal=True, backend="triton")
+        torch.autograd.grad(out, leaves, grad)
+
+    padded = []
+    for t in (q, k, v, grad):
+        p = torch.zeros(len(lengths), longest, heads, d, device=device, dtype=dtype)
+        for i, (start, n) in enumerate(zip(cu.tolist(), lengths)):
+            p[i, :n] = t[start:start + n]
+        padded.append(p.transpose(1, 2))  # (B, H, N, d)
+    padded_leaves = [t.detach().requires_grad_() for t in padded[:3]]
+
+    def padded_step(kernel):
+        def step():
+            with sdpa_kernel(kernel) if kernel is not None else _nothing():
+                out = F.scaled_dot_product_attention(*padded_leaves, is_causal=True)
+            torch.autograd.grad(out, padded_leaves, padded[3])
+        return step
+
+    def padded_triton():
+        out = mhattn.attention(*padded_leaves, is_causal=True, backend="triton")
+        torch.autograd.grad(out, padded_leaves, padded[3])
+
+    # Correctness first: varlen's output against the padded SDPA rows.
+    out = mhattn.varlen_attention(q, k, v, cu, cu, longest, longest, is_causal=True, backend="triton")
+    ref = F.scaled_dot_product_attention(*(t.float() for t in padded[:3]), is_causal=True).transpose(1, 2)
+    err = max(float((out[s:s + n].float() - ref[i, :n]).abs().max()) for i, (s, n) in enumerate(zip(cu.tolist(), lengths)))
+    row = {"dtype": str(dtype).replace("torch.", ""), "lengths": list(lengths), "max_err": err, "ms": {}, "status": {}}
+    candidates = (("varlen triton", varlen_step), ("padded sdpa-cudnn", padded_step(SDPBackend.CUDNN_ATTENTION)),
+                  ("padded sdpa default", padded_step(None)), ("padded triton", padded_triton))
+    if device.type != "cuda":
+        candidates = candidates[:1] + candidates[3:]
+    for name, fn in candidates:
+        try:
+            fn()
+            row["ms"][name] = timing.bench_ms(fn, settings.warmup_ms, settings.rep_ms, device)
+            row["status"][name] = "ok"
+        except Exception as error:
+            row["ms"][name] = None
+            row["status"][name] = timing.describe_error(error)
+    base = row["ms"].get("varlen triton")
+    lines = [f"varlen fwd+bwd, {row['dtype']}, causal, d={d}, H={heads}, lengths {list(lengths)} ({total} tokens); "
+             f"max |varlen - padded sdpa(fp32)| = {err:.2e}"]
+    for name, ms in row["ms"].items():
+        speed = "" if ms is None or base is None else f"  (varlen is {ms / base:.2f}x faster)" if name != "varlen triton" else ""
+        lines.append(f"  {name:20s} {'-' if ms is None else f'{ms:8.3f} ms'}{speed}"
+                     + ("" if row["status"][name] == "ok" else f"  {row['status'][name][:200]}"))
+    return lines, row
+
+
+def key_padding_section(device, dtype, settings, tiny):
+    """Forward+backward with a right-padding key mask (B, 1, 1, Nk) (the kernels bound each batch entry's keys)
+    against the same mask materialised per query row (B, 1, Nq, Nk) (no bound: every key block is read)."""
+    import mhattn
+
+    b, h, n, d = (2, 2, 64, 16) if tiny else (8, 16, 4096, 128)
+    gen = torch.Generator(device=device).manual_seed(3)
+    lengths = torch.tensor([n // 4, n // 2, n, 3 * n // 8] * (b // 4 or 1), device=device)[:b]
+    keys = torch.arange(n, device=device)[None, :] < lengths[:, None]
+    shared = keys.view(b, 1, 1, n)
+    per_row = shared.expand(b, 1, n, n).contiguous()
+    q, k, v, grad = (torch.randn(b, h, n, d, device=device, dtype=dtype, generator=gen) for _ in range(4))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    lines = [f"key padding, {str(dtype).replace('torch.', '')}, B={b} H={h} N={n} d={d}, "
+             f"key lengths {lengths.tolist()}: fwd+bwd ms"]
+    times = {}
+    outs = {}
+    for name, mask in (("bounded (B,1,1,Nk)", shared), ("per row (B,1,Nq,Nk)", per_row)):
+        def step(mask=mask):
+            out = mhattn.attention(*leaves, attn_mask=mask, backend="triton")
+            torch.autograd.grad(out, leaves, grad)
+            return out
+        outs[name] = step().detach()
+        times[name] = timing.bench_ms(step, settings.warmup_ms, settings.rep_ms, device)
+    first, second = list(times)
+    same = float((outs[first].float() - outs[second].float()).abs().max())
+    lines.append(f"  {first}: {times[first]:.3f}   {second}: {times[second]:.3f}   "
+                 f"speed-up {times[second] / times[first]:.2f}x   max |difference| {same:.1e}")
+    return lines
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (to test the script on the CPU)")
+    parser.add_argument("--dtype", default="bf16,fp16")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+    started = time.monotonic()
+    dtypes = [d for d in args.dtype.split(",") if d]
+    if args.tiny:
+        cells = decode_bench.decode_cells(dtypes=dtypes, batches=(1, 2), seqlens_k=(64, 100), query_rows=(1, 4),
+                                          head_dim=16, block_size=16)
+        settings = timing.TimingSettings(1.0, 2.0)
+    else:
+        cells = decode_bench.decode_cells(dtypes=dtypes)
+        settings = timing.TimingSettings(10.0, 40.0)
+    if device.type == "cuda":
+        log(out_dir, f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+
+    summary = []
+    for name in dtypes:
+        dtype = decode_bench.DTYPES[name]
+        lines = check_outputs(device, dtype, args.tiny)
+        log(out_dir, f"outputs, {name}:\n" + "\n".join(lines))
+
+    rows = []
+    for i, cell in enumerate(cells):
+        row = decode_bench.time_cell(cell, decode_bench.IMPLS, settings, device)
+        rows.append(row)
+        us = row["us"]
+        log(out_dir, f"[{i + 1}/{len(cells)}] {cell.label()}: " + ", ".join(
+            f"{k} {'-' if t is None else f'{t:.1f} us'}" for k, t in us.items()))
+    decode_text = decode_bench.decode_table(rows)
+
+    varlen_rows = []
+    for name in dtypes:
+        lines, row = varlen_section(device, decode_bench.DTYPES[name], settings, args.tiny)
+        varlen_rows.append(row)
+        summary += lines
+    summary += key_padding_section(device, decode_bench.DTYPES[dtypes[0]], settings, args.tiny)
+    if out_dir:
+        with open(os.path.join(out_dir, "check_inference.json"), "w") as f:
+            json.dump({"decode": rows, "varlen": varlen_rows}, f, indent=1)
+
+    worst = [r for r in rows if r["us"].get("triton") and r["us"].get("sdpa")]
+    log(out_dir, "")
+    log(out_dir, f"== decode (Hq=32, Hkv=8, d=128; paged block {cells[0].block_size}; us, x = sdpa time / triton "
+                 f"time; GB/s = KV bytes / time of the faster triton column) ==")
+    log(out_dir, decode_text.rstrip())
+    if worst:
+        ratio = min(r["us"]["sdpa"] / r["us"]["triton"] for r in worst)
+        log(out_dir, f"lowest x sdpa (default): {ratio:.2f}")
+    log(out_dir, "")
+    log(out_dir, "== varlen, key padding ==")
+    for line in summary:
+        log(out_dir, line)
+    log(out_dir, f"({time.monotonic() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""``mhattn bench --decode``: decoding steps over long key sequences, mhattn beside PyTorch's SDPA.
+
+One cell per (dtype, B, Nk, Nq) with Hq = 32 query heads sharing Hkv = 8 key/value heads, d = 128 (by
+default). Every implementation reads the same K and V:
+
+- ``sdpa``: torch SDPA with its default kernel choice (``enable_gqa=True``); ``sdpa-cudnn``: forced to cuDNN;
+- ``triton``: ``mhattn.attention(..., backend="triton")`` (the split-KV kernels for few query rows);
+- ``kvcache``: ``mhattn.attention_with_kvcache(..., backend="triton")`` over the same tensors as a contiguous
+  cache (its value checks read cache_seqlens back on the first call only: the timed calls reuse it);
+- ``paged``: the same over a paged pool (blocks of ``block_size`` keys in a shuffled order).
+
+Bandwidth is FlashAttention's measure: the bytes of K and V / time. Query rows past the first sit at the bottom-right
+diagonal (causal), as in speculative decoding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from mhattn.benchmark import timing
+
+HEADS = (32, 8)
+BATCHES = (1, 8, 64)
+SEQLENS_K = (1024, 8192, 32768, 131072)
+QUERY_ROWS = (1, 4)
+HEAD_DIM = 128
+BLOCK_SIZE = 256
+IMPLS = ("sdpa", "sdpa-cudnn", "triton", "kvcache", "paged")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class DecodeCell:
+    dtype: str
+    batch: int
+    seqlen_k: int
+    seqlen_q: int = 1
+    heads_q: int = HEADS[0]
+    heads_kv: int = HEADS[1]
+    head_dim: int = HEAD_DIM
+    block_size: int = BLOCK_SIZE
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V every implementation must read once."""
+        return 2 * self.batch * self.heads_kv * self.seqlen_k * self.head_dim * DTYPES[self.dtype].itemsize
+
+    def label(self) -> str:
+        return f"{self.dtype} B={self.batch} Nk={self.seqlen_k} Nq={self.seqlen_q}"
+
+
+def decode_cells(dtypes=("bf16",), batches=BATCHES, seqlens_k=SEQLENS_K, query_rows=QUERY_ROWS, head_dim=HEAD_DIM,
+                 block_size=BLOCK_SIZE) -> list:
+    """The cells of a run, smallest caches first within each dtype (a run cut short loses the biggest)."""
+    cells = [DecodeCell(dtype, b, nk, nq, head_dim=head_dim, block_size=block_size)
+             for dtype in dtypes for nq in query_rows for b in batches for nk in seqlens_k]
+    return sorted(cells, key=lambda c: (list(dtypes).index(c.dtype), c.seqlen_q, c.kv_bytes))
+
+
+# ---- the implementations of one cell --------------------------------------------------------------------
+
+
+def _causal_mask(cell: DecodeCell, device):
+    """None for one query row; else the bottom-right causal bool mask (1, 1, Nq, Nk) that SDPA takes."""
+    if cell.seqlen_q == 1:
+        return None
+    rows = torch.arange(cell.seqlen_q, device=device)[:, None] + cell.seqlen_k - cell.seqlen_q
+    return (torch.arange(cell.seqlen_k, device=device)[None, :] <= rows)[None, None]
+
+
+def _sdpa(q, k, v, mask, kernel=None):
+    import torch.nn.functional as F
+
+    def call():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    if kernel is None:
+        return call
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def forced():
+        with sdpa_kernel(getattr(SDPBackend, kernel)):
+            return call()
+
+    return forced
+
+
+def _paged_pool(cell: DecodeCell, device, generator):
+    """(k_pool, v_pool, block_table): every sequence's Nk keys in blocks of a shuffled pool."""
+    dtype = DTYPES[cell.dtype]
+    per_sequence = -(-cell.seqlen_k // cell.block_size)
+    blocks = cell.batch * per_sequence
+    shape = (blocks, cell.heads_kv, cell.block_size, cell.head_dim)
+    k_pool = torch.randn(shape, device=device, dtype=dtype, generator=generator)
+    v_pool = torch.randn(shape, device=device, dtype=dtype, generator=generator)
+    order = torch.randperm(blocks, device=device, generator=generator)
+    return k_pool, v_pool, order.view(cell.batch, per_sequence).to(torch.int32)
+
+
+def _cache_call(q, cache):
+    """attention_with_kvcache over ``cache`` (no new tokens) on the Triton backend. Its value checks read
+    cache_seqlens back once (the first call); the timed calls reuse the same tensors and skip them."""
+    import mhattn
+
+    return lambda: mhattn.attention_with_kvcache(q, cache.k, cache.v, cache_seqlens=cache.seqlens,
+                                                 block_table=cache.block_table, backend="triton")
+
+
+def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) -> dict:
+    """One row: microseconds per implementation (None where it failed, with the reason in ``status``)."""
+    import mhattn
+    from mhattn.backends.base import KVCache
+
+    device = torch.device(device)
+    dtype = DTYPES[cell.dtype]
+    row = {"kind": "decode", **asdict(cell), "kv_bytes": cell.kv_bytes, "us": {}, "status": {}}
+    generator = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(cell.batch, cell.heads_q, cell.seqlen_q, cell.head_dim, device=device, dtype=dtype,
+                    generator=generator)
+    seqlens = torch.full((cell.batch,), cell.seqlen_k, dtype=torch.int32, device=device)
+
+    def measure(name, make):
+        if name not in impls:
+            return
+        try:
+            fn = make()
+            fn()
+            row["us"][name] = 1e3 * timing.bench_ms(fn, settings.warmup_ms, settings.rep_ms, device)
+            row["status"][name] = "ok"
+        except Exception as error:  # a cell an implementation cannot run stays in the table, with why
+            row["us"][name] = None
+            row["status"][name] = timing.describe_error(error)
+
+    contiguous = [name for name in impls if name != "paged"]
+    if contiguous:
+        shape = (cell.batch, cell.heads_kv, cell.seqlen_k, cell.head_dim)
+        k = torch.randn(shape, device=device, dtype=dtype, generator=generator)
+        v = torch.randn(shape, device=device, dtype=dtype, generator=generator)
+        mask = _causal_mask(cell, device)
+        bias = None if cell.seqlen_q == 1 else torch.nn.attention.bias.causal_lower_right(cell.seqlen_q, cell.seqlen_k)
+        measure("sdpa", lambda: _sdpa(q, k, v, mask))
+        measure("sdpa-cudnn", lambda: _sdpa(q, k, v, mask, "CUDNN_ATTENTION"))
+        measure("triton", lambda: lambda: mhattn.attention(q, k, v, attn_mask=bias, enable_gqa=True, backend="triton"))
+        measure("kvcache", lambda: _cache_call(q, KVCache(k, v, seqlens)))
+        del k, v
+        timing.release_memory(device)
+    if "paged" in impls:
+        def make_paged():
+            k_pool, v_pool, table = _paged_pool(cell, device, generator)
+            return _cache_call(q, KVCache(k_pool, v_pool, seqlens, table))
+
+        measure("paged", make_paged)
+        timing.release_memory(device)
+    return row
+
+
+# ---- the table --------------------------------------------------------------------------------------------
+
+
+def _us(value) -> str:
+    return "-" if value is None else (f"{value:.0f}" if value >= 10 else f"{value:.1f}")
+
+
+def _ratio(a, b) -> str:
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def decode_table(rows: list) -> str:
+    """The decode table: times (us), triton's speed-up over each SDPA column (their time / triton's), its
+    bandwidth (GB/s) and the paged cache's time over the contiguous one's."""
+    header = ["dtype", "B", "Nk", "Nq", "sdpa us", "cudnn us", "triton us", "kvcache us", "paged us",
+              "x sdpa", "x cudnn", "triton GB/s", "paged/contig"]
+    lines = []
+    for r in rows:
+        us = r["us"]
+        best = min((t for t in (us.get("triton"), us.get("kvcache")) if t is not None), default=None)
+        bandwidth = "-" if best is None else f"{bandwidth_gbs(r['kv_bytes'], best):.0f}"
+        lines.append([r["dtype"], str(r["batch"]), _seqlen(r["seqlen_k"]), str(r["seqlen_q"]), _us(us.get("sdpa")),
+                      _us(us.get("sdpa-cudnn")), _us(us.get("triton")), _us(us.get("kvcache")), _us(us.get("paged")),
+                      _ratio(us.get("sdpa"), us.get("triton")), _ratio(us.get("sdpa-cudnn"), us.get("triton")),
+                      bandwidth, _ratio(us.get("paged"), us.get("kvcache"))])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
+    failures = [f"{r['dtype']} B={r['batch']} Nk={r['seqlen_k']} Nq={r['seqlen_q']} {name}: {status}"
+                for r in rows for name, status in r["status"].items() if status != "ok"]
+    if failures:
+        out += ["", "not measured:"] + [f"  {line[:300]}" for line in failures]
+    return "\n".join(out) + "\n"
+
+
+def _seqlen(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def run(args) -> int:
+    """``mhattn bench --decode``: time the cells the filters select and print the table."""
+    import json
+    import sys
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("mhattn bench --decode needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    impls = [n for n in (getattr(args, "impl", None) and _flat(args.impl)) or IMPLS]
+    unknown = [n for n in impls if n not in IMPLS]
+    if unknown:
+        print(f"mhattn bench --decode: --impl takes {', '.join(IMPLS)}; got {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    cells = decode_cells(dtypes=args.dtype or ["bf16"], batches=args.batch or BATCHES,
+                         seqlens_k=args.seqlen or SEQLENS_K, query_rows=args.nq or QUERY_ROWS,
+                         head_dim=(args.head_dim or [HEAD_DIM])[0], block_size=args.block_size or BLOCK_SIZE)
+    settings = timing.TimingSettings(args.warmup or 10.0, args.rep or 40.0)
+    rows = []
+    for i, cell in enumerate(cells):
+        if not args.no_progress:
+            print(f"[{i + 1}/{len(cells)}] {cell.label()}", file=sys.stderr, flush=True)
+        rows.append(time_cell(cell, impls, settings, device))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"decode": rows}, f, indent=1)
+    print(decode_table(rows), end="")
+    return 0
+
+
+def _flat(values):
+    flat = []
+    for value in values:
+        flat.extend(value if isinstance(value, list) else [value])
+    return list(dict.fromkeys(flat))
+
+
+def bandwidth_gbs(kv_bytes: int, us: float) -> float:
+    """GB/s (10^9 bytes) of reading ``kv_bytes`` in ``us`` microseconds."""
+    return kv_bytes / (us * 1e-6) / 1e9 if us and math.isfinite(us) else float("nan")

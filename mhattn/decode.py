@@ -1,0 +1,197 @@
+"""``mhattn.attention_with_kvcache``: attention over a KV cache (contiguous or paged), forward only.
+
+The new tokens' keys and values (when given) are written into the cache in place first, then each
+sequence's queries attend over its cached keys on the backend the dispatcher picks (operation "kvcache"
+or "paged_kvcache"). Decoding steps (Nq = 1) and speculative decoding (small Nq) are the intended uses.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mhattn import dispatch
+from mhattn.arguments import (check_heads, check_index_tensor, check_same, check_softcap, check_tensor,
+                              check_values_once, host_checks_allowed, scale_or_default)
+from mhattn.backends.base import KVCache
+from mhattn.errors import InputError
+from mhattn.functional import _causal_right, _params, _window
+from mhattn.problem import Problem
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    cache_seqlens: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    *,
+    is_causal: bool = True,
+    scale: Optional[float] = None,
+    window=None,
+    softcap: Optional[float] = None,
+    return_lse: bool = False,
+    backend: Optional[str] = None,
+):
+    """Attention of new queries over a KV cache, appending the new keys/values to it first (forward only).
+
+    Args:
+        q: (B, Hq, Nq, D), the queries of the newest Nq tokens of each sequence.
+        k_cache: contiguous (B, Hkv, Nmax, D), or paged (num_blocks, Hkv, block_size, D) with ``block_table``.
+        v_cache: (B, Hkv, Nmax, Dv), or paged (num_blocks, Hkv, block_size, Dv). Same dtype/device as q.
+        k: None, or (B, Hkv, Nq, D): written into the cache at positions cache_seqlens[b] .. cache_seqlens[b]
+            + Nq - 1 of sequence b (through the block table when paged), in place, before attending.
+        v: None, or (B, Hkv, Nq, Dv); given together with ``k``.
+        cache_seqlens: (B,) int32, the number of valid cached tokens per sequence before the append; it is
+            not changed (the caller advances it). None: every sequence's cache is full (no append possible).
+        block_table: None (contiguous cache), or (B, max_blocks) int32: sequence b's blocks of the pool, in
+            order. Entries past a sequence's last used block are not read.
+        is_causal: query row i of sequence b sits at position L_b - Nq + i (L_b = keys it attends over,
+            cached plus new) and sees keys up to that position (bottom-right alignment).
+        scale: score scale; default 1 / sqrt(D).
+        window: (left, right) around each query's position, as in :func:`mhattn.attention`; -1/None unbounded.
+        softcap: scores become softcap * tanh(scores / softcap).
+        return_lse: also return the log-sum-exp (B, Hq, Nq), float32, natural log.
+        backend: a backend name, as in :func:`mhattn.attention`.
+
+    Returns:
+        out (B, Hq, Nq, Dv) in q's dtype; with ``return_lse`` a tuple (out, lse). Hq must be a multiple of Hkv
+        (grouped-query attention needs no flag here and never copies K/V). A row that sees no key gives 0.
+    """
+    call = _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap)
+    name, source = dispatch.requested(backend)
+    chosen = dispatch.select(call.problem, name, source)
+    if k is not None:
+        _append(call.cache, k, v, cache_seqlens)
+    out, lse = chosen.forward_kvcache(q, call.cache, call.params)
+    return (out, lse) if return_lse else out
+
+
+def explain(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, *, is_causal=True,
+            scale=None, window=None, softcap=None, return_lse=False, backend=None) -> dispatch.Decision:
+    """What :func:`attention_with_kvcache` would do: ``str()`` shows the problem, the choice and every
+    backend's reasons. Nothing is written into the cache."""
+    call = _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap)
+    name, source = dispatch.requested(backend)
+    return dispatch.decide(call.problem, name, source)
+
+
+class _Call:
+    def __init__(self, problem, cache, params):
+        self.problem, self.cache, self.params = problem, cache, params
+
+
+def _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap) -> _Call:
+    paged = block_table is not None
+    cache_shape = "(num_blocks, Hkv, block_size, D)" if paged else "(B, Hkv, Nmax, D)"
+    check_tensor("q", q, 4, "(B, Hq, Nq, D)")
+    check_tensor("k_cache", k_cache, 4, cache_shape)
+    check_tensor("v_cache", v_cache, 4, cache_shape.replace("D)", "Dv)"))
+    check_same(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v)):
+        raise InputError("attention_with_kvcache is forward only (no autograd): call it under torch.no_grad() "
+                         "or pass tensors that do not require grad")
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv = k_cache.shape[1]
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise InputError(f"k_cache and v_cache must agree in all dims but the last, got shapes "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[3] != head_dim:
+        raise InputError(f"k_cache's head dim (last dim) must be q's ({head_dim}), got {k_cache.shape[3]}")
+    if not paged and k_cache.shape[0] != batch:
+        raise InputError(f"k_cache must have q's batch ({batch}) in dim 0 (contiguous cache {cache_shape}), got "
+                         f"shape {tuple(k_cache.shape)}")
+    check_heads(heads_q, heads_kv)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise InputError(f"{name} must have a contiguous last dim (it is written in place, so it is never "
+                             f"copied), got strides {tuple(t.stride())}")
+    if (k is None) != (v is None):
+        raise InputError("pass k and v together (the new tokens' keys and values), or neither")
+    if k is not None:
+        check_tensor("k", k, 4, "(B, Hkv, Nq, D)")
+        check_tensor("v", v, 4, "(B, Hkv, Nq, Dv)")
+        check_same(("q", "k", "v"), (q, k, v))
+        want_k = (batch, heads_kv, seqlen_q, head_dim)
+        want_v = (batch, heads_kv, seqlen_q, v_cache.shape[3])
+        if tuple(k.shape) != want_k:
+            raise InputError(f"k must have shape (B, Hkv, Nq, D) = {want_k}, got {tuple(k.shape)}")
+        if tuple(v.shape) != want_v:
+            raise InputError(f"v must have shape (B, Hkv, Nq, Dv) = {want_v}, got {tuple(v.shape)}")
+        if cache_seqlens is None:
+            raise InputError("cache_seqlens is required when k and v are appended (it says where they go)")
+    if cache_seqlens is not None:
+        check_index_tensor("cache_seqlens", cache_seqlens, 1, "(B,)", q.device)
+        if cache_seqlens.shape[0] != batch:
+            raise InputError(f"cache_seqlens must have shape (B,) = ({batch},), got {tuple(cache_seqlens.shape)}")
+    if paged:
+        check_index_tensor("block_table", block_table, 2, "(B, max_blocks)", q.device)
+        if block_table.shape[0] != batch:
+            raise InputError(f"block_table must have shape (B, max_blocks) with B = {batch}, got "
+                             f"{tuple(block_table.shape)}")
+    if is_causal not in (True, False):
+        raise InputError(f"is_causal must be a bool, got {is_causal!r}")
+
+    appended = seqlen_q if k is not None else 0
+    capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+    if cache_seqlens is None:
+        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    else:
+        seqlens = cache_seqlens + appended if appended else cache_seqlens
+    checked = tuple(t for t in (cache_seqlens, block_table) if t is not None)
+    if checked and host_checks_allowed(q):
+        before = seqlens if cache_seqlens is None else cache_seqlens
+        check_values_once(checked, (appended, capacity, k_cache.shape[0], k_cache.shape[2]),
+                          lambda: _check_lengths(before, seqlens, block_table, k_cache.shape[0], k_cache.shape[2],
+                                                 capacity))
+    left, right = (None, None) if window is None else _window(window)
+    params = _params(None, False, scale_or_default(scale, head_dim), bool(is_causal), 0, left,
+                     _causal_right(right, bool(is_causal)), 0.0, (0, 0),
+                     check_softcap(softcap))
+    cache = KVCache(k_cache, v_cache, seqlens.to(torch.int32), block_table)
+    problem = Problem.from_tensors(q, k_cache, v_cache, params, causal=bool(is_causal),
+                                   window=left is not None or right is not None,
+                                   operation="paged_kvcache" if paged else "kvcache",
+                                   sizes=(batch, seqlen_q, capacity))
+    return _Call(problem, cache, params)
+
+
+def _check_lengths(cache_seqlens, seqlens, block_table, num_blocks, block_size, capacity) -> None:
+    """Every sequence fits its cache and every block it uses is in the pool: one read-back to the host."""
+    lengths = seqlens.tolist()
+    before = cache_seqlens.tolist()
+    for b, (n0, n) in enumerate(zip(before, lengths)):
+        if n0 < 0:
+            raise InputError(f"cache_seqlens[{b}] = {n0} is negative")
+        if n > capacity:
+            where = "max_blocks * block_size" if block_table is not None else "Nmax"
+            raise InputError(f"sequence {b} needs {n} cache positions (cache_seqlens[{b}] = {n0} plus the new "
+                             f"tokens) but its cache holds {where} = {capacity}")
+    if block_table is None:
+        return
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * block_size < seqlens[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        b, j = (int(x) for x in bad.nonzero()[0].tolist())
+        raise InputError(f"block_table[{b}, {j}] = {int(block_table[b, j])} points outside the pool of {num_blocks} "
+                         f"blocks (k_cache.shape[0]); sequence {b} uses its first "
+                         f"{-(-lengths[b] // block_size)} blocks")
+
+
+def _append(cache: KVCache, k, v, cache_seqlens) -> None:
+    """Write k, v (B, Hkv, Nq, D) at positions cache_seqlens[b] + i of each sequence, in place."""
+    batch, _, seqlen_q, _ = k.shape
+    positions = cache_seqlens.long()[:, None] + torch.arange(seqlen_q, device=k.device)[None, :]  # (B, Nq)
+    if cache.paged:
+        block_size = cache.k.shape[2]
+        rows = torch.arange(batch, device=k.device)[:, None].expand(batch, seqlen_q)
+        blocks = cache.block_table.long()[rows, positions // block_size]
+        index = (blocks, slice(None), positions % block_size)
+    else:
+        index = (torch.arange(batch, device=k.device)[:, None], slice(None), positions)
+    # Advanced indices around a slice put their (B, Nq) dims first: the values go in as (B, Nq, Hkv, D).
+    cache.k[index] = k.transpose(1, 2)
+    cache.v[index] = v.transpose(1, 2)

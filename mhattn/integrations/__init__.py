@@ -1,0 +1,1 @@
+"""Optional bridges to other libraries, imported only when used (``mhattn.integrations.transformers``)."""

@@ -1,0 +1,162 @@
+"""``mhattn.varlen_attention``: attention over packed variable-length sequences, forward and backward.
+
+The tokens of all sequences are packed along one dim (no padding); ``cu_seqlens`` prefix sums say where
+each sequence starts. The backend the dispatcher picks (operation "varlen") runs forward and backward;
+autograd keeps the chosen backend for the backward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mhattn import dispatch
+from mhattn.arguments import (check_heads, check_index_tensor, check_same, check_softcap, check_tensor,
+                              check_values_once, host_checks_allowed, scale_or_default)
+from mhattn.backends.base import Packing
+from mhattn.errors import InputError
+from mhattn.functional import _causal_right, _params, _window
+from mhattn.problem import Problem
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    window=None,
+    softcap: Optional[float] = None,
+    return_lse: bool = False,
+    backend: Optional[str] = None,
+):
+    """Attention over B packed sequences: sequence b's queries see only its own keys.
+
+    Args:
+        q: (total_q, Hq, D), the queries of all sequences one after the other.
+        k: (total_k, Hkv, D); v: (total_k, Hkv, Dv). Same dtype and device as q; last dims contiguous
+            (other strides are used as they are).
+        cu_seqlens_q: (B + 1,) int32 on q's device: sequence b's queries are rows cu_seqlens_q[b] ..
+            cu_seqlens_q[b + 1] - 1 of q; starts at 0, non-decreasing, ends at total_q.
+        cu_seqlens_k: (B + 1,) int32, the same for k and v (ends at total_k).
+        max_seqlen_q / max_seqlen_k: ints >= every sequence's query / key length.
+        dropout_p: probability of dropping an attention weight (applied whenever > 0); sequence b draws the
+            counter-based RNG's words of batch index b at its own (query, key) positions.
+        is_causal: causal attention aligned top-left within each sequence (query i sees keys j <= i).
+        scale: score scale; default 1 / sqrt(D).
+        enable_gqa: allow Hq to be a multiple of Hkv (no copies of K/V).
+        window: (left, right) around each sequence's top-left diagonal, as in :func:`mhattn.attention`.
+        softcap: scores become softcap * tanh(scores / softcap).
+        return_lse: also return the log-sum-exp (Hq, total_q), float32, natural log (its gradient flows).
+        backend: a backend name, as in :func:`mhattn.attention`.
+
+    Returns:
+        out (total_q, Hq, Dv) in q's dtype; with ``return_lse`` a tuple (out, lse). A query row that sees no
+        key (a sequence with no keys) gives 0 and lse -inf.
+    """
+    packing, params, problem = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                        is_causal, scale, enable_gqa, window, softcap)
+    name, source = dispatch.requested(backend)
+    chosen = dispatch.select(problem, name, source)
+    if params.dropout_p > 0.0:
+        from mhattn.dropout_rng import draw_seed
+
+        # Drawn on the tensors' device, as mhattn.attention does (graph-safe; torch.manual_seed reproduces it).
+        params = params.replace(seed=draw_seed(q.device))
+    out, lse = _VarlenAttention.apply(q, k, v, chosen, packing, params)
+    return (out, lse) if return_lse else out
+
+
+def explain(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, is_causal=False,
+            scale=None, enable_gqa=False, *, window=None, softcap=None, return_lse=False,
+            backend=None) -> dispatch.Decision:
+    """What :func:`varlen_attention` would do: ``str()`` shows the problem, the choice and every backend's
+    reasons."""
+    _, _, problem = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
+                             scale, enable_gqa, window, softcap)
+    name, source = dispatch.requested(backend)
+    return dispatch.decide(problem, name, source)
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """Forward on the chosen backend; the backward on the same one."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, chosen, packing, params):
+        out, lse = chosen.forward_varlen(q, k, v, packing, params)
+        ctx.set_materialize_grads(False)
+        ctx.chosen, ctx.packing, ctx.params = chosen, packing, params
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        elif grad_out.stride(-1) != 1:
+            grad_out = grad_out.contiguous()
+        dq, dk, dv = ctx.chosen.backward_varlen(grad_out, q, k, v, out, lse, ctx.packing, ctx.params,
+                                                grad_lse=grad_lse)
+        return dq, dk, dv, None, None, None
+
+
+def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, enable_gqa,
+             window, softcap):
+    check_tensor("q", q, 3, "(total_q, Hq, D)")
+    check_tensor("k", k, 3, "(total_k, Hkv, D)")
+    check_tensor("v", v, 3, "(total_k, Hkv, Dv)")
+    check_same(("q", "k", "v"), (q, k, v))
+    if k.shape[:2] != v.shape[:2]:
+        raise InputError(f"k and v must agree in (total_k, Hkv), got shapes {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise InputError(f"q and k must have the same head dim (last dim), got {q.shape[2]} and {k.shape[2]}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise InputError(f"{name} must have a contiguous last dim, got strides {tuple(t.stride())}")
+    check_heads(q.shape[1], k.shape[1], enable_gqa)
+    check_index_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(B + 1,)", q.device)
+    check_index_tensor("cu_seqlens_k", cu_seqlens_k, 1, "(B + 1,)", q.device)
+    if cu_seqlens_q.shape[0] < 1 or cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise InputError(f"cu_seqlens_q and cu_seqlens_k must both have shape (B + 1,), got "
+                         f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InputError(f"{name} must be an int >= 0, got {value!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise InputError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if host_checks_allowed(q):
+        check_values_once((cu_seqlens_q, cu_seqlens_k), (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k), lambda: (
+            _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
+            _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)))
+    left, right = (None, None) if window is None else _window(window)
+    params = _params(None, False, scale_or_default(scale, q.shape[2]), bool(is_causal), 0, left,
+                     _causal_right(right, bool(is_causal)),
+                     float(dropout_p), (0, 0), check_softcap(softcap))
+    packing = Packing(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+    problem = Problem.from_tensors(q, k, v, params, causal=bool(is_causal), window=left is not None or right is not None,
+                                   operation="varlen", sizes=(packing.batch, packing.max_seqlen_q, packing.max_seqlen_k))
+    return packing, params, problem
+
+
+def _check_cu_seqlens(name, cu, total, max_name, max_seqlen) -> None:
+    values = cu.tolist()
+    if values[0] != 0:
+        raise InputError(f"{name} must start at 0, got {values[0]}")
+    if values[-1] != total:
+        raise InputError(f"{name} must end at the number of packed tokens ({total}), got {values[-1]}")
+    for b in range(len(values) - 1):
+        length = values[b + 1] - values[b]
+        if length < 0:
+            raise InputError(f"{name} must be non-decreasing, got {name}[{b}] = {values[b]} > "
+                             f"{name}[{b + 1}] = {values[b + 1]}")
+        if length > max_seqlen:
+            raise InputError(f"sequence {b} has {length} tokens, more than {max_name} = {max_seqlen}")

@@ -1,0 +1,58 @@
+"""``mhattn bench --decode``: planning, bytes, the table, and a run of the harness on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from mhattn.benchmark import decode_bench
+from mhattn.cli import main
+
+
+def test_cells_cover_the_issue_grid_smallest_first():
+    cells = decode_bench.decode_cells(dtypes=("bf16", "fp16"))
+    assert len(cells) == 2 * 3 * 4 * 2
+    assert {(c.batch, c.seqlen_k, c.seqlen_q) for c in cells if c.dtype == "fp16"} == {
+        (b, n, q) for b in (1, 8, 64) for n in (1024, 8192, 32768, 131072) for q in (1, 4)}
+    bf16 = [c for c in cells if c.dtype == "bf16"]
+    assert cells[:len(bf16)] == bf16  # dtype by dtype
+    one_row = [c.kv_bytes for c in bf16 if c.seqlen_q == 1]
+    assert one_row == sorted(one_row)
+    cell = decode_bench.DecodeCell("bf16", 1, 131072)
+    # K and V of 8 heads, 128k keys, d = 128, 2 bytes: 512 MiB; 179 us at 3.0 TB/s as PERFORMANCE.md says
+    assert cell.kv_bytes == 2 * 8 * 131072 * 128 * 2
+    assert abs(cell.kv_bytes / 3.0e12 * 1e6 - 179) < 1
+
+
+def test_table_ratios_bandwidth_and_failures():
+    row = {"dtype": "bf16", "batch": 1, "seqlen_k": 131072, "seqlen_q": 1, "kv_bytes": 536870912,
+           "us": {"sdpa": 194.0, "sdpa-cudnn": None, "triton": 200.0, "kvcache": 190.0, "paged": 199.5},
+           "status": {"sdpa": "ok", "sdpa-cudnn": "n/a: no kernel", "triton": "ok", "kvcache": "ok", "paged": "ok"}}
+    text = decode_bench.decode_table([row])
+    line = text.splitlines()[2]
+    assert line.split()[:4] == ["bf16", "1", "128k", "1"]
+    assert "0.97" in line.split()  # sdpa / triton
+    assert "2826" in line.split()  # 536870912 B / 190 us (the faster of triton and kvcache) in GB/s
+    assert "1.05" in line.split()  # paged / contiguous
+    assert "not measured:" in text and "sdpa-cudnn: n/a: no kernel" in text
+
+
+def test_decode_bench_runs_on_the_cpu(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    code = main(["bench", "--decode", "--device", "cpu", "--impl", "sdpa", "--batch", "1,2", "--seqlen", "64",
+                 "--nq", "1,3", "--head-dim", "16", "--dtype", "fp16", "--warmup", "1", "--rep", "2",
+                 "--no-progress", "--json", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert text.count("fp16") == 4
+    rows = json.loads(out.read_text())["decode"]
+    assert [(r["batch"], r["seqlen_q"]) for r in rows] == [(1, 1), (2, 1), (1, 3), (2, 3)]
+    assert all(r["us"]["sdpa"] > 0 and r["status"]["sdpa"] == "ok" for r in rows)
+
+
+def test_causal_mask_is_bottom_right():
+    cell = decode_bench.DecodeCell("fp32", 1, 6, seqlen_q=3)
+    mask = decode_bench._causal_mask(cell, "cpu")[0, 0]
+    assert torch.equal(mask.sum(-1), torch.tensor([4, 5, 6]))
+    assert decode_bench._causal_mask(decode_bench.DecodeCell("fp32", 1, 6), "cpu") is None

@@ -1,0 +1,565 @@
+"""attention_with_kvcache (contiguous and paged caches) and varlen_attention against the float64 definition.
+
+Groups, as in test_triton_backend.py:
+
+- the reference backend on the CPU against a float64 gold written independently here (gathering each
+  sequence's keys by hand, SDPA-style masks), input checks, and the dispatcher's reasons;
+- the Triton kernels under TRITON_INTERPRET=1 (one worker process, ``check_*`` functions of this file),
+  judged by CONFORMANCE.md's tolerance rule, with NaN-poisoned allocations;
+- GPU tests (marker ``gpu``): the same checks on CUDA in fp16 and bf16 at decoding shapes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import mhattn
+from mhattn.backends.base import AttentionParams
+from mhattn.conformance.tolerance import compare
+from mhattn.dropout_rng import draw_seed, seed_words as words_of
+from mhattn.reference.naive import naive_attention
+
+from test_triton_backend import _InterpreterWorker, poisoned_allocations
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+# ---- inputs ---------------------------------------------------------------------------------------------
+
+
+def make_cache(dtype, device, batch, heads_q, heads_kv, seqlen_q, head_dim, cached, capacity, block_size, append,
+               generator, head_dim_v=None):
+    """q, the cache (contiguous, or a shuffled paged pool with its block table), the new k/v (or None), and
+    cache_seqlens. ``cached``: tokens already in each sequence's cache."""
+    head_dim_v = head_dim_v or head_dim
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    q = randn(batch, heads_q, seqlen_q, head_dim)
+    new_k = randn(batch, heads_kv, seqlen_q, head_dim) if append else None
+    new_v = randn(batch, heads_kv, seqlen_q, head_dim_v) if append else None
+    seqlens = torch.tensor(cached, dtype=torch.int32, device=device)
+    if block_size is None:
+        return q, randn(batch, heads_kv, capacity, head_dim), randn(batch, heads_kv, capacity, head_dim_v), \
+            new_k, new_v, seqlens, None
+    max_blocks = -(-capacity // block_size)
+    num_blocks = batch * max_blocks + 3  # a few blocks no sequence uses
+    order = torch.randperm(num_blocks, generator=generator)[:batch * max_blocks]
+    table = order.reshape(batch, max_blocks).to(torch.int32).to(device)
+    return q, randn(num_blocks, heads_kv, block_size, head_dim), randn(num_blocks, heads_kv, block_size, head_dim_v), \
+        new_k, new_v, seqlens, table
+
+
+def sequence_keys(k_cache, v_cache, table, b, length):
+    """Sequence b's first ``length`` keys and values as (1, Hkv, length, D): written here independently of
+    mhattn.reference.packed (a plain loop over positions)."""
+    if table is None:
+        return k_cache[b:b + 1, :, :length], v_cache[b:b + 1, :, :length]
+    block_size = k_cache.shape[2]
+    rows_k = [k_cache[int(table[b, j // block_size]), :, j % block_size] for j in range(length)]
+    rows_v = [v_cache[int(table[b, j // block_size]), :, j % block_size] for j in range(length)]
+    if not rows_k:
+        return k_cache[:1, :, :0], v_cache[:1, :, :0]
+    return torch.stack(rows_k, 1)[None], torch.stack(rows_v, 1)[None]
+
+
+def kvcache_gold(q, k_cache, v_cache, table, lengths, params, dtype):
+    """out, lse of every sequence by naive_attention in ``dtype`` (float64 for the gold)."""
+    seqlen_q = q.shape[2]
+    outs, lses = [], []
+    for b, length in enumerate(lengths):
+        k, v = sequence_keys(k_cache, v_cache, table, b, length)
+        if length == 0:
+            outs.append(torch.zeros_like(q[b:b + 1, :, :, :1]).expand(-1, -1, -1, v_cache.shape[-1]).to(dtype))
+            lses.append(torch.full(q[b:b + 1].shape[:-1], float("-inf"), dtype=dtype))
+            continue
+        out, lse = naive_attention(q[b:b + 1].to(dtype), k.to(dtype), v.to(dtype),
+                                   params.replace(diag_offset=length - seqlen_q))
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs).cpu(), torch.cat(lses).cpu()
+
+
+def _params_for(scale, is_causal, window, softcap, dropout_p=0.0, seed=(0, 0)):
+    left, right = window if window is not None else (None, None)
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    return AttentionParams(scale=scale, window_left=left, window_right=right, softcap=softcap, dropout_p=dropout_p,
+                           seed=seed)
+
+
+def check_kvcache(backend="triton", dtype="float16", device="cpu", batch=2, heads_q=4, heads_kv=2, seqlen_q=1,
+                  head_dim=32, head_dim_v=None, cached=(37, 90), capacity=100, block_size=None, append=True,
+                  is_causal=True, window=None, softcap=None, seed=0):
+    """attention_with_kvcache on ``backend`` against the float64 gold (CONFORMANCE.md's rule), and the cache
+    holding the appended tokens afterwards."""
+    dt = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(100 + seed)
+    q, k_cache, v_cache, new_k, new_v, seqlens, table = make_cache(
+        dt, device, batch, heads_q, heads_kv, seqlen_q, head_dim, list(cached), capacity, block_size, append, gen,
+        head_dim_v)
+    lengths = [c + (seqlen_q if append else 0) for c in cached]
+    with poisoned_allocations():
+        out, lse = mhattn.attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, seqlens, table, is_causal=is_causal,
+                                                 window=window, softcap=softcap, return_lse=True, backend=backend)
+    assert out.shape == (batch, heads_q, seqlen_q, v_cache.shape[-1]) and out.dtype == dt
+    assert lse.shape == (batch, heads_q, seqlen_q) and lse.dtype in (torch.float32, torch.float64)
+    assert seqlens.tolist() == list(cached), "cache_seqlens must not change"
+    if append:  # the new tokens sit in the cache at their positions
+        for b, c in enumerate(cached):
+            k, v = sequence_keys(k_cache, v_cache, table, b, c + seqlen_q)
+            assert torch.equal(k[0, :, c:], new_k[b]) and torch.equal(v[0, :, c:], new_v[b])
+    params = _params_for(head_dim ** -0.5, is_causal, window, softcap)
+    gold = kvcache_gold(q, k_cache, v_cache, table, lengths, params, torch.float64)
+    lowp = None if dt in (torch.float32, torch.float64) else kvcache_gold(q, k_cache, v_cache, table, lengths, params, dt)
+    results = [compare(name, x.cpu(), gold[i], None if lowp is None else lowp[i], dtype=dt)
+               for i, (name, x) in enumerate((("out", out), ("lse", lse)))]
+    failed = [str(r) for r in results if not r.ok]
+    assert not failed, "; ".join(failed)
+
+
+def make_packed(dtype, device, lengths_q, lengths_k, heads_q, heads_kv, head_dim, generator):
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    q = randn(sum(lengths_q), heads_q, head_dim)
+    k = randn(sum(lengths_k), heads_kv, head_dim)
+    v = randn(sum(lengths_k), heads_kv, head_dim)
+    return q, k, v, cu_q, cu_k
+
+
+def varlen_gold(q, k, v, lengths_q, lengths_k, params, dtype, grad_out, grad_lse):
+    """(out, lse, dq, dk, dv) by naive_attention per sequence in ``dtype``, gradients by torch autograd."""
+    leaves = [t.detach().cpu().to(dtype).requires_grad_(True) for t in (q, k, v)]
+    keep = None
+    if params.dropout_p > 0.0:
+        from mhattn.dropout_rng import keep_mask
+
+        keep = keep_mask(params.seed, len(lengths_q), q.shape[1], max(lengths_q), max(lengths_k), params.dropout_p)
+    outs, lses = [], []
+    qs = ks = 0
+    for b, (nq, nk) in enumerate(zip(lengths_q, lengths_k)):
+        qb = leaves[0][qs:qs + nq].transpose(0, 1)[None]
+        if nk == 0:
+            outs.append(qb[0].transpose(0, 1) * 0)
+            lses.append(torch.full((q.shape[1], nq), float("-inf"), dtype=dtype))
+        else:
+            kb, vb = (t[ks:ks + nk].transpose(0, 1)[None] for t in leaves[1:])
+            keep_b = None if keep is None else keep[b:b + 1, :, :nq, :nk]
+            out, lse = naive_attention(qb, kb, vb, params, keep=keep_b)
+            outs.append(out[0].transpose(0, 1))
+            lses.append(lse[0])
+        qs, ks = qs + nq, ks + nk
+    out, lse = torch.cat(outs), torch.cat(lses, 1)
+    loss = (out * grad_out.cpu().to(dtype)).sum()
+    if grad_lse is not None:
+        loss = loss + (torch.where(torch.isinf(lse), 0, lse) * grad_lse.cpu().to(dtype)).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    return (out.detach(), lse.detach(), *grads)
+
+
+def check_varlen(backend="triton", dtype="float16", device="cpu", lengths_q=(5, 0, 35, 1), lengths_k=(9, 3, 38, 0),
+                 heads_q=4, heads_kv=2, head_dim=32, is_causal=False, window=None, softcap=None, dropout_p=0.0,
+                 grad_lse=False, seed=0):
+    """varlen_attention forward and backward on ``backend`` against the float64 gold."""
+    dt = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(200 + seed)
+    q, k, v, cu_q, cu_k = make_packed(dt, device, lengths_q, lengths_k, heads_q, heads_kv, head_dim, gen)
+    grad_out = torch.randn(q.shape[0], heads_q, head_dim, generator=gen).to(device=device, dtype=dt)
+    glse = torch.randn(heads_q, q.shape[0], generator=gen).to(device) if grad_lse else None
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    torch.manual_seed(5 + seed)  # the dropout seed varlen_attention draws
+    seed_words = words_of(draw_seed(q.device)) if dropout_p else (0, 0)
+    torch.manual_seed(5 + seed)
+    with poisoned_allocations():
+        out, lse = mhattn.varlen_attention(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), dropout_p=dropout_p,
+                                           is_causal=is_causal, enable_gqa=heads_q != heads_kv, window=window,
+                                           softcap=softcap, return_lse=True, backend=backend)
+        loss = (out * grad_out).float().sum()
+        if grad_lse:
+            loss = loss + (torch.where(torch.isinf(lse), 0, lse) * glse).sum()
+        dq, dk, dv = torch.autograd.grad(loss, leaves)
+    assert out.shape == (q.shape[0], heads_q, head_dim) and lse.shape == (heads_q, q.shape[0])
+    params = _params_for(head_dim ** -0.5, is_causal, window, softcap, dropout_p, seed_words)
+    gold = varlen_gold(q, k, v, list(lengths_q), list(lengths_k), params, torch.float64, grad_out, glse)
+    lowp = None if dt in (torch.float32, torch.float64) else varlen_gold(q, k, v, list(lengths_q), list(lengths_k),
+                                                                          params, dt, grad_out, glse)
+    grad_scale = max(float(g.abs().max()) for g in gold[2:5] if g.numel())
+    results = []
+    for i, (name, x) in enumerate((("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv))):
+        floor_scale = grad_scale if name in ("dq", "dk") else None
+        results.append(compare(name, x.detach().cpu(), gold[i], None if lowp is None else lowp[i], dtype=dt,
+                               floor_scale=floor_scale))
+    failed = [str(r) for r in results if not r.ok]
+    assert not failed, "; ".join(failed) + " | all: " + "; ".join(str(r) for r in results)
+
+
+def check_varlen_through_descriptors(**kwargs):
+    """check_varlen with a pinned tile that loads K/V (and Q/dO in the dK/dV kernel) through tensor
+    descriptors: each descriptor starts at its sequence's first row."""
+    from mhattn.backends.triton import configs
+
+    with configs.pin("16,16,4,1,tma"):
+        check_varlen(**kwargs)
+
+
+def check_dense_decode(dtype="float16", device="cpu", batch=1, heads_q=8, heads_kv=2, seqlen_q=1, seqlen_k=300,
+                       head_dim=32, causal=None, window=None, softcap=None):
+    """mhattn.attention with few query rows per key/value head (the split-KV path of the Triton backend),
+    forward and backward, against the float64 reference."""
+    from test_triton_backend import check_attention
+
+    check_attention(dtype=dtype, device=device, batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
+                    seqlen_k=seqlen_k, head_dim=head_dim, causal=causal, window=window, softcap=softcap)
+
+
+def check_split_kv_path_taken(device="cpu"):
+    """The Triton backend's forward runs the split-KV kernels for decoding shapes and several splits happen."""
+    from mhattn.backends.triton import decode_launch
+
+    calls = []
+    original = decode_launch.split_kv_forward
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    decode_launch.split_kv_forward = spy
+    try:
+        q = torch.randn(1, 8, 2, 32, device=device, dtype=torch.float16)
+        k = torch.randn(1, 2, 300, 32, device=device, dtype=torch.float16)
+        mhattn.attention(q, k, k, enable_gqa=True, backend="triton")
+        assert calls, "the split-KV path was not taken for Nq = 2, 4 query heads per key/value head"
+        calls.clear()
+        q = torch.randn(1, 8, 40, 32, device=device, dtype=torch.float16)
+        mhattn.attention(q, k, k, enable_gqa=True, backend="triton")
+        assert not calls, "160 rows per key/value head must take the FlashAttention-2 forward"
+    finally:
+        decode_launch.split_kv_forward = original
+    if device == "cpu":
+        assert decode_launch.num_splits(2, 300, decode_launch.INTERPRETER_SM_COUNT,
+                                        decode_launch.INTERPRETER_MIN_KEYS_PER_SPLIT) > 1
+
+
+# ---- the reference on the CPU (no kernel) ---------------------------------------------------------------
+
+KVCACHE_CASES = {
+    "decode_append": dict(),
+    "decode_no_append": dict(append=False, cached=(40, 100)),
+    "speculative_nq4": dict(seqlen_q=4, cached=(0, 60)),
+    "empty_sequence_no_append": dict(append=False, cached=(0, 17)),
+    "nq_longer_than_keys": dict(append=False, seqlen_q=6, cached=(3, 50)),  # first rows see nothing
+    "not_causal": dict(is_causal=False, seqlen_q=3),
+    "window": dict(window=(20, 0), seqlen_q=2),
+    "softcap": dict(softcap=3.0, seqlen_q=2),
+    "mha": dict(heads_q=2, heads_kv=2),
+    "mqa_value_dim": dict(heads_q=4, heads_kv=1, head_dim_v=24),
+    "paged_block_8": dict(block_size=8, seqlen_q=3, cached=(37, 90)),
+    "paged_block_5": dict(block_size=5, cached=(0, 93)),
+    "paged_window": dict(block_size=16, window=(30, 0), seqlen_q=2),
+}
+
+
+@pytest.mark.parametrize("case", list(KVCACHE_CASES))
+def test_reference_kvcache(case):
+    check_kvcache(backend="reference", dtype="float64", **KVCACHE_CASES[case])
+
+
+VARLEN_CASES = {
+    "uneven": dict(),
+    "causal": dict(is_causal=True),
+    "causal_q_ne_k": dict(is_causal=True, lengths_q=(7, 20), lengths_k=(12, 15)),
+    "window_gqa": dict(window=(5, 3), heads_q=6, heads_kv=2),
+    "softcap_grad_lse": dict(softcap=4.0, grad_lse=True),
+    "dropout": dict(dropout_p=0.2, lengths_q=(6, 17), lengths_k=(11, 20)),
+    "one_sequence": dict(lengths_q=(30,), lengths_k=(30,), is_causal=True),
+}
+
+
+@pytest.mark.parametrize("case", ["uneven", "causal_q_ne_k", "window_gqa", "softcap_grad_lse", "dropout"])
+def test_reference_varlen(case):
+    check_varlen(backend="reference", dtype="float64", **VARLEN_CASES[case])
+
+
+def test_varlen_matches_attention_per_sequence():
+    """Packing changes nothing: each sequence's output is mhattn.attention's on that sequence alone."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, cu_q, cu_k = make_packed(torch.float64, "cpu", (4, 9), (4, 9), 2, 2, 8, gen)
+    out = mhattn.varlen_attention(q, k, v, cu_q, cu_k, 9, 9, is_causal=True)
+    for start, end in ((0, 4), (4, 13)):
+        one = mhattn.attention(*(t[start:end].transpose(0, 1) for t in (q, k, v)), is_causal=True)
+        assert torch.allclose(out[start:end], one.transpose(0, 1), atol=1e-12)
+
+
+def _kv_inputs(paged=False):
+    q = torch.randn(2, 4, 1, 8)
+    if paged:
+        return q, torch.randn(6, 2, 4, 8), torch.randn(6, 2, 4, 8), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    return q, torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8), None
+
+
+def _kv_call(q, kc, vc, table=None, **kw):
+    seqlens = kw.pop("cache_seqlens", torch.tensor([3, 5], dtype=torch.int32))
+    return mhattn.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, **kw)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, kc, vc, t: _kv_call(q[0], kc, vc), "q must have 4 dims"),
+    (lambda q, kc, vc, t: _kv_call(q.double(), kc, vc), "k_cache must have the dtype of q"),
+    (lambda q, kc, vc, t: _kv_call(q, kc[:, :, :, :4], vc), "head dim"),
+    (lambda q, kc, vc, t: _kv_call(q, kc[:1], vc[:1]), "batch"),
+    (lambda q, kc, vc, t: _kv_call(q[:, :3], kc, vc), "multiple"),
+    (lambda q, kc, vc, t: _kv_call(q, kc, vc, cache_seqlens=torch.tensor([3, 5])), "cache_seqlens must be int32"),
+    (lambda q, kc, vc, t: _kv_call(q, kc, vc, cache_seqlens=torch.tensor([3], dtype=torch.int32)), "cache_seqlens"),
+    (lambda q, kc, vc, t: _kv_call(q, kc, vc, cache_seqlens=torch.tensor([3, 11], dtype=torch.int32)),
+     "sequence 1 needs 11"),
+    (lambda q, kc, vc, t: _kv_call(q, kc, vc, k=torch.randn(2, 2, 1, 8), v=torch.randn(2, 2, 1, 8),
+                                   cache_seqlens=torch.tensor([3, 10], dtype=torch.int32)), "sequence 1 needs 11"),
+    (lambda q, kc, vc, t: _kv_call(q, kc, vc, k=torch.randn(2, 2, 1, 8)), "k and v together"),
+    (lambda q, kc, vc, t: _kv_call(q, kc, vc, k=torch.randn(2, 2, 2, 8), v=torch.randn(2, 2, 2, 8)), "k must have shape"),
+    (lambda q, kc, vc, t: mhattn.attention_with_kvcache(q, kc, vc, torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)),
+     "cache_seqlens is required"),
+    (lambda q, kc, vc, t: _kv_call(q.requires_grad_(), kc, vc), "forward only"),
+    (lambda q, kc, vc, t: _kv_call(q, kc, vc, window=(1, 2, 3)), "window"),
+    (lambda q, kc, vc, t: _kv_call(q, kc, vc, softcap=-1.0), "softcap"),
+])
+def test_kvcache_input_errors(bad, match):
+    q, kc, vc, table = _kv_inputs()
+    with pytest.raises(mhattn.InputError, match=match):
+        bad(q, kc, vc, table)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, kc, vc, t: _kv_call(q, kc, vc, t.long()), "block_table must be int32"),
+    (lambda q, kc, vc, t: _kv_call(q, kc, vc, t[:1]), "block_table must have shape"),
+    (lambda q, kc, vc, t: _kv_call(q, kc, vc, torch.tensor([[0, 9], [2, 3]], dtype=torch.int32),
+                                   cache_seqlens=torch.tensor([5, 1], dtype=torch.int32)), r"block_table\[0, 1\] = 9"),
+    (lambda q, kc, vc, t: _kv_call(q, kc, vc, torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32)),
+     r"block_table\[1, 0\] = -1"),
+    (lambda q, kc, vc, t: _kv_call(q, kc, vc, t, cache_seqlens=torch.tensor([3, 9], dtype=torch.int32)),
+     "max_blocks \\* block_size = 8"),
+])
+def test_paged_kvcache_input_errors(bad, match):
+    q, kc, vc, table = _kv_inputs(paged=True)
+    with pytest.raises(mhattn.InputError, match=match):
+        bad(q, kc, vc, table)
+
+
+def test_paged_table_checked_without_cache_seqlens():
+    """No cache_seqlens: every sequence fills its blocks, so every table entry must be in the pool."""
+    q, kc, vc, _ = _kv_inputs(paged=True)
+    with pytest.raises(mhattn.InputError, match=r"block_table\[1, 1\] = 6"):
+        mhattn.attention_with_kvcache(q, kc, vc, block_table=torch.tensor([[0, 1], [2, 6]], dtype=torch.int32))
+    out = mhattn.attention_with_kvcache(q, kc, vc, block_table=torch.tensor([[0, 1], [2, 5]], dtype=torch.int32))
+    assert out.shape == (2, 4, 1, 8)
+
+
+def test_paged_table_entries_past_a_sequence_are_not_read():
+    """Entries past a sequence's last used block may be anything (e.g. -1 padding)."""
+    q, kc, vc, _ = _kv_inputs(paged=True)
+    table = torch.tensor([[0, -1], [2, 3]], dtype=torch.int32)
+    out = _kv_call(q, kc, vc, table, cache_seqlens=torch.tensor([4, 6], dtype=torch.int32))
+    assert torch.isfinite(out).all()
+
+
+def test_cache_values_are_read_back_once_per_change(monkeypatch):
+    """The same cache_seqlens (a decoding step's layers) is checked once; changed in place, it is checked again."""
+    from mhattn import decode
+
+    calls = []
+    original = decode._check_lengths
+    monkeypatch.setattr(decode, "_check_lengths", lambda *a: (calls.append(1), original(*a)))
+    q, kc, vc, _ = _kv_inputs()
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+    for _ in range(3):
+        _kv_call(q, kc, vc, cache_seqlens=seqlens)
+    assert len(calls) == 1
+    seqlens += 5
+    _kv_call(q, kc, vc, cache_seqlens=seqlens)
+    assert len(calls) == 2
+    seqlens[1] = 11  # in place, past the cache: caught on the next call
+    with pytest.raises(mhattn.InputError, match="sequence 1 needs 11"):
+        _kv_call(q, kc, vc, cache_seqlens=seqlens)
+    with pytest.raises(mhattn.InputError, match="sequence 1 needs 11"):
+        _kv_call(q, kc, vc, cache_seqlens=torch.tensor([3, 11], dtype=torch.int32))  # a new tensor
+
+
+def test_varlen_cu_seqlens_checked_once_per_change():
+    q, k, v, cq, ck = _varlen_inputs()
+    mhattn.varlen_attention(q, k, v, cq, ck, 6, 7)
+    cq[1] = 7  # sequence 1 now has 3 queries, sequence 0 has 7 > max_seqlen_q
+    with pytest.raises(mhattn.InputError, match="more than max_seqlen_q = 6"):
+        mhattn.varlen_attention(q, k, v, cq, ck, 6, 7)
+
+
+def _varlen_inputs():
+    q, k, v = torch.randn(10, 2, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 8)
+    return q, k, v, torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, k, v, cq, ck: mhattn.varlen_attention(q[None], k, v, cq, ck, 6, 7), "q must have 3 dims"),
+    (lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k.half(), v, cq, ck, 6, 7), "dtype"),
+    (lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k, v[:11], cq, ck, 6, 7), "k and v must agree"),
+    (lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k, v, cq.long(), ck, 6, 7), "cu_seqlens_q must be int32"),
+    (lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k, v, cq, ck[:2], 6, 7), "shape"),
+    (lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k, v, cq + 1, ck, 6, 7), "start at 0"),
+    (lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k, v, cq, torch.tensor([0, 5, 11], dtype=torch.int32), 6, 7),
+     "end at the number of packed tokens"),
+    (lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k, v, torch.tensor([0, 6, 4, 10], dtype=torch.int32),
+                                                     torch.tensor([0, 5, 6, 12], dtype=torch.int32), 6, 7),
+     "non-decreasing"),
+    (lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k, v, cq, ck, 5, 7), "more than max_seqlen_q = 5"),
+    (lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k, v, cq, ck, 6, 7.0), "max_seqlen_k"),
+    (lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k[:, :1], v[:, :1], cq, ck, 6, 7), "enable_gqa"),
+    (lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k, v, cq, ck, 6, 7, dropout_p=1.0), "dropout_p"),
+])
+def test_varlen_input_errors(bad, match):
+    with pytest.raises(mhattn.InputError, match=match):
+        bad(*_varlen_inputs())
+
+
+def test_dispatcher_reasons_for_the_new_operations():
+    """Backends declare the operations as data; one that lacks one says so, and a forced one raises."""
+    from mhattn.backends.base import OPERATIONS
+
+    assert mhattn.get_backend("reference").capabilities.operations == frozenset(OPERATIONS)
+    cupy = mhattn.get_backend("cupy")
+    assert cupy.capabilities.operations == frozenset({"attention"})
+    q, kc, vc, table = _kv_inputs(paged=True)
+    decision = mhattn.decode.explain(q, kc, vc, cache_seqlens=torch.tensor([3, 5], dtype=torch.int32),
+                                     block_table=table)
+    assert decision.chosen == "reference" and decision.problem.operation == "paged_kvcache"
+    assert any("paged KV cache" in r for r in decision.reasons["cupy"])
+    assert "paged_kvcache" in str(decision)
+    q, k, v, cq, ck = _varlen_inputs()
+    decision = mhattn.varlen.explain(q, k, v, cq, ck, 6, 7)
+    assert any("variable-length" in r for r in decision.reasons["cupy"])
+    with pytest.raises(mhattn.BackendUnavailableError, match="variable-length"):
+        mhattn.varlen_attention(q, k, v, cq, ck, 6, 7, backend="cupy")
+
+
+def test_a_backend_without_an_operation_is_refused_with_its_reason():
+    class DenseOnly(mhattn.Backend):
+        name = "denseonly"
+        capabilities = mhattn.Capabilities(device_types=frozenset({"cpu"}),
+                                           dtypes=frozenset({torch.float32}), min_compute_capability=None)
+
+    mhattn.register_backend(DenseOnly())
+    try:
+        q, kc, vc, _ = _kv_inputs()
+        with pytest.raises(mhattn.BackendUnavailableError, match="contiguous KV cache"):
+            _kv_call(q, kc, vc, backend="denseonly")
+        assert float(kc[0, 0, 3].abs().sum()) != 0  # nothing was written before the refusal
+    finally:
+        mhattn.unregister_backend("denseonly")
+
+
+# ---- the Triton kernels under the interpreter -----------------------------------------------------------
+
+
+class _InProcess:
+    def run(self, check, **kwargs):
+        globals()[check](**kwargs)
+
+    def close(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    worker = _InProcess() if INTERPRETING else _InterpreterWorker(__file__)
+    yield worker
+    worker.close()
+
+
+INTERPRETER_KVCACHE = {
+    "decode_fp16": dict(),
+    "decode_fp32_one_sequence": dict(dtype="float32", batch=1, cached=(150,), capacity=160),
+    "speculative_nq4_fp32": dict(dtype="float32", seqlen_q=4, cached=(0, 60)),
+    "no_append_empty_and_short": dict(append=False, seqlen_q=5, cached=(0, 3)),
+    "window_softcap": dict(window=(25, 0), softcap=5.0, seqlen_q=2),
+    "not_causal_mqa_value_dim": dict(is_causal=False, heads_q=4, heads_kv=1, head_dim=24, head_dim_v=40),
+    "paged_block_16": dict(block_size=16, seqlen_q=3),
+    "paged_block_5_fp32": dict(block_size=5, dtype="float32", cached=(1, 93)),
+    "many_rows_two_row_blocks": dict(seqlen_q=40, heads_q=4, heads_kv=1, cached=(10, 45)),  # 160 rows
+}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", list(INTERPRETER_KVCACHE))
+def test_interpreter_kvcache(interpreter, case):
+    interpreter.run("check_kvcache", **INTERPRETER_KVCACHE[case])
+
+
+INTERPRETER_DENSE_DECODE = {
+    "nq1_gqa": dict(),
+    "nq2_causal_bottom_right_fp32": dict(seqlen_q=2, causal="bottom_right", dtype="float32"),
+    "nq3_top_left_window": dict(seqlen_q=3, heads_q=4, causal="top_left", window=(40, 10), seqlen_k=120),
+    "nq1_mha_softcap_batch2": dict(batch=2, heads_q=2, heads_kv=2, softcap=2.0, seqlen_k=77),
+}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", list(INTERPRETER_DENSE_DECODE))
+def test_interpreter_dense_decode(interpreter, case):
+    interpreter.run("check_dense_decode", **INTERPRETER_DENSE_DECODE[case])
+
+
+@pytest.mark.interpret
+def test_interpreter_split_kv_path_taken(interpreter):
+    interpreter.run("check_split_kv_path_taken")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+def test_interpreter_varlen(interpreter, case):
+    dtype = "float32" if case in ("causal_q_ne_k", "dropout") else "float16"
+    interpreter.run("check_varlen", dtype=dtype, **VARLEN_CASES[case])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", ["uneven", "causal_q_ne_k"])
+def test_interpreter_varlen_through_descriptors(interpreter, case):
+    interpreter.run("check_varlen_through_descriptors", **VARLEN_CASES[case])
+
+
+# ---- GPU ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("paged", [None, 16, 256])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_gpu_kvcache(dtype, paged, seqlen_q):
+    check_kvcache(dtype=dtype, device="cuda", batch=3, heads_q=32, heads_kv=8, seqlen_q=seqlen_q, head_dim=128,
+                  cached=(0, 1000, 5000), capacity=6144, block_size=paged)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(1, 32, 8, 1, 8192), (8, 32, 8, 1, 1000), (2, 16, 16, 3, 4097), (1, 8, 1, 16, 2000)])
+def test_gpu_dense_decode(dtype, shape):
+    batch, heads_q, heads_kv, seqlen_q, seqlen_k = shape
+    check_dense_decode(dtype=dtype, device="cuda", batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
+                       seqlen_k=seqlen_k, head_dim=128, causal="bottom_right")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gpu_varlen(dtype, is_causal):
+    check_varlen(dtype=dtype, device="cuda", lengths_q=(100, 0, 1000, 257, 1), lengths_k=(100, 5, 1000, 300, 64),
+                 heads_q=8, heads_kv=2, head_dim=128, is_causal=is_causal)

@@ -1,0 +1,153 @@
+"""Hugging Face transformers with attn_implementation="mhattn": a tiny random Llama (built from a config, no
+downloads) generates the tokens "sdpa" generates, and a packed training step matches a padded one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import mhattn.integrations.transformers as mhattn_hf  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def tiny_llama(attn_implementation, dtype=torch.float64, device="cpu", seed=0):
+    mhattn_hf.register()
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def generate(model, input_ids, attention_mask=None):
+    with torch.no_grad():
+        return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=32, min_new_tokens=32,
+                              do_sample=False)
+
+
+def check_generation_matches_sdpa(dtype, device):
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 97, (1, 11), generator=gen).to(device)
+    tokens = {name: generate(tiny_llama(name, dtype, device), prompt) for name in ("sdpa", "mhattn")}
+    assert tokens["mhattn"].shape == (1, 11 + 32)
+    assert torch.equal(tokens["mhattn"], tokens["sdpa"])
+    # Two prompts, the shorter left-padded: the padding mask reaches mhattn as a 2-D mask.
+    prompts = torch.randint(3, 97, (2, 9), generator=gen).to(device)
+    mask = torch.ones_like(prompts)
+    mask[1, :4] = 0
+    prompts[1, :4] = 0
+    tokens = {name: generate(tiny_llama(name, dtype, device), prompts, mask) for name in ("sdpa", "mhattn")}
+    assert torch.equal(tokens["mhattn"], tokens["sdpa"])
+
+
+def test_greedy_generation_matches_sdpa():
+    check_generation_matches_sdpa(torch.float64, "cpu")
+
+
+def test_sliding_window_model_with_padding_matches_sdpa():
+    """A tiny random Mistral (sliding window 8) on a left-padded batch: logits and greedy tokens as "sdpa"."""
+    mhattn_hf.register()
+    config = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                        sliding_window=8, pad_token_id=0)
+    gen = torch.Generator().manual_seed(3)
+    prompts = torch.randint(3, 97, (2, 13), generator=gen)
+    mask = torch.ones_like(prompts)
+    mask[1, :4] = 0
+    results = {}
+    for name in ("sdpa", "mhattn"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name).double().eval()
+        with torch.no_grad():
+            logits = model(prompts, attention_mask=mask).logits[mask.bool()]
+        results[name] = (logits, generate(model, prompts, mask))
+    assert float((results["mhattn"][0] - results["sdpa"][0]).abs().max()) < 1e-10
+    assert torch.equal(results["mhattn"][1], results["sdpa"][1])
+
+
+def _sequences(gen, lengths):
+    return [torch.randint(3, 97, (n,), generator=gen) for n in lengths]
+
+
+def padded_loss_and_grads(model, sequences, device):
+    longest = max(len(s) for s in sequences)
+    input_ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    for i, s in enumerate(sequences):
+        input_ids[i, :len(s)], mask[i, :len(s)], labels[i, :len(s)] = s, 1, s
+    return _loss_and_grads(model, dict(input_ids=input_ids, attention_mask=mask, labels=labels), device)
+
+
+def packed_batch(sequences, flash_kwargs):
+    """One row of all sequences, as DataCollatorWithFlattening lays it out (the first label of each sequence
+    is -100, so no token predicts across a boundary)."""
+    input_ids = torch.cat(sequences)[None]
+    labels = torch.cat([torch.cat([torch.tensor([-100]), s[1:]]) for s in sequences])[None]
+    position_ids = torch.cat([torch.arange(len(s)) for s in sequences])[None]
+    batch = dict(input_ids=input_ids, labels=labels, position_ids=position_ids)
+    if flash_kwargs:
+        cu = torch.tensor([0] + torch.tensor([len(s) for s in sequences]).cumsum(0).tolist(), dtype=torch.int32)
+        longest = max(len(s) for s in sequences)
+        batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return batch
+
+
+def _loss_and_grads(model, batch, device):
+    model.train()
+    model.zero_grad()
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def check_packed_training_step(dtype, device, tolerance, flash_kwargs):
+    gen = torch.Generator().manual_seed(2)
+    sequences = _sequences(gen, (7, 19, 1, 12))
+    padded_loss, padded_grads = padded_loss_and_grads(tiny_llama("sdpa", dtype, device), sequences, device)
+    model = tiny_llama("mhattn", dtype, device)
+    calls = []
+    original = mhattn_hf.mhattn.varlen_attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[3])
+        return original(*args, **kwargs)
+
+    mhattn_hf.mhattn.varlen_attention = spy
+    try:
+        packed_loss, packed_grads = _loss_and_grads(model, packed_batch(sequences, flash_kwargs), device)
+    finally:
+        mhattn_hf.mhattn.varlen_attention = original
+    assert calls and calls[0].tolist() == [0, 7, 26, 27, 39], "the packed batch must run on varlen_attention"
+    assert abs(float(packed_loss) - float(padded_loss)) <= tolerance * abs(float(padded_loss))
+    for name, grad in padded_grads.items():
+        err = float((packed_grads[name] - grad).abs().max())
+        assert err <= tolerance * max(1e-3, float(grad.abs().max())), f"{name}: max error {err}"
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_packed_training_step_matches_padded(flash_kwargs):
+    check_packed_training_step(torch.float64, "cpu", 1e-9, flash_kwargs)
+
+
+def test_unsupported_requests_say_so():
+    with pytest.raises(NotImplementedError, match="attention weights"):
+        mhattn_hf.attention_forward(None, *(torch.randn(1, 2, 3, 8),) * 3, None, output_attentions=True)
+    with pytest.raises(NotImplementedError, match="custom mask functions"):
+        mhattn_hf.padding_mask(1, 3, 3, use_vmap=True)
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_generation_matches_sdpa():
+    check_generation_matches_sdpa(torch.float32, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+def test_gpu_packed_training_step_matches_padded(flash_kwargs):
+    check_packed_training_step(torch.float32, "cuda", 2e-3, flash_kwargs)
