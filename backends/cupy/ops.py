@@ -1,8 +1,9 @@
 """Host side of the CUDA kernels: pick the variants, allocate outputs with torch, build the arguments.
 
-Shapes: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, D); any batch/head/sequence strides with a
-contiguous last dim (16-byte aligned rows; a tensor that is not gets one contiguous copy). Outputs are
-allocated contiguous: out (B, Hq, Nq, D), lse (B, Hq, Nq) float32; dq, dk, dv like q, k, v.
+Shapes: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv); any batch/head/sequence strides with a
+contiguous last dim (16-byte aligned rows, else one contiguous copy; the ANY_DIMS variants take any rows with a
+contiguous last dim as they are). Outputs are allocated contiguous: out (B, Hq, Nq, Dv), lse (B, Hq, Nq)
+float32; dq, dk, dv like q, k, v; the float mask's gradient (B, Hq, Nq, Nk) in the mask's dtype.
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ def _empty(shape, dtype, device):
     return out
 
 
-def kernel_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when its last dim is contiguous and every row starts 16-byte aligned, else a copy."""
+def kernel_ready(t: torch.Tensor, any_rows: bool = False) -> torch.Tensor:
+    """``t`` itself when its last dim is contiguous and every row starts 16-byte aligned (``any_rows``: the
+    ANY_DIMS variants, which load any row element by element: a contiguous last dim is enough), else a copy."""
+    if any_rows:
+        return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
     aligned = (
         t.stride(-1) == 1
         and t.data_ptr() % 16 == 0
@@ -57,8 +61,20 @@ def kernel_ready(t: torch.Tensor) -> torch.Tensor:
     return t if aligned else t.contiguous()
 
 
-def level_of(params: AttentionParams) -> str:
-    if params.mask is not None or params.dropout_p > 0.0:
+def feature_flags(params: AttentionParams, head_dim: int, head_dim_v: int) -> tuple:
+    """The feature flags (variants.FEATURE_FLAGS) a problem needs; () for the variants without any."""
+    flags = []
+    if params.softcap is not None:
+        flags.append("SOFTCAP")
+    if params.mask is not None and params.mask.dtype != torch.bool:
+        flags.append("FLOAT_MASK")
+    if head_dim != head_dim_v or head_dim % 8 or head_dim_v % 8:
+        flags.append("ANY_DIMS")
+    return tuple(flags)
+
+
+def level_of(params: AttentionParams, features=()) -> str:
+    if features or params.mask is not None or params.dropout_p > 0.0:
         return "full"
     if params.has_window:
         return "bounds"
@@ -78,9 +94,7 @@ def _feature_args(params: AttentionParams) -> list:
     args = [i32(max(-UNBOUNDED, min(params.diag_offset, UNBOUNDED))), i32(_clamp_bound(params.window_left)),
             i32(_clamp_bound(params.window_right))]
     mask = params.mask
-    if mask is not None:
-        if mask.dtype != torch.bool:
-            raise ValueError(f"params.mask: the CUDA kernels take a bool mask, got {mask.dtype}")
+    if mask is not None and mask.dtype == torch.bool:
         args += [ptr(mask)] + [i64(s) for s in mask.stride()]
     else:
         args += [ptr(None), i64(0), i64(0), i64(0), i64(0)]
@@ -91,19 +105,50 @@ def _feature_args(params: AttentionParams) -> list:
     return args
 
 
+def float_mask_view(mask: torch.Tensor) -> torch.Tensor:
+    """A float attn_mask (B, H, Nq, Nk), broadcast by strides, as float32 with the same broadcast: only the
+    distinct elements are converted (dims of stride 0 or size 1 stay stride 0)."""
+    broadcast = [mask.shape[i] == 1 or mask.stride(i) == 0 for i in range(4)]
+    distinct = mask[tuple(slice(0, 1) if b else slice(None) for b in broadcast)]
+    if distinct.dtype != torch.float32:
+        distinct = distinct.to(torch.float32)
+    return distinct.expand(mask.shape)
+
+
+def _extra_args(params: AttentionParams, head_dim_v: int, float_mask=None, dmask=None) -> list:
+    """The arguments every main kernel takes after the feature arguments (used only by the variants with
+    feature flags): value head dim, softcap factors, the float mask (float_mask_view's result, which the caller
+    keeps alive until the launches are queued) and its strides, the float32 mask-gradient buffer or null."""
+    if params.softcap is not None:
+        args = [i32(head_dim_v), f32(2.0 * LOG2E * params.scale / params.softcap), f32(params.softcap * LOG2E)]
+    else:
+        args = [i32(head_dim_v), f32(0.0), f32(0.0)]
+    if float_mask is not None:
+        args += [ptr(float_mask)] + [i64(0 if float_mask.shape[i] == 1 else float_mask.stride(i)) for i in range(4)]
+    else:
+        args += [ptr(None), i64(0), i64(0), i64(0), i64(0)]
+    return args + [ptr(dmask)]
+
+
+def _float_mask_of(features, params: AttentionParams):
+    return float_mask_view(params.mask) if "FLOAT_MASK" in features else None
+
+
 def forward(launcher, cc, q, k, v, params: AttentionParams):
     """Returns (out, lse) as the backend contract specifies."""
     batch, heads_q, seqlen_q, head_dim = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    out = _empty((batch, heads_q, seqlen_q, head_dim), q.dtype, q.device)
+    heads_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    out = _empty((batch, heads_q, seqlen_q, head_dim_v), q.dtype, q.device)
     lse = _empty((batch, heads_q, seqlen_q), torch.float32, q.device)
     if out.numel() == 0:
         return out, lse
     if seqlen_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    q, k, v = (kernel_ready(t) for t in (q, k, v))
-    d = variants.head_dim_bucket(head_dim)
-    variant = variants.fwd_variant(cc, _DTYPE_NAMES[q.dtype], d, level_of(params))
+    features = feature_flags(params, head_dim, head_dim_v)
+    any_rows = "ANY_DIMS" in features
+    q, k, v = (kernel_ready(t, any_rows) for t in (q, k, v))
+    d = variants.head_dim_bucket(max(head_dim, head_dim_v))
+    variant = variants.fwd_variant(cc, _DTYPE_NAMES[q.dtype], d, level_of(params, features), features=features)
     block_m = variant.define("BLOCK_M")
     if variant.define("HAS_BOUNDS"):  # query blocks of unequal cost: (group, query block, pair) in x, see fwd.cu
         grid = (cdiv(seqlen_q, block_m) * batch * heads_q, 1, 1)
@@ -113,7 +158,8 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
     args += _strides(q) + _strides(k) + _strides(v) + _strides(out)
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(head_dim),
              i32(sched_pairs(batch * heads_q, seqlen_k, head_dim, q.element_size())), f32(params.scale * LOG2E)]
-    args += _feature_args(params)
+    float_mask = _float_mask_of(features, params)
+    args += _feature_args(params) + _extra_args(params, head_dim_v, float_mask)
     launcher.launch(variant, grid, args, q.device, cc)
     return out, lse
 
@@ -126,45 +172,54 @@ def sched_pairs(pairs: int, seqlen_k: int, head_dim: int, element_size: int) -> 
 
 def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None,
              deterministic: bool = True):
-    """Returns (dq, dk, dv, None); dK/dV summed over the query heads of a group.
+    """Returns (dq, dk, dv, dmask); dK/dV summed over the query heads of a group; dmask the gradient of a float
+    mask when ``params.mask_requires_grad`` (B, Hq, Nq, Nk) in the mask's dtype, else None.
 
     deterministic: dQ from its own kernel over key blocks (bitwise reproducible); False forms dQ inside the
-    dK/dV kernel with float32 atomic adds (fewer operations, summation order varies) where the tiles allow.
+    dK/dV kernel with float32 atomic adds (fewer operations, summation order varies) where the tiles allow
+    and no mask gradient is asked for (the dQ kernel writes dS, the mask's gradient).
     """
     batch, heads_q, seqlen_q, head_dim = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    heads_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     dq = _empty(q.shape, q.dtype, q.device)
     dk = _empty(k.shape, k.dtype, k.device)
     dv = _empty(v.shape, v.dtype, v.device)
+    features = feature_flags(params, head_dim, head_dim_v)
+    mask_grad = "FLOAT_MASK" in features and params.mask_requires_grad
+    # zeros: the blocks outside the causal / window band are never visited, and their gradient is 0
+    dmask = torch.zeros((batch, heads_q, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device) if mask_grad else None
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0 or heads_q == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), None
-    q, k, v, out, grad_out = (kernel_ready(t) for t in (q, k, v, out, grad_out))
+        return dq.zero_(), dk.zero_(), dv.zero_(), _mask_grad_out(dmask, params)
+    any_rows = "ANY_DIMS" in features
+    q, k, v, out, grad_out = (kernel_ready(t, any_rows) for t in (q, k, v, out, grad_out))
     lse = lse.to(torch.float32).contiguous()
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32).contiguous()
     dtype_name = _DTYPE_NAMES[q.dtype]
-    d = variants.head_dim_bucket(head_dim)
-    level = level_of(params)
+    d = variants.head_dim_bucket(max(head_dim, head_dim_v))
+    level = level_of(params, features)
     group = heads_q // heads_kv
 
     # delta = rowsum(dO * O) - grad_lse and lse in log2 units, padded per (b, h) to a multiple of VECTOR_PAD.
     seqlen_q_pad = cdiv(seqlen_q, VECTOR_PAD) * VECTOR_PAD
     lse_log2 = torch.empty((batch, heads_q, seqlen_q_pad), dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse_log2)
-    pre = variants.preprocess_variant(dtype_name)
+    pre = variants.preprocess_variant(dtype_name, any_dims=any_rows)
     rows = batch * heads_q * seqlen_q_pad
     args = [ptr(out), ptr(grad_out), ptr(lse), ptr(grad_lse), ptr(lse_log2), ptr(delta)]
     args += _strides(out) + _strides(grad_out)
-    args += [i32(heads_q), i32(seqlen_q), i32(seqlen_q_pad), i32(head_dim), i64(rows)]
+    args += [i32(heads_q), i32(seqlen_q), i32(seqlen_q_pad), i32(head_dim_v), i64(rows)]
     launcher.launch(pre, (cdiv(rows, variants.PREPROCESS_WARPS), 1, 1), args, q.device, cc)
 
     shape_args = [i32(seqlen_q), i32(seqlen_q_pad), i32(seqlen_k), i32(heads_q), i32(group), i32(head_dim),
                   f32(params.scale * LOG2E), f32(params.scale)]
-    feature_args = _feature_args(params)
+    float_mask = _float_mask_of(features, params)
+    feature_args = _feature_args(params) + _extra_args(params, head_dim_v, float_mask)
 
-    atomic_dq = not deterministic and variants.atomic_dq_possible(variants.dkdv_tiles(cc, d, True), d)
+    atomic_dq = (not deterministic and not mask_grad
+                 and variants.atomic_dq_possible(variants.dkdv_tiles(cc, d, True), d))
     dq_accum = torch.zeros((batch, heads_q, seqlen_q, head_dim), dtype=torch.float32, device=q.device) if atomic_dq else None
-    for variant in variants.dkdv_variants(cc, dtype_name, d, level, atomic_dq=atomic_dq):
+    for variant in variants.dkdv_variants(cc, dtype_name, d, level, atomic_dq=atomic_dq, features=features):
         grid = (cdiv(seqlen_k, variant.define("BLOCK_N")), heads_kv, batch)
         args = [ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(lse_log2), ptr(delta), ptr(dk), ptr(dv), ptr(dq_accum)]
         args += _strides(q) + _strides(k) + _strides(v) + _strides(grad_out) + _strides(dk) + _strides(dv)
@@ -173,12 +228,18 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
         dq.copy_(dq_accum)
         return dq, dk, dv, None
 
-    variant = variants.dq_variant(cc, dtype_name, d, level)
+    variant = variants.dq_variant(cc, dtype_name, d, level, features=features)
     grid = (cdiv(seqlen_q, variant.define("BLOCK_M")), heads_q, batch)
     args = [ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(lse_log2), ptr(delta), ptr(dq)]
     args += _strides(q) + _strides(k) + _strides(v) + _strides(grad_out) + _strides(dq)
-    launcher.launch(variant, grid, args + shape_args + feature_args, q.device, cc)
-    return dq, dk, dv, None
+    # the dQ kernel writes dS, the mask's gradient
+    dq_feature_args = _feature_args(params) + _extra_args(params, head_dim_v, float_mask, dmask)
+    launcher.launch(variant, grid, args + shape_args + dq_feature_args, q.device, cc)
+    return dq, dk, dv, _mask_grad_out(dmask, params)
+
+
+def _mask_grad_out(dmask, params: AttentionParams):
+    return None if dmask is None else dmask.to(params.mask.dtype)
 
 
 def cdiv(a: int, b: int) -> int:
