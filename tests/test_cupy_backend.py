@@ -360,8 +360,8 @@ EMULATED = {
                               deterministic=False, dkdv_tiles={32: (128, 32, 8, 8, 4, 4, False)}),
     # feature variants (SOFTCAP, FLOAT_MASK, ANY_DIMS), each kernel family in both backward modes
     "softcap_causal": dict(shape=(1, 2, 1, 40, 70, 64), dtype=torch.bfloat16, causal="bottom_right", softcap=1.5),
-    "softcap_2d_atomic": dict(shape=(1, 2, 2, 50, 60, 128), dtype=torch.float16, softcap=2.0, deterministic=False,
-                              dkdv_tiles={128: (64, 64, 4, 2, 2, 2, False)}),
+    "softcap_odd_2d_atomic": dict(shape=(1, 2, 2, 50, 60, 111), dtype=torch.float16, softcap=2.0,
+                                  deterministic=False, dkdv_tiles={128: (64, 64, 4, 2, 2, 2, False)}),
     "value_dim_atomic": dict(shape=(1, 4, 2, 45, 55, 64), d_v=32, dtype=torch.bfloat16, causal="top_left",
                              deterministic=False),
     "value_dim_2d": dict(shape=(1, 2, 1, 40, 70, 40), d_v=80, dtype=torch.float16,

@@ -8,8 +8,9 @@
 //   online softmax       (base-2 exponent: scores are pre-multiplied by scale * log2(e))
 //   O = O * alpha + P V  (P converted to 16-bit in registers and fed back as the A operand; V via
 //                         ldmatrix.trans)
-// Out: O (B, Hq, Nq, D) with the caller's strides, lse (B, Hq, Nq) float32 natural log, -inf for a row
-// that sees no key (whose output is 0).
+// Out: O (B, Hq, Nq, Dv) with the caller's strides, lse (B, Hq, Nq) float32 natural log, -inf for a row
+// that sees no key (whose output is 0). The parameters after drop_scale serve the feature flags (SOFTCAP,
+// FLOAT_MASK, ANY_DIMS; common.cuh) and are unused without them (dmask: the dQ kernel's only).
 #include "common.cuh"
 
 constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
