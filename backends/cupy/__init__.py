@@ -53,10 +53,11 @@ class CupyBackend(Backend):
     capabilities = Capabilities(
         device_types=frozenset({"cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16}),
-        min_head_dim=variants.HEAD_DIM_MULTIPLE,
+        min_head_dim=1,
         max_head_dim=variants.HEAD_DIM_BUCKETS[-1],
         min_compute_capability=(8, 0),
-        features=frozenset({"causal", "gqa", "bool_mask", "dropout", "window", "deterministic"}),
+        features=frozenset({"causal", "gqa", "bool_mask", "float_mask", "mask_grad", "dropout", "window", "softcap",
+                            "deterministic", "value_dim"}),
     )
 
     def __init__(self, launcher=None, compute_capability=None, deterministic=None):
@@ -84,11 +85,8 @@ class CupyBackend(Backend):
 
     def unsupported(self, problem):
         reasons = super().unsupported(problem)
-        if problem.head_dim % variants.HEAD_DIM_MULTIPLE:
-            reasons.append(
-                f"needs a head dim that is a multiple of {variants.HEAD_DIM_MULTIPLE} (rows move in 16-byte "
-                f"chunks), got {problem.head_dim}"
-            )
+        if not 1 <= problem.head_dim_v <= variants.HEAD_DIM_BUCKETS[-1]:
+            reasons.append(f"supports value head dims 1..{variants.HEAD_DIM_BUCKETS[-1]}, got {problem.head_dim_v}")
         longest = max(problem.seqlen_q, problem.seqlen_k)
         if longest > ops.MAX_SEQLEN:
             reasons.append(f"supports sequences up to {ops.MAX_SEQLEN} (32-bit index arithmetic), got {longest}")

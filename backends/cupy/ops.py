@@ -1,10 +1,11 @@
 """Host side of the CUDA kernels: pick the variants, allocate outputs with torch, build the arguments.
 
-Shapes: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, D); any batch/head/sequence strides with a
-contiguous last dim (16-byte aligned rows; a tensor that is not gets one contiguous copy). Outputs have
-the layouts of :mod:`mhattn.backends.layouts` (the kernels take every output's strides): out (B, Hq, Nq, D)
-with (B, Nq, Hq, D) memory, lse (B, Hq, Nq) float32 contiguous; dq, dk, dv like q, k, v where those are
-dense, else in out's layout. The variant choice of a call signature is cached (:func:`_fwd_choice`, ...).
+Shapes: q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv); any batch/head/sequence strides with a
+contiguous last dim (16-byte aligned rows, else one contiguous copy; the ANY_DIMS variants take any rows with a
+contiguous last dim as they are). Outputs have the layouts of :mod:`mhattn.backends.layouts` (the kernels take
+every output's strides): out (B, Hq, Nq, Dv) with (B, Nq, Hq, Dv) memory, lse (B, Hq, Nq) float32 contiguous;
+dq, dk, dv like q, k, v where those are dense, else in out's layout; the float mask's gradient (B, Hq, Nq, Nk)
+in the mask's dtype. The variant choice of a call signature is cached (:func:`_fwd_choice`, ...).
 """
 
 from __future__ import annotations
@@ -56,8 +57,11 @@ def _poisoned(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(float("nan")) if POISON_OUTPUTS else t
 
 
-def kernel_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when its last dim is contiguous and every row starts 16-byte aligned, else a copy."""
+def kernel_ready(t: torch.Tensor, any_rows: bool = False) -> torch.Tensor:
+    """``t`` itself when its last dim is contiguous and every row starts 16-byte aligned (``any_rows``: the
+    ANY_DIMS variants, which load any row element by element: a contiguous last dim is enough), else a copy."""
+    if any_rows:
+        return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
     aligned = (
         t.stride(-1) == 1
         and t.data_ptr() % 16 == 0
@@ -66,8 +70,20 @@ def kernel_ready(t: torch.Tensor) -> torch.Tensor:
     return t if aligned else t.contiguous()
 
 
-def level_of(params: AttentionParams) -> str:
-    if params.mask is not None or params.dropout_p > 0.0:
+def feature_flags(params: AttentionParams, head_dim: int, head_dim_v: int) -> tuple:
+    """The feature flags (variants.FEATURE_FLAGS) a problem needs; () for the variants without any."""
+    flags = []
+    if params.softcap is not None:
+        flags.append("SOFTCAP")
+    if params.mask is not None and params.mask.dtype != torch.bool:
+        flags.append("FLOAT_MASK")
+    if head_dim != head_dim_v or head_dim % 8 or head_dim_v % 8:
+        flags.append("ANY_DIMS")
+    return tuple(flags)
+
+
+def level_of(params: AttentionParams, features=()) -> str:
+    if features or params.mask is not None or params.dropout_p > 0.0:
         return "full"
     if params.has_window:
         return "bounds"
@@ -92,9 +108,7 @@ def _feature_args(params: AttentionParams, seed) -> list:
     args = [i32(max(-UNBOUNDED, min(params.diag_offset, UNBOUNDED))), i32(_clamp_bound(params.window_left)),
             i32(_clamp_bound(params.window_right))]
     mask = params.mask
-    if mask is not None:
-        if mask.dtype != torch.bool:
-            raise ValueError(f"params.mask: the CUDA kernels take a bool mask, got {mask.dtype}")
+    if mask is not None and mask.dtype == torch.bool:
         args += [ptr(mask)] + [i64(s) for s in mask.stride()]
     else:
         args += [ptr(None), i64(0), i64(0), i64(0), i64(0)]
@@ -106,20 +120,51 @@ def _feature_args(params: AttentionParams, seed) -> list:
     return args
 
 
+def float_mask_view(mask: torch.Tensor) -> torch.Tensor:
+    """A float attn_mask (B, H, Nq, Nk), broadcast by strides, as float32 with the same broadcast: only the
+    distinct elements are converted (dims of stride 0 or size 1 stay stride 0)."""
+    broadcast = [mask.shape[i] == 1 or mask.stride(i) == 0 for i in range(4)]
+    distinct = mask[tuple(slice(0, 1) if b else slice(None) for b in broadcast)]
+    if distinct.dtype != torch.float32:
+        distinct = distinct.to(torch.float32)
+    return distinct.expand(mask.shape)
+
+
+def _extra_args(params: AttentionParams, head_dim_v: int, float_mask=None, dmask=None) -> list:
+    """The arguments every main kernel takes after the feature arguments (used only by the variants with
+    feature flags): value head dim, softcap factors, the float mask (float_mask_view's result, which the caller
+    keeps alive until the launches are queued) and its strides, the float32 mask-gradient buffer or null."""
+    if params.softcap is not None:
+        args = [i32(head_dim_v), f32(2.0 * LOG2E * params.scale / params.softcap), f32(params.softcap * LOG2E)]
+    else:
+        args = [i32(head_dim_v), f32(0.0), f32(0.0)]
+    if float_mask is not None:
+        args += [ptr(float_mask)] + [i64(0 if float_mask.shape[i] == 1 else float_mask.stride(i)) for i in range(4)]
+    else:
+        args += [ptr(None), i64(0), i64(0), i64(0), i64(0)]
+    return args + [ptr(dmask)]
+
+
+def _float_mask_of(features, params: AttentionParams):
+    return float_mask_view(params.mask) if "FLOAT_MASK" in features else None
+
+
 def forward(launcher, cc, q, k, v, params: AttentionParams):
     """Returns (out, lse) as the backend contract specifies."""
     batch, heads_q, seqlen_q, head_dim = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    heads_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     out = _poisoned(layouts.output_buffer(q, v))
     lse = _empty((batch, heads_q, seqlen_q), torch.float32, q.device)
     if out.numel() == 0:
         return out, lse
     if seqlen_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    q, k, v = (kernel_ready(t) for t in (q, k, v))
-    d = variants.head_dim_bucket(head_dim)
-    variant, block_m, has_bounds = _fwd_choice(cc, q.dtype, d, level_of(params), variants.FWD_TILES.get(d),
-                                               variants.FWD_TILES_BOUNDED.get(d))
+    features = feature_flags(params, head_dim, head_dim_v)
+    any_rows = "ANY_DIMS" in features
+    q, k, v = (kernel_ready(t, any_rows) for t in (q, k, v))
+    d = variants.head_dim_bucket(max(head_dim, head_dim_v))
+    variant, block_m, has_bounds = _fwd_choice(cc, q.dtype, d, level_of(params, features), features,
+                                               variants.FWD_TILES.get(d), variants.FWD_TILES_BOUNDED.get(d))
     if has_bounds:  # query blocks of unequal cost: (group, query block, pair) in x, see fwd.cu
         grid = (cdiv(seqlen_q, block_m) * batch * heads_q, 1, 1)
     else:
@@ -129,7 +174,8 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(head_dim),
              i32(sched_pairs(batch * heads_q, seqlen_k, head_dim, q.element_size())), f32(params.scale * LOG2E)]
     seed = _seed(params, q.device)
-    args += _feature_args(params, seed)
+    float_mask = _float_mask_of(features, params)
+    args += _feature_args(params, seed) + _extra_args(params, head_dim_v, float_mask)
     launcher.launch(variant, grid, args, q.device, cc)
     return out, lse
 
@@ -139,20 +185,21 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
 
 
 @functools.lru_cache(maxsize=512)
-def _fwd_choice(cc, dtype, d: int, level: str, *tables) -> tuple:
-    """(variant, BLOCK_M, HAS_BOUNDS) of the forward at head-dim bucket ``d``."""
-    variant = variants.fwd_variant(cc, _DTYPE_NAMES[dtype], d, level)
+def _fwd_choice(cc, dtype, d: int, level: str, features: tuple, *tables) -> tuple:
+    """(variant, BLOCK_M, HAS_BOUNDS) of the forward at head-dim bucket ``d`` with the feature flags ``features``."""
+    variant = variants.fwd_variant(cc, _DTYPE_NAMES[dtype], d, level, features=features)
     return variant, variant.define("BLOCK_M"), bool(variant.define("HAS_BOUNDS"))
 
 
 @functools.lru_cache(maxsize=512)
-def _bwd_choice(cc, dtype, d: int, level: str, deterministic: bool, *tables) -> tuple:
-    """(preprocess variant, dK/dV variants, dQ variant or None when dQ comes from atomics) of the backward."""
+def _bwd_choice(cc, dtype, d: int, level: str, deterministic: bool, features: tuple, *tables) -> tuple:
+    """(preprocess variant, dK/dV variants, dQ variant or None when dQ comes from atomics) of the backward with
+    the feature flags ``features``; ``deterministic`` (or a mask gradient) keeps the dQ kernel."""
     dtype_name = _DTYPE_NAMES[dtype]
     atomic_dq = not deterministic and variants.atomic_dq_possible(variants.dkdv_tiles(cc, d, True), d)
-    dkdv = tuple(variants.dkdv_variants(cc, dtype_name, d, level, atomic_dq=atomic_dq))
-    dq = None if atomic_dq else variants.dq_variant(cc, dtype_name, d, level)
-    return variants.preprocess_variant(dtype_name), dkdv, dq
+    dkdv = tuple(variants.dkdv_variants(cc, dtype_name, d, level, atomic_dq=atomic_dq, features=features))
+    dq = None if atomic_dq else variants.dq_variant(cc, dtype_name, d, level, features=features)
+    return variants.preprocess_variant(dtype_name, any_dims="ANY_DIMS" in features), dkdv, dq
 
 
 def sched_pairs(pairs: int, seqlen_k: int, head_dim: int, element_size: int) -> int:
@@ -163,24 +210,33 @@ def sched_pairs(pairs: int, seqlen_k: int, head_dim: int, element_size: int) -> 
 
 def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None,
              deterministic: bool = True):
-    """Returns (dq, dk, dv, None); dK/dV summed over the query heads of a group.
+    """Returns (dq, dk, dv, dmask); dK/dV summed over the query heads of a group; dmask the gradient of a float
+    mask when ``params.mask_requires_grad`` (B, Hq, Nq, Nk) in the mask's dtype, else None.
 
     deterministic: dQ from its own kernel over key blocks (bitwise reproducible); False forms dQ inside the
-    dK/dV kernel with float32 atomic adds (fewer operations, summation order varies) where the tiles allow.
+    dK/dV kernel with float32 atomic adds (fewer operations, summation order varies) where the tiles allow
+    and no mask gradient is asked for (the dQ kernel writes dS, the mask's gradient).
     """
     batch, heads_q, seqlen_q, head_dim = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    heads_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     dq, dk, dv = (_poisoned(layouts.grad_buffer(t)) for t in (q, k, v))
+    features = feature_flags(params, head_dim, head_dim_v)
+    mask_grad = "FLOAT_MASK" in features and params.mask_requires_grad
+    # zeros: the blocks outside the causal / window band are never visited, and their gradient is 0
+    dmask = torch.zeros((batch, heads_q, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device) if mask_grad else None
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0 or heads_q == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), None
-    q, k, v, out, grad_out = (kernel_ready(t) for t in (q, k, v, out, grad_out))
+        return dq.zero_(), dk.zero_(), dv.zero_(), _mask_grad_out(dmask, params)
+    any_rows = "ANY_DIMS" in features
+    q, k, v, out, grad_out = (kernel_ready(t, any_rows) for t in (q, k, v, out, grad_out))
     lse = lse.to(torch.float32).contiguous()
     if grad_lse is not None:
         grad_lse = grad_lse.to(torch.float32).contiguous()
-    d = variants.head_dim_bucket(head_dim)
+    d = variants.head_dim_bucket(max(head_dim, head_dim_v))
+    # The mask gradient needs dS, which only the dQ kernel writes: no atomic dQ then.
     pre, dkdv_variants, dq_variant = _bwd_choice(
-        cc, q.dtype, d, level_of(params), bool(deterministic), variants.DKDV_TILES.get(d),
-        variants.DKDV_ATOMIC_TILES.get(d), variants.DKDV_FALLBACK_TILES.get(d), variants.DQ_TILES.get(d))
+        cc, q.dtype, d, level_of(params, features), bool(deterministic) or mask_grad, features,
+        variants.DKDV_TILES.get(d), variants.DKDV_ATOMIC_TILES.get(d), variants.DKDV_FALLBACK_TILES.get(d),
+        variants.DQ_TILES.get(d))
     group = heads_q // heads_kv
 
     # delta = rowsum(dO * O) - grad_lse and lse in log2 units, padded per (b, h) to a multiple of VECTOR_PAD.
@@ -190,13 +246,14 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
     rows = batch * heads_q * seqlen_q_pad
     args = [ptr(out), ptr(grad_out), ptr(lse), ptr(grad_lse), ptr(lse_log2), ptr(delta)]
     args += _strides(out) + _strides(grad_out)
-    args += [i32(heads_q), i32(seqlen_q), i32(seqlen_q_pad), i32(head_dim), i64(rows)]
+    args += [i32(heads_q), i32(seqlen_q), i32(seqlen_q_pad), i32(head_dim_v), i64(rows)]
     launcher.launch(pre, (cdiv(rows, variants.PREPROCESS_WARPS), 1, 1), args, q.device, cc)
 
     shape_args = [i32(seqlen_q), i32(seqlen_q_pad), i32(seqlen_k), i32(heads_q), i32(group), i32(head_dim),
                   f32(params.scale * LOG2E), f32(params.scale)]
     seed = _seed(params, q.device)
-    feature_args = _feature_args(params, seed)
+    float_mask = _float_mask_of(features, params)
+    feature_args = _feature_args(params, seed) + _extra_args(params, head_dim_v, float_mask)
 
     atomic_dq = dq_variant is None
     dq_accum = torch.zeros((batch, heads_q, seqlen_q, head_dim), dtype=torch.float32, device=q.device) if atomic_dq else None
@@ -213,8 +270,14 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
     grid = (cdiv(seqlen_q, variant.define("BLOCK_M")), heads_q, batch)
     args = [ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(lse_log2), ptr(delta), ptr(dq)]
     args += _strides(q) + _strides(k) + _strides(v) + _strides(grad_out) + _strides(dq)
-    launcher.launch(variant, grid, args + shape_args + feature_args, q.device, cc)
-    return dq, dk, dv, None
+    # the dQ kernel writes dS, the mask's gradient
+    dq_feature_args = _feature_args(params, seed) + _extra_args(params, head_dim_v, float_mask, dmask)
+    launcher.launch(variant, grid, args + shape_args + dq_feature_args, q.device, cc)
+    return dq, dk, dv, _mask_grad_out(dmask, params)
+
+
+def _mask_grad_out(dmask, params: AttentionParams):
+    return None if dmask is None else dmask.to(params.mask.dtype)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -12,10 +12,9 @@ import json
 import os
 from dataclasses import dataclass, replace
 
-# Head dims are rounded up to one of these; the padded columns are zero-filled in shared memory.
+# Head dims are rounded up to one of these; the padded columns are zero-filled in shared memory. Head dims that
+# are not multiples of 8 (rows not in whole 16-byte chunks) run the ANY_DIMS variants.
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
-# The real head dim must be a multiple of 8: tiles move in 16-byte chunks.
-HEAD_DIM_MULTIPLE = 8
 
 # Feature levels: "plain" has no masking beyond the sequence ends; "bounds" adds the causal diagonal and
 # the sliding window; "full" adds a boolean mask and dropout (each switched on at run time).
@@ -23,6 +22,16 @@ LEVELS = ("plain", "bounds", "full")
 _LEVEL_DEFINES = {"plain": (0, 0), "bounds": (1, 0), "full": (1, 1)}
 
 DTYPE_NAMES = ("float16", "bfloat16")
+
+# Feature flags, each a -D option of its own (see kernels/common.cuh): SOFTCAP (softcap), FLOAT_MASK (additive
+# float mask and its gradient), ANY_DIMS (value head dim of its own, head dims that are not multiples of 8).
+# A variant with any of them runs at the "full" level; without them a variant's options, hence its code, are
+# those it had before the flags existed.
+FEATURE_FLAGS = ("SOFTCAP", "FLOAT_MASK", "ANY_DIMS")
+# Every combination a problem can need (what mhattn build compiles besides the plain variants).
+FEATURE_SETS = tuple(
+    tuple(flag for bit, flag in enumerate(FEATURE_FLAGS) if mask >> bit & 1) for mask in range(1, 1 << len(FEATURE_FLAGS))
+)
 
 # Bytes of shared memory one CTA may use (opt-in maximum) per compute capability; others get the smallest.
 _SMEM_LIMIT = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024}
@@ -268,12 +277,22 @@ def _common_defines(dtype_name: str, d: int, level: str) -> list:
             ("HAS_EXTRAS", extras)]
 
 
-def fwd_variant(cc, dtype_name: str, d: int, level: str, tiles: FwdTiles = None) -> Variant:
+def _feature_defines(features, level: str) -> list:
+    """(flag, 1) for each feature flag, in FEATURE_FLAGS order; features need the "full" level."""
+    unknown = set(features) - set(FEATURE_FLAGS)
+    if unknown:
+        raise ValueError(f"features: expected names from {FEATURE_FLAGS}, got {sorted(unknown)}")
+    if features and level != "full":
+        raise ValueError(f"features {sorted(features)} run at the 'full' level, got level {level!r}")
+    return [(flag, 1) for flag in FEATURE_FLAGS if flag in features]
+
+
+def fwd_variant(cc, dtype_name: str, d: int, level: str, tiles: FwdTiles = None, features=()) -> Variant:
     tiles = tiles or fwd_tiles(cc, d, level)
     defines = _common_defines(dtype_name, d, level) + [
         ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
         ("Q_IN_REGS", int(tiles.q_in_regs)),
-    ]
+    ] + _feature_defines(features, level)
     return Variant("fwd", tuple(defines), tiles.num_warps * 32, fwd_smem(tiles, d))
 
 
@@ -287,7 +306,8 @@ def atomic_dq_possible(tiles, d: int) -> bool:
     return (d // 32) % max(1, tiles.num_warps // m_tiles) == 0
 
 
-def dkdv_variants(cc, dtype_name: str, d: int, level: str, tiles: DkdvTiles = None, atomic_dq: bool = False) -> list:
+def dkdv_variants(cc, dtype_name: str, d: int, level: str, tiles: DkdvTiles = None, atomic_dq: bool = False,
+                  features=()) -> list:
     """The dK/dV launches: one (mode 0: dK and dV), two (modes 1, 2: dV, then dK) when ``tiles.split``, or
     with ``atomic_dq`` one that also adds dQ into a float32 accumulator with atomics (mode 3)."""
     tiles = tiles or dkdv_tiles(cc, d, atomic_dq)
@@ -299,7 +319,7 @@ def dkdv_variants(cc, dtype_name: str, d: int, level: str, tiles: DkdvTiles = No
             ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
             ("S_WARPS_N", tiles.s_warps_n), ("KV_WARPS_N", tiles.kv_warps_n), ("DQ_WARPS_M", tiles.dq_warps_m),
             ("KV_IN_REGS", int(tiles.kv_in_regs)), ("DKDV_MODE", 3 if atomic_dq else 0),
-        ]
+        ] + _feature_defines(features, level)
         return [Variant("bwd_dkdv_2d", tuple(defines), tiles.num_warps * 32, dkdv_smem(tiles, d))]
     if atomic_dq and not atomic_dq_possible(tiles, d):
         raise ValueError(f"atomic_dq: tiles {tiles} at head dim {d} cannot form dQ in the dK/dV kernel")
@@ -309,41 +329,57 @@ def dkdv_variants(cc, dtype_name: str, d: int, level: str, tiles: DkdvTiles = No
         defines = _common_defines(dtype_name, d, level) + [
             ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
             ("KV_IN_REGS", int(tiles.kv_in_regs)), ("DKDV_MODE", mode),
-        ]
+        ] + _feature_defines(features, level)
         out.append(Variant("bwd_dkdv", tuple(defines), tiles.num_warps * 32, dkdv_smem(tiles, d, mode == 3)))
     return out
 
 
-def dq_variant(cc, dtype_name: str, d: int, level: str, tiles: DqTiles = None) -> Variant:
+def dq_variant(cc, dtype_name: str, d: int, level: str, tiles: DqTiles = None, features=()) -> Variant:
     tiles = tiles or dq_tiles(cc, d)
     defines = _common_defines(dtype_name, d, level) + [
         ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
         ("Q_IN_REGS", int(tiles.q_in_regs)),
-    ]
+    ] + _feature_defines(features, level)
     return Variant("bwd_dq", tuple(defines), tiles.num_warps * 32, dq_smem(tiles, d))
 
 
 PREPROCESS_WARPS = 8
 
 
-def preprocess_variant(dtype_name: str) -> Variant:
+def preprocess_variant(dtype_name: str, any_dims: bool = False) -> Variant:
+    """any_dims: rows read element by element (head dims that are not multiples of 8)."""
     if dtype_name not in DTYPE_NAMES:
         raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("NUM_WARPS", PREPROCESS_WARPS))
+    if any_dims:
+        defines += (("ANY_DIMS", 1),)
     return Variant("bwd_preprocess", defines, PREPROCESS_WARPS * 32, 0)
 
 
-def all_variants(cc) -> list:
-    """Every variant a GPU of compute capability ``cc`` may launch (what ``mhattn build`` compiles)."""
+def kernel_variants(cc, dtype_name: str, d: int, level: str, features=()) -> list:
+    """The forward, dK/dV (both modes where possible) and dQ variants of one dtype, bucket, level and feature set."""
+    out = [fwd_variant(cc, dtype_name, d, level, features=features)]
+    out.extend(dkdv_variants(cc, dtype_name, d, level, features=features))
+    if atomic_dq_possible(dkdv_tiles(cc, d, True), d):
+        out.extend(dkdv_variants(cc, dtype_name, d, level, atomic_dq=True, features=features))
+    out.append(dq_variant(cc, dtype_name, d, level, features=features))
+    return out
+
+
+def all_variants(cc, features: bool = True) -> list:
+    """Every variant a GPU of compute capability ``cc`` may launch (what ``mhattn build`` compiles); with
+    ``features=False`` only those without feature flags."""
     out = [preprocess_variant(dtype) for dtype in DTYPE_NAMES]
     for dtype in DTYPE_NAMES:
         for d in HEAD_DIM_BUCKETS:
             for level in LEVELS:
-                out.append(fwd_variant(cc, dtype, d, level))
-                out.extend(dkdv_variants(cc, dtype, d, level))
-                if atomic_dq_possible(dkdv_tiles(cc, d, True), d):
-                    out.extend(dkdv_variants(cc, dtype, d, level, atomic_dq=True))
-                out.append(dq_variant(cc, dtype, d, level))
+                out.extend(kernel_variants(cc, dtype, d, level))
+    if features:
+        out.extend(preprocess_variant(dtype, any_dims=True) for dtype in DTYPE_NAMES)
+        for dtype in DTYPE_NAMES:
+            for d in HEAD_DIM_BUCKETS:
+                for flags in FEATURE_SETS:
+                    out.extend(kernel_variants(cc, dtype, d, "full", features=flags))
     return out
 
 

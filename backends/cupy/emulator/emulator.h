@@ -254,6 +254,10 @@ inline void cp_async_16(u32 dst, const void* src, u32 src_bytes) {
   if (src_bytes && (((uintptr_t)src) & 15)) emu::fail("cp.async source not 16-byte aligned");
   emu::g_pending[emu::g_cur].push_back(emu::Copy{dst, src, src_bytes});
 }
+inline void st_shared_v4(u32 addr, const u32 (&w)[4]) {
+  emu::check_smem(addr, 16, 16);
+  memcpy(emu::g_smem.data() + addr, w, 16);
+}
 inline void cp_async_commit() { emu::g_group_ends[emu::g_cur].push_back(emu::g_pending[emu::g_cur].size()); }
 template <int N>
 inline void cp_async_wait() {

@@ -57,7 +57,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
                     int seqlen_q, int seqlen_q_pad, int seqlen_k, int heads_q, int group, int head_dim,
                     float scale_log2, float scale, int diag_offset, int window_left, int window_right,
                     const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                    const u32* __restrict__ seed_words, u32 drop_threshold, float drop_scale) {
+                    const u32* __restrict__ seed_words, u32 drop_threshold, float drop_scale,
+                    int head_dim_v, float softcap_in2, float softcap_out2, const float* __restrict__ float_mask,
+                    i64 fm_sb, i64 fm_sh, i64 fm_sq, i64 fm_sk, float* __restrict__ dmask) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -78,14 +80,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   // The (query head, query block) steps that can see these keys, walked in a fixed order.
   const QueryWalk walk = query_walk(n0, n_last, seqlen_q, group, diag_offset, window_left, window_right);
   const int total = walk.total;
+  const int dim_v = ANY_DIMS ? head_dim_v : head_dim;  // columns of V, dO and dV
   const QuerySide query_side{q + b * q_sb, d_o + b * do_sb, lse_log2, delta, q_sh, q_sn, do_sh, do_sn,
-                             b, heads_q, seqlen_q, seqlen_q_pad, head_dim};
+                             b, heads_q, seqlen_q, seqlen_q_pad, head_dim, dim_v};
+  const Softcap softcap{softcap_in2, softcap_out2};
 
 #if HAS_EXTRAS
   const bool use_dropout = drop_threshold != 0u;
 #endif
 
-  load_key_block(s_base, k, k_sn, v, v_sn, n0, seqlen_k, head_dim, tid);
+  load_key_block(s_base, k, k_sn, v, v_sn, n0, seqlen_k, head_dim, dim_v, tid);
   if (total > 0) query_side.load_step(s_base, walk.head(0, hk, group), walk.row0(0), 0, tid);
   cp_async_commit();
 
@@ -183,6 +187,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     const BoolMask bmask{mask != nullptr ? mask + b * m_sb + hq * m_sh : nullptr, m_sq, m_sk};
     need_mask = need_mask || bmask.ptr != nullptr;
 #endif
+#if FLOAT_MASK
+    const FloatMask fmask{float_mask + b * fm_sb + hq * fm_sh, fm_sq, fm_sk};
+    need_mask = true;
+#endif
+#if SOFTCAP && COMPUTE_DK
+    float st_tanh[MT][NT_S][4];  // tanh of each score, for dS's softcap factor
+#endif
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -196,13 +207,21 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int cc = nt * 8 + e;  // column relative to m0 + 2t
-            float x = st[mt][nt][2 * hr + e] * scale_log2;
+            float th;
+            float x = log2_score(st[mt][nt][2 * hr + e], scale_log2, softcap, th);
+#if SOFTCAP && COMPUTE_DK
+            st_tanh[mt][nt][2 * hr + e] = th;
+#endif
             if (need_mask) {
               bool ok = cc >= lo && cc <= hi;
 #if HAS_EXTRAS
               if (bmask.ptr != nullptr) ok = ok && j < seqlen_k && bmask.allows(m0 + 2 * t + cc, j);
 #endif
+#if FLOAT_MASK
+              x = fmask.apply(x, ok, m0 + 2 * t + cc, j, seqlen_q, seqlen_k);
+#else
               if (!ok) x = -MHATTN_INF;
+#endif
             }
             st[mt][nt][2 * hr + e] = fast_exp2(x - s_lse[2 * t + cc]);
           }
@@ -274,6 +293,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
           if (use_dropout) dp = ((keep_bits[mt] >> (4 * nt + e)) & 1ull) ? dp * drop_scale : 0.f;
 #endif
           dpt[mt][nt][e] = st[mt][nt][e] * (dp - s_delta[nt * 8 + 2 * t + (e & 1)]);
+#if SOFTCAP
+          dpt[mt][nt][e] *= softcap_grad(st_tanh[mt][nt][e]);
+#endif
         }
 #endif
 
@@ -373,11 +395,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
         for (int nt = 0; nt < 4; ++nt) {
           const int c = c0 + nt * 8 + 2 * t;
           if (c < head_dim) {
-            // c even, head_dim a multiple of 8: both columns exist and are 8-byte aligned
             if (row_a < seqlen_q)
-              atomic_add2_f32(dq_rows + (i64)row_a * head_dim + c, acc[nt][0] * scale, acc[nt][1] * scale);
+              atomic_add_dq_pair(dq_rows + (i64)row_a * head_dim + c, c, head_dim, acc[nt][0] * scale, acc[nt][1] * scale);
             if (row_b < seqlen_q)
-              atomic_add2_f32(dq_rows + (i64)row_b * head_dim + c, acc[nt][2] * scale, acc[nt][3] * scale);
+              atomic_add_dq_pair(dq_rows + (i64)row_b * head_dim + c, c, head_dim, acc[nt][2] * scale, acc[nt][3] * scale);
           }
         }
       }
@@ -402,6 +423,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   store_tile<BLOCK_N>(dk, dk_sn, smem + OFF_K, n0, seqlen_k, head_dim, tid);
 #endif
 #if COMPUTE_DV
-  store_tile<BLOCK_N>(dv, dv_sn, smem + OFF_V, n0, seqlen_k, head_dim, tid);
+  store_tile<BLOCK_N>(dv, dv_sn, smem + OFF_V, n0, seqlen_k, dim_v, tid);
 #endif
 }

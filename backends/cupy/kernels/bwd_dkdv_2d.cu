@@ -140,7 +140,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
                        int seqlen_q, int seqlen_q_pad, int seqlen_k, int heads_q, int group, int head_dim,
                        float scale_log2, float scale, int diag_offset, int window_left, int window_right,
                        const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                       const u32* __restrict__ seed_words, u32 drop_threshold, float drop_scale) {
+                       const u32* __restrict__ seed_words, u32 drop_threshold, float drop_scale,
+                       int head_dim_v, float softcap_in2, float softcap_out2, const float* __restrict__ float_mask,
+                       i64 fm_sb, i64 fm_sh, i64 fm_sq, i64 fm_sk, float* __restrict__ dmask) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -166,14 +168,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   // The (query head, query block) steps that can see these keys, walked in a fixed order.
   const QueryWalk walk = query_walk(n0, n_last, seqlen_q, group, diag_offset, window_left, window_right);
   const int total = walk.total;
+  const int dim_v = ANY_DIMS ? head_dim_v : head_dim;  // columns of V, dO and dV
   const QuerySide query_side{q + b * q_sb, d_o + b * do_sb, lse_log2, delta, q_sh, q_sn, do_sh, do_sn,
-                             b, heads_q, seqlen_q, seqlen_q_pad, head_dim};
+                             b, heads_q, seqlen_q, seqlen_q_pad, head_dim, dim_v};
+  const Softcap softcap{softcap_in2, softcap_out2};
 
 #if HAS_EXTRAS
   const bool use_dropout = drop_threshold != 0u;
 #endif
 
-  load_key_block(s_base, k, k_sn, v, v_sn, n0, seqlen_k, head_dim, tid);
+  load_key_block(s_base, k, k_sn, v, v_sn, n0, seqlen_k, head_dim, dim_v, tid);
   if (total > 0) query_side.load_step(s_base, walk.head(0, hk, group), walk.row0(0), 0, tid);
   cp_async_commit();
 
@@ -229,6 +233,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     const BoolMask bmask{mask != nullptr ? mask + b * m_sb + hq * m_sh : nullptr, m_sq, m_sk};
     need_mask = need_mask || bmask.ptr != nullptr;
 #endif
+#if FLOAT_MASK
+    const FloatMask fmask{float_mask + b * fm_sb + hq * fm_sh, fm_sq, fm_sk};
+    need_mask = true;
+#endif
+#if SOFTCAP
+    float st_tanh[S_MT][S_NT][4];  // tanh of each score, for dS's softcap factor
+#endif
     // P^T = 2^(S^T scale log2e - lse_log2); invisible pairs -> 0. Padded query rows carry lse_log2 = +inf.
     const int first_col = m0 + s_col0 + 2 * t;  // this lane's first query column
 #pragma unroll
@@ -244,13 +255,21 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int cc = nt * 8 + e;  // column relative to first_col
-            float x = st[mt][nt][2 * hr + e] * scale_log2;
+            float th;
+            float x = log2_score(st[mt][nt][2 * hr + e], scale_log2, softcap, th);
+#if SOFTCAP
+            st_tanh[mt][nt][2 * hr + e] = th;
+#endif
             if (need_mask) {
               bool ok = cc >= lo && cc <= hi;
 #if HAS_EXTRAS
               if (bmask.ptr != nullptr) ok = ok && j < seqlen_k && bmask.allows(first_col + cc, j);
 #endif
+#if FLOAT_MASK
+              x = fmask.apply(x, ok, first_col + cc, j, seqlen_q, seqlen_k);
+#else
               if (!ok) x = -MHATTN_INF;
+#endif
             }
             st[mt][nt][2 * hr + e] = fast_exp2(x - s_lse[s_col0 + 2 * t + cc]);
           }
@@ -288,6 +307,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
             }
 #endif
             ds[e] = p * (dp - s_delta[col + e]);
+#if SOFTCAP
+            ds[e] *= softcap_grad(st_tanh[mt][nt][2 * hr + e]);
+#endif
           }
           *reinterpret_cast<u32*>(s_pt + (row * PT_ROW + col) * 2) = pack2(p_kept[0], p_kept[1]);
           *reinterpret_cast<u32*>(s_dst + (row * PT_ROW + col) * 2) = pack2(ds[0], ds[1]);
@@ -320,9 +342,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #pragma unroll
             for (int nt = 0; nt < DQ_NT; ++nt) {
               const int c = dq_col0 + nt * 8 + 2 * t;
-              if (c < head_dim)  // c even, head_dim a multiple of 8: both columns exist, 8-byte aligned
-                atomic_add2_f32(dq_rows + (i64)row * head_dim + c, acc[mt][nt][2 * hr] * scale,
-                                acc[mt][nt][2 * hr + 1] * scale);
+              if (c < head_dim)
+                atomic_add_dq_pair(dq_rows + (i64)row * head_dim + c, c, head_dim, acc[mt][nt][2 * hr] * scale,
+                                   acc[mt][nt][2 * hr + 1] * scale);
             }
           }
         }
@@ -340,5 +362,5 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   }
   block_sync();
   store_tile<BLOCK_N>(dk, dk_sn, smem + OFF_K, n0, seqlen_k, head_dim, tid);
-  store_tile<BLOCK_N>(dv, dv_sn, smem + OFF_V, n0, seqlen_k, head_dim, tid);
+  store_tile<BLOCK_N>(dv, dv_sn, smem + OFF_V, n0, seqlen_k, dim_v, tid);
 }

@@ -37,7 +37,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
                   int seqlen_q, int seqlen_q_pad, int seqlen_k, int heads_q, int group, int head_dim,
                   float scale_log2, float scale, int diag_offset, int window_left, int window_right,
                   const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-                  const u32* __restrict__ seed_words, u32 drop_threshold, float drop_scale) {
+                  const u32* __restrict__ seed_words, u32 drop_threshold, float drop_scale,
+                  int head_dim_v, float softcap_in2, float softcap_out2, const float* __restrict__ float_mask,
+                  i64 fm_sb, i64 fm_sh, i64 fm_sq, i64 fm_sk, float* __restrict__ dmask) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -46,6 +48,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   const int m0 = m_block * BLOCK_M;
   const int warp_row0 = warp * ROWS_PER_WARP;
   const u32 s_base = smem_u32(smem);
+  const int dim_v = ANY_DIMS ? head_dim_v : head_dim;  // columns of V and dO
+  const Softcap softcap{softcap_in2, softcap_out2};
+#if FLOAT_MASK
+  const FloatMask fmask{float_mask + b * fm_sb + h * fm_sh, fm_sq, fm_sk};
+  const MaskGrad mask_grad{dmask != nullptr ? dmask + ((i64)b * heads_q + h) * seqlen_q * seqlen_k : nullptr};
+#endif
 
   q += b * q_sb + h * q_sh;
   d_o += b * do_sb + h * do_sh;
@@ -90,10 +98,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #endif
 
   load_tile_async<BLOCK_M>(s_base + OFF_Q, q, q_sn, m0, seqlen_q, head_dim, tid);
-  load_tile_async<BLOCK_M>(s_base + OFF_DO, d_o, do_sn, m0, seqlen_q, head_dim, tid);
+  load_tile_async<BLOCK_M>(s_base + OFF_DO, d_o, do_sn, m0, seqlen_q, dim_v, tid);
   if (nb_lo < nb_hi) {
     load_tile_async<BLOCK_N>(s_base + OFF_K, k, k_sn, nb_lo * BLOCK_N, seqlen_k, head_dim, tid);
-    load_tile_async<BLOCK_N>(s_base + OFF_V, v, v_sn, nb_lo * BLOCK_N, seqlen_k, head_dim, tid);
+    load_tile_async<BLOCK_N>(s_base + OFF_V, v, v_sn, nb_lo * BLOCK_N, seqlen_k, dim_v, tid);
   }
   cp_async_commit();
 
@@ -117,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     if (nb + 1 < nb_hi) {
       const u32 nxt = (stage ^ 1) * KV_TILE_BYTES;
       load_tile_async<BLOCK_N>(s_base + OFF_K + nxt, k, k_sn, (nb + 1) * BLOCK_N, seqlen_k, head_dim, tid);
-      load_tile_async<BLOCK_N>(s_base + OFF_V + nxt, v, v_sn, (nb + 1) * BLOCK_N, seqlen_k, head_dim, tid);
+      load_tile_async<BLOCK_N>(s_base + OFF_V + nxt, v, v_sn, (nb + 1) * BLOCK_N, seqlen_k, dim_v, tid);
     }
     cp_async_commit();
 #if Q_IN_REGS
@@ -196,6 +204,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #if HAS_EXTRAS
     need_mask = need_mask || bmask.ptr != nullptr;
 #endif
+#if FLOAT_MASK
+    need_mask = true;
+#endif
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -209,20 +220,36 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
           for (int e = 0; e < 2; ++e) {
             const int jj = nt * 8 + e;
             const int j = n0 + 2 * t + jj;
-            float x = s[mt][nt][2 * hr + e] * scale_log2;
+            float th;
+            float x = log2_score(s[mt][nt][2 * hr + e], scale_log2, softcap, th);
             if (need_mask) {
               bool ok = jj >= lo && jj <= hi;
 #if HAS_EXTRAS
               if (bmask.ptr != nullptr) ok = ok && i < seqlen_q && bmask.allows(i, j);
 #endif
+#if FLOAT_MASK
+              x = fmask.apply(x, ok, i, j, seqlen_q, seqlen_k);
+#else
               if (!ok) x = -MHATTN_INF;
+#endif
             }
             const float p = fast_exp2(x - row_lse[mt][hr]);
             float dpv = dp[mt][nt][2 * hr + e];
 #if HAS_EXTRAS
             if (use_dropout) dpv = rng.keep(row_key[mt][hr], j) ? dpv * drop_scale : 0.f;
 #endif
+#if FLOAT_MASK || SOFTCAP
+            float ds = p * (dpv - row_delta[mt][hr]);
+#if FLOAT_MASK
+            mask_grad.store(i, j, seqlen_q, seqlen_k, ds);  // the mask is added after the softcap
+#endif
+#if SOFTCAP
+            ds *= softcap_grad(th);
+#endif
+            dp[mt][nt][2 * hr + e] = ds;
+#else
             dp[mt][nt][2 * hr + e] = p * (dpv - row_delta[mt][hr]);
+#endif
           }
       }
 

@@ -3,7 +3,8 @@
 //
 // Rows i >= Nq (the padding up to Nq_pad) and rows that saw no key (lse = -inf) get lse_log2 = +inf and
 // delta = 0 (grad_lse is ignored there, as in the reference), so P = 2^(S - lse_log2) = 0 for them
-// without any test in the main kernels. One warp per row; a lane handles 8 consecutive elements.
+// without any test in the main kernels. One warp per row; a lane handles 8 consecutive elements (ANY_DIMS:
+// one element at a time, for rows that are not whole 16-byte chunks). head_dim is the value head dim.
 #include "ptx.cuh"
 
 #ifndef NUM_WARPS
@@ -23,6 +24,17 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32)
   const int b = (int)(bh / heads_q), h = (int)(bh - (i64)b * heads_q);
 
   float acc = 0.f;
+#ifndef ANY_DIMS
+#define ANY_DIMS 0
+#endif
+#if ANY_DIMS
+  // any head dim and row alignment: one element a lane at a time
+  if (i < seqlen_q) {
+    const elem_t* o_row = o + b * o_sb + h * o_sh + (i64)i * o_sn;
+    const elem_t* do_row = d_o + b * do_sb + h * do_sh + (i64)i * do_sn;
+    for (int c = lane; c < head_dim; c += 32) acc += elem_to_float(o_row[c]) * elem_to_float(do_row[c]);
+  }
+#else
   if (i < seqlen_q && lane * 8 < head_dim) {
     const U128 ov = *reinterpret_cast<const U128*>(o + b * o_sb + h * o_sh + (i64)i * o_sn + lane * 8);
     const U128 dv = *reinterpret_cast<const U128*>(d_o + b * do_sb + h * do_sh + (i64)i * do_sn + lane * 8);
@@ -34,6 +46,7 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32)
       acc += elem_to_float((elem_t)(ow[w] >> 16)) * elem_to_float((elem_t)(dw[w] >> 16));
     }
   }
+#endif
 #pragma unroll
   for (int m = 16; m >= 1; m >>= 1) acc += shfl_xor(acc, m);
 

@@ -9,6 +9,13 @@
 //   HAS_BOUNDS    causal diagonal and/or sliding window (bounds are run-time arguments)
 //   HAS_EXTRAS    boolean mask and dropout (each switched on at run time by a non-null mask / a non-zero
 //                 dropout threshold)
+// Feature flags (0 when absent; the kernels without them compile to the same code as before they existed):
+//   SOFTCAP       scores become softcap * tanh(scores / softcap); the backward multiplies dS by 1 - tanh^2
+//   FLOAT_MASK    an additive float32 mask broadcast over (B, H, Nq, Nk) by strides; the dQ kernel also
+//                 writes dS (the mask's gradient) when given a dmask buffer
+//   ANY_DIMS      the value head dim is its own run-time argument, and rows that are not whole 16-byte
+//                 chunks (head dims that are not multiples of 8) are loaded and stored element by element,
+//                 bounds-checked, with the padded columns zero-filled
 #pragma once
 #include "ptx.cuh"
 
@@ -23,6 +30,15 @@
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
+#endif
+#ifndef SOFTCAP
+#define SOFTCAP 0
+#endif
+#ifndef FLOAT_MASK
+#define FLOAT_MASK 0
+#endif
+#ifndef ANY_DIMS
+#define ANY_DIMS 0
 #endif
 
 static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM must be a multiple of 32, at most 256");
@@ -40,12 +56,45 @@ MHATTN_DEVICE T max_of(T a, T b) { return a > b ? a : b; }
 
 // ---- global -> shared tiles ------------------------------------------------------------------------
 
+// Whether the rows of a tile can move in 16-byte chunks: aligned start, row stride and head dim in whole chunks.
+MHATTN_DEVICE bool rows_in_chunks(const elem_t* g, i64 row_stride, int head_dim) {
+  return ((row_stride | (i64)head_dim) & 7) == 0 && ((u64)g & 15) == 0;
+}
+
+// ANY_DIMS: rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) copied at once (plain loads, each element
+// bounds-checked, zeros beyond nrows / head_dim) for rows that are not whole 16-byte chunks. The callers'
+// barriers order these stores as they order the cp.async copies.
+template <int ROWS>
+MHATTN_DEVICE void load_tile_checked(u32 s_tile, const elem_t* g, i64 row_stride, int row0, int nrows, int head_dim,
+                                     int tid) {
+  constexpr int TOTAL = ROWS * CHUNKS_PER_ROW;
+  for (int c = tid; c < TOTAL; c += NUM_THREADS) {
+    const int r = c / CHUNKS_PER_ROW;
+    const int col = (c % CHUNKS_PER_ROW) * 8;
+    const int grow = row0 + r;
+    u32 w[4] = {0u, 0u, 0u, 0u};
+    if (grow < nrows) {
+      const elem_t* src = g + (i64)grow * row_stride + col;
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if (col + e < head_dim) w[e >> 1] |= (u32)src[e] << (16 * (e & 1));
+    }
+    st_shared_v4(s_tile + (u32)((r * SMEM_ROW + col) * 2), w);
+  }
+}
+
 // Starts the copy of rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major global matrix
 // (row stride in elements, last dim contiguous) into a shared tile. Rows >= nrows and columns >=
 // head_dim are filled with zeros, so padded head-dim columns add nothing to any dot product.
 template <int ROWS>
 MHATTN_DEVICE void load_tile_async(u32 s_tile, const elem_t* g, i64 row_stride, int row0, int nrows, int head_dim,
                                    int tid) {
+#if ANY_DIMS
+  if (!rows_in_chunks(g, row_stride, head_dim)) {
+    load_tile_checked<ROWS>(s_tile, g, row_stride, row0, nrows, head_dim, tid);
+    return;
+  }
+#endif
   constexpr int TOTAL = ROWS * CHUNKS_PER_ROW;
 #pragma unroll
   for (int c0 = 0; c0 < TOTAL; c0 += NUM_THREADS) {
@@ -70,11 +119,29 @@ MHATTN_DEVICE void load_vec_async(u32 s_vec, const float* g, int tid) {
   for (int c = tid; c < COUNT / 4; c += NUM_THREADS) cp_async_16(s_vec + (u32)(c * 16), g + c * 4, 16u);
 }
 
+// ANY_DIMS: the store of store_tile element by element, for rows that are not whole 16-byte chunks.
+template <int ROWS>
+MHATTN_DEVICE void store_tile_checked(elem_t* g, i64 row_stride, const unsigned char* s_tile, int row0, int nrows,
+                                      int head_dim, int tid) {
+  const int cols = min_of(head_dim, HEAD_DIM);
+  for (int c = tid; c < ROWS * HEAD_DIM; c += NUM_THREADS) {
+    const int r = c / HEAD_DIM, col = c % HEAD_DIM;
+    if (row0 + r < nrows && col < cols)
+      g[(i64)(row0 + r) * row_stride + col] = *reinterpret_cast<const elem_t*>(s_tile + (r * SMEM_ROW + col) * 2);
+  }
+}
+
 // Writes a row-major shared tile of `ROWS` rows (elements) to global memory with 16-byte stores, skipping
 // rows >= nrows and columns >= head_dim.
 template <int ROWS>
 MHATTN_DEVICE void store_tile(elem_t* g, i64 row_stride, const unsigned char* s_tile, int row0, int nrows,
                               int head_dim, int tid) {
+#if ANY_DIMS
+  if (!rows_in_chunks(g, row_stride, head_dim)) {
+    store_tile_checked<ROWS>(g, row_stride, s_tile, row0, nrows, head_dim, tid);
+    return;
+  }
+#endif
   constexpr int TOTAL = ROWS * CHUNKS_PER_ROW;
 #pragma unroll
   for (int c0 = 0; c0 < TOTAL; c0 += NUM_THREADS) {
@@ -205,3 +272,61 @@ struct DropoutRng {
   MHATTN_DEVICE u32 row_key(int i) const { return fmix32(bh_key ^ ((u32)i * 0x85EBCA6Bu + seed1)); }
   MHATTN_DEVICE bool keep(u32 row_key_i, int j) const { return fmix32(row_key_i ^ ((u32)j * 0xC2B2AE35u)) >= threshold; }
 };
+
+// ---- feature variants: softcap, float mask and its gradient, any head dims ------------------------
+
+// The softcap of a score: softcap * tanh(s * scale / softcap) in log2 units, from the raw dot product s,
+// with tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1) (exactly +-1 when the power over- or underflows).
+struct Softcap {
+  float in2;   // 2 log2(e) scale / softcap
+  float out2;  // softcap * log2(e)
+};
+
+// Raw dot product -> score in log2 units; `th` receives tanh(s * scale / softcap) under SOFTCAP (for the
+// backward's factor 1 - tanh^2) and is left alone otherwise.
+MHATTN_DEVICE float log2_score(float s, float scale_log2, const Softcap& softcap, float& th) {
+#if SOFTCAP
+  th = 1.f - 2.f / (fast_exp2(s * softcap.in2) + 1.f);
+  return th * softcap.out2;
+#else
+  return s * scale_log2;
+#endif
+}
+
+// d(softcap * tanh(x / softcap)) / dx for the tanh `th` of log2_score.
+MHATTN_DEVICE float softcap_grad(float th) { return 1.f - th * th; }
+
+// An additive float32 attn_mask broadcast to (B, H, Nq, Nk) with arbitrary strides (0 allowed).
+struct FloatMask {
+  const float* ptr;  // at (b, h) already
+  i64 stride_q, stride_k;
+  // The score x (log2 units) of query i, key j: -inf where hidden (ok false, or outside the sequences),
+  // else x + mask(i, j) log2 e.
+  MHATTN_DEVICE float apply(float x, bool ok, int i, int j, int seqlen_q, int seqlen_k) const {
+    if (!ok || i >= seqlen_q || j >= seqlen_k) return -MHATTN_INF;
+    return x + ptr[(i64)i * stride_q + (i64)j * stride_k] * 1.4426950408889634f;  // log2 e
+  }
+};
+
+// The gradient of a float mask: dS of one (b, h) written to a contiguous float32 (Nq, Nk) slice.
+struct MaskGrad {
+  float* ptr;  // at (b, h) already; nullptr = not asked for
+  MHATTN_DEVICE void store(int i, int j, int seqlen_q, int seqlen_k, float ds) const {
+    if (ptr != nullptr && i < seqlen_q && j < seqlen_k) ptr[(i64)i * seqlen_k + j] = ds;
+  }
+};
+
+// Adds x, y to dQ columns c, c + 1 (c even, c < head_dim) at p (float32, column c of a dQ row) with atomics: one
+// vector add where both exist and are 8-byte aligned, else one add per existing column (ANY_DIMS: odd head dims).
+MHATTN_DEVICE void atomic_add_dq_pair(float* p, int c, int head_dim, float x, float y) {
+#if ANY_DIMS
+  if ((head_dim & 1) == 0) {
+    atomic_add2_f32(p, x, y);
+  } else {
+    atomic_add_f32(p, x);
+    if (c + 1 < head_dim) atomic_add_f32(p + 1, y);
+  }
+#else
+  atomic_add2_f32(p, x, y);
+#endif
+}

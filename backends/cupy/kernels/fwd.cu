@@ -8,8 +8,9 @@
 //   online softmax       (base-2 exponent: scores are pre-multiplied by scale * log2(e))
 //   O = O * alpha + P V  (P converted to 16-bit in registers and fed back as the A operand; V via
 //                         ldmatrix.trans)
-// Out: O (B, Hq, Nq, D) with the caller's strides, lse (B, Hq, Nq) float32 natural log, -inf for a row
-// that sees no key (whose output is 0).
+// Out: O (B, Hq, Nq, Dv) with the caller's strides, lse (B, Hq, Nq) float32 natural log, -inf for a row
+// that sees no key (whose output is 0). The parameters after drop_scale serve the feature flags (SOFTCAP,
+// FLOAT_MASK, ANY_DIMS; common.cuh) and are unused without them (dmask: the dQ kernel's only).
 #include "common.cuh"
 
 constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
@@ -34,7 +35,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
                int seqlen_q, int seqlen_k, int heads_q, int group, int head_dim, int sched_pairs, float scale_log2,
                int diag_offset, int window_left, int window_right,
                const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
-               const u32* __restrict__ seed_words, u32 drop_threshold, float drop_scale) {
+               const u32* __restrict__ seed_words, u32 drop_threshold, float drop_scale,
+               int head_dim_v, float softcap_in2, float softcap_out2, const float* __restrict__ float_mask,
+               i64 fm_sb, i64 fm_sh, i64 fm_sq, i64 fm_sk, float* __restrict__ dmask) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -62,6 +65,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #endif
   const int m0 = m_block * BLOCK_M;
   const int warp_row0 = warp * ROWS_PER_WARP;
+  const int dim_v = ANY_DIMS ? head_dim_v : head_dim;  // columns of V and O
+  const Softcap softcap{softcap_in2, softcap_out2};
+#if FLOAT_MASK
+  const FloatMask fmask{float_mask + b * fm_sb + h * fm_sh, fm_sq, fm_sk};
+#endif
 
   q += b * q_sb + h * q_sh;
   k += b * k_sb + hk * k_sh;
@@ -102,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   load_tile_async<BLOCK_M>(s_q, q, q_sn, m0, seqlen_q, head_dim, tid);
   if (nb_lo < nb_hi) {
     load_tile_async<BLOCK_N>(s_k, k, k_sn, nb_lo * BLOCK_N, seqlen_k, head_dim, tid);
-    load_tile_async<BLOCK_N>(s_v, v, v_sn, nb_lo * BLOCK_N, seqlen_k, head_dim, tid);
+    load_tile_async<BLOCK_N>(s_v, v, v_sn, nb_lo * BLOCK_N, seqlen_k, dim_v, tid);
   }
   cp_async_commit();
 
@@ -132,7 +140,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     if (nb + 1 < nb_hi) {
       const u32 nxt = (stage ^ 1) * KV_TILE_BYTES;
       load_tile_async<BLOCK_N>(s_k + nxt, k, k_sn, (nb + 1) * BLOCK_N, seqlen_k, head_dim, tid);
-      load_tile_async<BLOCK_N>(s_v + nxt, v, v_sn, (nb + 1) * BLOCK_N, seqlen_k, head_dim, tid);
+      load_tile_async<BLOCK_N>(s_v + nxt, v, v_sn, (nb + 1) * BLOCK_N, seqlen_k, dim_v, tid);
     }
     cp_async_commit();
 #if Q_IN_REGS
@@ -185,12 +193,18 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #if HAS_EXTRAS
     need_mask = need_mask || bmask.ptr != nullptr;
 #endif
+#if FLOAT_MASK
+    need_mask = true;
+#endif
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scale_log2;
+        for (int e = 0; e < 4; ++e) {
+          float th;
+          s[mt][nt][e] = log2_score(s[mt][nt][e], scale_log2, softcap, th);
+        }
     if (need_mask) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -209,7 +223,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #if HAS_EXTRAS
               if (bmask.ptr != nullptr) ok = ok && i < seqlen_q && bmask.allows(i, first + jj);
 #endif
+#if FLOAT_MASK
+              s[mt][nt][2 * hr + e] = fmask.apply(s[mt][nt][2 * hr + e], ok, i, first + jj, seqlen_q, seqlen_k);
+#else
               if (!ok) s[mt][nt][2 * hr + e] = -MHATTN_INF;
+#endif
             }
         }
     }
@@ -304,5 +322,5 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     acc_to_smem<NT_O>(smem, acc_o[mt], warp_row0 + mt * 16, 1.f, lane);
   }
   block_sync();
-  store_tile<BLOCK_M>(o, o_sn, smem, m0, seqlen_q, head_dim, tid);
+  store_tile<BLOCK_M>(o, o_sn, smem, m0, seqlen_q, dim_v, tid);
 }

@@ -17,11 +17,11 @@ constexpr u32 OFF_LSE = OFF_DO + 2 * Q_TILE_BYTES;
 constexpr u32 OFF_DELTA = OFF_LSE + 2 * BLOCK_M * 4;
 constexpr u32 OFF_KEY_SIDE_END = OFF_DELTA + 2 * BLOCK_M * 4;
 
-// Starts the copies of the key block's K and V rows [n0, n0 + BLOCK_N).
+// Starts the copies of the key block's K and V rows [n0, n0 + BLOCK_N) (V has dim_v columns).
 MHATTN_DEVICE void load_key_block(u32 s_base, const elem_t* k, i64 k_sn, const elem_t* v, i64 v_sn, int n0,
-                                  int seqlen_k, int head_dim, int tid) {
+                                  int seqlen_k, int head_dim, int dim_v, int tid) {
   load_tile_async<BLOCK_N>(s_base + OFF_K, k, k_sn, n0, seqlen_k, head_dim, tid);
-  load_tile_async<BLOCK_N>(s_base + OFF_V, v, v_sn, n0, seqlen_k, head_dim, tid);
+  load_tile_async<BLOCK_N>(s_base + OFF_V, v, v_sn, n0, seqlen_k, dim_v, tid);
 }
 
 // The steps of one key block [n0, n_last]: every query block that holds a query seeing one of these keys (the
@@ -58,11 +58,12 @@ struct QuerySide {
   const float* delta;
   i64 q_sh, q_sn, do_sh, do_sn;
   int b, heads_q, seqlen_q, seqlen_q_pad, head_dim;
+  int dim_v;  // columns of dO
 
   // Starts the copies of step (query head hq, query block at row m0) into stage `stage`.
   MHATTN_DEVICE void load_step(u32 s_base, int hq, int m0, int stage, int tid) const {
     load_tile_async<BLOCK_M>(s_base + OFF_Q + stage * Q_TILE_BYTES, q + hq * q_sh, q_sn, m0, seqlen_q, head_dim, tid);
-    load_tile_async<BLOCK_M>(s_base + OFF_DO + stage * Q_TILE_BYTES, d_o + hq * do_sh, do_sn, m0, seqlen_q, head_dim,
+    load_tile_async<BLOCK_M>(s_base + OFF_DO + stage * Q_TILE_BYTES, d_o + hq * do_sh, do_sn, m0, seqlen_q, dim_v,
                              tid);
     const i64 vec = ((i64)b * heads_q + hq) * seqlen_q_pad + m0;
     load_vec_async<BLOCK_M>(s_base + OFF_LSE + stage * BLOCK_M * 4, lse_log2 + vec, tid);

@@ -34,6 +34,11 @@ MHATTN_DEVICE u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared
 MHATTN_DEVICE void cp_async_16(u32 dst, const void* src, u32 src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// Plain 16-byte store to shared memory (addr 16-byte aligned).
+MHATTN_DEVICE void st_shared_v4(u32 addr, const u32 (&w)[4]) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+               : "memory");
+}
 MHATTN_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Wait until at most N committed groups of this thread are still in flight (a __syncthreads must
 // follow before other threads read the data).
