@@ -419,23 +419,25 @@ def ring_attention(
     layout = _check_layout(layout)
     if not isinstance(is_causal, bool):
         raise InputError(f"is_causal must be a bool, got {is_causal!r}")
+    # The canonical call of mhattn.attention's argument handling: (q, k, v, mask, scale, ..., out_shape).
     call = _prepare(q, k, v, None, 0.0, False, scale, enable_gqa, None, None)
-    if call.q.shape[-2] != call.k.shape[-2]:
-        raise InputError(f"q and k must hold the same tokens of the sequence: N_local {call.q.shape[-2]} for q, "
-                         f"{call.k.shape[-2]} for k")
-    n_local = call.q.shape[-2]
+    q, k, v, scale, out_shape = call[0], call[1], call[2], call[4], call[-1]
+    if q.shape[-2] != k.shape[-2]:
+        raise InputError(f"q and k must hold the same tokens of the sequence: N_local {q.shape[-2]} for q, "
+                         f"{k.shape[-2]} for k")
+    n_local = q.shape[-2]
     if layout == "zigzag" and n_local % 2:
         raise InputError(f"layout 'zigzag' holds two equal chunks per rank: N_local must be even, got {n_local}")
     rank, world = _group_rank_and_size(group)
     comm_backend = str(dist.get_backend(group)).lower()
-    if comm_backend == "nccl" and call.q.device.type != "cuda":
-        raise InputError(f"group uses NCCL, which moves CUDA tensors only; q is on {call.q.device}")
+    if comm_backend == "nccl" and q.device.type != "cuda":
+        raise InputError(f"group uses NCCL, which moves CUDA tensors only; q is on {q.device}")
     request = dispatch.requested(backend)
-    ring = PeerRing(group, call.q.device)
-    out, lse = _run_ring(call.q, call.k, call.v, ring, layout, is_causal, call.scale, request)
-    out = out.reshape(call.out_shape)
+    ring = PeerRing(group, q.device)
+    out, lse = _run_ring(q, k, v, ring, layout, is_causal, scale, request)
+    out = out.reshape(out_shape)
     if return_lse:
-        return out, lse.reshape(call.out_shape[:-1])
+        return out, lse.reshape(out_shape[:-1])
     return out
 
 
