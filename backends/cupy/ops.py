@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from mhattn.errors import BackendUnavailableError
+
 from mhattn.backends import layouts
 from mhattn.backends.base import AttentionParams
 from mhattn.backends.cupy import variants
@@ -219,8 +221,14 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
     """
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
-    dq, dk, dv = (_poisoned(layouts.grad_buffer(t)) for t in (q, k, v))
     features = feature_flags(params, head_dim, head_dim_v)
+    if "FLOAT_MASK" in features and grad_lse is not None:
+        # On the H100 this combination gave NaN in dQ, dK and the mask gradient (the emulator does not show it):
+        # refused with a clear error rather than computed wrongly.
+        raise BackendUnavailableError(
+            "cupy backend: a gradient flowing into the returned lse together with a float attn_mask is not "
+            "supported yet; use backend='triton' (or no return_lse gradient)")
+    dq, dk, dv = (_poisoned(layouts.grad_buffer(t)) for t in (q, k, v))
     mask_grad = "FLOAT_MASK" in features and params.mask_requires_grad
     # zeros: the blocks outside the causal / window band are never visited, and their gradient is 0
     dmask = torch.zeros((batch, heads_q, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device) if mask_grad else None
