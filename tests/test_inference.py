@@ -11,8 +11,6 @@ Groups, as in test_triton_backend.py:
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -23,10 +21,8 @@ from mhattn.conformance.tolerance import compare
 from mhattn.dropout_rng import draw_seed, seed_words as words_of
 from mhattn.reference.naive import naive_attention
 
-from test_triton_backend import _InterpreterWorker, poisoned_allocations
+from test_triton_backend import interpreter_worker, poisoned_allocations
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
@@ -468,21 +464,9 @@ def test_a_backend_without_an_operation_is_refused_with_its_reason():
 # ---- the Triton kernels under the interpreter -----------------------------------------------------------
 
 
-class _InProcess:
-    def run(self, check, **kwargs):
-        globals()[check](**kwargs)
-
-    def close(self):
-        pass
-
-
 @pytest.fixture(scope="module")
 def interpreter():
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    worker = _InProcess() if INTERPRETING else _InterpreterWorker(__file__)
-    yield worker
-    worker.close()
+    yield from interpreter_worker(__file__, globals())
 
 
 INTERPRETER_KVCACHE = {

@@ -346,20 +346,32 @@ class _InterpreterWorker:
 
 
 class _InProcess:
+    """Runs the check functions of a test module (its globals ``namespace``) in this process, which already
+    interprets Triton."""
+
+    def __init__(self, namespace):
+        self.namespace = namespace
+
     def run(self, check, **kwargs):
-        globals()[check](**kwargs)
+        self.namespace[check](**kwargs)
 
     def close(self):
         pass
 
 
-@pytest.fixture(scope="module")
-def interpreter():
+def interpreter_worker(path, namespace):
+    """The body of a test module's ``interpreter`` fixture: a worker that runs the module's check functions
+    under TRITON_INTERPRET=1 (in this process when it already interprets, else in a child for ``path``)."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    worker = _InProcess() if INTERPRETING else _InterpreterWorker()
+    worker = _InProcess(namespace) if INTERPRETING else _InterpreterWorker(path)
     yield worker
     worker.close()
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    yield from interpreter_worker(__file__, globals())
 
 
 # ---- plain CPU tests (no kernel runs) ---------------------------------------------------------------------
