@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from mhattn.backends import layouts
 from mhattn.backends.base import FEATURE_SENTENCES, AttentionParams, Backend, Capabilities
 from mhattn.errors import InputError
 
@@ -202,6 +203,12 @@ class SdpaBackend(Backend):
         plan = _Plan.make(q, k, params)
         kern = self._choose(q, k, v, params, plan)
         ops = _OPS[(kern.device_type, kern.name)]
+        # torch's own autograd hands these backward kernels an output gradient laid out like the output (the
+        # CUDA kernels return out with (B, Nq, H, D) memory); one in another layout is copied into out's.
+        # A contiguous grad_out against such an out is the likely cause of the dQ mismatch seen on the H100
+        # (see the class's note on its CUDA path).
+        if grad_out.stride() != out.stride() and layouts.is_dense(out):
+            grad_out = torch.empty_like(out).copy_(grad_out)
         # A row that sees no key has lse -inf; +inf makes every kernel's P = exp(S - lse) exactly 0 there.
         lse_k = lse.masked_fill(lse == -math.inf, math.inf)
         dq, dk, dv = ops.backward(grad_out, q, k, v, out, lse_k, params.scale, plan)

@@ -9,6 +9,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 import mhattn
 from mhattn.backends import sdpa
+from mhattn.backends.base import AttentionParams
 from mhattn.conformance.cases import full_cases
 from mhattn.conformance.runner import PASS, run_case
 from mhattn.problem import Problem
@@ -200,3 +201,23 @@ def test_cuda_kernels_match_the_reference(kernel, case):
         finite = ~torch.isinf(b)
         err = (a.double()[finite] - b[finite]).abs().max().item()
         assert err <= 0.02 * b[finite].abs().max().item() + 0.01, (name, err)
+
+
+def test_backward_hands_the_kernels_an_output_gradient_laid_out_like_the_output(monkeypatch):
+    """torch's backward kernels get grad_out in out's layout (as torch's own autograd gives it), whatever
+    layout the caller's gradient has."""
+    seen = {}
+
+    class Ops:
+        @staticmethod
+        def backward(grad_out, q, k, v, out, lse, scale, plan):
+            seen["grad_out"], seen["out"] = grad_out.stride(), out.stride()
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    backend = sdpa.SdpaBackend()
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    out = torch.randn(1, 8, 2, 16).transpose(1, 2)          # (B, H, N, D) with (B, N, H, D) memory
+    monkeypatch.setitem(sdpa._OPS, ("cpu", "flash"), Ops)
+    monkeypatch.setattr(backend, "_choose", lambda *a: sdpa.KERNELS[0])
+    backend.backward(torch.randn(1, 2, 8, 16), q, k, v, out, torch.zeros(1, 2, 8), AttentionParams(scale=0.25))
+    assert seen["grad_out"] == seen["out"] == out.stride()
