@@ -6,8 +6,8 @@
 Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
 - mhattn.attention forward / forward+backward on a backend that does no work (``null``: allocates its
   outputs, launches nothing): the front end's own cost (checks, request, decision cache, autograd);
-- the Triton backend's host code for one forward / backward with its kernel launches replaced by no-ops
-  (plan, scalars, grid, argument lists; Triton's own launch is not in it);
+- the Triton backend's host code for one forward / backward with the compiled kernels' launchers replaced by
+  no-ops (plan, scalars, grid, argument tuples, the compiled-handle look-up of launcher.py);
 - the CuPy backend's host code for one forward / backward with a launcher that does nothing (variant
   choice, argument packing up to the launcher);
 - torch's scaled_dot_product_attention at N = 1 (real work, but tiny), for scale.
@@ -44,15 +44,27 @@ class NullBackend(Backend):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
-class _NoKernel:
-    """Stands in for a Triton kernel: ``kernel[grid](...)`` does nothing."""
+class _StubCompiled:
+    """A compiled kernel whose launcher does nothing."""
+
+    function = packed_metadata = None
+
+    def run(self, *args):
+        pass
+
+
+class _StubKernel:
+    """A Triton kernel's parameter list with a launch that does nothing: ``kernel[grid](...)`` returns a
+    stub handle, so the backend's own launcher (key, handle look-up, argument tuple) runs as on a GPU."""
+
+    def __init__(self, kernel):
+        from triton.runtime.jit import JITFunction
+
+        self.params = kernel.params if hasattr(kernel, "params") else JITFunction(kernel.fn).params
+        self.__name__ = getattr(kernel, "__name__", "kernel")
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
-class _NoKernels:
-    attention_forward_kernel = backward_preprocess_kernel = backward_dkdv_kernel = backward_dq_kernel = _NoKernel()
+        return lambda *args, **kwargs: _StubCompiled()
 
 
 class _NoLauncher:
@@ -83,14 +95,25 @@ def python_calls(fn) -> int:
 
 @contextlib.contextmanager
 def stubbed_triton():
-    from mhattn.backends.triton import backend as triton_backend
+    from types import SimpleNamespace
 
-    saved = triton_backend._kernels
-    triton_backend._kernels = (_NoKernels, _NoKernels, None)
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import launcher as launcher_module
+
+    forward_module, backward_module, _ = triton_backend.kernels()
+    stubs = triton_backend._Launchers(
+        SimpleNamespace(attention_forward_kernel=_StubKernel(forward_module.attention_forward_kernel)),
+        SimpleNamespace(**{name: _StubKernel(getattr(backward_module, name)) for name in (
+            "backward_preprocess_kernel", "backward_dkdv_kernel", "backward_dq_kernel")}))
+    for launcher in vars(stubs).values():
+        launcher.interpret = False
+    saved = triton_backend.launchers, launcher_module.current_stream
+    triton_backend.launchers = lambda: stubs
+    launcher_module.current_stream = lambda index: 0
     try:
         yield triton_backend.TritonBackend()
     finally:
-        triton_backend._kernels = saved
+        triton_backend.launchers, launcher_module.current_stream = saved
 
 
 def rows():

@@ -684,3 +684,38 @@ def test_key_bounds_of_key_padding_masks():
     assert key_bounds(mask).tolist() == [2, 0, 3] and key_bounds(mask).dtype == torch.int32
     assert key_bounds(torch.ones(3, 2, 5, 4, dtype=torch.bool)) is None  # varies along H and Nq (strides)
     assert key_bounds(mask.float()) is None and key_bounds(None) is None
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_launches_through_kept_handles_stay_correct_as_addresses_strides_and_sizes_change():
+    """The compiled-handle launcher (launcher.py) reuses a handle only where Triton would: a sequence of calls
+    whose q/k/v alternate between aligned and misaligned views, two layouts, two sizes and causal or not
+    (outputs poisoned each time) all meet CONFORMANCE.md's rule against the reference, forward and backward,
+    and most launches went through kept handles."""
+    from mhattn.backends.triton import backend as triton_backend
+
+    backend = _backend()
+    dt = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    kinds = triton_backend.launchers()
+    before = kinds.forward.handle_launches + kinds.dkdv.handle_launches
+    for step in range(12):  # six call signatures, twice: the second time through kept handles
+        seqlen = (200, 256)[step % 2]
+        storage = torch.randn(3, 2, 4, seqlen, 72, device="cuda", dtype=dt, generator=gen)
+        offset = step % 3  # starts 0, 2 or 4 bytes past a 16-byte boundary
+        q, k, v = (storage[i, ..., offset:offset + 64] for i in range(3))
+        if step % 6 >= 3:  # (B, N, H, D) memory, as a packed projection gives
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        params = AttentionParams(scale=0.125, window_right=0 if step % 6 < 2 else None)
+        grad_out = torch.randn(2, 4, seqlen, 64, device="cuda", dtype=dt, generator=gen)
+        with poisoned_allocations():
+            out, lse = backend.forward(q, k, v, params)
+            dq, dk, dv, _ = backend.backward(grad_out, q, k, v, out, lse, params)
+        gold = _reference(q, k, v, params, None, False, grad_out, None, torch.float64)
+        lowp = _reference(q, k, v, params, None, False, grad_out, None, dt)
+        results = [compare(name, x.cpu(), gold[i].cpu(), lowp[i].cpu(), dtype=dt)
+                   for i, (name, x) in enumerate((("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)))]
+        failed = [str(r) for r in results if not r.ok]
+        assert not failed, f"step {step}: " + "; ".join(failed)
+    assert kinds.forward.handle_launches + kinds.dkdv.handle_launches - before >= 12

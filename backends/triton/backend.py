@@ -20,6 +20,7 @@ from mhattn import dropout_rng
 from mhattn.backends import layouts
 from mhattn.backends.base import FEATURES, OPERATIONS, AttentionParams, Backend, Capabilities
 from mhattn.backends.triton import configs, decode_launch, key_padding, varlen_launch
+from mhattn.backends.triton.launcher import CompiledLauncher
 from mhattn.problem import device_capability
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
@@ -42,6 +43,29 @@ def kernels():
     return _kernels
 
 
+class _Launchers:
+    """The dense forward and backward kernels, each behind a :class:`CompiledLauncher` (launch.py): after the
+    first launch of a specialisation, later ones go straight to the compiled handle."""
+
+    def __init__(self, forward_module, backward_module):
+        self.forward = CompiledLauncher(forward_module.attention_forward_kernel, INTERPRET)
+        self.preprocess = CompiledLauncher(backward_module.backward_preprocess_kernel, INTERPRET)
+        self.dkdv = CompiledLauncher(backward_module.backward_dkdv_kernel, INTERPRET)
+        self.dq = CompiledLauncher(backward_module.backward_dq_kernel, INTERPRET)
+
+
+_launchers_made = None
+
+
+def launchers() -> _Launchers:
+    global _launchers_made
+    forward_module, backward_module, _ = kernels()
+    made = _launchers_made
+    if made is None or made.forward.kernel is not forward_module.attention_forward_kernel:
+        made = _launchers_made = _Launchers(forward_module, backward_module)
+    return made
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     """fp32 follows torch's matmul setting: full fp32 ("ieee") unless TF32 is allowed."""
     if dtype != torch.float32:
@@ -52,7 +76,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _strides4(t: torch.Tensor):
     """(batch, head, row) strides; the last dim is contiguous (checked by the caller)."""
-    return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride()[:3]
 
 
 def _mask_strides(mask: torch.Tensor):
@@ -91,6 +115,29 @@ class _Plan:
         # descriptor loads too, so CPU tests cover them.
         self.hopper = INTERPRET or (cc is not None and cc[0] >= 9)
         self.warp_specialize_ok = cc is not None and cc[0] >= 9
+        # The stride half of the descriptor check (the plan is per strides); the addresses are checked per call.
+        self.descriptor_strides_ok = self.hopper and _descriptor_strides_ok(q, k, v)
+        self.device_index = q.device.index if q.device.index is not None else 0
+        self._constexpr_sets: dict = {}
+
+    def preprocess_constexprs(self, launcher: CompiledLauncher, block_m: int, has_grad_lse: bool):
+        """The backward preprocessing kernel's compile-time argument set (its own, not the tile's)."""
+        key = (launcher.name, block_m, has_grad_lse)
+        found = self._constexpr_sets.get(key)
+        if found is None:
+            found = self._constexpr_sets[key] = launcher.constexprs(
+                4, 1, HEAD_DIM_V=self.head_dim_v, BLOCK_DV=self.block_dv, BLOCK_M=block_m, HAS_GRAD_LSE=has_grad_lse)
+        return found
+
+    def constexprs(self, launcher: CompiledLauncher, tile: configs.KernelConfig, **kwargs):
+        """The launcher's compile-time argument set for ``tile`` and ``kwargs`` (with this plan's flags), made
+        once per plan: the hot path builds no dict."""
+        key = (launcher.name, tile, tuple(kwargs.items()))
+        found = self._constexpr_sets.get(key)
+        if found is None:
+            found = self._constexpr_sets[key] = launcher.constexprs(
+                tile.num_warps, tile.num_stages, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **self.flags, **kwargs)
+        return found
 
 
 class _Launch:
@@ -129,7 +176,7 @@ class _Launch:
         self.window_left, self.window_right = int(params.window_left or 0), int(params.window_right or 0)
         self.band = (self.diag_offset, self.window_left, self.window_right, self.seed, threshold)
         # The Hopper paths (copy-engine loads) need every tensor the kernels read through descriptors aligned.
-        self.tma_ok = self.plan.hopper and _descriptor_ready(q, k, v)
+        self.tma_ok = self.plan.descriptor_strides_ok and _addresses_aligned(q, k, v)
 
     def key_bounds_or(self, placeholder):
         """The key bounds tensor for the kernels' CuSeqlensK argument, or a placeholder when unused."""
@@ -138,7 +185,7 @@ class _Launch:
     def hopper_flags(self, tile: configs.KernelConfig, *query_side) -> dict:
         """TMA / WARP_SPECIALIZE for a launch of ``tile``: on only where the tile asks for them and this call
         can have them (sm_90, and every tensor the kernel reads through descriptors suitably aligned)."""
-        tma = tile.tma and self.tma_ok and _descriptor_ready(*query_side)
+        tma = tile.tma and self.tma_ok and (not query_side or _descriptor_ready(*query_side))
         if tma:
             _ensure_descriptor_allocator()
         return dict(TMA=tma, WARP_SPECIALIZE=tile.warp_specialize and self.plan.warp_specialize_ok)
@@ -151,8 +198,8 @@ _PLANS_LIMIT = 1024
 def _plan_for(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout, key_lengths=False) -> _Plan:
     """The cached plan of a call signature (shapes, dtype, device, flags, the pinned configuration)."""
     dot_precision = _dot_precision(q.dtype)
-    key = (q.shape, k.shape[1], k.shape[2], v.shape[3], q.dtype, q.device, mask_kind, has_left, has_right,
-           has_softcap, has_dropout, key_lengths, dot_precision, configs.pinned())
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape[3], v.stride(), q.dtype, q.device, mask_kind, has_left,
+           has_right, has_softcap, has_dropout, key_lengths, dot_precision, configs.pinned())
     plan = _plans.get(key)
     if plan is None:
         plan = _Plan(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout, dot_precision, key_lengths)
@@ -167,11 +214,22 @@ def _descriptor_ready(*tensors) -> bool:
     engine needs a 16-byte aligned start for every head and a row stride that is a non-zero multiple
     of 16 bytes (views of a packed QKV projection usually are; a broadcast or odd-strided one falls back
     to pointer loads)."""
+    return _descriptor_strides_ok(*tensors) and _addresses_aligned(*tensors)
+
+
+def _descriptor_strides_ok(*tensors) -> bool:
+    """The stride half of :func:`_descriptor_ready`."""
     for t in tensors:
         size = t.element_size()
-        if t.data_ptr() % 16 or t.stride(2) < t.shape[3]:
+        if t.stride(2) < t.shape[3] or any((stride * size) % 16 for stride in t.stride()[:3]):
             return False
-        if any((stride * size) % 16 for stride in t.stride()[:3]):
+    return True
+
+
+def _addresses_aligned(*tensors) -> bool:
+    """The address half of :func:`_descriptor_ready`: every tensor starts on a 16-byte boundary."""
+    for t in tensors:
+        if t.data_ptr() % 16:
             return False
     return True
 
@@ -180,15 +238,22 @@ def _torch_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda" if not INTERPRET else "cpu")
 
 
+_ALLOCATION = []
+
+
 def _ensure_descriptor_allocator():
     """Tensor descriptors made inside a kernel live in a little global scratch memory per program, which
     Triton takes from the allocator given to ``triton.set_allocator``. Install one made of torch
-    allocations (stream-ordered by torch's caching allocator) unless the caller has set their own."""
-    import triton
-    from triton.runtime import _allocation
+    allocations (stream-ordered by torch's caching allocator) unless the caller has set their own. Checked
+    at every launch: the allocator is a context variable, unset in a new thread."""
+    if not _ALLOCATION:
+        from triton.runtime import _allocation
 
-    current = _allocation._allocator.get()
-    if isinstance(current, _allocation.NullAllocator):
+        _ALLOCATION.append(_allocation)
+    allocation = _ALLOCATION[0]
+    if isinstance(allocation._allocator.get(), allocation.NullAllocator):
+        import triton
+
         triton.set_allocator(_torch_scratch)
 
 
@@ -208,7 +273,8 @@ def _run(kernel_name: str, tile: configs.KernelConfig, key, launch):
     """launch(tile) with the configured tile; on Triton's OutOfResources, retry with smaller tiles and
     remember the one that fitted for this (kernel, tile, key)."""
     cache_key = (kernel_name, tile, key)
-    tile = _shrunk.get(cache_key, tile)
+    if _shrunk:  # none in the usual case: no key hashed per call
+        tile = _shrunk.get(cache_key, tile)
     while True:
         try:
             launch(tile)
@@ -314,7 +380,7 @@ class TritonBackend(Backend):
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, q, k, v, params: AttentionParams):
         _check_inputs(q=q, k=k, v=v)
-        forward_module, _, _ = kernels()
+        launcher = launchers().forward
         run = _Launch(q, k, v, params)
         plan = run.plan
         out = layouts.output_buffer(q, v)
@@ -332,16 +398,15 @@ class TritonBackend(Backend):
         def launch(tile):
             num_m_blocks = triton_cdiv(plan.seqlen_q, tile.block_m)
             grid = (plan.batch * plan.heads_q * num_m_blocks,)
-            forward_module.attention_forward_kernel[grid](
+            launcher.launch(grid, (
                 q, k, v, out, lse, run.mask, lse, run.key_bounds_or(lse),
                 *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *run.mask_strides,
                 lse.stride(0), lse.stride(1),
                 plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_m_blocks,
                 run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale,
                 *run.band,
-                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAVY_FIRST=plan.heavy_first, **plan.flags,
-                **run.hopper_flags(tile), num_warps=tile.num_warps, num_stages=tile.num_stages,
-            )
+            ), plan.constexprs(launcher, tile, HEAVY_FIRST=plan.heavy_first, **run.hopper_flags(tile)),
+                plan.device_index)
 
         with _OnDevice(q.device):
             _run("forward", plan.config.forward, plan.shrink_key + (run.tma_ok,), launch)
@@ -352,7 +417,7 @@ class TritonBackend(Backend):
         _check_inputs(q=q, k=k, v=v, out=out)
         if grad_out.stride(-1) != 1 and grad_out.shape[-1] > 1:
             grad_out = grad_out.contiguous()  # a gradient buffer (e.g. expanded by .sum()), not a user input
-        _, backward_module, _ = kernels()
+        kernel = launchers()
         run = _Launch(q, k, v, params)
         plan = run.plan
         dq, dk, dv = layouts.grad_buffer(q), layouts.grad_buffer(k), layouts.grad_buffer(v)
@@ -376,35 +441,31 @@ class TritonBackend(Backend):
         with _OnDevice(q.device):
             block_pre = 64
             num_pre_blocks = triton_cdiv(plan.seqlen_q, block_pre)
-            backward_module.backward_preprocess_kernel[(plan.batch * plan.heads_q * num_pre_blocks,)](
+            kernel.preprocess.launch((plan.batch * plan.heads_q * num_pre_blocks,), (
                 out, grad_out, lse, grad_lse_arg, delta, lse2,
                 *_strides4(out), *_strides4(grad_out),
                 lse.stride(0), lse.stride(1), lse.stride(2),
                 grad_lse_arg.stride(0), grad_lse_arg.stride(1), grad_lse_arg.stride(2),
                 plan.heads_q, plan.seqlen_q, num_pre_blocks,
-                HEAD_DIM_V=plan.head_dim_v, BLOCK_DV=plan.block_dv, BLOCK_M=block_pre,
-                HAS_GRAD_LSE=grad_lse is not None, num_warps=4, num_stages=1,
-            )
+            ), plan.preprocess_constexprs(kernel.preprocess, block_pre, grad_lse is not None), plan.device_index)
 
             def launch_dkdv(tile):
                 num_n_blocks = triton_cdiv(plan.seqlen_k, tile.block_n)
                 grid = (plan.batch * plan.heads_kv * num_n_blocks,)
-                backward_module.backward_dkdv_kernel[grid](
+                kernel.dkdv.launch(grid, (
                     q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run.mask, delta, run.key_bounds_or(delta),
                     *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out),
                     *_strides4(dk), *_strides4(dv), *run.mask_strides, delta.stride(0), delta.stride(1),
                     plan.heads_q, plan.heads_kv, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_n_blocks,
                     run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
                     *run.band,
-                    BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **plan.flags,
-                    **run.hopper_flags(tile, grad_out), DQ_MODE=dq_mode,
-                    num_warps=tile.num_warps, num_stages=tile.num_stages,
-                )
+                ), plan.constexprs(kernel.dkdv, tile, **run.hopper_flags(tile, grad_out), DQ_MODE=dq_mode),
+                    plan.device_index)
 
             def launch_dq(tile):
                 num_m_blocks = triton_cdiv(plan.seqlen_q, tile.block_m)
                 grid = (plan.batch * plan.heads_q * num_m_blocks,)
-                backward_module.backward_dq_kernel[grid](
+                kernel.dq.launch(grid, (
                     q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta, delta,
                     run.key_bounds_or(delta),
                     *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out), *_strides4(dq),
@@ -412,10 +473,8 @@ class TritonBackend(Backend):
                     plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_m_blocks,
                     run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
                     *run.band,
-                    BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, MASK_GRAD=mask_grad,
-                    HEAVY_FIRST=plan.heavy_first, **plan.flags,
-                    num_warps=tile.num_warps, num_stages=tile.num_stages,
-                )
+                ), plan.constexprs(kernel.dq, tile, MASK_GRAD=mask_grad, HEAVY_FIRST=plan.heavy_first),
+                    plan.device_index)
 
             key = plan.shrink_key + (run.tma_ok, dq_mode)
             _run("dkdv", plan.config.dkdv, key, launch_dkdv)

@@ -65,6 +65,19 @@ def num_splits(programs: int, keys: int, sm_count: int, min_keys: int = MIN_KEYS
     return max(1, min(wanted, -(-keys // min_keys), MAX_SPLITS))
 
 
+_LAUNCHERS = []
+
+
+def _launchers(decode, interpret: bool):
+    """The split-KV and combine kernels behind compiled-handle launchers (launcher.py), made on first use."""
+    if not _LAUNCHERS or _LAUNCHERS[0].kernel is not decode.split_kv_kernel:
+        from mhattn.backends.triton.launcher import CompiledLauncher
+
+        _LAUNCHERS[:] = [CompiledLauncher(decode.split_kv_kernel, interpret),
+                         CompiledLauncher(decode.combine_splits_kernel, interpret)]
+    return _LAUNCHERS
+
+
 def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None, run=None):
     """out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) fp32 of q over k, v.
 
@@ -108,32 +121,33 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
         out_split = lse_split = lse
     seqlens = cache.seqlens if cache is not None else lse
     table = cache.block_table if paged else lse
+    split_kv, combine = _launchers(decode, INTERPRET)
+    device_index = q.device.index if q.device.index is not None else 0
     with _OnDevice(q.device):
-        decode.split_kv_kernel[(batch * heads_kv, splits, row_blocks)](
+        split_kv.launch((batch * heads_kv, splits, row_blocks), (
             q, k, v, out, lse, out_split, lse_split, seqlens, table,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             table.stride(0) if paged else 0,
             heads_q, heads_kv, run.plan.kv_group, seqlen_q, k.shape[2], splits,
             run.qk_scale2, run.softcap_in2, run.softcap_out2,
             run.diag_offset, run.window_left, run.window_right,
+        ), split_kv.cached_constexprs(
+            tile.num_warps, tile.num_stages,
             HEAD_DIM=run.plan.head_dim, HEAD_DIM_V=run.plan.head_dim_v, BLOCK_D=run.plan.block_d,
             BLOCK_DV=run.plan.block_dv,
             BLOCK_M=block_m, BLOCK_N=tile.block_n,
             HAS_SEQLENS=cache is not None, PAGED=paged, PAGE_SIZE=k.shape[2] if paged else 1,
             HAS_LEFT=run.plan.has_left, HAS_RIGHT=run.plan.has_right, HAS_SOFTCAP=run.plan.has_softcap,
             SPLIT=splits > 1, DOT_PRECISION=run.plan.dot_precision,
-            num_warps=tile.num_warps, num_stages=tile.num_stages,
-        )
+        ), device_index)
         if splits > 1:
-            decode.combine_splits_kernel[(batch * heads_q * seqlen_q,)](
+            combine.launch((batch * heads_q * seqlen_q,), (
                 out, lse, out_split, lse_split,
-                out.stride(0), out.stride(1), out.stride(2),
+                *out.stride()[:3],
                 heads_q, seqlen_q, splits,
+            ), combine.cached_constexprs(
+                4 if run.plan.block_dv >= 128 else 2, 1,
                 HEAD_DIM_V=run.plan.head_dim_v, BLOCK_DV=run.plan.block_dv,
                 BLOCK_S=max(2, configs.triton_next_power_of_2(splits)),
-                num_warps=4 if run.plan.block_dv >= 128 else 2, num_stages=1,
-            )
+            ), device_index)
     return out, lse

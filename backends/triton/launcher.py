@@ -1,0 +1,202 @@
+"""Launching a Triton kernel through its compiled handle: the per-call host cost of a small attention call.
+
+``kernel[grid](*args, **constexprs)`` costs about 50 us of host time per launch on an H100 host for the
+attention kernels' ~60 arguments (Triton binds every argument, specialises it, builds and hashes the cache key
+from strings, looks up the current device and stream), against about 15 us for calling the compiled
+kernel's launcher with the same arguments. :class:`CompiledLauncher` makes the first launch of each
+specialisation through Triton (which compiles and caches it) and keeps the compiled handle; later launches
+with the same specialisation go straight to the handle.
+
+The specialisation key is computed here from the very things Triton specialises on, so a handle is reused
+only where Triton would have picked the same compiled kernel:
+- each tensor argument's dtype and whether its address is 16-byte aligned;
+- the exact value of each integer argument Triton specialises (equal to 1, divisible by 16), and, for the
+  integer arguments it does not specialise (``do_not_specialize``), whether they all fit in int32 (Triton
+  types them i32 or i64 by value);
+- the Python type of every argument (float arguments are always fp32, bools i1);
+- the compile-time arguments, num_warps and num_stages (a :class:`ConstexprSet`, built once per plan);
+- the current device.
+Anything unusual (Triton's interpreter, a launch hook installed by a profiler) takes Triton's own path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Optional
+
+import torch
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+_EMPTY = inspect.Parameter.empty
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = torch.Tensor.data_ptr
+_LOW_BITS = (15).__and__
+
+# Compiled handles kept per launcher; beyond this the oldest makes room (a program with ever-new
+# shapes or strides keeps working, at Triton's cost for the new ones).
+HANDLES_LIMIT = 1024
+
+
+class ConstexprSet:
+    """The compile-time arguments of one kernel configuration, in the kernel's parameter order (what the
+    compiled launcher takes after the runtime arguments), with num_warps and num_stages: hashable, made
+    once per plan and tile so that no per-call dict is built."""
+
+    __slots__ = ("kwargs", "values", "num_warps", "num_stages", "key")
+
+    def __init__(self, launcher: "CompiledLauncher", kwargs: dict, num_warps: int, num_stages: int):
+        self.kwargs = dict(kwargs)
+        self.num_warps, self.num_stages = num_warps, num_stages
+        if launcher.interpret:
+            self.values, self.key = (), None
+            return
+        unknown = set(kwargs) - set(launcher.constexpr_names)
+        if unknown:
+            raise TypeError(f"{launcher.name}: not compile-time parameters: {sorted(unknown)}")
+        missing = [n for n in launcher.constexpr_names if n not in kwargs and launcher.constexpr_defaults[n] is _EMPTY]
+        if missing:
+            raise TypeError(f"{launcher.name}: compile-time parameters without a value: {missing}")
+        self.values = tuple(kwargs.get(name, launcher.constexpr_defaults[name]) for name in launcher.constexpr_names)
+        self.key = (self.values, num_warps, num_stages)
+
+
+class _ArgumentKinds:
+    """Where the tensors and the integers sit in a runtime argument tuple of one type pattern."""
+
+    __slots__ = ("tensors", "specialized_ints", "plain_ints")
+
+    def __init__(self, types: tuple, do_not_specialize: frozenset):
+        tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
+        ints = [i for i, t in enumerate(types) if t is int]
+        self.tensors = _getter(tensors)
+        self.specialized_ints = _getter([i for i in ints if i not in do_not_specialize])
+        self.plain_ints = _getter([i for i in ints if i in do_not_specialize])
+
+
+def _getter(indices):
+    """A function of a tuple returning the items at ``indices`` as a tuple (C speed for 2+ items)."""
+    if not indices:
+        return lambda args: ()
+    if len(indices) == 1:
+        index = indices[0]
+        return lambda args: (args[index],)
+    return operator.itemgetter(*indices)
+
+
+class CompiledLauncher:
+    """Launches one ``@triton.jit`` kernel whose compile-time parameters all follow its runtime ones.
+
+    ``launch(grid, args, constexprs)``: ``args`` the runtime arguments in order (a tuple), ``constexprs`` a
+    :class:`ConstexprSet` from :meth:`constexprs`."""
+
+    def __init__(self, kernel, interpret: bool = False):
+        self.kernel = kernel
+        self.name = getattr(kernel, "__name__", repr(kernel))
+        self.interpret = interpret
+        self.handles: dict = {}
+        self._kinds: dict = {}
+        self._constexpr_sets: dict = {}
+        self.handle_launches = 0  # launches that went through a kept handle (for tests and profiles)
+        if interpret:  # Triton's interpreter: every launch goes through it (its kernels have no parameter list)
+            self.num_runtime, self.constexpr_names, self.constexpr_defaults = None, None, {}
+            self.do_not_specialize = frozenset()
+            return
+        params = kernel.params
+        first_constexpr = next((i for i, p in enumerate(params) if p.is_constexpr), len(params))
+        if any(not p.is_constexpr for p in params[first_constexpr:]):
+            raise TypeError(f"{self.name}: compile-time parameters must follow every runtime parameter")
+        self.num_runtime = first_constexpr
+        self.constexpr_names = tuple(p.name for p in params[first_constexpr:])
+        self.constexpr_defaults = {p.name: p.default for p in params[first_constexpr:]}
+        self.do_not_specialize = frozenset(i for i, p in enumerate(params[:first_constexpr]) if p.do_not_specialize)
+
+    def constexprs(self, num_warps: int, num_stages: int, **kwargs) -> ConstexprSet:
+        return ConstexprSet(self, kwargs, num_warps, num_stages)
+
+    def cached_constexprs(self, num_warps: int, num_stages: int, **kwargs) -> ConstexprSet:
+        """:meth:`constexprs`, kept per distinct set (for call sites without a plan to keep it in)."""
+        key = (num_warps, num_stages, *kwargs.items())
+        found = self._constexpr_sets.get(key)
+        if found is None:
+            if len(self._constexpr_sets) >= HANDLES_LIMIT:
+                self._constexpr_sets.pop(next(iter(self._constexpr_sets)), None)
+            found = self._constexpr_sets[key] = ConstexprSet(self, kwargs, num_warps, num_stages)
+        return found
+
+    def specialization_key(self, device_index: int, args: tuple, constexprs: ConstexprSet):
+        """What selects the compiled kernel for these arguments (see the module's docstring)."""
+        types = tuple(map(type, args))
+        kinds = self._kinds.get(types)
+        if kinds is None:
+            kinds = self._kinds[types] = _ArgumentKinds(types, self.do_not_specialize)
+        tensors = kinds.tensors(args)
+        plain = kinds.plain_ints(args)
+        plain_fit = not plain or (min(plain) >= INT32_MIN and max(plain) <= INT32_MAX)
+        # Each address's offset from a 16-byte boundary (finer than Triton's aligned-or-not: never coarser).
+        return (device_index, types, tuple(map(_DTYPE, tensors)), tuple(map(_LOW_BITS, map(_DATA_PTR, tensors))),
+                kinds.specialized_ints(args), plain_fit, constexprs.key)
+
+    def launch(self, grid: tuple, args: tuple, constexprs: ConstexprSet, device_index: Optional[int] = None):
+        """Launch on the current stream of the current device (``device_index`` when given: the caller made it
+        current)."""
+        if self.interpret:
+            self._launch_through_triton(grid, args, constexprs)
+            return
+        if len(args) != self.num_runtime:
+            raise TypeError(f"{self.name}: expected {self.num_runtime} runtime arguments, got {len(args)}")
+        if _launch_hooks_set():
+            self._launch_through_triton(grid, args, constexprs)
+            return
+        if device_index is None:
+            device_index = torch.cuda.current_device()
+        key = self.specialization_key(device_index, args, constexprs)
+        handle = self.handles.get(key)
+        if handle is None:
+            compiled = self._launch_through_triton(grid, args, constexprs)
+            if compiled is not None and hasattr(compiled, "packed_metadata"):
+                if len(self.handles) >= HANDLES_LIMIT:
+                    self.handles.pop(next(iter(self.handles)), None)
+                self.handles[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            return
+        run, function, packed_metadata = handle
+        grid_1 = grid[1] if len(grid) > 1 else 1
+        grid_2 = grid[2] if len(grid) > 2 else 1
+        run(grid[0], grid_1, grid_2, current_stream(device_index), function, packed_metadata,
+            None, None, None, *args, *constexprs.values)
+        self.handle_launches += 1
+
+    def _launch_through_triton(self, grid, args, constexprs: ConstexprSet):
+        return self.kernel[grid](*args, **constexprs.kwargs, num_warps=constexprs.num_warps,
+                                 num_stages=constexprs.num_stages)
+
+
+def current_stream(device_index: int) -> int:
+    """The raw handle of the current CUDA stream of a device (what Triton's own launch passes)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def _launch_hooks_set() -> bool:
+    """A profiler (e.g. Triton's proton) watches launches through Triton's hooks: leave them to Triton."""
+    runtime = _runtime_knobs()
+    if runtime is None:
+        return False
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        # None (Triton 3.6) or an empty chain of hooks (later Triton) is no hook.
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+_RUNTIME_KNOBS = []
+
+
+def _runtime_knobs():
+    if not _RUNTIME_KNOBS:
+        try:
+            from triton import knobs
+
+            _RUNTIME_KNOBS.append(knobs.runtime)
+        except Exception:  # pragma: no cover - a Triton without knobs has no hooks of this form
+            _RUNTIME_KNOBS.append(None)
+    return _RUNTIME_KNOBS[0]

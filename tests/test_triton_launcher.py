@@ -1,0 +1,165 @@
+"""The compiled-handle launcher (backends/triton/launcher.py): a kept handle is reused exactly where Triton would
+pick the same compiled kernel, and never elsewhere. CPU only: Triton's own launch is replaced by a recorder."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from mhattn.backends.triton import launcher as launcher_module  # noqa: E402
+from mhattn.backends.triton.launcher import CompiledLauncher  # noqa: E402
+
+
+def small_kernel(X, Y, stride_x, rows, scale, flag, BLOCK: "tl.constexpr", EVEN: "tl.constexpr" = False):  # noqa: F821
+    pass
+
+
+def misordered_kernel(X, BLOCK: "tl.constexpr", rows):  # noqa: F821
+    pass
+
+
+class _Compiled:
+    def __init__(self, log, number):
+        self.log, self.number = log, number
+        self.function, self.packed_metadata = f"function{number}", f"metadata{number}"
+
+    def run(self, *args):
+        self.log.append(("handle", self.number, args))
+
+
+class RecordingKernel:
+    """A real JITFunction's parameter list; ``kernel[grid](...)`` records the launch and returns a new handle."""
+
+    def __init__(self, fn, **jit_options):
+        self.jit = JITFunction(fn, **jit_options)
+        self.params = self.jit.params
+        self.__name__ = fn.__name__
+        self.log, self.compiled = [], 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.compiled += 1
+            self.log.append(("triton", self.compiled, grid, args, kwargs))
+            return _Compiled(self.log, self.compiled)
+
+        return launch
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    monkeypatch.setattr(launcher_module, "current_stream", lambda index: 1234)
+    monkeypatch.setattr(launcher_module, "_launch_hooks_set", lambda: False)
+    kernel = RecordingKernel(small_kernel, do_not_specialize=["rows"])
+    return kernel, CompiledLauncher(kernel)
+
+
+def buffers(offset=0):
+    x = torch.zeros(64, dtype=torch.float16)[offset:offset + 32]
+    return x, torch.zeros(32, dtype=torch.float32)
+
+
+def launch(launcher, x, y, stride=16, rows=100, scale=0.5, flag=True, **constexprs):
+    sets = launcher.constexprs(4, 2, BLOCK=constexprs.pop("BLOCK", 64), **constexprs)
+    launcher.launch((3, 2), (x, y, stride, rows, scale, flag), sets, device_index=0)
+
+
+def kinds(kernel):
+    return [entry[0] for entry in kernel.log]
+
+
+def test_the_second_launch_goes_to_the_kept_handle_with_every_argument_in_order(recording):
+    kernel, launcher = recording
+    x, y = buffers()
+    launch(launcher, x, y)
+    launch(launcher, x, y, rows=7, scale=2.0)
+    assert kinds(kernel) == ["triton", "handle"]
+    _, number, args = kernel.log[1]
+    assert number == 1
+    # grid (3, 2, 1), the stream, the handle's function and metadata, no launch metadata or hooks,
+    # then the runtime arguments and the compile-time values in parameter order (EVEN's default included).
+    assert args[:9] == (3, 2, 1, 1234, "function1", "metadata1", None, None, None)
+    assert args[9:] == (x, y, 16, 7, 2.0, True, 64, False)
+    assert kernel.log[0][3] == (x, y, 16, 100, 0.5, True)
+    assert kernel.log[0][4] == {"BLOCK": 64, "num_warps": 4, "num_stages": 2}
+    assert launcher.handle_launches == 1
+
+
+@pytest.mark.parametrize("change", [
+    "misaligned tensor", "tensor dtype", "specialised int divisibility", "specialised int one",
+    "int64 plain int", "constexpr", "default constexpr", "argument type", "num_warps", "device",
+])
+def test_anything_triton_specialises_on_takes_triton_s_path_again(recording, change):
+    kernel, launcher = recording
+    x, y = buffers()
+    launch(launcher, x, y)
+    if change == "misaligned tensor":
+        launch(launcher, buffers(offset=1)[0], y)
+    elif change == "tensor dtype":
+        launch(launcher, x, y.double())
+    elif change == "specialised int divisibility":
+        launch(launcher, x, y, stride=17)
+    elif change == "specialised int one":
+        launch(launcher, x, y, stride=1)
+    elif change == "int64 plain int":
+        launch(launcher, x, y, rows=2**31)
+    elif change == "constexpr":
+        launch(launcher, x, y, BLOCK=32)
+    elif change == "default constexpr":
+        launch(launcher, x, y, EVEN=True)
+    elif change == "argument type":
+        launch(launcher, x, y, scale=1)  # an int where a float was: i32, not fp32
+    elif change == "num_warps":
+        launcher.launch((3,), (x, y, 16, 100, 0.5, True), launcher.constexprs(8, 2, BLOCK=64), device_index=0)
+    elif change == "device":
+        launcher.launch((3,), (x, y, 16, 100, 0.5, True), launcher.constexprs(4, 2, BLOCK=64), device_index=1)
+    assert kinds(kernel) == ["triton", "triton"]
+
+
+def test_a_plain_int_s_value_and_a_new_address_keep_the_handle(recording):
+    kernel, launcher = recording
+    x, y = buffers()
+    launch(launcher, x, y, rows=100)
+    x2, y2 = buffers()
+    launch(launcher, x2, y2, rows=12345)
+    assert kinds(kernel) == ["triton", "handle"]
+
+
+def test_launch_hooks_leave_every_launch_to_triton(recording, monkeypatch):
+    kernel, launcher = recording
+    x, y = buffers()
+    launch(launcher, x, y)
+    monkeypatch.setattr(launcher_module, "_launch_hooks_set", lambda: True)
+    launch(launcher, x, y)
+    assert kinds(kernel) == ["triton", "triton"]
+
+
+def test_bad_compile_time_arguments_are_named(recording):
+    _, launcher = recording
+    with pytest.raises(TypeError, match="not compile-time parameters: \\['BLOKC'\\]"):
+        launcher.constexprs(4, 2, BLOKC=64)
+    with pytest.raises(TypeError, match="without a value: \\['BLOCK'\\]"):
+        launcher.constexprs(4, 2)
+    x, y = buffers()
+    with pytest.raises(TypeError, match="expected 6 runtime arguments, got 5"):
+        launcher.launch((1,), (x, y, 16, 100, 0.5), launcher.constexprs(4, 2, BLOCK=64), device_index=0)
+
+
+def test_kernels_whose_compile_time_parameters_come_first_are_refused():
+    with pytest.raises(TypeError, match="must follow every runtime parameter"):
+        CompiledLauncher(RecordingKernel(misordered_kernel))
+
+
+def test_the_attention_kernels_fit_the_launcher():
+    """Every dense kernel of the Triton backend has its compile-time parameters last (what the launcher needs)."""
+    import importlib
+
+    for module, names in (("forward", ["attention_forward_kernel"]),
+                          ("backward", ["backward_preprocess_kernel", "backward_dkdv_kernel", "backward_dq_kernel"]),
+                          ("decode", ["split_kv_kernel", "combine_splits_kernel"])):
+        mod = importlib.import_module(f"mhattn.backends.triton.{module}")
+        for name in names:
+            kernel = getattr(mod, name)
+            fn = getattr(kernel, "fn", kernel)
+            launcher = CompiledLauncher(RecordingKernel(fn))
+            assert launcher.num_runtime >= 10 and launcher.constexpr_names, name
