@@ -192,6 +192,8 @@ def scaling(args, device, dtype, backend) -> list:
         q, k, v = (torch.randn(batch, heads, n, dim, generator=gen, device=device, dtype=dtype) for _ in range(3))
         grad = torch.randn(batch, heads, n, dim, generator=gen, device=device, dtype=dtype)
         leaves = [t.requires_grad_(True) for t in (q, k, v)]
+        chosen = mhattn.explain(*leaves, is_causal=True, backend=backend).chosen
+        say(f"one GPU runs on {chosen} (request: {request[0]}, from {request[1]})")
 
         def single():
             out = mhattn.attention(*leaves, is_causal=True, backend=backend)
