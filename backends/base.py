@@ -206,6 +206,15 @@ class Backend:
         broadcast 4-D shape (B, H, Nq, Nk) (the caller's autograd reduces it to the user's shape)."""
         raise NotImplementedError
 
+    def native_attention(self, q, k, v, params: AttentionParams):
+        """Optional: the output alone (no lse) through a differentiable path of the backend's own (e.g. an
+        operator with a C++ autograd node), for calls that return no lse; None where it has none for this call.
+
+        ``mhattn.attention`` tries it first for such calls, so the backward skips mhattn's Python autograd
+        Function. It must compute what :meth:`forward` computes and give the gradients :meth:`backward`
+        gives. The default has none."""
+        return None
+
     def forward_kvcache(self, q, cache: KVCache, params: AttentionParams):
         """Attention of q (B, Hq, Nq, D) over each sequence's first ``cache.seqlens[b]`` cached keys.
 

@@ -137,6 +137,8 @@ class SdpaBackend(Backend):
             cuda = os.environ.get(CUDA_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
         self.cuda = bool(cuda)
         self._choices = {}   # call signature -> kernel, so forward and backward skip the choice after the first
+        self._native = {}    # call signature -> whether torch's public op runs it on a fused kernel
+        self._out_strides = {}  # (kernel, q and v layouts) -> the strides of the output the kernel wrote
 
     def _kernels(self, device_type: str):
         return [k for k in KERNELS if k.device_type == device_type and self.kernel in ("auto", k.name)]
@@ -184,10 +186,42 @@ class SdpaBackend(Backend):
         return _torch_choice(q, k, v, plan, fitting)
 
     # ---- the contract ------------------------------------------------------------------------------------
+    def native_attention(self, q, k, v, params: AttentionParams):
+        """The output through torch's public ``scaled_dot_product_attention``, whose backward is a C++ autograd
+        node: a forward+backward then costs what torch's own does on the host, where mhattn's Python autograd
+        Function runs its backward on the autograd engine's device thread (several hundred microseconds on
+        an H100 host at small shapes). Only where that is exactly this backend's attention: automatic kernel
+        choice, no mask, causal only top-left (``is_causal``'s alignment), no row that could see no key
+        (SDPA gives NaN there, mhattn 0), and torch's choice a fused kernel (not its math path, which the
+        global enable flags could leave it)."""
+        if self.kernel != "auto" or params.mask is not None or (q.device.type == "cuda" and not self.cuda):
+            return None
+        causal = params.window_right == 0 and params.window_left is None
+        if (params.window_right is not None and not causal) or (causal and params.diag_offset != 0):
+            return None
+        enable_gqa = q.shape[1] != k.shape[1]
+        signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, causal,
+                     torch.is_grad_enabled(), _global_flags())
+        fused = self._native.get(signature)
+        if fused is None:
+            if len(self._native) > 4096:
+                self._native.clear()
+            choice = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=params.scale, enable_gqa=enable_gqa)
+            fused = self._native[signature] = choice not in _NOT_FUSED
+        if not fused:
+            return None
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=params.scale,
+                                                                enable_gqa=enable_gqa)
+
     def forward(self, q, k, v, params: AttentionParams):
         plan = _Plan.make(q, k, params)
         kern = self._choose(q, k, v, params, plan)
         out, lse = _OPS[(kern.device_type, kern.name)].forward(q, k, v, params.scale, plan)
+        layout = _layout_key(kern, q, v)
+        if layout not in self._out_strides:
+            if len(self._out_strides) > 4096:
+                self._out_strides.clear()
+            self._out_strides[layout] = out.stride()
         if plan.empty_rows is not None:
             out = out.masked_fill(plan.empty_rows[..., None], 0.0)
             lse = lse.masked_fill(plan.empty_rows, -math.inf)
@@ -201,10 +235,12 @@ class SdpaBackend(Backend):
         plan = _Plan.make(q, k, params)
         kern = self._choose(q, k, v, params, plan)
         ops = _OPS[(kern.device_type, kern.name)]
-        # torch's own autograd hands these backward kernels an output gradient laid out like the output (the
-        # CUDA kernels return out with (B, Nq, H, D) memory); one in another layout is copied into out's.
-        # A contiguous grad_out against such an out is the likely cause of the dQ mismatch seen on the H100
-        # (see the class's note on its CUDA path).
+        # torch's own autograd hands these backward kernels the output as the forward kernel wrote it and an
+        # output gradient laid out like it. Under torch.compile, out arrives in the layout mhattn's custom op
+        # promises (a copy, where the kernel wrote another): both go back to the kernel's own layout.
+        kernel_strides = self._out_strides.get(_layout_key(kern, q, v))
+        if kernel_strides is not None and out.stride() != kernel_strides:
+            out = torch.empty_strided(out.shape, kernel_strides, dtype=out.dtype, device=out.device).copy_(out)
         grad_out = _laid_out_like(grad_out, out)
         # A row that sees no key has lse -inf; +inf makes every kernel's P = exp(S - lse) exactly 0 there.
         lse_k = lse.masked_fill(lse == -math.inf, math.inf)
@@ -212,6 +248,10 @@ class SdpaBackend(Backend):
         if grad_lse is not None:
             dq, dk = _add_lse_gradient(ops, grad_lse, q, k, lse, lse_k, params.scale, plan, dq, dk)
         return dq, dk, dv, None
+
+
+def _layout_key(kern: "TorchKernel", q: torch.Tensor, v: torch.Tensor) -> tuple:
+    return kern.name, q.device.type, q.shape, q.stride(), v.shape, v.stride()
 
 
 def _laid_out_like(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -308,13 +348,26 @@ def _torch_choice(q, k, v, plan, fitting) -> TorchKernel:
     gqa = q.shape[1] != k.shape[1]
     try:
         with sdpa_kernel(members):
-            choice = torch._fused_sdp_choice(q, k, v, None, 0.0, plan.is_causal, None, gqa)
+            choice = torch._fused_sdp_choice(q, k, v, None, 0.0, plan.is_causal, enable_gqa=gqa)
     except Exception:  # torch found none of them usable: keep mhattn's order
         return fitting[0]
     for kern, member in zip(fitting, members):
         if choice == _member_value(member):
             return kern
     return fitting[0]
+
+
+def _global_flags() -> tuple:
+    """torch's global SDPA kernel switches (torch.backends.cuda.enable_*_sdp), which its public op obeys."""
+    cuda = torch.backends.cuda
+    return (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.cudnn_sdp_enabled(),
+            cuda.math_sdp_enabled())
+
+
+def _not_fused_values() -> frozenset:
+    from torch.nn.attention import SDPBackend
+
+    return frozenset(_member_value(getattr(SDPBackend, name)) for name in ("MATH", "ERROR") if hasattr(SDPBackend, name))
 
 
 def _member_value(member) -> int:
@@ -388,6 +441,8 @@ class _CudaCudnn:
             grad_out, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, None, None,
             q.shape[2], k.shape[2], 0.0, plan.is_causal, scale=scale)
 
+
+_NOT_FUSED = _not_fused_values()
 
 _OPS = {
     ("cpu", "flash"): _CpuFlash,

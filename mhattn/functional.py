@@ -1,10 +1,13 @@
 """``mhattn.attention``: scaled dot-product attention on the backend the dispatcher picks, with autograd.
 
 One path serves every call. :func:`_prepare` checks and canonicalises the arguments in one pass (layout,
-broadcast leading dims, masks, causal alignment). :func:`_run_forward` then resolves the backend request
-(argument > ``use_backend`` > ``MHATTN_BACKEND`` > auto) at run time, looks the decision up in the
-dispatcher's cache and runs the backend. Eager calls run it directly when no input needs a gradient, else
-inside :class:`_EagerAttention`, which keeps the chosen backend for the backward. Under ``torch.compile``
+broadcast leading dims, masks, causal alignment). :func:`_resolve` then resolves the backend request
+(argument > ``use_backend`` > ``MHATTN_BACKEND`` > auto) at run time and looks the decision up in the
+dispatcher's cache. An eager call that returns no lse first offers the chosen backend its own
+differentiable path (``Backend.native_attention``: the sdpa backend hands such calls to torch's public
+SDPA, whose backward is a C++ autograd node); otherwise :func:`_run_forward` runs the backend's forward,
+directly when no input needs a gradient, else inside :class:`_EagerAttention`, which keeps the chosen
+backend for the backward. Under ``torch.compile``
 the same function runs inside the ``mhattn::attention_forward`` custom op, whose fake implementation
 promises the layouts every built-in backend writes (:mod:`mhattn.backends.layouts`); the compiled
 backward finds the forward's backend through the log-sum-exp it returned (:data:`_forward_backends`).
@@ -22,7 +25,7 @@ import torch
 
 from mhattn import dispatch, dropout_rng
 from mhattn.backends import layouts
-from mhattn.backends.base import AttentionParams
+from mhattn.backends.base import AttentionParams, Backend
 from mhattn.errors import InputError
 from mhattn.problem import Problem, feature_bits
 
@@ -91,10 +94,15 @@ def attention(
             softcap, mask_grad)
     if torch.compiler.is_compiling():
         out, lse = torch.ops.mhattn.attention_forward(*args)
-    elif grad and (q.requires_grad or k.requires_grad or v.requires_grad or mask_grad):
-        out, lse = _EagerAttention.apply(*args)
-    else:  # nothing to differentiate: no autograd Function, no saved tensors
-        _, _, out, lse = _run_forward(*args)
+    else:
+        chosen = _resolve(*args)
+        out = None if (return_lse or chosen is None) else _native_attention(chosen, *args)
+        if out is not None:  # the backend's own differentiable path (e.g. torch's SDPA with its C++ backward)
+            return out.reshape(out_shape) if out.dim() != len(out_shape) else out
+        if grad and (q.requires_grad or k.requires_grad or v.requires_grad or mask_grad):
+            out, lse = _EagerAttention.apply(*args, chosen)
+        else:  # nothing to differentiate: no autograd Function, no saved tensors
+            _, _, out, lse = _run_forward(*args, chosen=chosen)
     if out.dim() != len(out_shape):
         out = out.reshape(out_shape)
         lse = lse.reshape(out_shape[:-1])
@@ -326,20 +334,48 @@ def _uses_window(window_left, window_right, causal) -> bool:
 # ---- running a call (shared by the eager path and the custom ops) ---------------------------------------------
 
 
+def _front_end_answers(q, k, v) -> bool:
+    """Problems the front end answers itself: shape inference (meta tensors), an empty size, D = 0."""
+    return q.device.type == "meta" or 0 in q.shape or 0 in k.shape or v.shape[3] == 0
+
+
+def _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
+             softcap, mask_requires_grad):
+    """The backend object for this call's request (None where the front end answers the problem itself)."""
+    if _front_end_answers(q, k, v):
+        return None
+    name, source = dispatch.requested(backend or None)
+    features = feature_bits(q, k, v, mask, mask_requires_grad, dropout_p, softcap, is_causal,
+                            _uses_window(window_left, window_right, is_causal))
+    return dispatch.backend_for(q, k, v, features, name, source, diag_offset)
+
+
+_NO_NATIVE = Backend.native_attention
+
+
+def _native_attention(chosen, q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right,
+                      dropout_p, softcap, mask_requires_grad):
+    """The output through ``chosen``'s own differentiable path, or None (most backends have none)."""
+    if getattr(type(chosen), "native_attention", _NO_NATIVE) is _NO_NATIVE:
+        return None
+    params = _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
+                     seed, softcap)
+    return chosen.native_attention(q, k, v, params)
+
+
 def _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
-                 softcap, mask_requires_grad):
-    """Resolves the request, runs the backend's forward. Returns (backend or None, params, out, lse);
-    None for a problem the front end answers itself (empty sizes, D = 0, meta tensors)."""
+                 softcap, mask_requires_grad, chosen=None):
+    """Resolves the request (unless ``chosen`` is given), runs the backend's forward. Returns (backend or None,
+    params, out, lse); None for a problem the front end answers itself (empty sizes, D = 0, meta tensors)."""
     params = _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
                      seed, softcap)
     if q.device.type == "meta":  # shape inference only
         return None, params, layouts.output_buffer(q, v), layouts.lse_buffer(q)
-    if 0 in q.shape or 0 in k.shape or v.shape[3] == 0:
+    if _front_end_answers(q, k, v):
         return None, params, *_degenerate_forward(q, k, v, params)
-    name, source = dispatch.requested(backend or None)
-    features = feature_bits(q, k, v, mask, mask_requires_grad, dropout_p, softcap, is_causal,
-                            _uses_window(window_left, window_right, is_causal))
-    chosen = dispatch.backend_for(q, k, v, features, name, source, diag_offset)
+    if chosen is None:
+        chosen = _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right,
+                          dropout_p, softcap, mask_requires_grad)
     out, lse = chosen.forward(q, k, v, params)
     return chosen, params, out, lse
 
@@ -388,9 +424,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right,
-                dropout_p, softcap, mask_requires_grad):
+                dropout_p, softcap, mask_requires_grad, chosen):
         chosen, params, out, lse = _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset,
-                                                window_left, window_right, dropout_p, softcap, mask_requires_grad)
+                                                window_left, window_right, dropout_p, softcap, mask_requires_grad,
+                                                chosen=chosen)
         ctx.set_materialize_grads(False)  # an unused lse (the usual case) sends no gradient
         ctx.chosen, ctx.params = chosen, params
         ctx.save_for_backward(q, k, v, out, lse, mask)
@@ -402,7 +439,7 @@ class _EagerAttention(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, dk, dv, dmask = _run_backward(ctx.chosen, ctx.params, grad_out, q, k, v, out, lse, grad_lse)
-        return (dq, dk, dv, dmask if ctx.params.mask_requires_grad else None) + (None,) * 10
+        return (dq, dk, dv, dmask if ctx.params.mask_requires_grad else None) + (None,) * 11
 
 
 # ---- the custom ops (the torch.compile path) ------------------------------------------------------------------
@@ -460,12 +497,9 @@ def _attention_backward(
     params = _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
                      seed, softcap)
     chosen = _forward_backends.get(lse.data_ptr()) if lse.numel() else None
-    if chosen is None and q.device.type != "meta" and not (0 in q.shape or 0 in k.shape or v.shape[3] == 0):
-        # Not recorded (evicted, or a forward recomputed elsewhere): the request as it stands now.
-        name, source = dispatch.requested(backend or None)
-        features = feature_bits(q, k, v, mask, mask_requires_grad, dropout_p, softcap, is_causal,
-                                _uses_window(window_left, window_right, is_causal))
-        chosen = dispatch.backend_for(q, k, v, features, name, source, diag_offset)
+    if chosen is None:  # not recorded (evicted, or a forward recomputed elsewhere): the request as it stands now
+        chosen = _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right,
+                          dropout_p, softcap, mask_requires_grad)
     dq, dk, dv, dmask = _run_backward(chosen, params, grad_out, q, k, v, out, lse, grad_lse)
     dmask = q.new_empty(0) if dmask is None else layouts.placed(dmask, layouts.contiguous_strides(dmask.shape))
     return (layouts.placed(dq, layouts.grad_strides(q)), layouts.placed(dk, layouts.grad_strides(k)),

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import mhattn
+import mhattn.backends.base
 
 pytestmark = pytest.mark.gpu
 
@@ -14,8 +15,8 @@ def _fused_backends():
 
 
 def _skip_unless_it_runs(backend, q, k, v):
-    """Skip for a registered backend that declares it cannot run this CUDA problem (the sdpa backend keeps its
-    CUDA path off by default), with its reasons."""
+    """Skip for a registered backend that declares it cannot run this CUDA problem (the sdpa backend with its
+    CUDA path turned off, say), with its reasons."""
     reasons = mhattn.explain(q, k, v, is_causal=True, backend="reference").reasons.get(backend, [])
     if reasons:
         pytest.skip(f"{backend} cannot run it: " + "; ".join(reasons))
@@ -53,8 +54,12 @@ def test_torch_compile_fullgraph_on_gpu(backend):
     eager = loss(q, k, v)
     eager.backward()
     assert torch.allclose(value, eager, rtol=1e-3)
+    native = type(mhattn.registry.get_backend(backend)).native_attention is not mhattn.backends.base.Backend.native_attention
     for got, t in zip(grads, (q, k, v)):
-        assert torch.equal(got, t.grad)  # same kernels, same inputs: bitwise equal
+        if native:  # eager calls take the backend's own autograd path (torch's SDPA), compiled ones mhattn's op
+            assert (got.float() - t.grad.float()).abs().max() <= 0.02 * t.grad.float().abs().max() + 1e-2
+        else:
+            assert torch.equal(got, t.grad)  # same kernels, same inputs: bitwise equal
 
 
 @pytest.mark.parametrize("backend", _fused_backends() or ["none"])

@@ -225,3 +225,92 @@ def test_backward_hands_the_kernels_an_output_gradient_laid_out_like_the_output(
     monkeypatch.setattr(backend, "_choose", lambda *a: sdpa.KERNELS[0])
     backend.backward(torch.randn(1, 2, 8, 16), q, k, v, out, torch.zeros(1, 2, 8), AttentionParams(scale=0.25))
     assert seen["grad_out"] == seen["out"] == out.stride()
+
+
+# ---- torch's own autograd for calls that return no lse ------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa"])
+def test_calls_without_lse_take_torch_s_own_autograd_and_match_the_reference(case):
+    kwargs = {"is_causal": True} if case == "causal" else {}
+    q, k, v = draw(2, 4, 2 if case == "gqa" else 4, 33, 33, 16, dtype=torch.float32)
+    out = mhattn.attention(q, k, v, backend="sdpa", enable_gqa=case == "gqa", **kwargs)
+    assert "EagerAttention" not in type(out.grad_fn).__name__  # torch's C++ backward node, not mhattn's
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got = (out,) + torch.autograd.grad(out, (q, k, v), g)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = mhattn.attention(qd, kd, vd, backend="reference", enable_gqa=case == "gqa", **kwargs)
+    want = (ref,) + torch.autograd.grad(ref, (qd, kd, vd), g.double())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.allclose(a.double(), b, atol=1e-5, rtol=0), name
+
+
+@pytest.mark.parametrize("case", ["return_lse", "mask", "bottom_right", "pinned_kernel", "window"])
+def test_calls_torch_s_public_op_cannot_run_exactly_keep_mhattn_s_path(case, monkeypatch):
+    q, k, v = draw(1, 2, 2, 20, 30, 16, dtype=torch.float32)
+    kwargs, backend = {}, sdpa.SdpaBackend()
+    if case == "mask":
+        kwargs["attn_mask"] = bool_mask(20, 30)[:1]
+    elif case == "bottom_right":
+        kwargs["attn_mask"] = causal_lower_right(20, 30)
+    elif case == "pinned_kernel":
+        backend = sdpa.SdpaBackend(kernel="flash")
+    elif case == "window":
+        kwargs["window"] = (4, 4)
+        backend = None  # sdpa cannot run windows: the reference gets the call, which has no native path
+    if backend is not None:
+        mhattn.register_backend(backend, replace=True)
+    calls = []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(1) or pytest.fail("torch's public op was called"))
+    try:
+        result = mhattn.attention(q, k, v, return_lse=case == "return_lse", **kwargs)
+    finally:
+        mhattn.register_backend(sdpa.SdpaBackend(), replace=True)
+    out = result[0] if case == "return_lse" else result
+    assert calls == [] and "EagerAttention" in type(out.grad_fn).__name__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa"])
+def test_cuda_calls_without_lse_take_torch_s_own_autograd_and_match_the_reference(case):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none visible)")
+    kwargs = {"is_causal": True} if case == "causal" else {}
+    q, k, v = draw(2, 4, 2 if case == "gqa" else 4, 256, 256, 64, dtype=torch.bfloat16, device="cuda")
+    out = mhattn.attention(q, k, v, backend="sdpa", enable_gqa=case == "gqa", **kwargs)
+    assert "EagerAttention" not in type(out.grad_fn).__name__
+    g = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda",
+                    dtype=torch.float32).to(out.dtype)
+    got = (out,) + torch.autograd.grad(out, (q, k, v), g)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = mhattn.attention(qd, kd, vd, backend="reference", enable_gqa=case == "gqa", **kwargs)
+    want = (ref,) + torch.autograd.grad(ref, (qd, kd, vd), g.double())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        err = (a.double() - b).abs().max().item()
+        assert err <= 0.02 * b.abs().max().item() + 0.01, (name, err)
+
+
+def test_backward_hands_the_kernel_its_own_output_layout_back(monkeypatch):
+    """Under torch.compile the output reaches the backward in the custom op's promised layout (a copy); the
+    backend gives torch's backward kernel the output as the forward kernel wrote it, and a matching gradient."""
+    from mhattn.backends import layouts
+
+    backend = sdpa.SdpaBackend()
+    q, k, v = (t.detach() for t in draw(1, 2, 2, 24, 24, 16, dtype=torch.float32))
+    params = AttentionParams(scale=0.25)
+    out, lse = backend.forward(q, k, v, params)
+    promised = layouts.placed(out, layouts.rows_major_strides(1, 2, 24, 16))
+    assert promised.stride() != out.stride()
+    seen = []
+    kernel_ops = sdpa._OPS[("cpu", "flash")]
+    original = kernel_ops.backward
+    monkeypatch.setattr(kernel_ops, "backward", staticmethod(
+        lambda grad_out, q_, k_, v_, out_, *rest: seen.append((out_.stride(), grad_out.stride()))
+        or original(grad_out, q_, k_, v_, out_, *rest)))
+    grad_out = torch.randn(out.shape)
+    got = backend.backward(grad_out, q, k, v, promised, lse, params)
+    assert seen == [(out.stride(), out.stride())]
+    want = backend.backward(grad_out, q, k, v, out, lse, params)
+    for a, b in zip(got[:3], want[:3]):
+        assert torch.equal(a, b)
