@@ -236,6 +236,7 @@ def test_cupy_argument_template_splices_each_calls_pointers_into_values_converte
                                        ("i64", 1 << 40), ("f32", -0.0), ("ptr", 7), ("ptr", 20)]
     with pytest.raises(IndexError):  # too few pointers fail instead of shifting the constants
         splice((10,))
+    assert ArgumentTemplate([slot(0)]).splicer(numpy_value)((5,)) == (5,)  # one argument: still a tuple
     with pytest.raises(ValueError, match="unknown kinds"):
         ArgumentTemplate([("i16", 3)])
 

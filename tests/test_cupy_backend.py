@@ -495,7 +495,8 @@ def test_a_repeated_call_chooses_no_variant_and_prepares_no_launch(monkeypatch):
         assert [a for a in again if a[0] != "ptr"] == [b for b in before if b[0] != "ptr"]
     fwd_args, dq_args = launcher.calls[0][2], launcher.calls[-1][2]
     assert fwd_args[:5] == [("ptr", t.data_ptr()) for t in (q2, k2, v2, out2, lse2)]
-    assert dq_args[:4] == [("ptr", t.data_ptr()) for t in (q2, k2, v2, grad_out2)] and dq_args[6] == ("ptr", dq2.data_ptr())
+    assert dq_args[:4] == [("ptr", t.data_ptr()) for t in (q2, k2, v2, grad_out2)]
+    assert dq_args[6] == ("ptr", dq2.data_ptr())
 
 
 def test_a_changed_tile_table_entry_makes_the_plan_again(monkeypatch):

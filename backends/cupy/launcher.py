@@ -56,16 +56,6 @@ def f32(x) -> tuple:
 NUMPY_TYPES = {"ptr": np.uint64, "i32": np.int32, "i64": np.int64, "u32": np.uint32, "f32": np.float32}
 
 
-def _getter(indices):
-    """A function of a tuple returning its items at ``indices`` as a tuple (one C call)."""
-    if not indices:
-        return lambda values: ()
-    if len(indices) == 1:
-        index = indices[0]
-        return lambda values: (values[index],)
-    return operator.itemgetter(*indices)
-
-
 class ArgumentTemplate:
     """A kernel's argument list with its data pointers left open.
 
@@ -80,7 +70,9 @@ class ArgumentTemplate:
         constants = [arg for arg in self.args if arg[0] != "slot"]
         unknown = {kind for kind, _ in constants} - set(NUMPY_TYPES)
         if unknown:
-            raise ValueError(f"kernel arguments: unknown kinds {sorted(unknown)}; known: {sorted(NUMPY_TYPES)} and 'slot'")
+            raise ValueError(f"kernel arguments: unknown kinds {sorted(unknown)}; known: {sorted(NUMPY_TYPES)}, slot")
+        if any(value < 0 for kind, value in self.args if kind == "slot"):
+            raise ValueError(f"kernel arguments: slots are indices into the pointer tuple, got {self.args}")
         self.constants = tuple(constants)
         # Positions in (constants + pointers): the constants come first, so a pointer tuple of the wrong length
         # fails (IndexError) instead of shifting the constants.
@@ -92,7 +84,13 @@ class ArgumentTemplate:
                 order.append(next_constant)
                 next_constant += 1
         self.order = tuple(order)
-        self._bind = _getter(self.order)
+        if not order:
+            raise ValueError("kernel arguments: expected at least one")
+        if len(order) == 1:  # itemgetter of one index gives the item, not a 1-tuple
+            only = order[0]
+            self._bind = lambda values: (values[only],)
+        else:
+            self._bind = operator.itemgetter(*order)  # the whole argument tuple in one C call
 
     def splicer(self, convert):
         """``splice(pointers) -> tuple`` of the launch's values in argument order: each constant is

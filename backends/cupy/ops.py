@@ -5,7 +5,12 @@ contiguous last dim (16-byte aligned rows, else one contiguous copy; the ANY_DIM
 contiguous last dim as they are). Outputs have the layouts of :mod:`mhattn.backends.layouts` (the kernels take
 every output's strides): out (B, Hq, Nq, Dv) with (B, Nq, Hq, Dv) memory, lse (B, Hq, Nq) float32 contiguous;
 dq, dk, dv like q, k, v where those are dense, else in out's layout; the float mask's gradient (B, Hq, Nq, Nk)
-in the mask's dtype. The variant choice of a call signature is cached (:func:`_fwd_choice`, ...).
+in the mask's dtype.
+
+Per call signature (shapes, strides, dtypes, parameters, ...; see "plans" below) everything that does not change
+between calls is worked out once: the variants, grids and the kernels' arguments but the data pointers (each
+launch prepared by the launcher), the output layouts and which inputs need a copy. A call then allocates its
+outputs, gathers its data pointers and launches.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 
 import torch
 
@@ -178,8 +184,8 @@ def _prepared(launcher, variant, grid, args, device, cc):
 # ---- plans: what the calls of one signature share ------------------------------------------------------------
 # A call signature is everything the variant choice, the grid and the kernels' non-pointer arguments depend on:
 # the launcher, compute capability, device, dtype, shapes and strides, each input's address modulo 16 (whether
-# kernel_ready copies it), the parameters (AttentionParams compares every field but the mask and the seed), and
-# the mask's dtype, shape and strides (the parameters come last in the key). A plan keeps the tile-table entries its variants were chosen from and is
+# kernel_ready copies it), the parameters (the fields AttentionParams compares: all but the mask and the seed),
+# and the mask's dtype, shape and strides. A plan keeps the tile-table entries its variants were chosen from and is
 # made again when one of them changed (a tuning sweep, a test). A call with a plan only allocates its outputs,
 # copies the inputs the plan says kernel_ready copies, gathers the data pointers and launches.
 
@@ -190,9 +196,6 @@ class _Plans(dict):
     """Plans by call signature; beyond PLANS_LIMIT the oldest makes room."""
 
     def put(self, key: tuple, plan):
-        """Keeps ``plan`` under ``key``, whose last item is the call's AttentionParams: stored without its mask
-        and seed (which it does not compare), so no plan holds a caller's tensors."""
-        key = key[:-1] + (dataclasses.replace(key[-1], mask=None, seed=(0, 0)),)
         if len(self) >= PLANS_LIMIT:
             try:
                 self.pop(next(iter(self)), None)
@@ -204,6 +207,10 @@ class _Plans(dict):
 
 _forward_plans = _Plans()
 _backward_plans = _Plans()
+
+
+# The fields AttentionParams compares (all but the mask and the seed), as one tuple: a key that holds no tensor.
+_params_signature = operator.attrgetter(*(f.name for f in dataclasses.fields(AttentionParams) if f.compare))
 
 
 def _mask_signature(mask):
@@ -228,7 +235,7 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
     device = q.device
     mask = params.mask
     key = (launcher, cc, device, q.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
-           q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, _mask_signature(mask), params)
+           q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, _params_signature(params), _mask_signature(mask))
     plan = _forward_plans.get(key)
     if plan is None or (plan.tiles is not None and plan.tiles != _forward_tiles(plan.d)):
         plan = _forward_plans.put(key, _forward_plan(launcher, cc, q, k, v, params, device))
@@ -339,8 +346,8 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
     key = (launcher, cc, device, q.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
            out.stride(), grad_out.stride(), q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
            out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.dtype, lse.stride(),
-           None if grad_lse is None else (grad_lse.dtype, grad_lse.stride()), _mask_signature(mask),
-           bool(deterministic), params)
+           None if grad_lse is None else (grad_lse.dtype, grad_lse.stride()), _params_signature(params),
+           _mask_signature(mask), bool(deterministic))
     plan = _backward_plans.get(key)
     if plan is None or (plan.tiles is not None and plan.tiles != _backward_tiles(plan.d)):
         plan = _backward_plans.put(key, _backward_plan(launcher, cc, grad_out, q, k, v, out, lse, params, grad_lse,
