@@ -263,7 +263,7 @@ def _forward_plan(launcher, cc, q, k, v, params: AttentionParams, device) -> _Fo
     out = layouts.output_buffer(q, v)
     plan.out_shape, plan.out_stride, plan.lse_shape = tuple(out.shape), out.stride(), (batch, heads_q, seqlen_q)
     plan.d = plan.tiles = plan.launch = plan.copies = None
-    plan.no_keys = seqlen_k == 0
+    plan.no_keys = seqlen_k == 0 and out.numel() != 0  # an empty output is returned as it is
     if out.numel() == 0 or seqlen_k == 0:
         return plan
     features = feature_flags(params, head_dim, head_dim_v)
