@@ -1,15 +1,16 @@
 """Host cost of the call path on the CPU, no GPU needed: microseconds and Python function calls per call.
 
     python benchmarks/host_cost.py            # the table below
-    python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|cupy   # cProfile's top entries for one row
+    python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|cupy|cupy_bwd   # cProfile's top entries for one row
 
 Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
 - mhattn.attention forward / forward+backward on a backend that does no work (``null``: allocates its
   outputs, launches nothing): the front end's own cost (checks, request, decision cache, autograd);
 - the Triton backend's host code for one forward / backward with the compiled kernels' launchers replaced by
   no-ops (plan, scalars, grid, argument tuples, the compiled-handle look-up of launcher.py);
-- the CuPy backend's host code for one forward / backward with a launcher that does nothing (variant
-  choice, argument packing up to the launcher);
+- the CuPy backend's host code for one forward / backward with a launcher that does nothing (plan look-up,
+  allocations, data pointers up to the launcher), and with CuPy's launcher whose CuPy pieces do nothing (its
+  stream look-up, device check and argument splice included);
 - torch's scaled_dot_product_attention at N = 1 (real work, but tiny), for scale.
 The machine's other load moves these numbers: compare rows of one run, best of five repetitions.
 """
@@ -68,8 +69,63 @@ class _StubKernel:
 
 
 class _NoLauncher:
+    """Launches nothing: the CuPy backend's host code up to its launcher (prepared launches do nothing)."""
+
     def launch(self, *args, **kwargs):
         pass
+
+    def prepare(self, *args, **kwargs):
+        return _no_launch
+
+
+def _no_launch(pointers):
+    pass
+
+
+@contextlib.contextmanager
+def stubbed_cupy():
+    """A CupyLauncher whose CuPy pieces (device, runtime, the kernel function) are stand-ins that do nothing and
+    whose stream is 0: its own per-launch work (stream look-up, device check, argument splice) runs as on a GPU,
+    up to the call into CuPy. The CuPy backend on it, for CPU tensors."""
+    import sys
+    from types import SimpleNamespace
+
+    from mhattn.backends.cupy import CupyBackend
+    from mhattn.backends.cupy import launcher as launcher_module
+
+    class Device:
+        def __init__(self, index):
+            pass
+
+        def __enter__(self):
+            pass
+
+        def __exit__(self, *exc):
+            pass
+
+    def no_function(grid, block, args, shared_mem, stream):
+        pass
+
+    class StubbedLauncher(launcher_module.CupyLauncher):
+        def kernel(self, variant, device_index, cc):
+            return SimpleNamespace(kernel=no_function)
+
+        def prepare(self, variant, grid, template, device, cc):
+            return super().prepare(variant, grid, template, torch.device("cuda", 0), cc)
+
+    fake = SimpleNamespace(cuda=SimpleNamespace(Device=Device, runtime=SimpleNamespace(getDevice=lambda: 0)))
+    saved = sys.modules.get("cupy"), launcher_module.current_stream, launcher_module._CUPY_VALUE[:]
+    sys.modules["cupy"] = fake
+    launcher_module.current_stream = lambda index: 0
+    try:
+        yield CupyBackend(launcher=StubbedLauncher(), compute_capability=(9, 0))
+    finally:
+        if saved[0] is None:
+            sys.modules.pop("cupy", None)
+        else:
+            sys.modules["cupy"] = saved[0]
+        launcher_module.current_stream = saved[1]
+        launcher_module._CUPY_VALUE[:] = saved[2]
 
 
 def per_call_us(fn, calls=2000, repeats=5) -> float:
@@ -147,17 +203,23 @@ def rows():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "cupy"), default=None)
+    parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "cupy", "cupy_bwd"), default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)  # no intra-op thread pool in the numbers
     mhattn.register_backend(NullBackend(), replace=True)
     table, (q, k, v, out, lse, params) = rows()
-    with stubbed_triton() as triton:
+    with stubbed_triton() as triton, stubbed_cupy() as cupy:
+        qh, kh, vh = (t.to(torch.bfloat16) for t in (q, k, v))
+        out_h, lse_h = cupy.forward(qh, kh, vh, params)
+        table[4:4] = [("cupy backend forward, launcher's CuPy stubbed", lambda: cupy.forward(qh, kh, vh, params)),
+                      ("cupy backend backward, launcher's CuPy stubbed",
+                       lambda: cupy.backward(out_h, qh, kh, vh, out_h, lse_h, params))]
         table[2:2] = [("triton backend forward, launches stubbed", lambda: triton.forward(q, k, v, params)),
                       ("triton backend backward, launches stubbed",
                        lambda: triton.backward(out, q, k, v, out, lse, params))]
         if args.profile:
-            fn = {"fwd": table[0][1], "fwd_bwd": table[1][1], "triton": table[2][1], "cupy": table[4][1]}[args.profile]
+            fn = {"fwd": table[0][1], "fwd_bwd": table[1][1], "triton": table[2][1], "cupy": table[4][1],
+                  "cupy_bwd": table[5][1]}[args.profile]
             profile = cProfile.Profile()
             profile.enable()
             for _ in range(1000):

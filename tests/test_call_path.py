@@ -219,18 +219,26 @@ def test_triton_tile_shrink_cache_is_keyed_by_device_and_flags():
     tb._shrunk.clear()
 
 
-def test_cupy_launch_arguments_are_typed_once():
+def test_cupy_argument_template_splices_each_calls_pointers_into_values_converted_once():
     import numpy as np
 
-    from mhattn.backends.cupy.launcher import f32, i32, i64, ptr, typed_values, u32
+    from mhattn.backends.cupy.launcher import ArgumentTemplate, f32, i32, i64, numpy_value, slot, u32
 
-    t = torch.zeros(4)
-    args = [ptr(t), i32(-1), u32(-1), i64(1 << 40), f32(0.5), i32(-1)]
-    values = typed_values(args)
-    assert [type(x) for x in values] == [np.uint64, np.int32, np.uint32, np.int64, np.float32, np.int32]
-    assert [int(x) for x in values[:4]] == [t.data_ptr(), -1, 0xFFFFFFFF, 1 << 40] and float(values[4]) == 0.5
-    assert values[1] is values[5]  # the same typed scalar, made once
-    assert typed_values(args) == values
+    template = ArgumentTemplate([slot(1), i32(-1), u32(-1), slot(0), i64(1 << 40), f32(-0.0), ("ptr", 7), slot(1)])
+    splice = template.splicer(numpy_value)
+    first, second = splice((10, 20)), splice((30, 40))
+    assert [type(x) for x in first] == [int, np.int32, np.uint32, int, np.int64, np.float32, np.uint64, int]
+    assert [first[i] for i in (0, 3, 7)] == [20, 10, 20] and [second[i] for i in (0, 3, 7)] == [40, 30, 40]
+    assert [int(x) for x in first[1:3]] == [-1, 0xFFFFFFFF] and int(first[4]) == 1 << 40 and int(first[6]) == 7
+    assert np.signbit(first[5])  # -0.0 stays -0.0
+    assert all(a is b for a, b in zip(first[1:7], second[1:7]) if not isinstance(a, int))  # converted once
+    assert template.bind((10, 20)) == [("ptr", 20), ("i32", -1), ("u32", 0xFFFFFFFF), ("ptr", 10),
+                                       ("i64", 1 << 40), ("f32", -0.0), ("ptr", 7), ("ptr", 20)]
+    with pytest.raises(IndexError):  # too few pointers fail instead of shifting the constants
+        splice((10,))
+    assert ArgumentTemplate([slot(0)]).splicer(numpy_value)((5,)) == (5,)  # one argument: still a tuple
+    with pytest.raises(ValueError, match="unknown kinds"):
+        ArgumentTemplate([("i16", 3)])
 
 
 # ---- layouts: what backends write is what the fake implementations promise -------------------------------------

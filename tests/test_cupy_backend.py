@@ -417,6 +417,172 @@ def test_emulated_kernels_match_reference(emulated_backend, poisoned, monkeypatc
     assert not failures, failures
 
 
+def test_emulated_calls_that_differ_in_one_thing_get_their_own_plans(emulated_backend, poisoned):
+    """Call signatures that agree on everything but the strides, the key count or the mask's strides (the mask
+    is not compared by AttentionParams), interleaved: a plan used across them would launch with the wrong
+    strides, sizes or mask layout, and the results would miss the reference."""
+    emulated_backend.deterministic = True
+    dtype = torch.float16
+    dense = _inputs(1, 2, 2, 66, 66, 32, dtype, "cpu")
+    strided = _inputs(1, 2, 2, 66, 66, 32, dtype, "cpu", strided=True, seed=1)
+    longer = _inputs(1, 2, 2, 66, 90, 32, dtype, "cpu", seed=2)
+    causal = _params(66, 66, 32, causal="top_left")
+    assert causal == _params(66, 90, 32, causal="top_left")  # the same parameters for both key counts
+    keys = torch.rand(1, 1, 1, 66, generator=torch.Generator().manual_seed(3)) > 0.3
+    pairs = torch.rand(1, 1, 66, 66, generator=torch.Generator().manual_seed(4)) > 0.3
+    key_padding = causal.replace(mask=keys.expand(1, 2, 66, 66))  # strides (66, 0, 0, 1)
+    per_pair = causal.replace(mask=pairs.expand(1, 2, 66, 66))  # strides (4356, 0, 66, 1)
+    assert key_padding == per_pair == causal
+    for (q, k, v, grad_out), params in ((dense, causal), (strided, causal), (dense, causal), (longer, causal),
+                                        (dense, key_padding), (dense, per_pair), (dense, causal)):
+        failures = _check(emulated_backend, q, k, v, grad_out, params)
+        assert not failures, failures
+
+
+def test_cupy_launch_values_hold_the_typed_values_bits():
+    """The objects CuPy launches with as they are (made once per plan) hold exactly the typed value's bytes."""
+    import ctypes
+
+    import numpy as np
+
+    pytest.importorskip("cupy")
+    from mhattn.backends.cupy.launcher import cupy_value, numpy_value
+
+    for kind, value in (("i32", -7), ("u32", 0xFFFFFFFE), ("i64", -(1 << 40)), ("f32", -0.0), ("f32", 0.1),
+                        ("ptr", (1 << 47) + 16)):
+        made, expected = cupy_value(kind, value), numpy_value(kind, value)
+        if isinstance(made, np.generic):
+            assert made == expected  # a CuPy without a value object we can make: numpy scalars, as before
+        elif hasattr(made, "ptr"):  # CuPy 14: CScalar, its value's address readable
+            assert ctypes.string_at(made.ptr, expected.itemsize) == expected.tobytes(), (kind, value)
+
+
+# ---- CPU: per-signature plans and the CuPy launcher's hot path -----------------------------------------------
+
+
+class _RecordingLauncher:
+    """Prepares launches that record each call's arguments instead of running anything."""
+
+    def __init__(self):
+        self.prepared = []  # (variant, grid) of each prepare
+        self.calls = []  # (variant, grid, (kind, value) arguments) of each launch
+
+    def prepare(self, variant, grid, template, device, cc):
+        self.prepared.append((variant, grid))
+        return lambda pointers: self.calls.append((variant, grid, template.bind(pointers)))
+
+
+def test_a_repeated_call_chooses_no_variant_and_prepares_no_launch(monkeypatch):
+    launcher = _RecordingLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(9, 0), deterministic=True)
+    q, k, v, grad_out = _inputs(1, 4, 2, 50, 70, 64, torch.bfloat16, "cpu")
+    params = _params(50, 70, 64, causal="bottom_right", softcap=3.0)
+    out, lse = backend.forward(q, k, v, params)
+    backend.backward(grad_out, q, k, v, out, lse, params)
+    prepared, first = len(launcher.prepared), launcher.calls[:]
+    spied = []
+    for module, name in ((ops, "_fwd_choice"), (ops, "_bwd_choice"), (ops, "feature_flags"), (ops, "kernel_ready"),
+                         (variants, "fwd_variant"), (variants, "dkdv_variants"), (variants, "dq_variant")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: spied.append(_n) or _f(*a, **kw))
+    launcher.calls.clear()
+    q2, k2, v2, grad_out2 = (t.clone() for t in (q, k, v, grad_out))  # other addresses, the same signature
+    out2, lse2 = backend.forward(q2, k2, v2, params.replace())  # an equal AttentionParams, another object
+    dq2, dk2, dv2, _ = backend.backward(grad_out2, q2, k2, v2, out2, lse2, params.replace())
+    assert spied == [] and len(launcher.prepared) == prepared
+    assert [c[:2] for c in launcher.calls] == [c[:2] for c in first]
+    for (_, _, again), (_, _, before) in zip(launcher.calls, first):  # only the pointers differ
+        assert [a for a in again if a[0] != "ptr"] == [b for b in before if b[0] != "ptr"]
+    fwd_args, dq_args = launcher.calls[0][2], launcher.calls[-1][2]
+    assert fwd_args[:5] == [("ptr", t.data_ptr()) for t in (q2, k2, v2, out2, lse2)]
+    assert dq_args[:4] == [("ptr", t.data_ptr()) for t in (q2, k2, v2, grad_out2)]
+    assert dq_args[6] == ("ptr", dq2.data_ptr())
+
+
+def test_a_changed_tile_table_entry_makes_the_plan_again(monkeypatch):
+    launcher = _RecordingLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(9, 0))
+    q, k, v, _ = _inputs(1, 2, 2, 40, 40, 64, torch.bfloat16, "cpu")
+    params = _params(40, 40, 64)
+    backend.forward(q, k, v, params)
+    backend.forward(q, k, v, params)
+    prepared = len(launcher.prepared)
+    monkeypatch.setitem(variants.FWD_TILES, 64, variants.FwdTiles(64, 32, 4, True))
+    backend.forward(q, k, v, params)
+    assert len(launcher.prepared) == prepared + 1 and launcher.prepared[-1][0].define("BLOCK_M") == 64
+    assert launcher.calls[-1][1] == (1, 2, 1)  # the grid of 64-row query blocks
+
+
+def test_plans_hold_none_of_the_callers_tensors():
+    import gc
+    import weakref
+
+    backend = CupyBackend(launcher=_RecordingLauncher(), compute_capability=(9, 0))
+    q, k, v, grad_out = _inputs(1, 2, 2, 40, 40, 64, torch.bfloat16, "cpu")
+    mask = torch.rand(1, 1, 40, 40) > 0.5
+    seed = torch.tensor([1, 2])
+    params = _params(40, 40, 64, mask=mask.expand(1, 2, 40, 40), dropout_p=0.1, seed=seed)
+    out, lse = backend.forward(q, k, v, params)
+    backend.backward(grad_out, q, k, v, out, lse, params)
+    refs = [weakref.ref(t) for t in (q, k, v, grad_out, out, lse, mask, seed)]
+    del q, k, v, grad_out, out, lse, mask, seed, params
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+
+
+def test_cupy_launcher_launches_on_torchs_stream_in_the_tensors_device(monkeypatch):
+    """CupyLauncher's prepared launch with CuPy replaced by stand-ins: the call's pointers in their places, the
+    stream torch has current at each call, and a device switch only where the tensors' device is not current."""
+    import sys
+    import types
+
+    from mhattn.backends.cupy import launcher as launcher_module
+    from mhattn.backends.cupy.launcher import ArgumentTemplate, f32, i32, ptr, slot
+
+    state = {"current": 0, "switches": 0}
+    launched = []
+
+    class Device:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            self.previous, state["current"] = state["current"], self.index
+            state["switches"] += self.index != self.previous
+
+        def __exit__(self, *exc):
+            state["current"] = self.previous
+
+    class Function:
+        def __call__(self, grid, block, args, shared_mem, stream):
+            launched.append(dict(device=state["current"], grid=grid, block=block, args=args, smem=shared_mem,
+                                 stream=stream.ptr))
+
+    cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDevice=lambda: state["current"]))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(launcher_module, "_CUPY_VALUE", [None])  # numpy scalars: readable on any CuPy
+    streams = {1: 0xABC}
+    monkeypatch.setattr(launcher_module, "current_stream", lambda index: streams[index])
+    cupy_launcher = launcher_module.CupyLauncher()
+    variant = variants.fwd_variant((9, 0), "bfloat16", 64, "plain")
+    cupy_launcher._kernels[(variant, 1)] = types.SimpleNamespace(kernel=Function())
+    template = ArgumentTemplate([slot(1), i32(5), slot(0), f32(0.5)])
+    launch = cupy_launcher.prepare(variant, [3, 2, 1], template, torch.device("cuda", 1), (9, 0))
+    switches = state["switches"]
+    launch((100, 200))
+    assert state["switches"] == switches + 1 and state["current"] == 0  # switched for the launch, then back
+    state["current"], streams[1] = 1, 0xDEF
+    launch((300, 400))
+    assert state["switches"] == switches + 1  # already current: no switch
+    assert [x["device"] for x in launched] == [1, 1] and [x["stream"] for x in launched] == [0xABC, 0xDEF]
+    assert launched[0]["grid"] == (3, 2, 1) and launched[0]["block"] == (variant.num_threads,)
+    assert launched[0]["smem"] == variant.smem_bytes
+    assert [int(a) for a in launched[0]["args"]] == [200, 5, 100, 0] and float(launched[1]["args"][3]) == 0.5
+    assert [int(a) for a in launched[1]["args"]] == [400, 5, 300, 0]
+    cupy_launcher.launch(variant, (1, 1, 1), [ptr(None), i32(3)], torch.device("cuda", 1), (9, 0))  # one-off launch
+    assert [int(a) for a in launched[-1]["args"]] == [0, 3]
+
+
 # ---- GPU -----------------------------------------------------------------------------------------------------------
 
 

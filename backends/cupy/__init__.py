@@ -61,7 +61,8 @@ class CupyBackend(Backend):
     )
 
     def __init__(self, launcher=None, compute_capability=None, deterministic=None):
-        # launcher: an object with launch(variant, grid, args, device, cc); default: CuPy on torch's stream.
+        # launcher: an object with prepare(variant, grid, template, device, cc) returning launch(pointers) (see
+        # launcher.py), or only launch(variant, grid, args, device, cc); default: CuPy on torch's stream.
         # compute_capability: fixed (major, minor) instead of the device's (the host-side emulator uses it).
         # deterministic: True = bitwise-reproducible backward (dQ from its own kernel); False = dQ through float32
         # atomics in the dK/dV kernel (faster, summation order varies between runs); None = False unless

@@ -5,13 +5,20 @@ contiguous last dim (16-byte aligned rows, else one contiguous copy; the ANY_DIM
 contiguous last dim as they are). Outputs have the layouts of :mod:`mhattn.backends.layouts` (the kernels take
 every output's strides): out (B, Hq, Nq, Dv) with (B, Nq, Hq, Dv) memory, lse (B, Hq, Nq) float32 contiguous;
 dq, dk, dv like q, k, v where those are dense, else in out's layout; the float mask's gradient (B, Hq, Nq, Nk)
-in the mask's dtype. The variant choice of a call signature is cached (:func:`_fwd_choice`, ...).
+in the mask's dtype.
+
+Per call signature (shapes, strides, dtypes, parameters, ...; see "plans" below) everything that does not change
+between calls is worked out once: the variants, grids and the kernels' arguments but the data pointers (each
+launch prepared by the launcher), the output layouts and which inputs need a copy. A call then allocates its
+outputs, gathers its data pointers and launches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import operator
 
 import torch
 
@@ -20,7 +27,7 @@ from mhattn.errors import BackendUnavailableError
 from mhattn.backends import layouts
 from mhattn.backends.base import AttentionParams
 from mhattn.backends.cupy import variants
-from mhattn.backends.cupy.launcher import f32, i32, i64, ptr, u32
+from mhattn.backends.cupy.launcher import ArgumentTemplate, f32, i32, i64, ptr, slot, u32
 from mhattn import dropout_rng
 from mhattn.dropout_rng import threshold as dropout_threshold
 
@@ -105,20 +112,32 @@ def _seed(params: AttentionParams, device):
     return dropout_rng.seed_tensor(params.seed, device) if params.dropout_p > 0 else None
 
 
-def _feature_args(params: AttentionParams, seed) -> list:
+# ---- the data pointers of a call --------------------------------------------------------------------------
+# Every launch of a call takes its data pointers from one tuple made per call, in these orders; the launches'
+# argument templates name them by position (launcher.slot). A pointer the call does not have is 0.
+
+FWD_POINTERS = ("q", "k", "v", "out", "lse", "mask", "seed", "float_mask")
+BWD_POINTERS = ("q", "k", "v", "out", "grad_out", "lse", "grad_lse", "lse_log2", "delta", "dq", "dk", "dv",
+                "dq_accum", "mask", "seed", "float_mask", "dmask")
+_FWD = {name: slot(i) for i, name in enumerate(FWD_POINTERS)}
+_BWD = {name: slot(i) for i, name in enumerate(BWD_POINTERS)}
+_NULL = ptr(None)
+
+
+def _feature_args(params: AttentionParams, slots: dict) -> list:
     """diag_offset, window bounds, mask and its strides, dropout seed (a pointer) / threshold / scale."""
     args = [i32(max(-UNBOUNDED, min(params.diag_offset, UNBOUNDED))), i32(_clamp_bound(params.window_left)),
             i32(_clamp_bound(params.window_right))]
     mask = params.mask
     if mask is not None and mask.dtype == torch.bool:
-        args += [ptr(mask)] + [i64(s) for s in mask.stride()]
+        args += [slots["mask"]] + [i64(s) for s in mask.stride()]
     else:
-        args += [ptr(None), i64(0), i64(0), i64(0), i64(0)]
+        args += [_NULL, i64(0), i64(0), i64(0), i64(0)]
     p = float(params.dropout_p)
     if p > 0:  # the kernels read the seed words from the device (graph-safe)
-        args += [ptr(seed), u32(dropout_threshold(p)), f32(1.0 / (1.0 - p))]
+        args += [slots["seed"], u32(dropout_threshold(p)), f32(1.0 / (1.0 - p))]
     else:
-        args += [ptr(None), u32(0), f32(1.0)]
+        args += [_NULL, u32(0), f32(1.0)]
     return args
 
 
@@ -132,54 +151,146 @@ def float_mask_view(mask: torch.Tensor) -> torch.Tensor:
     return distinct.expand(mask.shape)
 
 
-def _extra_args(params: AttentionParams, head_dim_v: int, float_mask=None, dmask=None) -> list:
+def _extra_args(params: AttentionParams, head_dim_v: int, slots: dict, float_mask=None, dmask: bool = False) -> list:
     """The arguments every main kernel takes after the feature arguments (used only by the variants with
-    feature flags): value head dim, softcap factors, the float mask (float_mask_view's result, which the caller
-    keeps alive until the launches are queued) and its strides, the float32 mask-gradient buffer or null."""
+    feature flags): value head dim, softcap factors, the float mask (float_mask_view's result: its strides
+    depend only on the mask's shape, strides and dtype, which are in the call signature) and its strides, the
+    float32 mask-gradient buffer (``dmask``: the dQ kernel writes it) or null."""
     if params.softcap is not None:
         args = [i32(head_dim_v), f32(2.0 * LOG2E * params.scale / params.softcap), f32(params.softcap * LOG2E)]
     else:
         args = [i32(head_dim_v), f32(0.0), f32(0.0)]
     if float_mask is not None:
-        args += [ptr(float_mask)] + [i64(0 if float_mask.shape[i] == 1 else float_mask.stride(i)) for i in range(4)]
+        args += [slots["float_mask"]] + [i64(0 if float_mask.shape[i] == 1 else float_mask.stride(i)) for i in range(4)]
     else:
-        args += [ptr(None), i64(0), i64(0), i64(0), i64(0)]
-    return args + [ptr(dmask)]
+        args += [_NULL, i64(0), i64(0), i64(0), i64(0)]
+    return args + [slots["dmask"] if dmask else _NULL]
 
 
 def _float_mask_of(features, params: AttentionParams):
     return float_mask_view(params.mask) if "FLOAT_MASK" in features else None
 
 
+def _prepared(launcher, variant, grid, args, device, cc):
+    """``launch(pointers)`` of one kernel launch: through the launcher's ``prepare`` where it has one, else its
+    ``launch`` with the call's ``(kind, value)`` arguments."""
+    template = ArgumentTemplate(args)
+    prepare = getattr(launcher, "prepare", None)
+    if prepare is not None:
+        return prepare(variant, grid, template, device, cc)
+    return lambda pointers: launcher.launch(variant, grid, template.bind(pointers), device, cc)
+
+
+# ---- plans: what the calls of one signature share ------------------------------------------------------------
+# A call signature is everything the variant choice, the grid and the kernels' non-pointer arguments depend on:
+# the launcher, compute capability, device, dtype, shapes and strides, each input's address modulo 16 (whether
+# kernel_ready copies it), the parameters (the fields AttentionParams compares: all but the mask and the seed),
+# and the mask's dtype, shape and strides. A plan keeps the tile-table entries its variants were chosen from and is
+# made again when one of them changed (a tuning sweep, a test). A call with a plan only allocates its outputs,
+# copies the inputs the plan says kernel_ready copies, gathers the data pointers and launches.
+
+PLANS_LIMIT = 1024
+
+
+class _Plans(dict):
+    """Plans by call signature; beyond PLANS_LIMIT the oldest makes room."""
+
+    def put(self, key: tuple, plan):
+        if len(self) >= PLANS_LIMIT:
+            try:
+                self.pop(next(iter(self)), None)
+            except (StopIteration, RuntimeError):  # emptied or changed by another thread meanwhile
+                pass
+        self[key] = plan
+        return plan
+
+
+_forward_plans = _Plans()
+_backward_plans = _Plans()
+
+
+# The fields AttentionParams compares (all but the mask and the seed), as one tuple: a key that holds no tensor.
+_params_signature = operator.attrgetter(*(f.name for f in dataclasses.fields(AttentionParams) if f.compare))
+
+
+def _mask_signature(mask):
+    return None if mask is None else (mask.dtype, mask.shape, mask.stride())
+
+
+def _copied(tensors, copies) -> list:
+    return [t.contiguous() if copy else t for t, copy in zip(tensors, copies)]
+
+
+class _ForwardPlan:
+    __slots__ = ("d", "tiles", "out_shape", "out_stride", "lse_shape", "no_keys", "copies", "bool_mask", "dropout",
+                 "float_mask", "launch")
+
+
+def _forward_tiles(d):
+    return variants.FWD_TILES.get(d), variants.FWD_TILES_BOUNDED.get(d)
+
+
 def forward(launcher, cc, q, k, v, params: AttentionParams):
     """Returns (out, lse) as the backend contract specifies."""
+    device = q.device
+    mask = params.mask
+    key = (launcher, cc, device, q.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+           q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, _params_signature(params), _mask_signature(mask))
+    plan = _forward_plans.get(key)
+    if plan is None or (plan.tiles is not None and plan.tiles != _forward_tiles(plan.d)):
+        plan = _forward_plans.put(key, _forward_plan(launcher, cc, q, k, v, params, device))
+    out = torch.empty_strided(plan.out_shape, plan.out_stride, dtype=q.dtype, device=device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
+    if POISON_OUTPUTS:
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+    if plan.launch is None:
+        return (out.zero_(), lse.fill_(float("-inf"))) if plan.no_keys else (out, lse)
+    if plan.copies:
+        q, k, v = _copied((q, k, v), plan.copies)
+    seed = _seed(params, device) if plan.dropout else None
+    float_mask = float_mask_view(mask) if plan.float_mask else None
+    plan.launch((q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                 mask.data_ptr() if plan.bool_mask else 0, 0 if seed is None else seed.data_ptr(),
+                 0 if float_mask is None else float_mask.data_ptr()))
+    return out, lse
+
+
+def _forward_plan(launcher, cc, q, k, v, params: AttentionParams, device) -> _ForwardPlan:
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
-    out = _poisoned(layouts.output_buffer(q, v))
-    lse = _empty((batch, heads_q, seqlen_q), torch.float32, q.device)
-    if out.numel() == 0:
-        return out, lse
-    if seqlen_k == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
+    plan = _ForwardPlan()
+    out = layouts.output_buffer(q, v)
+    plan.out_shape, plan.out_stride, plan.lse_shape = tuple(out.shape), out.stride(), (batch, heads_q, seqlen_q)
+    plan.d = plan.tiles = plan.launch = plan.copies = None
+    plan.no_keys = seqlen_k == 0 and out.numel() != 0  # an empty output is returned as it is
+    if out.numel() == 0 or seqlen_k == 0:
+        return plan
     features = feature_flags(params, head_dim, head_dim_v)
     any_rows = "ANY_DIMS" in features
-    q, k, v = (kernel_ready(t, any_rows) for t in (q, k, v))
-    d = variants.head_dim_bucket(max(head_dim, head_dim_v))
-    variant, block_m, has_bounds = _fwd_choice(cc, q.dtype, d, level_of(params, features), features,
-                                               variants.FWD_TILES.get(d), variants.FWD_TILES_BOUNDED.get(d))
+    ready = [kernel_ready(t, any_rows) for t in (q, k, v)]
+    copies = tuple(r is not t for r, t in zip(ready, (q, k, v)))
+    plan.copies = copies if any(copies) else None
+    q, k, v = ready
+    d = plan.d = variants.head_dim_bucket(max(head_dim, head_dim_v))
+    plan.tiles = _forward_tiles(d)
+    variant, block_m, has_bounds = _fwd_choice(cc, q.dtype, d, level_of(params, features), features, *plan.tiles)
     if has_bounds:  # query blocks of unequal cost: (group, query block, pair) in x, see fwd.cu
         grid = (cdiv(seqlen_q, block_m) * batch * heads_q, 1, 1)
     else:
         grid = (cdiv(seqlen_q, block_m), heads_q, batch)
-    args = [ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)]
+    p = _FWD
+    args = [p["q"], p["k"], p["v"], p["out"], p["lse"]]
     args += _strides(q) + _strides(k) + _strides(v) + _strides(out)
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(head_dim),
              i32(sched_pairs(batch * heads_q, seqlen_k, head_dim, q.element_size())), f32(params.scale * LOG2E)]
-    seed = _seed(params, q.device)
-    float_mask = _float_mask_of(features, params)
-    args += _feature_args(params, seed) + _extra_args(params, head_dim_v, float_mask)
-    launcher.launch(variant, grid, args, q.device, cc)
-    return out, lse
+    args += _feature_args(params, p) + _extra_args(params, head_dim_v, p, _float_mask_of(features, params))
+    mask = params.mask
+    plan.bool_mask = mask is not None and mask.dtype == torch.bool
+    plan.dropout = params.dropout_p > 0
+    plan.float_mask = "FLOAT_MASK" in features
+    plan.launch = _prepared(launcher, variant, grid, args, device, cc)
+    return plan
 
 
 # The variant choices of a call signature, cached. Their keys hold the tile-table entries the choice reads
@@ -210,6 +321,17 @@ def sched_pairs(pairs: int, seqlen_k: int, head_dim: int, element_size: int) -> 
     return max(1, min(pairs, SCHED_L2_BYTES // max(kv_bytes, 1)))
 
 
+class _BackwardPlan:
+    __slots__ = ("d", "tiles", "grads", "trivial", "mask_grad", "dmask_shape", "copies", "convert_lse",
+                 "convert_grad_lse", "vector_shape", "dropout", "bool_mask", "float_mask", "atomic_dq", "dq_shape",
+                 "launches")
+
+
+def _backward_tiles(d):
+    return (variants.DKDV_TILES.get(d), variants.DKDV_ATOMIC_TILES.get(d), variants.DKDV_FALLBACK_TILES.get(d),
+            variants.DQ_TILES.get(d))
+
+
 def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None,
              deterministic: bool = True):
     """Returns (dq, dk, dv, dmask); dK/dV summed over the query heads of a group; dmask the gradient of a float
@@ -219,6 +341,55 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
     dK/dV kernel with float32 atomic adds (fewer operations, summation order varies) where the tiles allow
     and no mask gradient is asked for (the dQ kernel writes dS, the mask's gradient).
     """
+    device = q.device
+    mask = params.mask
+    key = (launcher, cc, device, q.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+           out.stride(), grad_out.stride(), q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
+           out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.dtype, lse.stride(),
+           None if grad_lse is None else (grad_lse.dtype, grad_lse.stride()), _params_signature(params),
+           _mask_signature(mask), bool(deterministic))
+    plan = _backward_plans.get(key)
+    if plan is None or (plan.tiles is not None and plan.tiles != _backward_tiles(plan.d)):
+        plan = _backward_plans.put(key, _backward_plan(launcher, cc, grad_out, q, k, v, out, lse, params, grad_lse,
+                                                       deterministic, device))
+    (dq_shape, dq_stride), (dk_shape, dk_stride), (dv_shape, dv_stride) = plan.grads
+    dq = torch.empty_strided(dq_shape, dq_stride, dtype=q.dtype, device=device)
+    dk = torch.empty_strided(dk_shape, dk_stride, dtype=k.dtype, device=device)
+    dv = torch.empty_strided(dv_shape, dv_stride, dtype=v.dtype, device=device)
+    if POISON_OUTPUTS:
+        for t in (dq, dk, dv):
+            t.fill_(float("nan"))
+    # zeros: the blocks outside the causal / window band are never visited, and their gradient is 0
+    dmask = torch.zeros(plan.dmask_shape, dtype=torch.float32, device=device) if plan.mask_grad else None
+    if plan.trivial:
+        return dq.zero_(), dk.zero_(), dv.zero_(), _mask_grad_out(dmask, params)
+    if plan.copies:
+        q, k, v, out, grad_out = _copied((q, k, v, out, grad_out), plan.copies)
+    if plan.convert_lse:
+        lse = lse.to(torch.float32).contiguous()
+    if plan.convert_grad_lse:
+        grad_lse = grad_lse.to(torch.float32).contiguous()
+    # delta = rowsum(dO * O) - grad_lse and lse in log2 units, padded per (b, h) to a multiple of VECTOR_PAD.
+    lse_log2 = torch.empty(plan.vector_shape, dtype=torch.float32, device=device)
+    delta = torch.empty(plan.vector_shape, dtype=torch.float32, device=device)
+    seed = _seed(params, device) if plan.dropout else None
+    float_mask = float_mask_view(mask) if plan.float_mask else None
+    dq_accum = torch.zeros(plan.dq_shape, dtype=torch.float32, device=device) if plan.atomic_dq else None
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(),
+                0 if grad_lse is None else grad_lse.data_ptr(), lse_log2.data_ptr(), delta.data_ptr(),
+                dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0 if dq_accum is None else dq_accum.data_ptr(),
+                mask.data_ptr() if plan.bool_mask else 0, 0 if seed is None else seed.data_ptr(),
+                0 if float_mask is None else float_mask.data_ptr(), 0 if dmask is None else dmask.data_ptr())
+    for launch in plan.launches:
+        launch(pointers)
+    if dq_accum is not None:
+        dq.copy_(dq_accum)
+        return dq, dk, dv, None
+    return dq, dk, dv, _mask_grad_out(dmask, params)
+
+
+def _backward_plan(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse, deterministic,
+                   device) -> _BackwardPlan:
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     features = feature_flags(params, head_dim, head_dim_v)
@@ -228,60 +399,68 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
         raise BackendUnavailableError(
             "cupy backend: a gradient flowing into the returned lse together with a float attn_mask is not "
             "supported yet; use backend='triton' (or no return_lse gradient)")
-    dq, dk, dv = (_poisoned(layouts.grad_buffer(t)) for t in (q, k, v))
-    mask_grad = "FLOAT_MASK" in features and params.mask_requires_grad
-    # zeros: the blocks outside the causal / window band are never visited, and their gradient is 0
-    dmask = torch.zeros((batch, heads_q, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device) if mask_grad else None
-    if seqlen_q == 0 or seqlen_k == 0 or batch == 0 or heads_q == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), _mask_grad_out(dmask, params)
+    plan = _BackwardPlan()
+    dq, dk, dv = (layouts.grad_buffer(t) for t in (q, k, v))
+    plan.grads = tuple((tuple(t.shape), t.stride()) for t in (dq, dk, dv))
+    plan.mask_grad = "FLOAT_MASK" in features and params.mask_requires_grad
+    plan.dmask_shape = (batch, heads_q, seqlen_q, seqlen_k)
+    plan.d = plan.tiles = plan.copies = None
+    plan.trivial = seqlen_q == 0 or seqlen_k == 0 or batch == 0 or heads_q == 0
+    if plan.trivial:
+        return plan
     any_rows = "ANY_DIMS" in features
-    q, k, v, out, grad_out = (kernel_ready(t, any_rows) for t in (q, k, v, out, grad_out))
-    lse = lse.to(torch.float32).contiguous()
-    if grad_lse is not None:
-        grad_lse = grad_lse.to(torch.float32).contiguous()
-    d = variants.head_dim_bucket(max(head_dim, head_dim_v))
+    inputs = (q, k, v, out, grad_out)
+    ready = [kernel_ready(t, any_rows) for t in inputs]
+    copies = tuple(r is not t for r, t in zip(ready, inputs))
+    plan.copies = copies if any(copies) else None
+    q, k, v, out, grad_out = ready
+    plan.convert_lse = lse.to(torch.float32).contiguous() is not lse
+    plan.convert_grad_lse = grad_lse is not None and grad_lse.to(torch.float32).contiguous() is not grad_lse
+    d = plan.d = variants.head_dim_bucket(max(head_dim, head_dim_v))
+    plan.tiles = _backward_tiles(d)
     # The mask gradient needs dS, which only the dQ kernel writes: no atomic dQ then.
     pre, dkdv_variants, dq_variant = _bwd_choice(
-        cc, q.dtype, d, level_of(params, features), bool(deterministic) or mask_grad, features,
-        variants.DKDV_TILES.get(d), variants.DKDV_ATOMIC_TILES.get(d), variants.DKDV_FALLBACK_TILES.get(d),
-        variants.DQ_TILES.get(d))
+        cc, q.dtype, d, level_of(params, features), bool(deterministic) or plan.mask_grad, features, *plan.tiles)
     group = heads_q // heads_kv
+    p = _BWD
+    launches = []
 
-    # delta = rowsum(dO * O) - grad_lse and lse in log2 units, padded per (b, h) to a multiple of VECTOR_PAD.
     seqlen_q_pad = cdiv(seqlen_q, VECTOR_PAD) * VECTOR_PAD
-    lse_log2 = torch.empty((batch, heads_q, seqlen_q_pad), dtype=torch.float32, device=q.device)
-    delta = torch.empty_like(lse_log2)
+    plan.vector_shape = (batch, heads_q, seqlen_q_pad)
     rows = batch * heads_q * seqlen_q_pad
-    args = [ptr(out), ptr(grad_out), ptr(lse), ptr(grad_lse), ptr(lse_log2), ptr(delta)]
+    args = [p["out"], p["grad_out"], p["lse"], p["grad_lse"] if grad_lse is not None else _NULL, p["lse_log2"],
+            p["delta"]]
     args += _strides(out) + _strides(grad_out)
     args += [i32(heads_q), i32(seqlen_q), i32(seqlen_q_pad), i32(head_dim_v), i64(rows)]
-    launcher.launch(pre, (cdiv(rows, variants.PREPROCESS_WARPS), 1, 1), args, q.device, cc)
+    launches.append(_prepared(launcher, pre, (cdiv(rows, variants.PREPROCESS_WARPS), 1, 1), args, device, cc))
 
     shape_args = [i32(seqlen_q), i32(seqlen_q_pad), i32(seqlen_k), i32(heads_q), i32(group), i32(head_dim),
                   f32(params.scale * LOG2E), f32(params.scale)]
-    seed = _seed(params, q.device)
     float_mask = _float_mask_of(features, params)
-    feature_args = _feature_args(params, seed) + _extra_args(params, head_dim_v, float_mask)
+    feature_args = _feature_args(params, p) + _extra_args(params, head_dim_v, p, float_mask)
 
-    atomic_dq = dq_variant is None
-    dq_accum = torch.zeros((batch, heads_q, seqlen_q, head_dim), dtype=torch.float32, device=q.device) if atomic_dq else None
+    plan.atomic_dq = dq_variant is None
+    plan.dq_shape = (batch, heads_q, seqlen_q, head_dim)
     for variant in dkdv_variants:
         grid = (cdiv(seqlen_k, variant.define("BLOCK_N")), heads_kv, batch)
-        args = [ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(lse_log2), ptr(delta), ptr(dk), ptr(dv), ptr(dq_accum)]
+        args = [p["q"], p["k"], p["v"], p["grad_out"], p["lse_log2"], p["delta"], p["dk"], p["dv"],
+                p["dq_accum"] if plan.atomic_dq else _NULL]
         args += _strides(q) + _strides(k) + _strides(v) + _strides(grad_out) + _strides(dk) + _strides(dv)
-        launcher.launch(variant, grid, args + shape_args + feature_args, q.device, cc)
-    if atomic_dq:
-        dq.copy_(dq_accum)
-        return dq, dk, dv, None
-
-    variant = dq_variant
-    grid = (cdiv(seqlen_q, variant.define("BLOCK_M")), heads_q, batch)
-    args = [ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(lse_log2), ptr(delta), ptr(dq)]
-    args += _strides(q) + _strides(k) + _strides(v) + _strides(grad_out) + _strides(dq)
-    # the dQ kernel writes dS, the mask's gradient
-    dq_feature_args = _feature_args(params, seed) + _extra_args(params, head_dim_v, float_mask, dmask)
-    launcher.launch(variant, grid, args + shape_args + dq_feature_args, q.device, cc)
-    return dq, dk, dv, _mask_grad_out(dmask, params)
+        launches.append(_prepared(launcher, variant, grid, args + shape_args + feature_args, device, cc))
+    if not plan.atomic_dq:
+        variant = dq_variant
+        grid = (cdiv(seqlen_q, variant.define("BLOCK_M")), heads_q, batch)
+        args = [p["q"], p["k"], p["v"], p["grad_out"], p["lse_log2"], p["delta"], p["dq"]]
+        args += _strides(q) + _strides(k) + _strides(v) + _strides(grad_out) + _strides(dq)
+        # the dQ kernel writes dS, the mask's gradient
+        dq_feature_args = _feature_args(params, p) + _extra_args(params, head_dim_v, p, float_mask, plan.mask_grad)
+        launches.append(_prepared(launcher, variant, grid, args + shape_args + dq_feature_args, device, cc))
+    mask = params.mask
+    plan.bool_mask = mask is not None and mask.dtype == torch.bool
+    plan.dropout = params.dropout_p > 0
+    plan.float_mask = float_mask is not None
+    plan.launches = tuple(launches)
+    return plan
 
 
 def _mask_grad_out(dmask, params: AttentionParams):

@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 
 from mhattn.backends.cupy import compiler
+from mhattn.backends.cupy.launcher import ArgumentTemplate
 from mhattn.backends.cupy.variants import Variant
 
 HERE = Path(__file__).resolve().parent
@@ -82,14 +83,24 @@ class EmulatorLauncher:
             self._libs[variant] = lib
         return lib
 
-    def launch(self, variant: Variant, grid: tuple, args: list, device, cc) -> None:
+    def prepare(self, variant: Variant, grid: tuple, template: ArgumentTemplate, device, cc):
+        """``launch(pointers)`` for ``template``'s arguments with each call's data pointers (as CupyLauncher's)."""
         if device.type != "cpu":
             raise ValueError(f"the emulator runs on CPU tensors, got device {device}")
         lib = self.library(variant)
-        values = [_CTYPES[kind](value) for kind, value in args]
-        argv = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
-        err = ctypes.create_string_buffer(1024)
-        rc = lib.emu_launch(int(grid[0]), int(grid[1]), int(grid[2]), variant.num_threads, variant.smem_bytes,
-                            argv, err, len(err))
-        if rc != 0:
-            raise RuntimeError(f"emulated {variant.label} on grid {tuple(grid)}: {err.value.decode()}")
+        splice = template.splicer(lambda kind, value: _CTYPES[kind](value))
+        grid = tuple(int(g) for g in grid)
+
+        def launch(pointers: tuple) -> None:
+            values = splice(tuple(map(ctypes.c_uint64, pointers)))
+            argv = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+            err = ctypes.create_string_buffer(1024)
+            rc = lib.emu_launch(grid[0], grid[1], grid[2], variant.num_threads, variant.smem_bytes, argv, err,
+                                len(err))
+            if rc != 0:
+                raise RuntimeError(f"emulated {variant.label} on grid {grid}: {err.value.decode()}")
+
+        return launch
+
+    def launch(self, variant: Variant, grid: tuple, args: list, device, cc) -> None:
+        self.prepare(variant, grid, ArgumentTemplate(args), device, cc)(())
