@@ -139,6 +139,7 @@ class Decision:
 # The decision cache of the call path: key (request, device, dtype, heads, head dims, features, size buckets;
 # see backend_for) -> backend object. Bounded; when full, the oldest entry makes room (no wholesale flush).
 _cache: dict = {}
+_selected: dict = {}  # select()'s cache: (problem, request name, source) -> backend object
 _CACHE_LIMIT = 4096
 _cache_lock = threading.Lock()
 _warned: set = set()
@@ -147,6 +148,7 @@ _warned: set = set()
 def clear_cache() -> None:
     with _cache_lock:
         _cache.clear()
+        _selected.clear()
     _parse_name.cache_clear()
     timing_table.clear_cache()
 
@@ -222,8 +224,19 @@ def _bucket_agrees(problem: Problem, name: str, source: str, chosen: str) -> boo
 
 
 def select(problem: Problem, name: str, source: str = "automatic selection"):
-    """The backend object that runs ``problem`` for the request ``name``; raises with reasons otherwise."""
-    return _select(problem, name, source)
+    """The backend object that runs ``problem`` for the request ``name``; raises with reasons otherwise.
+
+    Cached per (problem, request) like :func:`backend_for`'s decisions (the entry points that build a
+    :class:`Problem` themselves, such as the KV-cache, packed-sequence and ring paths, call this per step)."""
+    key = (problem, name, source)
+    backend = _selected.get(key)
+    if backend is None:
+        backend = _select(problem, name, source)
+        with _cache_lock:
+            if len(_selected) >= _CACHE_LIMIT:
+                _selected.pop(next(iter(_selected)), None)  # the oldest entry
+            _selected[key] = backend
+    return backend
 
 
 def _select(problem: Problem, name: str, source: str):

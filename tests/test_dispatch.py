@@ -204,3 +204,22 @@ def test_decisions_are_cached_per_problem():
         assert len(calls) > first
     finally:
         mhattn.unregister_backend("counting")
+
+
+def test_select_decides_once_per_problem_and_request_until_the_registry_changes(monkeypatch):
+    """The entry points that build their own Problem (KV cache, packed sequences, ring) call select per step:
+    the decision is made once per (problem, request), and made again after a backend is (re)registered."""
+    from mhattn.backends.sdpa import SdpaBackend
+    from mhattn.problem import Problem
+
+    calls = []
+    real_decide = dispatch.decide
+    monkeypatch.setattr(dispatch, "decide", lambda *a, **kw: calls.append(a) or real_decide(*a, **kw))
+    problem = Problem.from_shapes(torch.device("cpu"), torch.float32, (1, 4, 16, 32), 4, 16, 32, 0)
+    first = dispatch.select(problem, "auto")
+    assert dispatch.select(problem, "auto") is first and len(calls) == 1
+    dispatch.select(problem, "reference")
+    assert len(calls) == 2
+    mhattn.register_backend(SdpaBackend(), replace=True)
+    dispatch.select(problem, "auto")
+    assert len(calls) == 3

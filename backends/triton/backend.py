@@ -383,6 +383,10 @@ class TritonBackend(Backend):
         launcher = launchers().forward
         run = _Launch(q, k, v, params)
         plan = run.plan
+        # Decoding (few query rows per key/value head): the split-KV kernels (decode.py, decode_launch.py),
+        # which allocate their own outputs.
+        if plan.seqlen_k > 0 and decode_launch.eligible(q, k, params):
+            return decode_launch.split_kv_forward(q, k, v, params, run=run)
         out = layouts.output_buffer(q, v)
         lse = torch.empty(plan.batch, plan.heads_q, plan.seqlen_q, dtype=torch.float32, device=q.device)
         if out.numel() == 0 and lse.numel() == 0:
@@ -391,9 +395,6 @@ class TritonBackend(Backend):
             out.zero_()
             lse.fill_(float("-inf"))
             return out, lse
-        # Decoding (few query rows per key/value head): the split-KV kernels (decode.py, decode_launch.py).
-        if decode_launch.eligible(q, k, params):
-            return decode_launch.split_kv_forward(q, k, v, params, run=run)
 
         def launch(tile):
             num_m_blocks = triton_cdiv(plan.seqlen_q, tile.block_m)

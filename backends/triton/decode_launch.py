@@ -78,6 +78,33 @@ def _launchers(decode, interpret: bool):
     return _LAUNCHERS
 
 
+# (plan, device, keys) -> (tile, splits, block_m, row_blocks): the same for every step of a decoding loop.
+_split_plans: dict = {}
+_SPLIT_PLANS_LIMIT = 1024
+
+
+def _split_plan(plan, device: torch.device, keys: int) -> tuple:
+    """The tile, the number of splits and the row blocking of a call (``plan``: the backend's cached plan of
+    its shapes, so a repeated call looks this up instead of working it out)."""
+    key = (plan, device, keys)
+    found = _split_plans.get(key)
+    if found is None:
+        rows = plan.kv_group * plan.seqlen_q
+        block_m = max(16, configs.triton_next_power_of_2(min(rows, MAX_BLOCK_M)))
+        row_blocks = -(-rows // block_m)
+        programs = plan.batch * plan.heads_kv * row_blocks
+        if device.type == "cuda":
+            tile = GPU_TILES.get(plan.block_d, DecodeTile(32, 4, 1))
+            splits = num_splits(programs, keys, _sm_count(device.index or torch.cuda.current_device()))
+        else:  # Triton's interpreter (CPU tensors)
+            tile = INTERPRETER_TILE
+            splits = num_splits(programs, keys, INTERPRETER_SM_COUNT, INTERPRETER_MIN_KEYS_PER_SPLIT)
+        if len(_split_plans) >= _SPLIT_PLANS_LIMIT:
+            _split_plans.pop(next(iter(_split_plans)), None)
+        found = _split_plans[key] = (tile, splits, block_m, row_blocks)
+    return found
+
+
 def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None, run=None):
     """out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) fp32 of q over k, v.
 
@@ -100,18 +127,9 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
 
     paged = cache is not None and cache.paged
     keys = cache.capacity if cache is not None else k.shape[2]
-    rows = run.plan.kv_group * seqlen_q
-    block_m = max(16, configs.triton_next_power_of_2(min(rows, MAX_BLOCK_M)))
-    row_blocks = -(-rows // block_m)
-    programs = batch * heads_kv * row_blocks
-    if q.device.type == "cuda":
-        tile = GPU_TILES.get(run.plan.block_d, DecodeTile(32, 4, 1))
-        splits = num_splits(programs, keys, _sm_count(q.device.index or torch.cuda.current_device()))
-    else:  # Triton's interpreter (CPU tensors)
-        tile = INTERPRETER_TILE
-        splits = num_splits(programs, keys, INTERPRETER_SM_COUNT, INTERPRETER_MIN_KEYS_PER_SPLIT)
     if q.device.type != "cuda" and not INTERPRET:
         raise ValueError("triton backend: CPU tensors need TRITON_INTERPRET=1 (set before import)")
+    tile, splits, block_m, row_blocks = _split_plan(run.plan, q.device, keys)
 
     if splits > 1:
         out_split = torch.empty(batch * heads_q * seqlen_q, splits, run.plan.head_dim_v, dtype=torch.float32,
