@@ -1,0 +1,175 @@
+"""Where the host time of a small attention call goes on a GPU machine (the GPU counterpart of host_cost.py).
+
+    source benchmarks/device_env.sh && python benchmarks/host_profile.py            # the table
+    python benchmarks/host_profile.py --profile triton-bwd                            # + cProfile of one path
+
+Host loops (300 calls, one synchronize at the end, best of five) at B=1 H=16 N=128 d=64 bf16:
+- torch's SDPA, mhattn.attention on auto and on each fused backend, forward and forward+backward;
+- the Triton forward kernel launched through Triton (``kernel[grid](...)``) and through the compiled handle
+  the backend keeps (backends/triton/launcher.py), with the same arguments;
+- the Triton backend's forward and backward called directly on the main thread, an identity autograd
+  Function's forward+backward (the autograd engine's own cost of a Python backward), and a Function whose
+  backward calls the backend's backward (what mhattn's autograd Function pays on the engine's device thread).
+``--profile triton-bwd`` prints cProfile's top entries of the Triton backward where autograd runs it (its
+device thread) and on the main thread. Prints the table last.
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+import mhattn
+from mhattn import functional
+from mhattn.backends.base import AttentionParams
+
+SHAPE = (1, 16, 128, 64)
+
+
+def host_loop_us(fn, calls=300, repeats=5) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _backend_function(backend, params):
+    """An autograd Function that runs ``backend``'s forward and backward and nothing else."""
+
+    class Direct(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = backend.forward(q, k, v, params)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, out, lse = ctx.saved_tensors
+            return backend.backward(grad, q, k, v, out, lse, params)[:3]
+
+    return Direct
+
+
+def _triton_launch_rows(q, k, v, params):
+    """The forward kernel through Triton's launch and through the kept handle, same arguments."""
+    from mhattn.backends.triton import backend as triton_backend
+
+    launcher = triton_backend.launchers().forward
+    captured = {}
+    original = launcher.launch
+
+    def spy(grid, args, constexprs, device_index=None):
+        captured.update(grid=grid, args=args, constexprs=constexprs, device_index=device_index)
+        return original(grid, args, constexprs, device_index)
+
+    launcher.launch = spy
+    try:
+        mhattn.registry.get_backend("triton").forward(q, k, v, params)
+    finally:
+        launcher.launch = original
+    grid, args, sets, index = (captured[n] for n in ("grid", "args", "constexprs", "device_index"))
+    return [("triton forward kernel, kernel[grid](...)", lambda: launcher._launch_through_triton(grid, args, sets)),
+            ("triton forward kernel, kept handle", lambda: launcher.launch(grid, args, sets, index))]
+
+
+def rows():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+               for _ in range(3))
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    dout = torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16, generator=gen)
+    params = AttentionParams(scale=SHAPE[-1] ** -0.5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    table = [("torch sdpa forward", lambda: sdpa(qd, kd, vd)),
+             ("torch sdpa forward+backward", lambda: sdpa(q, k, v).backward(dout))]
+    names = ["auto"] + [b.name for b in mhattn.registry.all_backends()
+                        if b.name in ("triton", "cupy", "sdpa") and not b.unavailable()]
+    for name in names:
+        table.append((f"mhattn {name} forward", lambda name=name: mhattn.attention(qd, kd, vd, backend=name)))
+        table.append((f"mhattn {name} forward+backward",
+                      lambda name=name: mhattn.attention(q, k, v, backend=name).backward(dout)))
+    if "triton" in names:
+        triton = mhattn.registry.get_backend("triton")
+        out, lse = triton.forward(qd, kd, vd, params)
+        table += _triton_launch_rows(qd, kd, vd, params)
+        table.append(("triton backend forward+backward, main thread",
+                      lambda: (triton.forward(qd, kd, vd, params), triton.backward(dout, qd, kd, vd, out, lse, params))))
+        table.append(("identity autograd Function forward+backward", lambda: _Identity.apply(q).backward(dout)))
+        direct = _backend_function(triton, params)
+        table.append(("autograd Function of the triton backend", lambda: direct.apply(q, k, v).backward(dout)))
+    return table, (q, k, v, dout)
+
+
+def profile_triton_backward(q, k, v, dout):
+    """cProfile of the Triton backward on autograd's device thread, then the same calls on the main thread."""
+    worker = cProfile.Profile()
+    original = functional._run_backward
+
+    def profiled(*args, **kwargs):
+        worker.enable()  # cProfile follows the thread that enables it: here, the engine's device thread
+        try:
+            return original(*args, **kwargs)
+        finally:
+            worker.disable()
+
+    functional._run_backward = profiled
+    try:
+        for _ in range(300):
+            mhattn.attention(q, k, v, backend="triton").backward(dout)
+        torch.cuda.synchronize()
+    finally:
+        functional._run_backward = original
+    triton = mhattn.registry.get_backend("triton")
+    params = AttentionParams(scale=SHAPE[-1] ** -0.5)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out, lse = triton.forward(qd, kd, vd, params)
+    main = cProfile.Profile()
+    main.enable()
+    for _ in range(300):
+        triton.backward(dout, qd, kd, vd, out, lse, params)
+    main.disable()
+    torch.cuda.synchronize()
+    for label, prof in (("autograd's device thread", worker), ("main thread", main)):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
+        print(f"== triton backward x300 on {label}\n{text.getvalue()}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", choices=("triton-bwd",), default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("host_profile.py needs a CUDA GPU (benchmarks/host_cost.py is the CPU counterpart)")
+    table, tensors = rows()
+    results = [(label, host_loop_us(fn)) for label, fn in table]
+    if args.profile == "triton-bwd":
+        profile_triton_backward(*tensors)
+    print(f"{'host loop per call, B=1 H=16 N=128 d=64 bf16':<52} {'us':>8}")
+    for label, us in results:
+        print(f"{label:<52} {us:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
