@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from mhattn import registry
 from mhattn.conformance.cases import dtype_name, full_cases, quick_cases, default_dtypes
 from mhattn.conformance.runner import FAIL, CaseResult, not_run, run_case
