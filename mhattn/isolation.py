@@ -178,7 +178,7 @@ class IsolatedRun:
     group: Optional[Callable] = None
     on_start: Optional[Callable] = None
     on_output: Optional[Callable] = None
-    restarts: int = 0                 # workers that died, were killed or ended broken with tasks left
+    restarts: int = 0                 # workers that died, were killed or ended broken (a fresh one goes on)
 
     def __iter__(self) -> Iterator[Settled]:
         if self.jobs < 1:
@@ -186,7 +186,6 @@ class IsolatedRun:
         self._queue = collections.deque(range(len(self.tasks)))
         self._workers = []
         self._requeued = set()      # tasks handed out again once already (their worker died before them)
-        self._refused_groups = set()
         self._a_worker_started = False  # some worker has said something: workers can start on this machine
         self._selector = selectors.DefaultSelector()
         try:
@@ -207,15 +206,16 @@ class IsolatedRun:
         for worker in self._workers:
             if worker.task is None and not worker.retiring:
                 if self._queue:
-                    self._send(worker, self._queue.popleft())
+                    self._send_next(worker)
                 else:
                     worker.retire()
         while self._queue and sum(not w.retiring for w in self._workers) < self.jobs:
             worker = _Worker(self.runner, self.options, self.deadline, self._selector)
             self._workers.append(worker)
-            self._send(worker, self._queue.popleft())
+            self._send_next(worker)
 
-    def _send(self, worker: _Worker, index: int) -> None:
+    def _send_next(self, worker: _Worker) -> None:
+        index = self._queue.popleft()
         worker.send(index, self.tasks[index])
 
     def _wait(self) -> Iterator[Settled]:
