@@ -15,7 +15,8 @@ def _clock(seconds: float) -> str:
 
 
 class Progress:
-    """``start(label)`` before a task, ``advance()`` after it, ``write(text)`` for a log line in between.
+    """``start(label)`` before a task, ``advance()`` after it, ``write(text)`` for a log line in between;
+    ``advance(failure=text)`` counts a failed task and prints ``text`` at once.
 
     On a terminal the bar is redrawn in place (at most 10 times a second); otherwise (a log file) a line
     is printed every ``log_every`` seconds and at the end, so logs stay short.
@@ -30,7 +31,7 @@ class Progress:
         self.log_every = log_every
         self.title = title
         self.done = 0
-        self.failed = 0          # shown on the bar when a caller counts failures
+        self.failed = 0          # tasks advanced with a failure, shown on the bar
         self.label = ""
         self.started = time.monotonic()
         self._last_draw = 0.0
@@ -47,7 +48,11 @@ class Progress:
         self.label = label
         self._draw(force=self.tty)
 
-    def advance(self, count: int = 1) -> None:
+    def advance(self, count: int = 1, failure: str = "") -> None:
+        if failure:
+            self.failed += 1
+            if self.enabled:
+                self.write(failure)
         self.done = min(self.total, self.done + count)
         self._draw()
 

@@ -4,8 +4,7 @@ error entries, tables, JSON, plots, the CLI, the worker process and its supervis
 import io
 import json
 import os
-import sys
-import textwrap
+import time
 
 import pytest
 import torch
@@ -558,39 +557,33 @@ def test_deadline_marks_the_rest_not_run():
     assert all(r["status"]["fwd"].startswith("not run: the time limit") for r in outcome.results)
 
 
-FAKE_WORKER = textwrap.dedent("""
-    import argparse, json, os, sys, time
-    p = argparse.ArgumentParser()
-    p.add_argument("--tasks"); p.add_argument("--start", type=int); p.add_argument("--result-fd", type=int)
-    p.add_argument("--device"); p.add_argument("--deadline", type=float)
-    a = p.parse_args()
-    tasks = json.load(open(a.tasks))
-    out = os.fdopen(a.result_fd, "w", buffering=1)
-    for i in range(a.start, len(tasks)):
-        out.write(json.dumps({"event": "start", "index": i}) + "\\n"); out.flush()
+class FakeRunner:
+    """Stands in for the benchmark Runner in a worker process (it starts without timing anything): the
+    second task a process runs crashes it or hangs, as $FAKE_MODE says."""
+
+    calls = 0
+
+    def __init__(self, device):
+        pass
+
+    def run(self, task):
+        FakeRunner.calls += 1
         mode = os.environ.get("FAKE_MODE")
-        if i == 1 and mode == "crash":
+        if FakeRunner.calls == 2 and mode == "crash":
             print("about to crash", flush=True)
             os._exit(9)
-        if i == 1 and mode == "hang":
+        if FakeRunner.calls == 2 and mode == "hang":
             time.sleep(60)
-        row = {"kind": "attn", "impl": tasks[i]["impl"], "status": {"fwd": "ok"}, "n": i}
-        out.write(json.dumps({"event": "result", "index": i, "result": row}) + "\\n"); out.flush()
-    out.write(json.dumps({"event": "done"}) + "\\n")
-""")
+        return {"kind": "attn", "impl": task["impl"], "status": {"fwd": "ok"}}
 
 
-@pytest.fixture
-def fake_worker(tmp_path):
-    script = tmp_path / "fake_worker.py"
-    script.write_text(FAKE_WORKER)
-    return [sys.executable, str(script)]
+FAKE_RUNNER = f"{__name__}:FakeRunner"
 
 
-def test_a_crashing_task_costs_one_cell_and_a_fresh_worker_goes_on(fake_worker, monkeypatch):
+def test_a_crashing_task_costs_one_cell_and_a_fresh_worker_goes_on(monkeypatch):
     monkeypatch.setenv("FAKE_MODE", "crash")
     seen = []
-    outcome = supervisor.run_tasks(_tiny_tasks(3), device="cpu", worker_command=fake_worker,
+    outcome = supervisor.run_tasks(_tiny_tasks(3), device="cpu", runner=FAKE_RUNNER,
                                    progress=Progress(3, stream=io.StringIO()),
                                    on_result=lambda i, row: seen.append(i))
     statuses = [r["status"]["fwd"] for r in outcome.results]
@@ -600,9 +593,9 @@ def test_a_crashing_task_costs_one_cell_and_a_fresh_worker_goes_on(fake_worker, 
     assert outcome.restarts == 1 and sorted(seen) == [0, 1, 2]
 
 
-def test_a_hanging_task_is_killed_after_the_timeout(fake_worker, monkeypatch):
+def test_a_hanging_task_is_killed_after_the_timeout(monkeypatch):
     monkeypatch.setenv("FAKE_MODE", "hang")
-    outcome = supervisor.run_tasks(_tiny_tasks(3), device="cpu", worker_command=fake_worker, task_timeout=1.5,
+    outcome = supervisor.run_tasks(_tiny_tasks(3), device="cpu", runner=FAKE_RUNNER, task_timeout=1.5,
                                    progress=Progress(3, stream=io.StringIO()))
     statuses = [r["status"]["fwd"] for r in outcome.results]
     assert statuses[1].startswith("error: timed out after 2 s") or statuses[1].startswith("error: timed out after 1 s")

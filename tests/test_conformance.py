@@ -23,13 +23,13 @@ import torch
 import mhattn
 from mhattn.cli import main as mhattn_main
 from mhattn.conformance import cases as cases_module
-from mhattn.conformance import pool as pool_module
+from mhattn import isolation
 from mhattn.conformance.cases import COLUMNS, Case, full_cases, parse_spec, quick_cases
 from mhattn.conformance.poison import poisoned_allocations
-from mhattn.conformance.pool import auto_jobs, case_cost, run_parallel
+from mhattn.conformance.pool import auto_jobs, case_cost, run_isolated, run_parallel
 from mhattn.conformance.report import Report, merge_reports, read_json_report, render_markdown, render_text, to_json
 from mhattn.conformance.runner import FAIL, NOT_RUN, PASS, UNSUPPORTED, CaseResult, run_case
-from mhattn.conformance.suite import make_plan, run_in_process, run_isolated
+from mhattn.conformance.suite import make_plan, run_in_process
 from mhattn.reference.backend import ReferenceBackend
 
 REFERENCE = mhattn.get_backend("reference")
@@ -170,8 +170,8 @@ class CountingProgress:
     def start(self, label):
         pass
 
-    def finish_case(self, result):
-        self.done += 1
+    def advance(self, count=1, failure=""):
+        self.done += count
 
 
 @contextlib.contextmanager
@@ -425,10 +425,8 @@ def test_parallel_workers_survive_a_crash_and_a_hang(monkeypatch):
 
 
 def test_parallel_workers_that_cannot_start_fail_every_case_once(monkeypatch):
-    from mhattn.conformance import suite
-
     # every worker exits at once, before its first message (as a broken install would)
-    monkeypatch.setattr(suite, "_WORKER_BOOT", "import sys; print('no module named mhattn'); sys.exit(5)")
+    monkeypatch.setattr(isolation, "_BOOT", "import sys; print('no module named mhattn'); sys.exit(5)")
     cases = cpu_quick(REFERENCE, ["fp32"], ["basic", "causal", "gqa"])
     progress = CountingProgress()
     results = run_parallel(cases, jobs=2, progress=progress)
@@ -439,24 +437,22 @@ def test_parallel_workers_that_cannot_start_fail_every_case_once(monkeypatch):
 
 
 # A stand-in worker (no torch: it starts at once) that runs one case, then, like a real worker whose CUDA
-# context broke, ends with WORKER_CONTEXT_LOST a moment later; the parent has handed it the next case by then.
+# context broke, ends with EXIT_BROKEN a moment later; the parent has handed it the next case by then.
 _WORKER_THAT_LOSES_ITS_CONTEXT = """
-import json, sys, time
+import json, os, sys, time
 entry = json.loads(sys.stdin.readline())
-with open(sys.argv[3], "a") as results:
-    results.write(json.dumps({"start": 0}) + "\\n")
-    result = {"backend": entry["backend"], "case": entry["case"], "status": "pass"}
-    results.write(json.dumps({"index": 0, "result": result}) + "\\n")
+with os.fdopen(int(sys.argv[4]), "w") as events:
+    events.write(json.dumps({"start": entry["index"]}) + "\\n")
+    result = {"backend": entry["task"]["backend"], "case": entry["task"]["case"], "status": "pass"}
+    events.write(json.dumps({"result": entry["index"], "value": result}) + "\\n")
 time.sleep(0.5)
 sys.exit(3)
 """
 
 
 def test_parallel_case_handed_to_a_worker_that_lost_its_context_runs_elsewhere(monkeypatch):
-    from mhattn.conformance import suite
-
-    assert suite.WORKER_CONTEXT_LOST == 3
-    monkeypatch.setattr(suite, "_WORKER_BOOT", _WORKER_THAT_LOSES_ITS_CONTEXT)
+    assert isolation.EXIT_BROKEN == 3
+    monkeypatch.setattr(isolation, "_BOOT", _WORKER_THAT_LOSES_ITS_CONTEXT)
     cases = cpu_quick(REFERENCE, ["fp32"], ["basic", "causal", "gqa"])
     progress = CountingProgress()
     results = run_parallel(cases, jobs=2, progress=progress)
@@ -469,7 +465,7 @@ def test_parallel_time_limit_stops_handing_out_cases(monkeypatch):
     counter = CountingProgress()
     # The parent's clock says the limit is reached once two cases are done (the workers' own check reads
     # the real clock, with the limit an hour away): the cases already handed out finish, no other starts.
-    monkeypatch.setattr(pool_module, "past", lambda deadline: counter.done >= 2)
+    monkeypatch.setattr(isolation, "past", lambda deadline: counter.done >= 2)
     results = run_parallel(cases, jobs=2, progress=counter, deadline=time.time() + 3600)
     statuses = [r.status for r in results]
     assert [r.case for r in results] == cases and counter.done == len(cases)

@@ -259,7 +259,7 @@ def test_one_progress_display_serves_conformance_bench_and_tune():
     import io
 
     from mhattn.conformance.cases import Case
-    from mhattn.conformance.progress import CaseProgress
+    from mhattn.conformance.suite import finish_case
     from mhattn.progress import Progress
 
     class Result:
@@ -270,10 +270,9 @@ def test_one_progress_display_serves_conformance_bench_and_tune():
             return "out: FAIL"
 
     stream = io.StringIO()
-    progress = CaseProgress(2, stream=stream)
-    assert isinstance(progress, Progress)
+    progress = Progress(2, stream=stream, title="conformance")
     progress.start("a case")
-    progress.finish_case(Result())
+    finish_case(progress, Result())
     progress.close()
     text = stream.getvalue()
     assert "FAIL reference basic" in text and "reproduce: mhattn conformance --backend reference" in text

@@ -1,29 +1,20 @@
 """Runs benchmark tasks (see plan.py; ``mhattn tune`` adds ``tune`` tasks) and turns each into a result row.
 
-:class:`Runner` runs tasks in this process. ``python -m mhattn.benchmark.worker`` runs a task file from an
-index on, writing one JSON line per event to a file descriptor the supervisor reads:
-``{"event": "start", "index": i}`` before a task, ``{"event": "result", "index": i, "result": row}`` after
-it, ``{"event": "deadline", "index": i}`` when the time limit stops it, ``{"event": "done"}`` at the end.
+:class:`Runner` runs tasks, in this process or in a worker process of the supervisor (see supervisor.py).
 When a failure has broken the CUDA context (an illegal address, a device-side assert), every later CUDA
-call in the process would fail too, so the worker exits with :data:`EXIT_CONTEXT_BROKEN` right after
-reporting that task, and the supervisor goes on in a fresh process.
+call in the process would fail too: the runner says so (``broken``), and its worker ends right after
+reporting that task, the supervisor going on in a fresh process.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import sys
-import time
 
 import torch
 
 from mhattn.benchmark import memory, module_bench, protocol, timing
 from mhattn.cuda_health import cuda_context_ok
 
-EXIT_CONTEXT_BROKEN = 3
 CHECK_AGAINST = "torch SDPA with its default kernel choice, same inputs"
 
 
@@ -81,6 +72,11 @@ class Runner:
         self._inputs = None
         self._check = None
         self._memory_oom = {}   # implementation -> smallest N at which its memory task ran out of memory
+
+    @property
+    def broken(self) -> bool:
+        """No task can run in this process any more (see mhattn.isolation)."""
+        return self.context_broken
 
     @property
     def table(self) -> dict:
@@ -177,41 +173,3 @@ class Runner:
         self._inputs = self._check = self._inputs_shape = None
         config = module_bench.ModuleConfig(**task["config"])
         return module_bench.measure_training_step(task["variant"], task["seqlen"], config, self.device)
-
-
-# ---- the worker process -----------------------------------------------------------------------------------
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="run benchmark tasks from a file (used by mhattn bench)")
-    parser.add_argument("--tasks", required=True, help="JSON file with the list of tasks")
-    parser.add_argument("--start", type=int, default=0, help="index of the first task to run")
-    parser.add_argument("--result-fd", type=int, required=True, help="file descriptor for the JSON-line events")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--deadline", type=float, default=0.0, help="time.time() after which no task starts (0: none)")
-    args = parser.parse_args(argv)
-
-    with open(args.tasks) as f:
-        tasks = json.load(f)
-    events = os.fdopen(args.result_fd, "w", buffering=1)
-
-    def emit(**event):
-        events.write(json.dumps(event, allow_nan=False) + "\n")
-        events.flush()
-
-    runner = Runner(args.device)
-    for index in range(args.start, len(tasks)):
-        if args.deadline and time.time() > args.deadline:
-            emit(event="deadline", index=index)
-            return 0
-        emit(event="start", index=index)
-        row = runner.run(tasks[index])
-        emit(event="result", index=index, result=row)
-        if runner.context_broken:
-            return EXIT_CONTEXT_BROKEN
-    emit(event="done")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,8 +4,8 @@
 - :mod:`.inputs`: the tensors of a case, drawn from its seed;
 - :mod:`.runner`: :func:`~.runner.run_case`, the judged run of one case on one backend;
 - :mod:`.tolerance`: the tolerance rule of CONFORMANCE.md;
-- :mod:`.suite`: plans, and running them in this process or in worker processes (:mod:`.worker`);
-- :mod:`.pool`: running them in several worker processes at once (``--jobs N``);
+- :mod:`.suite`: plans, and running them in this process;
+- :mod:`.pool`: running them in worker processes (through :mod:`mhattn.isolation`);
 - :mod:`.report`: the backend x feature table (text, Markdown, JSON);
 - :mod:`.cli`: ``mhattn conformance``.
 """

@@ -278,10 +278,10 @@ def run(args) -> int:
 
     from mhattn.conformance.compile_check import nvrtc_compile_check
     from mhattn.conformance.environment import describe_environment
-    from mhattn.conformance.progress import CaseProgress
-    from mhattn.conformance.pool import run_parallel
+    from mhattn.conformance.pool import run_isolated, run_parallel
     from mhattn.conformance.report import Report
-    from mhattn.conformance.suite import make_plan, run_in_process, run_isolated
+    from mhattn.conformance.suite import make_plan, run_in_process
+    from mhattn.progress import Progress
 
     backends, error = _resolve_backends(args.backend)
     if error:
@@ -301,7 +301,7 @@ def run(args) -> int:
     jobs = min(jobs, max(1, len(plan.cases)))  # no more workers than cases
     start = time.perf_counter()
     deadline = None if args.time_limit is None else time.time() + args.time_limit
-    progress = CaseProgress(len(plan.cases), enabled=not args.no_progress)
+    progress = Progress(len(plan.cases), enabled=not args.no_progress, title="conformance")
     try:
         if jobs > 1:
             results = run_parallel(plan.cases, jobs, progress, case_timeout=args.case_timeout, deadline=deadline)

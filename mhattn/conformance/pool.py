@@ -1,30 +1,22 @@
-"""Running a plan's cases in several worker processes at once (``mhattn conformance --jobs N``).
+"""Running a plan's cases in worker processes (``mhattn conformance --jobs N``, and ``--jobs 1`` on a GPU),
+through the shared isolation layer (:mod:`mhattn.isolation`): a case that crashes its worker, hangs past
+``--case-timeout`` or breaks the CUDA context fails alone, and a fresh worker goes on.
 
-The cases wait in one queue, costliest first (:func:`case_cost`), so the long ones start early and the
-end of the run is made of short ones spread over every worker. A worker is handed one case at a time on
-its stdin as soon as it is free, so no case waits behind a long one while another worker is idle.
-
-The guarantees of the one-worker run (:func:`mhattn.conformance.suite.run_isolated`) hold: a worker that
-dies, loses its CUDA context or goes silent past the case timeout fails only the case it was running, and
-a fresh worker takes its place; cases not started by the deadline are not run; results come back in the
-plan's order; the progress bar is updated from this process. A backend that a worker cannot make
-(registered by a call in this process, from a class a fresh process cannot import) runs here, after the
-workers are done.
+With ``--jobs N`` the cases wait in one queue, costliest first (:func:`case_cost`), so the long ones start
+early and the end of the run is made of short ones spread over every worker. ``--jobs 1`` runs one worker
+per backend, one backend after another. Results come back in the plan's order; the progress bar is updated
+from this process. A backend that a worker cannot make (registered by a call in this process, from a class
+a fresh process cannot import) runs here, after the workers are done.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
-import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Optional
 
-from mhattn.conformance.runner import CaseResult, not_run
-from mhattn.conformance.suite import (
-    STARTUP_TIMEOUT, TIME_LIMIT_REASON, WORKER_CONTEXT_LOST, WORKER_UNKNOWN_BACKEND, WorkerProcess, case_label,
-    log_tail, lost_case_result, not_started_result, past, run_in_process,
+from mhattn.conformance.runner import FAIL, CaseResult, not_run
+from mhattn.conformance.suite import TIME_LIMIT_REASON, case_label, finish_case, run_in_process
+from mhattn.isolation import (
+    CRASHED, DONE, EXIT_BROKEN, NOT_RUN, NOT_STARTED, REFUSED, TIMED_OUT, IsolatedRun, Refused,
 )
 
 
@@ -50,170 +42,156 @@ def case_cost(case) -> float:
     return float(size) * (3 + max(case.det_runs - 1, 0))
 
 
-@dataclass
-class _Slot:
-    """One worker of the pool and the case it holds (an index into the plan), if any."""
-
-    worker: WorkerProcess
-    case: Optional[int] = None      # handed to the worker, no result yet
-    started: Optional[float] = None  # time.monotonic() when the worker said it began that case
-    sent: list = field(default_factory=list)  # plan index of every case handed to it, in order
-    last_news: float = field(default_factory=time.monotonic)
-    retiring: bool = False          # its input is closed: it ends instead of taking another case
+# ---- in the worker -------------------------------------------------------------------------------------------
 
 
-class _Pool:
-    def __init__(self, cases, jobs: int, folder: str, progress, case_timeout: float, deadline):
-        self.cases = cases
-        self.jobs = jobs
-        self.folder = folder
-        self.progress = progress
-        self.case_timeout = case_timeout
-        self.deadline = deadline
-        self.results = [None] * len(cases)
-        # sorted() is stable: cases of equal cost keep the plan's order
-        self.queue = deque(sorted(range(len(cases)), key=lambda i: -case_cost(cases[i])))
-        self.slots = []
-        self.workers_started = 0
-        self.a_worker_started = False  # some worker has said something: workers can start on this machine
-        self.requeued = set()          # cases handed out again once already (their worker died before them)
-        self.parent_backends = set()   # backends the workers cannot make
-        self.in_parent = []            # their cases, run in this process at the end
+class CaseRunner:
+    """Runs cases (``{"backend", "case", "factory"}``, see :func:`_task`) in a worker process."""
 
-    # ---- the loop ----
+    def __init__(self):
+        self.broken = False  # the CUDA context is lost: the worker ends, a fresh one runs the rest
 
-    def run(self, poll_seconds: float) -> list:
-        try:
-            while self.queue or any(slot.case is not None for slot in self.slots):
-                for slot in list(self.slots):
-                    self._watch(slot)
-                if past(self.deadline):
-                    while self.queue:
-                        index = self.queue.popleft()
-                        self._deliver(index, not_run(self.cases[index], TIME_LIMIT_REASON))
-                self._hand_out()
-                time.sleep(poll_seconds)
-        finally:
-            # every case is settled: what a worker has left to do is the interpreter's teardown (a second
-            # or more with torch loaded), which nothing waits for
-            for slot in self.slots:
-                slot.worker.stop()
-        if self.in_parent:
-            rest = sorted(self.in_parent)
-            for index, result in zip(rest, run_in_process([self.cases[i] for i in rest], self.progress,
-                                                          self.deadline)):
-                self.results[index] = result
-        return self.results
+    def run(self, task: dict) -> dict:
+        import torch
 
-    def _hand_out(self):
-        for slot in self.slots:
-            if slot.case is None and not slot.retiring:
-                if self.queue:
-                    self._send(slot, self.queue.popleft())
-                else:
-                    slot.worker.close_input()
-                    slot.retiring = True
-        while self.queue and sum(not slot.retiring for slot in self.slots) < self.jobs:
-            self.workers_started += 1
-            slot = _Slot(WorkerProcess(None, self.folder, self.workers_started, self.deadline))
-            self.slots.append(slot)
-            self._send(slot, self.queue.popleft())
+        from mhattn.conformance.cases import parse_spec
+        from mhattn.conformance.runner import run_case
+        from mhattn.cuda_health import cuda_context_ok
 
-    def _send(self, slot: _Slot, index: int):
-        slot.case, slot.started, slot.last_news = index, None, time.monotonic()
-        slot.sent.append(index)
-        # a worker that has exited is noticed by _watch on the next round
-        slot.worker.send(self.cases[index])
+        case = parse_spec(task["case"], task["backend"])
+        backend = _backend(case.backend, task.get("factory", ""))
+        if backend is None:
+            raise Refused(f"this process cannot make the backend {case.backend!r}")
+        if case.device == "cpu" and torch.get_num_threads() != 1:
+            torch.set_num_threads(1)  # small CPU cases: threads only spin
+        result = run_case(backend, case)
+        self.broken = result.status == FAIL and case.device == "cuda" and not cuda_context_ok()
+        return result.to_dict()
 
-    # ---- one worker ----
 
-    def _watch(self, slot: _Slot):
-        exited = slot.worker.process.poll() is not None  # asked first: what it wrote before exiting is read below
-        for message in slot.worker.new_messages():
-            slot.last_news = time.monotonic()
-            self.a_worker_started = True
-            self._handle(slot, message)
-        if exited:
-            self.slots.remove(slot)
-            slot.worker.stop()
-            self._worker_ended(slot)
-        elif slot.case is not None and self._silent_too_long(slot):
-            self.slots.remove(slot)
-            slot.worker.stop()
-            # silent since the case started, or since it was handed over when it never started
-            self._deliver(slot.case, lost_case_result(self.cases[slot.case], slot.worker.process.returncode, "",
-                                                      True, self.case_timeout, time.monotonic() - slot.last_news))
+def _backend(name: str, factory: str):
+    """The registered backend ``name``; else one made from ``factory`` ('module:Class') and registered
+    here; None when neither works."""
+    from mhattn import registry
+    from mhattn.errors import UnknownBackendError
+    from mhattn.isolation import _import
 
-    def _silent_too_long(self, slot: _Slot) -> bool:
-        # before its first message the worker is still starting (imports, CUDA init)
-        allowed = self.case_timeout if slot.worker.heard else max(self.case_timeout, STARTUP_TIMEOUT)
-        return time.monotonic() - slot.last_news > allowed
+    try:
+        registered = registry.get_backend(name)
+    except UnknownBackendError:
+        registered = None
+    if registered is not None:
+        cls = type(registered)
+        if not factory or factory == f"{cls.__module__}:{cls.__qualname__}":
+            return registered
+    if not factory:
+        return None
+    try:
+        backend = _import(factory)()
+    except Exception:
+        return None
+    if getattr(backend, "name", None) != name:
+        return None
+    return registry.register_backend(backend, replace=True)
 
-    def _handle(self, slot: _Slot, message: dict):
-        if "unknown_backend" in message:
-            slot.retiring = True  # the worker ends after this message: it must not be handed another case
-            self._run_backend_here(message["unknown_backend"], slot)
-        elif "deadline" in message:
-            slot.retiring = True  # likewise
-            index = slot.sent[message["deadline"]]
-            self._deliver(index, not_run(self.cases[index], TIME_LIMIT_REASON))
-            slot.case = None
-        elif "start" in message:
-            slot.started = time.monotonic()
-            if self.progress is not None:
-                running = sum(s.started is not None for s in self.slots)
-                others = f" (+{running - 1} running)" if running > 1 else ""
-                self.progress.start(case_label(self.cases[slot.sent[message["start"]]]) + others)
-        elif "result" in message:
-            slot.case, slot.started = None, None
-            self._deliver(slot.sent[message["index"]], CaseResult.from_dict(message["result"]))
 
-    def _worker_ended(self, slot: _Slot):
-        """``slot``'s worker has exited (its messages are handled): settle the case it held, if any."""
-        if slot.case is None:
-            return  # between cases: its input was closed, the deadline passed, or its CUDA context was lost
-        code = slot.worker.process.returncode
-        if code == WORKER_UNKNOWN_BACKEND:
-            self._run_backend_here(self.cases[slot.case].backend, slot)
-        elif slot.started is not None:
-            self._deliver(slot.case, lost_case_result(self.cases[slot.case], code, log_tail(slot.worker.log_path),
-                                                      False, self.case_timeout, time.monotonic() - slot.started))
-        elif code == WORKER_CONTEXT_LOST or (self.a_worker_started and slot.case not in self.requeued):
-            # It stopped before it began this case: its CUDA context broke in the case before (the worker
-            # ends then, but it may have been handed this one first), or it died where other workers run.
-            # Not this case's doing: it goes again (once, unless a lost context explains it).
-            if code != WORKER_CONTEXT_LOST:
-                self.requeued.add(slot.case)
-            self.queue.appendleft(slot.case)
+# ---- in the parent -------------------------------------------------------------------------------------------
+
+
+def _factory(name: str) -> str:
+    """'module:Class' for a backend whose class a fresh process can import (so a backend registered by a
+    call, not an entry point, still runs isolated); '' otherwise."""
+    from mhattn import registry
+
+    try:
+        cls = type(registry.get_backend(name))
+    except Exception:
+        return ""
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        return ""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _task(case) -> dict:
+    task = {"backend": case.backend, "case": case.spec()}
+    factory = _factory(case.backend)
+    if factory:
+        task["factory"] = factory
+    return task
+
+
+def _result(case, settled, case_timeout: float):
+    """The CaseResult of a case the isolation layer settled; None when it must run in this process."""
+    if settled.how == DONE:
+        return CaseResult.from_dict(settled.value)
+    if settled.how == NOT_RUN:
+        return not_run(case, TIME_LIMIT_REASON)
+    if settled.how == TIMED_OUT:
+        why = f"timed out: no result after {case_timeout:.0f} s (the worker was killed)"
+    elif settled.how == CRASHED and settled.exit_code == EXIT_BROKEN:
+        why = "the CUDA context was lost during this case; a fresh worker runs the rest"
+    elif settled.how == CRASHED:
+        why = f"the worker process died while running this case (exit status {settled.exit_code}): {settled.log}"
+    elif settled.how == NOT_STARTED:
+        why = f"the worker process stopped before running any case (exit status {settled.exit_code}): {settled.log}"
+    else:
+        assert settled.how == REFUSED, settled.how
+        return None
+    return CaseResult(case, FAIL, error=why, seconds=settled.seconds)
+
+
+def _run_in_workers(cases, jobs: int, progress, case_timeout: float, deadline) -> list:
+    """Run ``cases`` in up to ``jobs`` workers, in the given order; results in that order."""
+    results = [None] * len(cases)
+    running = set()
+
+    def on_start(index):
+        running.add(index)
+        if progress is not None:
+            others = f" (+{len(running) - 1} running)" if len(running) > 1 else ""
+            progress.start(case_label(cases[index]) + others)
+
+    run = IsolatedRun([_task(c) for c in cases], "mhattn.conformance.pool:CaseRunner", jobs=jobs,
+                      task_timeout=case_timeout, deadline=deadline, group=lambda task: task["backend"],
+                      on_start=on_start)
+    here = []  # cases of backends the workers cannot make
+    for settled in run:
+        running.discard(settled.index)
+        result = _result(cases[settled.index], settled, case_timeout)
+        if result is None:
+            here.append(settled.index)
         else:
-            log = log_tail(slot.worker.log_path)
-            self._deliver(slot.case, not_started_result(self.cases[slot.case], code, log))
-            if not self.a_worker_started:
-                # no worker has got as far as a first message: a fresh one would fare no better
-                while self.queue:
-                    index = self.queue.popleft()
-                    self._deliver(index, not_started_result(self.cases[index], code, log))
-
-    def _run_backend_here(self, backend: str, slot: _Slot):
-        """The workers cannot make ``backend``: its cases, the one ``slot`` holds included, run here later."""
-        self.parent_backends.add(backend)
-        if slot.case is not None:
-            self.in_parent.append(slot.case)
-            slot.case = None
-        self.in_parent += [i for i in self.queue if self.cases[i].backend in self.parent_backends]
-        self.queue = deque(i for i in self.queue if self.cases[i].backend not in self.parent_backends)
-
-    def _deliver(self, index: int, result):
-        self.results[index] = result
-        if self.progress is not None:
-            self.progress.finish_case(result)
+            results[settled.index] = result
+            finish_case(progress, result)
+    here.sort()
+    for index, result in zip(here, run_in_process([cases[i] for i in here], progress, deadline)):
+        results[index] = result
+    return results
 
 
-def run_parallel(cases, jobs: int, progress=None, case_timeout: float = 600.0, poll_seconds: float = 0.05,
-                 deadline=None) -> list:
-    """Run ``cases`` in up to ``jobs`` worker processes at once; returns results in case order. Cases not
-    started by ``deadline`` (seconds since the epoch) are not run."""
+def run_parallel(cases, jobs: int, progress=None, case_timeout: float = 600.0, deadline=None) -> list:
+    """Run ``cases`` in up to ``jobs`` worker processes at once, costliest first; returns results in case
+    order. Cases not started by ``deadline`` (seconds since the epoch) are not run."""
     if jobs < 1:
         raise ValueError(f"run_parallel: jobs: expected a positive integer, got {jobs!r}")
-    with tempfile.TemporaryDirectory(prefix="mhattn-conformance-") as folder:
-        return _Pool(cases, jobs, folder, progress, case_timeout, deadline).run(poll_seconds)
+    # sorted() is stable: cases of equal cost keep the plan's order
+    order = sorted(range(len(cases)), key=lambda i: -case_cost(cases[i]))
+    ran = _run_in_workers([cases[i] for i in order], jobs, progress, case_timeout, deadline)
+    results = [None] * len(cases)
+    for index, result in zip(order, ran):
+        results[index] = result
+    return results
+
+
+def run_isolated(cases, progress=None, case_timeout: float = 600.0, deadline=None) -> list:
+    """Run ``cases`` in worker processes, one at a time, a fresh worker for each backend (``--jobs 1``);
+    returns results in case order. Cases not started by ``deadline`` (seconds since the epoch) are not run."""
+    results = []
+    start = 0
+    while start < len(cases):
+        end = start
+        while end < len(cases) and cases[end].backend == cases[start].backend:
+            end += 1
+        results += _run_in_workers(cases[start:end], 1, progress, case_timeout, deadline)
+        start = end
+    return results
