@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from mhattn.backends.cupy import compiler
+from mhattn.backends.streams import current_stream
 from mhattn.backends.cupy.variants import Variant
 
 
@@ -155,17 +156,6 @@ def cupy_value(kind: str, value):
     scalar = numpy_value(kind, value)
     make = _CUPY_VALUE[0]
     return scalar if make is None else make(scalar)
-
-
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def current_stream(device_index: int) -> int:
-    """The raw handle of torch's current CUDA stream of a device (what ``torch.cuda.current_stream(i)
-    .cuda_stream`` gives, without making a Stream object)."""
-    if _RAW_STREAM is not None:
-        return _RAW_STREAM(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 class _StreamRef:

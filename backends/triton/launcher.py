@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from mhattn.backends.streams import current_stream
+
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 _EMPTY = inspect.Parameter.empty
 _DTYPE = operator.attrgetter("dtype")
@@ -169,11 +171,6 @@ class CompiledLauncher:
     def _launch_through_triton(self, grid, args, constexprs: ConstexprSet):
         return self.kernel[grid](*args, **constexprs.kwargs, num_warps=constexprs.num_warps,
                                  num_stages=constexprs.num_stages)
-
-
-def current_stream(device_index: int) -> int:
-    """The raw handle of the current CUDA stream of a device (what Triton's own launch passes)."""
-    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 def _launch_hooks_set() -> bool:
