@@ -156,11 +156,15 @@ def stubbed_triton():
     from mhattn.backends.triton import backend as triton_backend
     from mhattn.backends.triton import launcher as launcher_module
 
+    from mhattn.backends.triton import decode as decode_module
+
     forward_module, backward_module, _ = triton_backend.kernels()
     stubs = triton_backend._Launchers(
         SimpleNamespace(attention_forward_kernel=_StubKernel(forward_module.attention_forward_kernel)),
         SimpleNamespace(**{name: _StubKernel(getattr(backward_module, name)) for name in (
-            "backward_preprocess_kernel", "backward_dkdv_kernel", "backward_dq_kernel")}))
+            "backward_preprocess_kernel", "backward_dkdv_kernel", "backward_dq_kernel")}),
+        SimpleNamespace(**{name: _StubKernel(getattr(decode_module, name)) for name in (
+            "split_kv_kernel", "combine_splits_kernel")}))
     for launcher in vars(stubs).values():
         launcher.interpret = False
     saved = triton_backend.launchers, launcher_module.current_stream

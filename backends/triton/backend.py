@@ -44,25 +44,31 @@ def kernels():
 
 
 class _Launchers:
-    """The dense forward and backward kernels, each behind a :class:`CompiledLauncher` (launch.py): after the
-    first launch of a specialisation, later ones go straight to the compiled handle."""
+    """The dense forward and backward kernels and the split-KV decoding kernels, each behind a
+    :class:`CompiledLauncher` (launcher.py): after the first launch of a specialisation, later ones go
+    straight to the compiled handle."""
 
-    def __init__(self, forward_module, backward_module):
+    def __init__(self, forward_module, backward_module, decode_module):
         self.forward = CompiledLauncher(forward_module.attention_forward_kernel, INTERPRET)
         self.preprocess = CompiledLauncher(backward_module.backward_preprocess_kernel, INTERPRET)
         self.dkdv = CompiledLauncher(backward_module.backward_dkdv_kernel, INTERPRET)
         self.dq = CompiledLauncher(backward_module.backward_dq_kernel, INTERPRET)
+        self.split_kv = CompiledLauncher(decode_module.split_kv_kernel, INTERPRET)
+        self.combine_splits = CompiledLauncher(decode_module.combine_splits_kernel, INTERPRET)
 
 
 _launchers_made = None
 
 
 def launchers() -> _Launchers:
+    """The launchers of the kernel modules (made on first use, like the modules)."""
     global _launchers_made
     forward_module, backward_module, _ = kernels()
     made = _launchers_made
     if made is None or made.forward.kernel is not forward_module.attention_forward_kernel:
-        made = _launchers_made = _Launchers(forward_module, backward_module)
+        from mhattn.backends.triton import decode
+
+        made = _launchers_made = _Launchers(forward_module, backward_module, decode)
     return made
 
 
@@ -119,15 +125,6 @@ class _Plan:
         self.descriptor_strides_ok = self.hopper and _descriptor_strides_ok(q, k, v)
         self.device_index = q.device.index if q.device.index is not None else 0
         self._constexpr_sets: dict = {}
-
-    def preprocess_constexprs(self, launcher: CompiledLauncher, block_m: int, has_grad_lse: bool):
-        """The backward preprocessing kernel's compile-time argument set (its own, not the tile's)."""
-        key = (launcher.name, block_m, has_grad_lse)
-        found = self._constexpr_sets.get(key)
-        if found is None:
-            found = self._constexpr_sets[key] = launcher.constexprs(
-                4, 1, HEAD_DIM_V=self.head_dim_v, BLOCK_DV=self.block_dv, BLOCK_M=block_m, HAS_GRAD_LSE=has_grad_lse)
-        return found
 
     def constexprs(self, launcher: CompiledLauncher, tile: configs.KernelConfig, **kwargs):
         """The launcher's compile-time argument set for ``tile`` and ``kwargs`` (with this plan's flags), made
@@ -448,7 +445,8 @@ class TritonBackend(Backend):
                 lse.stride(0), lse.stride(1), lse.stride(2),
                 grad_lse_arg.stride(0), grad_lse_arg.stride(1), grad_lse_arg.stride(2),
                 plan.heads_q, plan.seqlen_q, num_pre_blocks,
-            ), plan.preprocess_constexprs(kernel.preprocess, block_pre, grad_lse is not None), plan.device_index)
+            ), kernel.preprocess.cached_constexprs(4, 1, HEAD_DIM_V=plan.head_dim_v, BLOCK_DV=plan.block_dv, BLOCK_M=block_pre,
+                                                  HAS_GRAD_LSE=grad_lse is not None), plan.device_index)
 
             def launch_dkdv(tile):
                 num_n_blocks = triton_cdiv(plan.seqlen_k, tile.block_n)

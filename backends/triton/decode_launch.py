@@ -65,19 +65,6 @@ def num_splits(programs: int, keys: int, sm_count: int, min_keys: int = MIN_KEYS
     return max(1, min(wanted, -(-keys // min_keys), MAX_SPLITS))
 
 
-_LAUNCHERS = []
-
-
-def _launchers(decode, interpret: bool):
-    """The split-KV and combine kernels behind compiled-handle launchers (launcher.py), made on first use."""
-    if not _LAUNCHERS or _LAUNCHERS[0].kernel is not decode.split_kv_kernel:
-        from mhattn.backends.triton.launcher import CompiledLauncher
-
-        _LAUNCHERS[:] = [CompiledLauncher(decode.split_kv_kernel, interpret),
-                         CompiledLauncher(decode.combine_splits_kernel, interpret)]
-    return _LAUNCHERS
-
-
 # (plan, device, keys) -> (tile, splits, block_m, row_blocks): the same for every step of a decoding loop.
 _split_plans: dict = {}
 _SPLIT_PLANS_LIMIT = 1024
@@ -113,9 +100,8 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
     first cache.seqlens[b] keys with its diagonal at seqlens[b] - Nq. ``run``: the backend's _Launch of
     these arguments when the caller has it already.
     """
-    from mhattn.backends.triton import decode
     from mhattn.backends import layouts
-    from mhattn.backends.triton.backend import INTERPRET, _Launch, _OnDevice
+    from mhattn.backends.triton.backend import INTERPRET, _Launch, _OnDevice, launchers
 
     run = run or _Launch(q, k, v, params)
     batch, heads_q, seqlen_q = q.shape[:3]
@@ -139,8 +125,9 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
         out_split = lse_split = lse
     seqlens = cache.seqlens if cache is not None else lse
     table = cache.block_table if paged else lse
-    split_kv, combine = _launchers(decode, INTERPRET)
-    device_index = q.device.index if q.device.index is not None else 0
+    kernel = launchers()
+    split_kv, combine = kernel.split_kv, kernel.combine_splits
+    device_index = run.plan.device_index
     with _OnDevice(q.device):
         split_kv.launch((batch * heads_kv, splits, row_blocks), (
             q, k, v, out, lse, out_split, lse_split, seqlens, table,
