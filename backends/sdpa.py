@@ -196,7 +196,7 @@ class SdpaBackend(Backend):
         global enable flags could leave it)."""
         if self.kernel != "auto" or params.mask is not None or (q.device.type == "cuda" and not self.cuda):
             return None
-        causal = params.window_right == 0 and params.window_left is None
+        causal = _is_causal(params)
         if (params.window_right is not None and not causal) or (causal and params.diag_offset != 0):
             return None
         enable_gqa = q.shape[1] != k.shape[1]
@@ -250,6 +250,11 @@ class SdpaBackend(Backend):
         return dq, dk, dv, None
 
 
+def _is_causal(params: AttentionParams) -> bool:
+    """A causal band (right bound 0 on the diagonal, no left bound): what torch's is_causal flag can express."""
+    return params.window_right == 0 and params.window_left is None
+
+
 def _layout_key(kern: "TorchKernel", q: torch.Tensor, v: torch.Tensor) -> tuple:
     return kern.name, q.device.type, q.shape, q.stride(), v.shape, v.stride()
 
@@ -294,7 +299,7 @@ class _Plan:
     @classmethod
     def make(cls, q, k, params: AttentionParams) -> "_Plan":
         seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-        causal = params.window_right == 0 and params.window_left is None
+        causal = _is_causal(params)
         hides = causal and params.diag_offset < seqlen_k - 1
         mask = params.mask
         if q.device.type == "cpu" and hides and (params.diag_offset != 0 or mask is not None):
