@@ -597,6 +597,36 @@ def test_gpu_hopper_paths(config, case):
     check_attention(dtype="bfloat16", device="cuda", config=HOPPER_GPU_CONFIGS[config], **HOPPER_GPU_CASES[case])
 
 
+# The Gluon forward (hopper_forward.py), reached by small ragged shapes with its key threshold lowered: every
+# alignment, more queries than keys, rows that see no key, GQA, packed QKV views, one key; the backward runs from
+# its output and log-sum-exp.
+GLUON_FORWARD_CASES = {
+    "d64_ragged": dict(head_dim=64, seqlen_q=300, seqlen_k=517),
+    "d64_bottom_right_gqa": dict(head_dim=64, heads_q=6, heads_kv=2, seqlen_q=300, seqlen_k=517, causal="bottom_right"),
+    "d128_top_left_more_queries": dict(head_dim=128, seqlen_q=517, seqlen_k=300, causal="top_left"),
+    "d128_bottom_right_empty_rows": dict(head_dim=128, seqlen_q=517, seqlen_k=300, causal="bottom_right"),
+    "d256_one_key": dict(head_dim=256, seqlen_q=129, seqlen_k=1),
+    "d256_packed_causal_grad_lse": dict(head_dim=256, layout="packed", seqlen_q=600, seqlen_k=600, heads_q=4,
+                                        causal="top_left", grad_lse=True),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_FORWARD_CASES))
+def test_gpu_gluon_hopper_forward(monkeypatch, dtype, case):
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "MIN_KEYS", dict.fromkeys(hopper_launch.KEY_BLOCK, 1))
+    launches = []
+    real_forward = hopper_launch.forward
+    monkeypatch.setattr(hopper_launch, "forward", lambda *args: launches.append(1) or real_forward(*args))
+    check_attention(dtype=dtype, device="cuda", **GLUON_FORWARD_CASES[case])
+    assert launches, "the Gluon Hopper forward did not run"
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("tf32", [False, True])

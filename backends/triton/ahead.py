@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mhattn.backends.triton import configs
+from mhattn.backends.triton import configs, hopper_launch
 
 # Kernel arguments that are pointers (float32 ones listed apart), floats; every other argument is an int32.
 POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", "dV", "dQ", "dMask", "GradLse",
@@ -26,16 +26,23 @@ FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "dQacc", "OutSplit"
 # cache's lengths and block table (decode.py).
 INT32_POINTERS = {"Seed", "CuSeqlensQ", "CuSeqlensK", "Seqlens", "BlockTable"}
 FLOATS = {"qk_scale2", "softcap_in2", "softcap_out2", "dropout_scale", "sm_scale"}
-KINDS = ("fwd", "dkdv", "dq")
+KINDS = ("fwd", "dkdv", "dq", "hopper_fwd")
 # "sm_90a" is Hopper with its architecture-specific instructions (wgmma); Triton emits those for 9.0 itself.
 ARCHS = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90, "sm_90a": 90}
+
+
+def hopper_tile(head_dim: int) -> configs.KernelConfig:
+    """The Hopper forward's tile as a KernelConfig (for labels and num_warps): query rows per program, the key
+    block, the first consumer's 4 warps; copy-engine loads and warp specialisation always."""
+    return configs.KernelConfig(2 * hopper_launch.QUERY_ROWS_PER_CONSUMER, hopper_launch.KEY_BLOCK[head_dim], 4, 1,
+                                tma=True, warp_specialize=True)
 
 
 @dataclass(frozen=True)
 class KernelTask:
     """One kernel to compile: which kernel, for which problem class and tile."""
 
-    kind: str            # "fwd", "dkdv" or "dq"
+    kind: str            # "fwd", "dkdv", "dq" or "hopper_fwd" (the Gluon forward, hopper_forward.py)
     head_dim: int
     causal: bool
     tile: configs.KernelConfig
@@ -53,11 +60,25 @@ class KernelTask:
 def _kernel_function(kind: str):
     from mhattn.backends.triton import backward, decode, forward
 
+    if kind == "hopper_fwd":
+        from mhattn.backends.triton import hopper_forward
+
+        return hopper_forward.hopper_forward_kernel
     return {"fwd": forward.attention_forward_kernel, "dkdv": backward.backward_dkdv_kernel,
             "dq": backward.backward_dq_kernel, "splitkv": decode.split_kv_kernel}[kind]
 
 
+def _hopper_constexprs(task: KernelTask) -> dict:
+    from mhattn.backends.triton import hopper_launch
+
+    return dict(HEAD_DIM=task.head_dim, BLOCK_M=hopper_launch.QUERY_ROWS_PER_CONSUMER,
+                BLOCK_N=hopper_launch.KEY_BLOCK[task.head_dim], NUM_STAGES=hopper_launch.NUM_STAGES,
+                CAUSAL=task.causal, OVERLAP=True, HEAVY_FIRST=task.causal)
+
+
 def _constexprs(task: KernelTask) -> dict:
+    if task.kind == "hopper_fwd":
+        return dict(_hopper_constexprs(task), **dict(task.flags))
     padded = configs.padded_head_dim(task.head_dim)
     values = dict(HEAD_DIM=task.head_dim, HEAD_DIM_V=task.head_dim, BLOCK_D=padded, BLOCK_DV=padded,
                   BLOCK_M=task.tile.block_m, BLOCK_N=task.tile.block_n, HAS_LEFT=False, HAS_RIGHT=task.causal,
@@ -99,9 +120,14 @@ def compile_kernel(task: KernelTask, cc: int = 90):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-            if name.startswith("stride_") and not name.endswith(("mq", "mk")):
+            if name.startswith("stride_") and not name.endswith(("mq", "mk", "lb", "lh")):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    if task.kind == "hopper_fwd":
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        source = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    else:
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", cc, 32),
                           options=dict(num_warps=task.tile.num_warps, num_stages=task.tile.num_stages))
 
@@ -122,6 +148,8 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                 if hopper_only and not (tile.tma or tile.warp_specialize or (kind == "dkdv" and dq_mode)):
                     continue
                 tasks.append(KernelTask(kind, head_dim, causal, tile, dq_mode if kind == "dkdv" else 0))
+            if cc == 90 and head_dim in hopper_launch.KEY_BLOCK:  # the Gluon forward (sm_90 only)
+                tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim)))
     return tasks
 
 

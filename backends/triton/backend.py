@@ -19,7 +19,7 @@ import torch
 from mhattn import dropout_rng
 from mhattn.backends import layouts
 from mhattn.backends.base import FEATURES, OPERATIONS, AttentionParams, Backend, Capabilities
-from mhattn.backends.triton import configs, decode_launch, key_padding, varlen_launch
+from mhattn.backends.triton import configs, decode_launch, hopper_launch, key_padding, varlen_launch
 from mhattn.backends.triton.launcher import CompiledLauncher
 from mhattn.problem import device_capability
 
@@ -107,7 +107,12 @@ class _Plan:
         self.heavy_first = has_right and not has_left
         self.mask_kind = mask_kind
         self.has_dropout = has_dropout
+        self.key_lengths = key_lengths
+        self.dtype = q.dtype
         cc = device_capability(q.device)
+        # The Gluon Hopper forward (hopper_forward.py) is sm_90 code: wgmma and setmaxnreg.
+        self.sm90 = not INTERPRET and cc == (9, 0)
+        self.hopper_constexprs = None  # its compile-time set, made on its first launch
         self.config = configs.config_for(cc, q.dtype, self.head_dim, self.heavy_first, self.seqlen_q)
         self.flags = dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
                           BLOCK_DV=self.block_dv, HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SOFTCAP=has_softcap,
@@ -391,6 +396,11 @@ class TritonBackend(Backend):
         if plan.seqlen_k == 0:  # no key at all: every row is empty
             out.zero_()
             lse.fill_(float("-inf"))
+            return out, lse
+
+        if plan.sm90 and hopper_launch.why_not(plan, run) is None:
+            with _OnDevice(q.device):
+                hopper_launch.forward(q, k, v, out, lse, run, plan, plan.device_index)
             return out, lse
 
         def launch(tile):

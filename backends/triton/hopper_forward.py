@@ -1,0 +1,275 @@
+"""The Hopper (sm_90) forward kernel, written in Gluon: FlashAttention-3's schedule.
+
+What the FlashAttention-2 kernel (forward.py) leaves to Triton's pipeliner is spelled out here:
+
+- one program owns 2 * BLOCK_M query rows of one (batch, query head) and runs three partitions:
+  a load warp and two softmax warpgroups (consumers) of BLOCK_M rows each;
+- the load warp moves Q once, then every key block's K and V, through the copy engine (TMA) into a ring
+  of NUM_STAGES shared-memory slots; each slot has a "ready" barrier (the copy engine signals it when the
+  bytes have landed) and an "empty" barrier (each consumer signals it when its products no longer read
+  the slot), separate for K and V so that QK^T can start before V has landed;
+- each consumer computes S = Q K^T and O += P V with asynchronous warpgroup MMAs (wgmma) straight from
+  shared memory (P from registers), with the online softmax between them. With OVERLAP, the product
+  S_{j+1} = Q K_{j+1}^T is issued before the softmax of block j has been folded into O, so the tensor
+  cores work on one block while the warpgroup's exp2 work runs on the other (FlashAttention-3's
+  intra-warpgroup overlap); the two consumers also interleave naturally on the SM's schedulers;
+- the registers move to the consumers: the load warp keeps LOAD_REGS per thread, and each consumer warpgroup
+  gets up to CONSUMER_REGS (``setmaxnreg``, through warp_specialize's register budgets).
+
+The tensor maps are made in the kernel per (batch, head) from the base pointer and the row stride, so the
+copy engine zero-fills rows past the sequence end and the host encodes nothing per call.
+
+Coverage (the backend routes the rest to forward.py): fp16 and bf16; head dims 64, 128, 256 (K and V the
+same); no mask, or a causal mask of either alignment (diag_offset); GQA by head index; any Nq, Nk >= 1;
+16-byte aligned rows. Output (B, Hq, Nq, D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
+"""
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+# The copy-engine load into shared memory: Triton 3.6 names it async_copy_global_to_shared, later ones async_load
+# (same arguments: descriptor, coordinates, barrier, destination).
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+LN2 = gl.constexpr(0.6931471805599453)
+# Per-thread register budgets of the partitions (setmaxnreg): the load warp needs few.
+LOAD_REGS = gl.constexpr(24)
+CONSUMER_REGS = gl.constexpr(240)
+
+
+@triton.constexpr_function
+def tile_layout(rows, cols, bitwidth):
+    """The swizzled shared-memory layout the copy engine writes and wgmma reads for a (rows, cols) tile."""
+    width = cols * bitwidth // 8
+    swizzle = 128 if width % 128 == 0 else (64 if width % 64 == 0 else 32)
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=bitwidth, rank=2)
+
+
+@triton.constexpr_function
+def mma_layout(cols):
+    """Accumulator layout of one warpgroup's (64k, cols) wgmma result."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+
+@gluon.jit
+def visible_key_blocks(start_m, seqlen_k, diag_offset, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+    """(blocks, full): how many key blocks rows [start_m, start_m + ROWS) see, and how many leading ones
+    every row sees whole (those need no mask)."""
+    if CAUSAL:
+        hi = gl.minimum(gl.maximum(start_m + ROWS + diag_offset, 0), seqlen_k)
+        full = gl.minimum(gl.maximum(start_m + diag_offset + 1, 0), seqlen_k) // BLOCK_N
+    else:
+        hi = seqlen_k
+        full = seqlen_k // BLOCK_N
+    return gl.cdiv(hi, BLOCK_N), full
+
+
+@gluon.jit
+def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                   start_m, num_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The load warp: both consumers' Q tiles once, then K_j and V_j into slot j % NUM_STAGES as soon as
+    both consumers have released that slot's previous block."""
+    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+    tma_load(q_desc, [start_m, 0], q_ready, q_smem.index(0))
+    tma_load(q_desc, [start_m + BLOCK_M, 0], q_ready, q_smem.index(1))
+    for j in range(num_blocks):
+        slot = j % NUM_STAGES
+        # A fresh barrier counts as having completed the phase before its first: round 0 waits for nothing.
+        free_phase = ((j // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), free_phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free_phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def masked_scores(s2, start_m, start_n, seqlen_k, diag_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  CAUSAL: gl.constexpr, layout: gl.constexpr):
+    """Base-2 scores with invisible keys (past the sequence end, or after the row's diagonal) at -inf."""
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    ok = gl.expand_dims(cols < seqlen_k, 0)
+    if CAUSAL:
+        ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + diag_offset, 1))
+    return gl.where(ok, s2, float("-inf"))
+
+
+@gluon.jit
+def softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset, qk_scale2,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
+    """The online softmax of key block j: returns (p, alpha, m_new, l_new), p unnormalised in fp32."""
+    s2 = qk * qk_scale2
+    if j >= full:
+        s2 = masked_scores(s2, start_m, j * BLOCK_N, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+    m_new = gl.maximum(m_i, gl.max(s2, 1))
+    # A row that has seen no visible key keeps m = -inf; shifting by 0 keeps exp2(-inf) = 0, not NaN.
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s2 - gl.expand_dims(m_shift, 1))
+    alpha = gl.exp2(m_i - m_shift)
+    l_new = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def release_unused_blocks(k_ready, k_empty, v_ready, v_empty, first, num_blocks, NUM_STAGES: gl.constexpr):
+    """Blocks [first, num_blocks) that the other consumer needs and this one does not (a causal tile's
+    upper rows see more keys): wait until each has landed, then release it, so slot phases stay in step."""
+    for j in range(first, num_blocks):
+        slot = j % NUM_STAGES
+        phase = (j // NUM_STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        mbarrier.wait(v_ready.index(slot), phase)
+        mbarrier.arrive(v_empty.index(slot), count=1)
+
+
+@gluon.jit
+def consumer_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                       out_base, stride_om, lse_base, start_m, cta_blocks, seqlen_q, seqlen_k, diag_offset,
+                       qk_scale2, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr):
+    """One softmax warpgroup: BLOCK_M query rows from start_m, every key block they see, then the output."""
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(HEAD_DIM)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = q_smem.dtype
+
+    num_blocks, full = visible_key_blocks(start_m, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_ready, 0)
+
+    if OVERLAP:
+        if num_blocks > 0:
+            mbarrier.wait(k_ready.index(0), 0)
+            qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            qk = warpgroup_mma_wait(0, deps=(qk, ))
+            mbarrier.arrive(k_empty.index(0), count=1)
+            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
+                                              BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+            for j in range(1, num_blocks):
+                slot = j % NUM_STAGES
+                prev = (j - 1) % NUM_STAGES
+                # S_j on the tensor cores first, then P_{j-1} V_{j-1} behind it: while they run, nothing
+                # waits; the softmax of block j starts once S_j alone has finished.
+                mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
+                qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                                   is_async=True)
+                mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc,
+                                    is_async=True)
+                qk = warpgroup_mma_wait(1, deps=(qk, ))
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset,
+                                                  qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            last = (num_blocks - 1) % NUM_STAGES
+            mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(last), count=1)
+    else:
+        for j in range(num_blocks):
+            slot = j % NUM_STAGES
+            phase = (j // NUM_STAGES) & 1
+            mbarrier.wait(k_ready.index(slot), phase)
+            qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            qk = warpgroup_mma_wait(0, deps=(qk, ))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset, qk_scale2,
+                                              BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            mbarrier.wait(v_ready.index(slot), phase)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(slot), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(slot), count=1)
+    release_unused_blocks(k_ready, k_empty, v_ready, v_empty, num_blocks, cta_blocks, NUM_STAGES)
+
+    # Rows that saw no visible key have l = 0: output 0, lse -inf.
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
+    out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout)), 1)
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = out_base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+    gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(rows < seqlen_q, 1))
+    lse_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    gl.store(lse_base + lse_rows, lse, mask=lse_rows < seqlen_q)
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "diag_offset", "stride_lb", "stride_lh"])
+def hopper_forward_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_lb, stride_lh,
+    heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, qk_scale2, diag_offset,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+):
+    """Q (B, Hq, Nq, D), K and V (B, Hkv, Nk, D), Out (B, Hq, Nq, D): any strides, last dim contiguous, rows
+    16-byte aligned. Lse (B, Hq, Nq) fp32 by (stride_lb, stride_lh), natural log. Query head h reads
+    key/value head h // kv_group; qk_scale2 = scale * log2(e); causal: query row i sees keys j <= i +
+    diag_offset. Grid (B * Hq * num_m_blocks,), num_m_blocks = cdiv(Nq, 2 * BLOCK_M); launched with 4 warps
+    (the first consumer) plus the partitions' own."""
+    pid = gl.program_id(0)
+    batch_head = pid // num_m_blocks
+    m_block = pid % num_m_blocks
+    if HEAVY_FIRST:  # causal: the query blocks with the most keys start first
+        m_block = num_m_blocks - 1 - m_block
+    batch = batch_head // heads_q
+    head = batch_head % heads_q
+    head_kv = head // kv_group
+    start_m = m_block * 2 * BLOCK_M
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    q_base = Q + batch.to(gl.int64) * stride_qb + head.to(gl.int64) * stride_qh
+    k_base = K + batch.to(gl.int64) * stride_kb + head_kv.to(gl.int64) * stride_kh
+    v_base = V + batch.to(gl.int64) * stride_vb + head_kv.to(gl.int64) * stride_vh
+    q_tile: gl.constexpr = tile_layout(BLOCK_M, HEAD_DIM, dtype.primitive_bitwidth)
+    kv_tile: gl.constexpr = tile_layout(BLOCK_N, HEAD_DIM, dtype.primitive_bitwidth)
+    q_desc = tma.make_tensor_descriptor(q_base, [seqlen_q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM], q_tile)
+    k_desc = tma.make_tensor_descriptor(k_base, [seqlen_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM], kv_tile)
+    v_desc = tma.make_tensor_descriptor(v_base, [seqlen_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM], kv_tile)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_tile)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_tile)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_tile)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for slot in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(slot), count=1)
+        mbarrier.init(v_ready.index(slot), count=1)
+        mbarrier.init(k_empty.index(slot), count=2)  # one arrival per consumer
+        mbarrier.init(v_empty.index(slot), count=2)
+
+    # The upper consumer's rows see the most keys: the load warp fetches what it needs.
+    cta_blocks, _ = visible_key_blocks(start_m + BLOCK_M, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
+    lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+    gl.warp_specialize([
+        (consumer_partition, (q_smem.index(0), k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                              out_base, stride_om, lse_base, start_m, cta_blocks, seqlen_q, seqlen_k, diag_offset,
+                              qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, OVERLAP)),
+        (consumer_partition, (q_smem.index(1), k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                              out_base, stride_om, lse_base, start_m + BLOCK_M, cta_blocks, seqlen_q, seqlen_k,
+                              diag_offset, qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, OVERLAP)),
+        (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+                          v_empty, start_m, cta_blocks, BLOCK_M, BLOCK_N, NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
