@@ -73,7 +73,7 @@ def _hopper_constexprs(task: KernelTask) -> dict:
 
     return dict(HEAD_DIM=task.head_dim, BLOCK_M=hopper_launch.QUERY_ROWS_PER_CONSUMER,
                 BLOCK_N=hopper_launch.KEY_BLOCK[task.head_dim], NUM_STAGES=hopper_launch.NUM_STAGES,
-                CAUSAL=task.causal, OVERLAP=True, HEAVY_FIRST=task.causal)
+                CAUSAL=task.causal, HEAVY_FIRST=task.causal)
 
 
 def _constexprs(task: KernelTask) -> dict:

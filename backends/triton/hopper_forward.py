@@ -9,10 +9,9 @@ What the FlashAttention-2 kernel (forward.py) leaves to Triton's pipeliner is sp
   bytes have landed) and an "empty" barrier (each consumer signals it when its products no longer read
   the slot), separate for K and V so that QK^T can start before V has landed;
 - each consumer computes S = Q K^T and O += P V with asynchronous warpgroup MMAs (wgmma) straight from
-  shared memory (P from registers), with the online softmax between them. With OVERLAP, the product
-  S_{j+1} = Q K_{j+1}^T is issued before the softmax of block j has been folded into O, so the tensor
-  cores work on one block while the warpgroup's exp2 work runs on the other (FlashAttention-3's
-  intra-warpgroup overlap); the two consumers also interleave naturally on the SM's schedulers;
+  shared memory (P from registers), with the online softmax between them. The product S_{j+1} = Q K_{j+1}^T
+  is issued before P_j V_j, and the softmax of block j+1 runs while P_j V_j is still on the tensor cores
+  (FlashAttention-3's intra-warpgroup overlap); the two consumers also interleave on the SM's schedulers;
 - the registers move to the consumers: the load warp keeps LOAD_REGS per thread, and each consumer warpgroup
   gets up to CONSUMER_REGS (``setmaxnreg``, through warp_specialize's register budgets).
 
@@ -132,7 +131,7 @@ def release_unused_blocks(k_ready, k_empty, v_ready, v_empty, first, num_blocks,
 def consumer_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                        out_base, stride_om, lse_base, start_m, cta_blocks, seqlen_q, seqlen_k, diag_offset,
                        qk_scale2, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, OVERLAP: gl.constexpr):
+                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """One softmax warpgroup: BLOCK_M query rows from start_m, every key block they see, then the output."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM)
@@ -146,52 +145,36 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_read
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_ready, 0)
 
-    if OVERLAP:
-        if num_blocks > 0:
-            mbarrier.wait(k_ready.index(0), 0)
-            qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            qk = warpgroup_mma_wait(0, deps=(qk, ))
-            mbarrier.arrive(k_empty.index(0), count=1)
-            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
-                                              BLOCK_M, BLOCK_N, CAUSAL, s_layout)
-            for j in range(1, num_blocks):
-                slot = j % NUM_STAGES
-                prev = (j - 1) % NUM_STAGES
-                # S_j on the tensor cores first, then P_{j-1} V_{j-1} behind it: while they run, nothing
-                # waits; the softmax of block j starts once S_j alone has finished.
-                mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
-                qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
-                mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
-                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc,
-                                    is_async=True)
-                qk = warpgroup_mma_wait(1, deps=(qk, ))
-                mbarrier.arrive(k_empty.index(slot), count=1)
-                p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset,
-                                                  qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(v_empty.index(prev), count=1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            last = (num_blocks - 1) % NUM_STAGES
-            mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(last), count=1)
-    else:
-        for j in range(num_blocks):
+    if num_blocks > 0:
+        mbarrier.wait(k_ready.index(0), 0)
+        qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(0, deps=(qk, ))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
+                                          BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+        for j in range(1, num_blocks):
             slot = j % NUM_STAGES
-            phase = (j // NUM_STAGES) & 1
-            mbarrier.wait(k_ready.index(slot), phase)
-            qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            qk = warpgroup_mma_wait(0, deps=(qk, ))
+            prev = (j - 1) % NUM_STAGES
+            # S_j on the tensor cores first, then P_{j-1} V_{j-1} behind it: while they run, nothing
+            # waits; the softmax of block j starts once S_j alone has finished.
+            mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
+            qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc,
+                                is_async=True)
+            qk = warpgroup_mma_wait(1, deps=(qk, ))
             mbarrier.arrive(k_empty.index(slot), count=1)
-            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset, qk_scale2,
-                                              BLOCK_M, BLOCK_N, CAUSAL, s_layout)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            mbarrier.wait(v_ready.index(slot), phase)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(slot), acc, is_async=True)
+            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset,
+                                              qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(slot), count=1)
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        last = (num_blocks - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(last), count=1)
     release_unused_blocks(k_ready, k_empty, v_ready, v_empty, num_blocks, cta_blocks, NUM_STAGES)
 
     # Rows that saw no visible key have l = 0: output 0, lse -inf.
@@ -217,7 +200,7 @@ def hopper_forward_kernel(
     stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, qk_scale2, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, OVERLAP: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+    CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
 ):
     """Q (B, Hq, Nq, D), K and V (B, Hkv, Nk, D), Out (B, Hq, Nq, D): any strides, last dim contiguous, rows
     16-byte aligned. Lse (B, Hq, Nq) fp32 by (stride_lb, stride_lh), natural log. Query head h reads
@@ -266,10 +249,10 @@ def hopper_forward_kernel(
     gl.warp_specialize([
         (consumer_partition, (q_smem.index(0), k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                               out_base, stride_om, lse_base, start_m, cta_blocks, seqlen_q, seqlen_k, diag_offset,
-                              qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, OVERLAP)),
+                              qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
         (consumer_partition, (q_smem.index(1), k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                               out_base, stride_om, lse_base, start_m + BLOCK_M, cta_blocks, seqlen_q, seqlen_k,
-                              diag_offset, qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, OVERLAP)),
+                              diag_offset, qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
                           v_empty, start_m, cta_blocks, BLOCK_M, BLOCK_N, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

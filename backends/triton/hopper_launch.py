@@ -86,7 +86,7 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
     if constexprs is None:
         constexprs = plan.hopper_constexprs = launcher.constexprs(
             4, 1, HEAD_DIM=plan.head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[plan.head_dim],
-            NUM_STAGES=NUM_STAGES, CAUSAL=causal, OVERLAP=True, HEAVY_FIRST=causal)
+            NUM_STAGES=NUM_STAGES, CAUSAL=causal, HEAVY_FIRST=causal)
     launcher.launch((plan.batch * plan.heads_q * num_m_blocks,), (
         q, k, v, out, lse,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
