@@ -163,3 +163,40 @@ def test_the_attention_kernels_fit_the_launcher():
             fn = getattr(kernel, "fn", kernel)
             launcher = CompiledLauncher(RecordingKernel(fn))
             assert launcher.num_runtime >= 10 and launcher.constexpr_names, name
+
+
+def test_a_prepared_launch_keeps_the_handle_for_new_tensors_and_passes_every_argument(recording):
+    kernel, launcher = recording
+    x, y = buffers()
+    prepared = launcher.prepare((3, 2), (x, y, 16, 100, 0.5, True), launcher.constexprs(4, 2, BLOCK=64), 0)
+    prepared.launch((x, y, 16, 100, 0.5, True))
+    x2, y2 = buffers()
+    prepared.launch((x2, y2, 16, 100, 0.5, True))
+    assert kinds(kernel) == ["triton", "handle"]
+    assert kernel.log[1][2] == (3, 2, 1, 1234, "function1", "metadata1", None, None, None,
+                                x2, y2, 16, 100, 0.5, True, 64, False)
+    prepared.launch((buffers(offset=1)[0], y, 16, 100, 0.5, True))  # another alignment: Triton's path
+    prepared.launch((x, y.double(), 16, 100, 0.5, True))  # another dtype: Triton's path
+    assert kinds(kernel) == ["triton", "handle", "triton", "triton"]
+    with pytest.raises(TypeError, match="expected 6 runtime arguments, got 5"):
+        launcher.prepare((1,), (x, y, 16, 100, 0.5), launcher.constexprs(4, 2, BLOCK=64), 0)
+
+
+def test_prepared_launches_of_other_sites_never_share_a_handle(recording):
+    kernel, launcher = recording
+    x, y = buffers()
+    for stride in (16, 17):
+        launcher.prepare((3,), (x, y, stride, 100, 0.5, True), launcher.constexprs(4, 2, BLOCK=64), 0).launch(
+            (x, y, stride, 100, 0.5, True))
+    assert kinds(kernel) == ["triton", "triton"]
+
+
+def test_a_prepared_launch_leaves_hooked_launches_to_triton(recording, monkeypatch):
+    kernel, launcher = recording
+    x, y = buffers()
+    prepared = launcher.prepare((3,), (x, y, 16, 100, 0.5, True), launcher.constexprs(4, 2, BLOCK=64), 0)
+    prepared.launch((x, y, 16, 100, 0.5, True))
+    monkeypatch.setattr(launcher_module, "_launch_hooks_set", lambda: True)
+    prepared.launch((x, y, 16, 100, 0.5, True))
+    assert kinds(kernel) == ["triton", "triton"]
+
