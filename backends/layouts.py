@@ -17,11 +17,16 @@ import torch
 
 def empty_rows_major(batch: int, heads: int, seqlen: int, dim: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
     """(B, H, N, D) with (B, N, H, D) memory, on like's device, in ``dtype`` (default like's)."""
-    # The strides torch.empty(batch, seqlen, heads, dim).transpose(1, 2) has, in one allocation call.
+    shape, strides = rows_major_layout(batch, heads, seqlen, dim)
+    return torch.empty_strided(shape, strides, dtype=dtype or like.dtype, device=like.device)
+
+
+def rows_major_layout(batch: int, heads: int, seqlen: int, dim: int) -> tuple:
+    """(shape, strides) of :func:`empty_rows_major`: the strides torch.empty(batch, seqlen, heads, dim)
+    .transpose(1, 2) has (an empty dim counts as 1), for one empty_strided call (callers may keep them)."""
     head_stride = max(dim, 1)
     row_stride = head_stride * max(heads, 1)
-    strides = (row_stride * max(seqlen, 1), head_stride, row_stride, 1)
-    return torch.empty_strided((batch, heads, seqlen, dim), strides, dtype=dtype or like.dtype, device=like.device)
+    return (batch, heads, seqlen, dim), (row_stride * max(seqlen, 1), head_stride, row_stride, 1)
 
 
 def output_buffer(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -128,6 +128,7 @@ class _Plan:
         # The stride half of the descriptor check (the plan is per strides); the addresses are checked per call.
         self.descriptor_strides_ok = self.hopper and _descriptor_strides_ok(q, k, v)
         self.device_index = q.device.index if q.device.index is not None else 0
+        self.out_layout = layouts.rows_major_layout(self.batch, self.heads_q, self.seqlen_q, self.head_dim_v)
         # Whether q, k, v are dense, for their gradient buffers (layouts.grad_buffer).
         self.dense = (layouts.is_dense(q), layouts.is_dense(k), layouts.is_dense(v))
         self._constexpr_sets: dict = {}
@@ -451,7 +452,7 @@ class TritonBackend(Backend):
         # which allocate their own outputs.
         if plan.seqlen_k > 0 and decode_launch.eligible(q, k, params):
             return decode_launch.split_kv_forward(q, k, v, params, run=run)
-        out = layouts.output_buffer(q, v)
+        out = torch.empty_strided(*plan.out_layout, dtype=q.dtype, device=q.device)  # layouts.output_buffer's
         lse = torch.empty((plan.batch, plan.heads_q, plan.seqlen_q), dtype=torch.float32, device=q.device)
         if out.numel() == 0 and lse.numel() == 0:
             return out, lse
