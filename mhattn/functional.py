@@ -27,7 +27,7 @@ from mhattn import dispatch, dropout_rng
 from mhattn.backends import layouts
 from mhattn.backends.base import AttentionParams, Backend
 from mhattn.errors import InputError
-from mhattn.problem import Problem, feature_bits
+from mhattn.problem import Problem
 
 try:  # torch's causal-alignment objects (torch >= 2.2)
     from torch.nn.attention.bias import CausalBias, CausalVariant
@@ -362,9 +362,8 @@ def _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window
     if _front_end_answers(q, k, v):
         return None
     name, source = dispatch.requested(backend or None)
-    features = feature_bits(q, k, v, mask, mask_requires_grad, dropout_p, softcap, is_causal,
-                            _uses_window(window_left, window_right, is_causal))
-    return dispatch.backend_for(q, k, v, features, name, source, diag_offset)
+    return dispatch.backend_for_call(q, k, v, mask, mask_requires_grad, dropout_p, softcap, is_causal,
+                                     _uses_window(window_left, window_right, is_causal), name, source, diag_offset)
 
 
 _NO_NATIVE = Backend.native_attention
