@@ -141,9 +141,16 @@ class Decision:
 _cache: dict = {}
 _selected: dict = {}  # select()'s cache: (problem, request name, source) -> backend object
 _by_call: dict = {}  # backend_for_call's memo: a call's exact sizes and flags -> backend object
+_dependent: list = []  # other modules' caches holding decisions (see clears_with_cache)
 _CACHE_LIMIT = 4096
 _cache_lock = threading.Lock()
 _warned: set = set()
+
+
+def clears_with_cache(cache: dict) -> None:
+    """Clear ``cache`` (a dict holding decisions, e.g. the call path's memo of repeated calls) whenever the
+    decision cache is cleared."""
+    _dependent.append(cache)
 
 
 def clear_cache() -> None:
@@ -151,6 +158,8 @@ def clear_cache() -> None:
         _cache.clear()
         _selected.clear()
         _by_call.clear()
+        for cache in _dependent:
+            cache.clear()
     _parse_name.cache_clear()
     timing_table.clear_cache()
 

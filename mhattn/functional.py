@@ -77,10 +77,18 @@ def attention(
         that sees no key (and every row when Nk = 0) gives 0 (and lse -inf). Problems with an empty
         dimension or D = 0 run on the reference whatever the request (there is nothing to fuse).
     """
-    (q, k, v, mask, scale, dropout_p, causal, diag_offset, window_left, window_right, softcap,
-     out_shape) = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap)
-    if backend is not None:
-        backend = _backend_argument(backend)
+    call_key = _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap,
+                         backend)
+    known = _known_calls.get(call_key) if call_key is not None else None
+    if known is not None:  # checked before: only the per-tensor layout step is left (see _call_key)
+        q, k, v, mask = _to4d(query), _to4d(key), _to4d(value), None
+        scale, dropout_p, causal, diag_offset, window_left, window_right, softcap, out_shape, backend, chosen = known
+    else:
+        (q, k, v, mask, scale, dropout_p, causal, diag_offset, window_left, window_right, softcap,
+         out_shape) = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap)
+        if backend is not None:
+            backend = _backend_argument(backend)
+        chosen = _UNRESOLVED
     if dropout_p == 1.0:  # every weight dropped: zeros, as SDPA (the lse keeps its meaning)
         out, lse = attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window,
                              softcap=softcap, return_lse=True, backend=backend)
@@ -95,7 +103,11 @@ def attention(
     if torch.compiler.is_compiling():
         out, lse = torch.ops.mhattn.attention_forward(*args)
     else:
-        chosen = _resolve(*args)
+        if chosen is _UNRESOLVED:
+            chosen = _resolve(*args)
+            if call_key is not None and query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:  # no broadcast
+                _remember_call(call_key, (scale, dropout_p, causal, diag_offset, window_left, window_right, softcap,
+                                          out_shape, backend, chosen))
         out = None if (return_lse or chosen is None) else _native_attention(chosen, *args)
         if out is not None:  # the backend's own differentiable path (e.g. torch's SDPA with its C++ backward)
             return out.reshape(out_shape) if out.dim() != len(out_shape) else out
@@ -108,6 +120,44 @@ def attention(
         out = out.reshape(out_shape)
         lse = lse.reshape(out_shape[:-1])
     return (out, lse) if return_lse else out
+
+
+# ---- repeated calls --------------------------------------------------------------------------------------------
+
+# Calls with plain arguments (no attn_mask or window; Python floats and bools; see _call_key) whose shapes,
+# dtypes, devices, values, backend request and gradient needs equal an earlier call's: what _prepare and
+# _resolve made of that call (its canonical numbers, output shape, backend), so a repeated call skips both.
+# Bounded (the oldest entry makes room); cleared with the dispatcher's cache, since it holds decisions.
+_known_calls: dict = {}
+_KNOWN_CALLS_LIMIT = 1024
+_UNRESOLVED = object()
+dispatch.clears_with_cache(_known_calls)
+
+
+def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap, backend):
+    """The key of a call in _known_calls, or None where the call is not one whose outcome it holds. The key holds
+    everything _prepare checks and _resolve decides on except each tensor's last-dim stride (_to4d, per call), so
+    a call found there would pass the same checks and get the same backend. Values are typed exactly (a bool
+    where a float was would compare equal but is refused by _prepare), and NaNs never match."""
+    if (attn_mask is not None or window is not None or type(dropout_p) is not float or type(is_causal) is not bool
+            or type(enable_gqa) is not bool or not (scale is None or type(scale) is float)
+            or not (softcap is None or type(softcap) is float)
+            or not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
+                    and isinstance(value, torch.Tensor)) or torch.compiler.is_compiling()):
+        return None
+    try:
+        request = dispatch.requested(backend)
+    except Exception:  # a bad request raises where the full path checks it (after the tensors)
+        return None
+    return (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
+            value.device, dropout_p, is_causal, scale, enable_gqa, softcap, request,
+            query.requires_grad or key.requires_grad or value.requires_grad)
+
+
+def _remember_call(call_key, outcome) -> None:
+    if len(_known_calls) >= _KNOWN_CALLS_LIMIT:
+        _known_calls.pop(next(iter(_known_calls)), None)  # the oldest
+    _known_calls[call_key] = outcome
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
