@@ -22,6 +22,7 @@ Anything unusual (Triton's interpreter, a launch hook installed by a profiler) t
 from __future__ import annotations
 
 import inspect
+import itertools
 import operator
 from typing import Optional
 
@@ -100,7 +101,7 @@ class CompiledLauncher:
         self._kinds: dict = {}
         self._constexpr_sets: dict = {}
         self._sites: dict = {}  # a prepared launch's fixed part of the key -> a small int standing for it
-        self._next_site = 0
+        self._site_ids = itertools.count()  # next() is atomic: threads preparing at once get distinct ids
         self.handle_launches = 0  # launches that went through a kept handle (for tests and profiles)
         if interpret:  # Triton's interpreter: every launch goes through it (its kernels have no parameter list)
             self.num_runtime, self.constexpr_names, self.constexpr_defaults = None, None, {}
@@ -178,8 +179,7 @@ class CompiledLauncher:
         if site is None:
             if len(self._sites) >= HANDLES_LIMIT:
                 self._sites.pop(next(iter(self._sites)), None)
-            site = self._sites[static] = self._next_site
-            self._next_site += 1
+            site = self._sites[static] = next(self._site_ids)
         return site
 
     def _keep(self, key, compiled) -> None:
