@@ -129,6 +129,9 @@ class _Plan:
         self.descriptor_strides_ok = self.hopper and _descriptor_strides_ok(q, k, v)
         self.device_index = q.device.index if q.device.index is not None else 0
         self.out_layout = layouts.rows_major_layout(self.batch, self.heads_q, self.seqlen_q, self.head_dim_v)
+        # (shape, strides) of the per-row float32 buffers (lse, delta): contiguous (B, Hq, Nq).
+        rows_shape = (self.batch, self.heads_q, self.seqlen_q)
+        self.rows_layout = (rows_shape, layouts.contiguous_strides(rows_shape))
         # Whether q, k, v are dense, for their gradient buffers (layouts.grad_buffer).
         self.dense = (layouts.is_dense(q), layouts.is_dense(k), layouts.is_dense(v))
         self._constexpr_sets: dict = {}
@@ -160,6 +163,8 @@ class _Signature:
         # A bool mask shared by heads and query rows (key padding): per-batch key bounds (key_padding.py).
         self.key_lengths = k.shape[2] > 0 and key_padding.applies(mask)
         self.has_dropout = has_dropout
+        # Whether the forward runs on the split-KV decoding kernels (decode_launch.eligible, of the key's values).
+        self.decode = k.shape[2] > 0 and decode_launch.eligible(q, k, params)
         self.checked = False  # whether _check_inputs passed for these shapes and strides (dense calls)
         self.sites: dict = {}
         plan = _plan_for(q, k, v, mask_kind, params.window_left is not None, params.window_right is not None,
@@ -450,10 +455,10 @@ class TritonBackend(Backend):
         plan = run.plan
         # Decoding (few query rows per key/value head): the split-KV kernels (decode.py, decode_launch.py),
         # which allocate their own outputs.
-        if plan.seqlen_k > 0 and decode_launch.eligible(q, k, params):
+        if run.signature.decode:
             return decode_launch.split_kv_forward(q, k, v, params, run=run)
         out = torch.empty_strided(*plan.out_layout, dtype=q.dtype, device=q.device)  # layouts.output_buffer's
-        lse = torch.empty((plan.batch, plan.heads_q, plan.seqlen_q), dtype=torch.float32, device=q.device)
+        lse = torch.empty_strided(*plan.rows_layout, dtype=torch.float32, device=q.device)
         if out.numel() == 0 and lse.numel() == 0:
             return out, lse
         if plan.seqlen_k == 0:  # no key at all: every row is empty
@@ -504,7 +509,7 @@ class TritonBackend(Backend):
             dq.zero_(), dk.zero_(), dv.zero_()
             return dq, dk, dv, (dmask.to(params.mask.dtype) if dmask is not None else None)
 
-        delta = torch.empty((plan.batch, plan.heads_q, plan.seqlen_q), dtype=torch.float32, device=q.device)
+        delta = torch.empty_strided(*plan.rows_layout, dtype=torch.float32, device=q.device)
         lse2 = torch.empty_like(delta)
         dq_mode = self._dq_mode(run, mask_grad)
         # dQ summed inside the dK/dV kernel: a zeroed float32 buffer (B, Hq, Nq, D), converted at the end.
