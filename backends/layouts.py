@@ -10,13 +10,23 @@ promise, so compiled and eager calls return the same strides with no copy.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
 def empty_rows_major(batch: int, heads: int, seqlen: int, dim: int, like: torch.Tensor, dtype=None) -> torch.Tensor:
     """(B, H, N, D) with (B, N, H, D) memory, on like's device, in ``dtype`` (default like's)."""
-    t = torch.empty(batch, seqlen, heads, dim, dtype=dtype or like.dtype, device=like.device)
-    return t.transpose(1, 2)
+    shape, strides = rows_major_layout(batch, heads, seqlen, dim)
+    return torch.empty_strided(shape, strides, dtype=dtype or like.dtype, device=like.device)
+
+
+def rows_major_layout(batch: int, heads: int, seqlen: int, dim: int) -> tuple:
+    """(shape, strides) of :func:`empty_rows_major`: the strides torch.empty(batch, seqlen, heads, dim)
+    .transpose(1, 2) has (an empty dim counts as 1), for one empty_strided call (callers may keep them)."""
+    head_stride = max(dim, 1)
+    row_stride = head_stride * max(heads, 1)
+    return (batch, heads, seqlen, dim), (row_stride * max(seqlen, 1), head_stride, row_stride, 1)
 
 
 def output_buffer(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -30,9 +40,10 @@ def lse_buffer(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(q.shape[:3], dtype=dtype, device=q.device)
 
 
-def grad_buffer(t: torch.Tensor) -> torch.Tensor:
-    """A gradient buffer for the 4-D tensor t: t's layout when t is dense, else row-major heads."""
-    if is_dense(t):
+def grad_buffer(t: torch.Tensor, dense: Optional[bool] = None) -> torch.Tensor:
+    """A gradient buffer for the 4-D tensor t: t's layout when t is dense, else row-major heads. ``dense``:
+    :func:`is_dense` (t) when the caller has it already (a plan of t's strides)."""
+    if is_dense(t) if dense is None else dense:
         return torch.empty_like(t)  # preserve_format keeps a dense tensor's strides
     b, h, n, d = t.shape
     return empty_rows_major(b, h, n, d, t)

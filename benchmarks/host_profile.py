@@ -72,25 +72,30 @@ def _backend_function(backend, params):
 
 
 def _triton_launch_rows(q, k, v, params):
-    """The forward kernel through Triton's launch and through the kept handle, same arguments."""
+    """The forward kernel through Triton's launch, through the kept handle and through the backend's prepared
+    launch (launcher.PreparedLaunch), same arguments."""
     from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import launcher as launcher_module
 
     launcher = triton_backend.launchers().forward
     captured = {}
-    original = launcher.launch
+    original = launcher_module.PreparedLaunch.launch
 
-    def spy(grid, args, constexprs, device_index=None):
-        captured.update(grid=grid, args=args, constexprs=constexprs, device_index=device_index)
-        return original(grid, args, constexprs, device_index)
+    def spy(prepared, args):
+        if prepared.launcher is launcher:
+            captured.update(prepared=prepared, args=args)
+        return original(prepared, args)
 
-    launcher.launch = spy
+    launcher_module.PreparedLaunch.launch = spy
     try:
         mhattn.registry.get_backend("triton").forward(q, k, v, params)
     finally:
-        launcher.launch = original
-    grid, args, sets, index = (captured[n] for n in ("grid", "args", "constexprs", "device_index"))
+        launcher_module.PreparedLaunch.launch = original
+    prepared, args = captured["prepared"], captured["args"]
+    grid, sets, index = prepared.grid, prepared.constexprs, prepared.device_index
     return [("triton forward kernel, kernel[grid](...)", lambda: launcher._launch_through_triton(grid, args, sets)),
-            ("triton forward kernel, kept handle", lambda: launcher.launch(grid, args, sets, index))]
+            ("triton forward kernel, kept handle", lambda: launcher.launch(grid, args, sets, index)),
+            ("triton forward kernel, prepared launch", lambda: prepared.launch(args))]
 
 
 def rows():

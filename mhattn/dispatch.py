@@ -21,7 +21,7 @@ from typing import Optional
 
 from mhattn import registry
 from mhattn.errors import BackendUnavailableError, UnknownBackendError
-from mhattn.problem import Problem
+from mhattn.problem import Problem, feature_bits
 from mhattn.tuning import table as timing_table
 
 ENV_VAR = "MHATTN_BACKEND"
@@ -140,15 +140,26 @@ class Decision:
 # see backend_for) -> backend object. Bounded; when full, the oldest entry makes room (no wholesale flush).
 _cache: dict = {}
 _selected: dict = {}  # select()'s cache: (problem, request name, source) -> backend object
+_by_call: dict = {}  # backend_for_call's memo: a call's exact sizes and flags -> backend object
+_dependent: list = []  # other modules' caches holding decisions (see clears_with_cache)
 _CACHE_LIMIT = 4096
 _cache_lock = threading.Lock()
 _warned: set = set()
+
+
+def clears_with_cache(cache: dict) -> None:
+    """Clear ``cache`` (a dict holding decisions, e.g. the call path's memo of repeated calls) whenever the
+    decision cache is cleared."""
+    _dependent.append(cache)
 
 
 def clear_cache() -> None:
     with _cache_lock:
         _cache.clear()
         _selected.clear()
+        _by_call.clear()
+        for cache in _dependent:
+            cache.clear()
     _parse_name.cache_clear()
     timing_table.clear_cache()
 
@@ -206,6 +217,26 @@ def backend_for(q, k, v, features: int, name: str, source: str, diag_offset: int
             if len(_cache) >= _CACHE_LIMIT:
                 _cache.pop(next(iter(_cache)), None)  # the oldest entry
             _cache[key if _bucket_agrees(problem, name, source, backend.name) else exact_key] = backend
+    return backend
+
+
+def backend_for_call(q, k, v, mask, mask_requires_grad: bool, dropout_p: float, softcap, causal: bool,
+                     window: bool, name: str, source: str, diag_offset: int = 0):
+    """:func:`backend_for` of a call's own arguments (q, k, v as there; mask None or a tensor; ``causal``,
+    ``window``: whether the call uses those features), memoised by their exact sizes and flags: a repeated
+    call builds neither the feature bits nor the size buckets. The memo holds only what backend_for answered,
+    and is cleared with its cache."""
+    key = (name, source, q.device, q.dtype, q.shape, k.shape, v.shape[3], None if mask is None else mask.dtype,
+           mask_requires_grad, dropout_p > 0.0, softcap is not None, causal, window, diag_offset,
+           q.requires_grad or k.requires_grad or v.requires_grad)
+    backend = _by_call.get(key)
+    if backend is None:
+        features = feature_bits(q, k, v, mask, mask_requires_grad, dropout_p, softcap, causal, window)
+        backend = backend_for(q, k, v, features, name, source, diag_offset)
+        with _cache_lock:
+            if len(_by_call) >= _CACHE_LIMIT:
+                _by_call.pop(next(iter(_by_call)), None)  # the oldest entry
+            _by_call[key] = backend
     return backend
 
 

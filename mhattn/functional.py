@@ -27,7 +27,7 @@ from mhattn import dispatch, dropout_rng
 from mhattn.backends import layouts
 from mhattn.backends.base import AttentionParams, Backend
 from mhattn.errors import InputError
-from mhattn.problem import Problem, feature_bits
+from mhattn.problem import Problem
 
 try:  # torch's causal-alignment objects (torch >= 2.2)
     from torch.nn.attention.bias import CausalBias, CausalVariant
@@ -77,10 +77,18 @@ def attention(
         that sees no key (and every row when Nk = 0) gives 0 (and lse -inf). Problems with an empty
         dimension or D = 0 run on the reference whatever the request (there is nothing to fuse).
     """
-    (q, k, v, mask, scale, dropout_p, causal, diag_offset, window_left, window_right, softcap,
-     out_shape) = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap)
-    if backend is not None:
-        backend = _backend_argument(backend)
+    call_key = _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap,
+                         backend)
+    known = _known_calls.get(call_key) if call_key is not None else None
+    if known is not None:  # checked before: only the per-tensor layout step is left (see _call_key)
+        q, k, v, mask = _to4d(query), _to4d(key), _to4d(value), None
+        scale, dropout_p, causal, diag_offset, window_left, window_right, softcap, out_shape, backend, chosen = known
+    else:
+        (q, k, v, mask, scale, dropout_p, causal, diag_offset, window_left, window_right, softcap,
+         out_shape) = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap)
+        if backend is not None:
+            backend = _backend_argument(backend)
+        chosen = _UNRESOLVED
     if dropout_p == 1.0:  # every weight dropped: zeros, as SDPA (the lse keeps its meaning)
         out, lse = attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window,
                              softcap=softcap, return_lse=True, backend=backend)
@@ -95,18 +103,61 @@ def attention(
     if torch.compiler.is_compiling():
         out, lse = torch.ops.mhattn.attention_forward(*args)
     else:
-        chosen = _resolve(*args)
+        if chosen is _UNRESOLVED:
+            chosen = _resolve(*args)
+            if call_key is not None and query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:  # no broadcast
+                _remember_call(call_key, (scale, dropout_p, causal, diag_offset, window_left, window_right, softcap,
+                                          out_shape, backend, chosen))
         out = None if (return_lse or chosen is None) else _native_attention(chosen, *args)
         if out is not None:  # the backend's own differentiable path (e.g. torch's SDPA with its C++ backward)
             return out.reshape(out_shape) if out.dim() != len(out_shape) else out
         if grad and (q.requires_grad or k.requires_grad or v.requires_grad or mask_grad):
-            out, lse = _EagerAttention.apply(*args, chosen)
+            # The tensors autograd tracks as arguments of their own, the rest as one (fewer for apply to scan).
+            out, lse = _EagerAttention.apply(q, k, v, mask, args[4:], chosen)
         else:  # nothing to differentiate: no autograd Function, no saved tensors
             _, _, out, lse = _run_forward(*args, chosen=chosen)
     if out.dim() != len(out_shape):
         out = out.reshape(out_shape)
         lse = lse.reshape(out_shape[:-1])
     return (out, lse) if return_lse else out
+
+
+# ---- repeated calls --------------------------------------------------------------------------------------------
+
+# Calls with plain arguments (no attn_mask or window; Python floats and bools; see _call_key) whose shapes,
+# dtypes, devices, values, backend request and gradient needs equal an earlier call's: what _prepare and
+# _resolve made of that call (its canonical numbers, output shape, backend), so a repeated call skips both.
+# Bounded (the oldest entry makes room); cleared with the dispatcher's cache, since it holds decisions.
+_known_calls: dict = {}
+_KNOWN_CALLS_LIMIT = 1024
+_UNRESOLVED = object()
+dispatch.clears_with_cache(_known_calls)
+
+
+def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap, backend):
+    """The key of a call in _known_calls, or None where the call is not one whose outcome it holds. The key holds
+    everything _prepare checks and _resolve decides on except each tensor's last-dim stride (_to4d, per call), so
+    a call found there would pass the same checks and get the same backend. Values are typed exactly (a bool
+    where a float was would compare equal but is refused by _prepare), and NaNs never match."""
+    if (attn_mask is not None or window is not None or type(dropout_p) is not float or type(is_causal) is not bool
+            or type(enable_gqa) is not bool or not (scale is None or type(scale) is float)
+            or not (softcap is None or type(softcap) is float)
+            or not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
+                    and isinstance(value, torch.Tensor)) or torch.compiler.is_compiling()):
+        return None
+    try:
+        request = dispatch.requested(backend)
+    except Exception:  # a bad request raises where the full path checks it (after the tensors)
+        return None
+    return (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
+            value.device, dropout_p, is_causal, scale, enable_gqa, softcap, request,
+            query.requires_grad or key.requires_grad or value.requires_grad)
+
+
+def _remember_call(call_key, outcome) -> None:
+    if len(_known_calls) >= _KNOWN_CALLS_LIMIT:
+        _known_calls.pop(next(iter(_known_calls)), None)  # the oldest
+    _known_calls[call_key] = outcome
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
@@ -132,10 +183,9 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     The common case costs a handful of comparisons; messages are built only for bad input."""
     if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
         _raise_not_tensor(query, key, value)
-    dim = query.dim()
-    dtype = query.dtype
-    if (dim < 3 or key.dim() < 3 or value.dim() < 3 or key.dtype != dtype or value.dtype != dtype
-            or not query.is_floating_point() or query.device != key.device or query.device != value.device):
+    dtype, device = query.dtype, query.device
+    if (query.dim() < 3 or key.dim() < 3 or value.dim() < 3 or key.dtype != dtype or value.dtype != dtype
+            or not query.is_floating_point() or key.device != device or value.device != device):
         _raise_bad_tensors(query, key, value)
     q_shape, k_shape, v_shape = query.shape, key.shape, value.shape
     heads_q, seqlen_q, head_dim = q_shape[-3:]
@@ -150,7 +200,8 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
         if heads_kv == 0 or heads_q % heads_kv:
             raise InputError(f"with enable_gqa, query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
 
-    dropout_p = _number(dropout_p, "dropout_p")
+    if type(dropout_p) is not float:  # (a float, the usual case, is already what _number gives)
+        dropout_p = _number(dropout_p, "dropout_p")
     if not 0.0 <= dropout_p <= 1.0:
         raise InputError(f"dropout_p must be a probability in [0, 1], got {dropout_p!r}")
     if scale is None:
@@ -188,7 +239,7 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
         else:
             if is_causal:
                 raise InputError("is_causal=True cannot be combined with an explicit attn_mask tensor (as in SDPA)")
-            mask = _canonical_mask(attn_mask, query.device, tuple(batch_shape) + (heads_q, seqlen_q, seqlen_k))
+            mask = _canonical_mask(attn_mask, device, tuple(batch_shape) + (heads_q, seqlen_q, seqlen_k))
     window_right = _causal_right(window_right, causal)
 
     q, k, v = _to4d(query), _to4d(key), _to4d(value)
@@ -309,10 +360,25 @@ def _to4d(t: torch.Tensor) -> torch.Tensor:
 
 def _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p, seed,
             softcap) -> AttentionParams:
-    """The backend's view of a call (the causal bound is already folded into window_right by _prepare)."""
+    """The backend's view of a call (the causal bound is already folded into window_right by _prepare). Without a
+    mask or a seed tensor the params are plain numbers, made once per distinct set (they are frozen)."""
+    if mask is None and seed is None:
+        key = (scale, diag_offset, window_left, window_right, dropout_p, softcap, mask_requires_grad)
+        params = _plain_params.get(key)
+        if params is None:
+            if len(_plain_params) >= _PLAIN_PARAMS_LIMIT:
+                _plain_params.pop(next(iter(_plain_params)), None)  # the oldest
+            params = _plain_params[key] = AttentionParams(
+                scale=scale, diag_offset=diag_offset, window_left=window_left, window_right=window_right,
+                mask_requires_grad=mask_requires_grad, dropout_p=dropout_p, softcap=softcap)
+        return params
     return AttentionParams(scale=scale, diag_offset=diag_offset, window_left=window_left, window_right=window_right,
                            mask=mask, mask_requires_grad=mask_requires_grad, dropout_p=dropout_p,
                            seed=(0, 0) if seed is None else seed, softcap=softcap)
+
+
+_plain_params: dict = {}
+_PLAIN_PARAMS_LIMIT = 1024
 
 
 def _backend_argument_now(backend) -> str:
@@ -335,8 +401,9 @@ def _uses_window(window_left, window_right, causal) -> bool:
 
 
 def _front_end_answers(q, k, v) -> bool:
-    """Problems the front end answers itself: shape inference (meta tensors), an empty size, D = 0."""
-    return q.device.type == "meta" or 0 in q.shape or 0 in k.shape or v.shape[3] == 0
+    """Problems the front end answers itself: shape inference (meta tensors), an empty size, D = 0 (v shares
+    k's other sizes, so k's count covers them)."""
+    return q.is_meta or q.numel() == 0 or k.numel() == 0 or v.shape[3] == 0
 
 
 def _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
@@ -345,9 +412,8 @@ def _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window
     if _front_end_answers(q, k, v):
         return None
     name, source = dispatch.requested(backend or None)
-    features = feature_bits(q, k, v, mask, mask_requires_grad, dropout_p, softcap, is_causal,
-                            _uses_window(window_left, window_right, is_causal))
-    return dispatch.backend_for(q, k, v, features, name, source, diag_offset)
+    return dispatch.backend_for_call(q, k, v, mask, mask_requires_grad, dropout_p, softcap, is_causal,
+                                     _uses_window(window_left, window_right, is_causal), name, source, diag_offset)
 
 
 _NO_NATIVE = Backend.native_attention
@@ -369,11 +435,11 @@ def _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, wi
     params, out, lse); None for a problem the front end answers itself (empty sizes, D = 0, meta tensors)."""
     params = _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
                      seed, softcap)
-    if q.device.type == "meta":  # shape inference only
-        return None, params, layouts.output_buffer(q, v), layouts.lse_buffer(q)
-    if _front_end_answers(q, k, v):
-        return None, params, *_degenerate_forward(q, k, v, params)
-    if chosen is None:
+    if chosen is None:  # (a chosen backend means _resolve found none of the front end's own problems)
+        if q.is_meta:  # shape inference only
+            return None, params, layouts.output_buffer(q, v), layouts.lse_buffer(q)
+        if _front_end_answers(q, k, v):
+            return None, params, *_degenerate_forward(q, k, v, params)
         chosen = _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right,
                           dropout_p, softcap, mask_requires_grad)
     out, lse = chosen.forward(q, k, v, params)
@@ -384,7 +450,7 @@ def _run_backward(chosen, params, grad_out, q, k, v, out, lse, grad_lse):
     """The backward of a forward that ran on ``chosen`` (None: the front end's own answer)."""
     if chosen is not None:
         return chosen.backward(grad_out, q, k, v, out, lse, params, grad_lse=grad_lse)
-    if q.device.type == "meta":
+    if q.is_meta:
         return layouts.grad_buffer(q), layouts.grad_buffer(k), layouts.grad_buffer(v), _meta_dmask(params)
     return _reference().backward(grad_out, q, k, v, out, lse, params, grad_lse=grad_lse)
 
@@ -423,11 +489,9 @@ class _EagerAttention(torch.autograd.Function):
     forward (the mask included) raises at the backward, as SDPA does."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right,
-                dropout_p, softcap, mask_requires_grad, chosen):
-        chosen, params, out, lse = _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset,
-                                                window_left, window_right, dropout_p, softcap, mask_requires_grad,
-                                                chosen=chosen)
+    def forward(ctx, q, k, v, mask, rest, chosen):
+        """``rest``: the call's other arguments (seed, backend, scale, ..., mask_requires_grad; see attention)."""
+        chosen, params, out, lse = _run_forward(q, k, v, mask, *rest, chosen=chosen)
         ctx.set_materialize_grads(False)  # an unused lse (the usual case) sends no gradient
         ctx.chosen, ctx.params = chosen, params
         ctx.save_for_backward(q, k, v, out, lse, mask)
@@ -439,7 +503,7 @@ class _EagerAttention(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, dk, dv, dmask = _run_backward(ctx.chosen, ctx.params, grad_out, q, k, v, out, lse, grad_lse)
-        return (dq, dk, dv, dmask if ctx.params.mask_requires_grad else None) + (None,) * 11
+        return dq, dk, dv, (dmask if ctx.params.mask_requires_grad else None), None, None
 
 
 # ---- the custom ops (the torch.compile path) ------------------------------------------------------------------

@@ -241,6 +241,44 @@ def test_cupy_argument_template_splices_each_calls_pointers_into_values_converte
         ArgumentTemplate([("i16", 3)])
 
 
+# ---- repeated calls -----------------------------------------------------------------------------------------
+
+
+def test_a_repeated_call_skips_the_checks_and_the_decision_but_follows_the_request(recorders, monkeypatch):
+    from mhattn import functional
+
+    a, b = recorders
+    prepared = []
+    real_prepare = functional._prepare
+    monkeypatch.setattr(functional, "_prepare", lambda *args: prepared.append(1) or real_prepare(*args))
+    q, k, v = rand(2, 3, 6, 8), rand(2, 3, 7, 8), rand(2, 3, 7, 8)
+    first = mhattn.attention(q, k, v, is_causal=True, backend="rec_a")
+    again = mhattn.attention(q, k, v, is_causal=True, backend="rec_a")
+    assert len(prepared) == 1 and a.calls == ["forward", "forward"] and torch.equal(first, again)
+    with mhattn.use_backend("rec_b"):  # the request is part of the key
+        mhattn.attention(q, k, v, is_causal=True)
+        mhattn.attention(q, k, v, is_causal=True)
+    assert b.calls == ["forward", "forward"] and len(prepared) == 2
+    with pytest.raises(mhattn.InputError, match="dropout_p"):  # equal to 0.0, but not a float: checked again
+        mhattn.attention(q, k, v, dropout_p=False, is_causal=True, backend="rec_a")
+    strided = torch.randn(2, 3, 6, 16)[..., ::2]  # a last dim that is not contiguous: copied at every call
+    want = F.scaled_dot_product_attention(strided, k, v)
+    for _ in range(2):
+        assert (mhattn.attention(strided, k, v, backend="rec_a") - want).abs().max() <= 1e-6
+    broadcast = rand(1, 3, 7, 8)  # leading dims broadcast: every call takes the full path
+    shapes = []
+    real_forward = a.forward
+    monkeypatch.setattr(a, "forward", lambda q, k, v, params: shapes.append(k.shape) or real_forward(q, k, v, params))
+    for _ in range(2):
+        out = mhattn.attention(q, broadcast, broadcast, backend="rec_a")
+        assert (out - F.scaled_dot_product_attention(q, broadcast, broadcast)).abs().max() <= 1e-6
+    assert shapes == [(2, 3, 7, 8)] * 2  # the backend sees the broadcast batch
+    assert functional._known_calls
+    mhattn.unregister_backend("rec_b")  # a registry change drops the remembered decisions
+    mhattn.register_backend(b)
+    assert not functional._known_calls
+
+
 # ---- layouts: what backends write is what the fake implementations promise -------------------------------------
 
 

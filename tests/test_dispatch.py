@@ -223,3 +223,22 @@ def test_select_decides_once_per_problem_and_request_until_the_registry_changes(
     mhattn.register_backend(SdpaBackend(), replace=True)
     dispatch.select(problem, "auto")
     assert len(calls) == 3
+
+
+def test_a_repeated_call_is_answered_by_the_call_memo_until_the_registry_changes(monkeypatch, recorders):
+    """backend_for_call memoises backend_for by the call's exact sizes and flags; what it answers is what
+    backend_for answers, a changed request or flag is another entry, and a registry change clears it."""
+    calls = []
+    real_backend_for = dispatch.backend_for
+    monkeypatch.setattr(dispatch, "backend_for", lambda *a, **kw: calls.append(a) or real_backend_for(*a, **kw))
+    q = torch.randn(1, 2, 8, 8)
+    mhattn.attention(q, q, q, backend="rec_a")
+    mhattn.attention(q, q, q, backend="rec_a")
+    assert len(calls) == 1 and recorders[0].calls == ["forward", "forward"]
+    mhattn.attention(q, q, q, backend="rec_b")
+    mhattn.attention(q, q, q, is_causal=True, backend="rec_b")
+    mhattn.attention(q.requires_grad_(True), q, q, backend="rec_b")
+    assert len(calls) == 4
+    mhattn.register_backend(ReferenceBackend(), replace=True)
+    mhattn.attention(q.detach(), q.detach(), q.detach(), backend="rec_a")
+    assert len(calls) == 5 and recorders[0].calls == ["forward"] * 3

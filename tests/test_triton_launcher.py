@@ -163,3 +163,123 @@ def test_the_attention_kernels_fit_the_launcher():
             fn = getattr(kernel, "fn", kernel)
             launcher = CompiledLauncher(RecordingKernel(fn))
             assert launcher.num_runtime >= 10 and launcher.constexpr_names, name
+
+
+def test_a_prepared_launch_keeps_the_handle_for_new_tensors_and_passes_every_argument(recording):
+    kernel, launcher = recording
+    x, y = buffers()
+    prepared = launcher.prepare((3, 2), (x, y, 16, 100, 0.5, True), launcher.constexprs(4, 2, BLOCK=64), 0)
+    prepared.launch((x, y, 16, 100, 0.5, True))
+    x2, y2 = buffers()
+    prepared.launch((x2, y2, 16, 100, 0.5, True))
+    assert kinds(kernel) == ["triton", "handle"]
+    assert kernel.log[1][2] == (3, 2, 1, 1234, "function1", "metadata1", None, None, None,
+                                x2, y2, 16, 100, 0.5, True, 64, False)
+    prepared.launch((buffers(offset=1)[0], y, 16, 100, 0.5, True))  # another alignment: Triton's path
+    prepared.launch((x, y.double(), 16, 100, 0.5, True))  # another dtype: Triton's path
+    assert kinds(kernel) == ["triton", "handle", "triton", "triton"]
+    with pytest.raises(TypeError, match="expected 6 runtime arguments, got 5"):
+        launcher.prepare((1,), (x, y, 16, 100, 0.5), launcher.constexprs(4, 2, BLOCK=64), 0)
+
+
+def test_prepared_launches_of_other_sites_never_share_a_handle(recording):
+    kernel, launcher = recording
+    x, y = buffers()
+    for stride in (16, 17):
+        launcher.prepare((3,), (x, y, stride, 100, 0.5, True), launcher.constexprs(4, 2, BLOCK=64), 0).launch(
+            (x, y, stride, 100, 0.5, True))
+    assert kinds(kernel) == ["triton", "triton"]
+
+
+def test_a_prepared_launch_leaves_hooked_launches_to_triton(recording, monkeypatch):
+    kernel, launcher = recording
+    x, y = buffers()
+    prepared = launcher.prepare((3,), (x, y, 16, 100, 0.5, True), launcher.constexprs(4, 2, BLOCK=64), 0)
+    prepared.launch((x, y, 16, 100, 0.5, True))
+    monkeypatch.setattr(launcher_module, "_launch_hooks_set", lambda: True)
+    prepared.launch((x, y, 16, 100, 0.5, True))
+    assert kinds(kernel) == ["triton", "triton"]
+
+
+def _recorded_launch(entry, launcher):
+    """A recorded launch as (grid, runtime arguments, compile-time values), tensors as (shape, strides, dtype)."""
+    if entry[0] == "triton":
+        _, _, grid, args, kwargs = entry
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        constexprs = tuple(kwargs.get(n, launcher.constexpr_defaults[n]) for n in launcher.constexpr_names)
+    else:
+        args = entry[2]
+        grid, constexprs = args[:3], args[9 + launcher.num_runtime:]
+        args = args[9:9 + launcher.num_runtime]
+    args = tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+    return grid, args, constexprs
+
+
+def test_the_backend_s_prepared_launches_pass_what_a_first_call_passes(monkeypatch):
+    """Calls of many signatures, each run twice: the second (through the launches prepared at the first, with
+    every other signature's in between) passes the kernels what the first passed."""
+    from types import SimpleNamespace
+
+    import mhattn
+    from mhattn.backends.triton import backend as tb
+    from mhattn.backends.triton import backward, decode, forward
+
+    monkeypatch.setattr(launcher_module, "current_stream", lambda index: 1234)
+    monkeypatch.setattr(launcher_module, "_launch_hooks_set", lambda: False)
+    jit = {name: RecordingKernel(getattr(module, name).fn) for module, name in (
+        (forward, "attention_forward_kernel"), (backward, "backward_preprocess_kernel"),
+        (backward, "backward_dkdv_kernel"), (backward, "backward_dq_kernel"), (decode, "split_kv_kernel"),
+        (decode, "combine_splits_kernel"))}
+    launchers = tb._Launchers(SimpleNamespace(**jit), SimpleNamespace(**jit), SimpleNamespace(**jit))
+    for launcher in vars(launchers).values():
+        launcher.interpret = False
+    monkeypatch.setattr(tb, "launchers", lambda: launchers)
+    monkeypatch.setattr(tb, "INTERPRET", False)
+    backend = tb.TritonBackend(deterministic=True)
+
+    qkv = torch.randn(2, 40, 3, 4, 16)
+    packed = [qkv[:, :, i].transpose(1, 2) for i in range(3)]  # strided views
+    q, k, v = (torch.randn(2, 4, 40, 16) for _ in range(3))
+    k2, v2 = torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 24)
+    padding = (torch.arange(40) < 30).expand(2, 4, 40, 40)
+    float_mask = torch.randn(2, 1, 40, 40).expand(2, 4, 40, 40)
+    seed = torch.tensor([3, 4], dtype=torch.int64)
+    cases = [
+        ((q, k, v), AttentionParamsArgs(scale=0.25)),
+        ((q, k, v), AttentionParamsArgs(scale=0.5, window_right=0)),
+        ((q, k, v), AttentionParamsArgs(scale=0.5, window_left=7, window_right=3, diag_offset=2)),
+        ((q, k, v), AttentionParamsArgs(scale=0.5, softcap=20.0)),
+        ((q, k, v), AttentionParamsArgs(scale=0.5, dropout_p=0.2, seed=seed)),
+        ((q, k, v), AttentionParamsArgs(scale=0.5, mask=padding)),
+        ((q, k, v), AttentionParamsArgs(scale=0.5, mask=float_mask, mask_requires_grad=True)),
+        ((q, k2, v2), AttentionParamsArgs(scale=0.5, window_right=0)),
+        (tuple(packed), AttentionParamsArgs(scale=0.25)),
+    ]
+
+    def run_case(inputs, params, grad_lse_case, grad_out_layout, fresh=False):
+        if fresh:  # no signature, so no prepared launch: everything worked out anew
+            tb._signatures.clear()
+        before = {name: len(kernel.log) for name, kernel in jit.items()}
+        out, lse = backend.forward(*inputs, params)
+        grad_out = torch.randn(2, 40, out.shape[1], out.shape[3])
+        grad_out = grad_out.transpose(1, 2) if grad_out_layout else grad_out.permute(0, 2, 1, 3).contiguous()
+        grad_lse = torch.randn_like(lse) if grad_lse_case else None
+        backend.backward(grad_out, *inputs, out, lse, params, grad_lse=grad_lse)
+        return {name: [_recorded_launch(entry, launchers_by_kernel[name]) for entry in kernel.log[before[name]:]]
+                for name, kernel in jit.items()}
+
+    launchers_by_kernel = {launcher.kernel.__name__: launcher for launcher in vars(launchers).values()}
+    for i, (inputs, params) in enumerate(cases):  # prepares each signature's launches
+        run_case(inputs, params, i % 2 == 0, True)
+    # Again with the other grad_lse and grad_out layout, through the prepared launches, and from scratch.
+    again = [run_case(inputs, params, i % 2 == 1, i % 3 != 0) for i, (inputs, params) in enumerate(cases)]
+    fresh = [run_case(inputs, params, i % 2 == 1, i % 3 != 0, fresh=True) for i, (inputs, params) in enumerate(cases)]
+    assert again == fresh
+    assert all(call["attention_forward_kernel"] and call["backward_dkdv_kernel"] for call in again)
+    assert any(call["backward_dq_kernel"] for call in again)
+
+
+def AttentionParamsArgs(**kwargs):
+    from mhattn.backends.base import AttentionParams
+
+    return AttentionParams(**kwargs)

@@ -72,11 +72,15 @@ def launchers() -> _Launchers:
     return made
 
 
+# What torch.backends.cuda.matmul.allow_tf32 reads, without its Python attribute hook (read at every call).
+_ALLOW_TF32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     """fp32 follows torch's matmul setting: full fp32 ("ieee") unless TF32 is allowed."""
     if dtype != torch.float32:
         return "tf32"  # ignored by tl.dot for 16-bit inputs
-    tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    tf32 = _ALLOW_TF32() or torch.get_float32_matmul_precision() != "highest"
     return "tf32" if tf32 else "ieee"
 
 
@@ -129,6 +133,12 @@ class _Plan:
         # The stride half of the descriptor check (the plan is per strides); the addresses are checked per call.
         self.descriptor_strides_ok = self.hopper and _descriptor_strides_ok(q, k, v)
         self.device_index = q.device.index if q.device.index is not None else 0
+        self.out_layout = layouts.rows_major_layout(self.batch, self.heads_q, self.seqlen_q, self.head_dim_v)
+        # (shape, strides) of the per-row float32 buffers (lse, delta): contiguous (B, Hq, Nq).
+        rows_shape = (self.batch, self.heads_q, self.seqlen_q)
+        self.rows_layout = (rows_shape, layouts.contiguous_strides(rows_shape))
+        # Whether q, k, v are dense, for their gradient buffers (layouts.grad_buffer).
+        self.dense = (layouts.is_dense(q), layouts.is_dense(k), layouts.is_dense(v))
         self._constexpr_sets: dict = {}
 
     def constexprs(self, launcher: CompiledLauncher, tile: configs.KernelConfig, **kwargs):
@@ -142,41 +152,86 @@ class _Plan:
         return found
 
 
-class _Launch:
-    """One call: its plan and the scalars that come from its params (scale, band, mask, dropout)."""
+class _Signature:
+    """What a call signature (q, k, v shapes and strides, dtype, device, the mask's layout, the params' numbers)
+    gives the kernels besides the tensors, worked out once per signature (see :func:`_signature_for`): the
+    plan, the mask's kind and strides, the scale, softcap and dropout scalars and the band's ints; and the
+    launches prepared for it (launcher.PreparedLaunch), keyed by what their other arguments come from."""
 
     def __init__(self, q, k, v, params: AttentionParams):
         mask = params.mask
         if mask is None:
-            mask_kind, self.mask, self.mask_strides = 0, q, (0, 0, 0, 0)
-        elif mask.dtype == torch.bool:
-            mask_kind, self.mask, self.mask_strides = 1, mask.view(torch.uint8), _mask_strides(mask)
+            mask_kind, mask_strides = 0, (0, 0, 0, 0)
         else:
-            mask_kind, self.mask, self.mask_strides = 2, mask, _mask_strides(mask)
+            mask_kind, mask_strides = (1 if mask.dtype == torch.bool else 2), _mask_strides(mask)
         has_dropout = params.dropout_p > 0.0
-        has_left = params.window_left is not None
-        has_right = params.window_right is not None
         # A bool mask shared by heads and query rows (key padding): per-batch key bounds (key_padding.py).
-        self.key_bounds = key_padding.key_bounds(mask) if k.shape[2] > 0 else None
-        self.plan = _plan_for(q, k, v, mask_kind, has_left, has_right, params.softcap is not None, has_dropout,
-                              self.key_bounds is not None)
-        self.sm_scale = float(params.scale)
-        self.qk_scale2 = self.sm_scale * LOG2E
+        self.key_lengths = k.shape[2] > 0 and key_padding.applies(mask)
+        self.has_dropout = has_dropout
+        # Whether the forward runs on the split-KV decoding kernels (decode_launch.eligible, of the key's values).
+        self.decode = k.shape[2] > 0 and decode_launch.eligible(q, k, params)
+        self.checked = False  # whether _check_inputs passed for these shapes and strides (dense calls)
+        self.sites: dict = {}
+        plan = _plan_for(q, k, v, mask_kind, params.window_left is not None, params.window_right is not None,
+                         params.softcap is not None, has_dropout, self.key_lengths)
+        sm_scale = float(params.scale)
         if params.softcap is not None:
-            self.softcap_in2 = 2.0 * LOG2E * self.sm_scale / params.softcap
-            self.softcap_out2 = params.softcap * LOG2E
+            softcap_in2, softcap_out2 = 2.0 * LOG2E * sm_scale / params.softcap, params.softcap * LOG2E
         else:
-            self.softcap_in2 = self.softcap_out2 = 0.0
+            softcap_in2 = softcap_out2 = 0.0
         if has_dropout:
-            self.dropout_scale = 1.0 / (1.0 - params.dropout_p)
-            # The kernels read the seed words from memory (int32 words of the int64 seed tensor).
-            self.seed = dropout_rng.seed_tensor(params.seed, q.device).view(torch.int32)
+            dropout_scale = 1.0 / (1.0 - params.dropout_p)
             threshold = _as_int32(dropout_rng.threshold(params.dropout_p))
         else:
-            self.dropout_scale, self.seed, threshold = 1.0, q, 0
-        self.diag_offset = int(params.diag_offset)
-        self.window_left, self.window_right = int(params.window_left or 0), int(params.window_right or 0)
-        self.band = (self.diag_offset, self.window_left, self.window_right, self.seed, threshold)
+            dropout_scale, threshold = 1.0, 0
+        # What every _Launch of this signature starts from (copied in one step, see _Launch).
+        self.shared = dict(plan=plan, mask_strides=mask_strides, sm_scale=sm_scale, qk_scale2=sm_scale * LOG2E,
+                           softcap_in2=softcap_in2, softcap_out2=softcap_out2, dropout_scale=dropout_scale,
+                           threshold=threshold, diag_offset=int(params.diag_offset),
+                           window_left=int(params.window_left or 0), window_right=int(params.window_right or 0))
+
+
+_signatures: dict = {}
+_SIGNATURES_LIMIT = 1024
+
+
+def _signature_for(q, k, v, params: AttentionParams, dense: bool) -> _Signature:
+    """The cached :class:`_Signature` of a call. ``dense``: q, k, v are a dense call's own tensors, checked with
+    :func:`_check_inputs` the first time their shapes and strides come (the key holds everything it reads)."""
+    mask = params.mask
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, _dot_precision(q.dtype),
+           configs.pinned(), None if mask is None else (mask.dtype, mask.shape, mask.stride()), params.scale,
+           params.diag_offset, params.window_left, params.window_right, params.dropout_p, params.softcap)
+    found = _signatures.get(key)
+    if found is None or (dense and not found.checked):
+        if dense:
+            _check_inputs(q=q, k=k, v=v)
+        if found is None:
+            found = _Signature(q, k, v, params)
+            if len(_signatures) >= _SIGNATURES_LIMIT:
+                _signatures.pop(next(iter(_signatures)), None)  # the oldest
+            _signatures[key] = found
+        found.checked = found.checked or dense
+    return found
+
+
+class _Launch:
+    """One call: its signature's plan and scalars (plan, mask_strides, sm_scale, qk_scale2, softcap_in2,
+    softcap_out2, dropout_scale, threshold, diag_offset, window_left, window_right) and what varies per call:
+    the mask as the kernels read it, the key bounds, the seed tensor, whether the addresses suit descriptors."""
+
+    def __init__(self, q, k, v, params: AttentionParams, dense: bool = False):
+        signature = self.signature = _signature_for(q, k, v, params, dense)
+        self.__dict__.update(signature.shared)
+        mask = params.mask
+        if mask is None:
+            self.mask = q
+        else:
+            self.mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        self.key_bounds = key_padding.key_bounds(mask) if signature.key_lengths else None
+        # The kernels read the seed words from memory (int32 words of the int64 seed tensor).
+        self.seed = dropout_rng.seed_tensor(params.seed, q.device).view(torch.int32) if signature.has_dropout else q
+        self.band = (self.diag_offset, self.window_left, self.window_right, self.seed, self.threshold)
         # The Hopper paths (copy-engine loads) need every tensor the kernels read through descriptors aligned.
         self.tma_ok = self.plan.descriptor_strides_ok and _addresses_aligned(q, k, v)
 
@@ -184,13 +239,19 @@ class _Launch:
         """The key bounds tensor for the kernels' CuSeqlensK argument, or a placeholder when unused."""
         return placeholder if self.key_bounds is None else self.key_bounds
 
-    def hopper_flags(self, tile: configs.KernelConfig, *query_side) -> dict:
-        """TMA / WARP_SPECIALIZE for a launch of ``tile``: on only where the tile asks for them and this call
-        can have them (sm_90, and every tensor the kernel reads through descriptors suitably aligned)."""
+    def tma(self, tile: configs.KernelConfig, *query_side) -> bool:
+        """TMA for a launch of ``tile``: on only where the tile asks for it and this call can have it (sm_90, and
+        every tensor the kernel reads through descriptors suitably aligned); installs the descriptors' scratch
+        allocator when on."""
         tma = tile.tma and self.tma_ok and (not query_side or _descriptor_ready(*query_side))
         if tma:
             _ensure_descriptor_allocator()
-        return dict(TMA=tma, WARP_SPECIALIZE=tile.warp_specialize and self.plan.warp_specialize_ok)
+        return tma
+
+    def hopper_flags(self, tile: configs.KernelConfig, *query_side) -> dict:
+        """TMA / WARP_SPECIALIZE for a launch of ``tile`` (see :meth:`tma`)."""
+        return dict(TMA=self.tma(tile, *query_side),
+                    WARP_SPECIALIZE=tile.warp_specialize and self.plan.warp_specialize_ok)
 
 
 _plans: dict = {}
@@ -294,6 +355,20 @@ def _run(kernel_name: str, tile: configs.KernelConfig, key, launch):
         return
 
 
+def _launch_site(run: _Launch, key: tuple, launcher: CompiledLauncher, tensors: tuple, last: tuple, prepare):
+    """Launch ``launcher`` with the arguments ``tensors + middle + last`` through the launch prepared for ``key``
+    on this call's signature. ``key`` holds everything ``prepare`` reads besides the signature (tile, flags,
+    the strides of tensors the signature does not fix); ``prepare() -> (grid, middle, constexprs)`` runs the
+    first time, ``middle`` being the arguments between the tensors and ``last`` (strides, sizes, scalars)."""
+    site = run.signature.sites.get(key)
+    if site is None:
+        grid, middle, constexprs = prepare()
+        prepared = launcher.prepare(grid, tensors + middle + last, constexprs, run.plan.device_index)
+        site = run.signature.sites[key] = (prepared, middle)
+    prepared, middle = site
+    prepared.launch(tensors + middle + last)
+
+
 class _OnDevice:
     """Make q's GPU the current one for the launch (Triton launches on the current device)."""
 
@@ -381,22 +456,23 @@ class TritonBackend(Backend):
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, q, k, v, params: AttentionParams):
-        _check_inputs(q=q, k=k, v=v)
-        launcher = launchers().forward
-        run = _Launch(q, k, v, params)
+        run = _Launch(q, k, v, params, dense=True)
         plan = run.plan
         # Decoding (few query rows per key/value head): the split-KV kernels (decode.py, decode_launch.py),
         # which allocate their own outputs.
-        if plan.seqlen_k > 0 and decode_launch.eligible(q, k, params):
+        if run.signature.decode:
             return decode_launch.split_kv_forward(q, k, v, params, run=run)
-        out = layouts.output_buffer(q, v)
-        lse = torch.empty(plan.batch, plan.heads_q, plan.seqlen_q, dtype=torch.float32, device=q.device)
+        out = torch.empty_strided(*plan.out_layout, dtype=q.dtype, device=q.device)  # layouts.output_buffer's
+        lse = torch.empty_strided(*plan.rows_layout, dtype=torch.float32, device=q.device)
         if out.numel() == 0 and lse.numel() == 0:
             return out, lse
         if plan.seqlen_k == 0:  # no key at all: every row is empty
             out.zero_()
             lse.fill_(float("-inf"))
             return out, lse
+        launcher = launchers().forward
+        tensors = (q, k, v, out, lse, run.mask, lse, run.key_bounds_or(lse))
+        seed = (run.seed, run.threshold)
 
         if plan.sm90 and hopper_launch.why_not(plan, run) is None:
             with _OnDevice(q.device):
@@ -404,17 +480,20 @@ class TritonBackend(Backend):
             return out, lse
 
         def launch(tile):
-            num_m_blocks = triton_cdiv(plan.seqlen_q, tile.block_m)
-            grid = (plan.batch * plan.heads_q * num_m_blocks,)
-            launcher.launch(grid, (
-                q, k, v, out, lse, run.mask, lse, run.key_bounds_or(lse),
-                *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *run.mask_strides,
-                lse.stride(0), lse.stride(1),
-                plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_m_blocks,
-                run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale,
-                *run.band,
-            ), plan.constexprs(launcher, tile, HEAVY_FIRST=plan.heavy_first, **run.hopper_flags(tile)),
-                plan.device_index)
+            tma = run.tma(tile)
+
+            def prepare():
+                num_m_blocks = triton_cdiv(plan.seqlen_q, tile.block_m)
+                return (plan.batch * plan.heads_q * num_m_blocks,), (
+                    *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *run.mask_strides,
+                    lse.stride(0), lse.stride(1),
+                    plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_m_blocks,
+                    run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale,
+                    run.diag_offset, run.window_left, run.window_right,
+                ), plan.constexprs(launcher, tile, HEAVY_FIRST=plan.heavy_first, TMA=tma,
+                                   WARP_SPECIALIZE=tile.warp_specialize and plan.warp_specialize_ok)
+
+            _launch_site(run, (launcher, tile, tma), launcher, tensors, seed, prepare)
 
         with _OnDevice(q.device):
             _run("forward", plan.config.forward, plan.shrink_key + (run.tma_ok,), launch)
@@ -422,13 +501,14 @@ class TritonBackend(Backend):
 
     # ---- backward -----------------------------------------------------------------------------
     def backward(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
-        _check_inputs(q=q, k=k, v=v, out=out)
+        run = _Launch(q, k, v, params, dense=True)
+        _check_inputs(out=out)
         if grad_out.stride(-1) != 1 and grad_out.shape[-1] > 1:
             grad_out = grad_out.contiguous()  # a gradient buffer (e.g. expanded by .sum()), not a user input
         kernel = launchers()
-        run = _Launch(q, k, v, params)
         plan = run.plan
-        dq, dk, dv = layouts.grad_buffer(q), layouts.grad_buffer(k), layouts.grad_buffer(v)
+        dense_q, dense_k, dense_v = plan.dense
+        dq, dk, dv = layouts.grad_buffer(q, dense_q), layouts.grad_buffer(k, dense_k), layouts.grad_buffer(v, dense_v)
         mask_grad = bool(params.mask_requires_grad) and plan.mask_kind == 2
         dmask = None
         if mask_grad:
@@ -439,51 +519,66 @@ class TritonBackend(Backend):
             dq.zero_(), dk.zero_(), dv.zero_()
             return dq, dk, dv, (dmask.to(params.mask.dtype) if dmask is not None else None)
 
-        delta = torch.empty(plan.batch, plan.heads_q, plan.seqlen_q, dtype=torch.float32, device=q.device)
+        delta = torch.empty_strided(*plan.rows_layout, dtype=torch.float32, device=q.device)
         lse2 = torch.empty_like(delta)
         dq_mode = self._dq_mode(run, mask_grad)
         # dQ summed inside the dK/dV kernel: a zeroed float32 buffer (B, Hq, Nq, D), converted at the end.
         dq_acc = (torch.zeros(plan.batch, plan.heads_q, plan.seqlen_q, plan.head_dim, dtype=torch.float32,
                               device=q.device) if dq_mode else delta)
         grad_lse_arg = grad_lse if grad_lse is not None else lse
+        grad_out_strides = grad_out.stride()
+        key_bounds = run.key_bounds_or(delta)
+        seed = (run.seed, run.threshold)
         with _OnDevice(q.device):
             block_pre = 64
-            num_pre_blocks = triton_cdiv(plan.seqlen_q, block_pre)
-            kernel.preprocess.launch((plan.batch * plan.heads_q * num_pre_blocks,), (
-                out, grad_out, lse, grad_lse_arg, delta, lse2,
-                *_strides4(out), *_strides4(grad_out),
-                lse.stride(0), lse.stride(1), lse.stride(2),
-                grad_lse_arg.stride(0), grad_lse_arg.stride(1), grad_lse_arg.stride(2),
-                plan.heads_q, plan.seqlen_q, num_pre_blocks,
-            ), kernel.preprocess.cached_constexprs(4, 1, HEAD_DIM_V=plan.head_dim_v, BLOCK_DV=plan.block_dv, BLOCK_M=block_pre,
-                                                  HAS_GRAD_LSE=grad_lse is not None), plan.device_index)
+
+            def prepare_preprocess():
+                num_pre_blocks = triton_cdiv(plan.seqlen_q, block_pre)
+                return (plan.batch * plan.heads_q * num_pre_blocks,), (
+                    *_strides4(out), *_strides4(grad_out),
+                    lse.stride(0), lse.stride(1), lse.stride(2),
+                    grad_lse_arg.stride(0), grad_lse_arg.stride(1), grad_lse_arg.stride(2),
+                    plan.heads_q, plan.seqlen_q, num_pre_blocks,
+                ), kernel.preprocess.cached_constexprs(4, 1, HEAD_DIM_V=plan.head_dim_v, BLOCK_DV=plan.block_dv,
+                                                       BLOCK_M=block_pre, HAS_GRAD_LSE=grad_lse is not None)
+
+            _launch_site(run, (kernel.preprocess, out.stride(), grad_out_strides, lse.stride(),
+                               None if grad_lse is None else grad_lse.stride()),
+                         kernel.preprocess, (out, grad_out, lse, grad_lse_arg, delta, lse2), (), prepare_preprocess)
 
             def launch_dkdv(tile):
-                num_n_blocks = triton_cdiv(plan.seqlen_k, tile.block_n)
-                grid = (plan.batch * plan.heads_kv * num_n_blocks,)
-                kernel.dkdv.launch(grid, (
-                    q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run.mask, delta, run.key_bounds_or(delta),
-                    *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out),
-                    *_strides4(dk), *_strides4(dv), *run.mask_strides, delta.stride(0), delta.stride(1),
-                    plan.heads_q, plan.heads_kv, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_n_blocks,
-                    run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
-                    *run.band,
-                ), plan.constexprs(kernel.dkdv, tile, **run.hopper_flags(tile, grad_out), DQ_MODE=dq_mode),
-                    plan.device_index)
+                tma = run.tma(tile, grad_out)
+
+                def prepare():
+                    num_n_blocks = triton_cdiv(plan.seqlen_k, tile.block_n)
+                    return (plan.batch * plan.heads_kv * num_n_blocks,), (
+                        *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out),
+                        *_strides4(dk), *_strides4(dv), *run.mask_strides, delta.stride(0), delta.stride(1),
+                        plan.heads_q, plan.heads_kv, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_n_blocks,
+                        run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
+                        run.diag_offset, run.window_left, run.window_right,
+                    ), plan.constexprs(kernel.dkdv, tile, TMA=tma,
+                                       WARP_SPECIALIZE=tile.warp_specialize and plan.warp_specialize_ok,
+                                       DQ_MODE=dq_mode)
+
+                _launch_site(run, (kernel.dkdv, tile, tma, grad_out_strides, dq_mode), kernel.dkdv,
+                             (q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run.mask, delta, key_bounds), seed,
+                             prepare)
 
             def launch_dq(tile):
-                num_m_blocks = triton_cdiv(plan.seqlen_q, tile.block_m)
-                grid = (plan.batch * plan.heads_q * num_m_blocks,)
-                kernel.dq.launch(grid, (
-                    q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta, delta,
-                    run.key_bounds_or(delta),
-                    *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out), *_strides4(dq),
-                    *run.mask_strides, delta.stride(0), delta.stride(1),
-                    plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_m_blocks,
-                    run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
-                    *run.band,
-                ), plan.constexprs(kernel.dq, tile, MASK_GRAD=mask_grad, HEAVY_FIRST=plan.heavy_first),
-                    plan.device_index)
+                def prepare():
+                    num_m_blocks = triton_cdiv(plan.seqlen_q, tile.block_m)
+                    return (plan.batch * plan.heads_q * num_m_blocks,), (
+                        *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out), *_strides4(dq),
+                        *run.mask_strides, delta.stride(0), delta.stride(1),
+                        plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_m_blocks,
+                        run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
+                        run.diag_offset, run.window_left, run.window_right,
+                    ), plan.constexprs(kernel.dq, tile, MASK_GRAD=mask_grad, HEAVY_FIRST=plan.heavy_first)
+
+                _launch_site(run, (kernel.dq, tile, grad_out_strides, mask_grad), kernel.dq,
+                             (q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta, delta,
+                              key_bounds), seed, prepare)
 
             key = plan.shrink_key + (run.tma_ok, dq_mode)
             _run("dkdv", plan.config.dkdv, key, launch_dkdv)

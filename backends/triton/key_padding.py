@@ -19,10 +19,16 @@ def shared_by_heads_and_rows(mask: torch.Tensor) -> bool:
     return all(mask.shape[i] == 1 or mask.stride(i) == 0 for i in (1, 2))
 
 
+def applies(mask: Optional[torch.Tensor]) -> bool:
+    """Whether ``mask`` (None or (B, H, Nq, Nk)) has key bounds: a bool mask with keys, shared by heads and
+    query rows (a function of its dtype, shape and strides)."""
+    return mask is not None and mask.dtype == torch.bool and mask.shape[3] > 0 and shared_by_heads_and_rows(mask)
+
+
 def key_bounds(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """(B,) int32: one past the last key each batch entry's queries may see (0: none), for a bool mask
-    (B, H, Nq, Nk) shared by heads and query rows; None for any other mask (or none)."""
-    if mask is None or mask.dtype != torch.bool or mask.shape[3] == 0 or not shared_by_heads_and_rows(mask):
+    """(B,) int32: one past the last key each batch entry's queries may see (0: none), for a mask that
+    :func:`applies`; None for any other mask (or none)."""
+    if not applies(mask):
         return None
     keys = mask[:, 0, 0, :]
     positions = torch.arange(1, keys.shape[1] + 1, dtype=torch.int32, device=keys.device)

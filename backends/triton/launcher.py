@@ -22,6 +22,7 @@ Anything unusual (Triton's interpreter, a launch hook installed by a profiler) t
 from __future__ import annotations
 
 import inspect
+import itertools
 import operator
 from typing import Optional
 
@@ -99,6 +100,8 @@ class CompiledLauncher:
         self.handles: dict = {}
         self._kinds: dict = {}
         self._constexpr_sets: dict = {}
+        self._sites: dict = {}  # a prepared launch's fixed part of the key -> a small int standing for it
+        self._site_ids = itertools.count()  # next() is atomic: threads preparing at once get distinct ids
         self.handle_launches = 0  # launches that went through a kept handle (for tests and profiles)
         if interpret:  # Triton's interpreter: every launch goes through it (its kernels have no parameter list)
             self.num_runtime, self.constexpr_names, self.constexpr_defaults = None, None, {}
@@ -155,11 +158,7 @@ class CompiledLauncher:
         key = self.specialization_key(device_index, args, constexprs)
         handle = self.handles.get(key)
         if handle is None:
-            compiled = self._launch_through_triton(grid, args, constexprs)
-            if compiled is not None and hasattr(compiled, "packed_metadata"):
-                if len(self.handles) >= HANDLES_LIMIT:
-                    self.handles.pop(next(iter(self.handles)), None)
-                self.handles[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            self._keep(key, self._launch_through_triton(grid, args, constexprs))
             return
         run, function, packed_metadata = handle
         grid_1 = grid[1] if len(grid) > 1 else 1
@@ -168,9 +167,75 @@ class CompiledLauncher:
             None, None, None, *args, *constexprs.values)
         self.handle_launches += 1
 
+    def prepare(self, grid: tuple, args: tuple, constexprs: ConstexprSet, device_index: int) -> "PreparedLaunch":
+        """A :class:`PreparedLaunch` of this kernel on ``grid`` for argument tuples that differ from ``args`` in
+        their tensors only (same positions; every other argument equal)."""
+        return PreparedLaunch(self, grid, args, constexprs, device_index)
+
+    def _site_id(self, static: tuple) -> int:
+        """The int standing for ``static`` in kept handles' keys; ids are never reused, so an evicted entry's
+        handles cannot be taken for another's."""
+        site = self._sites.get(static)
+        if site is None:
+            if len(self._sites) >= HANDLES_LIMIT:
+                self._sites.pop(next(iter(self._sites)), None)
+            site = self._sites[static] = next(self._site_ids)
+        return site
+
+    def _keep(self, key, compiled) -> None:
+        """Keep the handle of a kernel Triton just compiled (or found) for later launches with ``key``."""
+        if compiled is not None and hasattr(compiled, "packed_metadata"):
+            if len(self.handles) >= HANDLES_LIMIT:
+                self.handles.pop(next(iter(self.handles)), None)
+            self.handles[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+
     def _launch_through_triton(self, grid, args, constexprs: ConstexprSet):
         return self.kernel[grid](*args, **constexprs.kwargs, num_warps=constexprs.num_warps,
                                  num_stages=constexprs.num_stages)
+
+
+class PreparedLaunch:
+    """One launch site of a :class:`CompiledLauncher` whose grid, compile-time set and non-tensor arguments are
+    fixed (a plan's launch of one tile): the part of the specialisation key they give (argument types, the
+    specialised integers, whether the others fit in int32, the compile-time set, the device) is worked out
+    once, so a launch reads only its tensors' dtypes and addresses. ``launch(args)`` takes tuples equal to
+    the ``args`` it was prepared with except in their tensors; the caller keys its prepared launches by
+    everything the other arguments come from."""
+
+    __slots__ = ("launcher", "grid", "constexprs", "device_index", "tensors", "site", "run_grid")
+
+    def __init__(self, launcher: CompiledLauncher, grid: tuple, args: tuple, constexprs: ConstexprSet,
+                 device_index: int):
+        self.launcher, self.grid, self.constexprs, self.device_index = launcher, grid, constexprs, device_index
+        self.run_grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.tensors = self.site = None
+        if launcher.interpret:
+            return
+        if len(args) != launcher.num_runtime:
+            raise TypeError(f"{launcher.name}: expected {launcher.num_runtime} runtime arguments, got {len(args)}")
+        full = launcher.specialization_key(device_index, args, constexprs)
+        types = full[1]
+        self.tensors = launcher._kinds[types].tensors
+        # The key without the tensors' dtypes and address bits, as one small int: no long tuple hashed per call.
+        static = (device_index, types, full[4], full[5], constexprs.key)
+        self.site = launcher._site_id(static)
+
+    def launch(self, args: tuple) -> None:
+        launcher = self.launcher
+        if self.site is None or _launch_hooks_set():
+            launcher.launch(self.grid, args, self.constexprs, self.device_index)
+            return
+        tensors = self.tensors(args)
+        key = (self.site, tuple(map(_DTYPE, tensors)), tuple(map(_LOW_BITS, map(_DATA_PTR, tensors))))
+        handle = launcher.handles.get(key)
+        if handle is None:
+            compiled = launcher._launch_through_triton(self.grid, args, self.constexprs)
+            launcher._keep(key, compiled)
+            return
+        run, function, packed_metadata = handle
+        run(*self.run_grid, current_stream(self.device_index), function, packed_metadata, None, None, None,
+            *args, *self.constexprs.values)
+        launcher.handle_launches += 1
 
 
 def _launch_hooks_set() -> bool:
