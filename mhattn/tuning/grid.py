@@ -66,7 +66,7 @@ def decode(dtype, batch, seqlen_k, heads_q=32, heads_kv=8, head_dim=128) -> Cell
 
 
 def quick_grid() -> list:
-    """47 cells: every training shape of ``mhattn bench`` (bf16) and one of each other kind."""
+    """50 cells: every training shape of ``mhattn bench`` (bf16) and one of each other kind, fp32 included."""
     cells = []
     for d in (64, 128, 256):
         for n in (512, 1024, 2048, 4096, 8192, 16384):
@@ -81,6 +81,11 @@ def quick_grid() -> list:
     cells.append(Cell("bf16", 1, 32, 8, 512, 32768, 128, "bottom_right"))    # chunked prefill
     cells.append(training("bf16", 64, 1024, mask="bool"))
     cells.append(training("bf16", 128, 1024, mask="float"))
+    # float32: torch's kernels and mhattn's take different paths (TF32 or not, no flash kernel), so the choice
+    # differs from the 16-bit one.
+    cells.append(training("fp32", 64, 512))
+    cells.append(training("fp32", 64, 2048, "top_left"))
+    cells.append(training("fp32", 128, 1024))
     return cells
 
 
