@@ -206,6 +206,11 @@ class Backend:
         broadcast 4-D shape (B, H, Nq, Nk) (the caller's autograd reduces it to the user's shape)."""
         raise NotImplementedError
 
+    def forward_path(self, problem) -> Optional[str]:
+        """Which of the backend's kernel families runs ``problem``'s forward, and why, for ``explain``; None
+        for a backend with one family."""
+        return None
+
     def native_attention(self, q, k, v, params: AttentionParams):
         """Optional: the output alone (no lse) through a differentiable path of the backend's own (e.g. an
         operator with a C++ autograd node), for calls that return no lse; None where it has none for this call.

@@ -119,10 +119,13 @@ class Decision:
     reasons: dict = field(default_factory=dict)  # backend name -> list of reasons ([] = could run it)
     candidates: tuple = ()
     measured: object = None  # mhattn.tuning.table.Evidence when a timing table made the choice
+    path: Optional[str] = None  # the chosen backend's kernel family for the forward (Backend.forward_path)
 
     def __str__(self):
         lines = [f"problem: {self.problem.describe()}", f"requested: {self.requested} (from {self.source})"]
         lines.append(f"chosen: {self.chosen}" if self.chosen else "chosen: none (no backend can run this problem)")
+        if self.path:
+            lines.append(f"  forward: {self.path}")
         if self.measured is not None:
             lines.append(f"  {self.measured}")
         for name, why in self.reasons.items():
@@ -176,7 +179,8 @@ def decide(problem: Problem, name: str, source: str) -> Decision:
     measured = timing_table.measured_choice(problem, [n for n in candidates if n in reasons and not reasons[n]]) \
         if name == AUTO else None  # the fastest measured on this GPU, if a table has a close enough shape
     chosen = measured.chosen if measured is not None else chosen
-    return Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else (), measured)
+    path = registry.get_backend(chosen).forward_path(problem) if chosen is not None else None
+    return Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else (), measured, path)
 
 
 def size_bucket(n: int) -> int:

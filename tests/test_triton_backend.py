@@ -749,3 +749,28 @@ def test_gpu_launches_through_kept_handles_stay_correct_as_addresses_strides_and
         failed = [str(r) for r in results if not r.ok]
         assert not failed, f"step {step}: " + "; ".join(failed)
     assert kinds.forward.handle_launches + kinds.dkdv.handle_launches - before >= 12
+
+
+def test_explain_names_the_forward_kernel_family(monkeypatch):
+    """explain's decision says which Triton forward runs and why the Gluon Hopper kernel does not, from the
+    problem alone (device capability, dtype, head dims, features, key count); the split-KV kernels for decoding."""
+    from mhattn.backends.triton import hopper_launch
+    from mhattn.backends.triton.backend import TritonBackend
+    from mhattn.problem import Problem
+
+    def problem(cc=(9, 0), dtype=torch.bfloat16, head_dim=128, seqlen_q=4096, seqlen_k=4096, features=()):
+        return Problem(device_type="cuda", device_index=0, compute_capability=cc, dtype=dtype, batch=2, heads_q=8,
+                       heads_kv=8, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, head_dim_v=head_dim,
+                       features=frozenset(features))
+
+    monkeypatch.setattr(hopper_launch, "gluon_available", lambda: True)
+    backend = TritonBackend()
+    assert "Gluon Hopper forward (hopper_forward.py)" in backend.forward_path(problem(features=("causal",)))
+    for kwargs, reason in ((dict(seqlen_q=1024, seqlen_k=1024), "1024 keys < 2048"), (dict(cc=(8, 0)), "not an sm_90"),
+                           (dict(dtype=torch.float32), "fp16/bf16 only"), (dict(head_dim=96), "head dims 96/96"),
+                           (dict(features=("softcap",)), "softcap")):
+        path = backend.forward_path(problem(**kwargs))
+        assert path.startswith("the FlashAttention-2 forward") and reason in path, (kwargs, path)
+    monkeypatch.setenv(hopper_launch.ENV_SWITCH, "0")
+    assert f"{hopper_launch.ENV_SWITCH}=0" in backend.forward_path(problem())
+    assert "split-KV" in backend.forward_path(problem(seqlen_q=1))

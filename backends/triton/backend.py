@@ -454,6 +454,18 @@ class TritonBackend(Backend):
                            f"{MAX_GRID}")
         return reasons
 
+    def forward_path(self, problem) -> Optional[str]:
+        if problem.operation != "attention":
+            return None
+        rows = problem.seqlen_q * (problem.heads_q // max(problem.heads_kv, 1))
+        if 0 < rows <= decode_launch.DECODE_MAX_ROWS and problem.seqlen_k > 0 and not (
+                problem.features & {"bool_mask", "float_mask", "dropout"}):
+            return "the split-KV decoding kernels (decode.py): few query rows per key/value head"
+        reason = hopper_launch.why_not_problem(problem)
+        if reason is None:
+            return "the Gluon Hopper forward (hopper_forward.py), when q, k, v rows are 16-byte aligned"
+        return f"the FlashAttention-2 forward (forward.py): not the Gluon Hopper forward because {reason}"
+
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, q, k, v, params: AttentionParams):
         run = _Launch(q, k, v, params, dense=True)

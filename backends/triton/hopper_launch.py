@@ -44,28 +44,41 @@ def enabled() -> bool:
 
 def why_not(plan, run) -> Optional[str]:
     """None when the Hopper kernel runs this call's forward; otherwise the reason it does not."""
+    if plan.has_right and run.window_right != 0:
+        return "a right window bound other than causal"
+    reason = _rule(plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k,
+                   plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.has_left or plan.key_lengths)
+    if reason is None and not run.tma_ok:
+        return "rows or starts not 16-byte aligned for the copy engine"
+    return reason
+
+
+def why_not_problem(problem) -> Optional[str]:
+    """:func:`why_not` from a dispatcher Problem (no tensors: alignment is not known there)."""
+    extras = problem.features & {"bool_mask", "float_mask", "dropout", "window", "softcap", "value_dim"}
+    return _rule(problem.compute_capability == (9, 0), problem.dtype, problem.head_dim, problem.head_dim_v,
+                 problem.seqlen_q, problem.seqlen_k, bool(extras))
+
+
+def _rule(sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, extras) -> Optional[str]:
     if not enabled():
         return f"{ENV_SWITCH}=0"
-    if not plan.sm90:
+    if not sm90:
         return "not an sm_90 GPU"
     if not gluon_available():
         return "this Triton has no Gluon (triton.experimental.gluon)"
     if configs.pinned() is not None:
         return "a pinned tile configuration (forward.py's tiles)"
-    if plan.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {plan.dtype} (fp16/bf16 only)"
-    if plan.head_dim != plan.head_dim_v or plan.head_dim not in KEY_BLOCK:
-        return f"head dims {plan.head_dim}/{plan.head_dim_v} (equal, one of {sorted(KEY_BLOCK)})"
-    if plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.has_left or plan.key_lengths:
-        return "a mask, dropout, softcap, a left window bound or key padding bounds"
-    if plan.has_right and run.window_right != 0:
-        return "a right window bound other than causal"
-    if plan.seqlen_q == 0 or plan.seqlen_k == 0:
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype} (fp16/bf16 only)"
+    if head_dim != head_dim_v or head_dim not in KEY_BLOCK:
+        return f"head dims {head_dim}/{head_dim_v} (equal, one of {sorted(KEY_BLOCK)})"
+    if extras:
+        return "a mask, dropout, softcap, a sliding window or key padding bounds"
+    if seqlen_q == 0 or seqlen_k == 0:
         return "an empty query or key set"
-    if plan.seqlen_k < MIN_KEYS[plan.head_dim]:
-        return f"{plan.seqlen_k} keys < {MIN_KEYS[plan.head_dim]} (forward.py is faster there)"
-    if not run.tma_ok:
-        return "rows or starts not 16-byte aligned for the copy engine"
+    if seqlen_k < MIN_KEYS[head_dim]:
+        return f"{seqlen_k} keys < {MIN_KEYS[head_dim]} (forward.py is faster there)"
     return None
 
 
