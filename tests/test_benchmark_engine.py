@@ -644,3 +644,26 @@ def test_harness_on_the_gpu_in_a_worker_process():
         assert all(s == "ok" or s.split(":")[0] in ("n/a", "OOM", "error", "skipped") for s in statuses), row
     assert rows[("module", "torch")]["status"] == "ok" and rows[("module", "torch")]["tokens_per_s"] > 0
     assert outcome.restarts == 0
+
+
+def test_flex_peer_keeps_compiling_past_torch_compiles_recompile_limit(monkeypatch):
+    """A sweep compiles flex_attention for more shapes than torch.compile's default recompile limit (8); past it
+    the function would run uncompiled (flex's unfused reference). The flex peer raises the limit first."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    torch._dynamo.reset()
+
+    def compiled_shapes():
+        counter = CompileCounter()
+        fn = torch.compile(lambda x: x * 2 + 1, backend=counter, dynamic=False)
+        for n in range(1, 13):
+            fn(torch.ones(n))
+        torch._dynamo.reset()
+        return counter.frame_count
+
+    assert compiled_shapes() == 8  # torch's default: the last four shapes ran uncompiled
+    protocol.allow_flex_recompiles()
+    assert torch._dynamo.config.recompile_limit >= protocol.FLEX_RECOMPILE_LIMIT
+    assert compiled_shapes() == 12

@@ -273,8 +273,26 @@ class FlexImplementation(Implementation):
         from torch.nn.attention.flex_attention import flex_attention
 
         if self._compiled is None:
+            allow_flex_recompiles()
             self._compiled = torch.compile(flex_attention, dynamic=False)
         return self._compiled(q, k, v, block_mask=self._block_mask(q, k) if causal else None)
+
+
+# Compilations of flex_attention one sweep makes: a shape, a block mask and a gradient mode each (36 training
+# cells, forward and backward). torch.compile recompiles a function for at most ``recompile_limit`` (8) of them
+# and then runs it uncompiled, which for flex_attention is its unfused reference (5-35 TFLOP/s on an H100 where
+# the compiled kernels reach 300-400).
+FLEX_RECOMPILE_LIMIT = 256
+
+
+def allow_flex_recompiles():
+    """Raise torch.compile's per-function recompilation limits to FLEX_RECOMPILE_LIMIT (never lower them)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "accumulated_recompile_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), FLEX_RECOMPILE_LIMIT))
 
 
 # Peers of PERFORMANCE.md: name -> (SDPBackend member, description). sdpa-math and sdpa-default (no kernel
