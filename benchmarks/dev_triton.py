@@ -345,23 +345,12 @@ def compile_report(kind, head_dim, causal, tile, dtype="bf16", cc=90, dq_mode=0,
     """Compile one kernel for sm_<cc> ahead of time (no GPU needed; backends/triton/ahead.py) and return its
     resource line: shared memory, registers, stack (spills), wgmma / mma.sync / cp.async counts in the PTX.
     ``kind``: fwd, dkdv, dq or splitkv (decode.py); ``flags``: (name, value) compile-time flag overrides."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-
     from mhattn.backends.triton import ahead
 
     kernel = ahead.compile_kernel(ahead.KernelTask(kind, head_dim, causal, tile, dq_mode, dtype, tuple(flags)), cc)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    usage = ahead.resource_usage(kernel)
     ptx = kernel.asm["ptx"]
-    return (f"smem={kernel.metadata.shared} regs={found.group(1)} stack={found.group(2)} "
+    return (f"smem={kernel.metadata.shared} regs={usage['regs']} stack={usage['stack']} "
             f"wgmma={ptx.count('wgmma.mma_async')} mma.sync={ptx.count('mma.sync')} "
             f"cp.async={ptx.count('cp.async.cg') + ptx.count('cp.async.ca')} "
             f"tma={ptx.count('cp.async.bulk.tensor')} setmaxnreg={ptx.count('setmaxnreg')}")

@@ -132,6 +132,25 @@ def compile_kernel(task: KernelTask, cc: int = 90):
                           options=dict(num_warps=task.tile.num_warps, num_stages=task.tile.num_stages))
 
 
+def resource_usage(kernel) -> dict:
+    """{"regs": registers per thread, "stack": stack bytes per thread (register spills)} of a compiled kernel,
+    from ``cuobjdump --dump-resource-usage`` of its cubin (the tool ships with Triton's NVIDIA backend)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return {"regs": int(found.group(1)), "stack": int(found.group(2))}
+
+
 def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
     """Every kernel the table launches for 16-bit inputs on ``arch`` (sm_90a: only the entries that use the
     Hopper switches, i.e. what differs from plain sm_90 code)."""

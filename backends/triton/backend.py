@@ -117,7 +117,7 @@ class _Plan:
         # The Gluon Hopper forward (hopper_forward.py) is sm_90 code: wgmma and setmaxnreg.
         self.sm90 = not INTERPRET and cc == (9, 0)
         self.hopper_constexprs = None  # its compile-time set, made on its first launch
-        self.config = configs.config_for(cc, q.dtype, self.head_dim, self.heavy_first, self.seqlen_q)
+        self.config = configs.config_for(cc, q.dtype, self.head_dim, self.heavy_first, self.seqlen_q, dot_precision)
         self.flags = dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
                           BLOCK_DV=self.block_dv, HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SOFTCAP=has_softcap,
                           MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, DOT_PRECISION=dot_precision,

@@ -84,7 +84,8 @@ def _k(bm, bn, w, s, tma=False, ws=False):
 
 # (arch, dtype class, padded head dim, causal) -> AttentionConfig.
 # arch: "sm90" (Hopper), "sm80" (A100 class, 164 KiB shared memory), "sm86" (consumer Ampere/Ada,
-# ~100 KiB shared memory). dtype class: "half" (fp16/bf16) or "fp32". Padded head dim: 16..256.
+# ~100 KiB shared memory). dtype class: "half" (fp16/bf16), "fp32" (TF32 dots) or "fp32-ieee" (full-precision
+# float32 dots). Padded head dim: 16..256.
 # Hopper entries come from benchmarks/dev_triton.py sweeps on an H100 (bf16; backends/triton/NOTES.md);
 # the others are conservative choices that fit the shared memory of those parts.
 TABLE = {}
@@ -119,6 +120,23 @@ def _fill_defaults():
             TABLE[(arch, "fp32", 256, causal)] = AttentionConfig(_k(32, 32, 4, 1), _k(16, 32, 4, 1), _k(32, 16, 4, 1))
         for d in (16, 32, 64, 128, 256):
             TABLE[("sm86", "fp32", d, causal)] = AttentionConfig(_k(32, 32, 4, 1), _k(16, 32, 4, 1), _k(32, 16, 4, 1))
+        # float32, chosen by the compiler's report (triton 3.6, sm_90, causal and not: no stack, i.e. no register
+        # spills; not timed): the tiles above spill with the "ieee" dot precision (torch's default for float32
+        # matmuls, which Triton runs on the CUDA cores) by 0.3-11 KB per thread, and the TF32 backward tiles by
+        # 72-744 B. On sm_80 the ieee ones keep 8-48 B (dQ, and dK/dV at d = 128; d = 256 not checked there).
+        for arch in ("sm90", "sm80"):
+            for d in (16, 32, 64):
+                TABLE[(arch, "fp32-ieee", d, causal)] = AttentionConfig(_k(32, 32, 8, 2), _k(16, 64, 8, 2),
+                                                                        _k(32, 64, 8, 2))
+            TABLE[(arch, "fp32-ieee", 128, causal)] = AttentionConfig(_k(32, 16, 8, 2), _k(16, 32, 8, 2),
+                                                                      _k(32, 32, 8, 2))
+            TABLE[(arch, "fp32-ieee", 256, causal)] = AttentionConfig(_k(16, 16, 8, 2), _k(16, 16, 8, 2),
+                                                                      _k(32, 16, 8, 1))
+        for d in (16, 32, 64):
+            TABLE[("sm90", "fp32", d, causal)] = replace(TABLE[("sm90", "fp32", d, causal)], dkdv=_k(64, 32, 8, 2))
+        TABLE[("sm90", "fp32", 128, causal)] = replace(TABLE[("sm90", "fp32", 128, causal)], dkdv=_k(32, 32, 8, 2),
+                                                       dq=_k(32, 64, 8, 2))
+        TABLE[("sm90", "fp32", 256, causal)] = replace(TABLE[("sm90", "fp32", 256, causal)], dkdv=_k(16, 32, 8, 1))
 
 
 _fill_defaults()
@@ -221,26 +239,29 @@ def triton_next_power_of_2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def table_config(compute_capability, dtype: torch.dtype, head_dim: int, causal: bool, short: bool = False
-                 ) -> AttentionConfig:
-    """The table's entry; ``short``: the query sequence has at most SHORT_SEQLEN rows."""
+def table_config(compute_capability, dtype: torch.dtype, head_dim: int, causal: bool, short: bool = False,
+                 precision: str = "tf32") -> AttentionConfig:
+    """The table's entry; ``short``: the query sequence has at most SHORT_SEQLEN rows; ``precision``: the
+    kernels' float32 dot precision ("ieee" has entries of its own where the TF32 tiles spill)."""
     arch = arch_of(compute_capability)
     if arch == "interpreter":
         return INTERPRETER
-    dtype_class = "fp32" if dtype == torch.float32 else "half"
+    dtype_class = "half" if dtype != torch.float32 else ("fp32-ieee" if precision == "ieee" else "fp32")
     key = (arch, dtype_class, padded_head_dim(head_dim), causal)
+    if key not in TABLE and dtype_class == "fp32-ieee":
+        key = (arch, "fp32", key[2], causal)
     config = TABLE.get(key, FALLBACK)
     if short and key in SHORT_FORWARD:
         config = replace(config, forward=SHORT_FORWARD[key])
     return config
 
 
-def config_for(compute_capability, dtype: torch.dtype, head_dim: int, causal: bool, seqlen_q: int = 1 << 30
-               ) -> AttentionConfig:
+def config_for(compute_capability, dtype: torch.dtype, head_dim: int, causal: bool, seqlen_q: int = 1 << 30,
+               precision: str = "tf32") -> AttentionConfig:
     """The configuration a call runs with (pinned > table > fallback)."""
     if _pinned is not None:
         return _pinned
-    return table_config(compute_capability, dtype, head_dim, causal, seqlen_q <= SHORT_SEQLEN)
+    return table_config(compute_capability, dtype, head_dim, causal, seqlen_q <= SHORT_SEQLEN, precision)
 
 
 def shrink(config: KernelConfig) -> Optional[KernelConfig]:
