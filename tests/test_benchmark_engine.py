@@ -646,14 +646,11 @@ def test_harness_on_the_gpu_in_a_worker_process():
     assert outcome.restarts == 0
 
 
-def test_flex_peer_keeps_compiling_past_torch_compiles_recompile_limit(monkeypatch):
+def test_flex_peer_keeps_compiling_past_torch_compiles_recompile_limit():
     """A sweep compiles flex_attention for more shapes than torch.compile's default recompile limit (8); past it
     the function would run uncompiled (flex's unfused reference). The flex peer raises the limit first."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
-
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    torch._dynamo.reset()
 
     def compiled_shapes():
         counter = CompileCounter()
@@ -663,7 +660,12 @@ def test_flex_peer_keeps_compiling_past_torch_compiles_recompile_limit(monkeypat
         torch._dynamo.reset()
         return counter.frame_count
 
-    assert compiled_shapes() == 8  # torch's default: the last four shapes ran uncompiled
-    protocol.allow_flex_recompiles()
-    assert torch._dynamo.config.recompile_limit >= protocol.FLEX_RECOMPILE_LIMIT
-    assert compiled_shapes() == 12
+    before = torch._dynamo.config.recompile_limit
+    # config.patch restores every setting on exit, the peer's raised limits included.
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        torch._dynamo.reset()
+        assert compiled_shapes() == 8  # torch's default: the last four shapes ran uncompiled
+        protocol.allow_flex_recompiles()
+        assert torch._dynamo.config.recompile_limit >= protocol.FLEX_RECOMPILE_LIMIT
+        assert compiled_shapes() == 12
+    assert torch._dynamo.config.recompile_limit == before
