@@ -44,8 +44,7 @@ def launch(q, k, v, causal, diag_offset, poison=True):
         q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         lse.stride(0), lse.stride(1), heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, num_m_blocks,
         LOG2E / math.sqrt(head_dim), diag_offset,
-        HEAD_DIM=head_dim, BLOCK_M=hopper_launch.QUERY_ROWS_PER_CONSUMER, BLOCK_N=hopper_launch.KEY_BLOCK[head_dim],
-        NUM_STAGES=hopper_launch.NUM_STAGES, CAUSAL=causal, HEAVY_FIRST=causal, num_warps=4)
+        **hopper_launch.compile_time_args(head_dim, causal), num_warps=4)
     return out, lse
 
 

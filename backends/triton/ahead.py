@@ -68,17 +68,9 @@ def _kernel_function(kind: str):
             "dq": backward.backward_dq_kernel, "splitkv": decode.split_kv_kernel}[kind]
 
 
-def _hopper_constexprs(task: KernelTask) -> dict:
-    from mhattn.backends.triton import hopper_launch
-
-    return dict(HEAD_DIM=task.head_dim, BLOCK_M=hopper_launch.QUERY_ROWS_PER_CONSUMER,
-                BLOCK_N=hopper_launch.KEY_BLOCK[task.head_dim], NUM_STAGES=hopper_launch.NUM_STAGES,
-                CAUSAL=task.causal, HEAVY_FIRST=task.causal)
-
-
 def _constexprs(task: KernelTask) -> dict:
     if task.kind == "hopper_fwd":
-        return dict(_hopper_constexprs(task), **dict(task.flags))
+        return dict(hopper_launch.compile_time_args(task.head_dim, task.causal), **dict(task.flags))
     padded = configs.padded_head_dim(task.head_dim)
     values = dict(HEAD_DIM=task.head_dim, HEAD_DIM_V=task.head_dim, BLOCK_D=padded, BLOCK_DV=padded,
                   BLOCK_M=task.tile.block_m, BLOCK_N=task.tile.block_n, HAS_LEFT=False, HAS_RIGHT=task.causal,

@@ -482,14 +482,13 @@ class TritonBackend(Backend):
             out.zero_()
             lse.fill_(float("-inf"))
             return out, lse
-        launcher = launchers().forward
-        tensors = (q, k, v, out, lse, run.mask, lse, run.key_bounds_or(lse))
-        seed = (run.seed, run.threshold)
-
         if plan.sm90 and hopper_launch.why_not(plan, run) is None:
             with _OnDevice(q.device):
                 hopper_launch.forward(q, k, v, out, lse, run, plan, plan.device_index)
             return out, lse
+        launcher = launchers().forward
+        tensors = (q, k, v, out, lse, run.mask, lse, run.key_bounds_or(lse))
+        seed = (run.seed, run.threshold)
 
         def launch(tile):
             tma = run.tma(tile)

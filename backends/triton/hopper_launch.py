@@ -82,6 +82,13 @@ def _rule(sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, extras) -> Opti
     return None
 
 
+def compile_time_args(head_dim: int, causal: bool) -> dict:
+    """The kernel's compile-time arguments for a head dim and causal or not (the launch, `mhattn build` and the
+    GPU check script use the same)."""
+    return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
+                NUM_STAGES=NUM_STAGES, CAUSAL=causal, HEAVY_FIRST=causal)
+
+
 def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
     """Launch the Hopper kernel into ``out`` and ``lse`` (allocated by the caller)."""
     from mhattn.backends.triton import backend
@@ -94,12 +101,10 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
     backend._ensure_descriptor_allocator()
     rows_per_program = 2 * QUERY_ROWS_PER_CONSUMER
     num_m_blocks = -(-plan.seqlen_q // rows_per_program)
-    causal = plan.has_right
     constexprs = plan.hopper_constexprs
     if constexprs is None:
-        constexprs = plan.hopper_constexprs = launcher.constexprs(
-            4, 1, HEAD_DIM=plan.head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[plan.head_dim],
-            NUM_STAGES=NUM_STAGES, CAUSAL=causal, HEAVY_FIRST=causal)
+        constexprs = plan.hopper_constexprs = launcher.constexprs(4, 1, **compile_time_args(plan.head_dim,
+                                                                                            plan.has_right))
     launcher.launch((plan.batch * plan.heads_q * num_m_blocks,), (
         q, k, v, out, lse,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
