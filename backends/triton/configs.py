@@ -113,17 +113,17 @@ def _fill_defaults():
         TABLE[("sm86", "half", 128, causal)] = AttentionConfig(_k(64, 32, 4, 2), _k(32, 64, 4, 2), _k(64, 32, 4, 2))
         TABLE[("sm80", "half", 256, causal)] = AttentionConfig(_k(64, 32, 4, 2), _k(32, 32, 8, 2), _k(64, 32, 4, 2))
         TABLE[("sm86", "half", 256, causal)] = AttentionConfig(_k(32, 32, 4, 1), _k(16, 32, 4, 1), _k(32, 16, 4, 1))
-        for arch in ("sm90", "sm80"):
-            for d in (16, 32, 64):
-                TABLE[(arch, "fp32", d, causal)] = AttentionConfig(_k(64, 64, 4, 2), _k(32, 64, 4, 2), _k(64, 32, 4, 2))
-            TABLE[(arch, "fp32", 128, causal)] = AttentionConfig(_k(64, 32, 4, 2), _k(32, 64, 4, 1), _k(64, 32, 4, 1))
-            TABLE[(arch, "fp32", 256, causal)] = AttentionConfig(_k(32, 32, 4, 1), _k(16, 32, 4, 1), _k(32, 16, 4, 1))
+        for d in (16, 32, 64):
+            TABLE[("sm80", "fp32", d, causal)] = AttentionConfig(_k(64, 64, 4, 2), _k(32, 64, 4, 2), _k(64, 32, 4, 2))
+        TABLE[("sm80", "fp32", 128, causal)] = AttentionConfig(_k(64, 32, 4, 2), _k(32, 64, 4, 1), _k(64, 32, 4, 1))
+        TABLE[("sm80", "fp32", 256, causal)] = AttentionConfig(_k(32, 32, 4, 1), _k(16, 32, 4, 1), _k(32, 16, 4, 1))
         for d in (16, 32, 64, 128, 256):
             TABLE[("sm86", "fp32", d, causal)] = AttentionConfig(_k(32, 32, 4, 1), _k(16, 32, 4, 1), _k(32, 16, 4, 1))
-        # float32, chosen by the compiler's report (triton 3.6, sm_90, causal and not: no stack, i.e. no register
-        # spills; not timed): the tiles above spill with the "ieee" dot precision (torch's default for float32
-        # matmuls, which Triton runs on the CUDA cores) by 0.3-11 KB per thread, and the TF32 backward tiles by
-        # 72-744 B. On sm_80 the ieee ones keep 8-48 B (dQ, and dK/dV at d = 128; d = 256 not checked there).
+        # float32 on sm_90, and the "ieee" entries, chosen by the compiler's report (triton 3.6, sm_90, causal and
+        # not: no stack, i.e. no register spills; not timed): the sm_80 tiles above spill with the "ieee" dot
+        # precision (torch's default for float32 matmuls, which Triton runs on the CUDA cores) by 0.3-11 KB per
+        # thread, and their TF32 backward tiles by 72-744 B on sm_90. On sm_80 the ieee ones keep 8-48 B (dQ,
+        # and dK/dV at d = 128; d = 256 not checked there).
         for arch in ("sm90", "sm80"):
             for d in (16, 32, 64):
                 TABLE[(arch, "fp32-ieee", d, causal)] = AttentionConfig(_k(32, 32, 8, 2), _k(16, 64, 8, 2),
@@ -133,10 +133,9 @@ def _fill_defaults():
             TABLE[(arch, "fp32-ieee", 256, causal)] = AttentionConfig(_k(16, 16, 8, 2), _k(16, 16, 8, 2),
                                                                       _k(32, 16, 8, 1))
         for d in (16, 32, 64):
-            TABLE[("sm90", "fp32", d, causal)] = replace(TABLE[("sm90", "fp32", d, causal)], dkdv=_k(64, 32, 8, 2))
-        TABLE[("sm90", "fp32", 128, causal)] = replace(TABLE[("sm90", "fp32", 128, causal)], dkdv=_k(32, 32, 8, 2),
-                                                       dq=_k(32, 64, 8, 2))
-        TABLE[("sm90", "fp32", 256, causal)] = replace(TABLE[("sm90", "fp32", 256, causal)], dkdv=_k(16, 32, 8, 1))
+            TABLE[("sm90", "fp32", d, causal)] = AttentionConfig(_k(64, 64, 4, 2), _k(64, 32, 8, 2), _k(64, 32, 4, 2))
+        TABLE[("sm90", "fp32", 128, causal)] = AttentionConfig(_k(64, 32, 4, 2), _k(32, 32, 8, 2), _k(32, 64, 8, 2))
+        TABLE[("sm90", "fp32", 256, causal)] = AttentionConfig(_k(32, 32, 4, 1), _k(16, 32, 8, 1), _k(32, 16, 4, 1))
 
 
 _fill_defaults()
