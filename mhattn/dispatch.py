@@ -119,13 +119,19 @@ class Decision:
     reasons: dict = field(default_factory=dict)  # backend name -> list of reasons ([] = could run it)
     candidates: tuple = ()
     measured: object = None  # mhattn.tuning.table.Evidence when a timing table made the choice
-    path: Optional[str] = None  # the chosen backend's kernel family for the forward (Backend.forward_path)
+
+    @property
+    def path(self) -> Optional[str]:
+        """The chosen backend's kernel family for the forward, and why (Backend.forward_path); worked out when
+        asked, since only explain shows it."""
+        return registry.get_backend(self.chosen).forward_path(self.problem) if self.chosen is not None else None
 
     def __str__(self):
         lines = [f"problem: {self.problem.describe()}", f"requested: {self.requested} (from {self.source})"]
         lines.append(f"chosen: {self.chosen}" if self.chosen else "chosen: none (no backend can run this problem)")
-        if self.path:
-            lines.append(f"  forward: {self.path}")
+        path = self.path
+        if path:
+            lines.append(f"  forward: {path}")
         if self.measured is not None:
             lines.append(f"  {self.measured}")
         for name, why in self.reasons.items():
@@ -148,6 +154,14 @@ _dependent: list = []  # other modules' caches holding decisions (see clears_wit
 _CACHE_LIMIT = 4096
 _cache_lock = threading.Lock()
 _warned: set = set()
+
+
+def _remember(cache: dict, key, backend) -> None:
+    """Store a decision in one of the bounded caches above; when full, the oldest entry makes room."""
+    with _cache_lock:
+        if len(cache) >= _CACHE_LIMIT:
+            cache.pop(next(iter(cache)), None)
+        cache[key] = backend
 
 
 def clears_with_cache(cache: dict) -> None:
@@ -179,8 +193,7 @@ def decide(problem: Problem, name: str, source: str) -> Decision:
     measured = timing_table.measured_choice(problem, [n for n in candidates if n in reasons and not reasons[n]]) \
         if name == AUTO else None  # the fastest measured on this GPU, if a table has a close enough shape
     chosen = measured.chosen if measured is not None else chosen
-    path = registry.get_backend(chosen).forward_path(problem) if chosen is not None else None
-    return Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else (), measured, path)
+    return Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else (), measured)
 
 
 def size_bucket(n: int) -> int:
@@ -217,10 +230,7 @@ def backend_for(q, k, v, features: int, name: str, source: str, diag_offset: int
         problem = Problem.from_shapes(device, q.dtype, (batch, heads_q, seqlen_q, head_dim), k.shape[1], seqlen_k,
                                       v.shape[3], features, diag_offset=diag_offset, needs_grad=needs_grad)
         backend = _select(problem, name, source)
-        with _cache_lock:
-            if len(_cache) >= _CACHE_LIMIT:
-                _cache.pop(next(iter(_cache)), None)  # the oldest entry
-            _cache[key if _bucket_agrees(problem, name, source, backend.name) else exact_key] = backend
+        _remember(_cache, key if _bucket_agrees(problem, name, source, backend.name) else exact_key, backend)
     return backend
 
 
@@ -237,10 +247,7 @@ def backend_for_call(q, k, v, mask, mask_requires_grad: bool, dropout_p: float, 
     if backend is None:
         features = feature_bits(q, k, v, mask, mask_requires_grad, dropout_p, softcap, causal, window)
         backend = backend_for(q, k, v, features, name, source, diag_offset)
-        with _cache_lock:
-            if len(_by_call) >= _CACHE_LIMIT:
-                _by_call.pop(next(iter(_by_call)), None)  # the oldest entry
-            _by_call[key] = backend
+        _remember(_by_call, key, backend)
     return backend
 
 
@@ -267,10 +274,7 @@ def select(problem: Problem, name: str, source: str = "automatic selection"):
     backend = _selected.get(key)
     if backend is None:
         backend = _select(problem, name, source)
-        with _cache_lock:
-            if len(_selected) >= _CACHE_LIMIT:
-                _selected.pop(next(iter(_selected)), None)  # the oldest entry
-            _selected[key] = backend
+        _remember(_selected, key, backend)
     return backend
 
 
