@@ -211,6 +211,10 @@ class Backend:
         for a backend with one family."""
         return None
 
+    def backward_path(self, problem) -> Optional[str]:
+        """The same for the backward; None for a backend with one family."""
+        return None
+
     def native_attention(self, q, k, v, params: AttentionParams):
         """Optional: the output alone (no lse) through a differentiable path of the backend's own (e.g. an
         operator with a C++ autograd node), for calls that return no lse; None where it has none for this call.

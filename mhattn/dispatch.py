@@ -126,12 +126,22 @@ class Decision:
         asked, since only explain shows it."""
         return registry.get_backend(self.chosen).forward_path(self.problem) if self.chosen is not None else None
 
+    @property
+    def backward_path(self) -> Optional[str]:
+        """The same for the backward (Backend.backward_path), when the problem needs gradients."""
+        if self.chosen is None or not self.problem.needs_grad:
+            return None
+        return registry.get_backend(self.chosen).backward_path(self.problem)
+
     def __str__(self):
         lines = [f"problem: {self.problem.describe()}", f"requested: {self.requested} (from {self.source})"]
         lines.append(f"chosen: {self.chosen}" if self.chosen else "chosen: none (no backend can run this problem)")
         path = self.path
         if path:
             lines.append(f"  forward: {path}")
+        backward_path = self.backward_path
+        if backward_path:
+            lines.append(f"  backward: {backward_path}")
         if self.measured is not None:
             lines.append(f"  {self.measured}")
         for name, why in self.reasons.items():

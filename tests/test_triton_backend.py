@@ -617,14 +617,43 @@ GLUON_FORWARD_CASES = {
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case", list(GLUON_FORWARD_CASES))
 def test_gpu_gluon_hopper_forward(monkeypatch, dtype, case):
+    _check_gluon_kernel(monkeypatch, "MIN_KEYS", "forward", dtype, GLUON_FORWARD_CASES[case])
+
+
+def _check_gluon_kernel(monkeypatch, threshold: str, launch: str, dtype, case: dict):
+    """check_attention on ``case`` with hopper_launch's key threshold ``threshold`` lowered to one key, asserting
+    that hopper_launch.``launch`` (the Gluon kernel's launch) ran."""
     from mhattn.backends.triton import hopper_launch
 
-    monkeypatch.setattr(hopper_launch, "MIN_KEYS", dict.fromkeys(hopper_launch.KEY_BLOCK, 1))
+    monkeypatch.setattr(hopper_launch, threshold, dict.fromkeys(getattr(hopper_launch, threshold), 1))
     launches = []
-    real_forward = hopper_launch.forward
-    monkeypatch.setattr(hopper_launch, "forward", lambda *args: launches.append(1) or real_forward(*args))
-    check_attention(dtype=dtype, device="cuda", **GLUON_FORWARD_CASES[case])
-    assert launches, "the Gluon Hopper forward did not run"
+    real_launch = getattr(hopper_launch, launch)
+    monkeypatch.setattr(hopper_launch, launch, lambda *args: launches.append(1) or real_launch(*args))
+    check_attention(dtype=dtype, device="cuda", **case)
+    assert launches, f"the Gluon Hopper kernel (hopper_launch.{launch}) did not run"
+
+
+# The Gluon backward (hopper_backward.py) on ragged shapes: GQA, both causal alignments with rows that see no key,
+# more queries than keys, packed QKV views (strided heads), a gradient into the log-sum-exp, one key.
+GLUON_BACKWARD_CASES = {
+    "d64_ragged_gqa": dict(head_dim=64, heads_q=6, heads_kv=2, seqlen_q=300, seqlen_k=517),
+    "d64_bottom_right_empty_rows": dict(head_dim=64, seqlen_q=517, seqlen_k=300, causal="bottom_right"),
+    "d128_top_left_more_queries": dict(head_dim=128, heads_q=8, heads_kv=2, seqlen_q=517, seqlen_k=300,
+                                       causal="top_left"),
+    "d128_bottom_right": dict(head_dim=128, seqlen_q=129, seqlen_k=700, causal="bottom_right"),
+    "d128_packed_grad_lse": dict(head_dim=128, layout="packed", seqlen_q=600, seqlen_k=600, heads_q=4,
+                                 causal="top_left", grad_lse=True),
+    "d64_one_key": dict(head_dim=64, seqlen_q=65, seqlen_k=1),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_BACKWARD_CASES))
+def test_gpu_gluon_hopper_backward(monkeypatch, dtype, case):
+    _check_gluon_kernel(monkeypatch, "BACKWARD_MIN_KEYS", "backward", dtype, GLUON_BACKWARD_CASES[case])
 
 
 @pytest.mark.gpu
@@ -701,6 +730,9 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
         assert ".target sm_90a" in ptx, task.label
         if task.tile.tma:
             assert "cp.async.bulk.tensor" in ptx, task.label
+        if task.kind == "hopper_bwd":  # dQ's shares summed by the copy engine
+            assert "cp.reduce.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx, task.label
+    assert {task.kind for task in tasks} >= {"hopper_fwd", "hopper_bwd"}
     with pytest.raises(ValueError, match="unknown architecture"):
         ahead.table_tasks("sm_91x")
 
@@ -771,9 +803,10 @@ def test_gpu_launches_through_kept_handles_stay_correct_as_addresses_strides_and
     assert kinds.forward.handle_launches + kinds.dkdv.handle_launches - before >= 12
 
 
-def test_explain_names_the_forward_kernel_family(monkeypatch):
-    """explain's decision says which Triton forward runs and why the Gluon Hopper kernel does not, from the
-    problem alone (device capability, dtype, head dims, features, key count); the split-KV kernels for decoding."""
+def test_explain_names_the_kernel_families(monkeypatch):
+    """explain's decision says which Triton forward and backward run and why the Gluon Hopper kernels do not, from
+    the problem alone (device capability, dtype, head dims, features, key count, determinism); the split-KV kernels
+    for decoding."""
     from mhattn.backends.triton import hopper_launch
     from mhattn.backends.triton.backend import TritonBackend
     from mhattn.problem import Problem
@@ -791,6 +824,21 @@ def test_explain_names_the_forward_kernel_family(monkeypatch):
                            (dict(features=("softcap",)), "softcap")):
         path = backend.forward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 forward") and reason in path, (kwargs, path)
+    assert "split-KV" in backend.forward_path(problem(seqlen_q=1))
+    assert "Gluon Hopper backward (hopper_backward.py)" in backend.backward_path(problem(features=("causal",)))
+    for kwargs, reason in ((dict(head_dim=256), "head dims 256/256"), (dict(seqlen_k=1024), "1024 keys < 2048"),
+                           (dict(features=("dropout",)), "dropout")):
+        path = backend.backward_path(problem(**kwargs))
+        assert path.startswith("the FlashAttention-2 backward") and reason in path, (kwargs, path)
+    assert hopper_launch.DETERMINISTIC in TritonBackend(deterministic=True).backward_path(problem())
+    from dataclasses import replace
+
+    from mhattn.dispatch import Decision
+
+    shown = str(Decision(problem=replace(problem(), needs_grad=True), requested="triton", source="argument",
+                         chosen="triton"))
+    assert "  forward: the Gluon Hopper forward" in shown and "  backward: the Gluon Hopper backward" in shown, shown
+    assert "backward:" not in str(Decision(problem=problem(), requested="triton", source="argument", chosen="triton"))
     monkeypatch.setenv(hopper_launch.ENV_SWITCH, "0")
     assert f"{hopper_launch.ENV_SWITCH}=0" in backend.forward_path(problem())
-    assert "split-KV" in backend.forward_path(problem(seqlen_q=1))
+    assert f"{hopper_launch.ENV_SWITCH}=0" in backend.backward_path(problem())

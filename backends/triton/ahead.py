@@ -26,7 +26,8 @@ FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "dQacc", "OutSplit"
 # cache's lengths and block table (decode.py).
 INT32_POINTERS = {"Seed", "CuSeqlensQ", "CuSeqlensK", "Seqlens", "BlockTable"}
 FLOATS = {"qk_scale2", "softcap_in2", "softcap_out2", "dropout_scale", "sm_scale"}
-KINDS = ("fwd", "dkdv", "dq", "hopper_fwd")
+KINDS = ("fwd", "dkdv", "dq", "hopper_fwd", "hopper_bwd")
+GLUON_KINDS = ("hopper_fwd", "hopper_bwd")
 # "sm_90a" is Hopper with its architecture-specific instructions (wgmma); Triton emits those for 9.0 itself.
 ARCHS = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90, "sm_90a": 90}
 
@@ -38,11 +39,17 @@ def hopper_tile(head_dim: int) -> configs.KernelConfig:
                                 tma=True, warp_specialize=True)
 
 
+def hopper_backward_tile() -> configs.KernelConfig:
+    """The Hopper backward's tile: query rows per step, keys per program, the compute partition's 8 warps."""
+    return configs.KernelConfig(hopper_launch.BACKWARD_QUERY_BLOCK, hopper_launch.BACKWARD_KEY_BLOCK, 8, 1, tma=True,
+                                warp_specialize=True)
+
+
 @dataclass(frozen=True)
 class KernelTask:
     """One kernel to compile: which kernel, for which problem class and tile."""
 
-    kind: str            # "fwd", "dkdv", "dq" or "hopper_fwd" (the Gluon forward, hopper_forward.py)
+    kind: str            # "fwd", "dkdv", "dq", "hopper_fwd" / "hopper_bwd" (the Gluon kernels, hopper_*.py)
     head_dim: int
     causal: bool
     tile: configs.KernelConfig
@@ -64,6 +71,10 @@ def _kernel_function(kind: str):
         from mhattn.backends.triton import hopper_forward
 
         return hopper_forward.hopper_forward_kernel
+    if kind == "hopper_bwd":
+        from mhattn.backends.triton import hopper_backward
+
+        return hopper_backward.hopper_backward_kernel
     return {"fwd": forward.attention_forward_kernel, "dkdv": backward.backward_dkdv_kernel,
             "dq": backward.backward_dq_kernel, "splitkv": decode.split_kv_kernel}[kind]
 
@@ -71,6 +82,8 @@ def _kernel_function(kind: str):
 def _constexprs(task: KernelTask) -> dict:
     if task.kind == "hopper_fwd":
         return dict(hopper_launch.compile_time_args(task.head_dim, task.causal), **dict(task.flags))
+    if task.kind == "hopper_bwd":
+        return dict(hopper_launch.backward_compile_time_args(task.head_dim, task.causal), **dict(task.flags))
     padded = configs.padded_head_dim(task.head_dim)
     values = dict(HEAD_DIM=task.head_dim, HEAD_DIM_V=task.head_dim, BLOCK_D=padded, BLOCK_DV=padded,
                   BLOCK_M=task.tile.block_m, BLOCK_N=task.tile.block_n, HAS_LEFT=False, HAS_RIGHT=task.causal,
@@ -114,7 +127,7 @@ def compile_kernel(task: KernelTask, cc: int = 90):
             signature[name] = "i32"
             if name.startswith("stride_") and not name.endswith(("mq", "mk", "lb", "lh")):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    if task.kind == "hopper_fwd":
+    if task.kind in GLUON_KINDS:
         from triton.experimental.gluon._runtime import GluonASTSource
 
         source = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -159,8 +172,10 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                 if hopper_only and not (tile.tma or tile.warp_specialize or (kind == "dkdv" and dq_mode)):
                     continue
                 tasks.append(KernelTask(kind, head_dim, causal, tile, dq_mode if kind == "dkdv" else 0))
-            if cc == 90 and head_dim in hopper_launch.KEY_BLOCK:  # the Gluon forward (sm_90 only)
+            if cc == 90 and head_dim in hopper_launch.KEY_BLOCK:  # the Gluon kernels (sm_90 only)
                 tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim)))
+            if cc == 90 and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
+                tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile()))
     return tasks
 
 

@@ -117,6 +117,7 @@ class _Plan:
         # The Gluon Hopper forward (hopper_forward.py) is sm_90 code: wgmma and setmaxnreg.
         self.sm90 = not INTERPRET and cc == (9, 0)
         self.hopper_constexprs = None  # its compile-time set, made on its first launch
+        self.hopper_backward_constexprs = None  # the same for the Gluon Hopper backward (hopper_backward.py)
         self.config = configs.config_for(cc, q.dtype, self.head_dim, self.heavy_first, self.seqlen_q, dot_precision)
         self.flags = dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
                           BLOCK_DV=self.block_dv, HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SOFTCAP=has_softcap,
@@ -137,6 +138,10 @@ class _Plan:
         # (shape, strides) of the per-row float32 buffers (lse, delta): contiguous (B, Hq, Nq).
         rows_shape = (self.batch, self.heads_q, self.seqlen_q)
         self.rows_layout = (rows_shape, layouts.contiguous_strides(rows_shape))
+        # The backward's delta and lse2: the same with each row padded to 4 floats (16 bytes), so that the Hopper
+        # backward's copy engine can read them.
+        padded = -(-self.seqlen_q // 4) * 4
+        self.padded_rows_layout = (rows_shape, (self.heads_q * padded, padded, 1))
         # Whether q, k, v are dense, for their gradient buffers (layouts.grad_buffer).
         self.dense = (layouts.is_dense(q), layouts.is_dense(k), layouts.is_dense(v))
         self._constexpr_sets: dict = {}
@@ -409,14 +414,16 @@ class TritonBackend(Backend):
         # torch.use_deterministic_algorithms(True) is on.
         self.deterministic = deterministic
 
+    def _deterministic(self) -> bool:
+        if self.deterministic is None:
+            return torch.are_deterministic_algorithms_enabled()
+        return self.deterministic
+
     def _dq_mode(self, run: "_Launch", mask_grad: bool) -> int:
         """0: the separate dQ kernel; 1: atomics; 2: the copy engine's bulk reduce-add (see configs.DQ_MODES).
         The mask gradient needs dS, which only the dQ kernel writes; a deterministic backward needs the dQ kernel."""
         mode = run.plan.config.dq_mode
-        deterministic = self.deterministic
-        if deterministic is None:
-            deterministic = torch.are_deterministic_algorithms_enabled()
-        if mode == "separate" or mask_grad or deterministic:
+        if mode == "separate" or mask_grad or self._deterministic():
             return 0
         # The bulk reduce-add needs descriptors (sm_90, aligned rows) and a real GPU (the interpreter has no
         # reduce-add through descriptors); float32 rows of D elements are 16-byte multiples when D % 4 == 0.
@@ -465,6 +472,17 @@ class TritonBackend(Backend):
         if reason is None:
             return "the Gluon Hopper forward (hopper_forward.py), when q, k, v rows are 16-byte aligned"
         return f"the FlashAttention-2 forward (forward.py): not the Gluon Hopper forward because {reason}"
+
+    def backward_path(self, problem) -> Optional[str]:
+        if problem.operation != "attention":
+            return None
+        reason = hopper_launch.why_not_problem(problem, hopper_launch.BACKWARD_MIN_KEYS)
+        if reason is None and self._deterministic():
+            reason = hopper_launch.DETERMINISTIC
+        if reason is None:
+            return ("the Gluon Hopper backward (hopper_backward.py), when q, k, v and the output gradient rows are "
+                    "16-byte aligned")
+        return f"the FlashAttention-2 backward (backward.py): not the Gluon Hopper backward because {reason}"
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, q, k, v, params: AttentionParams):
@@ -530,9 +548,12 @@ class TritonBackend(Backend):
             dq.zero_(), dk.zero_(), dv.zero_()
             return dq, dk, dv, (dmask.to(params.mask.dtype) if dmask is not None else None)
 
-        delta = torch.empty_strided(*plan.rows_layout, dtype=torch.float32, device=q.device)
-        lse2 = torch.empty_like(delta)
-        dq_mode = self._dq_mode(run, mask_grad)
+        delta = torch.empty_strided(*plan.padded_rows_layout, dtype=torch.float32, device=q.device)
+        lse2 = torch.empty_strided(*plan.padded_rows_layout, dtype=torch.float32, device=q.device)
+        # The Gluon Hopper backward (hopper_backward.py) sums dQ in the float32 buffer, as dQ mode 1 does.
+        hopper = plan.sm90 and hopper_launch.why_not_backward(plan, run, _descriptor_ready(grad_out),
+                                                              self._deterministic()) is None
+        dq_mode = 1 if hopper else self._dq_mode(run, mask_grad)
         # dQ summed inside the dK/dV kernel: a zeroed float32 buffer (B, Hq, Nq, D), converted at the end.
         dq_acc = (torch.zeros(plan.batch, plan.heads_q, plan.seqlen_q, plan.head_dim, dtype=torch.float32,
                               device=q.device) if dq_mode else delta)
@@ -549,7 +570,7 @@ class TritonBackend(Backend):
                     *_strides4(out), *_strides4(grad_out),
                     lse.stride(0), lse.stride(1), lse.stride(2),
                     grad_lse_arg.stride(0), grad_lse_arg.stride(1), grad_lse_arg.stride(2),
-                    plan.heads_q, plan.seqlen_q, num_pre_blocks,
+                    plan.heads_q, plan.seqlen_q, num_pre_blocks, delta.stride(1),
                 ), kernel.preprocess.cached_constexprs(4, 1, HEAD_DIM_V=plan.head_dim_v, BLOCK_DV=plan.block_dv,
                                                        BLOCK_M=block_pre, HAS_GRAD_LSE=grad_lse is not None)
 
@@ -592,7 +613,10 @@ class TritonBackend(Backend):
                               key_bounds), seed, prepare)
 
             key = plan.shrink_key + (run.tma_ok, dq_mode)
-            _run("dkdv", plan.config.dkdv, key, launch_dkdv)
+            if hopper:
+                hopper_launch.backward(q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run, plan, plan.device_index)
+            else:
+                _run("dkdv", plan.config.dkdv, key, launch_dkdv)
             if dq_mode:
                 dq.copy_(dq_acc)
             else:

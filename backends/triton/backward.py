@@ -35,18 +35,19 @@ from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile, keep_
 from mhattn.backends.triton.scores import LOG2E, attention_scores, key_major_ranges, query_major_ranges
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "num_m_blocks"])
+@triton.jit(do_not_specialize=["seqlen_q", "num_m_blocks", "stride_rows"])
 def backward_preprocess_kernel(
     Out, dOut, Lse, GradLse, Delta, Lse2,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, stride_lm,
     stride_gb, stride_gh, stride_gm,
-    heads_q, seqlen_q, num_m_blocks,
+    heads_q, seqlen_q, num_m_blocks, stride_rows,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
 ):
-    """Delta and Lse2 (B, Hq, Nq) fp32 contiguous from Out, dOut (B, Hq, Nq, Dv) and Lse, GradLse
-    (B, Hq, Nq), all by their strides. Grid: (B * Hq * cdiv(Nq, BLOCK_M),)."""
+    """Delta and Lse2 (B, Hq, Nq) fp32, rows of one (batch, head) stride_rows apart (>= Nq; padded so the copy
+    engine can read them), from Out, dOut (B, Hq, Nq, Dv) and Lse, GradLse (B, Hq, Nq), all by their strides.
+    Grid: (B * Hq * cdiv(Nq, BLOCK_M),)."""
     pid = tl.program_id(0)
     batch_head = pid // num_m_blocks
     start_m = (pid % num_m_blocks) * BLOCK_M
@@ -71,7 +72,7 @@ def backward_preprocess_kernel(
         delta = delta - tl.where(empty, 0.0, grad_lse)
     lse2 = tl.where(empty, float("inf"), lse * LOG2E)
 
-    out_offsets = batch_head.to(tl.int64) * seqlen_q + offs_m
+    out_offsets = batch_head.to(tl.int64) * stride_rows + offs_m
     tl.store(Delta + out_offsets, delta, mask=rows_ok)
     tl.store(Lse2 + out_offsets, lse2, mask=rows_ok)
 

@@ -39,17 +39,24 @@ CONSUMER_REGS = gl.constexpr(240)
 
 
 @triton.constexpr_function
-def tile_layout(rows, cols, bitwidth):
-    """The swizzled shared-memory layout the copy engine writes and wgmma reads for a (rows, cols) tile."""
+def tile_layout(rows, cols, bitwidth, rank=2):
+    """The swizzled shared-memory layout the copy engine writes and wgmma reads for a (rows, cols) tile; rank 3 for
+    a (1, rows, cols) tile copied through a (heads, rows, cols) tensor map."""
     width = cols * bitwidth // 8
     swizzle = 128 if width % 128 == 0 else (64 if width % 64 == 0 else 32)
-    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=bitwidth, rank=2)
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=bitwidth, rank=rank)
+
+
+@triton.constexpr_function
+def wgmma_layout(warps_m, warps_n, cols):
+    """Accumulator layout of a wgmma result over warps_m x warps_n warps, each warp's tile cols wide."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n], instr_shape=[16, cols, 16])
 
 
 @triton.constexpr_function
 def mma_layout(cols):
     """Accumulator layout of one warpgroup's (64k, cols) wgmma result."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+    return wgmma_layout(4, 1, cols)
 
 
 @gluon.jit

@@ -1,4 +1,4 @@
-"""When the Triton backend's forward runs the Hopper kernel (hopper_forward.py), and its launch.
+"""When the Triton backend runs the Hopper kernels (hopper_forward.py, hopper_backward.py), and their launches.
 
 The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/128/256 with equal value
 head dim, no mask, no dropout, no softcap, no sliding window (a causal mask of either alignment is fine), no
@@ -6,7 +6,11 @@ key padding bounds, 16-byte aligned rows. It pays once each program has enough k
 start (tensor maps, the first copies) and its output write; below MIN_KEYS the FlashAttention-2 kernel
 (forward.py) is faster on the H100 (backends/triton/NOTES.md, version 5). Everything else runs forward.py.
 
-``MHATTN_TRITON_HOPPER=0`` turns the Hopper kernel off (forward.py everywhere), e.g. to compare the two.
+The Hopper backward covers the same problems at head dims 64 and 128, except a deterministic backward (its dQ
+is summed with float32 atomics): backward.py's kernels run the rest.
+
+``MHATTN_TRITON_HOPPER=0`` turns the Hopper kernels off (the FlashAttention-2 kernels everywhere), e.g. to
+compare the two.
 """
 
 from __future__ import annotations
@@ -26,9 +30,16 @@ QUERY_ROWS_PER_CONSUMER = 64   # one wgmma row block per consumer warpgroup
 NUM_STAGES = 2
 # Fewest keys at which the Hopper kernel beat forward.py on the H100 (bf16, PERFORMANCE.md's shapes).
 MIN_KEYS = {64: 8192, 128: 2048, 256: 1}
+# The backward: head dim -> fewest keys at which it beat backward.py's kernels on the H100 (bf16; at d = 64 and 1k
+# keys they were 15-20% faster, at d = 128 and 1k level). d = 256 would need a key block of 64 rows: not written.
+BACKWARD_MIN_KEYS = {64: 4096, 128: 2048}
+BACKWARD_KEY_BLOCK = 128      # keys per program: two compute warpgroups of 64
+BACKWARD_QUERY_BLOCK = 64     # query rows per step
 ENV_SWITCH = "MHATTN_TRITON_HOPPER"
+DETERMINISTIC = "a deterministic backward (the Hopper kernel sums dQ with atomics)"
 
 _launcher: list = []
+_backward_launcher: list = []
 _gluon: list = []
 
 
@@ -42,25 +53,38 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def why_not(plan, run) -> Optional[str]:
-    """None when the Hopper kernel runs this call's forward; otherwise the reason it does not."""
+def why_not(plan, run, min_keys: dict = MIN_KEYS) -> Optional[str]:
+    """None when the Hopper kernel runs this call's forward (or, with BACKWARD_MIN_KEYS, its backward);
+    otherwise the reason it does not."""
     if plan.has_right and run.window_right != 0:
         return "a right window bound other than causal"
     reason = _rule(plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k,
-                   plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.has_left or plan.key_lengths)
+                   plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.has_left or plan.key_lengths,
+                   min_keys)
     if reason is None and not run.tma_ok:
         return "rows or starts not 16-byte aligned for the copy engine"
     return reason
 
 
-def why_not_problem(problem) -> Optional[str]:
+def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool) -> Optional[str]:
+    """None when the Hopper kernel runs this call's backward; otherwise the reason it does not.
+    grad_out_ready: the output gradient can be read through tensor maps (backend._descriptor_ready)."""
+    if deterministic:
+        return DETERMINISTIC
+    reason = why_not(plan, run, BACKWARD_MIN_KEYS)
+    if reason is None and not grad_out_ready:
+        return "the output gradient's rows or start not 16-byte aligned for the copy engine"
+    return reason
+
+
+def why_not_problem(problem, min_keys: dict = MIN_KEYS) -> Optional[str]:
     """:func:`why_not` from a dispatcher Problem (no tensors: alignment is not known there)."""
     extras = problem.features & {"bool_mask", "float_mask", "dropout", "window", "softcap", "value_dim"}
     return _rule(problem.compute_capability == (9, 0), problem.dtype, problem.head_dim, problem.head_dim_v,
-                 problem.seqlen_q, problem.seqlen_k, bool(extras))
+                 problem.seqlen_q, problem.seqlen_k, bool(extras), min_keys)
 
 
-def _rule(sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, extras) -> Optional[str]:
+def _rule(sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, extras, min_keys) -> Optional[str]:
     if not enabled():
         return f"{ENV_SWITCH}=0"
     if not sm90:
@@ -71,14 +95,14 @@ def _rule(sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, extras) -> Opti
         return "a pinned tile configuration (forward.py's tiles)"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {dtype} (fp16/bf16 only)"
-    if head_dim != head_dim_v or head_dim not in KEY_BLOCK:
-        return f"head dims {head_dim}/{head_dim_v} (equal, one of {sorted(KEY_BLOCK)})"
+    if head_dim != head_dim_v or head_dim not in min_keys:
+        return f"head dims {head_dim}/{head_dim_v} (equal, one of {sorted(min_keys)})"
     if extras:
         return "a mask, dropout, softcap, a sliding window or key padding bounds"
     if seqlen_q == 0 or seqlen_k == 0:
         return "an empty query or key set"
-    if seqlen_k < MIN_KEYS[head_dim]:
-        return f"{seqlen_k} keys < {MIN_KEYS[head_dim]} (forward.py is faster there)"
+    if seqlen_k < min_keys[head_dim]:
+        return f"{seqlen_k} keys < {min_keys[head_dim]} (the FlashAttention-2 kernel is faster there)"
     return None
 
 
@@ -110,4 +134,35 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         lse.stride(0), lse.stride(1),
         plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_m_blocks, run.qk_scale2, run.diag_offset,
+    ), constexprs, device_index)
+
+
+def backward_compile_time_args(head_dim: int, causal: bool) -> dict:
+    """The backward kernel's compile-time arguments (launch, `mhattn build`, the GPU check script)."""
+    return dict(HEAD_DIM=head_dim, BLOCK_M=BACKWARD_QUERY_BLOCK, BLOCK_N=BACKWARD_KEY_BLOCK, NUM_STAGES=NUM_STAGES,
+                CAUSAL=causal)
+
+
+def backward(q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run, plan, device_index: int) -> None:
+    """Launch the Hopper backward: dk, dv written, scale * dS K added into dq_acc (zeroed float32 (B, Hq, Nq, D));
+    lse2 and delta from backward.py's preprocess."""
+    from mhattn.backends.triton import backend
+
+    if not _backward_launcher:
+        from mhattn.backends.triton import hopper_backward
+
+        _backward_launcher.append(CompiledLauncher(hopper_backward.hopper_backward_kernel))
+    launcher = _backward_launcher[0]
+    backend._ensure_descriptor_allocator()
+    num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK)
+    constexprs = plan.hopper_backward_constexprs
+    if constexprs is None:
+        constexprs = plan.hopper_backward_constexprs = launcher.constexprs(
+            8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right))
+    launcher.launch((plan.batch * plan.heads_kv * num_n_blocks,), (
+        q, k, v, grad_out, lse2, delta, dk, dv, dq_acc,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dk.stride()[:3],
+        *dv.stride()[:3], delta.stride(0), delta.stride(1),
+        plan.heads_q, plan.heads_kv, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2,
+        run.sm_scale, run.diag_offset,
     ), constexprs, device_index)

@@ -102,7 +102,7 @@ def backward(grad_out, q, k, v, out, lse, packing: Packing, params: AttentionPar
             out, grad_out, lse, grad_lse_arg, delta, lse2,
             *_packed_strides(out), *_packed_strides(grad_out),
             0, lse.stride(0), lse.stride(1), 0, grad_lse_arg.stride(0), grad_lse_arg.stride(1),
-            heads_q, total_q, num_pre_blocks,
+            heads_q, total_q, num_pre_blocks, delta.stride(0),
             HEAD_DIM_V=run.plan.head_dim_v, BLOCK_DV=run.plan.block_dv, BLOCK_M=block_pre,
             HAS_GRAD_LSE=grad_lse is not None, num_warps=4, num_stages=1,
         )

@@ -1,0 +1,294 @@
+"""The Hopper (sm_90) backward kernel, written in Gluon: dK, dV and dQ in one pass (FlashAttention-3's backward).
+
+With P = exp2(S * qk_scale2 - lse2) recomputed from the saved log-sum-exp (base 2, from the preprocess kernel in
+backward.py) and delta = rowsum(dO * O) - grad_lse:
+
+    dV = P^T dO        dP = dO V^T        dS = P * (dP - delta)        dK = scale * dS^T Q        dQ = scale * dS K
+
+One program owns BLOCK_N keys of one (batch, key/value head) and walks every query block of every query head
+that shares that key/value head, in a fixed order. It runs two partitions:
+
+- a load warp: K and V of the block once, then each step's Q and dO tiles through the copy engine (TMA) into
+  a ring of NUM_STAGES slots, with ready/empty barriers kept apart for Q and dO (S^T can start before dO lands);
+- the compute partition (the kernel's 8 warps: two warpgroups, each owning 64 of the keys): per step
+  S^T = K Q^T and dP^T = V dO^T as asynchronous wgmma products, P^T and dS^T in registers, dV += P^T dO and
+  dK += dS^T Q with P^T / dS^T as register operands, then dS^T through shared memory into
+  dQ_share = dS K (the two warpgroups split its columns), added into a float32 dQ buffer with atomics.
+
+The key-major layout keeps dK and dV in registers for the whole walk; dQ needs no second kernel and no second
+computation of S and dP (5 products per tile instead of 7), at the price of an order of float32 additions that
+varies between runs: the deterministic backward stays on backward.py's kernels.
+
+Coverage (hopper_launch.why_not_backward routes the rest to backward.py): fp16 and bf16; head dims 64 and 128
+(K and V the same); no mask, or causal of either alignment (diag_offset); GQA by head index; any Nq, Nk >= 1;
+16-byte aligned rows.
+"""
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from mhattn.backends.triton.hopper_forward import LOAD_REGS, tile_layout, tma_load, wgmma_layout
+
+
+def _tma_reduce_add_builtin():
+    """The copy engine's bulk reduce-add of a shared-memory tile into global memory. Triton 3.9 names it
+    tma.async_atomic_add; Triton 3.6 has the operation (what tl's descriptor.atomic_add lowers to) but no Gluon
+    name for it, so it is made here from the same builder call."""
+    if hasattr(tma, "async_atomic_add"):
+        return tma.async_atomic_add
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
+
+    @builtin
+    def async_atomic_add(tensor_desc, coord, src, _semantic=None):
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+    return async_atomic_add
+
+
+tma_reduce_add = _tma_reduce_add_builtin()
+# A barrier over the partition's warps: Triton 3.6 names it thread_barrier, later ones barrier.
+thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+WRITER_REGS = gl.constexpr(24)  # the dQ writer warp only issues copies, like the load warp
+COMPUTE_WARPS = gl.constexpr(8)
+
+
+@gluon.jit
+def visible_query_blocks(start_n, seqlen_q, diag_offset, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(first_m, blocks): the first query block start that sees a key of [start_n, ...) and how many blocks follow."""
+    first_m = 0
+    if CAUSAL:  # query i sees key j when j <= i + diag_offset
+        first_m = (gl.maximum(start_n - diag_offset, 0) // BLOCK_M) * BLOCK_M
+    return first_m, gl.cdiv(gl.maximum(seqlen_q - first_m, 0), BLOCK_M)
+
+
+@gluon.jit
+def load_partition(k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
+                   lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, start_n, first_m, m_blocks, steps,
+                   BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The load warp: K and V once, then Q with its rows' lse2 and dO with their delta of step s (query head s // m_blocks, query block s % m_blocks)
+    into slot s % NUM_STAGES once the compute partition has released that slot's previous tiles."""
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma_load(k_desc, [start_n, 0], kv_ready, k_smem)
+    tma_load(v_desc, [start_n, 0], kv_ready, v_smem)
+    for step in range(steps):
+        slot = step % NUM_STAGES
+        group_index = step // m_blocks
+        start_m = first_m + (step % m_blocks) * BLOCK_M
+        # A fresh barrier counts as having completed the phase before its first: round 0 waits for nothing.
+        free_phase = ((step // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(q_empty.index(slot), free_phase)
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + lse2_desc.block_type.nbytes)
+        tma_load(q_desc, [group_index, start_m, 0], q_ready.index(slot), q_smem.index(slot))
+        tma_load(lse2_desc, [group_index, start_m], q_ready.index(slot), lse2_smem.index(slot))
+        mbarrier.wait(do_empty.index(slot), free_phase)
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma_load(do_desc, [group_index, start_m, 0], do_ready.index(slot), do_smem.index(slot))
+        tma_load(delta_desc, [group_index, start_m], do_ready.index(slot), delta_smem.index(slot))
+
+
+@gluon.jit
+def row_values(tile, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """A (1, BLOCK_M) float32 tile of per-query values (unswizzled) as a vector along S^T's columns."""
+    return tile.reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
+
+
+@gluon.jit
+def masked_scores_t(s2_t, keys, queries, seqlen_k, diag_offset, CAUSAL: gl.constexpr):
+    """Base-2 scores, keys by rows and queries by columns, with invisible pairs (a key past the sequence end, or
+    after the query's diagonal) at -inf."""
+    ok = gl.expand_dims(keys < seqlen_k, 1)
+    if CAUSAL:
+        ok = ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(queries + diag_offset, 0))
+    return gl.where(ok, s2_t, float("-inf"))
+
+
+@gluon.jit
+def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, first_m, m_blocks, steps, BLOCK_M: gl.constexpr):
+    """The dQ writer warp: each step's dQ share, once the compute warps have put it in shared memory, added into
+    the float32 buffer by the copy engine's bulk reduce-add (rows past Nq are clipped); the buffer is handed back
+    as soon as the copy engine has read it."""
+    for step in range(steps):
+        buf = step % 2
+        mbarrier.wait(dq_ready.index(buf), (step // 2) & 1)
+        tma_reduce_add(dq_desc, [step // m_blocks, first_m + (step % m_blocks) * BLOCK_M, 0], dq_smem.index(buf))
+        tma.store_wait(0)
+        mbarrier.arrive(dq_empty.index(buf), count=1)
+
+
+@gluon.jit
+def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
+                      kv_ready, q_ready, q_empty, do_ready, do_empty,
+                      lse2_smem, delta_smem, dk_base, dv_base, stride_dkn, stride_dvn,
+                      start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset, qk_scale2, sm_scale,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Every step of the key block, then dK and dV. Per step: S^T, dP^T; P^T, dS^T; dV, dK; dQ's share."""
+    s_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS, 1, BLOCK_M)         # S^T, dP^T: (BLOCK_N, BLOCK_M)
+    kv_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS, 1, HEAD_DIM)       # dK, dV: (BLOCK_N, HEAD_DIM)
+    dq_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, HEAD_DIM // 2)  # dQ share: (BLOCK_M, HEAD_DIM)
+    operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    dtype: gl.constexpr = k_smem.dtype
+
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    ragged_keys = start_n + BLOCK_N > seqlen_k
+    mbarrier.wait(kv_ready, 0)
+
+    for step in range(steps):
+        slot = step % NUM_STAGES
+        phase = (step // NUM_STAGES) & 1
+        group_index = step // m_blocks
+        start_m = first_m + (step % m_blocks) * BLOCK_M
+        q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+
+        mbarrier.wait(q_ready.index(slot), phase)
+        s_t = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(slot), phase)
+        dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        queries = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+
+        # The step's lse2 and delta came with Q and dO (rows past Nq read 0: their Q and dO rows are 0 too, so
+        # P^T dO, dS^T and dS K vanish there).
+        lse2 = row_values(lse2_smem.index(slot), BLOCK_M, s_layout)
+        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+        s2_t = s_t * qk_scale2
+        if ragged_keys or (CAUSAL and start_m + diag_offset < start_n + BLOCK_N - 1):
+            s2_t = masked_scores_t(s2_t, keys, queries, seqlen_k, diag_offset, CAUSAL)
+        p_t = gl.exp2(s2_t - gl.expand_dims(lse2, 0))
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), operand_layout), do_tile, dv, is_async=True)
+        delta = row_values(delta_smem.index(slot), BLOCK_M, s_layout)
+        dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+        ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(ds_t, operand_layout), q_tile, dk, is_async=True)
+
+        # dS^T to shared memory (two buffers: step s + 1 writes the other while step s's dQ product may still
+        # read this one); after the barrier every warp has also finished step s - 1, whose slot is released.
+        ds_tile = ds_smem.index(step % 2)
+        ds_tile.store(ds_t)
+        fence_async_shared()
+        thread_barrier()
+        if step > 0:
+            mbarrier.arrive(q_empty.index((step - 1) % NUM_STAGES), count=1)
+            mbarrier.arrive(do_empty.index((step - 1) % NUM_STAGES), count=1)
+        dq = warpgroup_mma(ds_tile.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+        # dQ's share to the writer warp through shared memory (two buffers, each handed back by the writer).
+        mbarrier.wait(dq_empty.index(step % 2), ((step // 2) & 1) ^ 1)
+        dq_smem.index(step % 2).reshape([BLOCK_M, HEAD_DIM]).store(dq * sm_scale)
+        fence_async_shared()
+        thread_barrier()
+        mbarrier.arrive(dq_ready.index(step % 2), count=1)
+
+    keys_out = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    keep = gl.expand_dims(keys_out < seqlen_k, 1)
+    rows = gl.expand_dims(keys_out.to(gl.int64), 1)
+    gl.store(dk_base + rows * stride_dkn + gl.expand_dims(cols, 0), (dk * sm_scale).to(dtype), mask=keep)
+    gl.store(dv_base + rows * stride_dvn + gl.expand_dims(cols, 0), dv.to(dtype), mask=keep)
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "stride_lb", "stride_lh"])
+def hopper_backward_kernel(
+    Q, K, V, dOut, Lse2, Delta, dK, dV, dQacc,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_lb, stride_lh,
+    heads_q, heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+):
+    """Q, dOut (B, Hq, Nq, D), K, V (B, Hkv, Nk, D): any strides, last dim contiguous, rows 16-byte aligned.
+    Lse2, Delta (B, Hq, Nq) fp32 from backward.py's preprocess, by (stride_lb, stride_lh), rows contiguous and
+    16-byte aligned (stride_lh a multiple of 4: the copy engine reads them beside Q and dO).
+    dK, dV (B, Hkv, Nk, D) in the input dtype; dQacc (B, Hq, Nq, D) fp32 contiguous, zeroed, receives scale * dS K.
+    Query head h reads key/value head h // kv_group; causal: query row i sees keys j <= i + diag_offset.
+    Grid (B * Hkv * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
+    pid = gl.program_id(0)
+    # Head-major: the key blocks of one head run side by side and share its Q and dO in L2 (a longest-first order
+    # across heads for causal calls measured slower). Within a head, causal key blocks with the most queries first.
+    batch_head_kv = pid // num_n_blocks
+    start_n = (pid % num_n_blocks) * BLOCK_N
+    batch = batch_head_kv // heads_kv
+    head_kv = batch_head_kv % heads_kv
+    first_head = head_kv * kv_group
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    k_base = K + batch.to(gl.int64) * stride_kb + head_kv.to(gl.int64) * stride_kh
+    v_base = V + batch.to(gl.int64) * stride_vb + head_kv.to(gl.int64) * stride_vh
+    # Q and dO through (query head of the group, row, column) maps: one map serves every head of the group, and
+    # the copy engine zero-fills rows past Nq of each head.
+    q_base = Q + batch.to(gl.int64) * stride_qb + first_head.to(gl.int64) * stride_qh
+    do_base = dOut + batch.to(gl.int64) * stride_dob + first_head.to(gl.int64) * stride_doh
+    kv_tile: gl.constexpr = tile_layout(BLOCK_N, HEAD_DIM, dtype.primitive_bitwidth)
+    row_tile: gl.constexpr = tile_layout(BLOCK_M, HEAD_DIM, dtype.primitive_bitwidth, 3)
+    ds_tile: gl.constexpr = tile_layout(BLOCK_N, BLOCK_M, dtype.primitive_bitwidth)
+    dq_tile: gl.constexpr = tile_layout(BLOCK_M, HEAD_DIM, 32, 3)
+    k_desc = tma.make_tensor_descriptor(k_base, [seqlen_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM], kv_tile)
+    v_desc = tma.make_tensor_descriptor(v_base, [seqlen_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM], kv_tile)
+    q_desc = tma.make_tensor_descriptor(q_base, [kv_group, seqlen_q, HEAD_DIM], [stride_qh, stride_qm, 1],
+                                        [1, BLOCK_M, HEAD_DIM], row_tile)
+    do_desc = tma.make_tensor_descriptor(do_base, [kv_group, seqlen_q, HEAD_DIM], [stride_doh, stride_dom, 1],
+                                         [1, BLOCK_M, HEAD_DIM], row_tile)
+    rows = batch.to(gl.int64) * stride_lb + first_head.to(gl.int64) * stride_lh
+    row_values_tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    lse2_desc = tma.make_tensor_descriptor(Lse2 + rows, [kv_group, seqlen_q], [stride_lh, 1], [1, BLOCK_M],
+                                           row_values_tile)
+    delta_desc = tma.make_tensor_descriptor(Delta + rows, [kv_group, seqlen_q], [stride_lh, 1], [1, BLOCK_M],
+                                            row_values_tile)
+    dq_base = dQacc + (batch * heads_q + first_head).to(gl.int64) * seqlen_q * HEAD_DIM
+    dq_desc = tma.make_tensor_descriptor(dq_base, [kv_group, seqlen_q, HEAD_DIM], [seqlen_q * HEAD_DIM, HEAD_DIM, 1],
+                                         [1, BLOCK_M, HEAD_DIM], dq_tile)
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, HEAD_DIM], row_tile)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, HEAD_DIM], row_tile)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_tile)
+    lse2_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_values_tile)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_values_tile)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HEAD_DIM], dq_tile)
+    dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for slot in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(slot), count=1)
+        mbarrier.init(q_empty.index(slot), count=1)
+        mbarrier.init(do_ready.index(slot), count=1)
+        mbarrier.init(do_empty.index(slot), count=1)
+    for buf in gl.static_range(2):
+        mbarrier.init(dq_ready.index(buf), count=1)
+        mbarrier.init(dq_empty.index(buf), count=1)
+
+    first_m, m_blocks = visible_query_blocks(start_n, seqlen_q, diag_offset, BLOCK_M, CAUSAL)
+    steps = kv_group * m_blocks
+    dk_base = dK + batch.to(gl.int64) * stride_dkb + head_kv.to(gl.int64) * stride_dkh
+    dv_base = dV + batch.to(gl.int64) * stride_dvb + head_kv.to(gl.int64) * stride_dvh
+    gl.warp_specialize([
+        (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready,
+                             q_empty, do_ready, do_empty, lse2_smem, delta_smem, dk_base, dv_base,
+                             stride_dkn, stride_dvn, start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset,
+                             qk_scale2, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
+        (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
+                          lse2_smem, delta_smem, kv_ready, q_ready,
+                          q_empty, do_ready, do_empty, start_n, first_m, m_blocks, steps, BLOCK_M, NUM_STAGES)),
+        (dq_writer_partition, (dq_desc, dq_smem, dq_ready, dq_empty, first_m, m_blocks, steps, BLOCK_M)),
+    ], [1, 1], [LOAD_REGS, WRITER_REGS])

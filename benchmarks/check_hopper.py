@@ -1,0 +1,233 @@
+"""GPU check of the Triton backend's Gluon Hopper kernels (backends/triton/hopper_forward.py, hopper_backward.py),
+on an sm_90 GPU:
+
+    source benchmarks/device_env.sh && cd /tmp && python3 $OLDPWD/benchmarks/check_hopper.py \
+        [--dtype fp16|bf16] [--part fwd,bwd] [--timing-only] [--seqlen 1024,4096,16384]
+
+1. each kernel launched directly on ragged shapes (fp16 and bf16; its head dims; GQA; Nq > Nk; one key; one
+   query; causal top-left and bottom-right, rows that see no key) against a float64 reference, outputs
+   poisoned with NaN before the launch: prints the failures and their count;
+2. the protocol's shapes (B * N = 16384, H = 2048 / d; N 1k, 4k, 16k; causal and not), TFLOP/s from do_bench
+   medians beside sdpa-cudnn in the same run. Forward: the kernel alone, the Triton backend as it chooses
+   (``mhattn.attention(backend="triton")``) and the FlashAttention-2 kernel (``MHATTN_TRITON_HOPPER=0``).
+   Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses and with
+   ``MHATTN_TRITON_HOPPER=0``. The tables are printed last.
+"""
+
+import argparse
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import mhattn
+from mhattn.backends.triton import hopper_backward, hopper_forward, hopper_launch
+from mhattn.backends.triton.backend import _ensure_descriptor_allocator
+
+LOG2E = 1.4426950408889634
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# (B, Hq, Hkv, Nq, Nk) of the correctness pass.
+RAGGED_SHAPES = ((2, 4, 4, 300, 517), (1, 8, 2, 1000, 1000), (2, 2, 1, 129, 64), (1, 2, 2, 64, 1), (1, 2, 2, 1, 300),
+                 (1, 3, 3, 1500, 700))
+
+
+def launch(q, k, v, causal, diag_offset, poison=True):
+    """The forward kernel alone, with the launch constants of hopper_launch: (out, lse)."""
+    _ensure_descriptor_allocator()
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    make = torch.full_like if poison else (lambda t, _: torch.empty_like(t))
+    out = make(q, float("nan"))
+    lse = make(q[..., 0].float(), float("nan"))
+    num_m_blocks = triton.cdiv(seqlen_q, 2 * hopper_launch.QUERY_ROWS_PER_CONSUMER)
+    hopper_forward.hopper_forward_kernel[(batch * heads_q * num_m_blocks,)](
+        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        lse.stride(0), lse.stride(1), heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, num_m_blocks,
+        LOG2E / math.sqrt(head_dim), diag_offset,
+        **hopper_launch.compile_time_args(head_dim, causal), num_warps=4)
+    return out, lse
+
+
+def launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset):
+    """The backward kernel alone (lse2 and delta made here as backward.py's preprocess makes them): (dq, dk, dv),
+    dk and dv poisoned with NaN before the launch."""
+    _ensure_descriptor_allocator()
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    # Rows padded to 16 bytes, as the backend allocates them (the kernel reads them through tensor maps).
+    padded = torch.empty(batch, heads_q, 2, -(-seqlen_q // 4) * 4, dtype=torch.float32, device=q.device)
+    lse2, delta = padded[:, :, 0, :seqlen_q], padded[:, :, 1, :seqlen_q]
+    lse2.copy_(torch.where(lse == float("-inf"), float("inf"), lse * LOG2E))
+    delta.copy_((out.float() * grad_out.float()).sum(-1))
+    dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    num_n_blocks = triton.cdiv(seqlen_k, hopper_launch.BACKWARD_KEY_BLOCK)
+    scale = 1 / math.sqrt(head_dim)
+    hopper_backward.hopper_backward_kernel[(batch * heads_kv * num_n_blocks,)](
+        q, k, v, grad_out, lse2, delta, dk, dv, dq_acc,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dk.stride()[:3],
+        *dv.stride()[:3], delta.stride(0), delta.stride(1),
+        heads_q, heads_kv, heads_q // heads_kv, seqlen_q, seqlen_k, num_n_blocks, scale * LOG2E, scale, diag_offset,
+        **hopper_launch.backward_compile_time_args(head_dim, causal), num_warps=8)
+    return dq_acc, dk, dv
+
+
+def reference(q, k, v, causal, diag_offset):
+    """(out, lse) in float64, differentiable; rows that see no key give out 0 and lse -inf."""
+    group = q.shape[1] // k.shape[1]
+    kd, vd = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ kd.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        rows = torch.arange(q.shape[2], device=q.device)[:, None]
+        cols = torch.arange(k.shape[2], device=q.device)[None]
+        scores = scores.masked_fill(cols > rows + diag_offset, float("-inf"))
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ vd, torch.logsumexp(scores, -1)
+
+
+def ragged_cases(head_dims):
+    """(dtype, q, k, v, causal, diag_offset) over the ragged shapes, random inputs."""
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_dim in head_dims:
+            for batch, heads_q, heads_kv, seqlen_q, seqlen_k in RAGGED_SHAPES:
+                for causal, diag_offset in ((False, 0), (True, 0), (True, seqlen_k - seqlen_q)):
+                    q = torch.randn(batch, heads_q, seqlen_q, head_dim, device="cuda", dtype=dtype)
+                    k = torch.randn(batch, heads_kv, seqlen_k, head_dim, device="cuda", dtype=dtype)
+                    v = torch.randn(batch, heads_kv, seqlen_k, head_dim, device="cuda", dtype=dtype)
+                    yield dtype, q, k, v, causal, diag_offset
+
+
+def max_error(got, want) -> float:
+    return (got.double() - want).abs().max().item() if want.numel() else 0.0
+
+
+def correctness() -> int:
+    failures = 0
+    for dtype, q, k, v, causal, diag_offset in ragged_cases(sorted(hopper_launch.KEY_BLOCK)):
+        out, lse = launch(q, k, v, causal, diag_offset)
+        ref_out, ref_lse = reference(q.double(), k.double(), v.double(), causal, diag_offset)
+        out_err = max_error(out, ref_out)
+        seen = torch.isfinite(ref_lse)
+        lse_err = max_error(lse[seen], ref_lse[seen])
+        empty_rows_ok = bool((lse[~seen] == float("-inf")).all())
+        bound = 2e-2 if dtype == torch.bfloat16 else 4e-3  # a few units in the last place of |out| <~ 1
+        if not (out_err < bound and lse_err < 1e-3 and empty_rows_ok and not torch.isnan(out).any()):
+            failures += 1
+            print(f"FAIL forward {dtype} d={q.shape[-1]} q{tuple(q.shape)} k{tuple(k.shape)} causal={causal} "
+                  f"diag={diag_offset}: out err {out_err:.3g}, lse err {lse_err:.3g}, empty rows ok {empty_rows_ok}",
+                  flush=True)
+    print(f"forward correctness: {failures} failures", flush=True)
+    return failures
+
+
+def correctness_backward() -> int:
+    """The backward kernel against float64 autograd, with CONFORMANCE.md's rule: the error of the kernel at most
+    a few times that of the same computation in the input dtype (torch's math path), plus a small floor."""
+    failures = 0
+    for dtype, q, k, v, causal, diag_offset in ragged_cases(sorted(hopper_launch.BACKWARD_MIN_KEYS)):
+        grad_out = torch.randn_like(q)
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = reference(*leaves, causal, diag_offset)
+        ref_grads = torch.autograd.grad(ref_out, leaves, grad_out.double())
+        low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        low_out, _ = reference(*low, causal, diag_offset)
+        low_grads = torch.autograd.grad(low_out, low, grad_out)
+        out, lse = ref_out.detach().to(dtype), ref_lse.detach().float()
+        got = launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset)
+        for name, g, want, base in zip("qkv", got, ref_grads, low_grads):
+            err, base_err = max_error(g, want), max_error(base, want)
+            if torch.isnan(g).any() or err > 4 * base_err + 1e-2:
+                failures += 1
+                print(f"FAIL backward d{name} {dtype} d={q.shape[-1]} q{tuple(q.shape)} k{tuple(k.shape)} "
+                      f"causal={causal} diag={diag_offset}: err {err:.3g} vs {base_err:.3g} in {dtype} "
+                      f"(nan: {bool(torch.isnan(g).any())})", flush=True)
+    print(f"backward correctness: {failures} failures", flush=True)
+    return failures
+
+
+def with_hopper_off(fn):
+    os.environ[hopper_launch.ENV_SWITCH] = "0"
+    try:
+        return fn()
+    finally:
+        del os.environ[hopper_launch.ENV_SWITCH]
+
+
+def timing(dtype, parts, seqlens):
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
+    forward_rows, backward_rows = [], []
+    head_dims = sorted(set(hopper_launch.KEY_BLOCK) if "fwd" in parts else set())
+    head_dims = sorted(set(head_dims) | (set(hopper_launch.BACKWARD_MIN_KEYS) if "bwd" in parts else set()))
+    for head_dim in head_dims:
+        for seqlen in seqlens:
+            for causal in (False, True):
+                batch, heads = 16384 // seqlen, 2048 // head_dim
+                q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+                flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+                if "fwd" in parts and head_dim in hopper_launch.KEY_BLOCK:
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        cudnn = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                    kernel = bench(lambda: launch(q, k, v, causal, 0, poison=False))
+                    backend = bench(lambda: mhattn.attention(q, k, v, is_causal=causal, backend="triton"))
+                    flash2 = with_hopper_off(lambda: bench(lambda: mhattn.attention(q, k, v, is_causal=causal,
+                                                                                    backend="triton")))
+                    forward_rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in (cudnn, kernel, backend,
+                                                                                               flash2)), cudnn / kernel))
+                    print(forward_rows[-1], flush=True)
+                if "bwd" in parts and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
+                    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                    grad_out = torch.randn_like(q)
+
+                    def backward_time(run):
+                        out = run()
+                        return bench(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True))
+
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        cudnn = backward_time(lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal))
+                    run_triton = lambda: mhattn.attention(*leaves, is_causal=causal, backend="triton")  # noqa: E731
+                    backend = backward_time(run_triton)
+                    flash2 = with_hopper_off(lambda: backward_time(run_triton))
+                    bwd_flops = 2.5 * flops
+                    backward_rows.append((head_dim, seqlen, causal, *(bwd_flops / ms / 1e9 for ms in (cudnn, backend,
+                                                                                                    flash2)),
+                                          cudnn / backend))
+                    print(backward_rows[-1], flush=True)
+    name = str(dtype).replace("torch.", "")
+    if forward_rows:
+        print(f"\n{name} forward, TFLOP/s (same run)\n")
+        print("| d | N | causal | sdpa-cudnn | Gluon kernel | triton backend | FlashAttention-2 kernel | Gluon/cuDNN |")
+        print("|---|---|---|---|---|---|---|---|")
+        for d, n, causal, cudnn, kernel, backend, flash2, ratio in forward_rows:
+            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {kernel:.0f} | {backend:.0f} | "
+                  f"{flash2:.0f} | {ratio:.2f} |")
+    if backward_rows:
+        print(f"\n{name} backward, TFLOP/s (same run)\n")
+        print("| d | N | causal | sdpa-cudnn | triton backend | FlashAttention-2 kernels | triton/cuDNN |")
+        print("|---|---|---|---|---|---|---|")
+        for d, n, causal, cudnn, backend, flash2, ratio in backward_rows:
+            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {backend:.0f} | {flash2:.0f} | "
+                  f"{ratio:.2f} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="of the timing tables")
+    parser.add_argument("--part", default="fwd,bwd", help="comma-separated: fwd, bwd")
+    parser.add_argument("--seqlen", default="1024,4096,16384", help="comma-separated sequence lengths to time")
+    parser.add_argument("--timing-only", action="store_true")
+    args = parser.parse_args()
+    parts = set(args.part.split(","))
+    print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
+    if not args.timing_only:
+        if "fwd" in parts:
+            correctness()
+        if "bwd" in parts:
+            correctness_backward()
+    timing(DTYPES[args.dtype], parts, [int(n) for n in args.seqlen.split(",")])
+
+
+if __name__ == "__main__":
+    main()
