@@ -658,6 +658,25 @@ def test_gpu_gluon_hopper_backward(monkeypatch, dtype, case):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+@pytest.mark.parametrize("slicing", ["heads", "batches"])
+def test_gpu_gluon_hopper_backward_in_slices(monkeypatch, slicing):
+    """The backward split into launches over single key/value heads, or over batch slices of 2, 2 and 1 entries
+    (each with its own float32 dQ buffer), gives the same gradients as the reference."""
+    from mhattn.backends.triton import hopper_launch
+
+    batch, heads_q, heads_kv, seqlen, head_dim = 5, 4, 2, 300, 64
+    per_head = (heads_q // heads_kv) * seqlen * head_dim * 4
+    monkeypatch.setattr(hopper_launch, "ACCUMULATOR_BYTES", 1 if slicing == "heads" else 4 * per_head)
+    monkeypatch.setattr(hopper_launch, "MIN_WAVES", 0)
+    assert hopper_launch.backward_slices(batch, heads_kv, per_head, 3, 132) == ((1, 1) if slicing == "heads" else (2, 2))
+    _check_gluon_kernel(monkeypatch, "BACKWARD_MIN_KEYS", "backward", "bfloat16",
+                        dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen, seqlen_k=seqlen,
+                             head_dim=head_dim, causal="bottom_right"))
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("tf32", [False, True])
 def test_gpu_fp32_follows_torch_matmul_precision(tf32):
     previous = torch.get_float32_matmul_precision()
@@ -755,6 +774,18 @@ def test_float32_tiles_on_sm90_spill_little():
                     assert stack <= 512, f"{task.label}: {stack} B of stack per thread"
     assert configs.table_config((9, 0), torch.float32, 128, False, precision="ieee") != \
         configs.table_config((9, 0), torch.float32, 128, False, precision="tf32")
+
+
+def test_hopper_backward_slices_bound_the_dq_buffer():
+    """hopper_launch.backward_slices: a float32 dQ buffer under ACCUMULATOR_BYTES per launch, whole batch entries
+    when they fit, near-equal slices, and never fewer than MIN_WAVES waves of programs per launch."""
+    from mhattn.backends.triton.hopper_launch import ACCUMULATOR_BYTES, backward_slices
+
+    assert backward_slices(1, 16, 32768 * 128 * 4, 256, 132) == (1, 4)      # N = 32k, d = 128: 4 heads per launch
+    assert backward_slices(16, 16, 1024 * 128 * 4, 8, 132) == (8, 16)      # N = 1k: half the batch per launch
+    assert backward_slices(2, 8, 1200 * 128 * 4, 3, 132) == (2, 8)         # small: one launch
+    assert backward_slices(1, 32, ACCUMULATOR_BYTES, 8, 132) == (1, 32)    # few programs per head: one launch
+    assert backward_slices(7, 4, ACCUMULATOR_BYTES // 8, 1000, 132) == (2, 4)  # 8 heads fit: slices of 2, 2, 2, 1
 
 
 def test_key_bounds_of_key_padding_masks():

@@ -118,6 +118,7 @@ class _Plan:
         self.sm90 = not INTERPRET and cc == (9, 0)
         self.hopper_constexprs = None  # its compile-time set, made on its first launch
         self.hopper_backward_constexprs = None  # the same for the Gluon Hopper backward (hopper_backward.py)
+        self.hopper_backward_slices = None  # its launches' (batches, key/value heads) (hopper_launch.backward_slices)
         self.config = configs.config_for(cc, q.dtype, self.head_dim, self.heavy_first, self.seqlen_q, dot_precision)
         self.flags = dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
                           BLOCK_DV=self.block_dv, HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SOFTCAP=has_softcap,
@@ -550,10 +551,10 @@ class TritonBackend(Backend):
 
         delta = torch.empty_strided(*plan.padded_rows_layout, dtype=torch.float32, device=q.device)
         lse2 = torch.empty_strided(*plan.padded_rows_layout, dtype=torch.float32, device=q.device)
-        # The Gluon Hopper backward (hopper_backward.py) sums dQ in the float32 buffer, as dQ mode 1 does.
+        # The Gluon Hopper backward (hopper_backward.py) keeps its own float32 dQ buffers (hopper_launch.backward).
         hopper = plan.sm90 and hopper_launch.why_not_backward(plan, run, _descriptor_ready(grad_out),
                                                               self._deterministic()) is None
-        dq_mode = 1 if hopper else self._dq_mode(run, mask_grad)
+        dq_mode = 0 if hopper else self._dq_mode(run, mask_grad)
         # dQ summed inside the dK/dV kernel: a zeroed float32 buffer (B, Hq, Nq, D), converted at the end.
         dq_acc = (torch.zeros(plan.batch, plan.heads_q, plan.seqlen_q, plan.head_dim, dtype=torch.float32,
                               device=q.device) if dq_mode else delta)
@@ -614,12 +615,12 @@ class TritonBackend(Backend):
 
             key = plan.shrink_key + (run.tma_ok, dq_mode)
             if hopper:
-                hopper_launch.backward(q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run, plan, plan.device_index)
-            else:
+                hopper_launch.backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, plan.device_index)
+            elif dq_mode:
                 _run("dkdv", plan.config.dkdv, key, launch_dkdv)
-            if dq_mode:
                 dq.copy_(dq_acc)
             else:
+                _run("dkdv", plan.config.dkdv, key, launch_dkdv)
                 _run("dq", plan.config.dq, key, launch_dq)
         if dmask is not None:
             dmask = dmask.to(params.mask.dtype)

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from mhattn.backends.triton import configs
+from mhattn.backends.triton.decode_launch import _sm_count
 from mhattn.backends.triton.launcher import CompiledLauncher
 
 # Head dim -> key block: the largest whose K/V ring, both Q tiles and the register budget fit.
@@ -143,9 +144,10 @@ def backward_compile_time_args(head_dim: int, causal: bool) -> dict:
                 CAUSAL=causal)
 
 
-def backward(q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run, plan, device_index: int) -> None:
-    """Launch the Hopper backward: dk, dv written, scale * dS K added into dq_acc (zeroed float32 (B, Hq, Nq, D));
-    lse2 and delta from backward.py's preprocess."""
+def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int) -> None:
+    """Launch the Hopper backward into dq, dk, dv (allocated by the caller); lse2 and delta from backward.py's
+    preprocess. dQ is summed in float32 and converted into dq at the end; to bound that buffer, large problems run
+    as several launches over slices of the batch or of the key/value heads (:func:`backward_slices`)."""
     from mhattn.backends.triton import backend
 
     if not _backward_launcher:
@@ -159,10 +161,40 @@ def backward(q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run, plan, device_i
     if constexprs is None:
         constexprs = plan.hopper_backward_constexprs = launcher.constexprs(
             8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right))
-    launcher.launch((plan.batch * plan.heads_kv * num_n_blocks,), (
-        q, k, v, grad_out, lse2, delta, dk, dv, dq_acc,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dk.stride()[:3],
-        *dv.stride()[:3], delta.stride(0), delta.stride(1),
-        plan.heads_q, plan.heads_kv, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2,
-        run.sm_scale, run.diag_offset,
-    ), constexprs, device_index)
+        plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
+                                                      * plan.head_dim * 4, num_n_blocks, _sm_count(device_index))
+    batches, heads = plan.hopper_backward_slices
+    group = plan.kv_group
+    accumulator = torch.empty(batches * heads * group * plan.seqlen_q * plan.head_dim, dtype=torch.float32,
+                              device=q.device)
+    for b0 in range(0, plan.batch, batches):
+        for h0 in range(0, plan.heads_kv, heads):
+            b, h = slice(b0, b0 + batches), slice(h0, h0 + heads)
+            hq = slice(h0 * group, (h0 + heads) * group)
+            q_s, k_s, v_s, do_s = q[b, hq], k[b, h], v[b, h], grad_out[b, hq]
+            dq_acc = accumulator[:q_s.numel()].view(q_s.shape).zero_()
+            launcher.launch((k_s.shape[0] * k_s.shape[1] * num_n_blocks,), (
+                q_s, k_s, v_s, do_s, lse2[b, hq], delta[b, hq], dk[b, h], dv[b, h], dq_acc,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dk.stride()[:3],
+                *dv.stride()[:3], delta.stride(0), delta.stride(1),
+                q_s.shape[1], k_s.shape[1], group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2,
+                run.sm_scale, run.diag_offset,
+            ), constexprs, device_index)
+            dq[b, hq].copy_(dq_acc)
+
+
+# The float32 dQ buffer of one backward launch is kept under ACCUMULATOR_BYTES by slicing the problem, unless a
+# slice would then hold fewer than MIN_WAVES waves of programs (each launch's last wave leaves SMs idle).
+ACCUMULATOR_BYTES = 64 << 20
+MIN_WAVES = 8
+
+
+def backward_slices(batch: int, heads_kv: int, bytes_per_head: int, programs_per_head: int, sm_count: int):
+    """(batches, key/value heads) per backward launch: whole batch entries when a slice holds at least one,
+    else heads of one batch entry; slices of near-equal size."""
+    per_launch = max(1, ACCUMULATOR_BYTES // max(bytes_per_head, 1),
+                     -(-MIN_WAVES * sm_count // max(programs_per_head, 1)))
+    if per_launch >= heads_kv:
+        batches = min(batch, per_launch // heads_kv)
+        return -(-batch // -(-batch // batches)), heads_kv
+    return 1, -(-heads_kv // -(-heads_kv // per_launch))
