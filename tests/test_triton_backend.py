@@ -669,6 +669,7 @@ def test_gpu_gluon_hopper_backward_in_slices(monkeypatch, slicing):
     per_head = (heads_q // heads_kv) * seqlen * head_dim * 4
     monkeypatch.setattr(hopper_launch, "ACCUMULATOR_BYTES", 1 if slicing == "heads" else 4 * per_head)
     monkeypatch.setattr(hopper_launch, "MIN_WAVES", 0)
+    monkeypatch.setattr(hopper_launch, "SINGLE_LAUNCH_BYTES", 0)
     assert hopper_launch.backward_slices(batch, heads_kv, per_head, 3, 132) == ((1, 1) if slicing == "heads" else (2, 2))
     _check_gluon_kernel(monkeypatch, "BACKWARD_MIN_KEYS", "backward", "bfloat16",
                         dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen, seqlen_k=seqlen,
@@ -777,13 +778,14 @@ def test_float32_tiles_on_sm90_spill_little():
 
 
 def test_hopper_backward_slices_bound_the_dq_buffer():
-    """hopper_launch.backward_slices: a float32 dQ buffer under ACCUMULATOR_BYTES per launch, whole batch entries
-    when they fit, near-equal slices, and never fewer than MIN_WAVES waves of programs per launch."""
+    """hopper_launch.backward_slices: one launch while the whole float32 dQ buffer is small; above, a buffer under
+    ACCUMULATOR_BYTES per launch, whole batch entries when they fit, near-equal slices, and never fewer than
+    MIN_WAVES waves of programs per launch."""
     from mhattn.backends.triton.hopper_launch import ACCUMULATOR_BYTES, backward_slices
 
     assert backward_slices(1, 16, 32768 * 128 * 4, 256, 132) == (1, 4)      # N = 32k, d = 128: 4 heads per launch
-    assert backward_slices(16, 16, 1024 * 128 * 4, 8, 132) == (8, 16)      # N = 1k: half the batch per launch
-    assert backward_slices(2, 8, 1200 * 128 * 4, 3, 132) == (2, 8)         # small: one launch
+    assert backward_slices(16, 16, 1024 * 128 * 4, 8, 132) == (16, 16)     # N = 1k, B = 16: 128 MiB, one launch
+    assert backward_slices(32, 16, 1024 * 128 * 4, 8, 132) == (8, 16)      # B = 32: 64 MiB per launch
     assert backward_slices(1, 32, ACCUMULATOR_BYTES, 8, 132) == (1, 32)    # few programs per head: one launch
     assert backward_slices(7, 4, ACCUMULATOR_BYTES // 8, 1000, 132) == (2, 4)  # 8 heads fit: slices of 2, 2, 2, 1
 
