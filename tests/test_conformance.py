@@ -353,6 +353,35 @@ def test_undeclared_features_are_unsupported_with_the_backend_reason():
     assert data["ok"] and len(data["results"]) == len(results)
 
 
+def test_the_report_says_which_kernel_family_ran_each_case():
+    """A backend with two kernel families (Backend.forward_path / backward_path): each case records the families
+    its problem goes to, the report counts them per backend, and the JSON round trip keeps them."""
+
+    class TwoFamilies(ReferenceBackend):
+        name = "test-two-families"
+
+        def forward_path(self, problem):
+            if problem.seqlen_k >= 64:
+                return "the long forward (long.py), because the keys are many"
+            return "the short forward (short.py): not the long one because few keys"
+
+        def backward_path(self, problem):
+            return "the one backward (bwd.py)"
+
+    backend = TwoFamilies()
+    results = [run_case(backend, c) for c in cpu_quick(backend, ["fp16"], ["basic", "causal"])]
+    assert all(r.kernels and r.kernels[-1] == "backward: the one backward (bwd.py)" for r in results)
+    assert {r.kernels[0] for r in results} <= {"forward: the long forward (long.py)",
+                                              "forward: the short forward (short.py)"}
+    report = Report("quick", "cpu", {"device": "test"}, results=results)
+    md, text = render_markdown(report), render_text(report)
+    assert "### Kernel families" in md and "kernel families that ran the cases:" in text
+    assert f"test-two-families: backward: the one backward (bwd.py): {len(results)} cases" in md
+    again = CaseResult.from_dict(json.loads(json.dumps(to_json(report)))["results"][0])
+    assert again.kernels == results[0].kernels
+    assert run_case(REFERENCE, cpu_quick(REFERENCE, ["fp16"], ["basic"])[0]).kernels == []  # one family: none named
+
+
 # ---- plans, workers ---------------------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ The Hopper backward covers the same problems at head dims 64 and 128, except a d
 is summed with float32 atomics): backward.py's kernels run the rest.
 
 ``MHATTN_TRITON_HOPPER=0`` turns the Hopper kernels off (the FlashAttention-2 kernels everywhere), e.g. to
-compare the two.
+compare the two; ``MHATTN_TRITON_HOPPER=always`` runs them at any key count (e.g. for a conformance run).
 """
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ def gluon_available() -> bool:
 
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def always() -> bool:
+    """MHATTN_TRITON_HOPPER=always: the Hopper kernels wherever they apply, whatever the key count (to qualify them
+    on a conformance run's small shapes)."""
+    return os.environ.get(ENV_SWITCH, "").strip().lower() == "always"
 
 
 def why_not(plan, run, min_keys: dict = MIN_KEYS) -> Optional[str]:
@@ -102,7 +108,7 @@ def _rule(sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, extras, min_key
         return "a mask, dropout, softcap, a sliding window or key padding bounds"
     if seqlen_q == 0 or seqlen_k == 0:
         return "an empty query or key set"
-    if seqlen_k < min_keys[head_dim]:
+    if seqlen_k < min_keys[head_dim] and not always():
         return f"{seqlen_k} keys < {min_keys[head_dim]} (the FlashAttention-2 kernel is faster there)"
     return None
 

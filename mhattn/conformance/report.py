@@ -233,6 +233,10 @@ def render_text(report: Report, max_failures: int = 30) -> str:
     if footnotes:
         out.append("")
         out += footnotes
+    kernels = _kernel_lines(report)
+    if kernels:
+        out.append("")
+        out += ["kernel families that ran the cases:"] + [f"  {line}" for line in kernels]
     for name, reasons in report.unavailable.items():
         out.append(f"{name}: not run: " + "; ".join(reasons))
     for x in report.extra:
@@ -240,6 +244,22 @@ def render_text(report: Report, max_failures: int = 30) -> str:
     out.append("")
     out.append(_summary_line(report))
     return "\n".join(out)
+
+
+def kernel_counts(report: Report) -> dict:
+    """backend -> {kernel family: number of cases run through it} over the cases that ran (pass or fail)."""
+    counts: dict = {}
+    for r in report.results:
+        if r.status in (PASS, FAIL):
+            for family in r.kernels:
+                per_backend = counts.setdefault(r.case.backend, {})
+                per_backend[family] = per_backend.get(family, 0) + 1
+    return counts
+
+
+def _kernel_lines(report: Report) -> list:
+    return [f"{backend}: {family}: {count} cases" for backend, families in kernel_counts(report).items()
+            for family, count in families.items()]
 
 
 def _md_escape(text: str) -> str:
@@ -261,6 +281,10 @@ def render_markdown(report: Report) -> str:
             out.append("| " + " | ".join(_md_escape(c) for c in row) + " |")
     if footnotes:
         out += ["", "### Unsupported", ""] + [f"- {_md_escape(f)}" for f in footnotes]
+    kernels = _kernel_lines(report)
+    if kernels:
+        out += ["", "### Kernel families", "", "Which of a backend's kernels ran the cases (as the backend names them from "
+                "each case's problem):", ""] + [f"- {_md_escape(line)}" for line in kernels]
     if report.unavailable or report.extra:
         out += ["", "### Not run / other checks", ""]
         out += [f"- {name}: not run: {'; '.join(reasons)}" for name, reasons in report.unavailable.items()]

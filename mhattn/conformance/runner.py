@@ -49,6 +49,7 @@ class CaseResult:
     reasons: list = field(default_factory=list)   # UNSUPPORTED: the backend's reasons; NOT_RUN: why not
     error: str = ""                               # FAIL by exception: the exception, with where it came from
     seconds: float = 0.0
+    kernels: list = field(default_factory=list)   # the backend's kernel families for the case (kernel_families)
 
     @property
     def worst_ratio(self) -> float:
@@ -89,6 +90,7 @@ class CaseResult:
             "reasons": list(self.reasons),
             "error": self.error,
             "seconds": round(self.seconds, 4),
+            "kernels": list(self.kernels),
             "command": self.case.command(),
         }
 
@@ -98,7 +100,7 @@ class CaseResult:
         checks = [Comparison(c["name"], c["ok"], _float(c["err"]), _float(c["bound"]), _float(c["ratio"]), c.get("note", ""))
                   for c in data.get("checks", [])]
         return cls(case, data["status"], checks, list(data.get("reasons", [])), data.get("error", ""),
-                   float(data.get("seconds", 0.0)))
+                   float(data.get("seconds", 0.0)), list(data.get("kernels", [])))
 
 
 def _json_float(x: float):
@@ -128,9 +130,10 @@ def run_case(backend, case: Case) -> CaseResult:
         reasons = list(backend.unsupported(inputs.problem))
         if reasons:
             return CaseResult(case, UNSUPPORTED, reasons=reasons, seconds=time.perf_counter() - start)
+        kernels = kernel_families(backend, inputs.problem)
         checks = (packed.judge if on_packed else _judge)(backend, case, inputs)
         status = PASS if all(c.ok for c in checks) else FAIL
-        return CaseResult(case, status, checks=checks, seconds=time.perf_counter() - start)
+        return CaseResult(case, status, checks=checks, seconds=time.perf_counter() - start, kernels=kernels)
     except Exception as error:  # a crashing kernel is a failure of this case, not of the suite
         return CaseResult(case, FAIL, error=_describe_error(error), seconds=time.perf_counter() - start)
     finally:
@@ -140,6 +143,18 @@ def run_case(backend, case: Case) -> CaseResult:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+def kernel_families(backend, problem) -> list:
+    """Which of the backend's kernel families run the case, as the backend names them from the problem
+    (Backend.forward_path / backward_path; rows that turn out misaligned for a family may still take another),
+    without the reasons: e.g. ["forward: the Gluon Hopper forward (hopper_forward.py)", ...]."""
+    families = []
+    for what in ("forward", "backward"):
+        path = getattr(backend, f"{what}_path", lambda problem: None)(problem)
+        if path:
+            families.append(f"{what}: " + (path.split(")")[0] + ")" if ")" in path else path))
+    return families
 
 
 def _describe_error(error: BaseException) -> str:
