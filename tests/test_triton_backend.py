@@ -872,6 +872,10 @@ def test_explain_names_the_kernel_families(monkeypatch):
                          chosen="triton"))
     assert "  forward: the Gluon Hopper forward" in shown and "  backward: the Gluon Hopper backward" in shown, shown
     assert "backward:" not in str(Decision(problem=problem(), requested="triton", source="argument", chosen="triton"))
+    monkeypatch.setattr(hopper_launch, "MIN_KEYS", dict.fromkeys(hopper_launch.KEY_BLOCK, 1))  # read at each call
+    assert "Gluon Hopper forward" in backend.forward_path(problem(seqlen_q=1024, seqlen_k=1024))
+    monkeypatch.undo()
+    monkeypatch.setattr(hopper_launch, "gluon_available", lambda: True)
     monkeypatch.setenv(hopper_launch.ENV_SWITCH, "always")  # any key count (a conformance run's small shapes)
     small = problem(seqlen_q=100, seqlen_k=100, head_dim=64)
     assert "Gluon Hopper forward" in backend.forward_path(small) and "Gluon Hopper backward" in backend.backward_path(small)

@@ -50,24 +50,27 @@ def gluon_available() -> bool:
     return _gluon[0]
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+def _switch() -> str:
+    """MHATTN_TRITON_HOPPER's value: "0" (or false, no, off) turns the Hopper kernels off; "always" runs them
+    wherever they apply, whatever the key count (to qualify them on a conformance run's small shapes)."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower()
 
 
-def always() -> bool:
-    """MHATTN_TRITON_HOPPER=always: the Hopper kernels wherever they apply, whatever the key count (to qualify them
-    on a conformance run's small shapes)."""
-    return os.environ.get(ENV_SWITCH, "").strip().lower() == "always"
-
-
-def why_not(plan, run, min_keys: dict = MIN_KEYS) -> Optional[str]:
-    """None when the Hopper kernel runs this call's forward (or, with BACKWARD_MIN_KEYS, its backward);
-    otherwise the reason it does not."""
+def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
+    """None when the Hopper kernel runs this call's forward (min_keys None: MIN_KEYS) or, with BACKWARD_MIN_KEYS,
+    its backward; otherwise the reason it does not. The plan's part is worked out once per plan and setting."""
     if plan.has_right and run.window_right != 0:
         return "a right window bound other than causal"
-    reason = _rule(plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k,
-                   plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.has_left or plan.key_lengths,
-                   min_keys)
+    min_keys = MIN_KEYS if min_keys is None else min_keys
+    # Keyed by the thresholds' identity (a replaced dict is a new key); the entry holds the dict, so its id cannot
+    # be reused by another while the entry lives.
+    key = (_switch(), id(min_keys), configs.pinned() is None)
+    found = plan.hopper_reasons.get(key)
+    if found is None:
+        found = plan.hopper_reasons[key] = (min_keys, _rule(
+            key[0], plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k,
+            plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.has_left or plan.key_lengths, min_keys))
+    reason = found[1]
     if reason is None and not run.tma_ok:
         return "rows or starts not 16-byte aligned for the copy engine"
     return reason
@@ -84,15 +87,15 @@ def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool) -> Op
     return reason
 
 
-def why_not_problem(problem, min_keys: dict = MIN_KEYS) -> Optional[str]:
+def why_not_problem(problem, min_keys: Optional[dict] = None) -> Optional[str]:
     """:func:`why_not` from a dispatcher Problem (no tensors: alignment is not known there)."""
     extras = problem.features & {"bool_mask", "float_mask", "dropout", "window", "softcap", "value_dim"}
-    return _rule(problem.compute_capability == (9, 0), problem.dtype, problem.head_dim, problem.head_dim_v,
-                 problem.seqlen_q, problem.seqlen_k, bool(extras), min_keys)
+    return _rule(_switch(), problem.compute_capability == (9, 0), problem.dtype, problem.head_dim, problem.head_dim_v,
+                 problem.seqlen_q, problem.seqlen_k, bool(extras), MIN_KEYS if min_keys is None else min_keys)
 
 
-def _rule(sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, extras, min_keys) -> Optional[str]:
-    if not enabled():
+def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, extras, min_keys) -> Optional[str]:
+    if switch in ("0", "false", "no", "off"):
         return f"{ENV_SWITCH}=0"
     if not sm90:
         return "not an sm_90 GPU"
@@ -108,7 +111,7 @@ def _rule(sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, extras, min_key
         return "a mask, dropout, softcap, a sliding window or key padding bounds"
     if seqlen_q == 0 or seqlen_k == 0:
         return "an empty query or key set"
-    if seqlen_k < min_keys[head_dim] and not always():
+    if seqlen_k < min_keys[head_dim] and switch != "always":
         return f"{seqlen_k} keys < {min_keys[head_dim]} (the FlashAttention-2 kernel is faster there)"
     return None
 
