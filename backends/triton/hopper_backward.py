@@ -6,14 +6,17 @@ backward.py) and delta = rowsum(dO * O) - grad_lse:
     dV = P^T dO        dP = dO V^T        dS = P * (dP - delta)        dK = scale * dS^T Q        dQ = scale * dS K
 
 One program owns BLOCK_N keys of one (batch, key/value head) and walks every query block of every query head
-that shares that key/value head, in a fixed order. It runs two partitions:
+that shares that key/value head, in a fixed order. It runs three partitions:
 
-- a load warp: K and V of the block once, then each step's Q and dO tiles through the copy engine (TMA) into
-  a ring of NUM_STAGES slots, with ready/empty barriers kept apart for Q and dO (S^T can start before dO lands);
+- a load warp: K and V of the block once, then each step's Q and dO tiles through the copy engine (TMA), with
+  those rows' lse2 and delta beside them, into a ring of NUM_STAGES slots; ready/empty barriers are kept apart
+  for Q and dO (S^T can start before dO lands);
 - the compute partition (the kernel's 8 warps: two warpgroups, each owning 64 of the keys): per step
   S^T = K Q^T and dP^T = V dO^T as asynchronous wgmma products, P^T and dS^T in registers, dV += P^T dO and
   dK += dS^T Q with P^T / dS^T as register operands, then dS^T through shared memory into
-  dQ_share = dS K (the two warpgroups split its columns), added into a float32 dQ buffer with atomics.
+  dQ_share = dS K (the two warpgroups split its columns), stored to shared memory for the writer;
+- a dQ writer warp: adds each step's share into a float32 dQ buffer with the copy engine's bulk reduce-add, so
+  the compute warps never wait on global atomics (two share buffers, each handed back once read).
 
 The key-major layout keeps dK and dV in registers for the whole walk; dQ needs no second kernel and no second
 computation of S and dP (5 products per tile instead of 7), at the price of an order of float32 additions that
