@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mhattn import registry
+from mhattn.caches import put_bounded
 from mhattn.errors import BackendUnavailableError, UnknownBackendError
 from mhattn.problem import Problem, feature_bits
 from mhattn.tuning import table as timing_table
@@ -169,9 +170,7 @@ _warned: set = set()
 def _remember(cache: dict, key, backend) -> None:
     """Store a decision in one of the bounded caches above; when full, the oldest entry makes room."""
     with _cache_lock:
-        if len(cache) >= _CACHE_LIMIT:
-            cache.pop(next(iter(cache)), None)
-        cache[key] = backend
+        put_bounded(cache, key, backend, _CACHE_LIMIT)
 
 
 def clears_with_cache(cache: dict) -> None:

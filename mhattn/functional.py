@@ -26,6 +26,7 @@ import torch
 from mhattn import dispatch, dropout_rng
 from mhattn.backends import layouts
 from mhattn.backends.base import AttentionParams, Backend
+from mhattn.caches import put_bounded
 from mhattn.errors import InputError
 from mhattn.problem import Problem
 
@@ -155,9 +156,7 @@ def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
 
 
 def _remember_call(call_key, outcome) -> None:
-    if len(_known_calls) >= _KNOWN_CALLS_LIMIT:
-        _known_calls.pop(next(iter(_known_calls)), None)  # the oldest
-    _known_calls[call_key] = outcome
+    put_bounded(_known_calls, call_key, outcome, _KNOWN_CALLS_LIMIT)
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
@@ -366,11 +365,9 @@ def _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left
         key = (scale, diag_offset, window_left, window_right, dropout_p, softcap, mask_requires_grad)
         params = _plain_params.get(key)
         if params is None:
-            if len(_plain_params) >= _PLAIN_PARAMS_LIMIT:
-                _plain_params.pop(next(iter(_plain_params)), None)  # the oldest
-            params = _plain_params[key] = AttentionParams(
+            params = put_bounded(_plain_params, key, AttentionParams(
                 scale=scale, diag_offset=diag_offset, window_left=window_left, window_right=window_right,
-                mask_requires_grad=mask_requires_grad, dropout_p=dropout_p, softcap=softcap)
+                mask_requires_grad=mask_requires_grad, dropout_p=dropout_p, softcap=softcap), _PLAIN_PARAMS_LIMIT)
         return params
     return AttentionParams(scale=scale, diag_offset=diag_offset, window_left=window_left, window_right=window_right,
                            mask=mask, mask_requires_grad=mask_requires_grad, dropout_p=dropout_p,
@@ -520,9 +517,7 @@ def _remember_backend(lse: torch.Tensor, chosen) -> None:
     if lse.numel() == 0:
         return
     with _forward_backends_lock:
-        if len(_forward_backends) >= _FORWARD_BACKENDS_LIMIT:
-            _forward_backends.pop(next(iter(_forward_backends)), None)
-        _forward_backends[lse.data_ptr()] = chosen
+        put_bounded(_forward_backends, lse.data_ptr(), chosen, _FORWARD_BACKENDS_LIMIT)
 
 
 def _out_strides(q, v):

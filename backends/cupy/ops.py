@@ -28,6 +28,7 @@ from mhattn.backends import layouts
 from mhattn.backends.base import AttentionParams
 from mhattn.backends.cupy import variants
 from mhattn.backends.cupy.launcher import ArgumentTemplate, f32, i32, i64, ptr, slot, u32
+from mhattn.caches import put_bounded
 from mhattn import dropout_rng
 from mhattn.dropout_rng import threshold as dropout_threshold
 
@@ -196,13 +197,7 @@ class _Plans(dict):
     """Plans by call signature; beyond PLANS_LIMIT the oldest makes room."""
 
     def put(self, key: tuple, plan):
-        if len(self) >= PLANS_LIMIT:
-            try:
-                self.pop(next(iter(self)), None)
-            except (StopIteration, RuntimeError):  # emptied or changed by another thread meanwhile
-                pass
-        self[key] = plan
-        return plan
+        return put_bounded(self, key, plan, PLANS_LIMIT)
 
 
 _forward_plans = _Plans()

@@ -21,6 +21,7 @@ from mhattn.backends import layouts
 from mhattn.backends.base import FEATURES, OPERATIONS, AttentionParams, Backend, Capabilities
 from mhattn.backends.triton import configs, decode_launch, hopper_launch, key_padding, varlen_launch
 from mhattn.backends.triton.launcher import CompiledLauncher
+from mhattn.caches import put_bounded
 from mhattn.problem import device_capability
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
@@ -214,10 +215,7 @@ def _signature_for(q, k, v, params: AttentionParams, dense: bool) -> _Signature:
         if dense:
             _check_inputs(q=q, k=k, v=v)
         if found is None:
-            found = _Signature(q, k, v, params)
-            if len(_signatures) >= _SIGNATURES_LIMIT:
-                _signatures.pop(next(iter(_signatures)), None)  # the oldest
-            _signatures[key] = found
+            found = put_bounded(_signatures, key, _Signature(q, k, v, params), _SIGNATURES_LIMIT)
         found.checked = found.checked or dense
     return found
 
@@ -272,10 +270,8 @@ def _plan_for(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout,
            has_right, has_softcap, has_dropout, key_lengths, dot_precision, configs.pinned())
     plan = _plans.get(key)
     if plan is None:
-        plan = _Plan(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout, dot_precision, key_lengths)
-        if len(_plans) >= _PLANS_LIMIT:
-            _plans.pop(next(iter(_plans)), None)  # the oldest
-        _plans[key] = plan
+        plan = put_bounded(_plans, key, _Plan(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout,
+                                              dot_precision, key_lengths), _PLANS_LIMIT)
     return plan
 
 

@@ -15,6 +15,7 @@ import torch
 
 from mhattn.backends.base import AttentionParams, KVCache
 from mhattn.backends.triton import configs
+from mhattn.caches import put_bounded
 
 # mhattn.attention takes this path when Hq / Hkv * Nq (the rows one key/value head serves) is at most this.
 DECODE_MAX_ROWS = 16
@@ -86,9 +87,7 @@ def _split_plan(plan, device: torch.device, keys: int) -> tuple:
         else:  # Triton's interpreter (CPU tensors)
             tile = INTERPRETER_TILE
             splits = num_splits(programs, keys, INTERPRETER_SM_COUNT, INTERPRETER_MIN_KEYS_PER_SPLIT)
-        if len(_split_plans) >= _SPLIT_PLANS_LIMIT:
-            _split_plans.pop(next(iter(_split_plans)), None)
-        found = _split_plans[key] = (tile, splits, block_m, row_blocks)
+        found = put_bounded(_split_plans, key, (tile, splits, block_m, row_blocks), _SPLIT_PLANS_LIMIT)
     return found
 
 

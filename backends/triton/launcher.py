@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from mhattn.backends.streams import current_stream
+from mhattn.caches import put_bounded
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 _EMPTY = inspect.Parameter.empty
@@ -124,9 +125,8 @@ class CompiledLauncher:
         key = (num_warps, num_stages, *kwargs.items())
         found = self._constexpr_sets.get(key)
         if found is None:
-            if len(self._constexpr_sets) >= HANDLES_LIMIT:
-                self._constexpr_sets.pop(next(iter(self._constexpr_sets)), None)
-            found = self._constexpr_sets[key] = ConstexprSet(self, kwargs, num_warps, num_stages)
+            found = put_bounded(self._constexpr_sets, key, ConstexprSet(self, kwargs, num_warps, num_stages),
+                                HANDLES_LIMIT)
         return found
 
     def specialization_key(self, device_index: int, args: tuple, constexprs: ConstexprSet):
@@ -177,17 +177,13 @@ class CompiledLauncher:
         handles cannot be taken for another's."""
         site = self._sites.get(static)
         if site is None:
-            if len(self._sites) >= HANDLES_LIMIT:
-                self._sites.pop(next(iter(self._sites)), None)
-            site = self._sites[static] = next(self._site_ids)
+            site = put_bounded(self._sites, static, next(self._site_ids), HANDLES_LIMIT)
         return site
 
     def _keep(self, key, compiled) -> None:
         """Keep the handle of a kernel Triton just compiled (or found) for later launches with ``key``."""
         if compiled is not None and hasattr(compiled, "packed_metadata"):
-            if len(self.handles) >= HANDLES_LIMIT:
-                self.handles.pop(next(iter(self.handles)), None)
-            self.handles[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            put_bounded(self.handles, key, (compiled.run, compiled.function, compiled.packed_metadata), HANDLES_LIMIT)
 
     def _launch_through_triton(self, grid, args, constexprs: ConstexprSet):
         return self.kernel[grid](*args, **constexprs.kwargs, num_warps=constexprs.num_warps,
