@@ -107,8 +107,8 @@ def attention(
         if chosen is _UNRESOLVED:
             chosen = _resolve(*args)
             if call_key is not None and query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:  # no broadcast
-                _remember_call(call_key, (scale, dropout_p, causal, diag_offset, window_left, window_right, softcap,
-                                          out_shape, backend, chosen))
+                put_bounded(_known_calls, call_key, (scale, dropout_p, causal, diag_offset, window_left, window_right,
+                                                     softcap, out_shape, backend, chosen), _KNOWN_CALLS_LIMIT)
         out = None if (return_lse or chosen is None) else _native_attention(chosen, *args)
         if out is not None:  # the backend's own differentiable path (e.g. torch's SDPA with its C++ backward)
             return out.reshape(out_shape) if out.dim() != len(out_shape) else out
@@ -154,9 +154,6 @@ def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
             value.device, dropout_p, is_causal, scale, enable_gqa, softcap, request,
             query.requires_grad or key.requires_grad or value.requires_grad)
 
-
-def _remember_call(call_key, outcome) -> None:
-    put_bounded(_known_calls, call_key, outcome, _KNOWN_CALLS_LIMIT)
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,

@@ -72,10 +72,11 @@ def visible_query_blocks(start_n, seqlen_q, diag_offset, BLOCK_M: gl.constexpr, 
 
 @gluon.jit
 def load_partition(k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
-                   lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, start_n, first_m, m_blocks, steps,
-                   BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """The load warp: K and V once, then Q with its rows' lse2 and dO with their delta of step s (query head s // m_blocks, query block s % m_blocks)
-    into slot s % NUM_STAGES once the compute partition has released that slot's previous tiles."""
+                   lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, start_n, first_m, m_blocks,
+                   steps, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The load warp: K and V once, then Q with its rows' lse2 and dO with their delta of step s (query head
+    s // m_blocks, query block s % m_blocks) into slot s % NUM_STAGES once the compute partition has released
+    that slot's previous tiles."""
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [start_n, 0], kv_ready, k_smem)
     tma_load(v_desc, [start_n, 0], kv_ready, v_smem)
@@ -149,7 +150,6 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
     for step in range(steps):
         slot = step % NUM_STAGES
         phase = (step // NUM_STAGES) & 1
-        group_index = step // m_blocks
         start_m = first_m + (step % m_blocks) * BLOCK_M
         q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])

@@ -6,8 +6,9 @@ key padding bounds, 16-byte aligned rows. It pays once each program has enough k
 start (tensor maps, the first copies) and its output write; below MIN_KEYS the FlashAttention-2 kernel
 (forward.py) is faster on the H100 (backends/triton/NOTES.md, version 5). Everything else runs forward.py.
 
-The Hopper backward covers the same problems at head dims 64 and 128, except a deterministic backward (its dQ
-is summed with float32 atomics): backward.py's kernels run the rest.
+The Hopper backward covers the same problems at head dims 64 and 128 (from BACKWARD_MIN_KEYS), except a
+deterministic backward (the copy engine's reduce-add sums dQ in an order that varies between runs):
+backward.py's kernels run the rest.
 
 ``MHATTN_TRITON_HOPPER=0`` turns the Hopper kernels off (the FlashAttention-2 kernels everywhere), e.g. to
 compare the two; ``MHATTN_TRITON_HOPPER=always`` runs them at any key count (e.g. for a conformance run).
@@ -37,7 +38,7 @@ BACKWARD_MIN_KEYS = {64: 4096, 128: 2048}
 BACKWARD_KEY_BLOCK = 128      # keys per program: two compute warpgroups of 64
 BACKWARD_QUERY_BLOCK = 64     # query rows per step
 ENV_SWITCH = "MHATTN_TRITON_HOPPER"
-DETERMINISTIC = "a deterministic backward (the Hopper kernel sums dQ with atomics)"
+DETERMINISTIC = "a deterministic backward (the Hopper kernel's dQ sum order varies between runs)"
 
 _launcher: list = []
 _backward_launcher: list = []
