@@ -2,7 +2,7 @@
 on an sm_90 GPU:
 
     source benchmarks/device_env.sh && cd /tmp && python3 $OLDPWD/benchmarks/check_hopper.py \
-        [--dtype fp16|bf16] [--part fwd,bwd] [--timing-only] [--seqlen 1024,4096,16384]
+        [--dtype fp16|bf16] [--part fwd,bwd] [--head-dim 64,128,256] [--timing-only] [--seqlen 1024,4096,16384]
 
 1. each kernel launched directly on ragged shapes (fp16 and bf16; its head dims; GQA; Nq > Nk; one key; one
    query; causal top-left and bottom-right, rows that see no key) against a float64 reference, outputs
@@ -64,7 +64,7 @@ def launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset):
     delta.copy_((out.float() * grad_out.float()).sum(-1))
     dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    num_n_blocks = triton.cdiv(seqlen_k, hopper_launch.BACKWARD_KEY_BLOCK)
+    num_n_blocks = triton.cdiv(seqlen_k, hopper_launch.BACKWARD_KEY_BLOCK[head_dim])
     scale = 1 / math.sqrt(head_dim)
     hopper_backward.hopper_backward_kernel[(batch * heads_kv * num_n_blocks,)](
         q, k, v, grad_out, lse2, delta, dk, dv, dq_acc,
@@ -104,9 +104,14 @@ def max_error(got, want) -> float:
     return (got.double() - want).abs().max().item() if want.numel() else 0.0
 
 
-def correctness() -> int:
+def kernel_head_dims(kernel_dims, wanted):
+    """The head dims a kernel has (kernel_dims), those in ``wanted`` only when it is given."""
+    return sorted(d for d in kernel_dims if wanted is None or d in wanted)
+
+
+def correctness(wanted=None) -> int:
     failures = 0
-    for dtype, q, k, v, causal, diag_offset in ragged_cases(sorted(hopper_launch.KEY_BLOCK)):
+    for dtype, q, k, v, causal, diag_offset in ragged_cases(kernel_head_dims(hopper_launch.KEY_BLOCK, wanted)):
         out, lse = launch(q, k, v, causal, diag_offset)
         ref_out, ref_lse = reference(q.double(), k.double(), v.double(), causal, diag_offset)
         out_err = max_error(out, ref_out)
@@ -123,11 +128,11 @@ def correctness() -> int:
     return failures
 
 
-def correctness_backward() -> int:
+def correctness_backward(wanted=None) -> int:
     """The backward kernel against float64 autograd, with CONFORMANCE.md's rule: the error of the kernel at most
     a few times that of the same computation in the input dtype (torch's math path), plus a small floor."""
     failures = 0
-    for dtype, q, k, v, causal, diag_offset in ragged_cases(sorted(hopper_launch.BACKWARD_MIN_KEYS)):
+    for dtype, q, k, v, causal, diag_offset in ragged_cases(kernel_head_dims(hopper_launch.BACKWARD_MIN_KEYS, wanted)):
         grad_out = torch.randn_like(q)
         leaves = [t.double().requires_grad_() for t in (q, k, v)]
         ref_out, ref_lse = reference(*leaves, causal, diag_offset)
@@ -156,11 +161,12 @@ def with_hopper_off(fn):
         del os.environ[hopper_launch.ENV_SWITCH]
 
 
-def timing(dtype, parts, seqlens):
+def timing(dtype, parts, seqlens, wanted=None):
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
     forward_rows, backward_rows = [], []
-    head_dims = sorted(set(hopper_launch.KEY_BLOCK) if "fwd" in parts else set())
-    head_dims = sorted(set(head_dims) | (set(hopper_launch.BACKWARD_MIN_KEYS) if "bwd" in parts else set()))
+    head_dims = set(kernel_head_dims(hopper_launch.KEY_BLOCK, wanted) if "fwd" in parts else ())
+    head_dims = sorted(head_dims | set(kernel_head_dims(hopper_launch.BACKWARD_MIN_KEYS, wanted) if "bwd" in parts
+                                       else ()))
     for head_dim in head_dims:
         for seqlen in seqlens:
             for causal in (False, True):
@@ -217,16 +223,18 @@ def main():
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="of the timing tables")
     parser.add_argument("--part", default="fwd,bwd", help="comma-separated: fwd, bwd")
     parser.add_argument("--seqlen", default="1024,4096,16384", help="comma-separated sequence lengths to time")
+    parser.add_argument("--head-dim", default="", help="comma-separated head dims (default: every one a kernel has)")
     parser.add_argument("--timing-only", action="store_true")
     args = parser.parse_args()
+    head_dims = {int(d) for d in args.head_dim.split(",")} if args.head_dim else None
     parts = set(args.part.split(","))
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
     if not args.timing_only:
         if "fwd" in parts:
-            correctness()
+            correctness(head_dims)
         if "bwd" in parts:
-            correctness_backward()
-    timing(DTYPES[args.dtype], parts, [int(n) for n in args.seqlen.split(",")])
+            correctness_backward(head_dims)
+    timing(DTYPES[args.dtype], parts, [int(n) for n in args.seqlen.split(",")], head_dims)
 
 
 if __name__ == "__main__":

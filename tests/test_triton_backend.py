@@ -644,6 +644,11 @@ GLUON_BACKWARD_CASES = {
     "d128_packed_grad_lse": dict(head_dim=128, layout="packed", seqlen_q=600, seqlen_k=600, heads_q=4,
                                  causal="top_left", grad_lse=True),
     "d64_one_key": dict(head_dim=64, seqlen_q=65, seqlen_k=1),
+    "d256_ragged_gqa": dict(head_dim=256, heads_q=6, heads_kv=2, seqlen_q=300, seqlen_k=517),
+    "d256_bottom_right_empty_rows": dict(head_dim=256, seqlen_q=517, seqlen_k=300, causal="bottom_right"),
+    "d256_packed_grad_lse": dict(head_dim=256, layout="packed", seqlen_q=600, seqlen_k=600, heads_q=4,
+                                 causal="top_left", grad_lse=True),
+    "d256_one_key": dict(head_dim=256, seqlen_q=65, seqlen_k=1),
 }
 
 

@@ -39,10 +39,11 @@ def hopper_tile(head_dim: int) -> configs.KernelConfig:
                                 tma=True, warp_specialize=True)
 
 
-def hopper_backward_tile() -> configs.KernelConfig:
-    """The Hopper backward's tile: query rows per step, keys per program, the compute partition's 8 warps."""
-    return configs.KernelConfig(hopper_launch.BACKWARD_QUERY_BLOCK, hopper_launch.BACKWARD_KEY_BLOCK, 8, 1, tma=True,
-                                warp_specialize=True)
+def hopper_backward_tile(head_dim: int) -> configs.KernelConfig:
+    """The Hopper backward's tile: query rows per step, keys per program, the compute partition's 8 warps, the
+    Q/dO slots."""
+    return configs.KernelConfig(hopper_launch.BACKWARD_QUERY_BLOCK, hopper_launch.BACKWARD_KEY_BLOCK[head_dim], 8,
+                                hopper_launch.BACKWARD_STAGES[head_dim], tma=True, warp_specialize=True)
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
             if cc == 90 and head_dim in hopper_launch.KEY_BLOCK:  # the Gluon kernels (sm_90 only)
                 tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim)))
             if cc == 90 and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
-                tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile()))
+                tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim)))
     return tasks
 
 

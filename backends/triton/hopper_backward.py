@@ -113,26 +113,51 @@ def masked_scores_t(s2_t, keys, queries, seqlen_k, diag_offset, CAUSAL: gl.const
 
 
 @gluon.jit
-def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, first_m, m_blocks, steps, BLOCK_M: gl.constexpr):
-    """The dQ writer warp: each step's dQ share, once the compute warps have put it in shared memory, added into
-    the float32 buffer by the copy engine's bulk reduce-add (rows past Nq are clipped); the buffer is handed back
-    as soon as the copy engine has read it."""
-    for step in range(steps):
-        buf = step % 2
-        mbarrier.wait(dq_ready.index(buf), (step // 2) & 1)
-        tma_reduce_add(dq_desc, [step // m_blocks, first_m + (step % m_blocks) * BLOCK_M, 0], dq_smem.index(buf))
+def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, first_m, m_blocks, steps, BLOCK_M: gl.constexpr,
+                        DQ_COLS: gl.constexpr, DQ_CHUNKS: gl.constexpr):
+    """The dQ writer warp: each step's dQ share (DQ_CHUNKS column chunks of DQ_COLS), once the compute warps have
+    put a chunk in shared memory, added into the float32 buffer by the copy engine's bulk reduce-add (rows past Nq
+    are clipped); chunk i goes through buffer i % 2, handed back as soon as the copy engine has read it."""
+    for index in range(steps * DQ_CHUNKS):
+        step = index // DQ_CHUNKS
+        buf = index % 2
+        mbarrier.wait(dq_ready.index(buf), (index // 2) & 1)
+        tma_reduce_add(dq_desc, [step // m_blocks, first_m + (step % m_blocks) * BLOCK_M, (index % DQ_CHUNKS) * DQ_COLS],
+                       dq_smem.index(buf))
         tma.store_wait(0)
         mbarrier.arrive(dq_empty.index(buf), count=1)
 
 
 @gluon.jit
-def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
-                      kv_ready, q_ready, q_empty, do_ready, do_empty,
-                      lse2_smem, delta_smem, dk_base, dv_base, stride_dkn, stride_dvn,
-                      start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset, qk_scale2, sm_scale,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """Every step of the key block, then dK and dV. Per step: S^T, dP^T; P^T, dS^T; dV, dK; dQ's share."""
+def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase, start_n, start_m,
+                       keys, s_zero, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       CAUSAL: gl.constexpr, s_layout: gl.constexpr):
+    """One step's P^T (float32, keys by rows) and its dP^T = V dO^T still on the tensor cores: S^T = K Q^T and dP^T
+    are issued as soon as their tiles land, and the exponentials run while dP^T is computed."""
+    mbarrier.wait(q_ready.index(slot), phase)
+    s_t = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    mbarrier.wait(do_ready.index(slot), phase)
+    dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    queries = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    # The step's lse2 and delta came with Q and dO (rows past Nq read 0: their Q and dO rows are 0 too, so
+    # P^T dO, dS^T and dS K vanish there).
+    lse2 = row_values(lse2_smem.index(slot), BLOCK_M, s_layout)
+    s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+    s2_t = s_t * qk_scale2
+    if (start_n + BLOCK_N > seqlen_k) or (CAUSAL and start_m + diag_offset < start_n + BLOCK_N - 1):
+        s2_t = masked_scores_t(s2_t, keys, queries, seqlen_k, diag_offset, CAUSAL)
+    return gl.exp2(s2_t - gl.expand_dims(lse2, 0)), dp_t
+
+
+@gluon.jit
+def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
+                             kv_ready, q_ready, q_empty, do_ready, do_empty,
+                             lse2_smem, delta_smem, dk_base, dv_base, stride_dkn, stride_dvn,
+                             start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset, qk_scale2, sm_scale,
+                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                             NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Head dims 64 and 128, each warpgroup owning 64 of the keys: every step of the key block, then dK and dV.
+    Per step: S^T, dP^T; P^T, dS^T; dV, dK; dQ's share."""
     s_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS, 1, BLOCK_M)         # S^T, dP^T: (BLOCK_N, BLOCK_M)
     kv_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS, 1, HEAD_DIM)       # dK, dV: (BLOCK_N, HEAD_DIM)
     dq_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, HEAD_DIM // 2)  # dQ share: (BLOCK_M, HEAD_DIM)
@@ -144,7 +169,6 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    ragged_keys = start_n + BLOCK_N > seqlen_k
     mbarrier.wait(kv_ready, 0)
 
     for step in range(steps):
@@ -154,20 +178,9 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
         q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
 
-        mbarrier.wait(q_ready.index(slot), phase)
-        s_t = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(slot), phase)
-        dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        queries = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-
-        # The step's lse2 and delta came with Q and dO (rows past Nq read 0: their Q and dO rows are 0 too, so
-        # P^T dO, dS^T and dS K vanish there).
-        lse2 = row_values(lse2_smem.index(slot), BLOCK_M, s_layout)
-        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-        s2_t = s_t * qk_scale2
-        if ragged_keys or (CAUSAL and start_m + diag_offset < start_n + BLOCK_N - 1):
-            s2_t = masked_scores_t(s2_t, keys, queries, seqlen_k, diag_offset, CAUSAL)
-        p_t = gl.exp2(s2_t - gl.expand_dims(lse2, 0))
+        p_t, dp_t = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase,
+                                       start_n, start_m, keys, s_zero, seqlen_k, diag_offset, qk_scale2, BLOCK_M,
+                                       BLOCK_N, CAUSAL, s_layout)
         dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), operand_layout), do_tile, dv, is_async=True)
         delta = row_values(delta_smem.index(slot), BLOCK_M, s_layout)
         dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
@@ -185,17 +198,118 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
             mbarrier.arrive(do_empty.index((step - 1) % NUM_STAGES), count=1)
         dq = warpgroup_mma(ds_tile.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
         dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-        # dQ's share to the writer warp through shared memory (two buffers, each handed back by the writer).
-        mbarrier.wait(dq_empty.index(step % 2), ((step // 2) & 1) ^ 1)
-        dq_smem.index(step % 2).reshape([BLOCK_M, HEAD_DIM]).store(dq * sm_scale)
+        hand_dq_chunk(dq * sm_scale, dq_smem, dq_ready, dq_empty, step, BLOCK_M, HEAD_DIM)
+
+    store_dk_dv(dk, dv, dk_base, dv_base, stride_dkn, stride_dvn, start_n, seqlen_k, sm_scale, BLOCK_N, HEAD_DIM,
+                kv_layout)
+
+
+@gluon.jit
+def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
+                      kv_ready, q_ready, q_empty, do_ready, do_empty,
+                      lse2_smem, delta_smem, dk_base, dv_base, stride_dkn, stride_dvn,
+                      start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset, qk_scale2, sm_scale,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_COLS: gl.constexpr):
+    """The kernel's 8 warps: the narrow schedule (warpgroups split the keys) up to head dim 128, the wide one
+    (warpgroups split the columns) above."""
+    if HEAD_DIM > 128:
+        wide_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
+                               q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dk_base, dv_base,
+                               stride_dkn, stride_dvn, start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k,
+                               diag_offset, qk_scale2, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                               DQ_COLS)
+    else:
+        narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
+                                 q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dk_base, dv_base,
+                                 stride_dkn, stride_dvn, start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k,
+                                 diag_offset, qk_scale2, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)
+
+
+@gluon.jit
+def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, dq_ready, dq_empty,
+                           kv_ready, q_ready, q_empty, do_ready, do_empty,
+                           lse2_smem, delta_smem, dk_base, dv_base, stride_dkn, stride_dvn,
+                           start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset, qk_scale2, sm_scale,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_COLS: gl.constexpr):
+    """The compute partition at head dim 256. dK and dV of 64 keys by 256 columns take all of both warpgroups'
+    accumulator registers, so BLOCK_N is 64 and the warpgroups split every product by columns instead of keys:
+    S^T and dP^T by query (BLOCK_M / 2 each), dV and dK by head-dim column (HEAD_DIM / 2 each), and dQ = dS K in
+    two chunks of DQ_COLS columns (the float32 share of a whole step would not fit shared memory). P^T and dS^T go
+    through shared memory, since each warpgroup's dV and dK columns need every query's. The Q and dO slot is
+    released as soon as dV and dK have read it (one stage: the loads overlap the dQ products)."""
+    s_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, BLOCK_M // 2)      # S^T, dP^T: (BLOCK_N, BLOCK_M)
+    kv_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, HEAD_DIM // 2)    # dK, dV: (BLOCK_N, HEAD_DIM)
+    dq_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, DQ_COLS // 2)     # dQ chunk: (BLOCK_M, DQ_COLS)
+    dtype: gl.constexpr = k_smem.dtype
+
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    p_tile = pds_smem.index(0)
+    ds_tile = pds_smem.index(1)
+    mbarrier.wait(kv_ready, 0)
+
+    for step in range(steps):
+        slot = step % NUM_STAGES
+        phase = (step // NUM_STAGES) & 1
+        start_m = first_m + (step % m_blocks) * BLOCK_M
+        q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+
+        p_t, dp_t = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase,
+                                       start_n, start_m, keys, s_zero, seqlen_k, diag_offset, qk_scale2, BLOCK_M,
+                                       BLOCK_N, CAUSAL, s_layout)
+        delta = row_values(delta_smem.index(slot), BLOCK_M, s_layout)
+        dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        # Every warp finished the previous step's products before its last hand-over barrier: the tiles are free.
+        p_tile.store(p_t.to(dtype))
+        ds_tile.store(ds_t.to(dtype))
         fence_async_shared()
         thread_barrier()
-        mbarrier.arrive(dq_ready.index(step % 2), count=1)
+        dv = warpgroup_mma(p_tile, do_tile, dv, is_async=True)
+        dk = warpgroup_mma(ds_tile, q_tile, dk, is_async=True)
+        dq_low = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(0, DQ_COLS, dim=1), dq_zero, use_acc=False,
+                               is_async=True)
+        dq_high = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(DQ_COLS, DQ_COLS, dim=1), dq_zero,
+                                use_acc=False, is_async=True)
+        dv, dk = warpgroup_mma_wait(2, deps=(dv, dk))
+        thread_barrier()
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        mbarrier.arrive(do_empty.index(slot), count=1)
+        dq_low, dq_high = warpgroup_mma_wait(0, deps=(dq_low, dq_high))
+        hand_dq_chunk(dq_low * sm_scale, dq_smem, dq_ready, dq_empty, 2 * step, BLOCK_M, DQ_COLS)
+        hand_dq_chunk(dq_high * sm_scale, dq_smem, dq_ready, dq_empty, 2 * step + 1, BLOCK_M, DQ_COLS)
 
-    keys_out = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    store_dk_dv(dk, dv, dk_base, dv_base, stride_dkn, stride_dvn, start_n, seqlen_k, sm_scale, BLOCK_N, HEAD_DIM,
+                kv_layout)
+
+
+@gluon.jit
+def hand_dq_chunk(share, dq_smem, dq_ready, dq_empty, index, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr):
+    """Chunk ``index`` of the dQ shares to the writer warp through shared buffer index % 2, once the writer has
+    handed that buffer back."""
+    buf = index % 2
+    mbarrier.wait(dq_empty.index(buf), ((index // 2) & 1) ^ 1)
+    dq_smem.index(buf).reshape([BLOCK_M, DQ_COLS]).store(share)
+    fence_async_shared()
+    thread_barrier()
+    mbarrier.arrive(dq_ready.index(buf), count=1)
+
+
+@gluon.jit
+def store_dk_dv(dk, dv, dk_base, dv_base, stride_dkn, stride_dvn, start_n, seqlen_k, sm_scale, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, kv_layout: gl.constexpr):
+    """The key block's dK (scaled) and dV rows, in the input dtype, up to the last key."""
+    dtype: gl.constexpr = dk_base.dtype.element_ty
+    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    keep = gl.expand_dims(keys_out < seqlen_k, 1)
-    rows = gl.expand_dims(keys_out.to(gl.int64), 1)
+    keep = gl.expand_dims(keys < seqlen_k, 1)
+    rows = gl.expand_dims(keys.to(gl.int64), 1)
     gl.store(dk_base + rows * stride_dkn + gl.expand_dims(cols, 0), (dk * sm_scale).to(dtype), mask=keep)
     gl.store(dv_base + rows * stride_dvn + gl.expand_dims(cols, 0), dv.to(dtype), mask=keep)
 
@@ -239,7 +353,9 @@ def hopper_backward_kernel(
     kv_tile: gl.constexpr = tile_layout(BLOCK_N, HEAD_DIM, dtype.primitive_bitwidth)
     row_tile: gl.constexpr = tile_layout(BLOCK_M, HEAD_DIM, dtype.primitive_bitwidth, 3)
     ds_tile: gl.constexpr = tile_layout(BLOCK_N, BLOCK_M, dtype.primitive_bitwidth)
-    dq_tile: gl.constexpr = tile_layout(BLOCK_M, HEAD_DIM, 32, 3)
+    # dQ's float32 shares go out in chunks of at most 128 columns (head dim 256: two per step).
+    DQ_COLS: gl.constexpr = min(HEAD_DIM, 128)
+    dq_tile: gl.constexpr = tile_layout(BLOCK_M, DQ_COLS, 32, 3)
     k_desc = tma.make_tensor_descriptor(k_base, [seqlen_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM], kv_tile)
     v_desc = tma.make_tensor_descriptor(v_base, [seqlen_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM], kv_tile)
     q_desc = tma.make_tensor_descriptor(q_base, [kv_group, seqlen_q, HEAD_DIM], [stride_qh, stride_qm, 1],
@@ -254,16 +370,16 @@ def hopper_backward_kernel(
                                             row_values_tile)
     dq_base = dQacc + (batch * heads_q + first_head).to(gl.int64) * seqlen_q * HEAD_DIM
     dq_desc = tma.make_tensor_descriptor(dq_base, [kv_group, seqlen_q, HEAD_DIM], [seqlen_q * HEAD_DIM, HEAD_DIM, 1],
-                                         [1, BLOCK_M, HEAD_DIM], dq_tile)
+                                         [1, BLOCK_M, DQ_COLS], dq_tile)
 
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, HEAD_DIM], row_tile)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, HEAD_DIM], row_tile)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_tile)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_tile)  # head dim 256: P^T and dS^T
     lse2_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_values_tile)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_values_tile)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, HEAD_DIM], dq_tile)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, DQ_COLS], dq_tile)
     dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -286,12 +402,13 @@ def hopper_backward_kernel(
     dk_base = dK + batch.to(gl.int64) * stride_dkb + head_kv.to(gl.int64) * stride_dkh
     dv_base = dV + batch.to(gl.int64) * stride_dvb + head_kv.to(gl.int64) * stride_dvh
     gl.warp_specialize([
-        (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready,
-                             q_empty, do_ready, do_empty, lse2_smem, delta_smem, dk_base, dv_base,
-                             stride_dkn, stride_dvn, start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset,
-                             qk_scale2, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
+        (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready, q_empty,
+                   do_ready, do_empty, lse2_smem, delta_smem, dk_base, dv_base, stride_dkn, stride_dvn, start_n,
+                   first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset, qk_scale2, sm_scale, HEAD_DIM, BLOCK_M,
+                   BLOCK_N, NUM_STAGES, CAUSAL, DQ_COLS)),
         (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
                           lse2_smem, delta_smem, kv_ready, q_ready,
                           q_empty, do_ready, do_empty, start_n, first_m, m_blocks, steps, BLOCK_M, NUM_STAGES)),
-        (dq_writer_partition, (dq_desc, dq_smem, dq_ready, dq_empty, first_m, m_blocks, steps, BLOCK_M)),
+        (dq_writer_partition, (dq_desc, dq_smem, dq_ready, dq_empty, first_m, m_blocks, steps, BLOCK_M, DQ_COLS,
+                               HEAD_DIM // DQ_COLS)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

@@ -6,8 +6,7 @@ key padding bounds, 16-byte aligned rows. It pays once each program has enough k
 start (tensor maps, the first copies) and its output write; below MIN_KEYS the FlashAttention-2 kernel
 (forward.py) is faster on the H100 (backends/triton/NOTES.md, version 5). Everything else runs forward.py.
 
-The Hopper backward covers the same problems at head dims 64 and 128 (from BACKWARD_MIN_KEYS), except a
-deterministic backward (the copy engine's reduce-add sums dQ in an order that varies between runs):
+The Hopper backward covers the same problems (from BACKWARD_MIN_KEYS keys), except a deterministic backward (the copy engine's reduce-add sums dQ in an order that varies between runs):
 backward.py's kernels run the rest.
 
 ``MHATTN_TRITON_HOPPER=0`` turns the Hopper kernels off (the FlashAttention-2 kernels everywhere), e.g. to
@@ -33,9 +32,13 @@ NUM_STAGES = 2
 # Fewest keys at which the Hopper kernel beat forward.py on the H100 (bf16, PERFORMANCE.md's shapes).
 MIN_KEYS = {64: 8192, 128: 2048, 256: 1}
 # The backward: head dim -> fewest keys at which it beat backward.py's kernels on the H100 (bf16; at d = 64 and 1k
-# keys they were 15-20% faster, at d = 128 and 1k level). d = 256 would need a key block of 64 rows: not written.
-BACKWARD_MIN_KEYS = {64: 4096, 128: 2048}
-BACKWARD_KEY_BLOCK = 128      # keys per program: two compute warpgroups of 64
+# keys they were 15-20% faster, at d = 128 and 1k level).
+BACKWARD_MIN_KEYS = {64: 4096, 128: 2048, 256: 1}
+# Keys per program: two compute warpgroups of 64 keys, except at d = 256, where dK and dV of 64 keys fill both
+# warpgroups' registers (they split the columns); there Q and dO have one shared-memory slot (the float32 dQ
+# chunks take the second's room).
+BACKWARD_KEY_BLOCK = {64: 128, 128: 128, 256: 64}
+BACKWARD_STAGES = {64: 2, 128: 2, 256: 1}
 BACKWARD_QUERY_BLOCK = 64     # query rows per step
 ENV_SWITCH = "MHATTN_TRITON_HOPPER"
 DETERMINISTIC = "a deterministic backward (the Hopper kernel's dQ sum order varies between runs)"
@@ -150,8 +153,8 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
 
 def backward_compile_time_args(head_dim: int, causal: bool) -> dict:
     """The backward kernel's compile-time arguments (launch, `mhattn build`, the GPU check script)."""
-    return dict(HEAD_DIM=head_dim, BLOCK_M=BACKWARD_QUERY_BLOCK, BLOCK_N=BACKWARD_KEY_BLOCK, NUM_STAGES=NUM_STAGES,
-                CAUSAL=causal)
+    return dict(HEAD_DIM=head_dim, BLOCK_M=BACKWARD_QUERY_BLOCK, BLOCK_N=BACKWARD_KEY_BLOCK[head_dim],
+                NUM_STAGES=BACKWARD_STAGES[head_dim], CAUSAL=causal)
 
 
 def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int) -> None:
@@ -166,7 +169,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
         _backward_launcher.append(CompiledLauncher(hopper_backward.hopper_backward_kernel))
     launcher = _backward_launcher[0]
     backend._ensure_descriptor_allocator()
-    num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK)
+    num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[plan.head_dim])
     constexprs = plan.hopper_backward_constexprs
     if constexprs is None:
         constexprs = plan.hopper_backward_constexprs = launcher.constexprs(
