@@ -11,19 +11,22 @@ that shares that key/value head, in a fixed order. It runs three partitions:
 - a load warp: K and V of the block once, then each step's Q and dO tiles through the copy engine (TMA), with
   those rows' lse2 and delta beside them, into a ring of NUM_STAGES slots; ready/empty barriers are kept apart
   for Q and dO (S^T can start before dO lands);
-- the compute partition (the kernel's 8 warps: two warpgroups, each owning 64 of the keys): per step
-  S^T = K Q^T and dP^T = V dO^T as asynchronous wgmma products, P^T and dS^T in registers, dV += P^T dO and
-  dK += dS^T Q with P^T / dS^T as register operands, then dS^T through shared memory into
-  dQ_share = dS K (the two warpgroups split its columns), stored to shared memory for the writer;
-- a dQ writer warp: adds each step's share into a float32 dQ buffer with the copy engine's bulk reduce-add, so
-  the compute warps never wait on global atomics (two share buffers, each handed back once read).
+- the compute partition (the kernel's 8 warps, two warpgroups). At head dims 64 and 128 each warpgroup owns 64
+  of the 128 keys: per step S^T = K Q^T and dP^T = V dO^T as asynchronous wgmma products, P^T and dS^T in
+  registers, dV += P^T dO and dK += dS^T Q with P^T / dS^T as register operands, then dS^T through shared memory
+  into dQ_share = dS K (the two warpgroups split its columns), stored to shared memory for the writer. At head
+  dim 256 (64 keys per program) the warpgroups split every product by columns and share P^T and dS^T through
+  shared memory (wide_compute_partition);
+- a dQ writer warp: adds each step's share (in chunks of at most 128 columns) into a float32 dQ buffer with the
+  copy engine's bulk reduce-add, so the compute warps never wait on global atomics (two chunk buffers, each handed
+  back once read).
 
 The key-major layout keeps dK and dV in registers for the whole walk; dQ needs no second kernel and no second
 computation of S and dP (5 products per tile instead of 7), at the price of an order of float32 additions that
 varies between runs: the deterministic backward stays on backward.py's kernels.
 
-Coverage (hopper_launch.why_not_backward routes the rest to backward.py): fp16 and bf16; head dims 64 and 128
-(K and V the same); no mask, or causal of either alignment (diag_offset); GQA by head index; any Nq, Nk >= 1;
+Coverage (hopper_launch.why_not_backward routes the rest to backward.py): fp16 and bf16; head dims 64, 128 and
+256 (K and V the same); no mask, or causal of either alignment (diag_offset); GQA by head index; any Nq, Nk >= 1;
 16-byte aligned rows.
 """
 
