@@ -18,12 +18,12 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 
 import mhattn
 from mhattn import functional
+from mhattn.benchmark import latency
 from mhattn.backends.base import AttentionParams
 
 SHAPE = (1, 16, 128, 64)
@@ -32,15 +32,7 @@ SHAPE = (1, 16, 128, 64)
 def host_loop_us(fn, calls=300, repeats=5) -> float:
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
+    return latency.host_loop_us(fn, calls, "cuda", rounds=repeats)
 
 
 class _Identity(torch.autograd.Function):
