@@ -25,7 +25,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import mhattn
 from mhattn.backends.triton import hopper_backward, hopper_forward, hopper_launch
-from mhattn.backends.triton.backend import _ensure_descriptor_allocator
 
 LOG2E = 1.4426950408889634
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -35,8 +34,7 @@ RAGGED_SHAPES = ((2, 4, 4, 300, 517), (1, 8, 2, 1000, 1000), (2, 2, 1, 129, 64),
 
 
 def launch(q, k, v, causal, diag_offset, poison=True):
-    """The forward kernel alone, with the launch constants of hopper_launch: (out, lse)."""
-    _ensure_descriptor_allocator()
+    """The forward kernel alone, with the launch constants and tensor maps of hopper_launch: (out, lse)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     make = torch.full_like if poison else (lambda t, _: torch.empty_like(t))
@@ -44,9 +42,8 @@ def launch(q, k, v, causal, diag_offset, poison=True):
     lse = make(q[..., 0].float(), float("nan"))
     num_m_blocks = triton.cdiv(seqlen_q, 2 * hopper_launch.QUERY_ROWS_PER_CONSUMER)
     hopper_forward.hopper_forward_kernel[(batch * heads_q * num_m_blocks,)](
-        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        lse.stride(0), lse.stride(1), heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, num_m_blocks,
-        LOG2E / math.sqrt(head_dim), diag_offset,
+        *hopper_launch.forward_maps(q, k, v, head_dim), out, lse, *out.stride()[:3], lse.stride(0), lse.stride(1),
+        heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, num_m_blocks, LOG2E / math.sqrt(head_dim), diag_offset,
         **hopper_launch.compile_time_args(head_dim, causal), num_warps=4)
     return out, lse
 
@@ -54,7 +51,6 @@ def launch(q, k, v, causal, diag_offset, poison=True):
 def launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset):
     """The backward kernel alone (lse2 and delta made here as backward.py's preprocess makes them): (dq, dk, dv),
     dk and dv poisoned with NaN before the launch."""
-    _ensure_descriptor_allocator()
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     # Rows padded to 16 bytes, as the backend allocates them (the kernel reads them through tensor maps).
@@ -67,11 +63,9 @@ def launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset):
     num_n_blocks = triton.cdiv(seqlen_k, hopper_launch.BACKWARD_KEY_BLOCK[head_dim])
     scale = 1 / math.sqrt(head_dim)
     hopper_backward.hopper_backward_kernel[(batch * heads_kv * num_n_blocks,)](
-        q, k, v, grad_out, lse2, delta, dk, dv, dq_acc,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dk.stride()[:3],
-        *dv.stride()[:3], delta.stride(0), delta.stride(1),
-        heads_q, heads_kv, heads_q // heads_kv, seqlen_q, seqlen_k, num_n_blocks, scale * LOG2E, scale, diag_offset,
-        **hopper_launch.backward_compile_time_args(head_dim, causal), num_warps=8)
+        *hopper_launch.backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, head_dim), dk, dv,
+        *dk.stride()[:3], *dv.stride()[:3], heads_kv, heads_q // heads_kv, seqlen_q, seqlen_k, num_n_blocks,
+        scale * LOG2E, scale, diag_offset, **hopper_launch.backward_compile_time_args(head_dim, causal), num_warps=8)
     return dq_acc, dk, dv
 
 

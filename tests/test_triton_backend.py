@@ -864,7 +864,7 @@ def test_explain_names_the_kernel_families(monkeypatch):
         assert path.startswith("the FlashAttention-2 forward") and reason in path, (kwargs, path)
     assert "split-KV" in backend.forward_path(problem(seqlen_q=1))
     assert "Gluon Hopper backward (hopper_backward.py)" in backend.backward_path(problem(features=("causal",)))
-    for kwargs, reason in ((dict(head_dim=256), "head dims 256/256"), (dict(seqlen_k=1024), "1024 keys < 2048"),
+    for kwargs, reason in ((dict(head_dim=96), "head dims 96/96"), (dict(seqlen_k=1024), "1024 keys < 2048"),
                            (dict(features=("dropout",)), "dropout")):
         path = backend.backward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 backward") and reason in path, (kwargs, path)

@@ -116,6 +116,42 @@ def test_anything_triton_specialises_on_takes_triton_s_path_again(recording, cha
     assert kinds(kernel) == ["triton", "triton"]
 
 
+def map_kernel(Xmap, Y, rows, BLOCK: "tl.constexpr"):  # noqa: F821
+    pass
+
+
+@pytest.mark.parametrize("change", ["none", "dtype", "block shape", "layout"])
+def test_host_tensor_maps_key_the_handle_by_dtype_block_and_layout(monkeypatch, change):
+    """A host tensor map (Gluon TensorDescriptor) is typed by Triton from its dtype, block shape and layout only:
+    a new map of a new tensor with the same three keeps the handle; any of them changed goes through Triton."""
+    gluon_hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from mhattn.backends.triton.hopper_forward import tile_layout
+
+    monkeypatch.setattr(launcher_module, "current_stream", lambda index: 1234)
+    monkeypatch.setattr(launcher_module, "_launch_hooks_set", lambda: False)
+    kernel = RecordingKernel(map_kernel)
+    launcher = CompiledLauncher(kernel)
+
+    def tensor_map(dtype=torch.float16, block=(64, 64), swizzle=None):
+        x = torch.zeros(128, 64, dtype=dtype)
+        bits = x.element_size() * 8
+        layout = tile_layout(block[0], block[1], bits) if swizzle is None else \
+            type(tile_layout(64, 64, 16))(swizzle_byte_width=swizzle, element_bitwidth=bits, rank=2)
+        return gluon_hopper.TensorDescriptor(x, list(x.shape), list(x.stride()), list(block), layout)
+
+    sets = launcher.constexprs(4, 1, BLOCK=64)
+    y = torch.zeros(8)
+    launcher.launch((1,), (tensor_map(), y, 5), sets, device_index=0)
+    second = {"none": tensor_map(), "dtype": tensor_map(dtype=torch.bfloat16), "block shape": tensor_map(block=(32, 64)),
+              "layout": tensor_map(swizzle=64)}[change]
+    launcher.launch((1,), (second, y, 5), sets, device_index=0)
+    assert kinds(kernel) == ["triton", "handle" if change == "none" else "triton"]
+    if change == "none":
+        assert kernel.log[1][2][9] is second  # the new map itself reaches the handle
+        with pytest.raises(TypeError, match="tensor maps"):
+            launcher.prepare((1,), (second, y, 5), sets, 0)
+
+
 def test_a_plain_int_s_value_and_a_new_address_keep_the_handle(recording):
     kernel, launcher = recording
     x, y = buffers()

@@ -113,8 +113,10 @@ def compile_kernel(task: KernelTask, cc: int = 90):
 
     fn = _kernel_function(task.kind)
     constexprs = _constexprs(task)
-    signature, attrs = {}, {}
+    signature, attrs = _tensor_map_types(task), {}
     for i, name in enumerate(fn.arg_names):
+        if name in signature:
+            continue
         if name in constexprs:
             signature[name] = "constexpr"
         elif name in INT32_POINTERS:
@@ -136,6 +138,25 @@ def compile_kernel(task: KernelTask, cc: int = 90):
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", cc, 32),
                           options=dict(num_warps=task.tile.num_warps, num_stages=task.tile.num_stages))
+
+
+def _tensor_map_types(task: KernelTask) -> dict:
+    """The Gluon kernels' host tensor map arguments -> their Triton types, from maps hopper_launch makes of small
+    CPU tensors of the task's dtype (the type holds the dtype, block shape and layout only)."""
+    if task.kind not in GLUON_KINDS:
+        return {}
+    import torch
+    from triton.runtime.jit import mangle_type
+
+    d, dtype = task.head_dim, _torch_dtype(task.dtype)
+    rows = torch.empty(1, 1, 256, d, dtype=dtype)
+    if task.kind == "hopper_fwd":
+        return dict(zip(("q_desc", "k_desc", "v_desc"), map(mangle_type, hopper_launch.forward_maps(rows, rows,
+                                                                                                    rows, d))))
+    per_row = torch.empty(1, 1, 256, dtype=torch.float32)
+    maps = hopper_launch.backward_maps(rows, rows, rows, rows, per_row, per_row, rows.float(), d)
+    names = ("q_desc", "k_desc", "v_desc", "do_desc", "lse2_desc", "delta_desc", "dq_desc")
+    return dict(zip(names, map(mangle_type, maps)))
 
 
 def resource_usage(kernel) -> dict:

@@ -289,6 +289,8 @@ def _descriptor_strides_ok(*tensors) -> bool:
         size = t.element_size()
         if t.stride(2) < t.shape[3] or any((stride * size) % 16 for stride in t.stride()[:3]):
             return False
+        if (t.stride(0) == 0 and t.shape[0] > 1) or (t.stride(1) == 0 and t.shape[1] > 1):
+            return False  # a broadcast batch or head: the Hopper kernels' 4-D tensor maps take none
     return True
 
 

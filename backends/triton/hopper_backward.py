@@ -75,33 +75,33 @@ def visible_query_blocks(start_n, seqlen_q, diag_offset, BLOCK_M: gl.constexpr, 
 
 @gluon.jit
 def load_partition(k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
-                   lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, start_n, first_m, m_blocks,
-                   steps, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+                   lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv, first_head,
+                   start_n, first_m, m_blocks, steps, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
     """The load warp: K and V once, then Q with its rows' lse2 and dO with their delta of step s (query head
     s // m_blocks, query block s % m_blocks) into slot s % NUM_STAGES once the compute partition has released
     that slot's previous tiles."""
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma_load(k_desc, [start_n, 0], kv_ready, k_smem)
-    tma_load(v_desc, [start_n, 0], kv_ready, v_smem)
+    tma_load(k_desc, [batch, head_kv, start_n, 0], kv_ready, k_smem)
+    tma_load(v_desc, [batch, head_kv, start_n, 0], kv_ready, v_smem)
     for step in range(steps):
         slot = step % NUM_STAGES
-        group_index = step // m_blocks
+        head = first_head + step // m_blocks
         start_m = first_m + (step % m_blocks) * BLOCK_M
         # A fresh barrier counts as having completed the phase before its first: round 0 waits for nothing.
         free_phase = ((step // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(q_empty.index(slot), free_phase)
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + lse2_desc.block_type.nbytes)
-        tma_load(q_desc, [group_index, start_m, 0], q_ready.index(slot), q_smem.index(slot))
-        tma_load(lse2_desc, [group_index, start_m], q_ready.index(slot), lse2_smem.index(slot))
+        tma_load(q_desc, [batch, head, start_m, 0], q_ready.index(slot), q_smem.index(slot))
+        tma_load(lse2_desc, [batch, head, start_m], q_ready.index(slot), lse2_smem.index(slot))
         mbarrier.wait(do_empty.index(slot), free_phase)
         mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma_load(do_desc, [group_index, start_m, 0], do_ready.index(slot), do_smem.index(slot))
-        tma_load(delta_desc, [group_index, start_m], do_ready.index(slot), delta_smem.index(slot))
+        tma_load(do_desc, [batch, head, start_m, 0], do_ready.index(slot), do_smem.index(slot))
+        tma_load(delta_desc, [batch, head, start_m], do_ready.index(slot), delta_smem.index(slot))
 
 
 @gluon.jit
 def row_values(tile, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
-    """A (1, BLOCK_M) float32 tile of per-query values (unswizzled) as a vector along S^T's columns."""
+    """A (1, 1, BLOCK_M) float32 tile of per-query values (unswizzled) as a vector along S^T's columns."""
     return tile.reshape([BLOCK_M]).load(gl.SliceLayout(0, s_layout))
 
 
@@ -116,8 +116,8 @@ def masked_scores_t(s2_t, keys, queries, seqlen_k, diag_offset, CAUSAL: gl.const
 
 
 @gluon.jit
-def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, first_m, m_blocks, steps, BLOCK_M: gl.constexpr,
-                        DQ_COLS: gl.constexpr, DQ_CHUNKS: gl.constexpr):
+def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, batch, first_head, first_m, m_blocks, steps,
+                        BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr, DQ_CHUNKS: gl.constexpr):
     """The dQ writer warp: each step's dQ share (DQ_CHUNKS column chunks of DQ_COLS), once the compute warps have
     put a chunk in shared memory, added into the float32 buffer by the copy engine's bulk reduce-add (rows past Nq
     are clipped); chunk i goes through buffer i % 2, handed back as soon as the copy engine has read it."""
@@ -125,8 +125,8 @@ def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, first_m, m_blocks,
         step = index // DQ_CHUNKS
         buf = index % 2
         mbarrier.wait(dq_ready.index(buf), (index // 2) & 1)
-        tma_reduce_add(dq_desc, [step // m_blocks, first_m + (step % m_blocks) * BLOCK_M, (index % DQ_CHUNKS) * DQ_COLS],
-                       dq_smem.index(buf))
+        tma_reduce_add(dq_desc, [batch, first_head + step // m_blocks, first_m + (step % m_blocks) * BLOCK_M,
+                                 (index % DQ_CHUNKS) * DQ_COLS], dq_smem.index(buf))
         tma.store_wait(0)
         mbarrier.arrive(dq_empty.index(buf), count=1)
 
@@ -317,25 +317,21 @@ def store_dk_dv(dk, dv, dk_base, dv_base, stride_dkn, stride_dvn, start_n, seqle
     gl.store(dv_base + rows * stride_dvn + gl.expand_dims(cols, 0), dv.to(dtype), mask=keep)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "stride_lb", "stride_lh"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset"])
 def hopper_backward_kernel(
-    Q, K, V, dOut, Lse2, Delta, dK, dV, dQacc,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom,
+    q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, dq_desc, dK, dV,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    stride_lb, stride_lh,
-    heads_q, heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset,
+    heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
 ):
-    """Q, dOut (B, Hq, Nq, D), K, V (B, Hkv, Nk, D): any strides, last dim contiguous, rows 16-byte aligned.
-    Lse2, Delta (B, Hq, Nq) fp32 from backward.py's preprocess, by (stride_lb, stride_lh), rows contiguous and
-    16-byte aligned (stride_lh a multiple of 4: the copy engine reads them beside Q and dO).
-    dK, dV (B, Hkv, Nk, D) in the input dtype; dQacc (B, Hq, Nq, D) fp32 contiguous, zeroed, receives scale * dS K.
-    Query head h reads key/value head h // kv_group; causal: query row i sees keys j <= i + diag_offset.
+    """Host tensor maps (hopper_launch.tensor_map): q_desc, do_desc of Q, dOut (B, Hq, Nq, D) in blocks of
+    (1, 1, BLOCK_M, D); k_desc, v_desc of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D); lse2_desc,
+    delta_desc of backward.py's preprocess outputs (B, Hq, Nq) fp32 in blocks of (1, 1, BLOCK_M); dq_desc of the
+    zeroed float32 dQ buffer (B, Hq, Nq, D) in blocks of (1, 1, BLOCK_M, min(D, 128)), which receives
+    scale * dS K. dK, dV (B, Hkv, Nk, D) in the input dtype, last dim contiguous. Query head h reads key/value
+    head h // kv_group; causal: query row i sees keys j <= i + diag_offset.
     Grid (B * Hkv * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
     pid = gl.program_id(0)
     # Head-major: the key blocks of one head run side by side and share its Q and dO in L2 (a longest-first order
@@ -345,44 +341,22 @@ def hopper_backward_kernel(
     batch = batch_head_kv // heads_kv
     head_kv = batch_head_kv % heads_kv
     first_head = head_kv * kv_group
-    dtype: gl.constexpr = Q.dtype.element_ty
-
-    k_base = K + batch.to(gl.int64) * stride_kb + head_kv.to(gl.int64) * stride_kh
-    v_base = V + batch.to(gl.int64) * stride_vb + head_kv.to(gl.int64) * stride_vh
-    # Q and dO through (query head of the group, row, column) maps: one map serves every head of the group, and
-    # the copy engine zero-fills rows past Nq of each head.
-    q_base = Q + batch.to(gl.int64) * stride_qb + first_head.to(gl.int64) * stride_qh
-    do_base = dOut + batch.to(gl.int64) * stride_dob + first_head.to(gl.int64) * stride_doh
-    kv_tile: gl.constexpr = tile_layout(BLOCK_N, HEAD_DIM, dtype.primitive_bitwidth)
-    row_tile: gl.constexpr = tile_layout(BLOCK_M, HEAD_DIM, dtype.primitive_bitwidth, 3)
-    ds_tile: gl.constexpr = tile_layout(BLOCK_N, BLOCK_M, dtype.primitive_bitwidth)
+    dtype: gl.constexpr = q_desc.dtype
     # dQ's float32 shares go out in chunks of at most 128 columns (head dim 256: two per step).
-    DQ_COLS: gl.constexpr = min(HEAD_DIM, 128)
-    dq_tile: gl.constexpr = tile_layout(BLOCK_M, DQ_COLS, 32, 3)
-    k_desc = tma.make_tensor_descriptor(k_base, [seqlen_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM], kv_tile)
-    v_desc = tma.make_tensor_descriptor(v_base, [seqlen_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM], kv_tile)
-    q_desc = tma.make_tensor_descriptor(q_base, [kv_group, seqlen_q, HEAD_DIM], [stride_qh, stride_qm, 1],
-                                        [1, BLOCK_M, HEAD_DIM], row_tile)
-    do_desc = tma.make_tensor_descriptor(do_base, [kv_group, seqlen_q, HEAD_DIM], [stride_doh, stride_dom, 1],
-                                         [1, BLOCK_M, HEAD_DIM], row_tile)
-    rows = batch.to(gl.int64) * stride_lb + first_head.to(gl.int64) * stride_lh
-    row_values_tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    lse2_desc = tma.make_tensor_descriptor(Lse2 + rows, [kv_group, seqlen_q], [stride_lh, 1], [1, BLOCK_M],
-                                           row_values_tile)
-    delta_desc = tma.make_tensor_descriptor(Delta + rows, [kv_group, seqlen_q], [stride_lh, 1], [1, BLOCK_M],
-                                            row_values_tile)
-    dq_base = dQacc + (batch * heads_q + first_head).to(gl.int64) * seqlen_q * HEAD_DIM
-    dq_desc = tma.make_tensor_descriptor(dq_base, [kv_group, seqlen_q, HEAD_DIM], [seqlen_q * HEAD_DIM, HEAD_DIM, 1],
-                                         [1, BLOCK_M, DQ_COLS], dq_tile)
+    DQ_COLS: gl.constexpr = dq_desc.block_shape[3]
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_tile)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, HEAD_DIM], row_tile)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, BLOCK_M, HEAD_DIM], row_tile)
+    # Shared tiles as the copy engine writes them (unit leading dims), and as the products read them.
+    k_tile = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_tile = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_smem = k_tile.reshape([BLOCK_N, HEAD_DIM])
+    v_smem = v_tile.reshape([BLOCK_N, HEAD_DIM])
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+    ds_tile: gl.constexpr = tile_layout(BLOCK_N, BLOCK_M, dtype.primitive_bitwidth)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_tile)  # head dim 256: P^T and dS^T
-    lse2_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_values_tile)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], row_values_tile)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BLOCK_M, DQ_COLS], dq_tile)
+    lse2_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, 1, BLOCK_M], lse2_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, 1, BLOCK_M], delta_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, 1, BLOCK_M, DQ_COLS], dq_desc.layout)
     dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -405,13 +379,13 @@ def hopper_backward_kernel(
     dk_base = dK + batch.to(gl.int64) * stride_dkb + head_kv.to(gl.int64) * stride_dkh
     dv_base = dV + batch.to(gl.int64) * stride_dvb + head_kv.to(gl.int64) * stride_dvh
     gl.warp_specialize([
-        (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready, q_empty,
-                   do_ready, do_empty, lse2_smem, delta_smem, dk_base, dv_base, stride_dkn, stride_dvn, start_n,
-                   first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset, qk_scale2, sm_scale, HEAD_DIM, BLOCK_M,
-                   BLOCK_N, NUM_STAGES, CAUSAL, DQ_COLS)),
-        (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
-                          lse2_smem, delta_smem, kv_ready, q_ready,
-                          q_empty, do_ready, do_empty, start_n, first_m, m_blocks, steps, BLOCK_M, NUM_STAGES)),
-        (dq_writer_partition, (dq_desc, dq_smem, dq_ready, dq_empty, first_m, m_blocks, steps, BLOCK_M, DQ_COLS,
-                               HEAD_DIM // DQ_COLS)),
+        (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready,
+                             q_empty, do_ready, do_empty, lse2_smem, delta_smem, dk_base, dv_base, stride_dkn,
+                             stride_dvn, start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset, qk_scale2,
+                             sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ_COLS)),
+        (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_tile, v_tile, q_smem, do_smem,
+                          lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv,
+                          first_head, start_n, first_m, m_blocks, steps, BLOCK_M, NUM_STAGES)),
+        (dq_writer_partition, (dq_desc, dq_smem, dq_ready, dq_empty, batch, first_head, first_m, m_blocks, steps,
+                               BLOCK_M, DQ_COLS, HEAD_DIM // DQ_COLS)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])

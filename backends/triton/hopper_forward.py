@@ -15,8 +15,9 @@ What the FlashAttention-2 kernel (forward.py) leaves to Triton's pipeliner is sp
 - the registers move to the consumers: the load warp keeps LOAD_REGS per thread, and each consumer warpgroup
   gets up to CONSUMER_REGS (``setmaxnreg``, through warp_specialize's register budgets).
 
-The tensor maps are made in the kernel per (batch, head) from the base pointer and the row stride, so the
-copy engine zero-fills rows past the sequence end and the host encodes nothing per call.
+The tensor maps are made on the host (hopper_launch.tensor_map), 4-D over (batch, head, row, column), so the
+copy engine zero-fills rows past each head's sequence end; making them in the kernel (a map written to global
+memory and fenced in every program) took about 15% of a program at 1k keys (NOTES, version 8).
 
 Coverage (the backend routes the rest to forward.py): fp16 and bf16; head dims 64, 128, 256 (K and V the
 same); no mask, or a causal mask of either alignment (diag_offset); GQA by head index; any Nq, Nk >= 1;
@@ -75,22 +76,29 @@ def visible_key_blocks(start_m, seqlen_k, diag_offset, ROWS: gl.constexpr, BLOCK
 
 @gluon.jit
 def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                   start_m, num_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+                   batch, head, head_kv, start_m, num_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr):
     """The load warp: both consumers' Q tiles once, then K_j and V_j into slot j % NUM_STAGES as soon as
     both consumers have released that slot's previous block."""
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-    tma_load(q_desc, [start_m, 0], q_ready, q_smem.index(0))
-    tma_load(q_desc, [start_m + BLOCK_M, 0], q_ready, q_smem.index(1))
+    tma_load(q_desc, [batch, head, start_m, 0], q_ready, q_smem.index(0))
+    tma_load(q_desc, [batch, head, start_m + BLOCK_M, 0], q_ready, q_smem.index(1))
     for j in range(num_blocks):
         slot = j % NUM_STAGES
         # A fresh barrier counts as having completed the phase before its first: round 0 waits for nothing.
         free_phase = ((j // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), free_phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma_load(k_desc, [j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        tma_load(k_desc, [batch, head_kv, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), free_phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma_load(v_desc, [j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        tma_load(v_desc, [batch, head_kv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def block_tile(slots, slot):
+    """Slot ``slot`` of a ring of (1, 1, rows, D) tiles as the (rows, D) tile the products read."""
+    return slots.index(slot).reshape([slots.shape[3], slots.shape[4]])
 
 
 @gluon.jit
@@ -154,7 +162,7 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_read
 
     if num_blocks > 0:
         mbarrier.wait(k_ready.index(0), 0)
-        qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma(q_smem, block_tile(k_smem, 0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         mbarrier.arrive(k_empty.index(0), count=1)
         p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
@@ -165,10 +173,10 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_read
             # S_j on the tensor cores first, then P_{j-1} V_{j-1} behind it: while they run, nothing
             # waits; the softmax of block j starts once S_j alone has finished.
             mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
-            qk = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+            qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
             mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc,
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), block_tile(v_smem, prev), acc,
                                 is_async=True)
             qk = warpgroup_mma_wait(1, deps=(qk, ))
             mbarrier.arrive(k_empty.index(slot), count=1)
@@ -179,7 +187,7 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_read
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         last = (num_blocks - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), block_tile(v_smem, last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(last), count=1)
     release_unused_blocks(k_ready, k_empty, v_ready, v_empty, num_blocks, cta_blocks, NUM_STAGES)
@@ -199,21 +207,20 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_read
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "diag_offset", "stride_lb", "stride_lh"])
 def hopper_forward_kernel(
-    Q, K, V, Out, Lse,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
+    q_desc, k_desc, v_desc, Out, Lse,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, qk_scale2, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
 ):
-    """Q (B, Hq, Nq, D), K and V (B, Hkv, Nk, D), Out (B, Hq, Nq, D): any strides, last dim contiguous, rows
-    16-byte aligned. Lse (B, Hq, Nq) fp32 by (stride_lb, stride_lh), natural log. Query head h reads
-    key/value head h // kv_group; qk_scale2 = scale * log2(e); causal: query row i sees keys j <= i +
-    diag_offset. Grid (B * Hq * num_m_blocks,), num_m_blocks = cdiv(Nq, 2 * BLOCK_M); launched with 4 warps
-    (the first consumer) plus the partitions' own."""
+    """q_desc, k_desc, v_desc: host tensor maps (hopper_launch.tensor_map) of Q (B, Hq, Nq, D) in blocks of
+    (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine zero-fills rows
+    past each head's sequence end, and no program spends time making maps. Out (B, Hq, Nq, D): any strides, last
+    dim contiguous. Lse (B, Hq, Nq) fp32 by (stride_lb, stride_lh), natural log. Query head h reads key/value
+    head h // kv_group; qk_scale2 = scale * log2(e); causal: query row i sees keys j <= i + diag_offset. Grid
+    (B * Hq * num_m_blocks,), num_m_blocks = cdiv(Nq, 2 * BLOCK_M); launched with 4 warps (the first consumer)
+    plus the partitions' own."""
     pid = gl.program_id(0)
     batch_head = pid // num_m_blocks
     m_block = pid % num_m_blocks
@@ -223,20 +230,12 @@ def hopper_forward_kernel(
     head = batch_head % heads_q
     head_kv = head // kv_group
     start_m = m_block * 2 * BLOCK_M
-    dtype: gl.constexpr = Q.dtype.element_ty
+    dtype: gl.constexpr = q_desc.dtype
 
-    q_base = Q + batch.to(gl.int64) * stride_qb + head.to(gl.int64) * stride_qh
-    k_base = K + batch.to(gl.int64) * stride_kb + head_kv.to(gl.int64) * stride_kh
-    v_base = V + batch.to(gl.int64) * stride_vb + head_kv.to(gl.int64) * stride_vh
-    q_tile: gl.constexpr = tile_layout(BLOCK_M, HEAD_DIM, dtype.primitive_bitwidth)
-    kv_tile: gl.constexpr = tile_layout(BLOCK_N, HEAD_DIM, dtype.primitive_bitwidth)
-    q_desc = tma.make_tensor_descriptor(q_base, [seqlen_q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM], q_tile)
-    k_desc = tma.make_tensor_descriptor(k_base, [seqlen_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM], kv_tile)
-    v_desc = tma.make_tensor_descriptor(v_base, [seqlen_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM], kv_tile)
-
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], q_tile)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_tile)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_tile)
+    # Slots of (1, 1, rows, D) tiles, as the copy engine writes them (the products read them as (rows, D)).
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -254,12 +253,12 @@ def hopper_forward_kernel(
     out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
     lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
     gl.warp_specialize([
-        (consumer_partition, (q_smem.index(0), k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+        (consumer_partition, (q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                               out_base, stride_om, lse_base, start_m, cta_blocks, seqlen_q, seqlen_k, diag_offset,
                               qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
-        (consumer_partition, (q_smem.index(1), k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+        (consumer_partition, (q_smem.index(1).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                               out_base, stride_om, lse_base, start_m + BLOCK_M, cta_blocks, seqlen_q, seqlen_k,
                               diag_offset, qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-                          v_empty, start_m, cta_blocks, BLOCK_M, BLOCK_N, NUM_STAGES)),
+                          v_empty, batch, head, head_kv, start_m, cta_blocks, BLOCK_M, BLOCK_N, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -127,16 +127,54 @@ def compile_time_args(head_dim: int, causal: bool) -> dict:
                 NUM_STAGES=NUM_STAGES, CAUSAL=causal, HEAVY_FIRST=causal)
 
 
+def tensor_map(tensor, block_shape, shape=None, strides=None):
+    """The copy engine's host tensor map of ``tensor`` (shape and strides as given, else the tensor's), read in
+    blocks of ``block_shape`` into the swizzled shared-memory tile wgmma reads. The callers have checked the
+    alignments (why_not); a dim of extent 1 gets a stride the map accepts whatever the tensor's says."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from mhattn.backends.triton.hopper_forward import tile_layout
+
+    shape = list(tensor.shape if shape is None else shape)
+    strides = list(tensor.stride() if strides is None else strides)
+    inner = 1
+    for dim in range(len(shape) - 1, -1, -1):
+        if shape[dim] == 1:
+            strides[dim] = inner
+        inner = strides[dim] * shape[dim]
+    bits = tensor.element_size() * 8
+    if block_shape[-2] == 1:  # a row of per-query values (lse2, delta), read as a vector: no swizzle
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=len(block_shape))
+    else:
+        layout = tile_layout(block_shape[-2], block_shape[-1], bits, len(block_shape))
+    return TensorDescriptor(tensor, shape, strides, list(block_shape), layout)
+
+
+def forward_maps(q, k, v, head_dim: int) -> tuple:
+    """The forward kernel's tensor maps of q, k, v."""
+    key_block = (1, 1, KEY_BLOCK[head_dim], head_dim)
+    return (tensor_map(q, (1, 1, QUERY_ROWS_PER_CONSUMER, head_dim)), tensor_map(k, key_block),
+            tensor_map(v, key_block))
+
+
+def backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, head_dim: int) -> tuple:
+    """The backward kernel's tensor maps of q, k, v, grad_out, lse2, delta and the float32 dQ buffer."""
+    query_block = (1, 1, BACKWARD_QUERY_BLOCK, head_dim)
+    key_block = (1, 1, BACKWARD_KEY_BLOCK[head_dim], head_dim)
+    rows_block = (1, 1, BACKWARD_QUERY_BLOCK)
+    return (tensor_map(q, query_block), tensor_map(k, key_block), tensor_map(v, key_block),
+            tensor_map(grad_out, query_block), tensor_map(lse2, rows_block), tensor_map(delta, rows_block),
+            tensor_map(dq_acc, (1, 1, BACKWARD_QUERY_BLOCK, min(head_dim, 128))))
+
+
 def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
     """Launch the Hopper kernel into ``out`` and ``lse`` (allocated by the caller)."""
-    from mhattn.backends.triton import backend
-
     if not _launcher:
         from mhattn.backends.triton import hopper_forward
 
         _launcher.append(CompiledLauncher(hopper_forward.hopper_forward_kernel))
     launcher = _launcher[0]
-    backend._ensure_descriptor_allocator()
     rows_per_program = 2 * QUERY_ROWS_PER_CONSUMER
     num_m_blocks = -(-plan.seqlen_q // rows_per_program)
     constexprs = plan.hopper_constexprs
@@ -144,9 +182,7 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
         constexprs = plan.hopper_constexprs = launcher.constexprs(4, 1, **compile_time_args(plan.head_dim,
                                                                                             plan.has_right))
     launcher.launch((plan.batch * plan.heads_q * num_m_blocks,), (
-        q, k, v, out, lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        lse.stride(0), lse.stride(1),
+        *forward_maps(q, k, v, plan.head_dim), out, lse, *out.stride()[:3], lse.stride(0), lse.stride(1),
         plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_m_blocks, run.qk_scale2, run.diag_offset,
     ), constexprs, device_index)
 
@@ -159,39 +195,37 @@ def backward_compile_time_args(head_dim: int, causal: bool) -> dict:
 
 def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int) -> None:
     """Launch the Hopper backward into dq, dk, dv (allocated by the caller); lse2 and delta from backward.py's
-    preprocess. dQ is summed in float32 and converted into dq at the end; to bound that buffer, large problems run
-    as several launches over slices of the batch or of the key/value heads (:func:`backward_slices`)."""
-    from mhattn.backends.triton import backend
-
+    preprocess, rows padded to a 16-byte stride. dQ is summed in float32 and converted into dq at the end; to bound
+    that buffer, large problems run as several launches over slices of the batch or of the key/value heads
+    (:func:`backward_slices`)."""
     if not _backward_launcher:
         from mhattn.backends.triton import hopper_backward
 
         _backward_launcher.append(CompiledLauncher(hopper_backward.hopper_backward_kernel))
     launcher = _backward_launcher[0]
-    backend._ensure_descriptor_allocator()
-    num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[plan.head_dim])
+    head_dim, key_rows = plan.head_dim, BACKWARD_KEY_BLOCK[plan.head_dim]
+    num_n_blocks = -(-plan.seqlen_k // key_rows)
     constexprs = plan.hopper_backward_constexprs
     if constexprs is None:
         constexprs = plan.hopper_backward_constexprs = launcher.constexprs(
-            8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right))
+            8, 1, **backward_compile_time_args(head_dim, plan.has_right))
         plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
-                                                      * plan.head_dim * 4, num_n_blocks, _sm_count(device_index))
+                                                      * head_dim * 4, num_n_blocks, _sm_count(device_index))
     batches, heads = plan.hopper_backward_slices
     group = plan.kv_group
-    accumulator = torch.empty(batches * heads * group * plan.seqlen_q * plan.head_dim, dtype=torch.float32,
+    accumulator = torch.empty(batches * heads * group * plan.seqlen_q * head_dim, dtype=torch.float32,
                               device=q.device)
     for b0 in range(0, plan.batch, batches):
         for h0 in range(0, plan.heads_kv, heads):
             b, h = slice(b0, b0 + batches), slice(h0, h0 + heads)
             hq = slice(h0 * group, (h0 + heads) * group)
-            q_s, k_s, v_s, do_s = q[b, hq], k[b, h], v[b, h], grad_out[b, hq]
+            q_s, k_s = q[b, hq], k[b, h]
             dq_acc = accumulator[:q_s.numel()].view(q_s.shape).zero_()
             launcher.launch((k_s.shape[0] * k_s.shape[1] * num_n_blocks,), (
-                q_s, k_s, v_s, do_s, lse2[b, hq], delta[b, hq], dk[b, h], dv[b, h], dq_acc,
-                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *dk.stride()[:3],
-                *dv.stride()[:3], delta.stride(0), delta.stride(1),
-                q_s.shape[1], k_s.shape[1], group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2,
-                run.sm_scale, run.diag_offset,
+                *backward_maps(q_s, k_s, v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq_acc, head_dim),
+                dk[b, h], dv[b, h], *dk.stride()[:3], *dv.stride()[:3],
+                k_s.shape[1], group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2, run.sm_scale,
+                run.diag_offset,
             ), constexprs, device_index)
             dq[b, hq].copy_(dq_acc)
 

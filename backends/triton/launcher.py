@@ -10,6 +10,8 @@ with the same specialisation go straight to the handle.
 The specialisation key is computed here from the very things Triton specialises on, so a handle is reused
 only where Triton would have picked the same compiled kernel:
 - each tensor argument's dtype and whether its address is 16-byte aligned;
+- each host tensor map's (Gluon ``TensorDescriptor``) dtype, block shape and shared-memory layout (Triton types
+  it by those alone);
 - the exact value of each integer argument Triton specialises (equal to 1, divisible by 16), and, for the
   integer arguments it does not specialise (``do_not_specialize``), whether they all fit in int32 (Triton
   types them i32 or i64 by value);
@@ -66,14 +68,16 @@ class ConstexprSet:
 
 
 class _ArgumentKinds:
-    """Where the tensors and the integers sit in a runtime argument tuple of one type pattern."""
+    """Where the tensors, the host tensor maps and the integers sit in a runtime argument tuple of one type
+    pattern."""
 
-    __slots__ = ("tensors", "specialized_ints", "plain_ints")
+    __slots__ = ("tensors", "tensor_maps", "specialized_ints", "plain_ints")
 
     def __init__(self, types: tuple, do_not_specialize: frozenset):
         tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
         ints = [i for i, t in enumerate(types) if t is int]
         self.tensors = _getter(tensors)
+        self.tensor_maps = _getter([i for i, t in enumerate(types) if t.__name__ == "TensorDescriptor"])
         self.specialized_ints = _getter([i for i in ints if i not in do_not_specialize])
         self.plain_ints = _getter([i for i in ints if i in do_not_specialize])
 
@@ -138,9 +142,10 @@ class CompiledLauncher:
         tensors = kinds.tensors(args)
         plain = kinds.plain_ints(args)
         plain_fit = not plain or (min(plain) >= INT32_MIN and max(plain) <= INT32_MAX)
+        maps = tuple((m.base.dtype, tuple(m.block_shape), m.layout) for m in kinds.tensor_maps(args))
         # Each address's offset from a 16-byte boundary (finer than Triton's aligned-or-not: never coarser).
         return (device_index, types, tuple(map(_DTYPE, tensors)), tuple(map(_LOW_BITS, map(_DATA_PTR, tensors))),
-                kinds.specialized_ints(args), plain_fit, constexprs.key)
+                kinds.specialized_ints(args), plain_fit, constexprs.key, maps)
 
     def launch(self, grid: tuple, args: tuple, constexprs: ConstexprSet, device_index: Optional[int] = None):
         """Launch on the current stream of the current device (``device_index`` when given: the caller made it
@@ -210,6 +215,8 @@ class PreparedLaunch:
         if len(args) != launcher.num_runtime:
             raise TypeError(f"{launcher.name}: expected {launcher.num_runtime} runtime arguments, got {len(args)}")
         full = launcher.specialization_key(device_index, args, constexprs)
+        if full[7]:  # a map's type would have to be read per call, like a tensor's dtype
+            raise TypeError(f"{launcher.name}: host tensor maps are launched through CompiledLauncher.launch")
         types = full[1]
         self.tensors = launcher._kinds[types].tensors
         # The key without the tensors' dtypes and address bits, as one small int: no long tuple hashed per call.
