@@ -131,10 +131,7 @@ def tensor_map(tensor, block_shape, shape=None, strides=None):
     """The copy engine's host tensor map of ``tensor`` (shape and strides as given, else the tensor's), read in
     blocks of ``block_shape`` into the swizzled shared-memory tile wgmma reads. The callers have checked the
     alignments (why_not); a dim of extent 1 gets a stride the map accepts whatever the tensor's says."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from mhattn.backends.triton.hopper_forward import tile_layout
 
     shape = list(tensor.shape if shape is None else shape)
     strides = list(tensor.stride() if strides is None else strides)
@@ -143,12 +140,28 @@ def tensor_map(tensor, block_shape, shape=None, strides=None):
         if shape[dim] == 1:
             strides[dim] = inner
         inner = strides[dim] * shape[dim]
-    bits = tensor.element_size() * 8
-    if block_shape[-2] == 1:  # a row of per-query values (lse2, delta), read as a vector: no swizzle
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=len(block_shape))
-    else:
-        layout = tile_layout(block_shape[-2], block_shape[-1], bits, len(block_shape))
-    return TensorDescriptor(tensor, shape, strides, list(block_shape), layout)
+    return TensorDescriptor(tensor, shape, strides, list(block_shape), _map_layout(block_shape, tensor.dtype))
+
+
+def _map_layout(block_shape: tuple, dtype):
+    """The shared-memory layout of a tensor map's blocks, made once per (block shape, dtype): building a Gluon
+    layout object costs more host time than encoding the map."""
+    layout = _map_layouts.get((block_shape, dtype))
+    if layout is None:
+        from triton.experimental.gluon import language as gl
+
+        from mhattn.backends.triton.hopper_forward import tile_layout
+
+        bits = torch.empty((), dtype=dtype).element_size() * 8
+        if block_shape[-2] == 1:  # a row of per-query values (lse2, delta), read as a vector: no swizzle
+            layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=bits, rank=len(block_shape))
+        else:
+            layout = tile_layout(block_shape[-2], block_shape[-1], bits, len(block_shape))
+        layout = _map_layouts[(block_shape, dtype)] = layout
+    return layout
+
+
+_map_layouts: dict = {}  # a handful of entries: the kernels' block shapes by dtype
 
 
 def forward_maps(q, k, v, head_dim: int) -> tuple:
