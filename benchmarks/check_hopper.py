@@ -148,11 +148,16 @@ def correctness_backward(wanted=None) -> int:
 
 
 def with_hopper_off(fn):
+    """fn() with the Hopper kernels off; the switch's previous value (e.g. "always") is restored after."""
+    before = os.environ.get(hopper_launch.ENV_SWITCH)
     os.environ[hopper_launch.ENV_SWITCH] = "0"
     try:
         return fn()
     finally:
-        del os.environ[hopper_launch.ENV_SWITCH]
+        if before is None:
+            del os.environ[hopper_launch.ENV_SWITCH]
+        else:
+            os.environ[hopper_launch.ENV_SWITCH] = before
 
 
 def timing(dtype, parts, seqlens, wanted=None):
