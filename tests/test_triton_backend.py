@@ -857,14 +857,14 @@ def test_explain_names_the_kernel_families(monkeypatch):
     monkeypatch.setattr(hopper_launch, "gluon_available", lambda: True)
     backend = TritonBackend()
     assert "Gluon Hopper forward (hopper_forward.py)" in backend.forward_path(problem(features=("causal",)))
-    for kwargs, reason in ((dict(seqlen_q=1024, seqlen_k=1024), "1024 keys < 2048"), (dict(cc=(8, 0)), "not an sm_90"),
+    for kwargs, reason in ((dict(seqlen_q=512, seqlen_k=512), "512 keys < 1024"), (dict(cc=(8, 0)), "not an sm_90"),
                            (dict(dtype=torch.float32), "fp16/bf16 only"), (dict(head_dim=96), "head dims 96/96"),
                            (dict(features=("softcap",)), "softcap")):
         path = backend.forward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 forward") and reason in path, (kwargs, path)
     assert "split-KV" in backend.forward_path(problem(seqlen_q=1))
     assert "Gluon Hopper backward (hopper_backward.py)" in backend.backward_path(problem(features=("causal",)))
-    for kwargs, reason in ((dict(head_dim=96), "head dims 96/96"), (dict(seqlen_k=1024), "1024 keys < 2048"),
+    for kwargs, reason in ((dict(head_dim=96), "head dims 96/96"), (dict(seqlen_k=512), "512 keys < 1024"),
                            (dict(features=("dropout",)), "dropout")):
         path = backend.backward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 backward") and reason in path, (kwargs, path)

@@ -29,11 +29,12 @@ from mhattn.backends.triton.launcher import CompiledLauncher
 KEY_BLOCK = {64: 128, 128: 128, 256: 64}
 QUERY_ROWS_PER_CONSUMER = 64   # one wgmma row block per consumer warpgroup
 NUM_STAGES = 2
-# Fewest keys at which the Hopper kernel beat forward.py on the H100 (bf16, PERFORMANCE.md's shapes).
-MIN_KEYS = {64: 8192, 128: 2048, 256: 1}
-# The backward: head dim -> fewest keys at which it beat backward.py's kernels on the H100 (bf16; at d = 64 and 1k
-# keys they were 15-20% faster, at d = 128 and 1k level).
-BACKWARD_MIN_KEYS = {64: 4096, 128: 2048, 256: 1}
+# Fewest keys at which the Hopper kernel beat forward.py on the H100 (bf16, PERFORMANCE.md's shapes; NOTES version 8:
+# at d = 128 1k +4-17%, at 512 mixed; at d = 64 level from 4k, behind below).
+MIN_KEYS = {64: 8192, 128: 1024, 256: 1}
+# The backward: head dim -> fewest keys at which it beat backward.py's kernels on the H100 (bf16, NOTES version 8:
+# d = 64 +6-12% from 2k, level at 1k; d = 128 +12-18% from 2k, 1k causal +12%).
+BACKWARD_MIN_KEYS = {64: 2048, 128: 1024, 256: 1}
 # Keys per program: two compute warpgroups of 64 keys, except at d = 256, where dK and dV of 64 keys fill both
 # warpgroups' registers (they split the columns); there Q and dO have one shared-memory slot (the float32 dQ
 # chunks take the second's room).
