@@ -132,6 +132,15 @@ def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, batch, first_head,
 
 
 @gluon.jit
+def step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+               NUM_STAGES: gl.constexpr):
+    """Step ``step``'s ring slot, its barriers' phase, its first query row and its Q and dO tiles."""
+    slot = step % NUM_STAGES
+    return (slot, (step // NUM_STAGES) & 1, first_m + (step % m_blocks) * BLOCK_M,
+            q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]), do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]))
+
+
+@gluon.jit
 def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase, start_n, start_m,
                        keys, s_zero, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        CAUSAL: gl.constexpr, s_layout: gl.constexpr):
@@ -175,12 +184,8 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
     mbarrier.wait(kv_ready, 0)
 
     for step in range(steps):
-        slot = step % NUM_STAGES
-        phase = (step // NUM_STAGES) & 1
-        start_m = first_m + (step % m_blocks) * BLOCK_M
-        q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-
+        slot, phase, start_m, q_tile, do_tile = step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M,
+                                                           HEAD_DIM, NUM_STAGES)
         p_t, dp_t = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase,
                                        start_n, start_m, keys, s_zero, seqlen_k, diag_offset, qk_scale2, BLOCK_M,
                                        BLOCK_N, CAUSAL, s_layout)
@@ -257,12 +262,8 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
     mbarrier.wait(kv_ready, 0)
 
     for step in range(steps):
-        slot = step % NUM_STAGES
-        phase = (step // NUM_STAGES) & 1
-        start_m = first_m + (step % m_blocks) * BLOCK_M
-        q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-
+        slot, phase, start_m, q_tile, do_tile = step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M,
+                                                           HEAD_DIM, NUM_STAGES)
         p_t, dp_t = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase,
                                        start_n, start_m, keys, s_zero, seqlen_k, diag_offset, qk_scale2, BLOCK_M,
                                        BLOCK_N, CAUSAL, s_layout)
