@@ -2,12 +2,16 @@
 
 The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/128/256 with equal value
 head dim, no mask, no dropout, no softcap, no sliding window (a causal mask of either alignment is fine), no
-key padding bounds, 16-byte aligned rows. It pays once each program has enough key blocks to amortise its
-start (tensor maps, the first copies) and its output write; below MIN_KEYS the FlashAttention-2 kernel
-(forward.py) is faster on the H100 (backends/triton/NOTES.md, version 5). Everything else runs forward.py.
+key padding bounds, 16-byte aligned rows (and no broadcast batch or head). It pays once each program has enough
+key blocks to amortise its start (the first copies) and its output write; below MIN_KEYS the FlashAttention-2
+kernel (forward.py) is faster on the H100 (backends/triton/NOTES.md, versions 5 and 8). Everything else runs
+forward.py.
 
-The Hopper backward covers the same problems (from BACKWARD_MIN_KEYS keys), except a deterministic backward (the copy engine's reduce-add sums dQ in an order that varies between runs):
-backward.py's kernels run the rest.
+The Hopper backward covers the same problems (from BACKWARD_MIN_KEYS keys), except a deterministic backward (the
+copy engine's reduce-add sums dQ in an order that varies between runs): backward.py's kernels run the rest.
+
+Both kernels read their tiles through host tensor maps (:func:`tensor_map`, 4-D over batch, head, row and column),
+made per launch here.
 
 ``MHATTN_TRITON_HOPPER=0`` turns the Hopper kernels off (the FlashAttention-2 kernels everywhere), e.g. to
 compare the two; ``MHATTN_TRITON_HOPPER=always`` runs them at any key count (e.g. for a conformance run).
@@ -128,14 +132,13 @@ def compile_time_args(head_dim: int, causal: bool) -> dict:
                 NUM_STAGES=NUM_STAGES, CAUSAL=causal, HEAVY_FIRST=causal)
 
 
-def tensor_map(tensor, block_shape, shape=None, strides=None):
-    """The copy engine's host tensor map of ``tensor`` (shape and strides as given, else the tensor's), read in
-    blocks of ``block_shape`` into the swizzled shared-memory tile wgmma reads. The callers have checked the
-    alignments (why_not); a dim of extent 1 gets a stride the map accepts whatever the tensor's says."""
+def tensor_map(tensor, block_shape):
+    """The copy engine's host tensor map of ``tensor``, read in blocks of ``block_shape`` into the swizzled
+    shared-memory tile wgmma reads. The callers have checked the alignments (why_not); a dim of extent 1 gets a
+    stride the map accepts whatever the tensor's says."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    shape = list(tensor.shape if shape is None else shape)
-    strides = list(tensor.stride() if strides is None else strides)
+    shape, strides = list(tensor.shape), list(tensor.stride())
     inner = 1
     for dim in range(len(shape) - 1, -1, -1):
         if shape[dim] == 1:
