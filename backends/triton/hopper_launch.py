@@ -81,7 +81,7 @@ def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
             plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.has_left or plan.key_lengths, min_keys))
     reason = found[1]
     if reason is None and not run.tma_ok:
-        return "rows or starts not 16-byte aligned for the copy engine"
+        return "rows or starts not 16-byte aligned for the copy engine, or a broadcast batch or head"
     return reason
 
 
@@ -92,7 +92,8 @@ def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool) -> Op
         return DETERMINISTIC
     reason = why_not(plan, run, BACKWARD_MIN_KEYS)
     if reason is None and not grad_out_ready:
-        return "the output gradient's rows or start not 16-byte aligned for the copy engine"
+        return ("the output gradient's rows or start not 16-byte aligned for the copy engine, or a broadcast batch or "
+                "head")
     return reason
 
 
