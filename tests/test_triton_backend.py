@@ -409,6 +409,40 @@ def test_unsupported_reasons_are_sentences():
     assert any("sm_80" in r for r in _backend().unsupported(old))
 
 
+def test_tensor_maps_need_aligned_rows_and_no_broadcast_batch_or_head():
+    """The copy-engine paths (the Hopper kernels' 4-D tensor maps, the descriptor loads) take tensors whose rows and
+    starts are 16-byte aligned and whose batch and head dims are not broadcast; a size-1 dim's stride is free."""
+    from mhattn.backends.triton.backend import _descriptor_ready
+
+    q = torch.randn(2, 4, 64, 64, dtype=torch.float16)
+    assert _descriptor_ready(q)
+    assert not _descriptor_ready(q[:1].expand(2, 4, 64, 64))        # batch broadcast (stride 0)
+    assert not _descriptor_ready(q[:, :1].expand(2, 4, 64, 64))     # head broadcast (stride 0)
+    assert _descriptor_ready(q[:1, :1])                              # size-1 dims
+    assert not _descriptor_ready(torch.randn(2, 4, 64, 65, dtype=torch.float16)[..., :64])  # 130-byte rows
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_hopper_tensor_maps_describe_the_tensors_as_the_kernels_read_them():
+    """hopper_launch's host tensor maps: the tensor's own 4-D shape and strides (a size-1 dim's stride replaced by
+    one the copy engine accepts), the kernels' blocks, a swizzled layout for tiles and none for per-row values."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from mhattn.backends.triton import hopper_launch
+
+    q = torch.randn(3, 8, 200, 128, dtype=torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D)
+    k = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
+    q_map, k_map, v_map = hopper_launch.forward_maps(q, k, k, 128)
+    assert list(q_map.shape) == [3, 8, 200, 128] and list(q_map.strides) == list(q.stride())
+    assert list(q_map.block_shape) == [1, 1, hopper_launch.QUERY_ROWS_PER_CONSUMER, 128]
+    assert list(k_map.strides) == [2 * 300 * 128, 300 * 128, 128, 1]  # batch of one: a stride the map accepts
+    assert list(k_map.block_shape) == [1, 1, hopper_launch.KEY_BLOCK[128], 128]
+    assert q_map.layout.swizzle_byte_width == 128 and q_map.layout.rank == 4
+    rows = torch.zeros(3, 8, 2, 200, dtype=torch.float32)[:, :, 0]
+    maps = hopper_launch.backward_maps(q, k, k, q, rows, rows, torch.zeros(q.shape), 128)
+    assert maps[4].layout.swizzle_byte_width == 0 and list(maps[4].block_shape) == [1, 1, 64]
+    assert list(maps[6].block_shape) == [1, 1, 64, 128] and maps[6].base.dtype == torch.float32
+
+
 def test_config_parsing_and_pinning():
     from mhattn.backends.triton import configs
 
