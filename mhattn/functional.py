@@ -83,13 +83,14 @@ def attention(
     known = _known_calls.get(call_key) if call_key is not None else None
     if known is not None:  # checked before: only the per-tensor layout step is left (see _call_key)
         q, k, v, mask = _to4d(query), _to4d(key), _to4d(value), None
-        scale, dropout_p, causal, diag_offset, window_left, window_right, softcap, out_shape, backend, chosen = known
+        (scale, dropout_p, causal, diag_offset, window_left, window_right, softcap, out_shape, backend, chosen,
+         native) = known
     else:
         (q, k, v, mask, scale, dropout_p, causal, diag_offset, window_left, window_right, softcap,
          out_shape) = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap)
         if backend is not None:
             backend = _backend_argument(backend)
-        chosen = _UNRESOLVED
+        chosen = native = _UNRESOLVED
     if dropout_p == 1.0:  # every weight dropped: zeros, as SDPA (the lse keeps its meaning)
         out, lse = attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window,
                              softcap=softcap, return_lse=True, backend=backend)
@@ -101,15 +102,17 @@ def attention(
     seed = dropout_rng.draw_seed(q.device) if dropout_p > 0.0 else None
     args = (q, k, v, mask, seed, backend or "", scale, causal, diag_offset, window_left, window_right, dropout_p,
             softcap, mask_grad)
-    if torch.compiler.is_compiling():
+    # (a known call was made outside compiled code: _call_key gives no key there)
+    if known is None and torch.compiler.is_compiling():
         out, lse = torch.ops.mhattn.attention_forward(*args)
     else:
         if chosen is _UNRESOLVED:
             chosen = _resolve(*args)
+            native = chosen is not None and _has_native_path(chosen)
             if call_key is not None and query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:  # no broadcast
                 put_bounded(_known_calls, call_key, (scale, dropout_p, causal, diag_offset, window_left, window_right,
-                                                     softcap, out_shape, backend, chosen), _KNOWN_CALLS_LIMIT)
-        out = None if (return_lse or chosen is None) else _native_attention(chosen, *args)
+                                                     softcap, out_shape, backend, chosen, native), _KNOWN_CALLS_LIMIT)
+        out = _native_attention(chosen, *args) if native and not return_lse else None
         if out is not None:  # the backend's own differentiable path (e.g. torch's SDPA with its C++ backward)
             return out.reshape(out_shape) if out.dim() != len(out_shape) else out
         if grad and (q.requires_grad or k.requires_grad or v.requires_grad or mask_grad):
@@ -413,11 +416,14 @@ def _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window
 _NO_NATIVE = Backend.native_attention
 
 
+def _has_native_path(chosen) -> bool:
+    """Whether ``chosen`` has a differentiable path of its own (Backend.native_attention overridden)."""
+    return getattr(type(chosen), "native_attention", _NO_NATIVE) is not _NO_NATIVE
+
+
 def _native_attention(chosen, q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right,
                       dropout_p, softcap, mask_requires_grad):
-    """The output through ``chosen``'s own differentiable path, or None (most backends have none)."""
-    if getattr(type(chosen), "native_attention", _NO_NATIVE) is _NO_NATIVE:
-        return None
+    """The output through ``chosen``'s own differentiable path (a backend with one), or None where it declines."""
     params = _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
                      seed, softcap)
     return chosen.native_attention(q, k, v, params)
