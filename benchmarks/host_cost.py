@@ -1,13 +1,14 @@
 """Host cost of the call path on the CPU, no GPU needed: microseconds and Python function calls per call.
 
     python benchmarks/host_cost.py            # the table below
-    python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|cupy|cupy_bwd   # cProfile's top entries for one row
+    python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|decode|cupy|cupy_bwd   # cProfile's top entries
 
 Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
 - mhattn.attention forward / forward+backward on a backend that does no work (``null``: allocates its
   outputs, launches nothing): the front end's own cost (checks, request, decision cache, autograd);
 - the Triton backend's host code for one forward / backward with the compiled kernels' launchers replaced by
-  no-ops (plan, scalars, grid, argument tuples, the compiled-handle look-up of launcher.py);
+  no-ops (plan, scalars, grid, argument tuples, the compiled-handle look-up of launcher.py), and for one
+  split-KV decoding step (B=1, 32 query heads on 8 key/value heads, Nq=1, Nk=1k, d=128, bf16);
 - the CuPy backend's host code for one forward / backward with a launcher that does nothing (plan look-up,
   allocations, data pointers up to the launcher), and with CuPy's launcher whose CuPy pieces do nothing (its
   stream look-up, device check and argument splice included);
@@ -176,6 +177,27 @@ def stubbed_triton():
         triton_backend.launchers, launcher_module.current_stream = saved
 
 
+def decoding_step(triton):
+    """One split-KV decoding step on the stubbed Triton backend (CPU tensors get past the backend's device check
+    as under the interpreter; the launches themselves are the stubs)."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import decode_launch
+
+    q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16)
+    k = torch.randn(1, 8, 1024, 128, dtype=torch.bfloat16)
+    params = AttentionParams(scale=128 ** -0.5, diag_offset=1023, window_right=0)
+
+    def step():
+        saved = triton_backend.INTERPRET, decode_launch._sm_count
+        triton_backend.INTERPRET, decode_launch._sm_count = True, lambda index: 132
+        try:
+            return triton.forward(q, k, k, params)
+        finally:
+            triton_backend.INTERPRET, decode_launch._sm_count = saved
+
+    return step
+
+
 def rows():
     q, k, v = (torch.randn(*SHAPE) for _ in range(3))
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
@@ -207,7 +229,7 @@ def rows():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "cupy", "cupy_bwd"), default=None)
+    parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "decode", "cupy", "cupy_bwd"), default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)  # no intra-op thread pool in the numbers
     mhattn.register_backend(NullBackend(), replace=True)
@@ -220,10 +242,11 @@ def main():
                        lambda: cupy.backward(out_h, qh, kh, vh, out_h, lse_h, params))]
         table[2:2] = [("triton backend forward, launches stubbed", lambda: triton.forward(q, k, v, params)),
                       ("triton backend backward, launches stubbed",
-                       lambda: triton.backward(out, q, k, v, out, lse, params))]
+                       lambda: triton.backward(out, q, k, v, out, lse, params)),
+                      ("triton backend decoding step, launches stubbed", decoding_step(triton))]
         if args.profile:
-            fn = {"fwd": table[0][1], "fwd_bwd": table[1][1], "triton": table[2][1], "cupy": table[4][1],
-                  "cupy_bwd": table[5][1]}[args.profile]
+            fn = {"fwd": table[0][1], "fwd_bwd": table[1][1], "triton": table[2][1], "decode": table[4][1],
+                  "cupy": table[5][1], "cupy_bwd": table[6][1]}[args.profile]
             for _ in range(100):  # first calls fill the caches (plans, decisions, handles): profile the steady state
                 fn()
             profile = cProfile.Profile()

@@ -319,3 +319,60 @@ def AttentionParamsArgs(**kwargs):
     from mhattn.backends.base import AttentionParams
 
     return AttentionParams(**kwargs)
+
+
+def test_the_decoding_launches_prepared_once_pass_what_a_first_call_passes(monkeypatch):
+    """Split-KV decoding (dense, contiguous cache, paged caches with three block tables): each call run again goes
+    through the launches prepared at its first run (with the others in between) and passes the kernels what a
+    call worked out from scratch passes."""
+    from types import SimpleNamespace
+
+    from mhattn.backends.base import KVCache
+    from mhattn.backends.triton import backend as tb
+    from mhattn.backends.triton import backward, decode, decode_launch, forward
+
+    monkeypatch.setattr(launcher_module, "current_stream", lambda index: 1234)
+    monkeypatch.setattr(launcher_module, "_launch_hooks_set", lambda: False)
+    jit = {name: RecordingKernel(getattr(module, name).fn) for module, name in (
+        (forward, "attention_forward_kernel"), (backward, "backward_preprocess_kernel"),
+        (backward, "backward_dkdv_kernel"), (backward, "backward_dq_kernel"), (decode, "split_kv_kernel"),
+        (decode, "combine_splits_kernel"))}
+    launchers = tb._Launchers(SimpleNamespace(**jit), SimpleNamespace(**jit), SimpleNamespace(**jit))
+    for launcher in vars(launchers).values():
+        launcher.interpret = False
+    monkeypatch.setattr(tb, "launchers", lambda: launchers)
+    monkeypatch.setattr(tb, "INTERPRET", True)  # CPU tensors reach the launches (the kernels are recorders)
+    monkeypatch.setattr(decode_launch, "_sm_count", lambda index: 132)
+    backend = tb.TritonBackend()
+
+    q = torch.randn(2, 8, 1, 16)
+    k, v = torch.randn(2, 2, 3000, 16), torch.randn(2, 2, 3000, 16)
+    pool_k, pool_v = torch.randn(40, 2, 64, 16), torch.randn(40, 2, 64, 16)
+    seqlens = torch.tensor([1000, 2500], dtype=torch.int32)
+    # Two block tables of one capacity with other row strides, and one of twice the capacity.
+    tables = [torch.arange(40, dtype=torch.int32).view(2, 20), (torch.arange(80, dtype=torch.int32) % 40).view(2, 40)[:, 20:]]
+    wide_table = torch.arange(80, dtype=torch.int32).view(2, 40) % 40
+    params = AttentionParamsArgs(scale=0.25, diag_offset=2999, window_right=0)
+    calls = [
+        lambda: backend.forward(q, k, v, params),
+        lambda: backend.forward_kvcache(q, KVCache(k, v, seqlens), params),
+        lambda: backend.forward_kvcache(q, KVCache(pool_k, pool_v, seqlens, tables[0]), params),
+        lambda: backend.forward_kvcache(q, KVCache(pool_k, pool_v, seqlens, tables[1]), params),
+        lambda: backend.forward_kvcache(q, KVCache(pool_k, pool_v, seqlens, wide_table), params),  # more capacity
+    ]
+    launchers_by_kernel = {launcher.kernel.__name__: launcher for launcher in vars(launchers).values()}
+
+    def run_call(call, fresh=False):
+        if fresh:
+            tb._signatures.clear()
+        before = {name: len(kernel.log) for name, kernel in jit.items()}
+        call()
+        return {name: [_recorded_launch(entry, launchers_by_kernel[name]) for entry in kernel.log[before[name]:]]
+                for name, kernel in jit.items()}
+
+    first = [run_call(call) for call in calls]
+    again = [run_call(call) for call in calls]
+    fresh = [run_call(call, fresh=True) for call in calls]
+    assert again == fresh == first
+    assert all(call["split_kv_kernel"] for call in again) and any(call["combine_splits_kernel"] for call in again)
+    assert any(entry[0] == "handle" for entry in jit["split_kv_kernel"].log)  # the repeats went through handles

@@ -100,9 +100,10 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
     these arguments when the caller has it already.
     """
     from mhattn.backends import layouts
-    from mhattn.backends.triton.backend import INTERPRET, _Launch, _OnDevice, launchers
+    from mhattn.backends.triton.backend import INTERPRET, _Launch, _launch_site, _OnDevice, launchers
 
     run = run or _Launch(q, k, v, params)
+    plan = run.plan
     batch, heads_q, seqlen_q = q.shape[:3]
     heads_kv = k.shape[1]
     out = layouts.output_buffer(q, v)
@@ -114,44 +115,45 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
     keys = cache.capacity if cache is not None else k.shape[2]
     if q.device.type != "cuda" and not INTERPRET:
         raise ValueError("triton backend: CPU tensors need TRITON_INTERPRET=1 (set before import)")
-    tile, splits, block_m, row_blocks = _split_plan(run.plan, q.device, keys)
+    tile, splits, block_m, row_blocks = _split_plan(plan, q.device, keys)
 
     if splits > 1:
-        out_split = torch.empty(batch * heads_q * seqlen_q, splits, run.plan.head_dim_v, dtype=torch.float32,
+        out_split = torch.empty(batch * heads_q * seqlen_q, splits, plan.head_dim_v, dtype=torch.float32,
                                 device=q.device)
         lse_split = torch.empty(batch * heads_q * seqlen_q, splits, dtype=torch.float32, device=q.device)
     else:
         out_split = lse_split = lse
     seqlens = cache.seqlens if cache is not None else lse
     table = cache.block_table if paged else lse
+    table_stride = table.stride(0) if paged else 0
     kernel = launchers()
     split_kv, combine = kernel.split_kv, kernel.combine_splits
-    device_index = run.plan.device_index
-    with _OnDevice(q.device):
-        split_kv.launch((batch * heads_kv, splits, row_blocks), (
-            q, k, v, out, lse, out_split, lse_split, seqlens, table,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            table.stride(0) if paged else 0,
-            heads_q, heads_kv, run.plan.kv_group, seqlen_q, k.shape[2], splits,
+
+    # The launches are prepared once per signature and what the signature does not fix (the cache's capacity and
+    # block table stride): a repeated decoding step only passes its tensors (launcher.PreparedLaunch).
+    def prepare_split_kv():
+        return (batch * heads_kv, splits, row_blocks), (
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], table_stride,
+            heads_q, heads_kv, plan.kv_group, seqlen_q, k.shape[2], splits,
             run.qk_scale2, run.softcap_in2, run.softcap_out2,
             run.diag_offset, run.window_left, run.window_right,
         ), split_kv.cached_constexprs(
             tile.num_warps, tile.num_stages,
-            HEAD_DIM=run.plan.head_dim, HEAD_DIM_V=run.plan.head_dim_v, BLOCK_D=run.plan.block_d,
-            BLOCK_DV=run.plan.block_dv,
+            HEAD_DIM=plan.head_dim, HEAD_DIM_V=plan.head_dim_v, BLOCK_D=plan.block_d, BLOCK_DV=plan.block_dv,
             BLOCK_M=block_m, BLOCK_N=tile.block_n,
             HAS_SEQLENS=cache is not None, PAGED=paged, PAGE_SIZE=k.shape[2] if paged else 1,
-            HAS_LEFT=run.plan.has_left, HAS_RIGHT=run.plan.has_right, HAS_SOFTCAP=run.plan.has_softcap,
-            SPLIT=splits > 1, DOT_PRECISION=run.plan.dot_precision,
-        ), device_index)
+            HAS_LEFT=plan.has_left, HAS_RIGHT=plan.has_right, HAS_SOFTCAP=plan.has_softcap,
+            SPLIT=splits > 1, DOT_PRECISION=plan.dot_precision,
+        )
+
+    def prepare_combine():
+        return (batch * heads_q * seqlen_q,), (*out.stride()[:3], heads_q, seqlen_q, splits), \
+            combine.cached_constexprs(4 if plan.block_dv >= 128 else 2, 1, HEAD_DIM_V=plan.head_dim_v,
+                                      BLOCK_DV=plan.block_dv, BLOCK_S=max(2, configs.triton_next_power_of_2(splits)))
+
+    with _OnDevice(q.device):
+        _launch_site(run, (split_kv, keys, cache is not None, paged, table_stride), split_kv,
+                     (q, k, v, out, lse, out_split, lse_split, seqlens, table), (), prepare_split_kv)
         if splits > 1:
-            combine.launch((batch * heads_q * seqlen_q,), (
-                out, lse, out_split, lse_split,
-                *out.stride()[:3],
-                heads_q, seqlen_q, splits,
-            ), combine.cached_constexprs(
-                4 if run.plan.block_dv >= 128 else 2, 1,
-                HEAD_DIM_V=run.plan.head_dim_v, BLOCK_DV=run.plan.block_dv,
-                BLOCK_S=max(2, configs.triton_next_power_of_2(splits)),
-            ), device_index)
+            _launch_site(run, (combine, keys), combine, (out, lse, out_split, lse_split), (), prepare_combine)
     return out, lse
