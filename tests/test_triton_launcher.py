@@ -251,12 +251,12 @@ def _recorded_launch(entry, launcher):
     return grid, args, constexprs
 
 
-def test_the_backend_s_prepared_launches_pass_what_a_first_call_passes(monkeypatch):
-    """Calls of many signatures, each run twice: the second (through the launches prepared at the first, with
-    every other signature's in between) passes the kernels what the first passed."""
+def _recording_backend_launchers(monkeypatch, interpret: bool):
+    """The Triton backend's launchers over recording kernels (every kernel it launches), installed; the
+    backend's INTERPRET flag set to ``interpret`` (True lets CPU tensors reach the launches). Returns (the
+    recorders by kernel name, the launchers)."""
     from types import SimpleNamespace
 
-    import mhattn
     from mhattn.backends.triton import backend as tb
     from mhattn.backends.triton import backward, decode, forward
 
@@ -270,7 +270,17 @@ def test_the_backend_s_prepared_launches_pass_what_a_first_call_passes(monkeypat
     for launcher in vars(launchers).values():
         launcher.interpret = False
     monkeypatch.setattr(tb, "launchers", lambda: launchers)
-    monkeypatch.setattr(tb, "INTERPRET", False)
+    monkeypatch.setattr(tb, "INTERPRET", interpret)
+    return jit, launchers
+
+
+def test_the_backend_s_prepared_launches_pass_what_a_first_call_passes(monkeypatch):
+    """Calls of many signatures, each run twice: the second (through the launches prepared at the first, with
+    every other signature's in between) passes the kernels what the first passed."""
+    import mhattn
+    from mhattn.backends.triton import backend as tb
+
+    jit, launchers = _recording_backend_launchers(monkeypatch, interpret=False)
     backend = tb.TritonBackend(deterministic=True)
 
     qkv = torch.randn(2, 40, 3, 4, 16)
@@ -325,23 +335,11 @@ def test_the_decoding_launches_prepared_once_pass_what_a_first_call_passes(monke
     """Split-KV decoding (dense, contiguous cache, paged caches with three block tables): each call run again goes
     through the launches prepared at its first run (with the others in between) and passes the kernels what a
     call worked out from scratch passes."""
-    from types import SimpleNamespace
-
     from mhattn.backends.base import KVCache
     from mhattn.backends.triton import backend as tb
-    from mhattn.backends.triton import backward, decode, decode_launch, forward
+    from mhattn.backends.triton import decode_launch
 
-    monkeypatch.setattr(launcher_module, "current_stream", lambda index: 1234)
-    monkeypatch.setattr(launcher_module, "_launch_hooks_set", lambda: False)
-    jit = {name: RecordingKernel(getattr(module, name).fn) for module, name in (
-        (forward, "attention_forward_kernel"), (backward, "backward_preprocess_kernel"),
-        (backward, "backward_dkdv_kernel"), (backward, "backward_dq_kernel"), (decode, "split_kv_kernel"),
-        (decode, "combine_splits_kernel"))}
-    launchers = tb._Launchers(SimpleNamespace(**jit), SimpleNamespace(**jit), SimpleNamespace(**jit))
-    for launcher in vars(launchers).values():
-        launcher.interpret = False
-    monkeypatch.setattr(tb, "launchers", lambda: launchers)
-    monkeypatch.setattr(tb, "INTERPRET", True)  # CPU tensors reach the launches (the kernels are recorders)
+    jit, launchers = _recording_backend_launchers(monkeypatch, interpret=True)  # CPU tensors reach the launches
     monkeypatch.setattr(decode_launch, "_sm_count", lambda index: 132)
     backend = tb.TritonBackend()
 
