@@ -165,7 +165,7 @@ def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_
 def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
                              kv_ready, q_ready, q_empty, do_ready, do_empty,
                              lse2_smem, delta_smem, dk_base, dv_base, stride_dkn, stride_dvn,
-                             start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset, qk_scale2, sm_scale,
+                             start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale,
                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """Head dims 64 and 128, each warpgroup owning 64 of the keys: every step of the key block, then dK and dV.
@@ -216,7 +216,7 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
 def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
                       kv_ready, q_ready, q_empty, do_ready, do_empty,
                       lse2_smem, delta_smem, dk_base, dv_base, stride_dkn, stride_dvn,
-                      start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset, qk_scale2, sm_scale,
+                      start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_COLS: gl.constexpr):
     """The kernel's 8 warps: the narrow schedule (warpgroups split the keys) up to head dim 128, the wide one
@@ -224,13 +224,13 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
     if HEAD_DIM > 128:
         wide_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dk_base, dv_base,
-                               stride_dkn, stride_dvn, start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k,
+                               stride_dkn, stride_dvn, start_n, first_m, m_blocks, steps, seqlen_k,
                                diag_offset, qk_scale2, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
                                DQ_COLS)
     else:
         narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                  q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dk_base, dv_base,
-                                 stride_dkn, stride_dvn, start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k,
+                                 stride_dkn, stride_dvn, start_n, first_m, m_blocks, steps, seqlen_k,
                                  diag_offset, qk_scale2, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)
 
 
@@ -238,7 +238,7 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
 def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, dq_ready, dq_empty,
                            kv_ready, q_ready, q_empty, do_ready, do_empty,
                            lse2_smem, delta_smem, dk_base, dv_base, stride_dkn, stride_dvn,
-                           start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset, qk_scale2, sm_scale,
+                           start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_COLS: gl.constexpr):
     """The compute partition at head dim 256. dK and dV of 64 keys by 256 columns take all of both warpgroups'
@@ -382,7 +382,7 @@ def hopper_backward_kernel(
     gl.warp_specialize([
         (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready,
                              q_empty, do_ready, do_empty, lse2_smem, delta_smem, dk_base, dv_base, stride_dkn,
-                             stride_dvn, start_n, first_m, m_blocks, steps, seqlen_q, seqlen_k, diag_offset, qk_scale2,
+                             stride_dvn, start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2,
                              sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ_COLS)),
         (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_tile, v_tile, q_smem, do_smem,
                           lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv,
