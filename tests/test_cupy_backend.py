@@ -30,6 +30,8 @@ from mhattn.reference.naive import naive_attention
 
 ARCHS = ("sm_80", "sm_90")
 KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dkdv_2d", "bwd_dq")
+# (compile target, kernel) pairs CI compiles: every kernel for each architecture, the Hopper family for sm_90a.
+COMPILED = tuple((arch, kernel) for arch in ARCHS for kernel in KERNELS) + (("sm_90a", "hopper_fwd"),)
 
 
 def _nvrtc_missing():
@@ -57,7 +59,7 @@ def _compile(task):
         assert cubin[:4] == b"\x7fELF", "NVRTC returned something other than an ELF cubin"
         return None
     except Exception as error:
-        return f"{compiler.arch_name(cc)} {variant.label}: {error}"
+        return f"{compiler.target_name(variant, cc)} {variant.label}: {error}"
 
 
 def feature_variant_sample(cc) -> list:
@@ -76,16 +78,19 @@ def feature_variant_sample(cc) -> list:
 def compile_failures():
     """Compile every variant without feature flags and a sample of those with them (feature_variant_sample) for
     every architecture once (in parallel); (arch, kernel) -> failures."""
+    from mhattn.backends.cupy import compiler
+
     tasks = [(v, variants.parse_arch(arch)) for arch in ARCHS
              for v in variants.all_variants(variants.parse_arch(arch), features=False)
              + feature_variant_sample(variants.parse_arch(arch))]
+    tasks += [(v, variants.HOPPER_CC) for v in variants.hopper_variants()]
     jobs = max(1, min(len(tasks), os.cpu_count() or 1))
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         errors = list(pool.map(_compile, tasks, chunksize=4))
-    out = {(arch, kernel): [] for arch in ARCHS for kernel in KERNELS}
+    out = {key: [] for key in COMPILED}
     counts = dict.fromkeys(out, 0)
     for (variant, cc), error in zip(tasks, errors):
-        key = ("sm_%d%d" % cc, variant.kernel)
+        key = (compiler.target_name(variant, cc), variant.kernel)
         counts[key] += 1
         if error:
             out[key].append(error)
@@ -93,8 +98,7 @@ def compile_failures():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch, kernel", COMPILED)
 def test_nvrtc_compiles_every_variant(compile_failures, arch, kernel):
     failures, counts = compile_failures
     assert counts[(arch, kernel)] > 0
@@ -108,7 +112,12 @@ def test_build_cli_lists_and_rejects_bad_arch(capsys):
     assert main(["build", "--arch", "sm_90", "--list"]) == 0
     listed = capsys.readouterr().out.strip().splitlines()
     assert len(listed) == len(variants.all_variants((9, 0)))
+    assert main(["build", "--arch", "sm_90a", "--list"]) == 0
+    listed = capsys.readouterr().out.strip().splitlines()
+    assert len(listed) == len(variants.hopper_variants()) and all(line.startswith("sm_90a  hopper_fwd@a[")
+                                                                  for line in listed)
     assert main(["build", "--arch", "hopper"]) == 2
+    assert main(["build", "--arch", "sm_80a"]) == 2
 
 
 @needs_nvrtc
@@ -528,6 +537,85 @@ def test_plans_hold_none_of_the_callers_tensors():
     del q, k, v, grad_out, out, lse, mask, seed, params
     gc.collect()
     assert [r() for r in refs] == [None] * len(refs)
+
+
+class _MapLauncher(_RecordingLauncher):
+    """A recording launcher that takes tensor maps (as CupyLauncher does)."""
+
+    tensor_maps = True
+
+
+@pytest.fixture
+def recorded_maps(monkeypatch):
+    """tensor_maps.RowMaps replaced (no CUDA driver here): records (shape, strides, box rows) of each map made; a
+    map at an address is the int 10**15 + box rows * 10**12 + address (so a recording launcher can bind it)."""
+    made = []
+
+    class RecordedMaps:
+        def __init__(self, t, box_rows, wrap=None):
+            made.append((tuple(t.shape), t.stride(), box_rows))
+            self.rows = box_rows
+
+        def __call__(self, address):
+            return 10**15 + self.rows * 10**12 + address
+
+    monkeypatch.setattr(ops.tensor_maps, "RowMaps", RecordedMaps)
+    return made
+
+
+def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps):
+    launcher = _MapLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(9, 0))
+    q, k, v, _ = _inputs(2, 4, 2, 300, 517, 128, torch.bfloat16, "cpu")
+    params = _params(300, 517, 128, causal="bottom_right", window=(64, None))
+    out, lse = backend.forward(q, k, v, params)
+    variant, grid, args = launcher.calls[-1]
+    tiles = variants.HOPPER_FWD_TILES[128]
+    block_m = 64 * tiles.consumers
+    assert variant == variants.hopper_fwd_variant("bfloat16", 128) and variant.arch_features == "a"
+    assert grid == (-(-300 // block_m), 4, 2)
+    assert recorded_maps == [(tuple(q.shape), q.stride(), block_m), (tuple(k.shape), k.stride(), tiles.block_n),
+                             (tuple(v.shape), v.stride(), tiles.block_n)]
+    maps = [10**15 + rows * 10**12 + t.data_ptr() for rows, t in ((block_m, q), (tiles.block_n, k), (tiles.block_n, v))]
+    assert args[:5] == [("ptr", p) for p in maps + [out.data_ptr(), lse.data_ptr()]]
+    assert args[5:] == [("i64", s) for s in out.stride()[:3]] + [
+        ("i32", 300), ("i32", 517), ("i32", 4), ("i32", 2), ("f32", params.scale * ops.LOG2E), ("i32", 217),
+        ("i32", 64), ("i32", 0)]
+    # a second call with other tensors of the same signature makes no map and prepares nothing
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    backend.forward(q2, k2, v2, params)
+    assert len(recorded_maps) == 3 and len(launcher.prepared) == 1
+    assert launcher.calls[-1][2][0] == ("ptr", 10**15 + block_m * 10**12 + q2.data_ptr())
+
+
+@pytest.mark.parametrize("case", ["head dim 96", "value head dim", "softcap", "float mask", "bool mask", "dropout",
+                                  "sm_80", "broadcast keys", "unaligned rows", "no maps", "switched off"])
+def test_hopper_forward_refusals_take_the_mma_sync_forward(recorded_maps, monkeypatch, case):
+    d = 96 if case == "head dim 96" else 64
+    q, k, v, _ = _inputs(1, 2, 2, 40, 40, d, torch.float16, "cpu", d_v=32 if case == "value head dim" else None)
+    kwargs = {"softcap": {"softcap": 5.0}, "float mask": {"mask": torch.zeros(1, 2, 40, 40)},
+              "bool mask": {"mask": torch.ones(1, 2, 40, 40, dtype=torch.bool)},
+              "dropout": {"dropout_p": 0.1, "seed": torch.tensor([1, 2])}}.get(case, {})
+    if case == "broadcast keys":
+        k = k[:, :1].expand(1, 2, 40, d)
+    if case == "unaligned rows":
+        q = torch.randn(1, 2, 40 * d + 4, dtype=torch.float16)[..., 4:].view(1, 2, 40, d)  # start 8 bytes off
+    if case == "switched off":
+        monkeypatch.setattr(ops, "HOPPER_ENABLED", False)
+    launcher = _RecordingLauncher() if case == "no maps" else _MapLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(8, 0) if case == "sm_80" else (9, 0))
+    backend.forward(q, k, v, _params(40, 40, d, **kwargs))
+    assert launcher.calls[-1][0].kernel == "fwd" and recorded_maps == []
+
+
+def test_forward_path_names_the_family():
+    backend = CupyBackend(compute_capability=(9, 0))
+    assert "hopper_fwd.cu" in backend.forward_path(_problem())
+    assert backend.forward_path(_problem(compute_capability=(8, 0))).startswith(
+        "the mma.sync forward (kernels/fwd.cu): not the Hopper forward because not an sm_90 GPU")
+    assert "a mask, dropout or softcap" in backend.forward_path(_problem(features=frozenset({"dropout"})))
+    assert "head dims 96/96" in backend.forward_path(_problem(head_dim=96, head_dim_v=96))
+    assert backend.backward_path(_problem()).startswith("the mma.sync backward")
 
 
 def test_cupy_launcher_launches_on_torchs_stream_in_the_tensors_device(monkeypatch):

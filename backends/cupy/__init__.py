@@ -1,7 +1,9 @@
 """FlashAttention-2 in CUDA C++ (tensor-core mma.sync, ldmatrix, cp.async), compiled at run time by NVRTC
-through CuPy and launched on PyTorch's current stream.
+through CuPy and launched on PyTorch's current stream; on sm_90 GPUs a Hopper forward (TMA, wgmma, a producer
+warpgroup; compiled for sm_90a) where it covers the problem.
 
-Kernels: ``kernels/*.cu`` (forward; backward preprocess, dK/dV, dQ). Variants and tile shapes:
+Kernels: ``kernels/*.cu`` (forward; backward preprocess, dK/dV, dQ; ``hopper_fwd.cu``). Tensor maps:
+:mod:`.tensor_maps`. Variants and tile shapes:
 :mod:`.variants`. Compilation and the cubin cache: :mod:`.compiler`. Launch: :mod:`.launcher`.
 Host logic: :mod:`.ops`. ``mhattn build`` (:mod:`.build`) compiles every variant without a GPU.
 
@@ -112,6 +114,20 @@ class CupyBackend(Backend):
 
     def forward(self, q, k, v, params: AttentionParams):
         return ops.forward(self.launcher, self._cc(q.device), q, k, v, params)
+
+    def forward_path(self, problem):
+        if problem.operation != "attention":
+            return None
+        reason = ops.hopper_problem_refusal(problem)
+        if reason is None:
+            return ("the Hopper forward (kernels/hopper_fwd.cu: TMA, wgmma, warp-specialised), when q, k, v rows "
+                    "are 16-byte aligned and no dim is broadcast")
+        return f"the mma.sync forward (kernels/fwd.cu): not the Hopper forward because {reason}"
+
+    def backward_path(self, problem):
+        if problem.operation != "attention":
+            return None
+        return "the mma.sync backward (kernels/bwd_*.cu): the Hopper family has no backward yet"
 
     def _deterministic(self) -> bool:
         if self.deterministic is not None:

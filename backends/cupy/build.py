@@ -1,13 +1,13 @@
 """``mhattn build``: compile every CUDA kernel variant with NVRTC, no GPU needed.
 
     mhattn build --arch sm_80,sm_90 [--jobs N] [--no-cache] [--list]
-    mhattn build --arch sm_90a            # the Triton backend's Hopper kernels (TMA) for sm_90a
+    mhattn build --arch sm_90a            # both backends' Hopper kernels (TMA, wgmma) for sm_90a
 
 Each variant that a GPU of the given architecture may launch is compiled to a cubin; by default the
 cubins go to the kernel cache (``$MHATTN_CACHE_DIR``, else ``~/.cache/mhattn/cupy-kernels``) so a
 container image built this way starts without compiling. ``sm_90a`` names the Hopper-specific target:
-the CUDA backend has no sm_90a variants yet, so for it the command compiles the Triton backend's
-Hopper kernels (copy-engine loads, wgmma) through Triton's compiler (backends/triton/ahead.py).
+for it the command compiles the CUDA backend's Hopper family (kernels/hopper_*.cu, variants.hopper_variants)
+with NVRTC and the Triton backend's Hopper kernels through Triton's compiler (backends/triton/ahead.py).
 Exits 1 and names every variant that failed (with the compiler's log) when any does: CI uses it as the
 check that the sources compile.
 """
@@ -43,7 +43,7 @@ def _compile_one(task):
         error = None
     except Exception as exc:  # one failing variant must not hide the others
         error = f"{type(exc).__name__}: {exc}"
-    return variant.label, compiler.arch_name(cc), time.perf_counter() - start, error
+    return variant.label, compiler.target_name(variant, cc), time.perf_counter() - start, error
 
 
 def tasks_for(archs, use_cache=True) -> list:
@@ -51,10 +51,13 @@ def tasks_for(archs, use_cache=True) -> list:
 
     tasks = []
     for arch in archs:
-        if arch == "sm_90a":
-            continue  # no CUDA-backend variants for the architecture-specific target (see run_triton)
-        cc = variants.parse_arch(arch)
-        tasks.extend((variant, cc, use_cache) for variant in variants.all_variants(cc))
+        cc, features = variants.parse_target(arch)
+        if features:
+            if (cc, features) != (variants.HOPPER_CC, "a"):
+                raise ValueError(f"arch: the only architecture-specific target with kernels is sm_90a, got {arch!r}")
+            tasks.extend((variant, cc, use_cache) for variant in variants.hopper_variants())
+        else:
+            tasks.extend((variant, cc, use_cache) for variant in variants.all_variants(cc))
     return tasks
 
 
@@ -83,14 +86,11 @@ def run_triton(arch: str, jobs: int) -> int:
 
 def run(args) -> int:
     archs = [a for a in (s.strip() for s in args.arch.split(",")) if a]
-    if "sm_90a" in archs:
+    failed = 0
+    if "sm_90a" in archs and not args.list:
         failed = run_triton("sm_90a", args.jobs or os.cpu_count() or 1)
-        archs = [a for a in archs if a != "sm_90a"]
-        if not archs:
-            return 1 if failed else 0
-        code = run_cupy(args, archs)
-        return 1 if failed else code
-    return run_cupy(args, archs)
+    code = run_cupy(args, archs)
+    return 1 if failed else code
 
 
 def run_cupy(args, archs) -> int:
@@ -100,10 +100,10 @@ def run_cupy(args, archs) -> int:
         print(f"mhattn build: {error}", file=sys.stderr)
         return 2
     if args.list:
-        from mhattn.backends.cupy.compiler import arch_name
+        from mhattn.backends.cupy.compiler import target_name
 
         for variant, cc, _ in tasks:
-            print(f"{arch_name(cc)}  {variant.label}  smem={variant.smem_bytes}")
+            print(f"{target_name(variant, cc)}  {variant.label}  smem={variant.smem_bytes}")
         return 0
     try:
         from mhattn.backends.cupy import compiler

@@ -53,8 +53,16 @@ def arch_name(cc) -> str:
     return "sm_%d%d" % tuple(cc)
 
 
+def target_name(variant: Variant, cc) -> str:
+    """The compile target of a variant: the compute capability's, with the variant's architecture features
+    ("sm_90a" for the Hopper family)."""
+    return arch_name(cc) + variant.arch_features
+
+
 def nvrtc_options(variant: Variant, cc, ptx_only: bool = False) -> tuple:
-    target = ("compute_%d%d" % tuple(cc)) if ptx_only else arch_name(cc)
+    target = target_name(variant, cc)
+    if ptx_only:
+        target = target.replace("sm_", "compute_")
     return ("-std=c++17", f"--gpu-architecture={target}") + tuple(
         f"-D{name}={value}" for name, value in variant.defines
     )
@@ -87,7 +95,7 @@ def compile_cubin(variant: Variant, cc, ptx_only: bool = False) -> bytes:
             log = nvrtc.getProgramLog(program)
             raise KernelCompileError(
                 f"NVRTC {'.'.join(map(str, nvrtc_version()))} failed to compile {variant.label} for "
-                f"{arch_name(cc)} ({error}):\n{log}"
+                f"{target_name(variant, cc)} ({error}):\n{log}"
             ) from None
         if ptx_only:
             ptx = nvrtc.getPTX(program)
@@ -110,7 +118,7 @@ def cache_key(variant: Variant, cc) -> str:
     digest.update(kernel_source(variant.source_file).encode())
     digest.update("\0".join(nvrtc_options(variant, cc)).encode())
     digest.update(repr(nvrtc_version()).encode())
-    return f"{variant.kernel}-{arch_name(cc)}-{digest.hexdigest()[:24]}"
+    return f"{variant.kernel}-{target_name(variant, cc)}-{digest.hexdigest()[:24]}"
 
 
 def cubin_path(variant: Variant, cc) -> Path:

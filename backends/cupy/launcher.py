@@ -14,6 +14,7 @@ given explicitly: no context managers, no numpy scalars made, no argument conver
 
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 
@@ -173,8 +174,25 @@ _DEFAULT_DYNAMIC_SMEM = 48 * 1024
 _STREAMS_LIMIT = 256
 
 
+@functools.lru_cache(maxsize=1)
+def _struct_maker():
+    try:
+        from cupy._core._scalar import CScalar  # CuPy >= 14: holds the bytes, converted once
+    except Exception:
+        return lambda value: value  # older CuPy converts the structured scalar at the launch
+    return CScalar
+
+
 class CupyLauncher:
     """Compiles (through the disk cache), loads and launches variants; one instance per process."""
+
+    # Kernel arguments may be tensor maps (structured numpy scalars passed by value, see tensor_maps.py).
+    tensor_maps = True
+
+    @staticmethod
+    def struct_value(value):
+        """A structured numpy scalar (a tensor map) as CuPy's launch takes it."""
+        return _struct_maker()(value)
 
     def __init__(self):
         self._kernels = {}   # (variant, device index) -> cupy.RawKernel

@@ -19,6 +19,8 @@ import dataclasses
 import functools
 import math
 import operator
+import os
+from typing import Optional
 
 import torch
 
@@ -26,7 +28,7 @@ from mhattn.errors import BackendUnavailableError
 
 from mhattn.backends import layouts
 from mhattn.backends.base import AttentionParams
-from mhattn.backends.cupy import variants
+from mhattn.backends.cupy import tensor_maps, variants
 from mhattn.backends.cupy.launcher import ArgumentTemplate, f32, i32, i64, ptr, slot, u32
 from mhattn.caches import put_bounded
 from mhattn import dropout_rng
@@ -218,11 +220,73 @@ def _copied(tensors, copies) -> list:
 
 class _ForwardPlan:
     __slots__ = ("d", "tiles", "out_shape", "out_stride", "lse_shape", "no_keys", "copies", "bool_mask", "dropout",
-                 "float_mask", "launch")
+                 "float_mask", "maps", "launch")
 
 
 def _forward_tiles(d):
-    return variants.FWD_TILES.get(d), variants.FWD_TILES_BOUNDED.get(d)
+    return variants.FWD_TILES.get(d), variants.FWD_TILES_BOUNDED.get(d), variants.HOPPER_FWD_TILES.get(d)
+
+
+# ---- the Hopper family ------------------------------------------------------------------------------------------
+# The forward runs the Hopper kernel (kernels/hopper_fwd.cu) on an sm_90 GPU for the problems it covers, through a
+# launcher that passes tensor maps (CupyLauncher); MHATTN_CUPY_HOPPER=0 (read at import; HOPPER_ENABLED at run
+# time) keeps the mma.sync kernels everywhere.
+HOPPER_ENV = "MHATTN_CUPY_HOPPER"
+HOPPER_ENABLED = os.environ.get(HOPPER_ENV, "1").strip().lower() not in ("0", "false", "no", "off", "never")
+
+
+def hopper_refusal(cc, dtype, head_dim: int, head_dim_v: int, bool_mask: bool, dropout: bool, softcap: bool,
+                   float_mask: bool) -> Optional[str]:
+    """Why the Hopper forward does not run a problem (None: it does, where the tensors can be mapped)."""
+    if not HOPPER_ENABLED:
+        return f"{HOPPER_ENV}=0"
+    if tuple(cc or ()) != variants.HOPPER_CC:
+        return "not an sm_90 GPU"
+    if dtype not in _DTYPE_NAMES:
+        return f"dtype {dtype}"
+    if head_dim != head_dim_v or head_dim not in variants.HOPPER_HEAD_DIMS:
+        return f"head dims {head_dim}/{head_dim_v} (equal, one of {variants.HOPPER_HEAD_DIMS})"
+    if bool_mask or dropout or softcap or float_mask:
+        return "a mask, dropout or softcap"
+    return None
+
+
+def hopper_problem_refusal(problem) -> Optional[str]:
+    """:func:`hopper_refusal` of a dispatcher Problem (no tensors: their alignment is not known there)."""
+    features = problem.features
+    return hopper_refusal(problem.compute_capability, problem.dtype, problem.head_dim, problem.head_dim_v,
+                          "bool_mask" in features, "dropout" in features, "softcap" in features,
+                          "float_mask" in features)
+
+
+def _hopper_call_refusal(launcher, cc, q, k, v, params: AttentionParams) -> Optional[str]:
+    if not getattr(launcher, "tensor_maps", False):
+        return "a launcher without tensor maps"
+    mask = params.mask
+    reason = hopper_refusal(cc, q.dtype, q.shape[-1], v.shape[-1], mask is not None and mask.dtype == torch.bool,
+                            params.dropout_p > 0, params.softcap is not None,
+                            mask is not None and mask.dtype != torch.bool)
+    if reason is None:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            why = tensor_maps.why_not_mappable(t)
+            if why:
+                return f"{name}: {why}"
+    return reason
+
+
+def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params: AttentionParams, device) -> None:
+    """The plan's launch through kernels/hopper_fwd.cu; its pointer tuple is (q map, k map, v map, out, lse)."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    variant = variants.hopper_fwd_variant(_DTYPE_NAMES[q.dtype], head_dim)
+    block_m, block_n = 64 * variant.define("CONSUMERS"), variant.define("BLOCK_N")
+    wrap = getattr(launcher, "struct_value", None)
+    plan.maps = (tensor_maps.RowMaps(q, block_m, wrap), tensor_maps.RowMaps(k, block_n, wrap),
+                 tensor_maps.RowMaps(v, block_n, wrap))
+    args = [slot(0), slot(1), slot(2), slot(3), slot(4)] + _strides(out)
+    args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), f32(params.scale * LOG2E)]
+    args += _feature_args(params, _FWD)[:3]  # diag_offset, window_left, window_right
+    plan.launch = _prepared(launcher, variant, (cdiv(seqlen_q, block_m), heads_q, batch), args, device, cc)
 
 
 def forward(launcher, cc, q, k, v, params: AttentionParams):
@@ -230,7 +294,8 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
     device = q.device
     mask = params.mask
     key = (launcher, cc, device, q.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
-           q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, _params_signature(params), _mask_signature(mask))
+           q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, _params_signature(params), _mask_signature(mask),
+           HOPPER_ENABLED)
     plan = _forward_plans.get(key)
     if plan is None or (plan.tiles is not None and plan.tiles != _forward_tiles(plan.d)):
         plan = _forward_plans.put(key, _forward_plan(launcher, cc, q, k, v, params, device))
@@ -241,6 +306,10 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
         lse.fill_(float("nan"))
     if plan.launch is None:
         return (out.zero_(), lse.fill_(float("-inf"))) if plan.no_keys else (out, lse)
+    if plan.maps is not None:
+        q_map, k_map, v_map = plan.maps
+        plan.launch((q_map(q.data_ptr()), k_map(k.data_ptr()), v_map(v.data_ptr()), out.data_ptr(), lse.data_ptr()))
+        return out, lse
     if plan.copies:
         q, k, v = _copied((q, k, v), plan.copies)
     seed = _seed(params, device) if plan.dropout else None
@@ -257,9 +326,14 @@ def _forward_plan(launcher, cc, q, k, v, params: AttentionParams, device) -> _Fo
     plan = _ForwardPlan()
     out = layouts.output_buffer(q, v)
     plan.out_shape, plan.out_stride, plan.lse_shape = tuple(out.shape), out.stride(), (batch, heads_q, seqlen_q)
-    plan.d = plan.tiles = plan.launch = plan.copies = None
+    plan.d = plan.tiles = plan.launch = plan.copies = plan.maps = None
     plan.no_keys = seqlen_k == 0 and out.numel() != 0  # an empty output is returned as it is
     if out.numel() == 0 or seqlen_k == 0:
+        return plan
+    if _hopper_call_refusal(launcher, cc, q, k, v, params) is None:
+        plan.d = head_dim
+        plan.tiles = _forward_tiles(head_dim)
+        _hopper_forward_plan(plan, launcher, cc, q, k, v, out, params, device)
         return plan
     features = feature_flags(params, head_dim, head_dim_v)
     any_rows = "ANY_DIMS" in features

@@ -138,6 +138,26 @@ DQ_TILES = {
 }
 
 
+# The Hopper family (kernels/hopper_*.cu, compiled for sm_90a, run on compute capability 9.0 only): TMA loads into
+# 128-byte swizzled tiles, wgmma, a producer warpgroup and CONSUMERS warpgroups of 64 query rows each. Head dims
+# in whole 64-column chunks; the others take the mma.sync kernels.
+HOPPER_CC = (9, 0)
+HOPPER_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class HopperFwdTiles:
+    block_n: int      # keys per step (64 or 128)
+    stages: int       # K and V slots each in the shared-memory ring
+    consumers: int    # consumer warpgroups (64 query rows each): BLOCK_M = 64 * consumers
+
+
+HOPPER_FWD_TILES = {
+    64: HopperFwdTiles(128, 3, 2),
+    128: HopperFwdTiles(128, 2, 2),
+    256: HopperFwdTiles(64, 2, 2),
+}
+
 # A tuning override, read once at import: MHATTN_CUPY_TILES='{"fwd": {"128": [128, 32, 4, false]}, ...}'
 # with tables "fwd", "fwd_bounded", "dkdv", "dkdv_atomic", "dq" and the fields of each tiles class in order.
 TILES_ENV = "MHATTN_CUPY_TILES"
@@ -155,7 +175,7 @@ def dkdv_tiles_from_fields(*fields) -> object:
 def _apply_tile_override(text: str) -> None:
     tables = {"fwd": (FWD_TILES, FwdTiles), "fwd_bounded": (FWD_TILES_BOUNDED, FwdTiles),
               "dkdv": (DKDV_TILES, dkdv_tiles_from_fields), "dkdv_atomic": (DKDV_ATOMIC_TILES, dkdv_tiles_from_fields),
-              "dq": (DQ_TILES, DqTiles)}
+              "dq": (DQ_TILES, DqTiles), "hopper_fwd": (HOPPER_FWD_TILES, HopperFwdTiles)}
     try:
         entries = json.loads(text)
         for name, per_dim in entries.items():
@@ -246,10 +266,13 @@ def dq_tiles(cc, d: int) -> DqTiles:
 class Variant:
     """One kernel compiled with one set of -D options."""
 
-    kernel: str          # fwd | bwd_preprocess | bwd_dkdv | bwd_dkdv_2d | bwd_dq  (source kernels/<kernel>.cu)
+    kernel: str          # fwd | bwd_preprocess | bwd_dkdv | bwd_dkdv_2d | bwd_dq | hopper_fwd  (kernels/<kernel>.cu)
     defines: tuple       # ((name, value), ...) in a fixed order
     num_threads: int
     smem_bytes: int      # dynamic shared memory per CTA
+    # Architecture features beyond the compute capability: "a" compiles for the architecture-specific target
+    # (sm_90a: wgmma, setmaxnreg), whose code runs only on that exact compute capability.
+    arch_features: str = ""
 
     @property
     def source_file(self) -> str:
@@ -264,7 +287,8 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return f"{self.kernel}[" + " ".join(f"{k}={v}" for k, v in self.defines) + "]"
+        return f"{self.kernel}{self.arch_features and '@' + self.arch_features}[" + " ".join(
+            f"{k}={v}" for k, v in self.defines) + "]"
 
 
 def _common_defines(dtype_name: str, d: int, level: str) -> list:
@@ -366,6 +390,31 @@ def kernel_variants(cc, dtype_name: str, d: int, level: str, features=()) -> lis
     return out
 
 
+def hopper_fwd_smem(tiles: HopperFwdTiles, d: int) -> int:
+    """kernels/hopper_fwd.cu's layout: Q, the K and V slots, the barriers, and 1024 bytes to align the base."""
+    return 1024 + (64 * tiles.consumers + 2 * tiles.stages * tiles.block_n) * d * 2 + 8 * (1 + 4 * tiles.stages)
+
+
+def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) -> Variant:
+    if dtype_name not in DTYPE_NAMES:
+        raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
+    if d not in HOPPER_HEAD_DIMS:
+        raise ValueError(f"head dim: the Hopper forward takes {HOPPER_HEAD_DIMS}, got {d}")
+    tiles = tiles or HOPPER_FWD_TILES[d]
+    smem = hopper_fwd_smem(tiles, d)
+    if smem > smem_limit(HOPPER_CC):
+        raise ValueError(f"tiles {tiles} at head dim {d} need {smem} bytes of shared memory, more than "
+                         f"{smem_limit(HOPPER_CC)}")
+    defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("BLOCK_N", tiles.block_n),
+               ("STAGES", tiles.stages), ("CONSUMERS", tiles.consumers), ("SMEM_BYTES", smem))
+    return Variant("hopper_fwd", defines, 128 * (1 + tiles.consumers), smem, arch_features="a")
+
+
+def hopper_variants() -> list:
+    """Every variant of the Hopper family (what ``mhattn build --arch sm_90a`` compiles)."""
+    return [hopper_fwd_variant(dtype, d) for dtype in DTYPE_NAMES for d in HOPPER_HEAD_DIMS]
+
+
 def all_variants(cc, features: bool = True) -> list:
     """Every variant a GPU of compute capability ``cc`` may launch (what ``mhattn build`` compiles); with
     ``features=False`` only those without feature flags."""
@@ -381,6 +430,14 @@ def all_variants(cc, features: bool = True) -> list:
                 for flags in FEATURE_SETS:
                     out.extend(kernel_variants(cc, dtype, d, "full", features=flags))
     return out
+
+
+def parse_target(arch: str) -> tuple:
+    """('sm_90a' / 'sm90a' / ...) -> ((9, 0), "a"); names without features -> (cc, "")."""
+    text = arch.strip().lower()
+    if text.endswith("a"):
+        return parse_arch(text[:-1]), "a"
+    return parse_arch(text), ""
 
 
 def parse_arch(arch: str) -> tuple:

@@ -1,0 +1,317 @@
+// FlashAttention forward for Hopper (sm_90a): TMA loads, wgmma, a producer warpgroup and consumer warpgroups.
+//
+// A CTA computes BLOCK_M = 64 * CONSUMERS query rows of one (batch, head) with 1 + CONSUMERS warpgroups:
+//   warpgroup 0, the producer: one thread issues the TMA copies, Q once, then K and V of each key block into
+//     rings of STAGES slots; a slot is loaded again once every consumer warp has released it;
+//   warpgroups 1..CONSUMERS, the consumers: 64 query rows each. Per key block: S = Q K^T (wgmma, both operands
+//     in shared memory), online softmax in registers, O += P V (wgmma, P from registers). S of the next key
+//     block is issued before P V of this one, so the softmax of a block runs while the tensor cores multiply.
+// The producer gives registers back (setmaxnreg) so the consumers can hold S, P and O at once.
+//
+// Q, K, V are read through tensor maps over (column, row, head, batch) (innermost first; hopper_tensor_maps.py),
+// boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows with the 128-byte swizzle: rows past a head's sequence
+// end read as zeros. Out: O (B, Hq, Nq, D) with the caller's strides; lse (B, Hq, Nq) float32, natural log, -inf
+// for a row that sees no key (whose output is 0). Masking: the causal / sliding-window band of common.cuh's
+// Bounds (unbounded sides as 2^30) and the keys past seqlen_k, tested per element only in the key blocks that
+// cut them.
+//
+// -D options: MHATTN_BF16, HEAD_DIM (64, 128, 256: whole 64-column chunks), BLOCK_N (64 or 128), STAGES,
+// CONSUMERS (2), SMEM_BYTES (dynamic shared memory the host gives; checked against the layout below).
+#define NUM_WARPS (4 * (CONSUMERS + 1))
+#include "common.cuh"
+#include "hopper.cuh"
+
+constexpr int BLOCK_M = 64 * CONSUMERS;
+constexpr int D_CHUNKS = HEAD_DIM / 64;        // 64-column chunks of a row (one 128-byte swizzled tile each)
+constexpr int S_REGS = BLOCK_N / 2;            // score accumulators per thread (64 rows x BLOCK_N per warpgroup)
+constexpr int O_REGS = HEAD_DIM / 2;           // output accumulators per thread
+constexpr int P_STEPS = BLOCK_N / 16;          // k16 steps of P V
+constexpr u32 ROW_BYTES = 128;                 // one row of a column chunk
+constexpr u32 Q_CHUNK_BYTES = BLOCK_M * ROW_BYTES;
+constexpr u32 KV_CHUNK_BYTES = BLOCK_N * ROW_BYTES;
+constexpr u32 Q_BYTES = Q_CHUNK_BYTES * D_CHUNKS;
+constexpr u32 KV_BYTES = KV_CHUNK_BYTES * D_CHUNKS;  // one K or V slot
+constexpr u32 SWIZZLE_ATOM = 1024;             // 8 rows of 128 bytes: the tiles' alignment and wgmma's row-group stride
+// Shared memory from a 1024-byte aligned base: Q, the K slots, the V slots, then the barriers.
+constexpr u32 K_OFFSET = Q_BYTES;
+constexpr u32 V_OFFSET = K_OFFSET + STAGES * KV_BYTES;
+constexpr u32 BAR_OFFSET = V_OFFSET + STAGES * KV_BYTES;
+constexpr u32 BAR_COUNT = 1 + 4 * STAGES;      // q_full; k_full, v_full, k_empty, v_empty per slot
+constexpr u32 LAYOUT_BYTES = BAR_OFFSET + 8 * BAR_COUNT + SWIZZLE_ATOM;  // + the worst-case alignment shift
+constexpr u32 CONSUMER_WARPS = 4 * CONSUMERS;  // each releases a slot once
+// Register budgets (setmaxnreg): 128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536.
+constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 24;
+constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 232 : 160;
+constexpr float LN2 = 0.6931471805599453f;
+static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be whole 64-column chunks");
+static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N must be 64 or 128 (the wgmma_ss overloads)");
+static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
+static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory than the layout needs");
+static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536, "register budgets exceed the file");
+
+// The ring slots' barriers: full = the slot's copy landed; empty = every consumer warp is done with it.
+struct Slots {
+  u32 bars;  // address of k_full[0]
+  MHATTN_DEVICE u32 k_full(int s) const { return bars + 8u * s; }
+  MHATTN_DEVICE u32 v_full(int s) const { return bars + 8u * (STAGES + s); }
+  MHATTN_DEVICE u32 k_empty(int s) const { return bars + 8u * (2 * STAGES + s); }
+  MHATTN_DEVICE u32 v_empty(int s) const { return bars + 8u * (3 * STAGES + s); }
+};
+
+// The key blocks a CTA's query rows [m0, m0 + rows) may see: [first, first + count).
+struct KeyBlocks {
+  int first, count;
+};
+MHATTN_DEVICE KeyBlocks key_blocks(int m0, int rows, int seqlen_k, const Bounds& bounds) {
+  const i64 lowest = (i64)m0 + bounds.diag_offset - bounds.left;               // first key of the first row
+  const i64 highest = (i64)(m0 + rows - 1) + bounds.diag_offset + bounds.right;  // last key of the last row
+  const i64 n_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
+  const i64 first = lowest <= 0 ? 0 : min_of<i64>(lowest / BLOCK_N, n_blocks);
+  const i64 end = highest < 0 ? 0 : min_of<i64>(highest / BLOCK_N + 1, n_blocks);
+  return {(int)first, (int)max_of<i64>(end - first, 0)};
+}
+
+// ---- the producer ----------------------------------------------------------------------------------------
+
+MHATTN_DEVICE void produce(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map, u32 s_q, u32 s_k,
+                           u32 s_v, u32 q_full, Slots slots, KeyBlocks blocks, int m0, int h, int hk, int b) {
+  mbar_arrive_expect_tx(q_full, Q_BYTES);
+#pragma unroll
+  for (int c = 0; c < D_CHUNKS; ++c) tma_load_4d(s_q + c * Q_CHUNK_BYTES, q_map, q_full, c * 64, m0, h, b);
+  for (int it = 0; it < blocks.count; ++it) {
+    const int s = it % STAGES;
+    const u32 parity = ((it / STAGES) & 1) ^ 1;  // the first round passes: the slots start empty
+    const int n0 = (blocks.first + it) * BLOCK_N;
+    mbar_wait(slots.k_empty(s), parity);
+    mbar_arrive_expect_tx(slots.k_full(s), KV_BYTES);
+#pragma unroll
+    for (int c = 0; c < D_CHUNKS; ++c)
+      tma_load_4d(s_k + s * KV_BYTES + c * KV_CHUNK_BYTES, k_map, slots.k_full(s), c * 64, n0, hk, b);
+    mbar_wait(slots.v_empty(s), parity);
+    mbar_arrive_expect_tx(slots.v_full(s), KV_BYTES);
+#pragma unroll
+    for (int c = 0; c < D_CHUNKS; ++c)
+      tma_load_4d(s_v + s * KV_BYTES + c * KV_CHUNK_BYTES, v_map, slots.v_full(s), c * 64, n0, hk, b);
+  }
+}
+
+// ---- the consumers' steps --------------------------------------------------------------------------------
+
+// Issues S = Q K^T for this warpgroup's 64 rows (s_q_rows: its first row in Q's first column chunk) and one K slot.
+MHATTN_DEVICE void issue_scores(float (&s)[S_REGS], u32 s_q_rows, u32 s_k_slot) {
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+    const u32 chunk = kk / 4, within = (kk % 4) * 32;  // k16 step kk: 32 bytes into a 128-byte row
+    const u64 a = smem_desc(s_q_rows + chunk * Q_CHUNK_BYTES + within, 16, SWIZZLE_ATOM);
+    const u64 bk = smem_desc(s_k_slot + chunk * KV_CHUNK_BYTES + within, 16, SWIZZLE_ATOM);
+    wgmma_ss(s, a, bk, kk > 0);
+  }
+}
+
+// Issues O += P V for one V slot (k16 step kk: keys 16kk.. of the slot, all HEAD_DIM columns).
+MHATTN_DEVICE void issue_pv(float (&o)[O_REGS], const u32 (&p)[P_STEPS][4], u32 s_v_slot) {
+#pragma unroll
+  for (int kk = 0; kk < P_STEPS; ++kk)
+    wgmma_rs(o, p[kk], smem_desc(s_v_slot + kk * 16 * ROW_BYTES, KV_CHUNK_BYTES, SWIZZLE_ATOM), 1);
+}
+
+// Hides the scores this thread holds that its rows may not see: keys past seqlen_k or outside the band. The
+// thread's rows are row0 and row0 + 8; score s[4i + 2r + e] is row row0 + 8r, key n0 + 8i + 2t + e.
+MHATTN_DEVICE void mask_scores(float (&s)[S_REGS], int row0, int n0, int t, int seqlen_k, const Bounds& bounds) {
+#pragma unroll
+  for (int i = 0; i < BLOCK_N / 8; ++i) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = n0 + 8 * i + 2 * t + e;
+        const i64 rel = (i64)j - (row0 + 8 * r) - bounds.diag_offset;
+        if (j >= seqlen_k || rel < -(i64)bounds.left || rel > (i64)bounds.right) s[4 * i + 2 * r + e] = -MHATTN_INF;
+      }
+    }
+  }
+}
+
+// Online softmax of one block of scores (in place: raw dot products in, unnormalised probabilities out) for
+// the thread's two rows; m (log2 units, scaled) and l (this thread's partial row sums) move on, alpha gets the
+// factor the output accumulators must be scaled by.
+MHATTN_DEVICE void online_softmax(float (&s)[S_REGS], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                  float scale_log2) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float top = -MHATTN_INF;
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / 8; ++i) top = fmaxf(top, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+    top = fmaxf(top, shfl_xor(top, 1));  // the four threads of a quad hold one row
+    top = fmaxf(top, shfl_xor(top, 2));
+    const float m_new = fmaxf(m[r], top * scale_log2);
+    const float base = m_new == -MHATTN_INF ? 0.f : m_new;  // a row with nothing visible yet stays at zero
+    alpha[r] = fast_exp2(m[r] - base);
+    m[r] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * i + 2 * r + e];
+        x = fast_exp2(fmaf(x, scale_log2, -base));
+        sum += x;
+      }
+    }
+    l[r] = l[r] * alpha[r] + sum;
+  }
+}
+
+// The probabilities as the A operand of P V: the m16n8k16 A fragment of k16 step kk is n8 tiles 2kk, 2kk + 1.
+MHATTN_DEVICE void pack_probabilities(u32 (&p)[P_STEPS][4], const float (&s)[S_REGS]) {
+#pragma unroll
+  for (int kk = 0; kk < P_STEPS; ++kk) {
+    const float* lo = s + 8 * kk;  // n8 tile 2kk
+    const float* hi = lo + 4;      // n8 tile 2kk + 1
+    p[kk][0] = pack2(lo[0], lo[1]);
+    p[kk][1] = pack2(lo[2], lo[3]);
+    p[kk][2] = pack2(hi[0], hi[1]);
+    p[kk][3] = pack2(hi[2], hi[3]);
+  }
+}
+
+MHATTN_DEVICE void rescale_output(float (&o)[O_REGS], const float (&alpha)[2]) {
+#pragma unroll
+  for (int i = 0; i < HEAD_DIM / 8; ++i) {
+    o[4 * i] *= alpha[0];
+    o[4 * i + 1] *= alpha[0];
+    o[4 * i + 2] *= alpha[1];
+    o[4 * i + 3] *= alpha[1];
+  }
+}
+
+// One arrival of this warp on a slot's empty barrier (the warp's wgmma that read the slot have completed).
+MHATTN_DEVICE void release_slot(u32 empty_bar, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar_arrive(empty_bar);
+}
+
+// O / l and lse for the thread's two rows (those below seqlen_q).
+MHATTN_DEVICE void store_rows(const float (&o)[O_REGS], const float (&m)[2], const float (&l)[2], elem_t* o_bh,
+                              float* lse_bh, i64 o_sn, int row0, int t, int seqlen_q) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = l[r] + shfl_xor(l[r], 1);
+    sum += shfl_xor(sum, 2);
+    const int row = row0 + 8 * r;
+    if (row >= seqlen_q) continue;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    elem_t* dst = o_bh + row * o_sn + 2 * t;
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 8; ++i)
+      *reinterpret_cast<u32*>(dst + 8 * i) = pack2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+    if (t == 0) lse_bh[row] = sum > 0.f ? (m[r] + fast_log2(sum)) * LN2 : -MHATTN_INF;
+  }
+}
+
+// ---- the kernel ------------------------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+    mhattn_hopper_fwd(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+                      const __grid_constant__ TensorMap v_map, elem_t* __restrict__ o, float* __restrict__ lse,
+                      i64 o_sb, i64 o_sh, i64 o_sn, int seqlen_q, int seqlen_k, int heads_q, int group,
+                      float scale_log2, int diag_offset, int window_left, int window_right) {
+  MHATTN_DYNAMIC_SMEM(smem);
+  const int tid = threadIdx.x;
+  // Heaviest query blocks first (under a causal mask the last ones see the most keys).
+  const int m_block = (int)(gridDim.x - 1 - blockIdx.x);
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const int m0 = m_block * BLOCK_M;
+  const Bounds bounds{diag_offset, window_left, window_right};
+  const KeyBlocks blocks = key_blocks(m0, min_of(BLOCK_M, seqlen_q - m0), seqlen_k, bounds);
+
+  const u32 base = (smem_u32(smem) + SWIZZLE_ATOM - 1) & ~(SWIZZLE_ATOM - 1);
+  const u32 s_q = base, s_k = base + K_OFFSET, s_v = base + V_OFFSET, q_full = base + BAR_OFFSET;
+  const Slots slots{q_full + 8};
+  if (tid == 0) {
+    mbar_init(q_full, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(slots.k_full(s), 1);
+      mbar_init(slots.v_full(s), 1);
+      mbar_init(slots.k_empty(s), CONSUMER_WARPS);
+      mbar_init(slots.v_empty(s), CONSUMER_WARPS);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int wg = tid / 128;
+  if (wg == 0) {
+    release_registers<PRODUCER_REGS>();
+    if (tid == 0 && blocks.count > 0) produce(&q_map, &k_map, &v_map, s_q, s_k, s_v, q_full, slots, blocks, m0, h, hk, b);
+    return;
+  }
+  claim_registers<CONSUMER_REGS>();
+
+  const int lane = tid & 31, warp = (tid & 127) >> 5, t = lane & 3;
+  const int wg_row0 = m0 + (wg - 1) * 64;              // this warpgroup's first query row
+  const int row0 = wg_row0 + warp * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
+  const u32 s_q_rows = s_q + (wg - 1) * 64 * ROW_BYTES;
+  float o_acc[O_REGS];
+#pragma unroll
+  for (int i = 0; i < O_REGS; ++i) o_acc[i] = 0.f;
+  float m[2] = {-MHATTN_INF, -MHATTN_INF}, l[2] = {0.f, 0.f}, alpha[2];
+  float s_acc[S_REGS];
+  u32 p[P_STEPS][4];
+
+  // Whether key block n0 needs per-element masking for this warpgroup's rows.
+  auto cuts = [&](int n0) {
+    return n0 + BLOCK_N > seqlen_k || !bounds.block_inside(wg_row0, wg_row0 + 63, n0, n0 + BLOCK_N - 1);
+  };
+
+  if (blocks.count > 0) {
+    mbar_wait(q_full, 0);
+    // The first block: scores, softmax, nothing to multiply yet.
+    mbar_wait(slots.k_full(0), 0);
+    wgmma_fence();
+    issue_scores(s_acc, s_q_rows, s_k);
+    wgmma_commit();
+    wgmma_wait<0>();
+    touch_registers(s_acc);
+    release_slot(slots.k_empty(0), lane);
+    int n0 = blocks.first * BLOCK_N;
+    if (cuts(n0)) mask_scores(s_acc, row0, n0, t, seqlen_k, bounds);
+    online_softmax(s_acc, m, l, alpha, scale_log2);
+    pack_probabilities(p, s_acc);
+
+    for (int it = 1; it < blocks.count; ++it) {
+      const int s = it % STAGES, prev = (it - 1) % STAGES;
+      const u32 parity = (it / STAGES) & 1, prev_parity = ((it - 1) / STAGES) & 1;
+      // S of this block and P V of the previous one in flight together; the softmax waits only for S.
+      mbar_wait(slots.k_full(s), parity);
+      wgmma_fence();
+      issue_scores(s_acc, s_q_rows, s_k + s * KV_BYTES);
+      wgmma_commit();
+      mbar_wait(slots.v_full(prev), prev_parity);
+      issue_pv(o_acc, p, s_v + prev * KV_BYTES);
+      wgmma_commit();
+      wgmma_wait<1>();
+      touch_registers(s_acc);
+      release_slot(slots.k_empty(s), lane);
+      n0 = (blocks.first + it) * BLOCK_N;
+      if (cuts(n0)) mask_scores(s_acc, row0, n0, t, seqlen_k, bounds);
+      online_softmax(s_acc, m, l, alpha, scale_log2);
+      wgmma_wait<0>();
+      touch_registers(o_acc);
+      release_slot(slots.v_empty(prev), lane);
+      rescale_output(o_acc, alpha);
+      pack_probabilities(p, s_acc);
+    }
+    // P V of the last block.
+    const int last = (blocks.count - 1) % STAGES;
+    mbar_wait(slots.v_full(last), ((blocks.count - 1) / STAGES) & 1);
+    wgmma_fence();
+    issue_pv(o_acc, p, s_v + last * KV_BYTES);
+    wgmma_commit();
+    wgmma_wait<0>();
+    touch_registers(o_acc);
+    release_slot(slots.v_empty(last), lane);
+  }
+  const i64 bh = (i64)b * heads_q + h;
+  store_rows(o_acc, m, l, o + b * o_sb + h * o_sh, lse + bh * seqlen_q, o_sn, row0, t, seqlen_q);
+}

@@ -1,0 +1,153 @@
+"""GPU check of the CUDA backend's Hopper forward (backends/cupy/kernels/hopper_fwd.cu) on an sm_90 GPU:
+
+    source benchmarks/device_env.sh && cd /tmp && python3 $OLDPWD/benchmarks/check_cupy_hopper.py \
+        [--dtype bf16|fp16] [--head-dim 64,128,256] [--seqlen 1024,4096,16384] [--timing-only]
+
+1. ``mhattn.attention(..., backend="cupy", return_lse=True)`` on ragged shapes (fp16 and bf16; GQA; Nq > Nk and
+   Nq < Nk; one key; one query; causal top-left and bottom-right; a sliding window; rows that see no key; a
+   (B, N, H, D) memory layout) against a float64 reference, outputs poisoned with NaN: every case must run the
+   Hopper forward (checked through the plan) and be within a few units in the last place; prints the failures;
+2. the protocol's shapes (B * N = 16384, H = 2048 / d; causal and not), forward TFLOP/s from do_bench medians:
+   sdpa-cudnn, sdpa-flash, the cupy backend with the Hopper forward and with the mma.sync forward
+   (``ops.HOPPER_ENABLED = False``), all in the same run. The table is printed last.
+"""
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import mhattn
+from mhattn.backends.cupy import ops, variants
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# (B, Hq, Hkv, Nq, Nk) of the correctness pass.
+RAGGED_SHAPES = ((2, 4, 4, 300, 517), (1, 8, 2, 1000, 1000), (2, 2, 1, 129, 64), (1, 2, 2, 64, 1), (1, 2, 2, 1, 300),
+                 (1, 3, 3, 1500, 700))
+# (is_causal, window, bottom_right) of the correctness pass: window = (left, right) about the diagonal (None: an
+# unbounded side), bottom_right = the causal_lower_right mask (diagonal offset Nk - Nq).
+MASKINGS = ((False, None, False), (True, None, False), (True, None, True), (False, (100, 0), False),
+            (False, (37, 50), False), (True, (64, None), True))
+
+
+def reference(q, k, v, causal, window, diag_offset):
+    """(out, lse) in float64; rows that see no key give out 0 and lse -inf."""
+    group = q.shape[1] // k.shape[1]
+    kd, vd = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ kd.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    rel = (torch.arange(k.shape[2], device=q.device)[None] - torch.arange(q.shape[2], device=q.device)[:, None]
+           - diag_offset)
+    hidden = torch.zeros_like(rel, dtype=torch.bool)
+    if causal:
+        hidden |= rel > 0
+    if window is not None and window[0] is not None:
+        hidden |= rel < -window[0]
+    if window is not None and window[1] is not None:
+        hidden |= rel > window[1]
+    scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ vd, torch.logsumexp(scores, -1)
+
+
+def run_cupy(q, k, v, causal, window, bottom_right):
+    from torch.nn.attention.bias import causal_lower_right
+
+    kwargs = {} if window is None else {"window": tuple(-1 if side is None else side for side in window)}
+    if causal and bottom_right:
+        return mhattn.attention(q, k, v, causal_lower_right(q.shape[2], k.shape[2]), enable_gqa=True,
+                                return_lse=True, backend="cupy", **kwargs)
+    return mhattn.attention(q, k, v, is_causal=causal, enable_gqa=True, return_lse=True, backend="cupy", **kwargs)
+
+
+def make(layout, batch, heads, seqlen, head_dim, dtype):
+    """A random (B, H, N, D) tensor with (B, H, N, D) or (B, N, H, D) memory."""
+    if layout == "bnhd":
+        return torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype).transpose(1, 2)
+    return torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype)
+
+
+def last_plan_is_hopper() -> bool:
+    plan = next(reversed(ops._forward_plans.values()))
+    return plan.maps is not None
+
+
+def correctness(head_dims) -> int:
+    torch.manual_seed(0)
+    ops.POISON_OUTPUTS = True
+    failures = cases = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_dim in head_dims:
+            for batch, heads_q, heads_kv, seqlen_q, seqlen_k in RAGGED_SHAPES:
+                for causal, window, bottom_right in MASKINGS:
+                    for layout in ("bhnd", "bnhd"):
+                        if layout == "bnhd" and (seqlen_q < 100 or causal):
+                            continue
+                        q, k, v = (make(layout, batch, h, n, head_dim, dtype)
+                                   for h, n in ((heads_q, seqlen_q), (heads_kv, seqlen_k), (heads_kv, seqlen_k)))
+                        diag_offset = seqlen_k - seqlen_q if bottom_right else 0
+                        out, lse = run_cupy(q, k, v, causal, window, bottom_right)
+                        hopper = last_plan_is_hopper()
+                        ref_out, ref_lse = reference(q.double(), k.double(), v.double(), causal, window, diag_offset)
+                        out_err = (out.double() - ref_out).abs().max().item()
+                        seen = torch.isfinite(ref_lse)
+                        lse_err = (lse[seen].double() - ref_lse[seen]).abs().max().item() if seen.any() else 0.0
+                        empty_ok = bool((lse[~seen] == float("-inf")).all() and (out[~seen] == 0).all())
+                        bound = 2e-2 if dtype == torch.bfloat16 else 4e-3
+                        cases += 1
+                        ok = hopper and out_err < bound and lse_err < 1e-3 and empty_ok and not torch.isnan(out).any()
+                        if not ok:
+                            failures += 1
+                            print(f"FAIL {dtype} d={head_dim} {layout} q{tuple(q.shape)} k{tuple(k.shape)} causal={causal} "
+                                  f"window={window} bottom_right={bottom_right}: hopper={hopper} out err {out_err:.3g}, "
+                                  f"lse err {lse_err:.3g}, empty rows ok {empty_ok}", flush=True)
+    ops.POISON_OUTPUTS = False
+    print(f"Hopper forward correctness: {failures} failures in {cases} cases", flush=True)
+    return failures
+
+
+def timing(dtype, head_dims, seqlens):
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
+    rows = []
+    for head_dim in head_dims:
+        for seqlen in seqlens:
+            for causal in (False, True):
+                batch, heads = 16384 // seqlen, 2048 // head_dim
+                q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+                flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+                times = []
+                for peer in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+                    with sdpa_kernel(peer):
+                        times.append(bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
+                cupy = lambda: mhattn.attention(q, k, v, is_causal=causal, backend="cupy")  # noqa: E731
+                times.append(bench(cupy))
+                ops.HOPPER_ENABLED = False
+                times.append(bench(cupy))
+                ops.HOPPER_ENABLED = True
+                rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in times)))
+                print(rows[-1], flush=True)
+    print(f"\n{str(dtype).replace('torch.', '')} forward, TFLOP/s (same run)\n")
+    print("| d | N | causal | sdpa-cudnn | sdpa-flash | cupy Hopper | cupy mma.sync | Hopper/cuDNN | Hopper/flash |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for d, n, causal, cudnn, flash, hopper, mma in rows:
+        print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {flash:.0f} | {hopper:.0f} | {mma:.0f} | "
+              f"{hopper / cudnn:.2f} | {hopper / flash:.2f} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="of the timing table")
+    parser.add_argument("--seqlen", default="1024,4096,16384", help="comma-separated sequence lengths to time")
+    parser.add_argument("--head-dim", default="64,128,256", help="comma-separated head dims")
+    parser.add_argument("--timing-only", action="store_true")
+    args = parser.parse_args()
+    head_dims = [int(d) for d in args.head_dim.split(",") if int(d) in variants.HOPPER_HEAD_DIMS]
+    print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
+    if not args.timing_only:
+        correctness(head_dims)
+    timing(DTYPES[args.dtype], head_dims, [int(n) for n in args.seqlen.split(",")])
+
+
+if __name__ == "__main__":
+    main()
