@@ -1,7 +1,7 @@
 """GPU check of the CUDA backend's Hopper forward (backends/cupy/kernels/hopper_fwd.cu) on an sm_90 GPU:
 
     source benchmarks/device_env.sh && cd /tmp && python3 $OLDPWD/benchmarks/check_cupy_hopper.py \
-        [--dtype bf16|fp16] [--head-dim 64,128,256] [--seqlen 1024,4096,16384] [--timing-only]
+        [--dtype bf16|fp16] [--head-dim 64,128,256] [--seqlen 1024,4096,16384] [--timing-only] [--sweep]
 
 1. ``mhattn.attention(..., backend="cupy", return_lse=True)`` on ragged shapes (fp16 and bf16; GQA; Nq > Nk and
    Nq < Nk; one key; one query; causal top-left and bottom-right; a sliding window; rows that see no key; a
@@ -10,6 +10,9 @@
 2. the protocol's shapes (B * N = 16384, H = 2048 / d; causal and not), forward TFLOP/s from do_bench medians:
    sdpa-cudnn, sdpa-flash, the cupy backend with the Hopper forward and with the mma.sync forward
    (``ops.HOPPER_ENABLED = False``), all in the same run. The table is printed last.
+
+``--sweep``: instead of 2., each tile candidate of SWEEP (set in variants.HOPPER_FWD_TILES at run time) is checked
+(1. in bf16) and timed at the protocol's shapes beside sdpa-cudnn.
 """
 
 import argparse
@@ -31,6 +34,12 @@ RAGGED_SHAPES = ((2, 4, 4, 300, 517), (1, 8, 2, 1000, 1000), (2, 2, 1, 129, 64),
 # unbounded side), bottom_right = the causal_lower_right mask (diagonal offset Nk - Nq).
 MASKINGS = ((False, None, False), (True, None, False), (True, None, True), (False, (100, 0), False),
             (False, (37, 50), False), (True, (64, None), True))
+
+
+# Tile candidates of --sweep per head dim: HopperFwdTiles fields (block_n, stages, consumers, pingpong).
+SWEEP = {64: ((128, 3, 2, True), (128, 3, 2, False), (128, 2, 3, False)),
+         128: ((128, 2, 2, True), (128, 2, 2, False)),
+         256: ((64, 2, 2, True), (64, 2, 2, False))}
 
 
 def reference(q, k, v, causal, window, diag_offset):
@@ -73,11 +82,11 @@ def last_plan_is_hopper() -> bool:
     return plan.maps is not None
 
 
-def correctness(head_dims) -> int:
+def correctness(head_dims, dtypes=(torch.bfloat16, torch.float16)) -> int:
     torch.manual_seed(0)
     ops.POISON_OUTPUTS = True
     failures = cases = 0
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in dtypes:
         for head_dim in head_dims:
             for batch, heads_q, heads_kv, seqlen_q, seqlen_k in RAGGED_SHAPES:
                 for causal, window, bottom_right in MASKINGS:
@@ -135,18 +144,51 @@ def timing(dtype, head_dims, seqlens):
               f"{hopper / cudnn:.2f} | {hopper / flash:.2f} |")
 
 
+def sweep(dtype, head_dims, seqlens):
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
+    rows = []
+    for head_dim in head_dims:
+        default = variants.HOPPER_FWD_TILES[head_dim]
+        for fields in SWEEP[head_dim]:
+            variants.HOPPER_FWD_TILES[head_dim] = variants.HopperFwdTiles(*fields)
+            failures = correctness([head_dim], (torch.bfloat16,))
+            for seqlen in seqlens:
+                for causal in (False, True):
+                    batch, heads = 16384 // seqlen, 2048 // head_dim
+                    q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype)
+                               for _ in range(3))
+                    flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        cudnn = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+                    hopper = bench(lambda: mhattn.attention(q, k, v, is_causal=causal, backend="cupy"))
+                    rows.append((head_dim, fields, failures, seqlen, causal, flops / cudnn / 1e9, flops / hopper / 1e9))
+                    print(rows[-1], flush=True)
+        variants.HOPPER_FWD_TILES[head_dim] = default
+    print(f"\n{str(dtype).replace('torch.', '')} forward sweep, TFLOP/s (same run)\n")
+    print("| d | tiles (block_n, stages, consumers, pingpong) | failures | N | causal | sdpa-cudnn | cupy Hopper | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for d, fields, failures, n, causal, cudnn, hopper in rows:
+        print(f"| {d} | {fields} | {failures} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {hopper:.0f} | "
+              f"{hopper / cudnn:.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="of the timing table")
     parser.add_argument("--seqlen", default="1024,4096,16384", help="comma-separated sequence lengths to time")
     parser.add_argument("--head-dim", default="64,128,256", help="comma-separated head dims")
     parser.add_argument("--timing-only", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time the tile candidates of SWEEP instead")
     args = parser.parse_args()
     head_dims = [int(d) for d in args.head_dim.split(",") if int(d) in variants.HOPPER_HEAD_DIMS]
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
+    seqlens = [int(n) for n in args.seqlen.split(",")]
+    if args.sweep:
+        sweep(DTYPES[args.dtype], head_dims, seqlens)
+        return
     if not args.timing_only:
         correctness(head_dims)
-    timing(DTYPES[args.dtype], head_dims, [int(n) for n in args.seqlen.split(",")])
+    timing(DTYPES[args.dtype], head_dims, seqlens)
 
 
 if __name__ == "__main__":

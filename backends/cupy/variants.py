@@ -150,12 +150,13 @@ class HopperFwdTiles:
     block_n: int      # keys per step (64 or 128)
     stages: int       # K and V slots each in the shared-memory ring
     consumers: int    # consumer warpgroups (64 query rows each): BLOCK_M = 64 * consumers
+    pingpong: bool    # two consumers take turns to issue their products (kernels/hopper_fwd.cu)
 
 
 HOPPER_FWD_TILES = {
-    64: HopperFwdTiles(128, 3, 2),
-    128: HopperFwdTiles(128, 2, 2),
-    256: HopperFwdTiles(64, 2, 2),
+    64: HopperFwdTiles(128, 3, 2, True),
+    128: HopperFwdTiles(128, 2, 2, True),
+    256: HopperFwdTiles(64, 2, 2, True),
 }
 
 # A tuning override, read once at import: MHATTN_CUPY_TILES='{"fwd": {"128": [128, 32, 4, false]}, ...}'
@@ -406,7 +407,8 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) ->
         raise ValueError(f"tiles {tiles} at head dim {d} need {smem} bytes of shared memory, more than "
                          f"{smem_limit(HOPPER_CC)}")
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("BLOCK_N", tiles.block_n),
-               ("STAGES", tiles.stages), ("CONSUMERS", tiles.consumers), ("SMEM_BYTES", smem))
+               ("STAGES", tiles.stages), ("CONSUMERS", tiles.consumers), ("PINGPONG", int(tiles.pingpong)),
+               ("SMEM_BYTES", smem))
     return Variant("hopper_fwd", defines, 128 * (1 + tiles.consumers), smem, arch_features="a")
 
 

@@ -6,7 +6,9 @@
 //   warpgroups 1..CONSUMERS, the consumers: 64 query rows each. Per key block: S = Q K^T (wgmma, both operands
 //     in shared memory), online softmax in registers, O += P V (wgmma, P from registers). S of the next key
 //     block is issued before P V of this one, so the softmax of a block runs while the tensor cores multiply.
-// The producer gives registers back (setmaxnreg) so the consumers can hold S, P and O at once.
+// The producer gives registers back (setmaxnreg) so the consumers can hold S, P and O at once. With PINGPONG (two
+// consumers) the consumers take turns to issue their products (two named barriers): one warpgroup's products
+// queue on the tensor cores while the other runs its softmax.
 //
 // Q, K, V are read through tensor maps over (column, row, head, batch) (innermost first; hopper_tensor_maps.py),
 // boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows with the 128-byte swizzle: rows past a head's sequence
@@ -16,7 +18,8 @@
 // cut them.
 //
 // -D options: MHATTN_BF16, HEAD_DIM (64, 128, 256: whole 64-column chunks), BLOCK_N (64 or 128), STAGES,
-// CONSUMERS (2), SMEM_BYTES (dynamic shared memory the host gives; checked against the layout below).
+// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), SMEM_BYTES (dynamic shared memory the host gives;
+// checked against the layout below).
 #define NUM_WARPS (4 * (CONSUMERS + 1))
 #include "common.cuh"
 #include "hopper.cuh"
@@ -48,6 +51,7 @@ static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N must be 64 or 128 (the w
 static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
 static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory than the layout needs");
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536, "register budgets exceed the file");
+static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong schedule takes two consumers");
 
 // The ring slots' barriers: full = the slot's copy landed; empty = every consumer warp is done with it.
 struct Slots {
@@ -96,6 +100,22 @@ MHATTN_DEVICE void produce(const TensorMap* q_map, const TensorMap* k_map, const
 }
 
 // ---- the consumers' steps --------------------------------------------------------------------------------
+
+// The ping-pong schedule's turns (no-ops without PINGPONG): consumer c issues its products between take() on
+// named barrier 1 + c and pass() on the other's. Consumer 0 goes first (consumer 1's start() arrives on barrier
+// 1); both take the same number of turns, and the last pass of consumer 1 is left out so no arrival is left over.
+struct Turns {
+  int mine, other;
+  MHATTN_DEVICE void start() const {
+    if (PINGPONG && mine == 2) named_barrier_arrive(1, 256);
+  }
+  MHATTN_DEVICE void take() const {
+    if (PINGPONG) named_barrier_sync(mine, 256);
+  }
+  MHATTN_DEVICE void pass(bool last = false) const {
+    if (PINGPONG && !(last && mine == 2)) named_barrier_arrive(other, 256);
+  }
+};
 
 // Issues S = Q K^T for this warpgroup's 64 rows (s_q_rows: its first row in Q's first column chunk) and one K slot.
 MHATTN_DEVICE void issue_scores(float (&s)[S_REGS], u32 s_q_rows, u32 s_k_slot) {
@@ -264,13 +284,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     return n0 + BLOCK_N > seqlen_k || !bounds.block_inside(wg_row0, wg_row0 + 63, n0, n0 + BLOCK_N - 1);
   };
 
+  const Turns turns{wg, 3 - wg};
   if (blocks.count > 0) {
+    turns.start();
     mbar_wait(q_full, 0);
     // The first block: scores, softmax, nothing to multiply yet.
     mbar_wait(slots.k_full(0), 0);
+    turns.take();
     wgmma_fence();
     issue_scores(s_acc, s_q_rows, s_k);
     wgmma_commit();
+    turns.pass();
     wgmma_wait<0>();
     touch_registers(s_acc);
     release_slot(slots.k_empty(0), lane);
@@ -284,12 +308,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
       const u32 parity = (it / STAGES) & 1, prev_parity = ((it - 1) / STAGES) & 1;
       // S of this block and P V of the previous one in flight together; the softmax waits only for S.
       mbar_wait(slots.k_full(s), parity);
+      mbar_wait(slots.v_full(prev), prev_parity);
+      turns.take();
       wgmma_fence();
       issue_scores(s_acc, s_q_rows, s_k + s * KV_BYTES);
       wgmma_commit();
-      mbar_wait(slots.v_full(prev), prev_parity);
       issue_pv(o_acc, p, s_v + prev * KV_BYTES);
       wgmma_commit();
+      turns.pass();
       wgmma_wait<1>();
       touch_registers(s_acc);
       release_slot(slots.k_empty(s), lane);
@@ -305,9 +331,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     // P V of the last block.
     const int last = (blocks.count - 1) % STAGES;
     mbar_wait(slots.v_full(last), ((blocks.count - 1) / STAGES) & 1);
+    turns.take();
     wgmma_fence();
     issue_pv(o_acc, p, s_v + last * KV_BYTES);
     wgmma_commit();
+    turns.pass(true);
     wgmma_wait<0>();
     touch_registers(o_acc);
     release_slot(slots.v_empty(last), lane);
