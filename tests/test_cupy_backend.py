@@ -563,7 +563,8 @@ def recorded_maps(monkeypatch):
     return made
 
 
-def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps):
+def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps, monkeypatch):
+    monkeypatch.setattr(ops, "sm_count", lambda device: 5)
     launcher = _MapLauncher()
     backend = CupyBackend(launcher=launcher, compute_capability=(9, 0))
     q, k, v, _ = _inputs(2, 4, 2, 300, 517, 128, torch.bfloat16, "cpu")
@@ -573,14 +574,14 @@ def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps)
     tiles = variants.HOPPER_FWD_TILES[128]
     block_m = 64 * tiles.consumers
     assert variant == variants.hopper_fwd_variant("bfloat16", 128) and variant.arch_features == "a"
-    assert grid == (-(-300 // block_m), 4, 2)
+    assert grid == (5, 1, 1)  # persistent: one CTA per SM (-(-300 // block_m) * 8 tiles)
     assert recorded_maps == [(tuple(q.shape), q.stride(), block_m), (tuple(k.shape), k.stride(), tiles.block_n),
                              (tuple(v.shape), v.stride(), tiles.block_n)]
     maps = [10**15 + rows * 10**12 + t.data_ptr() for rows, t in ((block_m, q), (tiles.block_n, k), (tiles.block_n, v))]
     assert args[:5] == [("ptr", p) for p in maps + [out.data_ptr(), lse.data_ptr()]]
     assert args[5:] == [("i64", s) for s in out.stride()[:3]] + [
-        ("i32", 300), ("i32", 517), ("i32", 4), ("i32", 2), ("f32", params.scale * ops.LOG2E), ("i32", 217),
-        ("i32", 64), ("i32", 0)]
+        ("i32", 300), ("i32", 517), ("i32", 4), ("i32", 2), ("i32", 8), ("i32", ops.sched_pairs(8, 517, 128, 2)),
+        ("f32", params.scale * ops.LOG2E), ("i32", 217), ("i32", 64), ("i32", 0)]
     # a second call with other tensors of the same signature makes no map and prepares nothing
     q2, k2, v2 = (t.clone() for t in (q, k, v))
     backend.forward(q2, k2, v2, params)

@@ -283,10 +283,20 @@ def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params:
     wrap = getattr(launcher, "struct_value", None)
     plan.maps = (tensor_maps.RowMaps(q, block_m, wrap), tensor_maps.RowMaps(k, block_n, wrap),
                  tensor_maps.RowMaps(v, block_n, wrap))
+    pairs = batch * heads_q
     args = [slot(0), slot(1), slot(2), slot(3), slot(4)] + _strides(out)
-    args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), f32(params.scale * LOG2E)]
+    args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(pairs),
+             i32(sched_pairs(pairs, seqlen_k, head_dim, q.element_size())), f32(params.scale * LOG2E)]
     args += _feature_args(params, _FWD)[:3]  # diag_offset, window_left, window_right
-    plan.launch = _prepared(launcher, variant, (cdiv(seqlen_q, block_m), heads_q, batch), args, device, cc)
+    # persistent: one CTA per SM (at most one fits), each walking tiles
+    grid = (min(cdiv(seqlen_q, block_m) * pairs, sm_count(device)), 1, 1)
+    plan.launch = _prepared(launcher, variant, grid, args, device, cc)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def forward(launcher, cc, q, k, v, params: AttentionParams):

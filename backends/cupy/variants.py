@@ -393,7 +393,7 @@ def kernel_variants(cc, dtype_name: str, d: int, level: str, features=()) -> lis
 
 def hopper_fwd_smem(tiles: HopperFwdTiles, d: int) -> int:
     """kernels/hopper_fwd.cu's layout: Q, the K and V slots, the barriers, and 1024 bytes to align the base."""
-    return 1024 + (64 * tiles.consumers + 2 * tiles.stages * tiles.block_n) * d * 2 + 8 * (1 + 4 * tiles.stages)
+    return 1024 + (64 * tiles.consumers + 2 * tiles.stages * tiles.block_n) * d * 2 + 8 * (2 + 4 * tiles.stages)
 
 
 def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) -> Variant:

@@ -1,8 +1,11 @@
 // FlashAttention forward for Hopper (sm_90a): TMA loads, wgmma, a producer warpgroup and consumer warpgroups.
 //
-// A CTA computes BLOCK_M = 64 * CONSUMERS query rows of one (batch, head) with 1 + CONSUMERS warpgroups:
-//   warpgroup 0, the producer: one thread issues the TMA copies, Q once, then K and V of each key block into
-//     rings of STAGES slots; a slot is loaded again once every consumer warp has released it;
+// The kernel is persistent: one CTA per SM walks tiles of BLOCK_M = 64 * CONSUMERS query rows of one (batch, head)
+// (tile_at's order), so the loads of a tile's first blocks overlap the end of the one before. A CTA has 1 +
+// CONSUMERS warpgroups:
+//   warpgroup 0, the producer: one thread issues the TMA copies: per tile Q (once the consumers are done with the
+//     last tile's Q), then K and V of each key block into rings of STAGES slots that run on across tiles; a slot
+//     is loaded again once every consumer warp has released it;
 //   warpgroups 1..CONSUMERS, the consumers: 64 query rows each. Per key block: S = Q K^T (wgmma, both operands
 //     in shared memory), online softmax in registers, O += P V (wgmma, P from registers). S of the next key
 //     block is issued before P V of this one, so the softmax of a block runs while the tensor cores multiply.
@@ -39,7 +42,7 @@ constexpr u32 SWIZZLE_ATOM = 1024;             // 8 rows of 128 bytes: the tiles
 constexpr u32 K_OFFSET = Q_BYTES;
 constexpr u32 V_OFFSET = K_OFFSET + STAGES * KV_BYTES;
 constexpr u32 BAR_OFFSET = V_OFFSET + STAGES * KV_BYTES;
-constexpr u32 BAR_COUNT = 1 + 4 * STAGES;      // q_full; k_full, v_full, k_empty, v_empty per slot
+constexpr u32 BAR_COUNT = 2 + 4 * STAGES;      // q_full, q_empty; k_full, v_full, k_empty, v_empty per slot
 constexpr u32 LAYOUT_BYTES = BAR_OFFSET + 8 * BAR_COUNT + SWIZZLE_ATOM;  // + the worst-case alignment shift
 constexpr u32 CONSUMER_WARPS = 4 * CONSUMERS;  // each releases a slot once
 // Register budgets (setmaxnreg): 128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536.
@@ -75,17 +78,56 @@ MHATTN_DEVICE KeyBlocks key_blocks(int m0, int rows, int seqlen_k, const Bounds&
   return {(int)first, (int)max_of<i64>(end - first, 0)};
 }
 
+// What every tile shares, and the tiles' order.
+struct Problem {
+  int seqlen_q, seqlen_k, heads_q, group;
+  int n_mblocks, pairs, sched_pairs;  // query tiles per (batch, head); (batch, head) pairs; pairs per group
+  Bounds bounds;
+  MHATTN_DEVICE int tiles() const { return n_mblocks * pairs; }
+};
+
+struct Tile {
+  int m0, h, hk, b;
+  KeyBlocks blocks;
+};
+
+// Tile `index`: the tiles run in groups of `sched_pairs` (batch, head) pairs, group by group; within a group the
+// query tile is the slower index and runs backwards. Under a causal mask the last query tiles see the most keys, so
+// every group starts with its heaviest tiles, and a group is small enough that its pairs' K and V stay in L2 while
+// its tiles run side by side (ops.sched_pairs sizes it).
+MHATTN_DEVICE Tile tile_at(int index, const Problem& pb) {
+  const int group_tiles = pb.n_mblocks * pb.sched_pairs;
+  const int group = index / group_tiles;
+  const int first_pair = group * pb.sched_pairs;
+  const int pairs = min_of(pb.sched_pairs, pb.pairs - first_pair);  // the last group may hold fewer
+  const int within = index - group * group_tiles;
+  const int bh = first_pair + within % pairs;
+  Tile tile;
+  tile.m0 = (pb.n_mblocks - 1 - within / pairs) * BLOCK_M;
+  tile.h = bh % pb.heads_q;
+  tile.b = bh / pb.heads_q;
+  tile.hk = tile.h / pb.group;
+  tile.blocks = key_blocks(tile.m0, min_of(BLOCK_M, pb.seqlen_q - tile.m0), pb.seqlen_k, pb.bounds);
+  return tile;
+}
+
 // ---- the producer ----------------------------------------------------------------------------------------
 
-MHATTN_DEVICE void produce(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map, u32 s_q, u32 s_k,
-                           u32 s_v, u32 q_full, Slots slots, KeyBlocks blocks, int m0, int h, int hk, int b) {
+// Loads one tile: Q once the consumers have released the last one (q_round: tiles with keys loaded so far), then
+// K and V of each key block into the ring (ring: key blocks loaded so far, over all tiles).
+MHATTN_DEVICE void produce_tile(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map, u32 s_q,
+                                u32 s_k, u32 s_v, u32 q_full, u32 q_empty, Slots slots, const Tile& tile, int q_round,
+                                int& ring) {
+  const KeyBlocks blocks = tile.blocks;
+  mbar_wait(q_empty, (q_round & 1) ^ 1);  // the first round passes: Q starts empty
   mbar_arrive_expect_tx(q_full, Q_BYTES);
 #pragma unroll
-  for (int c = 0; c < D_CHUNKS; ++c) tma_load_4d(s_q + c * Q_CHUNK_BYTES, q_map, q_full, c * 64, m0, h, b);
-  for (int it = 0; it < blocks.count; ++it) {
-    const int s = it % STAGES;
-    const u32 parity = ((it / STAGES) & 1) ^ 1;  // the first round passes: the slots start empty
-    const int n0 = (blocks.first + it) * BLOCK_N;
+  for (int c = 0; c < D_CHUNKS; ++c) tma_load_4d(s_q + c * Q_CHUNK_BYTES, q_map, q_full, c * 64, tile.m0, tile.h, tile.b);
+  for (int i = 0; i < blocks.count; ++i, ++ring) {
+    const int s = ring % STAGES;
+    const u32 parity = ((ring / STAGES) & 1) ^ 1;  // the first round passes: the slots start empty
+    const int n0 = (blocks.first + i) * BLOCK_N;
+    const int hk = tile.hk, b = tile.b;
     mbar_wait(slots.k_empty(s), parity);
     mbar_arrive_expect_tx(slots.k_full(s), KV_BYTES);
 #pragma unroll
@@ -103,7 +145,8 @@ MHATTN_DEVICE void produce(const TensorMap* q_map, const TensorMap* k_map, const
 
 // The ping-pong schedule's turns (no-ops without PINGPONG): consumer c issues its products between take() on
 // named barrier 1 + c and pass() on the other's. Consumer 0 goes first (consumer 1's start() arrives on barrier
-// 1); both take the same number of turns, and the last pass of consumer 1 is left out so no arrival is left over.
+// 1); both take the same number of turns (tile by tile), and the pass after the final turn of the CTA's last tile
+// is left out for consumer 1 so no arrival is left over (where that tile has no keys, one is: harmless at exit).
 struct Turns {
   int mine, other;
   MHATTN_DEVICE void start() const {
@@ -229,27 +272,118 @@ MHATTN_DEVICE void store_rows(const float (&o)[O_REGS], const float (&m)[2], con
   }
 }
 
+// ---- a consumer's tile ------------------------------------------------------------------------------------
+
+// What a consumer thread keeps from tile to tile.
+struct Consumer {
+  int lane, t, row_in_tile;  // row_in_tile: this thread's first row within the tile (the other is 8 below)
+  int wg_row_in_tile;        // this warpgroup's first row within the tile
+  u32 s_q_rows, s_k, s_v, q_full, q_empty;
+  Slots slots;
+  Turns turns;
+  float scale_log2;
+};
+
+// One tile of this consumer's 64 rows: O and lse written. q_round: tiles with keys consumed so far; ring: key
+// blocks consumed so far (the producer's counts); last_tile: no later tile of this CTA (the final turn's pass).
+MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Problem& pb, int q_round, int& ring,
+                                bool last_tile, elem_t* o, float* lse, i64 o_sb, i64 o_sh, i64 o_sn) {
+  float o_acc[O_REGS];
+#pragma unroll
+  for (int i = 0; i < O_REGS; ++i) o_acc[i] = 0.f;
+  float m[2] = {-MHATTN_INF, -MHATTN_INF}, l[2] = {0.f, 0.f}, alpha[2];
+  float s_acc[S_REGS];
+  u32 p[P_STEPS][4];
+  const int row0 = tile.m0 + c.row_in_tile, wg_row0 = tile.m0 + c.wg_row_in_tile;
+  const KeyBlocks blocks = tile.blocks;
+  // Whether key block n0 needs per-element masking for this warpgroup's rows.
+  auto cuts = [&](int n0) {
+    return n0 + BLOCK_N > pb.seqlen_k || !pb.bounds.block_inside(wg_row0, wg_row0 + 63, n0, n0 + BLOCK_N - 1);
+  };
+
+  if (blocks.count > 0) {
+    mbar_wait(c.q_full, q_round & 1);
+    // The first block: scores, softmax, nothing to multiply yet.
+    int s = ring % STAGES;
+    mbar_wait(c.slots.k_full(s), (ring / STAGES) & 1);
+    c.turns.take();
+    wgmma_fence();
+    issue_scores(s_acc, c.s_q_rows, c.s_k + s * KV_BYTES);
+    wgmma_commit();
+    c.turns.pass();
+    wgmma_wait<0>();
+    touch_registers(s_acc);
+    release_slot(c.slots.k_empty(s), c.lane);
+    if (blocks.count == 1) release_slot(c.q_empty, c.lane);  // the tile's last use of Q
+    int n0 = blocks.first * BLOCK_N;
+    if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
+    online_softmax(s_acc, m, l, alpha, c.scale_log2);
+    pack_probabilities(p, s_acc);
+
+    for (int i = 1; i < blocks.count; ++i) {
+      const int prev = s;
+      const u32 prev_parity = (ring / STAGES) & 1;
+      ++ring;
+      s = ring % STAGES;
+      // S of this block and P V of the previous one in flight together; the softmax waits only for S.
+      mbar_wait(c.slots.k_full(s), (ring / STAGES) & 1);
+      mbar_wait(c.slots.v_full(prev), prev_parity);
+      c.turns.take();
+      wgmma_fence();
+      issue_scores(s_acc, c.s_q_rows, c.s_k + s * KV_BYTES);
+      wgmma_commit();
+      issue_pv(o_acc, p, c.s_v + prev * KV_BYTES);
+      wgmma_commit();
+      c.turns.pass();
+      wgmma_wait<1>();
+      touch_registers(s_acc);
+      release_slot(c.slots.k_empty(s), c.lane);
+      if (i == blocks.count - 1) release_slot(c.q_empty, c.lane);
+      n0 = (blocks.first + i) * BLOCK_N;
+      if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
+      online_softmax(s_acc, m, l, alpha, c.scale_log2);
+      wgmma_wait<0>();
+      touch_registers(o_acc);
+      release_slot(c.slots.v_empty(prev), c.lane);
+      rescale_output(o_acc, alpha);
+      pack_probabilities(p, s_acc);
+    }
+    // P V of the last block.
+    mbar_wait(c.slots.v_full(s), (ring / STAGES) & 1);
+    c.turns.take();
+    wgmma_fence();
+    issue_pv(o_acc, p, c.s_v + s * KV_BYTES);
+    wgmma_commit();
+    c.turns.pass(last_tile);
+    wgmma_wait<0>();
+    touch_registers(o_acc);
+    release_slot(c.slots.v_empty(s), c.lane);
+    ++ring;
+  }
+  const i64 bh = (i64)tile.b * pb.heads_q + tile.h;
+  store_rows(o_acc, m, l, o + tile.b * o_sb + tile.h * o_sh, lse + bh * pb.seqlen_q, o_sn, row0, c.t, pb.seqlen_q);
+}
+
 // ---- the kernel ------------------------------------------------------------------------------------------
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     mhattn_hopper_fwd(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                       const __grid_constant__ TensorMap v_map, elem_t* __restrict__ o, float* __restrict__ lse,
                       i64 o_sb, i64 o_sh, i64 o_sn, int seqlen_q, int seqlen_k, int heads_q, int group,
-                      float scale_log2, int diag_offset, int window_left, int window_right) {
+                      int pairs, int sched_pairs, float scale_log2, int diag_offset, int window_left,
+                      int window_right) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
-  // Heaviest query blocks first (under a causal mask the last ones see the most keys).
-  const int m_block = (int)(gridDim.x - 1 - blockIdx.x);
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
-  const int m0 = m_block * BLOCK_M;
-  const Bounds bounds{diag_offset, window_left, window_right};
-  const KeyBlocks blocks = key_blocks(m0, min_of(BLOCK_M, seqlen_q - m0), seqlen_k, bounds);
+  const Problem pb{seqlen_q, seqlen_k, heads_q, group, (seqlen_q + BLOCK_M - 1) / BLOCK_M, pairs, sched_pairs,
+                   Bounds{diag_offset, window_left, window_right}};
+  const int tiles = pb.tiles();
 
   const u32 base = (smem_u32(smem) + SWIZZLE_ATOM - 1) & ~(SWIZZLE_ATOM - 1);
-  const u32 s_q = base, s_k = base + K_OFFSET, s_v = base + V_OFFSET, q_full = base + BAR_OFFSET;
-  const Slots slots{q_full + 8};
+  const u32 s_q = base, s_k = base + K_OFFSET, s_v = base + V_OFFSET, q_full = base + BAR_OFFSET, q_empty = q_full + 8;
+  const Slots slots{q_full + 16};
   if (tid == 0) {
     mbar_init(q_full, 1);
+    mbar_init(q_empty, CONSUMER_WARPS);
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(slots.k_full(s), 1);
       mbar_init(slots.v_full(s), 1);
@@ -263,83 +397,27 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
   const int wg = tid / 128;
   if (wg == 0) {
     release_registers<PRODUCER_REGS>();
-    if (tid == 0 && blocks.count > 0) produce(&q_map, &k_map, &v_map, s_q, s_k, s_v, q_full, slots, blocks, m0, h, hk, b);
+    if (tid == 0) {
+      int q_round = 0, ring = 0;
+      for (int index = blockIdx.x; index < tiles; index += gridDim.x) {
+        const Tile tile = tile_at(index, pb);
+        if (tile.blocks.count > 0)
+          produce_tile(&q_map, &k_map, &v_map, s_q, s_k, s_v, q_full, q_empty, slots, tile, q_round++, ring);
+      }
+    }
     return;
   }
   claim_registers<CONSUMER_REGS>();
 
-  const int lane = tid & 31, warp = (tid & 127) >> 5, t = lane & 3;
-  const int wg_row0 = m0 + (wg - 1) * 64;              // this warpgroup's first query row
-  const int row0 = wg_row0 + warp * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
-  const u32 s_q_rows = s_q + (wg - 1) * 64 * ROW_BYTES;
-  float o_acc[O_REGS];
-#pragma unroll
-  for (int i = 0; i < O_REGS; ++i) o_acc[i] = 0.f;
-  float m[2] = {-MHATTN_INF, -MHATTN_INF}, l[2] = {0.f, 0.f}, alpha[2];
-  float s_acc[S_REGS];
-  u32 p[P_STEPS][4];
-
-  // Whether key block n0 needs per-element masking for this warpgroup's rows.
-  auto cuts = [&](int n0) {
-    return n0 + BLOCK_N > seqlen_k || !bounds.block_inside(wg_row0, wg_row0 + 63, n0, n0 + BLOCK_N - 1);
-  };
-
-  const Turns turns{wg, 3 - wg};
-  if (blocks.count > 0) {
-    turns.start();
-    mbar_wait(q_full, 0);
-    // The first block: scores, softmax, nothing to multiply yet.
-    mbar_wait(slots.k_full(0), 0);
-    turns.take();
-    wgmma_fence();
-    issue_scores(s_acc, s_q_rows, s_k);
-    wgmma_commit();
-    turns.pass();
-    wgmma_wait<0>();
-    touch_registers(s_acc);
-    release_slot(slots.k_empty(0), lane);
-    int n0 = blocks.first * BLOCK_N;
-    if (cuts(n0)) mask_scores(s_acc, row0, n0, t, seqlen_k, bounds);
-    online_softmax(s_acc, m, l, alpha, scale_log2);
-    pack_probabilities(p, s_acc);
-
-    for (int it = 1; it < blocks.count; ++it) {
-      const int s = it % STAGES, prev = (it - 1) % STAGES;
-      const u32 parity = (it / STAGES) & 1, prev_parity = ((it - 1) / STAGES) & 1;
-      // S of this block and P V of the previous one in flight together; the softmax waits only for S.
-      mbar_wait(slots.k_full(s), parity);
-      mbar_wait(slots.v_full(prev), prev_parity);
-      turns.take();
-      wgmma_fence();
-      issue_scores(s_acc, s_q_rows, s_k + s * KV_BYTES);
-      wgmma_commit();
-      issue_pv(o_acc, p, s_v + prev * KV_BYTES);
-      wgmma_commit();
-      turns.pass();
-      wgmma_wait<1>();
-      touch_registers(s_acc);
-      release_slot(slots.k_empty(s), lane);
-      n0 = (blocks.first + it) * BLOCK_N;
-      if (cuts(n0)) mask_scores(s_acc, row0, n0, t, seqlen_k, bounds);
-      online_softmax(s_acc, m, l, alpha, scale_log2);
-      wgmma_wait<0>();
-      touch_registers(o_acc);
-      release_slot(slots.v_empty(prev), lane);
-      rescale_output(o_acc, alpha);
-      pack_probabilities(p, s_acc);
-    }
-    // P V of the last block.
-    const int last = (blocks.count - 1) % STAGES;
-    mbar_wait(slots.v_full(last), ((blocks.count - 1) / STAGES) & 1);
-    turns.take();
-    wgmma_fence();
-    issue_pv(o_acc, p, s_v + last * KV_BYTES);
-    wgmma_commit();
-    turns.pass(true);
-    wgmma_wait<0>();
-    touch_registers(o_acc);
-    release_slot(slots.v_empty(last), lane);
+  const int lane = tid & 31, warp = (tid & 127) >> 5;
+  const Consumer consumer{lane, lane & 3, (wg - 1) * 64 + warp * 16 + (lane >> 2), (wg - 1) * 64,
+                          s_q + (wg - 1) * 64 * ROW_BYTES, s_k, s_v, q_full, q_empty, slots, Turns{wg, 3 - wg},
+                          scale_log2};
+  consumer.turns.start();
+  int q_round = 0, ring = 0;
+  for (int index = blockIdx.x; index < tiles; index += gridDim.x) {
+    const Tile tile = tile_at(index, pb);
+    consume_tile(consumer, tile, pb, q_round, ring, index + (int)gridDim.x >= tiles, o, lse, o_sb, o_sh, o_sn);
+    q_round += tile.blocks.count > 0;
   }
-  const i64 bh = (i64)b * heads_q + h;
-  store_rows(o_acc, m, l, o + b * o_sb + h * o_sh, lse + bh * seqlen_q, o_sn, row0, t, seqlen_q);
 }
