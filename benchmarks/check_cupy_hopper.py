@@ -36,10 +36,10 @@ MASKINGS = ((False, None, False), (True, None, False), (True, None, True), (Fals
             (False, (37, 50), False), (True, (64, None), True))
 
 
-# Tile candidates of --sweep per head dim: HopperFwdTiles fields (block_n, stages, consumers, pingpong).
-SWEEP = {64: ((128, 3, 2, True), (128, 2, 3, False)),
-         128: ((128, 2, 2, True), (128, 2, 2, False)),
-         256: ((64, 2, 2, True),)}
+# Tile candidates of --sweep per head dim: HopperFwdTiles fields (block_n, stages, consumers, pingpong, persistent).
+SWEEP = {64: ((128, 2, 3, False, True), (128, 2, 3, False, False), (128, 3, 2, True, True)),
+         128: ((128, 2, 2, True, True), (128, 2, 2, True, False)),
+         256: ((64, 2, 2, True, True), (64, 2, 2, True, False))}
 
 
 def reference(q, k, v, causal, window, diag_offset):
@@ -165,7 +165,8 @@ def sweep(dtype, head_dims, seqlens):
                     print(rows[-1], flush=True)
         variants.HOPPER_FWD_TILES[head_dim] = default
     print(f"\n{str(dtype).replace('torch.', '')} forward sweep, TFLOP/s (same run)\n")
-    print("| d | tiles (block_n, stages, consumers, pingpong) | failures | N | causal | sdpa-cudnn | cupy Hopper | ratio |")
+    print("| d | tiles (block_n, stages, consumers, pingpong, persistent) | failures | N | causal | sdpa-cudnn | cupy Hopper "
+          "| ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for d, fields, failures, n, causal, cudnn, hopper in rows:
         print(f"| {d} | {fields} | {failures} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {hopper:.0f} | "

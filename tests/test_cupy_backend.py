@@ -574,7 +574,7 @@ def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps,
     tiles = variants.HOPPER_FWD_TILES[128]
     block_m = 64 * tiles.consumers
     assert variant == variants.hopper_fwd_variant("bfloat16", 128) and variant.arch_features == "a"
-    assert grid == (5, 1, 1)  # persistent: one CTA per SM (-(-300 // block_m) * 8 tiles)
+    assert grid == (-(-300 // block_m) * 8, 1, 1)  # causal: one CTA a tile
     assert recorded_maps == [(tuple(q.shape), q.stride(), block_m), (tuple(k.shape), k.stride(), tiles.block_n),
                              (tuple(v.shape), v.stride(), tiles.block_n)]
     maps = [10**15 + rows * 10**12 + t.data_ptr() for rows, t in ((block_m, q), (tiles.block_n, k), (tiles.block_n, v))]
@@ -587,6 +587,9 @@ def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps,
     backend.forward(q2, k2, v2, params)
     assert len(recorded_maps) == 3 and len(launcher.prepared) == 1
     assert launcher.calls[-1][2][0] == ("ptr", 10**15 + block_m * 10**12 + q2.data_ptr())
+    # without a mask the tiles cost the same: persistent, one CTA per SM (5 here) where the table says so
+    backend.forward(q, k, v, _params(300, 517, 128))
+    assert launcher.calls[-1][1] == ((5, 1, 1) if tiles.persistent else (-(-300 // block_m) * 8, 1, 1))
 
 
 @pytest.mark.parametrize("case", ["head dim 96", "value head dim", "softcap", "float mask", "bool mask", "dropout",

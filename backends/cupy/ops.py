@@ -288,8 +288,11 @@ def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params:
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(pairs),
              i32(sched_pairs(pairs, seqlen_k, head_dim, q.element_size())), f32(params.scale * LOG2E)]
     args += _feature_args(params, _FWD)[:3]  # diag_offset, window_left, window_right
-    # persistent: one CTA per SM (at most one fits), each walking tiles
-    grid = (min(cdiv(seqlen_q, block_m) * pairs, sm_count(device)), 1, 1)
+    # Persistent (one CTA per SM, at most one fits, each walking tiles) where the tiles cost the same; under a causal
+    # mask or a window one CTA a tile, so the GPU hands the next (lighter) tile to whichever SM frees first.
+    tiles = cdiv(seqlen_q, block_m) * pairs
+    persistent = variants.HOPPER_FWD_TILES[head_dim].persistent and not params.has_window
+    grid = (min(tiles, sm_count(device)) if persistent else tiles, 1, 1)
     plan.launch = _prepared(launcher, variant, grid, args, device, cc)
 
 

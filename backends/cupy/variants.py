@@ -151,12 +151,14 @@ class HopperFwdTiles:
     stages: int       # K and V slots each in the shared-memory ring
     consumers: int    # consumer warpgroups (64 query rows each): BLOCK_M = 64 * consumers
     pingpong: bool    # two consumers take turns to issue their products (kernels/hopper_fwd.cu)
+    persistent: bool  # without a causal mask or window: one CTA per SM walking the tiles (else one CTA a tile)
 
 
+# H100 sweeps (backends/cupy/NOTES.md, version 5).
 HOPPER_FWD_TILES = {
-    64: HopperFwdTiles(128, 3, 2, True),
-    128: HopperFwdTiles(128, 2, 2, True),
-    256: HopperFwdTiles(64, 2, 2, True),
+    64: HopperFwdTiles(128, 2, 3, False, True),
+    128: HopperFwdTiles(128, 2, 2, True, True),
+    256: HopperFwdTiles(64, 2, 2, True, False),
 }
 
 # A tuning override, read once at import: MHATTN_CUPY_TILES='{"fwd": {"128": [128, 32, 4, false]}, ...}'

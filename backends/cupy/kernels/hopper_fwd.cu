@@ -178,18 +178,24 @@ MHATTN_DEVICE void issue_pv(float (&o)[O_REGS], const u32 (&p)[P_STEPS][4], u32 
     wgmma_rs(o, p[kk], smem_desc(s_v_slot + kk * 16 * ROW_BYTES, KV_CHUNK_BYTES, SWIZZLE_ATOM), 1);
 }
 
+// A column bound clamped to [-1, BLOCK_N] (the same tests on the block's columns 0..BLOCK_N-1, no overflow).
+MHATTN_DEVICE int clamp_column(i64 x) { return (int)min_of<i64>(max_of<i64>(x, -1), BLOCK_N); }
+
 // Hides the scores this thread holds that its rows may not see: keys past seqlen_k or outside the band. The
-// thread's rows are row0 and row0 + 8; score s[4i + 2r + e] is row row0 + 8r, key n0 + 8i + 2t + e.
+// thread's rows are row0 and row0 + 8; score s[4i + 2r + e] is row row0 + 8r, key n0 + 8i + 2t + e. Each row's
+// visible keys are one range, turned into 32-bit bounds relative to the block before the per-score tests.
 MHATTN_DEVICE void mask_scores(float (&s)[S_REGS], int row0, int n0, int t, int seqlen_k, const Bounds& bounds) {
 #pragma unroll
-  for (int i = 0; i < BLOCK_N / 8; ++i) {
+  for (int r = 0; r < 2; ++r) {
+    const i64 diag = (i64)(row0 + 8 * r) + bounds.diag_offset - n0 - 2 * t;  // the diagonal, as a column of 8i + e
+    const int lo = clamp_column(diag - bounds.left);
+    const int hi = clamp_column(min_of<i64>(diag + bounds.right, (i64)seqlen_k - n0 - 2 * t - 1));
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int i = 0; i < BLOCK_N / 8; ++i) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int j = n0 + 8 * i + 2 * t + e;
-        const i64 rel = (i64)j - (row0 + 8 * r) - bounds.diag_offset;
-        if (j >= seqlen_k || rel < -(i64)bounds.left || rel > (i64)bounds.right) s[4 * i + 2 * r + e] = -MHATTN_INF;
+        const int col = 8 * i + e;
+        if (col < lo || col > hi) s[4 * i + 2 * r + e] = -MHATTN_INF;
       }
     }
   }
