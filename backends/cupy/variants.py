@@ -158,7 +158,7 @@ class HopperFwdTiles:
 HOPPER_FWD_TILES = {
     64: HopperFwdTiles(128, 2, 3, False, True),
     128: HopperFwdTiles(128, 2, 2, True, True),
-    256: HopperFwdTiles(64, 2, 2, True, False),
+    256: HopperFwdTiles(64, 2, 2, True, True),
 }
 
 # A tuning override, read once at import: MHATTN_CUPY_TILES='{"fwd": {"128": [128, 32, 4, false]}, ...}'
