@@ -1,7 +1,9 @@
-"""GPU check of the CUDA backend's Hopper forward (backends/cupy/kernels/hopper_fwd.cu) on an sm_90 GPU:
+"""GPU check of the CUDA backend's Hopper kernels (backends/cupy/kernels/hopper_fwd.cu, hopper_bwd.cu) on an sm_90
+GPU:
 
     source benchmarks/device_env.sh && cd /tmp && python3 $OLDPWD/benchmarks/check_cupy_hopper.py \
-        [--dtype bf16|fp16] [--head-dim 64,128,256] [--seqlen 1024,4096,16384] [--timing-only] [--sweep]
+        [--part fwd,bwd] [--dtype bf16|fp16] [--head-dim 64,128,256] [--seqlen 1024,4096,16384] [--timing-only] \
+        [--sweep]
 
 1. ``mhattn.attention(..., backend="cupy", return_lse=True)`` on ragged shapes (fp16 and bf16; GQA; Nq > Nk and
    Nq < Nk; one key; one query; causal top-left and bottom-right; a sliding window; rows that see no key; a
@@ -10,6 +12,10 @@
 2. the protocol's shapes (B * N = 16384, H = 2048 / d; causal and not), forward TFLOP/s from do_bench medians:
    sdpa-cudnn, sdpa-flash, the cupy backend with the Hopper forward and with the mma.sync forward
    (``ops.HOPPER_ENABLED = False``), all in the same run. The table is printed last.
+Backward (``--part bwd``, the head dims the Hopper backward takes): 1. the gradients of the same cases against float64
+autograd with CONFORMANCE.md's rule (at most 4x the error of the same computation in the input dtype, plus 1e-2),
+each case checked to have run the Hopper backward; 2. ``torch.autograd.grad`` of the forward's output timed beside
+sdpa-cudnn and sdpa-flash, and the mma.sync backward.
 
 ``--sweep``: instead of 2., each tile candidate of SWEEP (set in variants.HOPPER_FWD_TILES at run time) is checked
 (1. in bf16) and timed at the protocol's shapes beside sdpa-cudnn.
@@ -77,15 +83,14 @@ def make(layout, batch, heads, seqlen, head_dim, dtype):
     return torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype)
 
 
-def last_plan_is_hopper() -> bool:
-    plan = next(reversed(ops._forward_plans.values()))
+def last_plan_is_hopper(plans=None) -> bool:
+    plan = next(reversed((ops._forward_plans if plans is None else plans).values()))
     return plan.maps is not None
 
 
-def correctness(head_dims, dtypes=(torch.bfloat16, torch.float16)) -> int:
+def ragged_cases(head_dims, dtypes):
+    """(dtype, layout, q, k, v, causal, window, bottom_right) over the ragged shapes and maskings, random inputs."""
     torch.manual_seed(0)
-    ops.POISON_OUTPUTS = True
-    failures = cases = 0
     for dtype in dtypes:
         for head_dim in head_dims:
             for batch, heads_q, heads_kv, seqlen_q, seqlen_k in RAGGED_SHAPES:
@@ -95,22 +100,91 @@ def correctness(head_dims, dtypes=(torch.bfloat16, torch.float16)) -> int:
                             continue
                         q, k, v = (make(layout, batch, h, n, head_dim, dtype)
                                    for h, n in ((heads_q, seqlen_q), (heads_kv, seqlen_k), (heads_kv, seqlen_k)))
-                        diag_offset = seqlen_k - seqlen_q if bottom_right else 0
-                        out, lse = run_cupy(q, k, v, causal, window, bottom_right)
-                        hopper = last_plan_is_hopper()
-                        ref_out, ref_lse = reference(q.double(), k.double(), v.double(), causal, window, diag_offset)
-                        out_err = (out.double() - ref_out).abs().max().item()
-                        seen = torch.isfinite(ref_lse)
-                        lse_err = (lse[seen].double() - ref_lse[seen]).abs().max().item() if seen.any() else 0.0
-                        empty_ok = bool((lse[~seen] == float("-inf")).all() and (out[~seen] == 0).all())
-                        bound = 2e-2 if dtype == torch.bfloat16 else 4e-3
-                        cases += 1
-                        ok = hopper and out_err < bound and lse_err < 1e-3 and empty_ok and not torch.isnan(out).any()
-                        if not ok:
-                            failures += 1
-                            print(f"FAIL {dtype} d={head_dim} {layout} q{tuple(q.shape)} k{tuple(k.shape)} causal={causal} "
-                                  f"window={window} bottom_right={bottom_right}: hopper={hopper} out err {out_err:.3g}, "
-                                  f"lse err {lse_err:.3g}, empty rows ok {empty_ok}", flush=True)
+                        yield dtype, layout, q, k, v, causal, window, bottom_right
+
+
+def correctness_backward(head_dims, dtypes=(torch.bfloat16, torch.float16)) -> int:
+    ops.POISON_OUTPUTS = True
+    failures = cases = 0
+    for dtype, layout, q, k, v, causal, window, bottom_right in ragged_cases(head_dims, dtypes):
+        diag_offset = k.shape[2] - q.shape[2] if bottom_right else 0
+        grad_out = torch.randn_like(q)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = run_cupy(*leaves, causal, window, bottom_right)[0]
+        got = torch.autograd.grad(out, leaves, grad_out)
+        hopper = last_plan_is_hopper(ops._backward_plans)
+        exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        want = torch.autograd.grad(reference(*exact, causal, window, diag_offset)[0], exact, grad_out.double())
+        low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        base = torch.autograd.grad(reference(*low, causal, window, diag_offset)[0], low, grad_out)
+        cases += 1
+        for name, g, w, b in zip("qkv", got, want, base):
+            err, base_err = (g.double() - w).abs().max().item(), (b.double() - w).abs().max().item()
+            if not hopper or torch.isnan(g).any() or err > 4 * base_err + 1e-2:
+                failures += 1
+                print(f"FAIL backward d{name} {dtype} {layout} q{tuple(q.shape)} k{tuple(k.shape)} causal={causal} "
+                      f"window={window} bottom_right={bottom_right}: hopper={hopper} err {err:.3g} vs {base_err:.3g}",
+                      flush=True)
+                break
+    ops.POISON_OUTPUTS = False
+    print(f"Hopper backward correctness: {failures} failures in {cases} cases", flush=True)
+    return failures
+
+
+def timing_backward(dtype, head_dims, seqlens):
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
+    rows = []
+    for head_dim in head_dims:
+        for seqlen in seqlens:
+            for causal in (False, True):
+                batch, heads = 16384 // seqlen, 2048 // head_dim
+                leaves = [torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype).requires_grad_()
+                          for _ in range(3)]
+                grad_out = torch.randn_like(leaves[0])
+                flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+
+                def backward_time(run):
+                    out = run()
+                    return bench(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True))
+
+                times = []
+                for peer in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+                    with sdpa_kernel(peer):
+                        times.append(backward_time(lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal)))
+                cupy = lambda: mhattn.attention(*leaves, is_causal=causal, backend="cupy")  # noqa: E731
+                times.append(backward_time(cupy))
+                ops.HOPPER_ENABLED = False
+                times.append(backward_time(cupy))
+                ops.HOPPER_ENABLED = True
+                rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in times)))
+                print(rows[-1], flush=True)
+    print(f"\n{str(dtype).replace('torch.', '')} backward, TFLOP/s (same run)\n")
+    print("| d | N | causal | sdpa-cudnn | sdpa-flash | cupy Hopper | cupy mma.sync | Hopper/cuDNN | Hopper/flash |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for d, n, causal, cudnn, flash, hopper, mma in rows:
+        print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {flash:.0f} | {hopper:.0f} | {mma:.0f} | "
+              f"{hopper / cudnn:.2f} | {hopper / flash:.2f} |")
+
+
+def correctness(head_dims, dtypes=(torch.bfloat16, torch.float16)) -> int:
+    ops.POISON_OUTPUTS = True
+    failures = cases = 0
+    for dtype, layout, q, k, v, causal, window, bottom_right in ragged_cases(head_dims, dtypes):
+        diag_offset = k.shape[2] - q.shape[2] if bottom_right else 0
+        out, lse = run_cupy(q, k, v, causal, window, bottom_right)
+        hopper = last_plan_is_hopper()
+        ref_out, ref_lse = reference(q.double(), k.double(), v.double(), causal, window, diag_offset)
+        out_err = (out.double() - ref_out).abs().max().item()
+        seen = torch.isfinite(ref_lse)
+        lse_err = (lse[seen].double() - ref_lse[seen]).abs().max().item() if seen.any() else 0.0
+        empty_ok = bool((lse[~seen] == float("-inf")).all() and (out[~seen] == 0).all())
+        bound = 2e-2 if dtype == torch.bfloat16 else 4e-3
+        cases += 1
+        if not (hopper and out_err < bound and lse_err < 1e-3 and empty_ok and not torch.isnan(out).any()):
+            failures += 1
+            print(f"FAIL {dtype} d={q.shape[-1]} {layout} q{tuple(q.shape)} k{tuple(k.shape)} causal={causal} "
+                  f"window={window} bottom_right={bottom_right}: hopper={hopper} out err {out_err:.3g}, "
+                  f"lse err {lse_err:.3g}, empty rows ok {empty_ok}", flush=True)
     ops.POISON_OUTPUTS = False
     print(f"Hopper forward correctness: {failures} failures in {cases} cases", flush=True)
     return failures
@@ -175,6 +249,7 @@ def sweep(dtype, head_dims, seqlens):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", default="fwd,bwd", help="comma-separated: fwd, bwd")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="of the timing table")
     parser.add_argument("--seqlen", default="1024,4096,16384", help="comma-separated sequence lengths to time")
     parser.add_argument("--head-dim", default="64,128,256", help="comma-separated head dims")
@@ -187,9 +262,17 @@ def main():
     if args.sweep:
         sweep(DTYPES[args.dtype], head_dims, seqlens)
         return
+    parts = set(args.part.split(","))
+    bwd_dims = [d for d in head_dims if d in variants.HOPPER_BWD_STAGES]
     if not args.timing_only:
-        correctness(head_dims)
-    timing(DTYPES[args.dtype], head_dims, seqlens)
+        if "fwd" in parts:
+            correctness(head_dims)
+        if "bwd" in parts:
+            correctness_backward(bwd_dims)
+    if "fwd" in parts:
+        timing(DTYPES[args.dtype], head_dims, seqlens)
+    if "bwd" in parts:
+        timing_backward(DTYPES[args.dtype], bwd_dims, seqlens)
 
 
 if __name__ == "__main__":

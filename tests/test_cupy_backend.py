@@ -31,7 +31,8 @@ from mhattn.reference.naive import naive_attention
 ARCHS = ("sm_80", "sm_90")
 KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dkdv_2d", "bwd_dq")
 # (compile target, kernel) pairs CI compiles: every kernel for each architecture, the Hopper family for sm_90a.
-COMPILED = tuple((arch, kernel) for arch in ARCHS for kernel in KERNELS) + (("sm_90a", "hopper_fwd"),)
+COMPILED = tuple((arch, kernel) for arch in ARCHS for kernel in KERNELS) + (("sm_90a", "hopper_fwd"),
+                                                                             ("sm_90a", "hopper_bwd"))
 
 
 def _nvrtc_missing():
@@ -114,7 +115,8 @@ def test_build_cli_lists_and_rejects_bad_arch(capsys):
     assert len(listed) == len(variants.all_variants((9, 0)))
     assert main(["build", "--arch", "sm_90a", "--list"]) == 0
     listed = capsys.readouterr().out.strip().splitlines()
-    assert len(listed) == len(variants.hopper_variants()) and all(line.startswith("sm_90a  hopper_fwd@a[")
+    assert len(listed) == len(variants.hopper_variants()) and all(line.startswith(("sm_90a  hopper_fwd@a[",
+                                                                                    "sm_90a  hopper_bwd@a["))
                                                                   for line in listed)
     assert main(["build", "--arch", "hopper"]) == 2
     assert main(["build", "--arch", "sm_80a"]) == 2
@@ -619,7 +621,35 @@ def test_forward_path_names_the_family():
         "the mma.sync forward (kernels/fwd.cu): not the Hopper forward because not an sm_90 GPU")
     assert "a mask, dropout or softcap" in backend.forward_path(_problem(features=frozenset({"dropout"})))
     assert "head dims 96/96" in backend.forward_path(_problem(head_dim=96, head_dim_v=96))
-    assert backend.backward_path(_problem()).startswith("the mma.sync backward")
+    assert "hopper_bwd.cu" in backend.backward_path(_problem())
+    assert "deterministic" in CupyBackend(compute_capability=(9, 0), deterministic=True).backward_path(_problem())
+    assert backend.backward_path(_problem(head_dim=64, head_dim_v=64)).startswith(
+        "the mma.sync backward (kernels/bwd_*.cu): not the Hopper backward because head dims 64/64")
+
+
+def test_hopper_backward_plan_launches_the_preprocess_then_the_hopper_kernel(recorded_maps):
+    launcher = _MapLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(9, 0), deterministic=False)
+    q, k, v, grad_out = _inputs(2, 4, 2, 300, 517, 128, torch.bfloat16, "cpu")
+    params = _params(300, 517, 128, causal="bottom_right")
+    out, lse = backend.forward(q, k, v, params)  # recorded, not run: the backward reads nothing here
+    del recorded_maps[:]
+    dq, dk, dv, _ = backend.backward(grad_out, q, k, v, out, lse, params)
+    assert [call[0].kernel for call in launcher.calls[-2:]] == ["bwd_preprocess", "hopper_bwd"]
+    variant, grid, args = launcher.calls[-1]
+    assert variant == variants.hopper_bwd_variant("bfloat16", 128) and grid == (-(-517 // 128), 2, 2)
+    assert recorded_maps == [(tuple(t.shape), t.stride(), rows) for t, rows in ((q, 64), (k, 128), (v, 128),
+                                                                                (grad_out, 64))]
+    maps = [10**15 + rows * 10**12 + t.data_ptr() for t, rows in ((q, 64), (k, 128), (v, 128), (grad_out, 64))]
+    assert args[:4] == [("ptr", p) for p in maps] and args[7:9] == [("ptr", dk.data_ptr()), ("ptr", dv.data_ptr())]
+    assert args[9:15] == [("i64", s) for s in dk.stride()[:3] + dv.stride()[:3]]
+    assert args[15:] == [("i32", 300), ("i32", 384), ("i32", 517), ("i32", 4), ("i32", 2),
+                         ("f32", params.scale * ops.LOG2E), ("f32", params.scale), ("i32", 217),
+                         ("i32", ops.UNBOUNDED), ("i32", 0)]
+    # reproducible gradients asked for: the mma.sync kernels (dQ from its own kernel)
+    backend.deterministic = True
+    backend.backward(grad_out, q, k, v, out, lse, params)
+    assert launcher.calls[-1][0].kernel == "bwd_dq"
 
 
 def test_cupy_launcher_launches_on_torchs_stream_in_the_tensors_device(monkeypatch):

@@ -1,8 +1,8 @@
 """FlashAttention-2 in CUDA C++ (tensor-core mma.sync, ldmatrix, cp.async), compiled at run time by NVRTC
-through CuPy and launched on PyTorch's current stream; on sm_90 GPUs a Hopper forward (TMA, wgmma, a producer
-warpgroup; compiled for sm_90a) where it covers the problem.
+through CuPy and launched on PyTorch's current stream; on sm_90 GPUs a Hopper forward and backward (TMA, wgmma, a
+producer warpgroup; compiled for sm_90a) where they cover the problem.
 
-Kernels: ``kernels/*.cu`` (forward; backward preprocess, dK/dV, dQ; ``hopper_fwd.cu``). Tensor maps:
+Kernels: ``kernels/*.cu`` (forward; backward preprocess, dK/dV, dQ; ``hopper_fwd.cu``, ``hopper_bwd.cu``). Tensor maps:
 :mod:`.tensor_maps`. Variants and tile shapes:
 :mod:`.variants`. Compilation and the cubin cache: :mod:`.compiler`. Launch: :mod:`.launcher`.
 Host logic: :mod:`.ops`. ``mhattn build`` (:mod:`.build`) compiles every variant without a GPU.
@@ -127,7 +127,11 @@ class CupyBackend(Backend):
     def backward_path(self, problem):
         if problem.operation != "attention":
             return None
-        return "the mma.sync backward (kernels/bwd_*.cu): the Hopper family has no backward yet"
+        reason = ops.DETERMINISTIC if self._deterministic() else ops.hopper_problem_refusal(problem, backward=True)
+        if reason is None:
+            return ("the Hopper backward (kernels/hopper_bwd.cu: TMA, wgmma, dQ with atomics), when q, k, v and the "
+                    "output gradient rows are 16-byte aligned and no dim is broadcast")
+        return f"the mma.sync backward (kernels/bwd_*.cu): not the Hopper backward because {reason}"
 
     def _deterministic(self) -> bool:
         if self.deterministic is not None:

@@ -235,43 +235,58 @@ HOPPER_ENV = "MHATTN_CUPY_HOPPER"
 HOPPER_ENABLED = os.environ.get(HOPPER_ENV, "1").strip().lower() not in ("0", "false", "no", "off", "never")
 
 
+# Why the backward does not take the Hopper kernel when the problem asks for reproducible gradients.
+DETERMINISTIC = "a deterministic backward (dQ from its own kernel; the Hopper backward adds dQ with atomics)"
+
+
 def hopper_refusal(cc, dtype, head_dim: int, head_dim_v: int, bool_mask: bool, dropout: bool, softcap: bool,
-                   float_mask: bool) -> Optional[str]:
-    """Why the Hopper forward does not run a problem (None: it does, where the tensors can be mapped)."""
+                   float_mask: bool, head_dims=variants.HOPPER_HEAD_DIMS) -> Optional[str]:
+    """Why the Hopper forward (backward: ``head_dims`` of its own) does not run a problem (None: it does, where the
+    tensors can be mapped)."""
     if not HOPPER_ENABLED:
         return f"{HOPPER_ENV}=0"
     if tuple(cc or ()) != variants.HOPPER_CC:
         return "not an sm_90 GPU"
     if dtype not in _DTYPE_NAMES:
         return f"dtype {dtype}"
-    if head_dim != head_dim_v or head_dim not in variants.HOPPER_HEAD_DIMS:
-        return f"head dims {head_dim}/{head_dim_v} (equal, one of {variants.HOPPER_HEAD_DIMS})"
+    if head_dim != head_dim_v or head_dim not in head_dims:
+        return f"head dims {head_dim}/{head_dim_v} (equal, one of {tuple(head_dims)})"
     if bool_mask or dropout or softcap or float_mask:
         return "a mask, dropout or softcap"
     return None
 
 
-def hopper_problem_refusal(problem) -> Optional[str]:
-    """:func:`hopper_refusal` of a dispatcher Problem (no tensors: their alignment is not known there)."""
+def hopper_problem_refusal(problem, backward: bool = False) -> Optional[str]:
+    """:func:`hopper_refusal` of a dispatcher Problem (no tensors: their alignment is not known there); ``backward``:
+    the backward's head dims."""
     features = problem.features
     return hopper_refusal(problem.compute_capability, problem.dtype, problem.head_dim, problem.head_dim_v,
                           "bool_mask" in features, "dropout" in features, "softcap" in features,
-                          "float_mask" in features)
+                          "float_mask" in features,
+                          tuple(variants.HOPPER_BWD_STAGES) if backward else variants.HOPPER_HEAD_DIMS)
 
 
-def _hopper_call_refusal(launcher, cc, q, k, v, params: AttentionParams) -> Optional[str]:
+def _hopper_call_refusal(launcher, cc, params: AttentionParams, tensors: dict, backward: bool = False) -> Optional[str]:
+    """:func:`hopper_refusal` of a call; ``tensors``: name -> the (B, H, N, D) tensors the kernel reads through maps."""
     if not getattr(launcher, "tensor_maps", False):
         return "a launcher without tensor maps"
     mask = params.mask
+    q, v = tensors["q"], tensors["v"]
     reason = hopper_refusal(cc, q.dtype, q.shape[-1], v.shape[-1], mask is not None and mask.dtype == torch.bool,
                             params.dropout_p > 0, params.softcap is not None,
-                            mask is not None and mask.dtype != torch.bool)
+                            mask is not None and mask.dtype != torch.bool,
+                            tuple(variants.HOPPER_BWD_STAGES) if backward else variants.HOPPER_HEAD_DIMS)
     if reason is None:
-        for name, t in (("q", q), ("k", k), ("v", v)):
+        for name, t in tensors.items():
             why = tensor_maps.why_not_mappable(t)
             if why:
                 return f"{name}: {why}"
     return reason
+
+
+def _row_maps(launcher, tensors, box_rows) -> tuple:
+    wrap = getattr(launcher, "struct_value", None)
+    return tuple(tensor_maps.RowMaps(t, rows, wrap) for t, rows in zip(tensors, box_rows))
 
 
 def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params: AttentionParams, device) -> None:
@@ -280,9 +295,7 @@ def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params:
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     variant = variants.hopper_fwd_variant(_DTYPE_NAMES[q.dtype], head_dim)
     block_m, block_n = 64 * variant.define("CONSUMERS"), variant.define("BLOCK_N")
-    wrap = getattr(launcher, "struct_value", None)
-    plan.maps = (tensor_maps.RowMaps(q, block_m, wrap), tensor_maps.RowMaps(k, block_n, wrap),
-                 tensor_maps.RowMaps(v, block_n, wrap))
+    plan.maps = _row_maps(launcher, (q, k, v), (block_m, block_n, block_n))
     pairs = batch * heads_q
     args = [slot(0), slot(1), slot(2), slot(3), slot(4)] + _strides(out)
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(pairs),
@@ -343,7 +356,7 @@ def _forward_plan(launcher, cc, q, k, v, params: AttentionParams, device) -> _Fo
     plan.no_keys = seqlen_k == 0 and out.numel() != 0  # an empty output is returned as it is
     if out.numel() == 0 or seqlen_k == 0:
         return plan
-    if _hopper_call_refusal(launcher, cc, q, k, v, params) is None:
+    if _hopper_call_refusal(launcher, cc, params, {"q": q, "k": k, "v": v}) is None:
         plan.d = head_dim
         plan.tiles = _forward_tiles(head_dim)
         _hopper_forward_plan(plan, launcher, cc, q, k, v, out, params, device)
@@ -406,12 +419,12 @@ def sched_pairs(pairs: int, seqlen_k: int, head_dim: int, element_size: int) -> 
 class _BackwardPlan:
     __slots__ = ("d", "tiles", "grads", "trivial", "mask_grad", "dmask_shape", "copies", "convert_lse",
                  "convert_grad_lse", "vector_shape", "dropout", "bool_mask", "float_mask", "atomic_dq", "dq_shape",
-                 "launches")
+                 "maps", "launches")
 
 
 def _backward_tiles(d):
     return (variants.DKDV_TILES.get(d), variants.DKDV_ATOMIC_TILES.get(d), variants.DKDV_FALLBACK_TILES.get(d),
-            variants.DQ_TILES.get(d))
+            variants.DQ_TILES.get(d), variants.HOPPER_BWD_STAGES.get(d))
 
 
 def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None,
@@ -429,7 +442,7 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
            out.stride(), grad_out.stride(), q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
            out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.dtype, lse.stride(),
            None if grad_lse is None else (grad_lse.dtype, grad_lse.stride()), _params_signature(params),
-           _mask_signature(mask), bool(deterministic))
+           _mask_signature(mask), bool(deterministic), HOPPER_ENABLED)
     plan = _backward_plans.get(key)
     if plan is None or (plan.tiles is not None and plan.tiles != _backward_tiles(plan.d)):
         plan = _backward_plans.put(key, _backward_plan(launcher, cc, grad_out, q, k, v, out, lse, params, grad_lse,
@@ -462,6 +475,8 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
                 dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0 if dq_accum is None else dq_accum.data_ptr(),
                 mask.data_ptr() if plan.bool_mask else 0, 0 if seed is None else seed.data_ptr(),
                 0 if float_mask is None else float_mask.data_ptr(), 0 if dmask is None else dmask.data_ptr())
+    if plan.maps is not None:  # the Hopper backward's tensor maps follow, in _HOPPER_BWD_MAPS order
+        pointers += tuple(make(t.data_ptr()) for make, t in zip(plan.maps, (q, k, v, grad_out)))
     for launch in plan.launches:
         launch(pointers)
     if dq_accum is not None:
@@ -486,7 +501,7 @@ def _backward_plan(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionP
     plan.grads = tuple((tuple(t.shape), t.stride()) for t in (dq, dk, dv))
     plan.mask_grad = "FLOAT_MASK" in features and params.mask_requires_grad
     plan.dmask_shape = (batch, heads_q, seqlen_q, seqlen_k)
-    plan.d = plan.tiles = plan.copies = None
+    plan.d = plan.tiles = plan.copies = plan.maps = None
     plan.trivial = seqlen_q == 0 or seqlen_k == 0 or batch == 0 or heads_q == 0
     if plan.trivial:
         return plan
@@ -516,6 +531,12 @@ def _backward_plan(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionP
     args += [i32(heads_q), i32(seqlen_q), i32(seqlen_q_pad), i32(head_dim_v), i64(rows)]
     launches.append(_prepared(launcher, pre, (cdiv(rows, variants.PREPROCESS_WARPS), 1, 1), args, device, cc))
 
+    hopper_refused = DETERMINISTIC if deterministic or plan.mask_grad else _hopper_call_refusal(
+        launcher, cc, params, {"q": q, "k": k, "v": v, "grad_out": grad_out}, backward=True)
+    if hopper_refused is None:
+        _hopper_backward_plan(plan, launcher, cc, q, k, v, grad_out, params, launches, device)
+        return plan
+
     shape_args = [i32(seqlen_q), i32(seqlen_q_pad), i32(seqlen_k), i32(heads_q), i32(group), i32(head_dim),
                   f32(params.scale * LOG2E), f32(params.scale)]
     float_mask = _float_mask_of(features, params)
@@ -543,6 +564,31 @@ def _backward_plan(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionP
     plan.float_mask = float_mask is not None
     plan.launches = tuple(launches)
     return plan
+
+
+# Slots of the Hopper backward's maps in a call's pointer tuple: after BWD_POINTERS, of q, k, v, grad_out.
+_HOPPER_BWD_MAPS = {name: slot(len(BWD_POINTERS) + i) for i, name in enumerate(("q", "k", "v", "grad_out"))}
+
+
+def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, params: AttentionParams, launches,
+                          device) -> None:
+    """The plan's launches after the preprocess: kernels/hopper_bwd.cu (dK, dV; dQ into the float32 accumulator)."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    variant = variants.hopper_bwd_variant(_DTYPE_NAMES[q.dtype], head_dim)
+    plan.maps = _row_maps(launcher, (q, k, v, grad_out), (64, 128, 128, 64))
+    dk, dv = (torch.empty_strided(shape, stride, device="meta") for shape, stride in plan.grads[1:])
+    m, p = _HOPPER_BWD_MAPS, _BWD
+    args = [m["q"], m["k"], m["v"], m["grad_out"], p["lse_log2"], p["delta"], p["dq_accum"], p["dk"], p["dv"]]
+    args += _strides(dk) + _strides(dv)
+    args += [i32(seqlen_q), i32(plan.vector_shape[2]), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv),
+             f32(params.scale * LOG2E), f32(params.scale)]
+    args += _feature_args(params, p)[:3]  # diag_offset, window_left, window_right
+    launches.append(_prepared(launcher, variant, (cdiv(seqlen_k, 128), heads_kv, batch), args, device, cc))
+    plan.atomic_dq = True
+    plan.dq_shape = (batch, heads_q, seqlen_q, head_dim)
+    plan.bool_mask = plan.dropout = plan.float_mask = False
+    plan.launches = tuple(launches)
 
 
 def _mask_grad_out(dmask, params: AttentionParams):

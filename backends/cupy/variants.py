@@ -155,6 +155,9 @@ class HopperFwdTiles:
 
 
 # H100 sweeps (backends/cupy/NOTES.md, version 5).
+# The backward (kernels/hopper_bwd.cu): 128 keys a CTA in two consumer warpgroups, 64 queries a step; Q / dO ring
+# slots per head dim it takes.
+HOPPER_BWD_STAGES = {128: 2}
 HOPPER_FWD_TILES = {
     64: HopperFwdTiles(128, 2, 3, False, True),
     128: HopperFwdTiles(128, 2, 2, True, True),
@@ -414,9 +417,28 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) ->
     return Variant("hopper_fwd", defines, 128 * (1 + tiles.consumers), smem, arch_features="a")
 
 
+def hopper_bwd_smem(stages: int, d: int) -> int:
+    """kernels/hopper_bwd.cu's layout: K, V (128 keys), the Q and dO slots (64 queries), two dS^T buffers, the lse and
+    delta slots, the barriers, and 1024 bytes to align the base."""
+    return 1024 + (2 * 128 + 2 * stages * 64) * d * 2 + 2 * 128 * 64 * 2 + 2 * stages * 64 * 4 + 8 * (1 + 2 * stages)
+
+
+def hopper_bwd_variant(dtype_name: str, d: int) -> Variant:
+    if dtype_name not in DTYPE_NAMES:
+        raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
+    if d not in HOPPER_BWD_STAGES:
+        raise ValueError(f"head dim: the Hopper backward takes {tuple(HOPPER_BWD_STAGES)}, got {d}")
+    stages = HOPPER_BWD_STAGES[d]
+    smem = hopper_bwd_smem(stages, d)
+    defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("STAGES", stages),
+               ("SMEM_BYTES", smem))
+    return Variant("hopper_bwd", defines, 384, smem, arch_features="a")
+
+
 def hopper_variants() -> list:
     """Every variant of the Hopper family (what ``mhattn build --arch sm_90a`` compiles)."""
-    return [hopper_fwd_variant(dtype, d) for dtype in DTYPE_NAMES for d in HOPPER_HEAD_DIMS]
+    return ([hopper_fwd_variant(dtype, d) for dtype in DTYPE_NAMES for d in HOPPER_HEAD_DIMS]
+            + [hopper_bwd_variant(dtype, d) for dtype in DTYPE_NAMES for d in HOPPER_BWD_STAGES])
 
 
 def all_variants(cc, features: bool = True) -> list:

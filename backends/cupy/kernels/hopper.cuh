@@ -62,6 +62,16 @@ MHATTN_DEVICE void tma_load_4d(u32 dst, const TensorMap* map, u32 bar, int c0, i
       "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
+// Copies `bytes` (a multiple of 16; both ends 16-byte aligned) from global to shared memory; completion counted in
+// bytes on `bar`.
+MHATTN_DEVICE void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+// Makes this thread's plain shared-memory stores visible to the asynchronous proxy (wgmma, TMA) that reads them
+// next (a barrier among the writers must follow before the reads are issued).
+MHATTN_DEVICE void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 MHATTN_DEVICE void tma_prefetch_map(const TensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }
@@ -117,24 +127,27 @@ MHATTN_DEVICE void touch_registers(float (&d)[R]) {
 // wgmma.mma_async m64nNk16 with float32 accumulation, one overload per accumulator size (N / 2 floats a
 // thread; thread l of warp w of the warpgroup holds rows 16w + l/4 and 16w + l/4 + 8, columns 8i + 2(l%4) and
 // 8i + 2(l%4) + 1 of every n8 tile i: the m16n8 accumulator layout of mma.sync, tiled).
-//   wgmma_ss: d (64 x N) += A (64 x 16) B (16 x N), both from shared memory, both K-major (N = 64, 128);
+//   wgmma_ss: d (64 x N) += A (64 x 16) B (16 x N), both from shared memory (N = 64, 128), K-major or, with
+//             TRANS_A / TRANS_B = 1, MN-major (rows of A along the reduction, contiguous along M; B as in wgmma_rs);
 //   wgmma_rs: the same with A from registers (the m16n8k16 A fragment of each warp's 16 rows) and B MN-major
 //             (N = 64, 128, 256).
 // `accumulate` 0 overwrites d.
+template <int TRANS_A = 0, int TRANS_B = 0>
 MHATTN_DEVICE void wgmma_ss(float (&d)[32], u64 desc_a, u64 desc_b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." WGMMA_TYPE "." WGMMA_TYPE "\n"
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},\n"
-      "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      "%32, %33, p, 1, 1, %35, %36;\n}\n"
       :
         "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
 }
+template <int TRANS_A = 0, int TRANS_B = 0>
 MHATTN_DEVICE void wgmma_ss(float (&d)[64], u64 desc_a, u64 desc_b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -143,7 +156,7 @@ MHATTN_DEVICE void wgmma_ss(float (&d)[64], u64 desc_a, u64 desc_b, int accumula
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},\n"
-      "%64, %65, p, 1, 1, 0, 0;\n}\n"
+      "%64, %65, p, 1, 1, %67, %68;\n}\n"
       :
         "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -153,7 +166,7 @@ MHATTN_DEVICE void wgmma_ss(float (&d)[64], u64 desc_a, u64 desc_b, int accumula
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
 }
 MHATTN_DEVICE void wgmma_rs(float (&d)[32], const u32 (&a)[4], u64 desc_b, int accumulate) {
   asm volatile(

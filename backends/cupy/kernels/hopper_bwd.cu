@@ -1,0 +1,332 @@
+// FlashAttention backward for Hopper (sm_90a): dK and dV per block of BLOCK_N = 128 keys, dQ added to a float32
+// accumulator with atomics; TMA loads, wgmma, a producer warpgroup and two consumer warpgroups.
+//
+// A CTA owns 128 keys of one (batch, kv head): K and V are loaded once; then, for every query head of the group
+// and every block of BLOCK_M = 64 queries that can see the keys, the producer loads Q, dO, and the rows' lse (log2
+// units) and delta (kernels/bwd_preprocess.cu) into a ring of STAGES slots. Consumer warpgroup w owns keys
+// 64w..64w+63 of the block. Per query block:
+//   S^T = K Q^T, dP^T = V dO^T                       (wgmma, all operands in shared memory)
+//   P^T = 2^(S^T scale_log2 - lse), dS^T = P^T (dP^T - delta) scale     (in registers)
+//   dV += P^T dO, dK += dS^T Q                        (wgmma, P^T and dS^T from registers)
+//   dQ += dS K                                        (wgmma: both warpgroups' dS^T go through shared memory; warpgroup
+//                                                      w forms dQ columns 64w..64w+63 over all 128 keys and adds
+//                                                      them to dq_accum with float32 atomics)
+// Keys past seqlen_k read as zeros (K and V), so they add nothing to dQ and their dK / dV rows are not stored;
+// query rows past seqlen_q have lse = +inf (P = 0). The causal / window band masks P per element only in the
+// blocks that cut it.
+//
+// -D options: MHATTN_BF16, HEAD_DIM (128: the two warpgroups split dQ's columns in 64-column chunks), STAGES,
+// SMEM_BYTES (checked against the layout below).
+#define NUM_WARPS 12
+#include "common.cuh"
+#include "hopper.cuh"
+
+constexpr int BLOCK_N = 128;                   // keys per CTA (64 per consumer warpgroup)
+constexpr int BLOCK_M = 64;                    // queries per step
+constexpr int D_CHUNKS = HEAD_DIM / 64;
+constexpr int ACC_REGS = HEAD_DIM / 2;         // dK or dV accumulators per thread (64 keys x HEAD_DIM)
+constexpr int SQ_REGS = BLOCK_M / 2;           // S^T or dP^T per thread (64 keys x 64 queries)
+constexpr int Q_STEPS = BLOCK_M / 16;          // k16 steps of dV / dK (over the queries)
+constexpr u32 ROW_BYTES = 128;
+constexpr u32 SWIZZLE_ATOM = 1024;
+constexpr u32 KV_CHUNK_BYTES = BLOCK_N * ROW_BYTES;
+constexpr u32 KV_BYTES = KV_CHUNK_BYTES * D_CHUNKS;
+constexpr u32 Q_CHUNK_BYTES = BLOCK_M * ROW_BYTES;
+constexpr u32 Q_BYTES = Q_CHUNK_BYTES * D_CHUNKS;
+constexpr u32 VEC_BYTES = BLOCK_M * 4;         // lse or delta of a query block
+constexpr u32 DS_BYTES = BLOCK_N * ROW_BYTES;  // dS^T: 128 keys x 64 queries, one swizzled chunk
+// Shared memory from a 1024-byte aligned base.
+constexpr u32 K_OFFSET = 0;
+constexpr u32 V_OFFSET = K_OFFSET + KV_BYTES;
+constexpr u32 Q_OFFSET = V_OFFSET + KV_BYTES;                // STAGES slots of Q
+constexpr u32 DO_OFFSET = Q_OFFSET + STAGES * Q_BYTES;       // STAGES slots of dO
+constexpr u32 DS_OFFSET = DO_OFFSET + STAGES * Q_BYTES;      // two dS^T buffers
+constexpr u32 LSE_OFFSET = DS_OFFSET + 2 * DS_BYTES;         // STAGES slots of lse
+constexpr u32 DELTA_OFFSET = LSE_OFFSET + STAGES * VEC_BYTES;
+constexpr u32 BAR_OFFSET = DELTA_OFFSET + STAGES * VEC_BYTES;
+constexpr u32 BAR_COUNT = 1 + 2 * STAGES;                    // kv_full; q_full, q_empty per slot
+constexpr u32 LAYOUT_BYTES = BAR_OFFSET + 8 * BAR_COUNT + SWIZZLE_ATOM;
+constexpr u32 CONSUMER_WARPS = 8;
+constexpr int PRODUCER_REGS = 24;
+constexpr int CONSUMER_REGS = 240;
+constexpr int DQ_BARRIER = 1;                  // named barrier: both warpgroups' dS^T are in shared memory
+static_assert(HEAD_DIM == 128, "the Hopper backward takes head dim 128 (two 64-column chunks of dQ)");
+static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory than the layout needs");
+
+struct Ring {
+  u32 bars;  // q_full[0]
+  MHATTN_DEVICE u32 full(int s) const { return bars + 8u * s; }
+  MHATTN_DEVICE u32 empty(int s) const { return bars + 8u * (STAGES + s); }
+};
+
+// The query blocks that can see keys [n0, n0 + BLOCK_N): [first, first + count).
+struct QueryBlocks {
+  int first, count;
+};
+MHATTN_DEVICE QueryBlocks query_blocks(int n0, int seqlen_q, const Bounds& bounds) {
+  const i64 lowest = (i64)n0 - bounds.diag_offset - bounds.right;                  // first query of the first key
+  const i64 highest = (i64)(n0 + BLOCK_N - 1) - bounds.diag_offset + bounds.left;  // last query of the last key
+  const i64 n_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+  const i64 first = lowest <= 0 ? 0 : min_of<i64>(lowest / BLOCK_M, n_blocks);
+  const i64 end = highest < 0 ? 0 : min_of<i64>(highest / BLOCK_M + 1, n_blocks);
+  return {(int)first, (int)max_of<i64>(end - first, 0)};
+}
+
+// ---- the producer ----------------------------------------------------------------------------------------
+
+MHATTN_DEVICE void produce(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map,
+                           const TensorMap* do_map, const float* lse_log2, const float* delta, u32 base, u32 kv_full,
+                           Ring ring, QueryBlocks blocks, int n0, int hk, int b, int group, int heads_q,
+                           int seqlen_q_pad) {
+  mbar_arrive_expect_tx(kv_full, 2 * KV_BYTES);
+#pragma unroll
+  for (int c = 0; c < D_CHUNKS; ++c) {
+    tma_load_4d(base + K_OFFSET + c * KV_CHUNK_BYTES, k_map, kv_full, c * 64, n0, hk, b);
+    tma_load_4d(base + V_OFFSET + c * KV_CHUNK_BYTES, v_map, kv_full, c * 64, n0, hk, b);
+  }
+  int step = 0;
+  for (int h = hk * group; h < (hk + 1) * group; ++h) {
+    const i64 rows = ((i64)b * heads_q + h) * seqlen_q_pad;
+    for (int i = 0; i < blocks.count; ++i, ++step) {
+      const int s = step % STAGES;
+      const int m0 = (blocks.first + i) * BLOCK_M;
+      mbar_wait(ring.empty(s), ((step / STAGES) & 1) ^ 1);
+      mbar_arrive_expect_tx(ring.full(s), 2 * Q_BYTES + 2 * VEC_BYTES);
+#pragma unroll
+      for (int c = 0; c < D_CHUNKS; ++c) {
+        tma_load_4d(base + Q_OFFSET + s * Q_BYTES + c * Q_CHUNK_BYTES, q_map, ring.full(s), c * 64, m0, h, b);
+        tma_load_4d(base + DO_OFFSET + s * Q_BYTES + c * Q_CHUNK_BYTES, do_map, ring.full(s), c * 64, m0, h, b);
+      }
+      bulk_load(base + LSE_OFFSET + s * VEC_BYTES, lse_log2 + rows + m0, VEC_BYTES, ring.full(s));
+      bulk_load(base + DELTA_OFFSET + s * VEC_BYTES, delta + rows + m0, VEC_BYTES, ring.full(s));
+    }
+  }
+}
+
+// ---- the consumers' steps --------------------------------------------------------------------------------
+
+// Issues d (64 rows of A x 64 queries) = A B^T over the head dim: A = this warpgroup's 64 rows of K or V, B = the
+// slot's Q or dO (both K-major).
+MHATTN_DEVICE void issue_keys_by_queries(float (&d)[SQ_REGS], u32 s_rows, u32 s_queries) {
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+    const u32 chunk = kk / 4, within = (kk % 4) * 32;
+    wgmma_ss(d, smem_desc(s_rows + chunk * KV_CHUNK_BYTES + within, 16, SWIZZLE_ATOM),
+             smem_desc(s_queries + chunk * Q_CHUNK_BYTES + within, 16, SWIZZLE_ATOM), kk > 0);
+  }
+}
+
+// Issues acc (64 keys x HEAD_DIM) += A B over the queries: A = P^T or dS^T from registers, B = the slot's dO or Q
+// (MN-major: rows are queries).
+MHATTN_DEVICE void issue_key_gradient(float (&acc)[ACC_REGS], const u32 (&a)[Q_STEPS][4], u32 s_queries) {
+#pragma unroll
+  for (int kk = 0; kk < Q_STEPS; ++kk)
+    wgmma_rs(acc, a[kk], smem_desc(s_queries + kk * 16 * ROW_BYTES, Q_CHUNK_BYTES, SWIZZLE_ATOM), 1);
+}
+
+// Issues dq (64 queries x 64 columns, chunk `chunk` of the head dim) = dS K over the block's 128 keys: A = dS^T in
+// shared memory read transposed, B = K's column chunk (MN-major: rows are keys).
+MHATTN_DEVICE void issue_dq(float (&dq)[SQ_REGS], u32 s_ds, u32 s_k, int chunk) {
+#pragma unroll
+  for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+    wgmma_ss<1, 1>(dq, smem_desc(s_ds + kk * 16 * ROW_BYTES, DS_BYTES, SWIZZLE_ATOM),
+                   smem_desc(s_k + chunk * KV_CHUNK_BYTES + kk * 16 * ROW_BYTES, KV_CHUNK_BYTES, SWIZZLE_ATOM),
+                   kk > 0);
+}
+
+// Hides the scores of query/key pairs outside the band, and of keys past seqlen_k (their zero rows of K would give
+// P = 2^-lse, unbounded): score s[4i + 2r + e] is key key0 + 8r, query m0 + 8i + 2t + e; key j sees queries
+// j - diag_offset - right .. j - diag_offset + left.
+MHATTN_DEVICE int clamp_column(i64 x) { return (int)min_of<i64>(max_of<i64>(x, -1), BLOCK_M); }
+MHATTN_DEVICE void mask_scores(float (&s)[SQ_REGS], int key0, int m0, int t, int seqlen_k, const Bounds& bounds) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const i64 diag = (i64)(key0 + 8 * r) - bounds.diag_offset - m0 - 2 * t;  // the diagonal, as a column 8i + e
+    const bool key_exists = key0 + 8 * r < seqlen_k;
+    const int lo = key_exists ? clamp_column(diag - bounds.right) : BLOCK_M, hi = clamp_column(diag + bounds.left);
+#pragma unroll
+    for (int i = 0; i < BLOCK_M / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * i + e;
+        if (col < lo || col > hi) s[4 * i + 2 * r + e] = -MHATTN_INF;
+      }
+    }
+  }
+}
+
+// P^T and dS^T from S^T and dP^T (in place), with each query column's lse (log2 units) and delta from the slot.
+MHATTN_DEVICE void probabilities_and_score_gradients(float (&st)[SQ_REGS], float (&dpt)[SQ_REGS], const float* lse,
+                                                     const float* delta, int t, float scale_log2, float scale) {
+#pragma unroll
+  for (int i = 0; i < BLOCK_M / 8; ++i) {
+    const float2 l2 = *reinterpret_cast<const float2*>(lse + 8 * i + 2 * t);
+    const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * i + 2 * t);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float& p0 = st[4 * i + 2 * r];
+      float& p1 = st[4 * i + 2 * r + 1];
+      p0 = fast_exp2(fmaf(p0, scale_log2, -l2.x));
+      p1 = fast_exp2(fmaf(p1, scale_log2, -l2.y));
+      dpt[4 * i + 2 * r] = p0 * (dpt[4 * i + 2 * r] - d2.x) * scale;
+      dpt[4 * i + 2 * r + 1] = p1 * (dpt[4 * i + 2 * r + 1] - d2.y) * scale;
+    }
+  }
+}
+
+// A (64 keys x 64 queries) accumulator as the A operand of the k16 steps over the queries.
+MHATTN_DEVICE void pack_a(u32 (&a)[Q_STEPS][4], const float (&s)[SQ_REGS]) {
+#pragma unroll
+  for (int kk = 0; kk < Q_STEPS; ++kk) {
+    const float* lo = s + 8 * kk;
+    const float* hi = lo + 4;
+    a[kk][0] = pack2(lo[0], lo[1]);
+    a[kk][1] = pack2(lo[2], lo[3]);
+    a[kk][2] = pack2(hi[0], hi[1]);
+    a[kk][3] = pack2(hi[2], hi[3]);
+  }
+}
+
+// This thread's dS^T (packed) into the block's dS^T tile: rows are keys (row0, row0 + 8 within the 128), 128-byte
+// rows of 64 queries in the swizzled layout (16-byte chunk i of row r at chunk i ^ (r % 8)).
+MHATTN_DEVICE void store_ds(u32 s_ds, const u32 (&ds)[Q_STEPS][4], int row0, int t) {
+#pragma unroll
+  for (int kk = 0; kk < Q_STEPS; ++kk) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // n8 tiles 2kk and 2kk + 1: 16-byte chunks of the row
+      const int chunk = 2 * kk + half;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        const u32 addr = s_ds + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4) + 4 * t;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(ds[kk][2 * half + r]) : "memory");
+      }
+    }
+  }
+}
+
+// Adds this thread's dQ (rows m0 + row_in_block, + 8; columns col0 + 8i + 2t, + 1) to the float32 accumulator.
+MHATTN_DEVICE void add_dq(float* dq_rows, const float (&dq)[SQ_REGS], int m0, int row_in_block, int col0, int t,
+                          int seqlen_q) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = m0 + row_in_block + 8 * r;
+    if (row >= seqlen_q) continue;
+    float* dst = dq_rows + (i64)row * HEAD_DIM + col0 + 2 * t;
+#pragma unroll
+    for (int i = 0; i < BLOCK_M / 8; ++i) atomic_add2_f32(dst + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+  }
+}
+
+// dK or dV rows of this thread (keys key0, key0 + 8 below seqlen_k) into the output.
+MHATTN_DEVICE void store_key_rows(elem_t* dst_bh, i64 row_stride, const float (&acc)[ACC_REGS], int key0, int t,
+                                  int seqlen_k) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+    if (key >= seqlen_k) continue;
+    elem_t* dst = dst_bh + (i64)key * row_stride + 2 * t;
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 8; ++i)
+      *reinterpret_cast<u32*>(dst + 8 * i) = pack2(acc[4 * i + 2 * r], acc[4 * i + 2 * r + 1]);
+  }
+}
+
+MHATTN_DEVICE void release_slot(u32 empty_bar, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar_arrive(empty_bar);
+}
+
+// ---- the kernel ------------------------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+    mhattn_hopper_bwd(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+                      const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap do_map,
+                      const float* __restrict__ lse_log2, const float* __restrict__ delta, float* __restrict__ dq_accum,
+                      elem_t* __restrict__ dk, elem_t* __restrict__ dv, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb,
+                      i64 dv_sh, i64 dv_sn, int seqlen_q, int seqlen_q_pad, int seqlen_k, int heads_q, int group,
+                      float scale_log2, float scale, int diag_offset, int window_left, int window_right) {
+  MHATTN_DYNAMIC_SMEM(smem);
+  const int tid = threadIdx.x;
+  const int n0 = blockIdx.x * BLOCK_N, hk = blockIdx.y, b = blockIdx.z;
+  const Bounds bounds{diag_offset, window_left, window_right};
+  const QueryBlocks blocks = query_blocks(n0, seqlen_q, bounds);
+
+  const u32 base = (smem_u32(smem) + SWIZZLE_ATOM - 1) & ~(SWIZZLE_ATOM - 1);
+  const u32 kv_full = base + BAR_OFFSET;
+  const Ring ring{kv_full + 8};
+  if (tid == 0) {
+    mbar_init(kv_full, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(ring.full(s), 1);
+      mbar_init(ring.empty(s), CONSUMER_WARPS);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int wg = tid / 128;
+  if (wg == 0) {
+    release_registers<PRODUCER_REGS>();
+    if (tid == 0)
+      produce(&q_map, &k_map, &v_map, &do_map, lse_log2, delta, base, kv_full, ring, blocks, n0, hk, b, group,
+              heads_q, seqlen_q_pad);
+    return;
+  }
+  claim_registers<CONSUMER_REGS>();
+
+  const int w = wg - 1, lane = tid & 31, warp = (tid & 127) >> 5, t = lane & 3;
+  const int row_in_wg = warp * 16 + (lane >> 2);  // this thread's rows (keys of S^T, queries of dQ): +0 and +8
+  const int key0 = n0 + 64 * w + row_in_wg;
+  const u32 s_k_rows = base + K_OFFSET + 64 * w * ROW_BYTES, s_v_rows = base + V_OFFSET + 64 * w * ROW_BYTES;
+  float dk_acc[ACC_REGS], dv_acc[ACC_REGS];
+#pragma unroll
+  for (int i = 0; i < ACC_REGS; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+  float st[SQ_REGS], dpt[SQ_REGS], dq[SQ_REGS];
+  u32 p_frag[Q_STEPS][4], ds_frag[Q_STEPS][4];
+  const float* s_vectors = reinterpret_cast<const float*>(smem + (base - smem_u32(smem)));
+
+  mbar_wait(kv_full, 0);
+  int step = 0;
+  for (int h = hk * group; h < (hk + 1) * group; ++h) {
+    float* dq_rows = dq_accum + ((i64)b * heads_q + h) * seqlen_q * HEAD_DIM;
+    for (int i = 0; i < blocks.count; ++i, ++step) {
+      const int s = step % STAGES;
+      const int m0 = (blocks.first + i) * BLOCK_M;
+      const u32 s_q = base + Q_OFFSET + s * Q_BYTES, s_do = base + DO_OFFSET + s * Q_BYTES;
+      const u32 s_ds = base + DS_OFFSET + (step & 1) * DS_BYTES;
+      mbar_wait(ring.full(s), (step / STAGES) & 1);
+      wgmma_fence();
+      issue_keys_by_queries(st, s_k_rows, s_q);
+      wgmma_commit();
+      issue_keys_by_queries(dpt, s_v_rows, s_do);
+      wgmma_commit();
+      wgmma_wait<0>();
+      touch_registers(st);
+      touch_registers(dpt);
+      if (n0 + 64 * w + 64 > seqlen_k || !bounds.block_inside(m0, m0 + BLOCK_M - 1, n0 + 64 * w, n0 + 64 * w + 63))
+        mask_scores(st, key0, m0, t, seqlen_k, bounds);
+      probabilities_and_score_gradients(st, dpt, s_vectors + (LSE_OFFSET + s * VEC_BYTES) / 4,
+                                        s_vectors + (DELTA_OFFSET + s * VEC_BYTES) / 4, t, scale_log2, scale);
+      pack_a(p_frag, st);
+      pack_a(ds_frag, dpt);
+      wgmma_fence();
+      issue_key_gradient(dv_acc, p_frag, s_do);
+      issue_key_gradient(dk_acc, ds_frag, s_q);
+      wgmma_commit();
+      store_ds(s_ds, ds_frag, 64 * w + row_in_wg, t);
+      fence_async_shared();
+      named_barrier_sync(DQ_BARRIER, 256);  // both halves of dS^T written
+      issue_dq(dq, s_ds, base + K_OFFSET, w);
+      wgmma_commit();
+      wgmma_wait<0>();
+      touch_registers(dv_acc);
+      touch_registers(dk_acc);
+      touch_registers(dq);
+      release_slot(ring.empty(s), lane);
+      add_dq(dq_rows, dq, m0, row_in_wg, 64 * w, t, seqlen_q);
+    }
+  }
+  store_key_rows(dk + b * dk_sb + hk * dk_sh, dk_sn, dk_acc, key0, t, seqlen_k);
+  store_key_rows(dv + b * dv_sb + hk * dv_sh, dv_sn, dv_acc, key0, t, seqlen_k);
+}
