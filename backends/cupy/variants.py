@@ -419,8 +419,9 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) ->
 
 def hopper_bwd_smem(stages: int, d: int) -> int:
     """kernels/hopper_bwd.cu's layout: K, V (128 keys), the Q and dO slots (64 queries), two dS^T buffers, the lse and
-    delta slots, the barriers, and 1024 bytes to align the base."""
-    return 1024 + (2 * 128 + 2 * stages * 64) * d * 2 + 2 * 128 * 64 * 2 + 2 * stages * 64 * 4 + 8 * (1 + 2 * stages)
+    delta slots, a float32 dQ tile (rows padded by 8), the barriers, and 1024 bytes to align the base."""
+    return (1024 + (2 * 128 + 2 * stages * 64) * d * 2 + 2 * 128 * 64 * 2 + 2 * stages * 64 * 4 + 64 * (d + 8) * 4
+            + 8 * (3 + 2 * stages))
 
 
 def hopper_bwd_variant(dtype_name: str, d: int) -> Variant:

@@ -9,8 +9,9 @@
 //   P^T = 2^(S^T scale_log2 - lse), dS^T = P^T (dP^T - delta) scale     (in registers)
 //   dV += P^T dO, dK += dS^T Q                        (wgmma, P^T and dS^T from registers)
 //   dQ += dS K                                        (wgmma: both warpgroups' dS^T go through shared memory; warpgroup
-//                                                      w forms dQ columns 64w..64w+63 over all 128 keys and adds
-//                                                      them to dq_accum with float32 atomics)
+//                                                      w forms dQ columns 64w..64w+63 over all 128 keys)
+// The consumers leave dQ in shared memory; warps 1-3 of the producer warpgroup add it to dq_accum with float32
+// atomics while the consumers go on with the next query block.
 // Keys past seqlen_k read as zeros (K and V), so they add nothing to dQ and their dK / dV rows are not stored;
 // query rows past seqlen_q have lse = +inf (P = 0). The causal / window band masks P per element only in the
 // blocks that cut it.
@@ -43,8 +44,11 @@ constexpr u32 DO_OFFSET = Q_OFFSET + STAGES * Q_BYTES;       // STAGES slots of 
 constexpr u32 DS_OFFSET = DO_OFFSET + STAGES * Q_BYTES;      // two dS^T buffers
 constexpr u32 LSE_OFFSET = DS_OFFSET + 2 * DS_BYTES;         // STAGES slots of lse
 constexpr u32 DELTA_OFFSET = LSE_OFFSET + STAGES * VEC_BYTES;
-constexpr u32 BAR_OFFSET = DELTA_OFFSET + STAGES * VEC_BYTES;
-constexpr u32 BAR_COUNT = 1 + 2 * STAGES;                    // kv_full; q_full, q_empty per slot
+constexpr int DQ_ROW_FLOATS = HEAD_DIM + 8;                  // padded: the consumers' float2 stores hit distinct banks
+constexpr u32 DQ_OFFSET = DELTA_OFFSET + STAGES * VEC_BYTES;  // a query block's dQ, float32
+constexpr u32 BAR_OFFSET = DQ_OFFSET + BLOCK_M * DQ_ROW_FLOATS * 4;
+constexpr u32 BAR_COUNT = 3 + 2 * STAGES;                    // kv_full, dq_full, dq_empty; q_full, q_empty per slot
+constexpr u32 DQ_WRITER_WARPS = 3;                           // warps 1-3 of the producer warpgroup
 constexpr u32 LAYOUT_BYTES = BAR_OFFSET + 8 * BAR_COUNT + SWIZZLE_ATOM;
 constexpr u32 CONSUMER_WARPS = 8;
 constexpr int PRODUCER_REGS = 24;
@@ -205,16 +209,39 @@ MHATTN_DEVICE void store_ds(u32 s_ds, const u32 (&ds)[Q_STEPS][4], int row0, int
   }
 }
 
-// Adds this thread's dQ (rows m0 + row_in_block, + 8; columns col0 + 8i + 2t, + 1) to the float32 accumulator.
-MHATTN_DEVICE void add_dq(float* dq_rows, const float (&dq)[SQ_REGS], int m0, int row_in_block, int col0, int t,
-                          int seqlen_q) {
+// This thread's dQ (rows row_in_block, + 8; columns col0 + 8i + 2t, + 1) into the shared dQ tile.
+MHATTN_DEVICE void store_dq(float* s_dq, const float (&dq)[SQ_REGS], int row_in_block, int col0, int t) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = m0 + row_in_block + 8 * r;
-    if (row >= seqlen_q) continue;
-    float* dst = dq_rows + (i64)row * HEAD_DIM + col0 + 2 * t;
+    float* dst = s_dq + (row_in_block + 8 * r) * DQ_ROW_FLOATS + col0 + 2 * t;
 #pragma unroll
-    for (int i = 0; i < BLOCK_M / 8; ++i) atomic_add2_f32(dst + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+    for (int i = 0; i < BLOCK_M / 8; ++i)
+      *reinterpret_cast<float2*>(dst + 8 * i) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+  }
+}
+
+// The dQ writers (warps 1-3 of the producer warpgroup, `worker` 0..95): per query block, the shared dQ tile added
+// to dq_accum with 16-byte atomics, rows below seqlen_q; the steps in the consumers' order.
+MHATTN_DEVICE void write_dq(const float* s_dq, float* dq_accum, u32 dq_full, u32 dq_empty, QueryBlocks blocks,
+                            int hk, int b, int group, int heads_q, int seqlen_q, int worker) {
+  int step = 0;
+  for (int h = hk * group; h < (hk + 1) * group; ++h) {
+    float* dq_rows = dq_accum + ((i64)b * heads_q + h) * seqlen_q * HEAD_DIM;
+    for (int i = 0; i < blocks.count; ++i, ++step) {
+      const int m0 = (blocks.first + i) * BLOCK_M;
+      const int rows = min_of(BLOCK_M, seqlen_q - m0);
+      mbar_wait(dq_full, step & 1);
+      for (int x = worker; x < rows * (HEAD_DIM / 4); x += 32 * DQ_WRITER_WARPS) {
+        const int row = x / (HEAD_DIM / 4), col = (x % (HEAD_DIM / 4)) * 4;
+        const float4 v = *reinterpret_cast<const float4*>(s_dq + row * DQ_ROW_FLOATS + col);
+        float* dst = dq_rows + (i64)(m0 + row) * HEAD_DIM + col;
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z),
+                     "f"(v.w)
+                     : "memory");
+      }
+      __syncwarp();
+      if ((worker & 31) == 0) mbar_arrive(dq_empty);
+    }
   }
 }
 
@@ -253,10 +280,13 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   const QueryBlocks blocks = query_blocks(n0, seqlen_q, bounds);
 
   const u32 base = (smem_u32(smem) + SWIZZLE_ATOM - 1) & ~(SWIZZLE_ATOM - 1);
-  const u32 kv_full = base + BAR_OFFSET;
-  const Ring ring{kv_full + 8};
+  const u32 kv_full = base + BAR_OFFSET, dq_full = kv_full + 8, dq_empty = kv_full + 16;
+  const Ring ring{kv_full + 24};
+  float* s_dq = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + DQ_OFFSET);
   if (tid == 0) {
     mbar_init(kv_full, 1);
+    mbar_init(dq_full, CONSUMER_WARPS);
+    mbar_init(dq_empty, DQ_WRITER_WARPS);
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(ring.full(s), 1);
       mbar_init(ring.empty(s), CONSUMER_WARPS);
@@ -271,6 +301,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     if (tid == 0)
       produce(&q_map, &k_map, &v_map, &do_map, lse_log2, delta, base, kv_full, ring, blocks, n0, hk, b, group,
               heads_q, seqlen_q_pad);
+    else if (tid >= 32)
+      write_dq(s_dq, dq_accum, dq_full, dq_empty, blocks, hk, b, group, heads_q, seqlen_q, tid - 32);
     return;
   }
   claim_registers<CONSUMER_REGS>();
@@ -289,7 +321,6 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   mbar_wait(kv_full, 0);
   int step = 0;
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
-    float* dq_rows = dq_accum + ((i64)b * heads_q + h) * seqlen_q * HEAD_DIM;
     for (int i = 0; i < blocks.count; ++i, ++step) {
       const int s = step % STAGES;
       const int m0 = (blocks.first + i) * BLOCK_M;
@@ -324,7 +355,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       touch_registers(dk_acc);
       touch_registers(dq);
       release_slot(ring.empty(s), lane);
-      add_dq(dq_rows, dq, m0, row_in_wg, 64 * w, t, seqlen_q);
+      mbar_wait(dq_empty, (step & 1) ^ 1);  // the writers are done with the last block's dQ
+      store_dq(s_dq, dq, row_in_wg, 64 * w, t);
+      release_slot(dq_full, lane);
     }
   }
   store_key_rows(dk + b * dk_sb + hk * dk_sh, dk_sn, dk_acc, key0, t, seqlen_k);
