@@ -623,8 +623,8 @@ def test_forward_path_names_the_family():
     assert "head dims 96/96" in backend.forward_path(_problem(head_dim=96, head_dim_v=96))
     assert "hopper_bwd.cu" in backend.backward_path(_problem())
     assert "deterministic" in CupyBackend(compute_capability=(9, 0), deterministic=True).backward_path(_problem())
-    assert backend.backward_path(_problem(head_dim=64, head_dim_v=64)).startswith(
-        "the mma.sync backward (kernels/bwd_*.cu): not the Hopper backward because head dims 64/64")
+    assert backend.backward_path(_problem(head_dim=256, head_dim_v=256)).startswith(
+        "the mma.sync backward (kernels/bwd_*.cu): not the Hopper backward because head dims 256/256")
 
 
 def test_hopper_backward_plan_launches_the_preprocess_then_the_hopper_kernel(recorded_maps):

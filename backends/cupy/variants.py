@@ -157,7 +157,7 @@ class HopperFwdTiles:
 # H100 sweeps (backends/cupy/NOTES.md, version 5).
 # The backward (kernels/hopper_bwd.cu): 128 keys a CTA in two consumer warpgroups, 64 queries a step; Q / dO ring
 # slots per head dim it takes.
-HOPPER_BWD_STAGES = {128: 2}
+HOPPER_BWD_STAGES = {64: 2, 128: 2}
 HOPPER_FWD_TILES = {
     64: HopperFwdTiles(128, 2, 3, False, True),
     128: HopperFwdTiles(128, 2, 2, True, True),
@@ -419,9 +419,10 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) ->
 
 def hopper_bwd_smem(stages: int, d: int) -> int:
     """kernels/hopper_bwd.cu's layout: K, V (128 keys), the Q and dO slots (64 queries), two dS^T buffers, the lse and
-    delta slots, a float32 dQ tile (rows padded by 8), the barriers, and 1024 bytes to align the base."""
-    return (1024 + (2 * 128 + 2 * stages * 64) * d * 2 + 2 * 128 * 64 * 2 + 2 * stages * 64 * 4 + 64 * (d + 8) * 4
-            + 8 * (3 + 2 * stages))
+    delta slots, float32 dQ tiles (two at d = 64; rows padded by 8), the barriers, and 1024 bytes to align the base."""
+    dq_tiles = 2 if d == 64 else 1
+    return (1024 + (2 * 128 + 2 * stages * 64) * d * 2 + 2 * 128 * 64 * 2 + 2 * stages * 64 * 4
+            + dq_tiles * 64 * (d + 8) * 4 + 8 * (3 + 2 * stages))
 
 
 def hopper_bwd_variant(dtype_name: str, d: int) -> Variant:

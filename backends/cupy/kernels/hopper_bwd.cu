@@ -8,16 +8,16 @@
 //   S^T = K Q^T, dP^T = V dO^T                       (wgmma, all operands in shared memory)
 //   P^T = 2^(S^T scale_log2 - lse), dS^T = P^T (dP^T - delta) scale     (in registers)
 //   dV += P^T dO, dK += dS^T Q                        (wgmma, P^T and dS^T from registers)
-//   dQ += dS K                                        (wgmma: both warpgroups' dS^T go through shared memory; warpgroup
-//                                                      w forms dQ columns 64w..64w+63 over all 128 keys)
+//   dQ += dS K                                        (wgmma, dS^T through shared memory: at d = 128 warpgroup w
+//                                                      forms dQ columns 64w..64w+63 over all 128 keys; at d = 64
+//                                                      every column over its own 64 keys)
 // The consumers leave dQ in shared memory; warps 1-3 of the producer warpgroup add it to dq_accum with float32
-// atomics while the consumers go on with the next query block.
+// atomics (at d = 64 the two warpgroups' tiles summed first) while the consumers go on with the next query block.
 // Keys past seqlen_k read as zeros (K and V), so they add nothing to dQ and their dK / dV rows are not stored;
 // query rows past seqlen_q have lse = +inf (P = 0). The causal / window band masks P per element only in the
 // blocks that cut it.
 //
-// -D options: MHATTN_BF16, HEAD_DIM (128: the two warpgroups split dQ's columns in 64-column chunks), STAGES,
-// SMEM_BYTES (checked against the layout below).
+// -D options: MHATTN_BF16, HEAD_DIM (64 or 128), STAGES, SMEM_BYTES (checked against the layout below).
 #define NUM_WARPS 12
 #include "common.cuh"
 #include "hopper.cuh"
@@ -44,17 +44,22 @@ constexpr u32 DO_OFFSET = Q_OFFSET + STAGES * Q_BYTES;       // STAGES slots of 
 constexpr u32 DS_OFFSET = DO_OFFSET + STAGES * Q_BYTES;      // two dS^T buffers
 constexpr u32 LSE_OFFSET = DS_OFFSET + 2 * DS_BYTES;         // STAGES slots of lse
 constexpr u32 DELTA_OFFSET = LSE_OFFSET + STAGES * VEC_BYTES;
+// dQ of a query block: at d = 128 the warpgroups split its 64-column chunks (over all keys, after a barrier between
+// them); at d = 64 each forms all of it over its own keys, into a tile of its own.
+constexpr bool DQ_BY_KEYS = D_CHUNKS == 1;
+constexpr int DQ_TILES = DQ_BY_KEYS ? 2 : 1;
 constexpr int DQ_ROW_FLOATS = HEAD_DIM + 8;                  // padded: the consumers' float2 stores hit distinct banks
-constexpr u32 DQ_OFFSET = DELTA_OFFSET + STAGES * VEC_BYTES;  // a query block's dQ, float32
-constexpr u32 BAR_OFFSET = DQ_OFFSET + BLOCK_M * DQ_ROW_FLOATS * 4;
+constexpr u32 DQ_TILE_BYTES = BLOCK_M * DQ_ROW_FLOATS * 4;
+constexpr u32 DQ_OFFSET = DELTA_OFFSET + STAGES * VEC_BYTES;  // float32
+constexpr u32 BAR_OFFSET = DQ_OFFSET + DQ_TILES * DQ_TILE_BYTES;
 constexpr u32 BAR_COUNT = 3 + 2 * STAGES;                    // kv_full, dq_full, dq_empty; q_full, q_empty per slot
 constexpr u32 DQ_WRITER_WARPS = 3;                           // warps 1-3 of the producer warpgroup
 constexpr u32 LAYOUT_BYTES = BAR_OFFSET + 8 * BAR_COUNT + SWIZZLE_ATOM;
 constexpr u32 CONSUMER_WARPS = 8;
 constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = 240;
-constexpr int DQ_BARRIER = 1;                  // named barrier: both warpgroups' dS^T are in shared memory
-static_assert(HEAD_DIM == 128, "the Hopper backward takes head dim 128 (two 64-column chunks of dQ)");
+constexpr int DQ_BARRIER = 1;                  // named barriers (+ w at d = 64): the dS^T dQ reads is in shared memory
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "the Hopper backward takes head dims 64 and 128");
 static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory than the layout needs");
 
 struct Ring {
@@ -128,13 +133,16 @@ MHATTN_DEVICE void issue_key_gradient(float (&acc)[ACC_REGS], const u32 (&a)[Q_S
     wgmma_rs(acc, a[kk], smem_desc(s_queries + kk * 16 * ROW_BYTES, Q_CHUNK_BYTES, SWIZZLE_ATOM), 1);
 }
 
-// Issues dq (64 queries x 64 columns, chunk `chunk` of the head dim) = dS K over the block's 128 keys: A = dS^T in
-// shared memory read transposed, B = K's column chunk (MN-major: rows are keys).
-MHATTN_DEVICE void issue_dq(float (&dq)[SQ_REGS], u32 s_ds, u32 s_k, int chunk) {
+// Issues warpgroup w's dq (64 queries x 64 columns) = dS K: A = dS^T in shared memory read transposed, B = K
+// (MN-major: rows are keys). At d = 128: column chunk w over the block's 128 keys; at d = 64: over keys 64w.. only.
+MHATTN_DEVICE void issue_dq(float (&dq)[SQ_REGS], u32 s_ds, u32 s_k, int w) {
+  constexpr int KEYS = DQ_BY_KEYS ? 64 : BLOCK_N;
+  const u32 first_row = DQ_BY_KEYS ? 64 * w * ROW_BYTES : 0, chunk = DQ_BY_KEYS ? 0 : w;
 #pragma unroll
-  for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-    wgmma_ss<1, 1>(dq, smem_desc(s_ds + kk * 16 * ROW_BYTES, DS_BYTES, SWIZZLE_ATOM),
-                   smem_desc(s_k + chunk * KV_CHUNK_BYTES + kk * 16 * ROW_BYTES, KV_CHUNK_BYTES, SWIZZLE_ATOM),
+  for (int kk = 0; kk < KEYS / 16; ++kk)
+    wgmma_ss<1, 1>(dq, smem_desc(s_ds + first_row + kk * 16 * ROW_BYTES, DS_BYTES, SWIZZLE_ATOM),
+                   smem_desc(s_k + chunk * KV_CHUNK_BYTES + first_row + kk * 16 * ROW_BYTES, KV_CHUNK_BYTES,
+                             SWIZZLE_ATOM),
                    kk > 0);
 }
 
@@ -233,7 +241,11 @@ MHATTN_DEVICE void write_dq(const float* s_dq, float* dq_accum, u32 dq_full, u32
       mbar_wait(dq_full, step & 1);
       for (int x = worker; x < rows * (HEAD_DIM / 4); x += 32 * DQ_WRITER_WARPS) {
         const int row = x / (HEAD_DIM / 4), col = (x % (HEAD_DIM / 4)) * 4;
-        const float4 v = *reinterpret_cast<const float4*>(s_dq + row * DQ_ROW_FLOATS + col);
+        float4 v = *reinterpret_cast<const float4*>(s_dq + row * DQ_ROW_FLOATS + col);
+        if (DQ_TILES == 2) {  // the other warpgroup's share
+          const float4 u = *reinterpret_cast<const float4*>(s_dq + DQ_TILE_BYTES / 4 + row * DQ_ROW_FLOATS + col);
+          v = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
+        }
         float* dst = dq_rows + (i64)(m0 + row) * HEAD_DIM + col;
         asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z),
                      "f"(v.w)
@@ -347,7 +359,10 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       wgmma_commit();
       store_ds(s_ds, ds_frag, 64 * w + row_in_wg, t);
       fence_async_shared();
-      named_barrier_sync(DQ_BARRIER, 256);  // both halves of dS^T written
+      if (DQ_BY_KEYS)
+        named_barrier_sync(DQ_BARRIER + w, 128);  // this warpgroup's dS^T written
+      else
+        named_barrier_sync(DQ_BARRIER, 256);  // both halves of dS^T written
       issue_dq(dq, s_ds, base + K_OFFSET, w);
       wgmma_commit();
       wgmma_wait<0>();
@@ -356,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       touch_registers(dq);
       release_slot(ring.empty(s), lane);
       mbar_wait(dq_empty, (step & 1) ^ 1);  // the writers are done with the last block's dQ
-      store_dq(s_dq, dq, row_in_wg, 64 * w, t);
+      store_dq(s_dq + (DQ_BY_KEYS ? w * DQ_TILE_BYTES / 4 : 0), dq, row_in_wg, DQ_BY_KEYS ? 0 : 64 * w, t);
       release_slot(dq_full, lane);
     }
   }
