@@ -550,8 +550,10 @@ class _MapLauncher(_RecordingLauncher):
 @pytest.fixture
 def recorded_maps(monkeypatch):
     """tensor_maps.RowMaps replaced (no CUDA driver here): records (shape, strides, box rows) of each map made; a
-    map at an address is the int 10**15 + box rows * 10**12 + address (so a recording launcher can bind it)."""
+    map at an address is the int 10**15 + box rows * 10**12 + address (so a recording launcher can bind it). The
+    GPU has 5 SMs."""
     made = []
+    monkeypatch.setattr(ops, "sm_count", lambda device: 5)
 
     class RecordedMaps:
         def __init__(self, t, box_rows, wrap=None):
@@ -565,8 +567,7 @@ def recorded_maps(monkeypatch):
     return made
 
 
-def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps, monkeypatch):
-    monkeypatch.setattr(ops, "sm_count", lambda device: 5)
+def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps):
     launcher = _MapLauncher()
     backend = CupyBackend(launcher=launcher, compute_capability=(9, 0))
     q, k, v, _ = _inputs(2, 4, 2, 300, 517, 128, torch.bfloat16, "cpu")
@@ -576,12 +577,14 @@ def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps,
     tiles = variants.HOPPER_FWD_TILES[128]
     block_m = 64 * tiles.consumers
     assert variant == variants.hopper_fwd_variant("bfloat16", 128) and variant.arch_features == "a"
-    assert grid == (-(-300 // block_m) * 8, 1, 1)  # causal: one CTA a tile
+    tile_count = -(-300 // block_m) * 8
+    assert grid == ((min(tile_count, 5) if tiles.persistent else tile_count), 1, 1)
     assert recorded_maps == [(tuple(q.shape), q.stride(), block_m), (tuple(k.shape), k.stride(), tiles.block_n),
                              (tuple(v.shape), v.stride(), tiles.block_n)]
     maps = [10**15 + rows * 10**12 + t.data_ptr() for rows, t in ((block_m, q), (tiles.block_n, k), (tiles.block_n, v))]
     assert args[:5] == [("ptr", p) for p in maps + [out.data_ptr(), lse.data_ptr()]]
-    assert args[5:] == [("i64", s) for s in out.stride()[:3]] + [
+    assert (args[5][0] == "ptr" and args[5][1] != 0) == tiles.persistent  # a tile counter: causal, persistent
+    assert args[6:] == [("i64", s) for s in out.stride()[:3]] + [
         ("i32", 300), ("i32", 517), ("i32", 4), ("i32", 2), ("i32", 8), ("i32", ops.sched_pairs(8, 517, 128, 2)),
         ("f32", params.scale * ops.LOG2E), ("i32", 217), ("i32", 64), ("i32", 0)]
     # a second call with other tensors of the same signature makes no map and prepares nothing
@@ -589,9 +592,10 @@ def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps,
     backend.forward(q2, k2, v2, params)
     assert len(recorded_maps) == 3 and len(launcher.prepared) == 1
     assert launcher.calls[-1][2][0] == ("ptr", 10**15 + block_m * 10**12 + q2.data_ptr())
-    # without a mask the tiles cost the same: persistent, one CTA per SM (5 here) where the table says so
+    # without a mask the tiles cost the same: persistent without a counter (the tiles gridDim.x apart)
     backend.forward(q, k, v, _params(300, 517, 128))
-    assert launcher.calls[-1][1] == ((5, 1, 1) if tiles.persistent else (-(-300 // block_m) * 8, 1, 1))
+    assert launcher.calls[-1][1] == ((5, 1, 1) if tiles.persistent else (tile_count, 1, 1))
+    assert launcher.calls[-1][2][5] == ("ptr", 0)
 
 
 @pytest.mark.parametrize("case", ["head dim 96", "value head dim", "softcap", "float mask", "bool mask", "dropout",

@@ -220,7 +220,7 @@ def _copied(tensors, copies) -> list:
 
 class _ForwardPlan:
     __slots__ = ("d", "tiles", "out_shape", "out_stride", "lse_shape", "no_keys", "copies", "bool_mask", "dropout",
-                 "float_mask", "maps", "launch")
+                 "float_mask", "maps", "tile_counter", "launch")
 
 
 def _forward_tiles(d):
@@ -290,21 +290,23 @@ def _row_maps(launcher, tensors, box_rows) -> tuple:
 
 
 def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params: AttentionParams, device) -> None:
-    """The plan's launch through kernels/hopper_fwd.cu; its pointer tuple is (q map, k map, v map, out, lse)."""
+    """The plan's launch through kernels/hopper_fwd.cu; its pointer tuple is (q map, k map, v map, out, lse, tile
+    counter or 0)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     variant = variants.hopper_fwd_variant(_DTYPE_NAMES[q.dtype], head_dim)
     block_m, block_n = 64 * variant.define("CONSUMERS"), variant.define("BLOCK_N")
     plan.maps = _row_maps(launcher, (q, k, v), (block_m, block_n, block_n))
     pairs = batch * heads_q
-    args = [slot(0), slot(1), slot(2), slot(3), slot(4)] + _strides(out)
+    args = [slot(0), slot(1), slot(2), slot(3), slot(4), slot(5)] + _strides(out)
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(pairs),
              i32(sched_pairs(pairs, seqlen_k, head_dim, q.element_size())), f32(params.scale * LOG2E)]
     args += _feature_args(params, _FWD)[:3]  # diag_offset, window_left, window_right
-    # Persistent (one CTA per SM, at most one fits, each walking tiles) where the tiles cost the same; under a causal
-    # mask or a window one CTA a tile, so the GPU hands the next (lighter) tile to whichever SM frees first.
+    # Persistent: one CTA per SM (at most one fits), each walking tiles; under a causal mask or a window (tiles of
+    # unequal cost) the CTAs take the next tile from a counter (zeroed per call), whichever is free first.
     tiles = cdiv(seqlen_q, block_m) * pairs
-    persistent = variants.HOPPER_FWD_TILES[head_dim].persistent and not params.has_window
+    persistent = variants.HOPPER_FWD_TILES[head_dim].persistent
+    plan.tile_counter = persistent and params.has_window
     grid = (min(tiles, sm_count(device)) if persistent else tiles, 1, 1)
     plan.launch = _prepared(launcher, variant, grid, args, device, cc)
 
@@ -334,7 +336,9 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
         return (out.zero_(), lse.fill_(float("-inf"))) if plan.no_keys else (out, lse)
     if plan.maps is not None:
         q_map, k_map, v_map = plan.maps
-        plan.launch((q_map(q.data_ptr()), k_map(k.data_ptr()), v_map(v.data_ptr()), out.data_ptr(), lse.data_ptr()))
+        counter = torch.zeros(1, dtype=torch.int32, device=device) if plan.tile_counter else None
+        plan.launch((q_map(q.data_ptr()), k_map(k.data_ptr()), v_map(v.data_ptr()), out.data_ptr(), lse.data_ptr(),
+                     0 if counter is None else counter.data_ptr()))
         return out, lse
     if plan.copies:
         q, k, v = _copied((q, k, v), plan.copies)

@@ -151,7 +151,7 @@ class HopperFwdTiles:
     stages: int       # K and V slots each in the shared-memory ring
     consumers: int    # consumer warpgroups (64 query rows each): BLOCK_M = 64 * consumers
     pingpong: bool    # two consumers take turns to issue their products (kernels/hopper_fwd.cu)
-    persistent: bool  # without a causal mask or window: one CTA per SM walking the tiles (else one CTA a tile)
+    persistent: bool  # one CTA per SM walking the tiles (a tile counter under a causal mask or window), else one a tile
 
 
 # H100 sweeps (backends/cupy/NOTES.md, version 5).
@@ -397,8 +397,10 @@ def kernel_variants(cc, dtype_name: str, d: int, level: str, features=()) -> lis
 
 
 def hopper_fwd_smem(tiles: HopperFwdTiles, d: int) -> int:
-    """kernels/hopper_fwd.cu's layout: Q, the K and V slots, the barriers, and 1024 bytes to align the base."""
-    return 1024 + (64 * tiles.consumers + 2 * tiles.stages * tiles.block_n) * d * 2 + 8 * (2 + 4 * tiles.stages)
+    """kernels/hopper_fwd.cu's layout: Q, the K and V slots, the barriers, two tile indices, and 1024 bytes to align
+    the base."""
+    return (1024 + (64 * tiles.consumers + 2 * tiles.stages * tiles.block_n) * d * 2 + 8 * (6 + 4 * tiles.stages)
+            + 8)
 
 
 def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) -> Variant:

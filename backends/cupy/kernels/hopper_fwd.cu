@@ -1,8 +1,10 @@
 // FlashAttention forward for Hopper (sm_90a): TMA loads, wgmma, a producer warpgroup and consumer warpgroups.
 //
-// The kernel is persistent: one CTA per SM walks tiles of BLOCK_M = 64 * CONSUMERS query rows of one (batch, head)
-// (tile_at's order), so the loads of a tile's first blocks overlap the end of the one before. A CTA has 1 +
-// CONSUMERS warpgroups:
+// The kernel can be persistent: CTAs walk tiles of BLOCK_M = 64 * CONSUMERS query rows of one (batch, head) (tile_at's
+// order), so the loads of a tile's first blocks overlap the end of the one before. A CTA's first tile is its index;
+// then, with a tile counter (tiles of unequal cost: a causal mask or a window), the next one not yet taken (an
+// atomic add: whichever CTA is free takes the next tile), else the one gridDim.x further. The producer hands each
+// tile index to the consumers through shared memory. A CTA has 1 + CONSUMERS warpgroups:
 //   warpgroup 0, the producer: one thread issues the TMA copies: per tile Q (once the consumers are done with the
 //     last tile's Q), then K and V of each key block into rings of STAGES slots that run on across tiles; a slot
 //     is loaded again once every consumer warp has released it;
@@ -42,12 +44,14 @@ constexpr u32 SWIZZLE_ATOM = 1024;             // 8 rows of 128 bytes: the tiles
 constexpr u32 K_OFFSET = Q_BYTES;
 constexpr u32 V_OFFSET = K_OFFSET + STAGES * KV_BYTES;
 constexpr u32 BAR_OFFSET = V_OFFSET + STAGES * KV_BYTES;
-constexpr u32 BAR_COUNT = 2 + 4 * STAGES;      // q_full, q_empty; k_full, v_full, k_empty, v_empty per slot
-constexpr u32 LAYOUT_BYTES = BAR_OFFSET + 8 * BAR_COUNT + SWIZZLE_ATOM;  // + the worst-case alignment shift
+// q_full, q_empty; tile_full, tile_empty for each of two tile slots; k_full, v_full, k_empty, v_empty per ring slot
+constexpr u32 BAR_COUNT = 6 + 4 * STAGES;
+constexpr u32 TILE_OFFSET = BAR_OFFSET + 8 * BAR_COUNT;  // two tile indices
+constexpr u32 LAYOUT_BYTES = TILE_OFFSET + 8 + SWIZZLE_ATOM;  // + the worst-case alignment shift
 constexpr u32 CONSUMER_WARPS = 4 * CONSUMERS;  // each releases a slot once
 // Register budgets (setmaxnreg): 128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536.
-constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 24;
-constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 232 : 160;
+constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 56 : HEAD_DIM == 256 ? 40 : 56;
+constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 152 : HEAD_DIM == 256 ? 232 : 224;  // d = 256: O is 128 a thread
 constexpr float LN2 = 0.6931471805599453f;
 static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be whole 64-column chunks");
 static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N must be 64 or 128 (the wgmma_ss overloads)");
@@ -144,9 +148,9 @@ MHATTN_DEVICE void produce_tile(const TensorMap* q_map, const TensorMap* k_map, 
 // ---- the consumers' steps --------------------------------------------------------------------------------
 
 // The ping-pong schedule's turns (no-ops without PINGPONG): consumer c issues its products between take() on
-// named barrier 1 + c and pass() on the other's. Consumer 0 goes first (consumer 1's start() arrives on barrier
-// 1); both take the same number of turns (tile by tile), and the pass after the final turn of the CTA's last tile
-// is left out for consumer 1 so no arrival is left over (where that tile has no keys, one is: harmless at exit).
+// named barrier 1 + c and pass() on the other's. In every tile consumer 0 goes first (consumer 1's start() arrives
+// on barrier 1), both take the same number of turns, and consumer 1 leaves out the pass after its last turn, so no
+// arrival is left over from one tile to the next.
 struct Turns {
   int mine, other;
   MHATTN_DEVICE void start() const {
@@ -291,9 +295,9 @@ struct Consumer {
 };
 
 // One tile of this consumer's 64 rows: O and lse written. q_round: tiles with keys consumed so far; ring: key
-// blocks consumed so far (the producer's counts); last_tile: no later tile of this CTA (the final turn's pass).
+// blocks consumed so far (the producer's counts).
 MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Problem& pb, int q_round, int& ring,
-                                bool last_tile, elem_t* o, float* lse, i64 o_sb, i64 o_sh, i64 o_sn) {
+                                elem_t* o, float* lse, i64 o_sb, i64 o_sh, i64 o_sn) {
   float o_acc[O_REGS];
 #pragma unroll
   for (int i = 0; i < O_REGS; ++i) o_acc[i] = 0.f;
@@ -308,6 +312,7 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
   };
 
   if (blocks.count > 0) {
+    c.turns.start();
     mbar_wait(c.q_full, q_round & 1);
     // The first block: scores, softmax, nothing to multiply yet.
     int s = ring % STAGES;
@@ -360,7 +365,7 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
     wgmma_fence();
     issue_pv(o_acc, p, c.s_v + s * KV_BYTES);
     wgmma_commit();
-    c.turns.pass(last_tile);
+    c.turns.pass(true);
     wgmma_wait<0>();
     touch_registers(o_acc);
     release_slot(c.slots.v_empty(s), c.lane);
@@ -370,14 +375,41 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
   store_rows(o_acc, m, l, o + tile.b * o_sb + tile.h * o_sh, lse + bh * pb.seqlen_q, o_sn, row0, c.t, pb.seqlen_q);
 }
 
+// ---- tile handoff ----------------------------------------------------------------------------------------
+
+// Two slots through which the producer hands tile indices to the consumers (-1: no more tiles).
+struct TileSlots {
+  u32 bars, indices;  // tile_full[2], tile_empty[2]; two ints
+  MHATTN_DEVICE u32 full(int n) const { return bars + 8u * (n & 1); }
+  MHATTN_DEVICE u32 empty(int n) const { return bars + 16u + 8u * (n & 1); }
+  MHATTN_DEVICE u32 index(int n) const { return indices + 4u * (n & 1); }
+};
+
+// The producer thread's handoff of its n-th tile index.
+MHATTN_DEVICE void hand_tile(const TileSlots& slots, int n, int index) {
+  mbar_wait(slots.empty(n), ((n >> 1) & 1) ^ 1);  // the first round passes: the slots start empty
+  asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(slots.index(n)), "r"(index) : "memory");
+  mbar_arrive(slots.full(n));  // release: the consumers' wait sees the index
+}
+
+// A consumer warp's n-th tile index.
+MHATTN_DEVICE int take_tile(const TileSlots& slots, int n, int lane) {
+  mbar_wait(slots.full(n), (n >> 1) & 1);
+  int index;
+  asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(index) : "r"(slots.index(n)) : "memory");
+  __syncwarp();
+  if (lane == 0) mbar_arrive(slots.empty(n));
+  return index;
+}
+
 // ---- the kernel ------------------------------------------------------------------------------------------
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     mhattn_hopper_fwd(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                       const __grid_constant__ TensorMap v_map, elem_t* __restrict__ o, float* __restrict__ lse,
-                      i64 o_sb, i64 o_sh, i64 o_sn, int seqlen_q, int seqlen_k, int heads_q, int group,
-                      int pairs, int sched_pairs, float scale_log2, int diag_offset, int window_left,
-                      int window_right) {
+                      int* __restrict__ tile_counter, i64 o_sb, i64 o_sh, i64 o_sn, int seqlen_q, int seqlen_k,
+                      int heads_q, int group, int pairs, int sched_pairs, float scale_log2, int diag_offset,
+                      int window_left, int window_right) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
   const Problem pb{seqlen_q, seqlen_k, heads_q, group, (seqlen_q + BLOCK_M - 1) / BLOCK_M, pairs, sched_pairs,
@@ -386,10 +418,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 
   const u32 base = (smem_u32(smem) + SWIZZLE_ATOM - 1) & ~(SWIZZLE_ATOM - 1);
   const u32 s_q = base, s_k = base + K_OFFSET, s_v = base + V_OFFSET, q_full = base + BAR_OFFSET, q_empty = q_full + 8;
-  const Slots slots{q_full + 16};
+  const TileSlots tile_slots{q_full + 16, base + TILE_OFFSET};
+  const Slots slots{q_full + 48};
   if (tid == 0) {
     mbar_init(q_full, 1);
     mbar_init(q_empty, CONSUMER_WARPS);
+    for (int n = 0; n < 2; ++n) {
+      mbar_init(tile_slots.full(n), 1);
+      mbar_init(tile_slots.empty(n), CONSUMER_WARPS);
+    }
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(slots.k_full(s), 1);
       mbar_init(slots.v_full(s), 1);
@@ -404,11 +441,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
   if (wg == 0) {
     release_registers<PRODUCER_REGS>();
     if (tid == 0) {
-      int q_round = 0, ring = 0;
-      for (int index = blockIdx.x; index < tiles; index += gridDim.x) {
+      int q_round = 0, ring = 0, n = 0;
+      for (int index = blockIdx.x;; ++n) {
+        hand_tile(tile_slots, n, index < tiles ? index : -1);
+        if (index >= tiles) break;
         const Tile tile = tile_at(index, pb);
         if (tile.blocks.count > 0)
           produce_tile(&q_map, &k_map, &v_map, s_q, s_k, s_v, q_full, q_empty, slots, tile, q_round++, ring);
+        index = tile_counter != nullptr ? atomicAdd(tile_counter, 1) + (int)gridDim.x : index + (int)gridDim.x;
       }
     }
     return;
@@ -419,11 +459,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
   const Consumer consumer{lane, lane & 3, (wg - 1) * 64 + warp * 16 + (lane >> 2), (wg - 1) * 64,
                           s_q + (wg - 1) * 64 * ROW_BYTES, s_k, s_v, q_full, q_empty, slots, Turns{wg, 3 - wg},
                           scale_log2};
-  consumer.turns.start();
   int q_round = 0, ring = 0;
-  for (int index = blockIdx.x; index < tiles; index += gridDim.x) {
+  for (int n = 0;; ++n) {
+    const int index = take_tile(tile_slots, n, lane);
+    if (index < 0) break;
     const Tile tile = tile_at(index, pb);
-    consume_tile(consumer, tile, pb, q_round, ring, index + (int)gridDim.x >= tiles, o, lse, o_sb, o_sh, o_sn);
+    consume_tile(consumer, tile, pb, q_round, ring, o, lse, o_sb, o_sh, o_sn);
     q_round += tile.blocks.count > 0;
   }
 }
