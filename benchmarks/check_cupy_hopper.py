@@ -17,8 +17,8 @@ autograd with CONFORMANCE.md's rule (at most 4x the error of the same computatio
 each case checked to have run the Hopper backward; 2. ``torch.autograd.grad`` of the forward's output timed beside
 sdpa-cudnn and sdpa-flash, and the mma.sync backward.
 
-``--sweep``: instead of 2., each tile candidate of SWEEP (set in variants.HOPPER_FWD_TILES at run time) is checked
-(1. in bf16) and timed at the protocol's shapes beside sdpa-cudnn.
+``--sweep``: instead of 2., each candidate of SWEEP / SWEEP_BWD (set in variants.HOPPER_FWD_TILES /
+HOPPER_BWD_STAGES at run time) is checked (1. in bf16) and timed at the protocol's shapes beside sdpa-cudnn.
 """
 
 import argparse
@@ -42,7 +42,9 @@ MASKINGS = ((False, None, False), (True, None, False), (True, None, True), (Fals
             (False, (37, 50), False), (True, (64, None), True))
 
 
-# Tile candidates of --sweep per head dim: HopperFwdTiles fields (block_n, stages, consumers, pingpong, persistent).
+# Candidates of --sweep per head dim: forward HopperFwdTiles fields (block_n, stages, consumers, pingpong, persistent);
+# backward Q / dO ring slots (variants.HOPPER_BWD_STAGES).
+SWEEP_BWD = {64: (2, 3), 128: (2,)}
 SWEEP = {64: ((128, 2, 3, False, True), (128, 2, 3, False, False), (128, 3, 2, True, True)),
          128: ((128, 2, 2, True, True), (128, 2, 2, True, False)),
          256: ((64, 2, 2, True, True), (64, 2, 2, True, False))}
@@ -218,6 +220,38 @@ def timing(dtype, head_dims, seqlens):
               f"{hopper / cudnn:.2f} | {hopper / flash:.2f} |")
 
 
+def sweep_backward(dtype, head_dims, seqlens):
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
+    rows = []
+    for head_dim in head_dims:
+        default = variants.HOPPER_BWD_STAGES[head_dim]
+        for stages in SWEEP_BWD[head_dim]:
+            variants.HOPPER_BWD_STAGES[head_dim] = stages
+            failures = correctness_backward([head_dim], (torch.bfloat16,))
+            for seqlen in seqlens:
+                for causal in (False, True):
+                    batch, heads = 16384 // seqlen, 2048 // head_dim
+                    leaves = [torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype).requires_grad_()
+                              for _ in range(3)]
+                    grad_out = torch.randn_like(leaves[0])
+                    flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+                    times = []
+                    for run in (lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal),
+                                lambda: mhattn.attention(*leaves, is_causal=causal, backend="cupy")):
+                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                            out = run()
+                        times.append(bench(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)))
+                    rows.append((head_dim, stages, failures, seqlen, causal, *(flops / ms / 1e9 for ms in times)))
+                    print(rows[-1], flush=True)
+        variants.HOPPER_BWD_STAGES[head_dim] = default
+    print(f"\n{str(dtype).replace('torch.', '')} backward sweep, TFLOP/s (same run)\n")
+    print("| d | stages | failures | N | causal | sdpa-cudnn | cupy Hopper | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for d, stages, failures, n, causal, cudnn, hopper in rows:
+        print(f"| {d} | {stages} | {failures} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {hopper:.0f} | "
+              f"{hopper / cudnn:.2f} |")
+
+
 def sweep(dtype, head_dims, seqlens):
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
     rows = []
@@ -259,11 +293,14 @@ def main():
     head_dims = [int(d) for d in args.head_dim.split(",") if int(d) in variants.HOPPER_HEAD_DIMS]
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
     seqlens = [int(n) for n in args.seqlen.split(",")]
-    if args.sweep:
-        sweep(DTYPES[args.dtype], head_dims, seqlens)
-        return
     parts = set(args.part.split(","))
     bwd_dims = [d for d in head_dims if d in variants.HOPPER_BWD_STAGES]
+    if args.sweep:
+        if "fwd" in parts:
+            sweep(DTYPES[args.dtype], head_dims, seqlens)
+        if "bwd" in parts:
+            sweep_backward(DTYPES[args.dtype], bwd_dims, seqlens)
+        return
     if not args.timing_only:
         if "fwd" in parts:
             correctness(head_dims)

@@ -159,7 +159,7 @@ class HopperFwdTiles:
 # slots per head dim it takes.
 HOPPER_BWD_STAGES = {64: 2, 128: 2}
 HOPPER_FWD_TILES = {
-    64: HopperFwdTiles(128, 2, 3, False, True),
+    64: HopperFwdTiles(128, 3, 2, True, True),
     128: HopperFwdTiles(128, 2, 2, True, True),
     256: HopperFwdTiles(64, 2, 2, True, True),
 }

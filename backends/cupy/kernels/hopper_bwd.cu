@@ -167,21 +167,29 @@ MHATTN_DEVICE void mask_scores(float (&s)[SQ_REGS], int key0, int m0, int t, int
   }
 }
 
-// P^T and dS^T from S^T and dP^T (in place), with each query column's lse (log2 units) and delta from the slot.
-MHATTN_DEVICE void probabilities_and_score_gradients(float (&st)[SQ_REGS], float (&dpt)[SQ_REGS], const float* lse,
-                                                     const float* delta, int t, float scale_log2, float scale) {
+// P^T from S^T (in place), with each query column's lse (log2 units) from the slot.
+MHATTN_DEVICE void probabilities(float (&st)[SQ_REGS], const float* lse, int t, float scale_log2) {
 #pragma unroll
   for (int i = 0; i < BLOCK_M / 8; ++i) {
     const float2 l2 = *reinterpret_cast<const float2*>(lse + 8 * i + 2 * t);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      st[4 * i + 2 * r] = fast_exp2(fmaf(st[4 * i + 2 * r], scale_log2, -l2.x));
+      st[4 * i + 2 * r + 1] = fast_exp2(fmaf(st[4 * i + 2 * r + 1], scale_log2, -l2.y));
+    }
+  }
+}
+
+// dS^T = P^T (dP^T - delta) scale from dP^T (in place), with each query column's delta from the slot.
+MHATTN_DEVICE void score_gradients(float (&dpt)[SQ_REGS], const float (&pt)[SQ_REGS], const float* delta, int t,
+                                   float scale) {
+#pragma unroll
+  for (int i = 0; i < BLOCK_M / 8; ++i) {
     const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * i + 2 * t);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float& p0 = st[4 * i + 2 * r];
-      float& p1 = st[4 * i + 2 * r + 1];
-      p0 = fast_exp2(fmaf(p0, scale_log2, -l2.x));
-      p1 = fast_exp2(fmaf(p1, scale_log2, -l2.y));
-      dpt[4 * i + 2 * r] = p0 * (dpt[4 * i + 2 * r] - d2.x) * scale;
-      dpt[4 * i + 2 * r + 1] = p1 * (dpt[4 * i + 2 * r + 1] - d2.y) * scale;
+      dpt[4 * i + 2 * r] = pt[4 * i + 2 * r] * (dpt[4 * i + 2 * r] - d2.x) * scale;
+      dpt[4 * i + 2 * r + 1] = pt[4 * i + 2 * r + 1] * (dpt[4 * i + 2 * r + 1] - d2.y) * scale;
     }
   }
 }
@@ -344,13 +352,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       wgmma_commit();
       issue_keys_by_queries(dpt, s_v_rows, s_do);
       wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_wait<1>();  // S^T: the probabilities while dP^T is multiplied
       touch_registers(st);
-      touch_registers(dpt);
       if (n0 + 64 * w + 64 > seqlen_k || !bounds.block_inside(m0, m0 + BLOCK_M - 1, n0 + 64 * w, n0 + 64 * w + 63))
         mask_scores(st, key0, m0, t, seqlen_k, bounds);
-      probabilities_and_score_gradients(st, dpt, s_vectors + (LSE_OFFSET + s * VEC_BYTES) / 4,
-                                        s_vectors + (DELTA_OFFSET + s * VEC_BYTES) / 4, t, scale_log2, scale);
+      probabilities(st, s_vectors + (LSE_OFFSET + s * VEC_BYTES) / 4, t, scale_log2);
+      wgmma_wait<0>();
+      touch_registers(dpt);
+      score_gradients(dpt, st, s_vectors + (DELTA_OFFSET + s * VEC_BYTES) / 4, t, scale);
       pack_a(p_frag, st);
       pack_a(ds_frag, dpt);
       wgmma_fence();
