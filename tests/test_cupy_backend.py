@@ -541,6 +541,16 @@ def test_plans_hold_none_of_the_callers_tensors():
     assert [r() for r in refs] == [None] * len(refs)
 
 
+def test_a_devices_shared_memory_limit_replaces_the_table(monkeypatch):
+    monkeypatch.setattr(variants, "_DEVICE_SMEM_LIMIT", {})
+    assert variants.smem_limit((8, 6)) == 99 * 1024  # not in the table: the smallest
+    big = variants.fwd_tiles((8, 6), 128)
+    variants.note_device_smem_limit((8, 6), 64 * 1024)
+    assert variants.smem_limit((8, 6)) == 64 * 1024 and variants.smem_limit((9, 0)) == 227 * 1024
+    small = variants.fwd_tiles((8, 6), 128)
+    assert variants.fwd_smem(small, 128) <= 64 * 1024 < variants.fwd_smem(big, 128)
+
+
 class _MapLauncher(_RecordingLauncher):
     """A recording launcher that takes tensor maps (as CupyLauncher does)."""
 

@@ -109,7 +109,12 @@ class CupyBackend(Backend):
         index = device.index if device.index is not None else torch.cuda.current_device()
         cc = self._cc_cache.get(index)
         if cc is None:
-            cc = self._cc_cache[index] = tuple(torch.cuda.get_device_capability(index))
+            properties = torch.cuda.get_device_properties(index)
+            cc = (properties.major, properties.minor)
+            limit = getattr(properties, "shared_memory_per_block_optin", 0)
+            if limit:  # the tiles are sized for this GPU's shared memory, not the table's
+                variants.note_device_smem_limit(cc, limit)
+            self._cc_cache[index] = cc
         return cc
 
     def forward(self, q, k, v, params: AttentionParams):

@@ -35,7 +35,8 @@ def ptr(tensor) -> tuple:
 
 
 def slot(index: int) -> tuple:
-    """A pointer argument filled at each call with item ``index`` of the call's pointer tuple."""
+    """An argument filled at each call with item ``index`` of the call's pointer tuple: a data pointer, or a value
+    made per call that the launcher passes as it is (a tensor map: ``CupyLauncher.struct_value``)."""
     return ("slot", int(index))
 
 

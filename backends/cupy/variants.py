@@ -33,13 +33,23 @@ FEATURE_SETS = tuple(
     tuple(flag for bit, flag in enumerate(FEATURE_FLAGS) if mask >> bit & 1) for mask in range(1, 1 << len(FEATURE_FLAGS))
 )
 
-# Bytes of shared memory one CTA may use (opt-in maximum) per compute capability; others get the smallest.
+# Bytes of shared memory one CTA may use (opt-in maximum): what a device of that compute capability reported
+# (note_device_smem_limit: the backend notes each GPU's at its first call there), else this table, which is what
+# ``mhattn build`` compiles for without a GPU; compute capabilities not in it get the smallest.
 _SMEM_LIMIT = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024}
 _SMEM_LIMIT_DEFAULT = 99 * 1024
+_DEVICE_SMEM_LIMIT = {}
+
+
+def note_device_smem_limit(cc, nbytes: int) -> None:
+    """Record a device's opt-in shared-memory limit (torch's ``shared_memory_per_block_optin``) for its compute
+    capability, before any tile choice for it."""
+    _DEVICE_SMEM_LIMIT[tuple(cc)] = int(nbytes)
 
 
 def smem_limit(cc) -> int:
-    return _SMEM_LIMIT.get(tuple(cc), _SMEM_LIMIT_DEFAULT)
+    cc = tuple(cc)
+    return _DEVICE_SMEM_LIMIT.get(cc) or _SMEM_LIMIT.get(cc, _SMEM_LIMIT_DEFAULT)
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -157,7 +167,7 @@ class HopperFwdTiles:
 # H100 sweeps (backends/cupy/NOTES.md, version 5).
 # The backward (kernels/hopper_bwd.cu): 128 keys a CTA in two consumer warpgroups, 64 queries a step; Q / dO ring
 # slots per head dim it takes.
-HOPPER_BWD_STAGES = {64: 2, 128: 2}
+HOPPER_BWD_STAGES = {64: 3, 128: 2}
 HOPPER_FWD_TILES = {
     64: HopperFwdTiles(128, 3, 2, True, True),
     128: HopperFwdTiles(128, 2, 2, True, True),
