@@ -56,8 +56,8 @@ constexpr u32 BAR_COUNT = 3 + 2 * STAGES;                    // kv_full, dq_full
 constexpr u32 DQ_WRITER_WARPS = 3;                           // warps 1-3 of the producer warpgroup
 constexpr u32 LAYOUT_BYTES = BAR_OFFSET + 8 * BAR_COUNT + SWIZZLE_ATOM;
 constexpr u32 CONSUMER_WARPS = 8;
-constexpr int PRODUCER_REGS = 24;
-constexpr int CONSUMER_REGS = 240;
+constexpr int PRODUCER_REGS = 40;
+constexpr int CONSUMER_REGS = 232;
 constexpr int DQ_BARRIER = 1;                  // named barriers (+ w at d = 64): the dS^T dQ reads is in shared memory
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "the Hopper backward takes head dims 64 and 128");
 static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory than the layout needs");
