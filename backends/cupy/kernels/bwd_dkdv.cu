@@ -15,6 +15,7 @@
 // path) also forms dQ here: dS^T goes through shared memory, dQ_partial = scale dS K for this key block,
 // and is added to a float32 dq_accum (B, Hq, Nq, head_dim) with atomic adds, whose order varies.
 #include "key_side.cuh"
+#include "warp_mma.cuh"
 
 #ifndef DKDV_MODE
 #define DKDV_MODE 0
@@ -30,7 +31,6 @@ constexpr int ROWS_PER_WARP = BLOCK_N / NUM_WARPS;
 constexpr int MT = ROWS_PER_WARP / 16;  // m16 tiles of key rows per warp
 constexpr int NT_S = BLOCK_M / 8;       // n8 tiles across a query block (columns of S^T)
 constexpr int NT_O = HEAD_DIM / 8;      // n8 tiles across a dK / dV row block
-constexpr int KD = HEAD_DIM / 16;
 // shared memory: the key-side layout of key_side.cuh (| dS^T in mode 3)
 // mode 3: dS^T staged as a [key][query] tile (BLOCK_M + 8 elements per row, same bank-spreading pad)
 constexpr int DS_ROW = BLOCK_M + 8;
@@ -95,27 +95,20 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 
 #if COMPUTE_DK
   float acc_dk[MT][NT_O][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT_O; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dk[mt][nt][e] = 0.f;
+  zero_acc(acc_dk);
 #endif
 #if COMPUTE_DV
   float acc_dv[MT][NT_O][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT_O; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dv[mt][nt][e] = 0.f;
+  zero_acc(acc_dv);
 #endif
 #if KV_IN_REGS
   u32 k_frag[MT][KD][4];
 #if COMPUTE_DK
   u32 v_frag[MT][KD][4];
 #endif
+#else
+  u32 (*k_frag)[KD][4] = nullptr;  // unused: K and V fragments come from shared memory
+  u32 (*v_frag)[KD][4] = nullptr;
 #endif
 
   for (int it = 0; it < total; ++it) {
@@ -127,15 +120,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     cp_async_commit();
 #if KV_IN_REGS
     if (it == 0) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int kk = 0; kk < KD; ++kk) {
-          load_a_frag(k_frag[mt][kk], s_base + OFF_K, warp_row0 + mt * 16, kk * 16, lane);
 #if COMPUTE_DK
-          load_a_frag(v_frag[mt][kk], s_base + OFF_V, warp_row0 + mt * 16, kk * 16, lane);
+      load_a_frags(k_frag, s_base + OFF_K, v_frag, s_base + OFF_V, warp_row0, lane);
+#else
+      load_a_frags(k_frag, s_base + OFF_K, warp_row0, lane);
 #endif
-        }
     }
 #endif
 
@@ -148,35 +137,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 
     // S^T = K Q^T for this warp's key rows against the BLOCK_M queries.
     float st[MT][NT_S][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[mt][nt][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      u32 a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-#if KV_IN_REGS
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[mt][r] = k_frag[mt][kk][r];
-#else
-        load_a_frag(a[mt], s_base + OFF_K, warp_row0 + mt * 16, kk * 16, lane);
-#endif
-      }
-#pragma unroll
-      for (int np = 0; np < BLOCK_M / 16; ++np) {
-        u32 bq[4];
-        load_b_frag_nk(bq, s_q, np * 16, kk * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_16816(st[mt][2 * np], a[mt], bq[0], bq[1]);
-          mma_16816(st[mt][2 * np + 1], a[mt], bq[2], bq[3]);
-        }
-      }
-    }
+    mma_abt<MT, NT_S, KV_IN_REGS != 0>(st, k_frag, s_base + OFF_K, warp_row0, s_q, 0, lane);
 
     // P^T = 2^(S^T scale log2e - lse_log2); invisible pairs -> 0. Padded query rows carry lse_log2 = +inf.
     bool need_mask = false;
@@ -253,35 +214,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #if COMPUTE_DK
     // dP^T = V dO^T, then dS^T = P^T (dP^T keep / (1 - p) - delta), kept in dpt.
     float dpt[MT][NT_S][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dpt[mt][nt][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      u32 a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-#if KV_IN_REGS
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[mt][r] = v_frag[mt][kk][r];
-#else
-        load_a_frag(a[mt], s_base + OFF_V, warp_row0 + mt * 16, kk * 16, lane);
-#endif
-      }
-#pragma unroll
-      for (int np = 0; np < BLOCK_M / 16; ++np) {
-        u32 bo[4];
-        load_b_frag_nk(bo, s_do, np * 16, kk * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_16816(dpt[mt][2 * np], a[mt], bo[0], bo[1]);
-          mma_16816(dpt[mt][2 * np + 1], a[mt], bo[2], bo[3]);
-        }
-      }
-    }
+    mma_abt<MT, NT_S, KV_IN_REGS != 0>(dpt, v_frag, s_base + OFF_V, warp_row0, s_do, 0, lane);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -312,42 +245,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     }
 #endif
     // dV += P_dropped^T dO
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-      u32 a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) acc_to_a_frag(a[mt], st[mt][2 * kk], st[mt][2 * kk + 1]);
-#pragma unroll
-      for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
-        u32 bo[4];
-        load_b_frag_kn(bo, s_do, kk * 16, dp * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_16816(acc_dv[mt][2 * dp], a[mt], bo[0], bo[1]);
-          mma_16816(acc_dv[mt][2 * dp + 1], a[mt], bo[2], bo[3]);
-        }
-      }
-    }
+    mma_regs_ab(acc_dv, st, s_do, lane);
 #endif
 
 #if COMPUTE_DK
     // dK += dS^T Q
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-      u32 a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) acc_to_a_frag(a[mt], dpt[mt][2 * kk], dpt[mt][2 * kk + 1]);
-#pragma unroll
-      for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
-        u32 bq[4];
-        load_b_frag_kn(bq, s_q, kk * 16, dp * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_16816(acc_dk[mt][2 * dp], a[mt], bq[0], bq[1]);
-          mma_16816(acc_dk[mt][2 * dp + 1], a[mt], bq[2], bq[3]);
-        }
-      }
-    }
+    mma_regs_ab(acc_dk, dpt, s_q, lane);
 #endif
 
 #if COMPUTE_DQ
@@ -374,31 +277,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
       for (int chunk = 0; chunk < CHUNKS; ++chunk) {
         const int c0 = (part * CHUNKS + chunk) * 32;
         if (c0 >= head_dim) break;
-        float acc[4][4];
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-          u32 a[4];
-          load_a_frag_trans(a, smem_u32(s_ds), DS_ROW, tile * 16, kk * 16, lane);
-#pragma unroll
-          for (int dp = 0; dp < 2; ++dp) {
-            u32 bk[4];
-            load_b_frag_kn(bk, s_base + OFF_K, kk * 16, c0 + dp * 16, lane);
-            mma_16816(acc[2 * dp], a, bk[0], bk[1]);
-            mma_16816(acc[2 * dp + 1], a, bk[2], bk[3]);
-          }
-        }
+        float acc[1][4][4];
+        zero_acc(acc);
+        mma_smem_ab<1, 4, BLOCK_N / 16, true>(acc, smem_u32(s_ds), DS_ROW, tile * 16, s_base + OFF_K, c0, lane);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int c = c0 + nt * 8 + 2 * t;
           if (c < head_dim) {
             if (row_a < seqlen_q)
-              atomic_add_dq_pair(dq_rows + (i64)row_a * head_dim + c, c, head_dim, acc[nt][0] * scale, acc[nt][1] * scale);
+              atomic_add_dq_pair(dq_rows + (i64)row_a * head_dim + c, c, head_dim, acc[0][nt][0] * scale,
+                                 acc[0][nt][1] * scale);
             if (row_b < seqlen_q)
-              atomic_add_dq_pair(dq_rows + (i64)row_b * head_dim + c, c, head_dim, acc[nt][2] * scale, acc[nt][3] * scale);
+              atomic_add_dq_pair(dq_rows + (i64)row_b * head_dim + c, c, head_dim, acc[0][nt][2] * scale,
+                                 acc[0][nt][3] * scale);
           }
         }
       }

@@ -17,6 +17,7 @@
 // shared-memory round trip of P^T and dS^T; the kernels are bound by shared-memory bandwidth.
 // dK is scaled by the softmax scale at the end.
 #include "key_side.cuh"
+#include "warp_mma.cuh"
 
 #ifndef DKDV_MODE
 #define DKDV_MODE 0
@@ -48,7 +49,6 @@ constexpr int DQ_ROWS = BLOCK_M / DQ_WARPS_M;
 constexpr int DQ_COLS = HEAD_DIM / DQ_WARPS_D;
 constexpr int DQ_MT = DQ_ROWS / 16;
 constexpr int DQ_NT = DQ_COLS / 8;
-constexpr int KD = HEAD_DIM / 16;
 static_assert(S_WARPS_N * S_WARPS_M == NUM_WARPS && S_ROWS % 16 == 0 && S_COLS % 16 == 0,
               "the scores phase splits BLOCK_N x BLOCK_M into warp tiles of whole 16 x 16 blocks");
 static_assert(KV_WARPS_N * KV_WARPS_D == NUM_WARPS && KV_ROWS % 16 == 0 && KV_COLS % 16 == 0,
@@ -63,71 +63,6 @@ constexpr u32 PT_TILE_BYTES = BLOCK_N * PT_ROW * 2;
 // shared memory: the key-side layout of key_side.cuh | P^T | dS^T
 constexpr u32 OFF_PT = OFF_KEY_SIDE_END;
 constexpr u32 OFF_DST = OFF_PT + PT_TILE_BYTES;
-
-// acc (+)= A B over the k16 steps of one product: A (MT m16 tiles) from a row-major shared tile with
-// `a_row` elements per row (rows a_r0.., k columns), or transposed (a tile stored [k][m]); B (NT n8 tiles)
-// from a [k][n] head-dim tile (rows = k, read transposed by ldmatrix).
-template <int MT, int NT, int KSTEPS, bool A_TRANS>
-MHATTN_DEVICE void mma_smem_a_kn_b(float (&acc)[MT][NT][4], u32 s_a, int a_row, int a_r0, u32 s_b, int b_c0,
-                                   int lane) {
-#pragma unroll
-  for (int kk = 0; kk < KSTEPS; ++kk) {
-    u32 a[MT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      if (A_TRANS) {
-        load_a_frag_trans(a[mt], s_a, a_row, a_r0 + mt * 16, kk * 16, lane);
-      } else {
-        load_a_frag_rows(a[mt], s_a, a_row, a_r0 + mt * 16, kk * 16, lane);
-      }
-    }
-#pragma unroll
-    for (int np = 0; np < NT / 2; ++np) {
-      u32 b[4];
-      load_b_frag_kn(b, s_b, kk * 16, b_c0 + np * 16, lane);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        mma_16816(acc[mt][2 * np], a[mt], b[0], b[1]);
-        mma_16816(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-      }
-    }
-  }
-}
-
-// acc = A B^T over the head dim for the scores phase: A = this warp's key rows of K or V (from registers
-// when KV_IN_REGS), B = its query rows of Q or dO, both [row][head dim] tiles.
-MHATTN_DEVICE void scores_product(float (&acc)[S_MT][S_NT][4], u32 (*a_regs)[KD][4], u32 s_a, int a_r0,
-                                  u32 s_b, int b_r0, int lane) {
-#pragma unroll
-  for (int mt = 0; mt < S_MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < S_NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < KD; ++kk) {
-    u32 a[S_MT][4];
-#pragma unroll
-    for (int mt = 0; mt < S_MT; ++mt) {
-#if KV_IN_REGS
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a[mt][r] = a_regs[mt][kk][r];
-#else
-      load_a_frag(a[mt], s_a, a_r0 + mt * 16, kk * 16, lane);
-#endif
-    }
-#pragma unroll
-    for (int np = 0; np < S_NT / 2; ++np) {
-      u32 b[4];
-      load_b_frag_nk(b, s_b, b_r0 + np * 16, kk * 16, lane);
-#pragma unroll
-      for (int mt = 0; mt < S_MT; ++mt) {
-        mma_16816(acc[mt][2 * np], a[mt], b[0], b[1]);
-        mma_16816(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-      }
-    }
-  }
-}
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     mhattn_bwd_dkdv_2d(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
@@ -182,12 +117,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   cp_async_commit();
 
   float acc_dk[KV_MT][KV_NT][4], acc_dv[KV_MT][KV_NT][4];
-#pragma unroll
-  for (int mt = 0; mt < KV_MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < KV_NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dk[mt][nt][e] = acc_dv[mt][nt][e] = 0.f;
+  zero_acc(acc_dk);
+  zero_acc(acc_dv);
 #if KV_IN_REGS
   u32 k_frag[S_MT][KD][4], v_frag[S_MT][KD][4];
 #else
@@ -203,15 +134,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
       query_side.load_step(s_base, walk.head(it + 1, hk, group), walk.row0(it + 1), stage ^ 1, tid);
     cp_async_commit();
 #if KV_IN_REGS
-    if (it == 0) {
-#pragma unroll
-      for (int mt = 0; mt < S_MT; ++mt)
-#pragma unroll
-        for (int kk = 0; kk < KD; ++kk) {
-          load_a_frag(k_frag[mt][kk], s_base + OFF_K, s_row0 + mt * 16, kk * 16, lane);
-          load_a_frag(v_frag[mt][kk], s_base + OFF_V, s_row0 + mt * 16, kk * 16, lane);
-        }
-    }
+    if (it == 0) load_a_frags(k_frag, s_base + OFF_K, v_frag, s_base + OFF_V, s_row0, lane);
 #endif
 
     const int hq = walk.head(it, hk, group);
@@ -223,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 
     // ---- scores phase ----
     float st[S_MT][S_NT][4];
-    scores_product(st, k_frag, s_base + OFF_K, s_row0, s_q, s_col0, lane);
+    mma_abt<S_MT, S_NT, KV_IN_REGS != 0>(st, k_frag, s_base + OFF_K, s_row0, s_q, s_col0, lane);
 
     bool need_mask = false;
 #if HAS_BOUNDS
@@ -276,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
       }
 
     float dpt[S_MT][S_NT][4];
-    scores_product(dpt, v_frag, s_base + OFF_V, s_row0, s_do, s_col0, lane);
+    mma_abt<S_MT, S_NT, KV_IN_REGS != 0>(dpt, v_frag, s_base + OFF_V, s_row0, s_do, s_col0, lane);
 
     // dS^T = P^T (dP^T keep / (1 - p) - delta); P^T (dropped) and dS^T to shared memory.
 #if HAS_EXTRAS
@@ -317,21 +240,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     block_sync();  // P^T and dS^T complete
 
     // ---- dK / dV phase: dV += P^T dO, dK += dS^T Q ----
-    mma_smem_a_kn_b<KV_MT, KV_NT, BLOCK_M / 16, false>(acc_dv, s_base + OFF_PT, PT_ROW, kv_row0, s_do, kv_col0, lane);
-    mma_smem_a_kn_b<KV_MT, KV_NT, BLOCK_M / 16, false>(acc_dk, s_base + OFF_DST, PT_ROW, kv_row0, s_q, kv_col0, lane);
+    mma_smem_ab<KV_MT, KV_NT, BLOCK_M / 16, false>(acc_dv, s_base + OFF_PT, PT_ROW, kv_row0, s_do, kv_col0, lane);
+    mma_smem_ab<KV_MT, KV_NT, BLOCK_M / 16, false>(acc_dk, s_base + OFF_DST, PT_ROW, kv_row0, s_q, kv_col0, lane);
 
 #if COMPUTE_DQ
     // ---- dQ phase: dQ_partial = scale dS K (dS read transposed from the dS^T tile) ----
     {
       float acc[DQ_MT][DQ_NT][4];
-#pragma unroll
-      for (int mt = 0; mt < DQ_MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < DQ_NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-      mma_smem_a_kn_b<DQ_MT, DQ_NT, BLOCK_N / 16, true>(acc, s_base + OFF_DST, PT_ROW, dq_row0, s_base + OFF_K,
-                                                        dq_col0, lane);
+      zero_acc(acc);
+      mma_smem_ab<DQ_MT, DQ_NT, BLOCK_N / 16, true>(acc, s_base + OFF_DST, PT_ROW, dq_row0, s_base + OFF_K, dq_col0,
+                                                    lane);
       float* dq_rows = dq_accum + (((i64)b * heads_q + hq) * seqlen_q) * head_dim;
 #pragma unroll
       for (int mt = 0; mt < DQ_MT; ++mt)

@@ -7,7 +7,7 @@
 //   S  = Q K^T      P = 2^(S * scale * log2 e - lse_log2)
 //   dP = dO V^T     dS = P (dP keep / (1 - p) - delta)      dQ += dS K   (dS fed from registers)
 // dQ is scaled by the softmax scale at the end.
-#include "common.cuh"
+#include "warp_mma.cuh"
 
 #ifndef Q_IN_REGS
 #define Q_IN_REGS 0
@@ -17,7 +17,6 @@ constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
 constexpr int MT = ROWS_PER_WARP / 16;  // m16 tiles per warp: each K / V fragment feeds MT products
 constexpr int NT_S = BLOCK_N / 8;
 constexpr int NT_O = HEAD_DIM / 8;
-constexpr int KD = HEAD_DIM / 16;
 constexpr u32 Q_TILE_BYTES = BLOCK_M * SMEM_ROW * 2;
 constexpr u32 KV_TILE_BYTES = BLOCK_N * SMEM_ROW * 2;
 // shared memory: Q | dO | K[2] | V[2]
@@ -106,14 +105,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   cp_async_commit();
 
   float acc_dq[MT][NT_O][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT_O; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dq[mt][nt][e] = 0.f;
+  zero_acc(acc_dq);
 #if Q_IN_REGS
   u32 q_frag[MT][KD][4], do_frag[MT][KD][4];
+#else
+  u32 (*q_frag)[KD][4] = nullptr;  // unused: Q and dO fragments come from shared memory
+  u32 (*do_frag)[KD][4] = nullptr;
 #endif
 
   for (int nb = nb_lo; nb < nb_hi; ++nb) {
@@ -129,71 +126,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     }
     cp_async_commit();
 #if Q_IN_REGS
-    if (nb == nb_lo) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int kk = 0; kk < KD; ++kk) {
-          load_a_frag(q_frag[mt][kk], s_base + OFF_Q, warp_row0 + mt * 16, kk * 16, lane);
-          load_a_frag(do_frag[mt][kk], s_base + OFF_DO, warp_row0 + mt * 16, kk * 16, lane);
-        }
-    }
+    if (nb == nb_lo) load_a_frags(q_frag, s_base + OFF_Q, do_frag, s_base + OFF_DO, warp_row0, lane);
 #endif
 
     // S = Q K^T and dP = dO V^T
     float s[MT][NT_S][4], dp[MT][NT_S][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      u32 a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-#if Q_IN_REGS
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[mt][r] = q_frag[mt][kk][r];
-#else
-        load_a_frag(a[mt], s_base + OFF_Q, warp_row0 + mt * 16, kk * 16, lane);
-#endif
-      }
-#pragma unroll
-      for (int np = 0; np < BLOCK_N / 16; ++np) {
-        u32 bk[4];
-        load_b_frag_nk(bk, s_k, np * 16, kk * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_16816(s[mt][2 * np], a[mt], bk[0], bk[1]);
-          mma_16816(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      u32 a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-#if Q_IN_REGS
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[mt][r] = do_frag[mt][kk][r];
-#else
-        load_a_frag(a[mt], s_base + OFF_DO, warp_row0 + mt * 16, kk * 16, lane);
-#endif
-      }
-#pragma unroll
-      for (int np = 0; np < BLOCK_N / 16; ++np) {
-        u32 bv[4];
-        load_b_frag_nk(bv, s_v, np * 16, kk * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_16816(dp[mt][2 * np], a[mt], bv[0], bv[1]);
-          mma_16816(dp[mt][2 * np + 1], a[mt], bv[2], bv[3]);
-        }
-      }
-    }
+    mma_abt<MT, NT_S, Q_IN_REGS != 0>(s, q_frag, s_base + OFF_Q, warp_row0, s_k, 0, lane);
+    mma_abt<MT, NT_S, Q_IN_REGS != 0>(dp, do_frag, s_base + OFF_DO, warp_row0, s_v, 0, lane);
 
     // dS = P (dP keep / (1 - p) - delta), with P = 0 where the row cannot see the key.
     const int n0 = nb * BLOCK_N;
@@ -254,22 +193,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
       }
 
     // dQ += dS K (K read transposed: rows = keys = the k dimension)
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      u32 a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) acc_to_a_frag(a[mt], dp[mt][2 * kk], dp[mt][2 * kk + 1]);
-#pragma unroll
-      for (int dt = 0; dt < HEAD_DIM / 16; ++dt) {
-        u32 bk[4];
-        load_b_frag_kn(bk, s_k, kk * 16, dt * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_16816(acc_dq[mt][2 * dt], a[mt], bk[0], bk[1]);
-          mma_16816(acc_dq[mt][2 * dt + 1], a[mt], bk[2], bk[3]);
-        }
-      }
-    }
+    mma_regs_ab(acc_dq, dp, s_k, lane);
   }
 
   cp_async_wait<0>();

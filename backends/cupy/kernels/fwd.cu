@@ -11,13 +11,12 @@
 // Out: O (B, Hq, Nq, Dv) with the caller's strides, lse (B, Hq, Nq) float32 natural log, -inf for a row
 // that sees no key (whose output is 0). The parameters after drop_scale serve the feature flags (SOFTCAP,
 // FLOAT_MASK, ANY_DIMS; common.cuh) and are unused without them (dmask: the dQ kernel's only).
-#include "common.cuh"
+#include "warp_mma.cuh"
 
 constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
 constexpr int MT = ROWS_PER_WARP / 16;  // m16 tiles per warp
 constexpr int NT_S = BLOCK_N / 8;       // n8 tiles across a score block
 constexpr int NT_O = HEAD_DIM / 8;      // n8 tiles across an output row block
-constexpr int KD = HEAD_DIM / 16;       // k16 steps across the head dim
 constexpr u32 Q_TILE_BYTES = BLOCK_M * SMEM_ROW * 2;
 constexpr u32 KV_TILE_BYTES = BLOCK_N * SMEM_ROW * 2;
 constexpr float LN2 = 0.6931471805599453f;
@@ -118,10 +117,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   float row_max[MT][2], row_sum[MT][2];  // row_max in log2 units (scores times scale * log2 e)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int nt = 0; nt < NT_O; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[mt][nt][e] = 0.f;
+    zero_acc(acc_o[mt]);
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       row_max[mt][hr] = -MHATTN_INF;
@@ -130,6 +126,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   }
 #if Q_IN_REGS
   u32 q_frag[MT][KD][4];
+#else
+  u32 (*q_frag)[KD][4] = nullptr;  // unused: Q fragments come from shared memory
 #endif
 
   for (int nb = nb_lo; nb < nb_hi; ++nb) {
@@ -144,45 +142,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     }
     cp_async_commit();
 #if Q_IN_REGS
-    if (nb == nb_lo) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int kk = 0; kk < KD; ++kk) load_a_frag(q_frag[mt][kk], s_q, warp_row0 + mt * 16, kk * 16, lane);
-    }
+    if (nb == nb_lo) load_a_frags(q_frag, s_q, warp_row0, lane);
 #endif
 
     // S = Q K^T
     float s[MT][NT_S][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < KD; ++kk) {
-      u32 a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-#if Q_IN_REGS
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[mt][r] = q_frag[mt][kk][r];
-#else
-        load_a_frag(a[mt], s_q, warp_row0 + mt * 16, kk * 16, lane);
-#endif
-      }
-#pragma unroll
-      for (int np = 0; np < BLOCK_N / 16; ++np) {
-        u32 bk[4];
-        load_b_frag_nk(bk, s_k_cur, np * 16, kk * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_16816(s[mt][2 * np], a[mt], bk[0], bk[1]);
-          mma_16816(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
-        }
-      }
-    }
+    mma_abt<MT, NT_S, Q_IN_REGS != 0>(s, q_frag, s_q, warp_row0, s_k_cur, 0, lane);
 
     // Scale to log2 units, then hide what the row cannot see (only blocks that cut the visible region).
     const int n0 = nb * BLOCK_N;
@@ -279,22 +244,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #endif
 
     // O += P V, P straight from the score registers.
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      u32 a[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) acc_to_a_frag(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
-#pragma unroll
-      for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
-        u32 bv[4];
-        load_b_frag_kn(bv, s_v_cur, kk * 16, dp * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma_16816(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
-          mma_16816(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
-        }
-      }
-    }
+    mma_regs_ab(acc_o, s, s_v_cur, lane);
   }
 
   // Normalise, write lse, stage O through shared memory (over Q, each warp its own rows) for 16-byte stores.
