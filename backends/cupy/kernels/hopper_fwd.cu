@@ -50,7 +50,7 @@ constexpr u32 TILE_OFFSET = BAR_OFFSET + 8 * BAR_COUNT;  // two tile indices
 constexpr u32 LAYOUT_BYTES = TILE_OFFSET + 8 + SWIZZLE_ATOM;  // + the worst-case alignment shift
 constexpr u32 CONSUMER_WARPS = 4 * CONSUMERS;  // each releases a slot once
 // Register budgets (setmaxnreg): 128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536.
-constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 56 : HEAD_DIM == 256 ? 40 : 56;
+constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 56 : HEAD_DIM == 256 ? 48 : 56;
 constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 152 : HEAD_DIM == 256 ? 232 : 224;  // d = 256: O is 128 a thread
 constexpr float LN2 = 0.6931471805599453f;
 static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be whole 64-column chunks");
