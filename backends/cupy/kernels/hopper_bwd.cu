@@ -61,6 +61,9 @@ constexpr int CONSUMER_REGS = 232;
 constexpr int DQ_BARRIER = 1;                  // named barriers (+ w at d = 64): the dS^T dQ reads is in shared memory
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "the Hopper backward takes head dims 64 and 128");
 static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory than the layout needs");
+// setmaxnreg budgets share what the CTA got at launch (168 a thread for 384 threads): asking for more waits for ever.
+static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= ((65536 / 384) & ~7) * 384,
+              "register budgets exceed what the CTA gets at launch");
 
 struct Ring {
   u32 bars;  // q_full[0]

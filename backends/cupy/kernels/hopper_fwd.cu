@@ -49,15 +49,18 @@ constexpr u32 BAR_COUNT = 6 + 4 * STAGES;
 constexpr u32 TILE_OFFSET = BAR_OFFSET + 8 * BAR_COUNT;  // two tile indices
 constexpr u32 LAYOUT_BYTES = TILE_OFFSET + 8 + SWIZZLE_ATOM;  // + the worst-case alignment shift
 constexpr u32 CONSUMER_WARPS = 4 * CONSUMERS;  // each releases a slot once
-// Register budgets (setmaxnreg): 128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536.
-constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 56 : HEAD_DIM == 256 ? 48 : 56;
+// Register budgets (setmaxnreg): the warpgroups share what the CTA got at launch (LAUNCH_REGS a thread); a
+// setmaxnreg.inc that asks for more than was given back waits for ever.
+constexpr int LAUNCH_REGS = (65536 / NUM_THREADS) & ~7;
+constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 56 : HEAD_DIM == 256 ? 40 : 56;
 constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 152 : HEAD_DIM == 256 ? 232 : 224;  // d = 256: O is 128 a thread
 constexpr float LN2 = 0.6931471805599453f;
 static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be whole 64-column chunks");
 static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N must be 64 or 128 (the wgmma_ss overloads)");
 static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
 static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory than the layout needs");
-static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536, "register budgets exceed the file");
+static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * NUM_THREADS,
+              "register budgets exceed what the CTA gets at launch");
 static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong schedule takes two consumers");
 
 // The ring slots' barriers: full = the slot's copy landed; empty = every consumer warp is done with it.
