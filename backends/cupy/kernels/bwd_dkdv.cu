@@ -15,6 +15,7 @@
 // path) also forms dQ here: dS^T goes through shared memory, dQ_partial = scale dS K for this key block,
 // and is added to a float32 dq_accum (B, Hq, Nq, head_dim) with atomic adds, whose order varies.
 #include "key_side.cuh"
+#include "score_mask.cuh"
 #include "warp_mma.cuh"
 
 #ifndef DKDV_MODE
@@ -74,9 +75,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   dk += b * dk_sb + hk * dk_sh;
   dv += b * dv_sb + hk * dv_sh;
 
-#if HAS_BOUNDS
-  const Bounds bounds{diag_offset, window_left, window_right};
-#endif
   // The (query head, query block) steps that can see these keys, walked in a fixed order.
   const QueryWalk walk = query_walk(n0, n_last, seqlen_q, group, diag_offset, window_left, window_right);
   const int total = walk.total;
@@ -140,18 +138,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     mma_abt<MT, NT_S, KV_IN_REGS != 0>(st, k_frag, s_base + OFF_K, warp_row0, s_q, 0, lane);
 
     // P^T = 2^(S^T scale log2e - lse_log2); invisible pairs -> 0. Padded query rows carry lse_log2 = +inf.
-    bool need_mask = false;
-#if HAS_BOUNDS
-    need_mask = !bounds.block_inside(m0, min_of(m0 + BLOCK_M, seqlen_q) - 1, n0, n_last);
-#endif
-#if HAS_EXTRAS
-    const BoolMask bmask{mask != nullptr ? mask + b * m_sb + hq * m_sh : nullptr, m_sq, m_sk};
-    need_mask = need_mask || bmask.ptr != nullptr;
-#endif
-#if FLOAT_MASK
-    const FloatMask fmask{float_mask + b * fm_sb + hq * fm_sh, fm_sq, fm_sk};
-    need_mask = true;
-#endif
+    const ScoreMask smask = score_mask(b, hq, seqlen_q, seqlen_k, diag_offset, window_left, window_right, mask, m_sb,
+                                       m_sh, m_sq, m_sk, float_mask, fm_sb, fm_sh, fm_sq, fm_sk);
+    const bool need_mask = smask.block_needs_mask(false, m0, min_of(m0 + BLOCK_M, seqlen_q) - 1, n0, n_last);
 #if SOFTCAP && COMPUTE_DK
     float st_tanh[MT][NT_S][4];  // tanh of each score, for dS's softcap factor
 #endif
@@ -160,9 +149,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int j = n0 + warp_row0 + mt * 16 + g + 8 * hr;
-        // queries [lo, hi] that see key j, relative to this lane's first column m0 + 2t
-        const int lo = (HAS_BOUNDS ? max_of(0, j - diag_offset - window_right) : 0) - (m0 + 2 * t);
-        const int hi = (HAS_BOUNDS ? min_of(seqlen_q - 1, j - diag_offset + window_left) : seqlen_q - 1) - (m0 + 2 * t);
+        const VisibleColumns queries = smask.queries_of_key(j, m0 + 2 * t);  // relative to this lane's first column
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
@@ -173,17 +160,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #if SOFTCAP && COMPUTE_DK
             st_tanh[mt][nt][2 * hr + e] = th;
 #endif
-            if (need_mask) {
-              bool ok = cc >= lo && cc <= hi;
-#if HAS_EXTRAS
-              if (bmask.ptr != nullptr) ok = ok && j < seqlen_k && bmask.allows(m0 + 2 * t + cc, j);
-#endif
-#if FLOAT_MASK
-              x = fmask.apply(x, ok, m0 + 2 * t + cc, j, seqlen_q, seqlen_k);
-#else
-              if (!ok) x = -MHATTN_INF;
-#endif
-            }
+            if (need_mask) x = smask.apply(x, queries.contains(cc), m0 + 2 * t + cc, j);
             st[mt][nt][2 * hr + e] = fast_exp2(x - s_lse[2 * t + cc]);
           }
       }
@@ -205,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
           for (int e = 0; e < 4; ++e) {
             const int i = m0 + nt * 8 + 2 * t + (e & 1);
             const int j = n0 + warp_row0 + mt * 16 + g + ((e >> 1) << 3);
-            if (rng.keep(rng.row_key(i), j)) keep_bits[mt] |= 1ull << (4 * nt + e);
+            if (rng.keep_pair(i, j)) keep_bits[mt] |= 1ull << (4 * nt + e);
           }
       }
     }
@@ -223,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
         for (int e = 0; e < 4; ++e) {
           float dp = dpt[mt][nt][e];
 #if HAS_EXTRAS
-          if (use_dropout) dp = ((keep_bits[mt] >> (4 * nt + e)) & 1ull) ? dp * drop_scale : 0.f;
+          if (use_dropout) dp = dropped(dp, (keep_bits[mt] >> (4 * nt + e)) & 1ull, drop_scale);
 #endif
           dpt[mt][nt][e] = st[mt][nt][e] * (dp - s_delta[nt * 8 + 2 * t + (e & 1)]);
 #if SOFTCAP
@@ -241,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
         for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            st[mt][nt][e] = ((keep_bits[mt] >> (4 * nt + e)) & 1ull) ? st[mt][nt][e] * drop_scale : 0.f;
+            st[mt][nt][e] = dropped(st[mt][nt][e], (keep_bits[mt] >> (4 * nt + e)) & 1ull, drop_scale);
     }
 #endif
     // dV += P_dropped^T dO

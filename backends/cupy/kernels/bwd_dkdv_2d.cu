@@ -17,6 +17,7 @@
 // shared-memory round trip of P^T and dS^T; the kernels are bound by shared-memory bandwidth.
 // dK is scaled by the softmax scale at the end.
 #include "key_side.cuh"
+#include "score_mask.cuh"
 #include "warp_mma.cuh"
 
 #ifndef DKDV_MODE
@@ -97,9 +98,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   dk += b * dk_sb + hk * dk_sh;
   dv += b * dv_sb + hk * dv_sh;
 
-#if HAS_BOUNDS
-  const Bounds bounds{diag_offset, window_left, window_right};
-#endif
   // The (query head, query block) steps that can see these keys, walked in a fixed order.
   const QueryWalk walk = query_walk(n0, n_last, seqlen_q, group, diag_offset, window_left, window_right);
   const int total = walk.total;
@@ -148,18 +146,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     float st[S_MT][S_NT][4];
     mma_abt<S_MT, S_NT, KV_IN_REGS != 0>(st, k_frag, s_base + OFF_K, s_row0, s_q, s_col0, lane);
 
-    bool need_mask = false;
-#if HAS_BOUNDS
-    need_mask = !bounds.block_inside(m0, min_of(m0 + BLOCK_M, seqlen_q) - 1, n0, n_last);
-#endif
-#if HAS_EXTRAS
-    const BoolMask bmask{mask != nullptr ? mask + b * m_sb + hq * m_sh : nullptr, m_sq, m_sk};
-    need_mask = need_mask || bmask.ptr != nullptr;
-#endif
-#if FLOAT_MASK
-    const FloatMask fmask{float_mask + b * fm_sb + hq * fm_sh, fm_sq, fm_sk};
-    need_mask = true;
-#endif
+    const ScoreMask smask = score_mask(b, hq, seqlen_q, seqlen_k, diag_offset, window_left, window_right, mask, m_sb,
+                                       m_sh, m_sq, m_sk, float_mask, fm_sb, fm_sh, fm_sq, fm_sk);
+    const bool need_mask = smask.block_needs_mask(false, m0, min_of(m0 + BLOCK_M, seqlen_q) - 1, n0, n_last);
 #if SOFTCAP
     float st_tanh[S_MT][S_NT][4];  // tanh of each score, for dS's softcap factor
 #endif
@@ -170,9 +159,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int j = n0 + s_row0 + mt * 16 + g + 8 * hr;
-        // queries [lo, hi] that see key j, relative to first_col
-        const int lo = (HAS_BOUNDS ? max_of(0, j - diag_offset - window_right) : 0) - first_col;
-        const int hi = (HAS_BOUNDS ? min_of(seqlen_q - 1, j - diag_offset + window_left) : seqlen_q - 1) - first_col;
+        const VisibleColumns queries = smask.queries_of_key(j, first_col);
 #pragma unroll
         for (int nt = 0; nt < S_NT; ++nt)
 #pragma unroll
@@ -183,17 +170,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #if SOFTCAP
             st_tanh[mt][nt][2 * hr + e] = th;
 #endif
-            if (need_mask) {
-              bool ok = cc >= lo && cc <= hi;
-#if HAS_EXTRAS
-              if (bmask.ptr != nullptr) ok = ok && j < seqlen_k && bmask.allows(first_col + cc, j);
-#endif
-#if FLOAT_MASK
-              x = fmask.apply(x, ok, first_col + cc, j, seqlen_q, seqlen_k);
-#else
-              if (!ok) x = -MHATTN_INF;
-#endif
-            }
+            if (need_mask) x = smask.apply(x, queries.contains(cc), first_col + cc, j);
             st[mt][nt][2 * hr + e] = fast_exp2(x - s_lse[s_col0 + 2 * t + cc]);
           }
       }
@@ -224,9 +201,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
             p_kept[e] = p;
 #if HAS_EXTRAS
             if (use_dropout) {
-              const bool keep = rng.keep(rng.row_key(m0 + col + e), n0 + row);
-              dp = keep ? dp * drop_scale : 0.f;
-              p_kept[e] = keep ? p * drop_scale : 0.f;
+              const bool keep = rng.keep_pair(m0 + col + e, n0 + row);
+              dp = dropped(dp, keep, drop_scale);
+              p_kept[e] = dropped(p, keep, drop_scale);
             }
 #endif
             ds[e] = p * (dp - s_delta[col + e]);

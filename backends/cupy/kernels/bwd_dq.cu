@@ -7,6 +7,7 @@
 //   S  = Q K^T      P = 2^(S * scale * log2 e - lse_log2)
 //   dP = dO V^T     dS = P (dP keep / (1 - p) - delta)      dQ += dS K   (dS fed from registers)
 // dQ is scaled by the softmax scale at the end.
+#include "score_mask.cuh"
 #include "warp_mma.cuh"
 
 #ifndef Q_IN_REGS
@@ -50,7 +51,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   const int dim_v = ANY_DIMS ? head_dim_v : head_dim;  // columns of V and dO
   const Softcap softcap{softcap_in2, softcap_out2};
 #if FLOAT_MASK
-  const FloatMask fmask{float_mask + b * fm_sb + h * fm_sh, fm_sq, fm_sk};
   const MaskGrad mask_grad{dmask != nullptr ? dmask + ((i64)b * heads_q + h) * seqlen_q * seqlen_k : nullptr};
 #endif
 
@@ -60,17 +60,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   v += b * v_sb + hk * v_sh;
   dq += b * dq_sb + h * dq_sh;
 
+  // Key blocks this query block can see, and what hides a score.
   const int m_last = min_of(m0 + BLOCK_M, seqlen_q) - 1;
-  int n_lo = 0, n_hi = seqlen_k;
-#if HAS_BOUNDS
-  const Bounds bounds{diag_offset, window_left, window_right};
-  n_lo = (int)max_of((i64)0, (i64)m0 + diag_offset - window_left);
-  n_hi = (int)min_of((i64)seqlen_k, (i64)m_last + diag_offset + window_right + 1);
-#endif
-  const int nb_lo = n_lo / BLOCK_N;
-  const int nb_hi = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N : nb_lo;
-  auto bounds_lo = [&](int i) { return HAS_BOUNDS ? max_of(0, i + diag_offset - window_left) : 0; };
-  auto bounds_hi = [&](int i, int nk) { return HAS_BOUNDS ? min_of(nk - 1, i + diag_offset + window_right) : nk - 1; };
+  const KeyBlockRange blocks = key_block_range(m0, m_last, seqlen_k, diag_offset, window_left, window_right);
+  const int nb_lo = blocks.lo, nb_hi = blocks.hi;
+  const ScoreMask smask = score_mask(b, h, seqlen_q, seqlen_k, diag_offset, window_left, window_right, mask, m_sb,
+                                     m_sh, m_sq, m_sk, float_mask, fm_sb, fm_sh, fm_sq, fm_sk);
 
   // This lane's rows (g and g + 8 of each m16 tile): lse in log2 units (+inf for padding or rows that see
   // nothing) and delta.
@@ -85,15 +80,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     }
 
 #if HAS_EXTRAS
-  const BoolMask bmask{mask != nullptr ? mask + b * m_sb + h * m_sh : nullptr, m_sq, m_sk};
   const bool use_dropout = drop_threshold != 0u;
   DropoutRng rng;
   rng.init((u32)(b * heads_q + h), seed_words, drop_threshold);
   u32 row_key[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) row_key[mt][hr] = rng.row_key(m0 + warp_row0 + mt * 16 + g + 8 * hr);
+  rng.row_keys(row_key, m0 + warp_row0, g);
 #endif
 
   load_tile_async<BLOCK_M>(s_base + OFF_Q, q, q_sn, m0, seqlen_q, head_dim, tid);
@@ -136,23 +127,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 
     // dS = P (dP keep / (1 - p) - delta), with P = 0 where the row cannot see the key.
     const int n0 = nb * BLOCK_N;
-    bool need_mask = n0 + BLOCK_N > seqlen_k;
-#if HAS_BOUNDS
-    need_mask = need_mask || !bounds.block_inside(m0, m_last, n0, n0 + BLOCK_N - 1);
-#endif
-#if HAS_EXTRAS
-    need_mask = need_mask || bmask.ptr != nullptr;
-#endif
-#if FLOAT_MASK
-    need_mask = true;
-#endif
+    const bool need_mask = smask.block_needs_mask(n0 + BLOCK_N > seqlen_k, m0, m_last, n0, n0 + BLOCK_N - 1);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int i = m0 + warp_row0 + mt * 16 + g + 8 * hr;
-        // visible keys [lo, hi] of row i, relative to this lane's first column n0 + 2t
-        const int lo = bounds_lo(i) - (n0 + 2 * t), hi = bounds_hi(i, seqlen_k) - (n0 + 2 * t);
+        const VisibleColumns keys = smask.keys_of_query(i, n0 + 2 * t);  // relative to this lane's first column
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
@@ -161,21 +142,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
             const int j = n0 + 2 * t + jj;
             float th;
             float x = log2_score(s[mt][nt][2 * hr + e], scale_log2, softcap, th);
-            if (need_mask) {
-              bool ok = jj >= lo && jj <= hi;
-#if HAS_EXTRAS
-              if (bmask.ptr != nullptr) ok = ok && i < seqlen_q && bmask.allows(i, j);
-#endif
-#if FLOAT_MASK
-              x = fmask.apply(x, ok, i, j, seqlen_q, seqlen_k);
-#else
-              if (!ok) x = -MHATTN_INF;
-#endif
-            }
+            if (need_mask) x = smask.apply(x, keys.contains(jj), i, j);
             const float p = fast_exp2(x - row_lse[mt][hr]);
             float dpv = dp[mt][nt][2 * hr + e];
 #if HAS_EXTRAS
-            if (use_dropout) dpv = rng.keep(row_key[mt][hr], j) ? dpv * drop_scale : 0.f;
+            if (use_dropout) dpv = dropped(dpv, rng.keep(row_key[mt][hr], j), drop_scale);
 #endif
 #if FLOAT_MASK || SOFTCAP
             float ds = p * (dpv - row_delta[mt][hr]);

@@ -271,7 +271,20 @@ struct DropoutRng {
   }
   MHATTN_DEVICE u32 row_key(int i) const { return fmix32(bh_key ^ ((u32)i * 0x85EBCA6Bu + seed1)); }
   MHATTN_DEVICE bool keep(u32 row_key_i, int j) const { return fmix32(row_key_i ^ ((u32)j * 0xC2B2AE35u)) >= threshold; }
+  // Whether the element (query i, key j) is kept.
+  MHATTN_DEVICE bool keep_pair(int i, int j) const { return keep(row_key(i), j); }
+  // The row keys of a lane's accumulator rows row0 + 16 mt + g and row0 + 16 mt + g + 8 (MT m16 tiles).
+  template <int MT>
+  MHATTN_DEVICE void row_keys(u32 (&keys)[MT][2], int row0, int g) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) keys[mt][hr] = row_key(row0 + mt * 16 + g + 8 * hr);
+  }
 };
+
+// A kept element scaled by 1 / (1 - p) (drop_scale), a dropped one 0.
+MHATTN_DEVICE float dropped(float x, bool keep, float drop_scale) { return keep ? x * drop_scale : 0.f; }
 
 // ---- feature variants: softcap, float mask and its gradient, any head dims ------------------------
 

@@ -11,6 +11,7 @@
 // Out: O (B, Hq, Nq, Dv) with the caller's strides, lse (B, Hq, Nq) float32 natural log, -inf for a row
 // that sees no key (whose output is 0). The parameters after drop_scale serve the feature flags (SOFTCAP,
 // FLOAT_MASK, ANY_DIMS; common.cuh) and are unused without them (dmask: the dQ kernel's only).
+#include "score_mask.cuh"
 #include "warp_mma.cuh"
 
 constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
@@ -66,9 +67,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   const int warp_row0 = warp * ROWS_PER_WARP;
   const int dim_v = ANY_DIMS ? head_dim_v : head_dim;  // columns of V and O
   const Softcap softcap{softcap_in2, softcap_out2};
-#if FLOAT_MASK
-  const FloatMask fmask{float_mask + b * fm_sb + h * fm_sh, fm_sq, fm_sk};
-#endif
 
   q += b * q_sb + h * q_sh;
   k += b * k_sb + hk * k_sh;
@@ -80,30 +78,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   const u32 s_k = s_q + Q_TILE_BYTES;       // stage s at s_k + s * KV_TILE_BYTES
   const u32 s_v = s_k + 2 * KV_TILE_BYTES;  // stage s at s_v + s * KV_TILE_BYTES
 
-  // Key blocks this query block can see.
+  // Key blocks this query block can see, and what hides a score.
   const int m_last = min_of(m0 + BLOCK_M, seqlen_q) - 1;
-  int n_lo = 0, n_hi = seqlen_k;
-#if HAS_BOUNDS
-  const Bounds bounds{diag_offset, window_left, window_right};
-  n_lo = (int)max_of((i64)0, (i64)m0 + diag_offset - window_left);
-  n_hi = (int)min_of((i64)seqlen_k, (i64)m_last + diag_offset + window_right + 1);
-#endif
-  const int nb_lo = n_lo / BLOCK_N;
-  const int nb_hi = n_hi > n_lo ? (n_hi + BLOCK_N - 1) / BLOCK_N : nb_lo;
-  // first and last key query row i may see (inclusive; the window bounds fit in 32 bits, see ops.py)
-  auto bounds_lo = [&](int i) { return HAS_BOUNDS ? max_of(0, i + diag_offset - window_left) : 0; };
-  auto bounds_hi = [&](int i, int nk) { return HAS_BOUNDS ? min_of(nk - 1, i + diag_offset + window_right) : nk - 1; };
+  const KeyBlockRange blocks = key_block_range(m0, m_last, seqlen_k, diag_offset, window_left, window_right);
+  const int nb_lo = blocks.lo, nb_hi = blocks.hi;
+  const ScoreMask smask = score_mask(b, h, seqlen_q, seqlen_k, diag_offset, window_left, window_right, mask, m_sb,
+                                     m_sh, m_sq, m_sk, float_mask, fm_sb, fm_sh, fm_sq, fm_sk);
 
 #if HAS_EXTRAS
-  const BoolMask bmask{mask != nullptr ? mask + b * m_sb + h * m_sh : nullptr, m_sq, m_sk};
   const bool use_dropout = drop_threshold != 0u;
   DropoutRng rng;
   rng.init((u32)(b * heads_q + h), seed_words, drop_threshold);
   u32 row_key[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) row_key[mt][hr] = rng.row_key(m0 + warp_row0 + mt * 16 + g + 8 * hr);
+  rng.row_keys(row_key, m0 + warp_row0, g);
 #endif
 
   load_tile_async<BLOCK_M>(s_q, q, q_sn, m0, seqlen_q, head_dim, tid);
@@ -151,16 +138,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 
     // Scale to log2 units, then hide what the row cannot see (only blocks that cut the visible region).
     const int n0 = nb * BLOCK_N;
-    bool need_mask = n0 + BLOCK_N > seqlen_k;
-#if HAS_BOUNDS
-    need_mask = need_mask || !bounds.block_inside(m0, m_last, n0, n0 + BLOCK_N - 1);
-#endif
-#if HAS_EXTRAS
-    need_mask = need_mask || bmask.ptr != nullptr;
-#endif
-#if FLOAT_MASK
-    need_mask = true;
-#endif
+    const bool need_mask = smask.block_needs_mask(n0 + BLOCK_N > seqlen_k, m0, m_last, n0, n0 + BLOCK_N - 1);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -176,23 +154,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const int i = m0 + warp_row0 + mt * 16 + g + 8 * hr;
-          // keys [lo, hi] of row i, made relative to this lane's first column n0 + 2t
-          const int first = n0 + 2 * t;
-          const int lo = bounds_lo(i) - first, hi = bounds_hi(i, seqlen_k) - first;
+          const int first = n0 + 2 * t;  // this lane's first key column
+          const VisibleColumns keys = smask.keys_of_query(i, first);
 #pragma unroll
           for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int jj = nt * 8 + e;
-              bool ok = jj >= lo && jj <= hi;
-#if HAS_EXTRAS
-              if (bmask.ptr != nullptr) ok = ok && i < seqlen_q && bmask.allows(i, first + jj);
-#endif
-#if FLOAT_MASK
-              s[mt][nt][2 * hr + e] = fmask.apply(s[mt][nt][2 * hr + e], ok, i, first + jj, seqlen_q, seqlen_k);
-#else
-              if (!ok) s[mt][nt][2 * hr + e] = -MHATTN_INF;
-#endif
+              s[mt][nt][2 * hr + e] = smask.apply(s[mt][nt][2 * hr + e], keys.contains(jj), i, first + jj);
             }
         }
     }
