@@ -133,41 +133,6 @@ def correctness_backward(head_dims, dtypes=(torch.bfloat16, torch.float16)) -> i
     return failures
 
 
-def timing_backward(dtype, head_dims, seqlens):
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
-    rows = []
-    for head_dim in head_dims:
-        for seqlen in seqlens:
-            for causal in (False, True):
-                batch, heads = 16384 // seqlen, 2048 // head_dim
-                leaves = [torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype).requires_grad_()
-                          for _ in range(3)]
-                grad_out = torch.randn_like(leaves[0])
-                flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-
-                def backward_time(run):
-                    out = run()
-                    return bench(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True))
-
-                times = []
-                for peer in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
-                    with sdpa_kernel(peer):
-                        times.append(backward_time(lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal)))
-                cupy = lambda: mhattn.attention(*leaves, is_causal=causal, backend="cupy")  # noqa: E731
-                times.append(backward_time(cupy))
-                ops.HOPPER_ENABLED = False
-                times.append(backward_time(cupy))
-                ops.HOPPER_ENABLED = True
-                rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in times)))
-                print(rows[-1], flush=True)
-    print(f"\n{str(dtype).replace('torch.', '')} backward, TFLOP/s (same run)\n")
-    print("| d | N | causal | sdpa-cudnn | sdpa-flash | cupy Hopper | cupy mma.sync | Hopper/cuDNN | Hopper/flash |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for d, n, causal, cudnn, flash, hopper, mma in rows:
-        print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {flash:.0f} | {hopper:.0f} | {mma:.0f} | "
-              f"{hopper / cudnn:.2f} | {hopper / flash:.2f} |")
-
-
 def correctness(head_dims, dtypes=(torch.bfloat16, torch.float16)) -> int:
     ops.POISON_OUTPUTS = True
     failures = cases = 0
@@ -192,93 +157,95 @@ def correctness(head_dims, dtypes=(torch.bfloat16, torch.float16)) -> int:
     return failures
 
 
-def timing(dtype, head_dims, seqlens):
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
-    rows = []
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def protocol_cells(dtype, head_dims, seqlens):
+    """(d, N, causal, q, k, v, forward FLOPs) at PERFORMANCE.md's shapes: B * N = 16384, H = 2048 / d; q, k, v leaves
+    that require grad."""
     for head_dim in head_dims:
         for seqlen in seqlens:
             for causal in (False, True):
                 batch, heads = 16384 // seqlen, 2048 // head_dim
-                q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype) for _ in range(3))
-                flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-                times = []
-                for peer in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
-                    with sdpa_kernel(peer):
-                        times.append(bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
-                cupy = lambda: mhattn.attention(q, k, v, is_causal=causal, backend="cupy")  # noqa: E731
-                times.append(bench(cupy))
-                ops.HOPPER_ENABLED = False
-                times.append(bench(cupy))
-                ops.HOPPER_ENABLED = True
-                rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in times)))
+                q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype).requires_grad_()
+                           for _ in range(3))
+                yield head_dim, seqlen, causal, q, k, v, 4 * batch * heads * seqlen * seqlen * head_dim / (1 + causal)
+
+
+def forward_time(run) -> float:
+    with torch.no_grad():
+        return bench(run)
+
+
+def backward_time(run, leaves) -> float:
+    """The backward alone: torch.autograd.grad of run()'s output (made once)."""
+    out = run()
+    grad_out = torch.randn_like(out)
+    return bench(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True))
+
+
+def peer_and_cupy_times(time, q, k, v, causal, with_mma_sync=True) -> list:
+    """time(run) of sdpa-cudnn, sdpa-flash, the cupy backend (Hopper kernels) and, with_mma_sync, the cupy backend
+    with them off."""
+    times = []
+    for peer in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(peer):
+            times.append(time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
+    cupy = lambda: mhattn.attention(q, k, v, is_causal=causal, backend="cupy")  # noqa: E731
+    times.append(time(cupy))
+    if with_mma_sync:
+        ops.HOPPER_ENABLED = False
+        try:
+            times.append(time(cupy))
+        finally:
+            ops.HOPPER_ENABLED = True
+    return times
+
+
+def print_table(title: str, header: list, rows: list) -> None:
+    print(f"\n{title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def timing(dtype, head_dims, seqlens, backward=False):
+    """The table of the forward (backward: 2.5x the forward's FLOPs) beside the peers and the mma.sync kernels."""
+    rows = []
+    for d, n, causal, q, k, v, flops in protocol_cells(dtype, head_dims, seqlens):
+        time = (lambda run: backward_time(run, [q, k, v])) if backward else forward_time
+        cudnn, flash, hopper, mma = (flops * (2.5 if backward else 1) / ms / 1e9
+                                     for ms in peer_and_cupy_times(time, q, k, v, causal))
+        rows.append([str(d), str(n), "yes" if causal else "no"] + [f"{x:.0f}" for x in (cudnn, flash, hopper, mma)]
+                    + [f"{hopper / cudnn:.2f}", f"{hopper / flash:.2f}"])
+        print(rows[-1], flush=True)
+    print_table(f"{str(dtype).replace('torch.', '')} {'backward' if backward else 'forward'}, TFLOP/s (same run)",
+                ["d", "N", "causal", "sdpa-cudnn", "sdpa-flash", "cupy Hopper", "cupy mma.sync", "Hopper/cuDNN",
+                 "Hopper/flash"], rows)
+
+
+def sweep(dtype, head_dims, seqlens, backward=False):
+    """Each candidate of SWEEP (SWEEP_BWD) set in the table at run time, checked in bf16 and timed beside cuDNN."""
+    table = variants.HOPPER_BWD_STAGES if backward else variants.HOPPER_FWD_TILES
+    rows = []
+    for head_dim in head_dims:
+        default = table[head_dim]
+        for candidate in (SWEEP_BWD if backward else SWEEP)[head_dim]:
+            table[head_dim] = candidate if backward else variants.HopperFwdTiles(*candidate)
+            failures = (correctness_backward if backward else correctness)([head_dim], (torch.bfloat16,))
+            for d, n, causal, q, k, v, flops in protocol_cells(dtype, [head_dim], seqlens):
+                time = (lambda run: backward_time(run, [q, k, v])) if backward else forward_time
+                cudnn, _, hopper = (flops * (2.5 if backward else 1) / ms / 1e9
+                                    for ms in peer_and_cupy_times(time, q, k, v, causal, with_mma_sync=False))
+                rows.append([str(d), str(candidate), str(failures), str(n), "yes" if causal else "no", f"{cudnn:.0f}",
+                             f"{hopper:.0f}", f"{hopper / cudnn:.2f}"])
                 print(rows[-1], flush=True)
-    print(f"\n{str(dtype).replace('torch.', '')} forward, TFLOP/s (same run)\n")
-    print("| d | N | causal | sdpa-cudnn | sdpa-flash | cupy Hopper | cupy mma.sync | Hopper/cuDNN | Hopper/flash |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for d, n, causal, cudnn, flash, hopper, mma in rows:
-        print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {flash:.0f} | {hopper:.0f} | {mma:.0f} | "
-              f"{hopper / cudnn:.2f} | {hopper / flash:.2f} |")
-
-
-def sweep_backward(dtype, head_dims, seqlens):
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
-    rows = []
-    for head_dim in head_dims:
-        default = variants.HOPPER_BWD_STAGES[head_dim]
-        for stages in SWEEP_BWD[head_dim]:
-            variants.HOPPER_BWD_STAGES[head_dim] = stages
-            failures = correctness_backward([head_dim], (torch.bfloat16,))
-            for seqlen in seqlens:
-                for causal in (False, True):
-                    batch, heads = 16384 // seqlen, 2048 // head_dim
-                    leaves = [torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype).requires_grad_()
-                              for _ in range(3)]
-                    grad_out = torch.randn_like(leaves[0])
-                    flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-                    times = []
-                    for run in (lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal),
-                                lambda: mhattn.attention(*leaves, is_causal=causal, backend="cupy")):
-                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                            out = run()
-                        times.append(bench(lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)))
-                    rows.append((head_dim, stages, failures, seqlen, causal, *(flops / ms / 1e9 for ms in times)))
-                    print(rows[-1], flush=True)
-        variants.HOPPER_BWD_STAGES[head_dim] = default
-    print(f"\n{str(dtype).replace('torch.', '')} backward sweep, TFLOP/s (same run)\n")
-    print("| d | stages | failures | N | causal | sdpa-cudnn | cupy Hopper | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    for d, stages, failures, n, causal, cudnn, hopper in rows:
-        print(f"| {d} | {stages} | {failures} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {hopper:.0f} | "
-              f"{hopper / cudnn:.2f} |")
-
-
-def sweep(dtype, head_dims, seqlens):
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
-    rows = []
-    for head_dim in head_dims:
-        default = variants.HOPPER_FWD_TILES[head_dim]
-        for fields in SWEEP[head_dim]:
-            variants.HOPPER_FWD_TILES[head_dim] = variants.HopperFwdTiles(*fields)
-            failures = correctness([head_dim], (torch.bfloat16,))
-            for seqlen in seqlens:
-                for causal in (False, True):
-                    batch, heads = 16384 // seqlen, 2048 // head_dim
-                    q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype)
-                               for _ in range(3))
-                    flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        cudnn = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                    hopper = bench(lambda: mhattn.attention(q, k, v, is_causal=causal, backend="cupy"))
-                    rows.append((head_dim, fields, failures, seqlen, causal, flops / cudnn / 1e9, flops / hopper / 1e9))
-                    print(rows[-1], flush=True)
-        variants.HOPPER_FWD_TILES[head_dim] = default
-    print(f"\n{str(dtype).replace('torch.', '')} forward sweep, TFLOP/s (same run)\n")
-    print("| d | tiles (block_n, stages, consumers, pingpong, persistent) | failures | N | causal | sdpa-cudnn | cupy Hopper "
-          "| ratio |")
-    print("|---|---|---|---|---|---|---|---|")
-    for d, fields, failures, n, causal, cudnn, hopper in rows:
-        print(f"| {d} | {fields} | {failures} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {hopper:.0f} | "
-              f"{hopper / cudnn:.2f} |")
+        table[head_dim] = default
+    what = "ring slots" if backward else "tiles (block_n, stages, consumers, pingpong, persistent)"
+    print_table(f"{str(dtype).replace('torch.', '')} {'backward' if backward else 'forward'} sweep, TFLOP/s (same run)",
+                ["d", what, "failures", "N", "causal", "sdpa-cudnn", "cupy Hopper", "ratio"], rows)
 
 
 def main():
@@ -299,7 +266,7 @@ def main():
         if "fwd" in parts:
             sweep(DTYPES[args.dtype], head_dims, seqlens)
         if "bwd" in parts:
-            sweep_backward(DTYPES[args.dtype], bwd_dims, seqlens)
+            sweep(DTYPES[args.dtype], bwd_dims, seqlens, backward=True)
         return
     if not args.timing_only:
         if "fwd" in parts:
@@ -309,7 +276,7 @@ def main():
     if "fwd" in parts:
         timing(DTYPES[args.dtype], head_dims, seqlens)
     if "bwd" in parts:
-        timing_backward(DTYPES[args.dtype], bwd_dims, seqlens)
+        timing(DTYPES[args.dtype], bwd_dims, seqlens, backward=True)
 
 
 if __name__ == "__main__":
