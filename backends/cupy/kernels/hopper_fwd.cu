@@ -15,7 +15,7 @@
 // consumers) the consumers take turns to issue their products (two named barriers): one warpgroup's products
 // queue on the tensor cores while the other runs its softmax.
 //
-// Q, K, V are read through tensor maps over (column, row, head, batch) (innermost first; hopper_tensor_maps.py),
+// Q, K, V are read through tensor maps over (column, row, head, batch) (innermost first; backends/cupy/tensor_maps.py),
 // boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows with the 128-byte swizzle: rows past a head's sequence
 // end read as zeros. Out: O (B, Hq, Nq, D) with the caller's strides; lse (B, Hq, Nq) float32, natural log, -inf
 // for a row that sees no key (whose output is 0). Masking: the causal / sliding-window band of common.cuh's
