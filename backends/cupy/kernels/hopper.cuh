@@ -36,6 +36,11 @@ MHATTN_DEVICE void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
 MHATTN_DEVICE void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// One arrival of this warp (after its lanes are done: a slot's readers release it once per warp).
+MHATTN_DEVICE void release_slot(u32 empty_bar, int lane) {
+  __syncwarp();
+  if (lane == 0) mbar_arrive(empty_bar);
+}
 // Waits until the phase of parity `parity` has completed. A fresh barrier is in phase 0, so waiting for
 // parity 1 returns at once: a producer's first wait on an "empty" barrier passes.
 MHATTN_DEVICE void mbar_wait(u32 bar, u32 parity) {

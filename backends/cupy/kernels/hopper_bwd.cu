@@ -282,11 +282,6 @@ MHATTN_DEVICE void store_key_rows(elem_t* dst_bh, i64 row_stride, const float (&
   }
 }
 
-MHATTN_DEVICE void release_slot(u32 empty_bar, int lane) {
-  __syncwarp();
-  if (lane == 0) mbar_arrive(empty_bar);
-}
-
 // ---- the kernel ------------------------------------------------------------------------------------------
 
 extern "C" __global__ void __launch_bounds__(384, 1)

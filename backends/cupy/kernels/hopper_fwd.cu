@@ -261,12 +261,6 @@ MHATTN_DEVICE void rescale_output(float (&o)[O_REGS], const float (&alpha)[2]) {
   }
 }
 
-// One arrival of this warp on a slot's empty barrier (the warp's wgmma that read the slot have completed).
-MHATTN_DEVICE void release_slot(u32 empty_bar, int lane) {
-  __syncwarp();
-  if (lane == 0) mbar_arrive(empty_bar);
-}
-
 // O / l and lse for the thread's two rows (those below seqlen_q).
 MHATTN_DEVICE void store_rows(const float (&o)[O_REGS], const float (&m)[2], const float (&l)[2], elem_t* o_bh,
                               float* lse_bh, i64 o_sn, int row0, int t, int seqlen_q) {
