@@ -100,6 +100,50 @@ MHATTN_DEVICE void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The budgets share what the CTA got at launch (65536 / threads a thread, rounded down to a multiple of 8): a
+// setmaxnreg.inc that asks for more than the others gave back waits for ever.
+__host__ __device__ constexpr bool budgets_fit_launch(int threads, int producer_regs, int consumer_threads, int consumer_regs) {
+  return 128 * producer_regs + consumer_threads * consumer_regs <= ((65536 / threads) & ~7) * threads;
+}
+
+// ---- accumulator fragments ------------------------------------------------------------------------------------
+// A 64 x N wgmma accumulator as a thread holds it (see the wgmma overloads below): element 4i + 2r + e is row
+// (thread's row) + 8r, column 8i + 2(lane % 4) + e.
+
+// The accumulator as the A operand of the next product over its columns: the m16n8k16 A fragment of k16 step kk
+// is n8 tiles 2kk and 2kk + 1.
+template <int R>
+MHATTN_DEVICE void pack_a_fragments(u32 (&a)[R / 8][4], const float (&s)[R]) {
+#pragma unroll
+  for (int kk = 0; kk < R / 8; ++kk) {
+    const float* lo = s + 8 * kk;  // n8 tile 2kk
+    const float* hi = lo + 4;      // n8 tile 2kk + 1
+    a[kk][0] = pack2(lo[0], lo[1]);
+    a[kk][1] = pack2(lo[2], lo[3]);
+    a[kk][2] = pack2(hi[0], hi[1]);
+    a[kk][3] = pack2(hi[2], hi[3]);
+  }
+}
+
+// A column bound of a COLS-column accumulator clamped to [-1, COLS] (the same tests on columns 0..COLS-1, no
+// overflow in the conversion to 32 bits).
+template <int COLS>
+MHATTN_DEVICE int clamp_column(i64 x) { return x < -1 ? -1 : x > COLS ? COLS : (int)x; }
+
+// -inf into the elements of accumulator row r (0: the thread's row, 1: 8 below) whose column 8i + e (relative to
+// the thread's first column, 2(lane % 4)) is outside [lo, hi].
+template <int R>
+MHATTN_DEVICE void hide_outside(float (&s)[R], int r, int lo, int hi) {
+#pragma unroll
+  for (int i = 0; i < R / 4; ++i) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * i + e;
+      if (col < lo || col > hi) s[4 * i + 2 * r + e] = -MHATTN_INF;
+    }
+  }
+}
+
 // ---- wgmma -----------------------------------------------------------------------------------------------
 
 // The descriptor of a matrix operand in shared memory in the 128-byte swizzled layout (bits: start address / 16,

@@ -61,8 +61,7 @@ constexpr int CONSUMER_REGS = 232;
 constexpr int DQ_BARRIER = 1;                  // named barriers (+ w at d = 64): the dS^T dQ reads is in shared memory
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "the Hopper backward takes head dims 64 and 128");
 static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory than the layout needs");
-// setmaxnreg budgets share what the CTA got at launch (168 a thread for 384 threads): asking for more waits for ever.
-static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= ((65536 / 384) & ~7) * 384,
+static_assert(budgets_fit_launch(NUM_THREADS, PRODUCER_REGS, 256, CONSUMER_REGS),
               "register budgets exceed what the CTA gets at launch");
 
 struct Ring {
@@ -152,21 +151,13 @@ MHATTN_DEVICE void issue_dq(float (&dq)[SQ_REGS], u32 s_ds, u32 s_k, int w) {
 // Hides the scores of query/key pairs outside the band, and of keys past seqlen_k (their zero rows of K would give
 // P = 2^-lse, unbounded): score s[4i + 2r + e] is key key0 + 8r, query m0 + 8i + 2t + e; key j sees queries
 // j - diag_offset - right .. j - diag_offset + left.
-MHATTN_DEVICE int clamp_column(i64 x) { return (int)min_of<i64>(max_of<i64>(x, -1), BLOCK_M); }
 MHATTN_DEVICE void mask_scores(float (&s)[SQ_REGS], int key0, int m0, int t, int seqlen_k, const Bounds& bounds) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const i64 diag = (i64)(key0 + 8 * r) - bounds.diag_offset - m0 - 2 * t;  // the diagonal, as a column 8i + e
     const bool key_exists = key0 + 8 * r < seqlen_k;
-    const int lo = key_exists ? clamp_column(diag - bounds.right) : BLOCK_M, hi = clamp_column(diag + bounds.left);
-#pragma unroll
-    for (int i = 0; i < BLOCK_M / 8; ++i) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * i + e;
-        if (col < lo || col > hi) s[4 * i + 2 * r + e] = -MHATTN_INF;
-      }
-    }
+    hide_outside(s, r, key_exists ? clamp_column<BLOCK_M>(diag - bounds.right) : BLOCK_M,
+                 clamp_column<BLOCK_M>(diag + bounds.left));
   }
 }
 
@@ -194,19 +185,6 @@ MHATTN_DEVICE void score_gradients(float (&dpt)[SQ_REGS], const float (&pt)[SQ_R
       dpt[4 * i + 2 * r] = pt[4 * i + 2 * r] * (dpt[4 * i + 2 * r] - d2.x) * scale;
       dpt[4 * i + 2 * r + 1] = pt[4 * i + 2 * r + 1] * (dpt[4 * i + 2 * r + 1] - d2.y) * scale;
     }
-  }
-}
-
-// A (64 keys x 64 queries) accumulator as the A operand of the k16 steps over the queries.
-MHATTN_DEVICE void pack_a(u32 (&a)[Q_STEPS][4], const float (&s)[SQ_REGS]) {
-#pragma unroll
-  for (int kk = 0; kk < Q_STEPS; ++kk) {
-    const float* lo = s + 8 * kk;
-    const float* hi = lo + 4;
-    a[kk][0] = pack2(lo[0], lo[1]);
-    a[kk][1] = pack2(lo[2], lo[3]);
-    a[kk][2] = pack2(hi[0], hi[1]);
-    a[kk][3] = pack2(hi[2], hi[3]);
   }
 }
 
@@ -358,8 +336,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       wgmma_wait<0>();
       touch_registers(dpt);
       score_gradients(dpt, st, s_vectors + (DELTA_OFFSET + s * VEC_BYTES) / 4, t, scale);
-      pack_a(p_frag, st);
-      pack_a(ds_frag, dpt);
+      pack_a_fragments(p_frag, st);  // the A operands of dV and dK
+      pack_a_fragments(ds_frag, dpt);
       wgmma_fence();
       issue_key_gradient(dv_acc, p_frag, s_do);
       issue_key_gradient(dk_acc, ds_frag, s_q);

@@ -49,9 +49,7 @@ constexpr u32 BAR_COUNT = 6 + 4 * STAGES;
 constexpr u32 TILE_OFFSET = BAR_OFFSET + 8 * BAR_COUNT;  // two tile indices
 constexpr u32 LAYOUT_BYTES = TILE_OFFSET + 8 + SWIZZLE_ATOM;  // + the worst-case alignment shift
 constexpr u32 CONSUMER_WARPS = 4 * CONSUMERS;  // each releases a slot once
-// Register budgets (setmaxnreg): the warpgroups share what the CTA got at launch (LAUNCH_REGS a thread); a
-// setmaxnreg.inc that asks for more than was given back waits for ever.
-constexpr int LAUNCH_REGS = (65536 / NUM_THREADS) & ~7;
+// Register budgets (setmaxnreg), within what the CTA got at launch (budgets_fit_launch).
 constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 56 : HEAD_DIM == 256 ? 40 : 56;
 constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 152 : HEAD_DIM == 256 ? 232 : 224;  // d = 256: O is 128 a thread
 constexpr float LN2 = 0.6931471805599453f;
@@ -59,7 +57,7 @@ static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be whole 64-column chunks");
 static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N must be 64 or 128 (the wgmma_ss overloads)");
 static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
 static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory than the layout needs");
-static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * NUM_THREADS,
+static_assert(budgets_fit_launch(NUM_THREADS, PRODUCER_REGS, 128 * CONSUMERS, CONSUMER_REGS),
               "register budgets exceed what the CTA gets at launch");
 static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong schedule takes two consumers");
 
@@ -185,9 +183,6 @@ MHATTN_DEVICE void issue_pv(float (&o)[O_REGS], const u32 (&p)[P_STEPS][4], u32 
     wgmma_rs(o, p[kk], smem_desc(s_v_slot + kk * 16 * ROW_BYTES, KV_CHUNK_BYTES, SWIZZLE_ATOM), 1);
 }
 
-// A column bound clamped to [-1, BLOCK_N] (the same tests on the block's columns 0..BLOCK_N-1, no overflow).
-MHATTN_DEVICE int clamp_column(i64 x) { return (int)min_of<i64>(max_of<i64>(x, -1), BLOCK_N); }
-
 // Hides the scores this thread holds that its rows may not see: keys past seqlen_k or outside the band. The
 // thread's rows are row0 and row0 + 8; score s[4i + 2r + e] is row row0 + 8r, key n0 + 8i + 2t + e. Each row's
 // visible keys are one range, turned into 32-bit bounds relative to the block before the per-score tests.
@@ -195,16 +190,8 @@ MHATTN_DEVICE void mask_scores(float (&s)[S_REGS], int row0, int n0, int t, int 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const i64 diag = (i64)(row0 + 8 * r) + bounds.diag_offset - n0 - 2 * t;  // the diagonal, as a column of 8i + e
-    const int lo = clamp_column(diag - bounds.left);
-    const int hi = clamp_column(min_of<i64>(diag + bounds.right, (i64)seqlen_k - n0 - 2 * t - 1));
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / 8; ++i) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * i + e;
-        if (col < lo || col > hi) s[4 * i + 2 * r + e] = -MHATTN_INF;
-      }
-    }
+    hide_outside(s, r, clamp_column<BLOCK_N>(diag - bounds.left),
+                 clamp_column<BLOCK_N>(min_of<i64>(diag + bounds.right, (i64)seqlen_k - n0 - 2 * t - 1)));
   }
 }
 
@@ -235,19 +222,6 @@ MHATTN_DEVICE void online_softmax(float (&s)[S_REGS], float (&m)[2], float (&l)[
       }
     }
     l[r] = l[r] * alpha[r] + sum;
-  }
-}
-
-// The probabilities as the A operand of P V: the m16n8k16 A fragment of k16 step kk is n8 tiles 2kk, 2kk + 1.
-MHATTN_DEVICE void pack_probabilities(u32 (&p)[P_STEPS][4], const float (&s)[S_REGS]) {
-#pragma unroll
-  for (int kk = 0; kk < P_STEPS; ++kk) {
-    const float* lo = s + 8 * kk;  // n8 tile 2kk
-    const float* hi = lo + 4;      // n8 tile 2kk + 1
-    p[kk][0] = pack2(lo[0], lo[1]);
-    p[kk][1] = pack2(lo[2], lo[3]);
-    p[kk][2] = pack2(hi[0], hi[1]);
-    p[kk][3] = pack2(hi[2], hi[3]);
   }
 }
 
@@ -326,7 +300,7 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
     int n0 = blocks.first * BLOCK_N;
     if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
     online_softmax(s_acc, m, l, alpha, c.scale_log2);
-    pack_probabilities(p, s_acc);
+    pack_a_fragments(p, s_acc);  // P, the A operand of P V
 
     for (int i = 1; i < blocks.count; ++i) {
       const int prev = s;
@@ -354,7 +328,7 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
       touch_registers(o_acc);
       release_slot(c.slots.v_empty(prev), c.lane);
       rescale_output(o_acc, alpha);
-      pack_probabilities(p, s_acc);
+      pack_a_fragments(p, s_acc);  // P, the A operand of P V
     }
     // P V of the last block.
     mbar_wait(c.slots.v_full(s), (ring / STAGES) & 1);
