@@ -240,9 +240,10 @@ DETERMINISTIC = "a deterministic backward (dQ from its own kernel; the Hopper ba
 
 
 def hopper_refusal(cc, dtype, head_dim: int, head_dim_v: int, bool_mask: bool, dropout: bool, softcap: bool,
-                   float_mask: bool, head_dims=variants.HOPPER_HEAD_DIMS) -> Optional[str]:
-    """Why the Hopper forward (backward: ``head_dims`` of its own) does not run a problem (None: it does, where the
-    tensors can be mapped)."""
+                   float_mask: bool, backward: bool = False) -> Optional[str]:
+    """Why the Hopper forward (``backward``: the Hopper backward, with head dims of its own) does not run a problem
+    (None: it does, where the tensors can be mapped)."""
+    head_dims = tuple(variants.HOPPER_BWD_STAGES) if backward else variants.HOPPER_HEAD_DIMS
     if not HOPPER_ENABLED:
         return f"{HOPPER_ENV}=0"
     if tuple(cc or ()) != variants.HOPPER_CC:
@@ -250,7 +251,7 @@ def hopper_refusal(cc, dtype, head_dim: int, head_dim_v: int, bool_mask: bool, d
     if dtype not in _DTYPE_NAMES:
         return f"dtype {dtype}"
     if head_dim != head_dim_v or head_dim not in head_dims:
-        return f"head dims {head_dim}/{head_dim_v} (equal, one of {tuple(head_dims)})"
+        return f"head dims {head_dim}/{head_dim_v} (equal, one of {head_dims})"
     if bool_mask or dropout or softcap or float_mask:
         return "a mask, dropout or softcap"
     return None
@@ -262,8 +263,7 @@ def hopper_problem_refusal(problem, backward: bool = False) -> Optional[str]:
     features = problem.features
     return hopper_refusal(problem.compute_capability, problem.dtype, problem.head_dim, problem.head_dim_v,
                           "bool_mask" in features, "dropout" in features, "softcap" in features,
-                          "float_mask" in features,
-                          tuple(variants.HOPPER_BWD_STAGES) if backward else variants.HOPPER_HEAD_DIMS)
+                          "float_mask" in features, backward)
 
 
 def _hopper_call_refusal(launcher, cc, params: AttentionParams, tensors: dict, backward: bool = False) -> Optional[str]:
@@ -274,8 +274,7 @@ def _hopper_call_refusal(launcher, cc, params: AttentionParams, tensors: dict, b
     q, v = tensors["q"], tensors["v"]
     reason = hopper_refusal(cc, q.dtype, q.shape[-1], v.shape[-1], mask is not None and mask.dtype == torch.bool,
                             params.dropout_p > 0, params.softcap is not None,
-                            mask is not None and mask.dtype != torch.bool,
-                            tuple(variants.HOPPER_BWD_STAGES) if backward else variants.HOPPER_HEAD_DIMS)
+                            mask is not None and mask.dtype != torch.bool, backward)
     if reason is None:
         for name, t in tensors.items():
             why = tensor_maps.why_not_mappable(t)
