@@ -11,7 +11,8 @@ Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
   split-KV decoding step (B=1, 32 query heads on 8 key/value heads, Nq=1, Nk=1k, d=128, bf16);
 - the CuPy backend's host code for one forward / backward with a launcher that does nothing (plan look-up,
   allocations, data pointers up to the launcher), and with CuPy's launcher whose CuPy pieces do nothing (its
-  stream look-up, device check and argument splice included);
+  stream look-up, device check and argument splice included); these take the sm_80 (mma.sync) plans, since
+  the Hopper plans encode tensor maps through the GPU driver;
 - torch's scaled_dot_product_attention at N = 1 (real work, but tiny), for scale.
 The machine's other load moves these numbers: compare rows of one run, best of five repetitions.
 """
@@ -119,7 +120,7 @@ def stubbed_cupy():
     sys.modules["cupy"] = fake
     launcher_module.current_stream = lambda index: 0
     try:
-        yield CupyBackend(launcher=StubbedLauncher(), compute_capability=(9, 0))
+        yield CupyBackend(launcher=StubbedLauncher(), compute_capability=(8, 0))
     finally:
         if saved[0] is None:
             sys.modules.pop("cupy", None)
@@ -215,7 +216,7 @@ def rows():
              ("mhattn.attention forward+backward, null backend", fwd_bwd)]
     from mhattn.backends.cupy import CupyBackend
 
-    cupy = CupyBackend(launcher=_NoLauncher(), compute_capability=(9, 0))
+    cupy = CupyBackend(launcher=_NoLauncher(), compute_capability=(8, 0))
     qh, kh, vh = (t.to(torch.bfloat16) for t in (q, k, v))
     out_h, lse_h = cupy.forward(qh, kh, vh, params)
     table += [("cupy backend forward, host code only", lambda: cupy.forward(qh, kh, vh, params)),

@@ -10,6 +10,7 @@ Host loops (300 calls, one synchronize at the end, best of five) at B=1 H=16 N=1
 - the Triton backend's forward and backward called directly on the main thread, an identity autograd
   Function's forward+backward (the autograd engine's own cost of a Python backward), and a Function whose
   backward calls the backend's backward (what mhattn's autograd Function pays on the engine's device thread).
+``--profile triton-fwd`` prints cProfile's top entries of mhattn.attention's forward on the Triton backend;
 ``--profile triton-bwd`` prints cProfile's top entries of the Triton backward where autograd runs it (its
 device thread) and on the main thread. Prints the table last.
 """
@@ -109,13 +110,31 @@ def rows():
     if "triton" in names:
         triton = mhattn.registry.get_backend("triton")
         out, lse = triton.forward(qd, kd, vd, params)
+        table.append(("triton backend forward, main thread", lambda: triton.forward(qd, kd, vd, params)))
         table += _triton_launch_rows(qd, kd, vd, params)
+        table.append(("torch.empty_strided x2 (the forward's out, lse)", lambda: (
+            torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device),
+            torch.empty_strided(lse.shape, lse.stride(), dtype=lse.dtype, device=lse.device))))
         table.append(("triton backend forward+backward, main thread",
                       lambda: (triton.forward(qd, kd, vd, params), triton.backward(dout, qd, kd, vd, out, lse, params))))
         table.append(("identity autograd Function forward+backward", lambda: _Identity.apply(q).backward(dout)))
         direct = _backend_function(triton, params)
         table.append(("autograd Function of the triton backend", lambda: direct.apply(q, k, v).backward(dout)))
     return table, (q, k, v, dout)
+
+
+def profile_triton_forward(q, k, v):
+    """cProfile of mhattn.attention's forward on the Triton backend (no gradient), 300 calls."""
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(300):
+        mhattn.attention(qd, kd, vd, backend="triton")
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(20)
+    print(f"== mhattn.attention forward on triton x300\n{text.getvalue()}")
 
 
 def profile_triton_backward(q, k, v, dout):
@@ -155,12 +174,14 @@ def profile_triton_backward(q, k, v, dout):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profile", choices=("triton-bwd",), default=None)
+    parser.add_argument("--profile", choices=("triton-fwd", "triton-bwd"), default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_profile.py needs a CUDA GPU (benchmarks/host_cost.py is the CPU counterpart)")
     table, tensors = rows()
     results = [(label, host_loop_us(fn)) for label, fn in table]
+    if args.profile == "triton-fwd":
+        profile_triton_forward(*tensors[:3])
     if args.profile == "triton-bwd":
         profile_triton_backward(*tensors)
     print(f"{'host loop per call, B=1 H=16 N=128 d=64 bf16':<52} {'us':>8}")
