@@ -49,7 +49,7 @@ def make_table(cells, key=H100, **made):
 
 def test_grids_cover_what_users_run():
     quick = grid.quick_grid()
-    assert len(quick) == 50 and len(set(quick)) == len(quick)
+    assert len(quick) == 54 and len(set(quick)) == len(quick)
     assert {c.dtype for c in quick} == {"bf16", "fp16", "fp32"}
     full = grid.full_grid()
     assert len(set(full)) == len(full) > len(quick)
@@ -59,6 +59,7 @@ def test_grids_cover_what_users_run():
         assert any(c.heads_q != c.heads_kv for c in cells)                           # GQA
         assert {c.mask for c in cells} == set(grid.MASK_KINDS)
         assert {c.causal for c in cells} == set(grid.CAUSAL_KINDS)
+        assert set(grid.latency_cells()) <= set(cells)                              # bench --latency's shapes
     assert max(c.seqlen_k for c in full) == 32768 and min(c.seqlen_q for c in full if c.grad) == 128
     assert all(c.dtype == "fp32" for c in grid.cpu_grid(quick=False))
     assert grid.limit(quick, 1024) and all(max(c.seqlen_q, c.seqlen_k) <= 1024 for c in grid.limit(quick, 1024))

@@ -65,9 +65,19 @@ def decode(dtype, batch, seqlen_k, heads_q=32, heads_kv=8, head_dim=128) -> Cell
     return Cell(dtype, batch, heads_q, heads_kv, 1, seqlen_k, head_dim, "bottom_right", "none", grad=False)
 
 
+def latency_cells() -> list:
+    """The shapes of ``mhattn bench --latency`` (B=1 H=16 N=128, ViT-B/16 at batch 32, B=8 H=16 N=512 in bf16 and
+    fp32), where the host path of a call costs as much as its kernels: the backend measured fastest there is
+    often not the one of the larger shapes nearby (forward+backward especially), so they are cells of their own."""
+    from mhattn.benchmark.latency import SHAPES
+
+    return [Cell(s.dtype, s.batch, s.heads, s.heads, s.seqlen, s.seqlen, s.head_dim) for s in SHAPES]
+
+
 def quick_grid() -> list:
-    """50 cells: every training shape of ``mhattn bench`` (bf16) and one of each other kind, fp32 included."""
-    cells = []
+    """54 cells: every training shape of ``mhattn bench`` (bf16), its latency shapes, and one of each other kind,
+    fp32 included."""
+    cells = latency_cells()
     for d in (64, 128, 256):
         for n in (512, 1024, 2048, 4096, 8192, 16384):
             for causal in ("none", "top_left"):
@@ -91,7 +101,7 @@ def quick_grid() -> list:
 
 def full_grid() -> list:
     """Every combination the quick grid samples, and more sequence lengths, head dims and GQA ratios."""
-    cells = []
+    cells = latency_cells()
     for dtype in ("bf16", "fp16"):
         for d in (32, 64, 128, 256):
             for n in (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768):
