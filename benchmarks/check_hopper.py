@@ -7,8 +7,11 @@ on an sm_90 GPU:
 1. each kernel launched directly on ragged shapes (fp16 and bf16; its head dims; GQA; Nq > Nk; one key; one
    query; causal top-left and bottom-right, rows that see no key) against a float64 reference, outputs
    poisoned with NaN before the launch: prints the failures and their count;
+   The forward runs on each of its schedules (SCHEDULES: one program per tile, persistent, persistent on a few
+   programs);
 2. the protocol's shapes (B * N = 16384, H = 2048 / d; N 1k, 4k, 16k; causal and not), TFLOP/s from do_bench
-   medians beside sdpa-cudnn in the same run. Forward: the kernel alone, the Triton backend as it chooses
+   medians beside sdpa-cudnn in the same run. Forward: the kernel alone (one program per tile, and persistent),
+   the Triton backend as it chooses
    (``mhattn.attention(backend="triton")``) and the FlashAttention-2 kernel (``MHATTN_TRITON_HOPPER=0``).
    Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses and with
    ``MHATTN_TRITON_HOPPER=0``. The tables are printed last.
@@ -33,17 +36,20 @@ RAGGED_SHAPES = ((2, 4, 4, 300, 517), (1, 8, 2, 1000, 1000), (2, 2, 1, 129, 64),
                  (1, 3, 3, 1500, 700))
 
 
-def launch(q, k, v, causal, diag_offset, poison=True):
-    """The forward kernel alone, with the launch constants and tensor maps of hopper_launch: (out, lse)."""
+def launch(q, k, v, causal, diag_offset, poison=True, persistent=None, sm_count=None):
+    """The forward kernel alone, with the launch constants, schedule and tensor maps of hopper_launch: (out, lse).
+    persistent: True / False for a persistent grid or one program per tile (None: hopper_launch's choice);
+    sm_count: the programs a persistent grid may have (default the GPU's SMs; a few make programs take many tiles)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     make = torch.full_like if poison else (lambda t, _: torch.empty_like(t))
     out = make(q, float("nan"))
     lse = make(q[..., 0].float(), float("nan"))
-    num_m_blocks = triton.cdiv(seqlen_q, 2 * hopper_launch.QUERY_ROWS_PER_CONSUMER)
-    hopper_forward.hopper_forward_kernel[(batch * heads_q * num_m_blocks,)](
+    sm_count = sm_count or torch.cuda.get_device_properties(q.device).multi_processor_count
+    programs, *schedule = hopper_launch.forward_schedule(batch, heads_q, seqlen_q, causal, sm_count, persistent)
+    hopper_forward.hopper_forward_kernel[(programs,)](
         *hopper_launch.forward_maps(q, k, v, head_dim), out, lse, *out.stride()[:3], lse.stride(0), lse.stride(1),
-        heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, num_m_blocks, LOG2E / math.sqrt(head_dim), diag_offset,
+        heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, *schedule, LOG2E / math.sqrt(head_dim), diag_offset,
         **hopper_launch.compile_time_args(head_dim, causal), num_warps=4)
     return out, lse
 
@@ -103,22 +109,28 @@ def kernel_head_dims(kernel_dims, wanted):
     return sorted(d for d in kernel_dims if wanted is None or d in wanted)
 
 
+# The forward's schedules checked: one program per tile, persistent on every SM, persistent on 3 programs (each
+# takes many tiles, so ring slots and barrier phases run on across tiles).
+SCHEDULES = (("per tile", False, None), ("persistent", True, None), ("persistent, 3 programs", True, 3))
+
+
 def correctness(wanted=None) -> int:
     failures = 0
     for dtype, q, k, v, causal, diag_offset in ragged_cases(kernel_head_dims(hopper_launch.KEY_BLOCK, wanted)):
-        out, lse = launch(q, k, v, causal, diag_offset)
         ref_out, ref_lse = reference(q.double(), k.double(), v.double(), causal, diag_offset)
-        out_err = max_error(out, ref_out)
         seen = torch.isfinite(ref_lse)
-        lse_err = max_error(lse[seen], ref_lse[seen])
-        empty_rows_ok = bool((lse[~seen] == float("-inf")).all())
-        bound = 2e-2 if dtype == torch.bfloat16 else 4e-3  # a few units in the last place of |out| <~ 1
-        if not (out_err < bound and lse_err < 1e-3 and empty_rows_ok and not torch.isnan(out).any()):
-            failures += 1
-            print(f"FAIL forward {dtype} d={q.shape[-1]} q{tuple(q.shape)} k{tuple(k.shape)} causal={causal} "
-                  f"diag={diag_offset}: out err {out_err:.3g}, lse err {lse_err:.3g}, empty rows ok {empty_rows_ok}",
-                  flush=True)
-    print(f"forward correctness: {failures} failures", flush=True)
+        for schedule, persistent, sm_count in SCHEDULES:
+            out, lse = launch(q, k, v, causal, diag_offset, persistent=persistent, sm_count=sm_count)
+            out_err = max_error(out, ref_out)
+            lse_err = max_error(lse[seen], ref_lse[seen])
+            empty_rows_ok = bool((lse[~seen] == float("-inf")).all())
+            bound = 2e-2 if dtype == torch.bfloat16 else 4e-3  # a few units in the last place of |out| <~ 1
+            if not (out_err < bound and lse_err < 1e-3 and empty_rows_ok and not torch.isnan(out).any()):
+                failures += 1
+                print(f"FAIL forward ({schedule}) {dtype} d={q.shape[-1]} q{tuple(q.shape)} k{tuple(k.shape)} "
+                      f"causal={causal} diag={diag_offset}: out err {out_err:.3g}, lse err {lse_err:.3g}, "
+                      f"empty rows ok {empty_rows_ok}", flush=True)
+    print(f"forward correctness ({len(SCHEDULES)} schedules): {failures} failures", flush=True)
     return failures
 
 
@@ -175,12 +187,13 @@ def timing(dtype, parts, seqlens, wanted=None):
                 if "fwd" in parts and head_dim in hopper_launch.KEY_BLOCK:
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         cudnn = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                    kernel = bench(lambda: launch(q, k, v, causal, 0, poison=False))
+                    per_tile = bench(lambda: launch(q, k, v, causal, 0, poison=False, persistent=False))
+                    persistent = bench(lambda: launch(q, k, v, causal, 0, poison=False, persistent=True))
                     backend = bench(lambda: mhattn.attention(q, k, v, is_causal=causal, backend="triton"))
                     flash2 = with_hopper_off(lambda: bench(lambda: mhattn.attention(q, k, v, is_causal=causal,
                                                                                     backend="triton")))
-                    forward_rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in (cudnn, kernel, backend,
-                                                                                               flash2)), cudnn / kernel))
+                    forward_rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in (
+                        cudnn, per_tile, persistent, backend, flash2)), cudnn / backend))
                     print(forward_rows[-1], flush=True)
                 if "bwd" in parts and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
                     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -203,11 +216,12 @@ def timing(dtype, parts, seqlens, wanted=None):
     name = str(dtype).replace("torch.", "")
     if forward_rows:
         print(f"\n{name} forward, TFLOP/s (same run)\n")
-        print("| d | N | causal | sdpa-cudnn | Gluon kernel | triton backend | FlashAttention-2 kernel | Gluon/cuDNN |")
-        print("|---|---|---|---|---|---|---|---|")
-        for d, n, causal, cudnn, kernel, backend, flash2, ratio in forward_rows:
-            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {kernel:.0f} | {backend:.0f} | "
-                  f"{flash2:.0f} | {ratio:.2f} |")
+        print("| d | N | causal | sdpa-cudnn | Gluon, a program per tile | Gluon, persistent | triton backend | "
+              "FlashAttention-2 kernel | backend/cuDNN |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for d, n, causal, cudnn, per_tile, persistent, backend, flash2, ratio in forward_rows:
+            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {per_tile:.0f} | {persistent:.0f} | "
+                  f"{backend:.0f} | {flash2:.0f} | {ratio:.2f} |")
     if backward_rows:
         print(f"\n{name} backward, TFLOP/s (same run)\n")
         print("| d | N | causal | sdpa-cudnn | triton backend | FlashAttention-2 kernels | triton/cuDNN |")

@@ -75,24 +75,56 @@ def visible_key_blocks(start_m, seqlen_k, diag_offset, ROWS: gl.constexpr, BLOCK
 
 
 @gluon.jit
-def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                   batch, head, head_kv, start_m, num_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   NUM_STAGES: gl.constexpr):
-    """The load warp: both consumers' Q tiles once, then K_j and V_j into slot j % NUM_STAGES as soon as
-    both consumers have released that slot's previous block."""
-    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-    tma_load(q_desc, [batch, head, start_m, 0], q_ready, q_smem.index(0))
-    tma_load(q_desc, [batch, head, start_m + BLOCK_M, 0], q_ready, q_smem.index(1))
-    for j in range(num_blocks):
-        slot = j % NUM_STAGES
+def tile_rows(tile, num_m_blocks, num_heads, group_heads, heads_q, BLOCK_M: gl.constexpr, HEAVY_FIRST: gl.constexpr):
+    """(batch, head, start_m) of tile ``tile``: 2 * BLOCK_M query rows of one (batch, head); num_heads = B * Hq.
+    Without a causal mask, head-major (a head's query blocks in a row, so programs running side by side share its
+    K/V in L2). Causal (HEAVY_FIRST): groups of group_heads heads, and within a group the query blocks that see the
+    most keys first, across the group's heads (a persistent program's later tiles are the short ones, and a group's
+    K/V stay in L2); group_heads = 1 is one head's blocks, heaviest first."""
+    if HEAVY_FIRST:
+        group_tiles = group_heads * num_m_blocks
+        group = tile // group_tiles
+        within = tile % group_tiles
+        heads_here = gl.minimum(group_heads, num_heads - group * group_heads)
+        m_block = num_m_blocks - 1 - within // heads_here
+        batch_head = group * group_heads + within % heads_here
+    else:
+        batch_head = tile // num_m_blocks
+        m_block = tile % num_m_blocks
+    return batch_head // heads_q, batch_head % heads_q, m_block * 2 * BLOCK_M
+
+
+@gluon.jit
+def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                   v_empty, num_tiles, num_m_blocks, num_heads, group_heads, heads_q, kv_group, seqlen_k, diag_offset,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """The load warp, for each of the program's tiles: both consumers' Q tiles once both have finished their
+    products with the previous tile's Q, then K_j and V_j into ring slots as soon as both consumers have released
+    a slot's previous block. ``step`` counts the blocks the program has moved, across its tiles, so ring slots
+    and barrier phases run on from one tile to the next."""
+    step = 0
+    rounds = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head, start_m = tile_rows(tile, num_m_blocks, num_heads, group_heads, heads_q, BLOCK_M, CAUSAL)
+        head_kv = head // kv_group
+        # The upper consumer's rows see the most keys: the load warp fetches what it needs.
+        cta_blocks, _ = visible_key_blocks(start_m + BLOCK_M, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
         # A fresh barrier counts as having completed the phase before its first: round 0 waits for nothing.
-        free_phase = ((j // NUM_STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(slot), free_phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma_load(k_desc, [batch, head_kv, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), free_phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma_load(v_desc, [batch, head_kv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        mbarrier.wait(q_empty, (rounds & 1) ^ 1)
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        tma_load(q_desc, [batch, head, start_m, 0], q_ready, q_smem.index(0))
+        tma_load(q_desc, [batch, head, start_m + BLOCK_M, 0], q_ready, q_smem.index(1))
+        for j in range(cta_blocks):
+            slot = (step + j) % NUM_STAGES
+            free_phase = (((step + j) // NUM_STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(slot), free_phase)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma_load(k_desc, [batch, head_kv, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), free_phase)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma_load(v_desc, [batch, head_kv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        step += cta_blocks
+        rounds += 1
 
 
 @gluon.jit
@@ -130,12 +162,13 @@ def softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset, qk_scale
 
 
 @gluon.jit
-def release_unused_blocks(k_ready, k_empty, v_ready, v_empty, first, num_blocks, NUM_STAGES: gl.constexpr):
-    """Blocks [first, num_blocks) that the other consumer needs and this one does not (a causal tile's
-    upper rows see more keys): wait until each has landed, then release it, so slot phases stay in step."""
+def release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, first, num_blocks, NUM_STAGES: gl.constexpr):
+    """Blocks [first, num_blocks) of the tile starting at ring step ``step`` that the other consumer needs and this
+    one does not (a causal tile's upper rows see more keys): wait until each has landed, then release it, so slot
+    phases stay in step."""
     for j in range(first, num_blocks):
-        slot = j % NUM_STAGES
-        phase = (j // NUM_STAGES) & 1
+        slot = (step + j) % NUM_STAGES
+        phase = ((step + j) // NUM_STAGES) & 1
         mbarrier.wait(k_ready.index(slot), phase)
         mbarrier.arrive(k_empty.index(slot), count=1)
         mbarrier.wait(v_ready.index(slot), phase)
@@ -143,11 +176,12 @@ def release_unused_blocks(k_ready, k_empty, v_ready, v_empty, first, num_blocks,
 
 
 @gluon.jit
-def consumer_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                       out_base, stride_om, lse_base, start_m, cta_blocks, seqlen_q, seqlen_k, diag_offset,
-                       qk_scale2, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """One softmax warpgroup: BLOCK_M query rows from start_m, every key block they see, then the output."""
+def consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, q_phase, step,
+                 out_base, stride_om, lse_base, start_m, cta_blocks, seqlen_q, seqlen_k, diag_offset, qk_scale2,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """One softmax warpgroup on one tile: BLOCK_M query rows from start_m, every key block they see (ring slots
+    from ``step`` on), then the output."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -158,24 +192,25 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_read
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_ready, 0)
+    mbarrier.wait(q_ready, q_phase)
 
     if num_blocks > 0:
-        mbarrier.wait(k_ready.index(0), 0)
-        qk = warpgroup_mma(q_smem, block_tile(k_smem, 0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        slot = step % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), (step // NUM_STAGES) & 1)
+        qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(slot), count=1)
         p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
                                           BLOCK_M, BLOCK_N, CAUSAL, s_layout)
         for j in range(1, num_blocks):
-            slot = j % NUM_STAGES
-            prev = (j - 1) % NUM_STAGES
+            slot = (step + j) % NUM_STAGES
+            prev = (step + j - 1) % NUM_STAGES
             # S_j on the tensor cores first, then P_{j-1} V_{j-1} behind it: while they run, nothing
             # waits; the softmax of block j starts once S_j alone has finished.
-            mbarrier.wait(k_ready.index(slot), (j // NUM_STAGES) & 1)
+            mbarrier.wait(k_ready.index(slot), ((step + j) // NUM_STAGES) & 1)
             qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((step + j - 1) // NUM_STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), block_tile(v_smem, prev), acc,
                                 is_async=True)
             qk = warpgroup_mma_wait(1, deps=(qk, ))
@@ -185,12 +220,16 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_read
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        last = (num_blocks - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((num_blocks - 1) // NUM_STAGES) & 1)
+        # Every S product of this tile has finished: Q's slot may take the next tile's rows.
+        mbarrier.arrive(q_empty, count=1)
+        last = (step + num_blocks - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((step + num_blocks - 1) // NUM_STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), block_tile(v_smem, last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(last), count=1)
-    release_unused_blocks(k_ready, k_empty, v_ready, v_empty, num_blocks, cta_blocks, NUM_STAGES)
+    else:
+        mbarrier.arrive(q_empty, count=1)
+    release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, num_blocks, cta_blocks, NUM_STAGES)
 
     # Rows that saw no visible key have l = 0: output 0, lse -inf.
     empty = l_i == 0.0
@@ -205,31 +244,49 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_read
     gl.store(lse_base + lse_rows, lse, mask=lse_rows < seqlen_q)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "diag_offset", "stride_lb", "stride_lh"])
+@gluon.jit
+def consumer_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                       Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, num_tiles, num_m_blocks,
+                       num_heads, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
+                       ROW_OFFSET: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """One softmax warpgroup: rows ROW_OFFSET .. ROW_OFFSET + BLOCK_M of each of the program's tiles, in the load
+    warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds)."""
+    step = 0
+    rounds = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        batch, head, tile_m = tile_rows(tile, num_m_blocks, num_heads, group_heads, heads_q, BLOCK_M, CAUSAL)
+        cta_blocks, _ = visible_key_blocks(tile_m + BLOCK_M, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+        out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
+        lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+        consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds & 1, step,
+                     out_base, stride_om, lse_base, tile_m + ROW_OFFSET, cta_blocks, seqlen_q, seqlen_k, diag_offset,
+                     qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)
+        step += cta_blocks
+        rounds += 1
+
+
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "num_tiles", "num_heads", "group_heads",
+                              "diag_offset", "stride_lb", "stride_lh"])
 def hopper_forward_kernel(
     q_desc, k_desc, v_desc, Out, Lse,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
-    heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, qk_scale2, diag_offset,
+    heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, num_heads, group_heads, qk_scale2, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+    CAUSAL: gl.constexpr,
 ):
     """q_desc, k_desc, v_desc: host tensor maps (hopper_launch.tensor_map) of Q (B, Hq, Nq, D) in blocks of
     (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine zero-fills rows
     past each head's sequence end, and no program spends time making maps. Out (B, Hq, Nq, D): any strides, last
     dim contiguous. Lse (B, Hq, Nq) fp32 by (stride_lb, stride_lh), natural log. Query head h reads key/value
-    head h // kv_group; qk_scale2 = scale * log2(e); causal: query row i sees keys j <= i + diag_offset. Grid
-    (B * Hq * num_m_blocks,), num_m_blocks = cdiv(Nq, 2 * BLOCK_M); launched with 4 warps (the first consumer)
-    plus the partitions' own."""
-    pid = gl.program_id(0)
-    batch_head = pid // num_m_blocks
-    m_block = pid % num_m_blocks
-    if HEAVY_FIRST:  # causal: the query blocks with the most keys start first
-        m_block = num_m_blocks - 1 - m_block
-    batch = batch_head // heads_q
-    head = batch_head % heads_q
-    head_kv = head // kv_group
-    start_m = m_block * 2 * BLOCK_M
+    head h // kv_group; qk_scale2 = scale * log2(e); causal: query row i sees keys j <= i + diag_offset.
+
+    Tiles of 2 * BLOCK_M query rows: num_m_blocks = cdiv(Nq, 2 * BLOCK_M) per (batch, head), num_heads = B * Hq,
+    num_tiles = num_heads * num_m_blocks, in tile_rows' order (group_heads: its causal groups). Program p takes
+    tiles p, p + G, p + 2G, ... of a grid of G programs: G = num_tiles is one tile per program, a smaller G a
+    persistent grid, whose next tile's loads run under this tile's last products and output. Launched with 4
+    warps (the first consumer) plus the partitions' own."""
     dtype: gl.constexpr = q_desc.dtype
 
     # Slots of (1, 1, rows, D) tiles, as the copy engine writes them (the products read them as (rows, D)).
@@ -237,28 +294,29 @@ def hopper_forward_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # one arrival per consumer
     for slot in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
-        mbarrier.init(k_empty.index(slot), count=2)  # one arrival per consumer
+        mbarrier.init(k_empty.index(slot), count=2)
         mbarrier.init(v_empty.index(slot), count=2)
 
-    # The upper consumer's rows see the most keys: the load warp fetches what it needs.
-    cta_blocks, _ = visible_key_blocks(start_m + BLOCK_M, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
-    out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
-    lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
     gl.warp_specialize([
-        (consumer_partition, (q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                              out_base, stride_om, lse_base, start_m, cta_blocks, seqlen_q, seqlen_k, diag_offset,
-                              qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
-        (consumer_partition, (q_smem.index(1).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                              out_base, stride_om, lse_base, start_m + BLOCK_M, cta_blocks, seqlen_q, seqlen_k,
-                              diag_offset, qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
-        (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-                          v_empty, batch, head, head_kv, start_m, cta_blocks, BLOCK_M, BLOCK_N, NUM_STAGES)),
+        (consumer_partition, (q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, q_empty, k_ready,
+                              k_empty, v_ready, v_empty, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb,
+                              stride_lh, num_tiles, num_m_blocks, num_heads, group_heads, heads_q, seqlen_q, seqlen_k,
+                              diag_offset, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
+        (consumer_partition, (q_smem.index(1).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, q_empty, k_ready,
+                              k_empty, v_ready, v_empty, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb,
+                              stride_lh, num_tiles, num_m_blocks, num_heads, group_heads, heads_q, seqlen_q, seqlen_k,
+                              diag_offset, qk_scale2, BLOCK_M, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
+        (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                          v_empty, num_tiles, num_m_blocks, num_heads, group_heads, heads_q, kv_group, seqlen_k,
+                          diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -46,6 +46,9 @@ BACKWARD_KEY_BLOCK = {64: 128, 128: 128, 256: 64}
 BACKWARD_STAGES = {64: 2, 128: 2, 256: 1}
 BACKWARD_QUERY_BLOCK = 64     # query rows per step
 ENV_SWITCH = "MHATTN_TRITON_HOPPER"
+# The forward's grid, causal or not: persistent (one program per SM walking the tiles, the next tile's loads under
+# this one's last products and output) or one program per tile.
+PERSISTENT = {False: True, True: True}
 DETERMINISTIC = "a deterministic backward (the Hopper kernel's dQ sum order varies between runs)"
 
 _launcher: list = []
@@ -130,7 +133,22 @@ def compile_time_args(head_dim: int, causal: bool) -> dict:
     """The kernel's compile-time arguments for a head dim and causal or not (the launch, `mhattn build` and the
     GPU check script use the same)."""
     return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
-                NUM_STAGES=NUM_STAGES, CAUSAL=causal, HEAVY_FIRST=causal)
+                NUM_STAGES=NUM_STAGES, CAUSAL=causal)
+
+
+def forward_schedule(batch: int, heads_q: int, seqlen_q: int, causal: bool, sm_count: int,
+                     persistent: Optional[bool] = None) -> tuple:
+    """The forward's (programs, num_m_blocks, num_tiles, num_heads, group_heads) (see hopper_forward_kernel): a
+    persistent grid (``persistent`` None: PERSISTENT's choice) has one program per SM, or fewer when there are
+    fewer tiles; its causal tiles go in groups of heads whose tiles fill about one wave, heaviest first within a
+    group (tile_rows)."""
+    num_m_blocks = -(-seqlen_q // (2 * QUERY_ROWS_PER_CONSUMER))
+    num_heads = batch * heads_q
+    num_tiles = num_heads * num_m_blocks
+    persistent = PERSISTENT[causal] if persistent is None else persistent
+    programs = min(num_tiles, sm_count) if persistent else num_tiles
+    group_heads = max(1, min(num_heads, sm_count // num_m_blocks)) if persistent else 1
+    return programs, num_m_blocks, num_tiles, num_heads, group_heads
 
 
 def tensor_map(tensor, block_shape):
@@ -193,15 +211,17 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
 
         _launcher.append(CompiledLauncher(hopper_forward.hopper_forward_kernel))
     launcher = _launcher[0]
-    rows_per_program = 2 * QUERY_ROWS_PER_CONSUMER
-    num_m_blocks = -(-plan.seqlen_q // rows_per_program)
     constexprs = plan.hopper_constexprs
     if constexprs is None:
         constexprs = plan.hopper_constexprs = launcher.constexprs(4, 1, **compile_time_args(plan.head_dim,
                                                                                             plan.has_right))
-    launcher.launch((plan.batch * plan.heads_q * num_m_blocks,), (
+    if plan.hopper_schedule is None:
+        plan.hopper_schedule = forward_schedule(plan.batch, plan.heads_q, plan.seqlen_q, plan.has_right,
+                                                _sm_count(device_index))
+    programs, *schedule = plan.hopper_schedule
+    launcher.launch((programs,), (
         *forward_maps(q, k, v, plan.head_dim), out, lse, *out.stride()[:3], lse.stride(0), lse.stride(1),
-        plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, num_m_blocks, run.qk_scale2, run.diag_offset,
+        plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, *schedule, run.qk_scale2, run.diag_offset,
     ), constexprs, device_index)
 
 
