@@ -11,7 +11,7 @@ on an sm_90 GPU:
    programs);
 2. the protocol's shapes (B * N = 16384, H = 2048 / d; N 1k, 4k, 16k; causal and not), TFLOP/s from do_bench
    medians beside sdpa-cudnn in the same run. Forward: the kernel alone (one program per tile, and persistent),
-   the Triton backend as it chooses
+   the Triton backend as it chooses, the same with the Gluon forward on one program per tile everywhere
    (``mhattn.attention(backend="triton")``) and the FlashAttention-2 kernel (``MHATTN_TRITON_HOPPER=0``).
    Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses and with
    ``MHATTN_TRITON_HOPPER=0``. The tables are printed last.
@@ -46,7 +46,8 @@ def launch(q, k, v, causal, diag_offset, poison=True, persistent=None, sm_count=
     out = make(q, float("nan"))
     lse = make(q[..., 0].float(), float("nan"))
     sm_count = sm_count or torch.cuda.get_device_properties(q.device).multi_processor_count
-    programs, *schedule = hopper_launch.forward_schedule(batch, heads_q, seqlen_q, causal, sm_count, persistent)
+    programs, *schedule = hopper_launch.forward_schedule(batch, heads_q, seqlen_q, seqlen_k, causal, sm_count,
+                                                         persistent)
     hopper_forward.hopper_forward_kernel[(programs,)](
         *hopper_launch.forward_maps(q, k, v, head_dim), out, lse, *out.stride()[:3], lse.stride(0), lse.stride(1),
         heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, *schedule, LOG2E / math.sqrt(head_dim), diag_offset,
@@ -172,6 +173,24 @@ def with_hopper_off(fn):
             os.environ[hopper_launch.ENV_SWITCH] = before
 
 
+def with_grid_per_tile(fn):
+    """fn() with the Gluon forward on one program per tile wherever the backend would take a persistent grid."""
+    from mhattn.backends.triton import backend as triton_backend
+
+    def forget_schedules():
+        for plan in triton_backend._plans.values():
+            plan.hopper_schedule = None
+
+    before = hopper_launch.PERSISTENT_MAX_KEYS
+    hopper_launch.PERSISTENT_MAX_KEYS = 0
+    forget_schedules()
+    try:
+        return fn()
+    finally:
+        hopper_launch.PERSISTENT_MAX_KEYS = before
+        forget_schedules()
+
+
 def timing(dtype, parts, seqlens, wanted=None):
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
     forward_rows, backward_rows = [], []
@@ -189,11 +208,12 @@ def timing(dtype, parts, seqlens, wanted=None):
                         cudnn = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
                     per_tile = bench(lambda: launch(q, k, v, causal, 0, poison=False, persistent=False))
                     persistent = bench(lambda: launch(q, k, v, causal, 0, poison=False, persistent=True))
-                    backend = bench(lambda: mhattn.attention(q, k, v, is_causal=causal, backend="triton"))
-                    flash2 = with_hopper_off(lambda: bench(lambda: mhattn.attention(q, k, v, is_causal=causal,
-                                                                                    backend="triton")))
+                    run_triton = lambda: mhattn.attention(q, k, v, is_causal=causal, backend="triton")  # noqa: E731
+                    backend = bench(run_triton)
+                    backend_per_tile = with_grid_per_tile(lambda: bench(run_triton))
+                    flash2 = with_hopper_off(lambda: bench(run_triton))
                     forward_rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in (
-                        cudnn, per_tile, persistent, backend, flash2)), cudnn / backend))
+                        cudnn, per_tile, persistent, backend, backend_per_tile, flash2)), cudnn / backend))
                     print(forward_rows[-1], flush=True)
                 if "bwd" in parts and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
                     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -216,12 +236,12 @@ def timing(dtype, parts, seqlens, wanted=None):
     name = str(dtype).replace("torch.", "")
     if forward_rows:
         print(f"\n{name} forward, TFLOP/s (same run)\n")
-        print("| d | N | causal | sdpa-cudnn | Gluon, a program per tile | Gluon, persistent | triton backend | "
-              "FlashAttention-2 kernel | backend/cuDNN |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for d, n, causal, cudnn, per_tile, persistent, backend, flash2, ratio in forward_rows:
+        print("| d | N | causal | sdpa-cudnn | Gluon alone, a program per tile | Gluon alone, persistent | "
+              "triton backend | backend, a program per tile | FlashAttention-2 kernel | backend/cuDNN |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for d, n, causal, cudnn, per_tile, persistent, backend, backend_per_tile, flash2, ratio in forward_rows:
             print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {per_tile:.0f} | {persistent:.0f} | "
-                  f"{backend:.0f} | {flash2:.0f} | {ratio:.2f} |")
+                  f"{backend:.0f} | {backend_per_tile:.0f} | {flash2:.0f} | {ratio:.2f} |")
     if backward_rows:
         print(f"\n{name} backward, TFLOP/s (same run)\n")
         print("| d | N | causal | sdpa-cudnn | triton backend | FlashAttention-2 kernels | triton/cuDNN |")

@@ -46,9 +46,10 @@ BACKWARD_KEY_BLOCK = {64: 128, 128: 128, 256: 64}
 BACKWARD_STAGES = {64: 2, 128: 2, 256: 1}
 BACKWARD_QUERY_BLOCK = 64     # query rows per step
 ENV_SWITCH = "MHATTN_TRITON_HOPPER"
-# The forward's grid, causal or not: persistent (one program per SM walking the tiles, the next tile's loads under
-# this one's last products and output) or one program per tile.
-PERSISTENT = {False: True, True: True}
+# The forward's grid: persistent (one program per SM walking the tiles, the next tile's loads under this one's last
+# products and output) without a causal mask up to PERSISTENT_MAX_KEYS keys, one program per tile otherwise (NOTES
+# version 9: +3-14% at 1k-4k without a mask; level at 16k; a static persistent order balances causal tiles badly).
+PERSISTENT_MAX_KEYS = 8192
 DETERMINISTIC = "a deterministic backward (the Hopper kernel's dQ sum order varies between runs)"
 
 _launcher: list = []
@@ -136,19 +137,15 @@ def compile_time_args(head_dim: int, causal: bool) -> dict:
                 NUM_STAGES=NUM_STAGES, CAUSAL=causal)
 
 
-def forward_schedule(batch: int, heads_q: int, seqlen_q: int, causal: bool, sm_count: int,
+def forward_schedule(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, causal: bool, sm_count: int,
                      persistent: Optional[bool] = None) -> tuple:
-    """The forward's (programs, num_m_blocks, num_tiles, num_heads, group_heads) (see hopper_forward_kernel): a
-    persistent grid (``persistent`` None: PERSISTENT's choice) has one program per SM, or fewer when there are
-    fewer tiles; its causal tiles go in groups of heads whose tiles fill about one wave, heaviest first within a
-    group (tile_rows)."""
+    """The forward's (programs, num_m_blocks, num_tiles) (see hopper_forward_kernel): a persistent grid (``persistent``
+    None: the rule above) has one program per SM, or fewer when there are fewer tiles."""
     num_m_blocks = -(-seqlen_q // (2 * QUERY_ROWS_PER_CONSUMER))
-    num_heads = batch * heads_q
-    num_tiles = num_heads * num_m_blocks
-    persistent = PERSISTENT[causal] if persistent is None else persistent
-    programs = min(num_tiles, sm_count) if persistent else num_tiles
-    group_heads = max(1, min(num_heads, sm_count // num_m_blocks)) if persistent else 1
-    return programs, num_m_blocks, num_tiles, num_heads, group_heads
+    num_tiles = batch * heads_q * num_m_blocks
+    if persistent is None:
+        persistent = not causal and seqlen_k <= PERSISTENT_MAX_KEYS
+    return (min(num_tiles, sm_count) if persistent else num_tiles), num_m_blocks, num_tiles
 
 
 def tensor_map(tensor, block_shape):
@@ -216,7 +213,7 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
         constexprs = plan.hopper_constexprs = launcher.constexprs(4, 1, **compile_time_args(plan.head_dim,
                                                                                             plan.has_right))
     if plan.hopper_schedule is None:
-        plan.hopper_schedule = forward_schedule(plan.batch, plan.heads_q, plan.seqlen_q, plan.has_right,
+        plan.hopper_schedule = forward_schedule(plan.batch, plan.heads_q, plan.seqlen_q, plan.seqlen_k, plan.has_right,
                                                 _sm_count(device_index))
     programs, *schedule = plan.hopper_schedule
     launcher.launch((programs,), (
