@@ -61,12 +61,22 @@ MHATTN_DEVICE bool rows_in_chunks(const elem_t* g, i64 row_stride, int head_dim)
   return ((row_stride | (i64)head_dim) & 7) == 0 && ((u64)g & 15) == 0;
 }
 
+// The rows of a row-major global matrix, `stride` elements apart (last dim contiguous). The tile loads take any
+// type with these members (the first row's address, a row's offset from it in elements, whether rows move in
+// 16-byte chunks): the paged KV cache's rows (sequences.cuh) are another.
+struct StridedRows {
+  const elem_t* g;
+  i64 stride;
+  MHATTN_DEVICE const elem_t* base() const { return g; }
+  MHATTN_DEVICE i64 offset(int r) const { return (i64)r * stride; }
+  MHATTN_DEVICE bool in_chunks(int head_dim) const { return rows_in_chunks(g, stride, head_dim); }
+};
+
 // ANY_DIMS: rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) copied at once (plain loads, each element
 // bounds-checked, zeros beyond nrows / head_dim) for rows that are not whole 16-byte chunks. The callers'
 // barriers order these stores as they order the cp.async copies.
-template <int ROWS>
-MHATTN_DEVICE void load_tile_checked(u32 s_tile, const elem_t* g, i64 row_stride, int row0, int nrows, int head_dim,
-                                     int tid) {
+template <int ROWS, class Rows>
+MHATTN_DEVICE void load_rows_checked(u32 s_tile, const Rows& rows, int row0, int nrows, int head_dim, int tid) {
   constexpr int TOTAL = ROWS * CHUNKS_PER_ROW;
   for (int c = tid; c < TOTAL; c += NUM_THREADS) {
     const int r = c / CHUNKS_PER_ROW;
@@ -74,7 +84,7 @@ MHATTN_DEVICE void load_tile_checked(u32 s_tile, const elem_t* g, i64 row_stride
     const int grow = row0 + r;
     u32 w[4] = {0u, 0u, 0u, 0u};
     if (grow < nrows) {
-      const elem_t* src = g + (i64)grow * row_stride + col;
+      const elem_t* src = rows.base() + rows.offset(grow) + col;
 #pragma unroll
       for (int e = 0; e < 8; ++e)
         if (col + e < head_dim) w[e >> 1] |= (u32)src[e] << (16 * (e & 1));
@@ -83,15 +93,13 @@ MHATTN_DEVICE void load_tile_checked(u32 s_tile, const elem_t* g, i64 row_stride
   }
 }
 
-// Starts the copy of rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of a row-major global matrix
-// (row stride in elements, last dim contiguous) into a shared tile. Rows >= nrows and columns >=
-// head_dim are filled with zeros, so padded head-dim columns add nothing to any dot product.
-template <int ROWS>
-MHATTN_DEVICE void load_tile_async(u32 s_tile, const elem_t* g, i64 row_stride, int row0, int nrows, int head_dim,
-                                   int tid) {
+// Starts the copy of rows [row0, row0 + ROWS) x columns [0, HEAD_DIM) of `rows` into a shared tile. Rows >= nrows
+// and columns >= head_dim are filled with zeros, so padded head-dim columns add nothing to any dot product.
+template <int ROWS, class Rows>
+MHATTN_DEVICE void load_rows_async(u32 s_tile, const Rows& rows, int row0, int nrows, int head_dim, int tid) {
 #if ANY_DIMS
-  if (!rows_in_chunks(g, row_stride, head_dim)) {
-    load_tile_checked<ROWS>(s_tile, g, row_stride, row0, nrows, head_dim, tid);
+  if (!rows.in_chunks(head_dim)) {
+    load_rows_checked<ROWS>(s_tile, rows, row0, nrows, head_dim, tid);
     return;
   }
 #endif
@@ -104,10 +112,17 @@ MHATTN_DEVICE void load_tile_async(u32 s_tile, const elem_t* g, i64 row_stride, 
       const int col = (c % CHUNKS_PER_ROW) * 8;
       const int grow = row0 + r;
       const bool ok = grow < nrows && col < head_dim;
-      const elem_t* src = ok ? g + (i64)grow * row_stride + col : g;
+      const elem_t* src = ok ? rows.base() + rows.offset(grow) + col : rows.base();
       cp_async_16(s_tile + (u32)((r * SMEM_ROW + col) * 2), src, ok ? 16u : 0u);
     }
   }
+}
+
+// load_rows_async of a row-major global matrix (row stride in elements, last dim contiguous).
+template <int ROWS>
+MHATTN_DEVICE void load_tile_async(u32 s_tile, const elem_t* g, i64 row_stride, int row0, int nrows, int head_dim,
+                                   int tid) {
+  load_rows_async<ROWS>(s_tile, StridedRows{g, row_stride}, row0, nrows, head_dim, tid);
 }
 
 // Starts the copy of COUNT floats (COUNT a multiple of 4) of a float vector into shared memory. The
