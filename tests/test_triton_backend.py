@@ -897,6 +897,10 @@ def test_explain_names_the_kernel_families(monkeypatch):
         path = backend.forward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 forward") and reason in path, (kwargs, path)
     assert "split-KV" in backend.forward_path(problem(seqlen_q=1))
+    # d = 64: the Gluon forward from 2k keys without a causal mask, from 8k with one.
+    assert "Gluon Hopper forward" in backend.forward_path(problem(head_dim=64, seqlen_q=2048, seqlen_k=2048))
+    assert "2048 keys < 8192" in backend.forward_path(problem(head_dim=64, seqlen_q=2048, seqlen_k=2048,
+                                                              features=("causal",)))
     assert "Gluon Hopper backward (hopper_backward.py)" in backend.backward_path(problem(features=("causal",)))
     for kwargs, reason in ((dict(head_dim=96), "head dims 96/96"), (dict(seqlen_k=512), "512 keys < 1024"),
                            (dict(features=("dropout",)), "dropout")):
@@ -921,3 +925,17 @@ def test_explain_names_the_kernel_families(monkeypatch):
     monkeypatch.setenv(hopper_launch.ENV_SWITCH, "0")
     assert f"{hopper_launch.ENV_SWITCH}=0" in backend.forward_path(problem())
     assert f"{hopper_launch.ENV_SWITCH}=0" in backend.backward_path(problem())
+
+
+def test_gluon_forward_grid_is_persistent_for_short_unmasked_calls():
+    """hopper_launch.forward_schedule: one program per SM (at most one per tile) without a causal mask up to
+    PERSISTENT_MAX_KEYS keys, one program per tile otherwise or when asked."""
+    from mhattn.backends.triton import hopper_launch
+
+    limit = hopper_launch.PERSISTENT_MAX_KEYS
+    assert hopper_launch.forward_schedule(16, 16, 1024, limit, False, 132) == (132, 8, 2048)
+    assert hopper_launch.forward_schedule(16, 16, 1024, limit, True, 132) == (2048, 8, 2048)
+    assert hopper_launch.forward_schedule(1, 16, 1024, 2 * limit, False, 132) == (128, 8, 128)
+    assert hopper_launch.forward_schedule(1, 1, 300, 300, False, 132) == (3, 3, 3)
+    assert hopper_launch.forward_schedule(16, 16, 1024, 1024, False, 132, persistent=False)[0] == 2048
+    assert hopper_launch.forward_schedule(16, 16, 1024, 1024, True, 132, persistent=True)[0] == 132

@@ -33,9 +33,10 @@ from mhattn.backends.triton.launcher import CompiledLauncher
 KEY_BLOCK = {64: 128, 128: 128, 256: 64}
 QUERY_ROWS_PER_CONSUMER = 64   # one wgmma row block per consumer warpgroup
 NUM_STAGES = 2
-# Fewest keys at which the Hopper kernel beat forward.py on the H100 (bf16, PERFORMANCE.md's shapes; NOTES version 8:
-# at d = 128 1k +4-17%, at 512 mixed; at d = 64 level from 4k, behind below).
-MIN_KEYS = {64: 8192, 128: 1024, 256: 1}
+# Fewest keys at which the Hopper kernel beat forward.py on the H100 (bf16, PERFORMANCE.md's shapes), per head dim: a
+# key count, or a pair (without a causal mask, with one). NOTES version 9: at d = 64 +4-5% from 2k without a mask
+# (persistent grid), behind causal up to 4k; at d = 128 level at 1k causal, ahead elsewhere; d = 256 ahead everywhere.
+MIN_KEYS = {64: (2048, 8192), 128: 1024, 256: 1}
 # The backward: head dim -> fewest keys at which it beat backward.py's kernels on the H100 (bf16, NOTES version 8:
 # d = 64 +6-12% from 2k, level at 1k; d = 128 +12-18% from 2k, 1k causal +12%).
 BACKWARD_MIN_KEYS = {64: 2048, 128: 1024, 256: 1}
@@ -48,8 +49,8 @@ BACKWARD_QUERY_BLOCK = 64     # query rows per step
 ENV_SWITCH = "MHATTN_TRITON_HOPPER"
 # The forward's grid: persistent (one program per SM walking the tiles, the next tile's loads under this one's last
 # products and output) without a causal mask up to PERSISTENT_MAX_KEYS keys, one program per tile otherwise (NOTES
-# version 9: +3-14% at 1k-4k without a mask; level at 16k; a static persistent order balances causal tiles badly).
-PERSISTENT_MAX_KEYS = 8192
+# version 9: +2-14% at 1k-4k without a mask, mixed at 8k; a static persistent order balances causal tiles badly).
+PERSISTENT_MAX_KEYS = 4096
 DETERMINISTIC = "a deterministic backward (the Hopper kernel's dQ sum order varies between runs)"
 
 _launcher: list = []
@@ -81,7 +82,7 @@ def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
     found = plan.hopper_reasons.get(key)
     if found is None:
         found = plan.hopper_reasons[key] = (min_keys, _rule(
-            key[0], plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k,
+            key[0], plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k, plan.has_right,
             plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.has_left or plan.key_lengths, min_keys))
     reason = found[1]
     if reason is None and not run.tma_ok:
@@ -105,10 +106,11 @@ def why_not_problem(problem, min_keys: Optional[dict] = None) -> Optional[str]:
     """:func:`why_not` from a dispatcher Problem (no tensors: alignment is not known there)."""
     extras = problem.features & {"bool_mask", "float_mask", "dropout", "window", "softcap", "value_dim"}
     return _rule(_switch(), problem.compute_capability == (9, 0), problem.dtype, problem.head_dim, problem.head_dim_v,
-                 problem.seqlen_q, problem.seqlen_k, bool(extras), MIN_KEYS if min_keys is None else min_keys)
+                 problem.seqlen_q, problem.seqlen_k, "causal" in problem.features, bool(extras),
+                 MIN_KEYS if min_keys is None else min_keys)
 
 
-def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, extras, min_keys) -> Optional[str]:
+def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal, extras, min_keys) -> Optional[str]:
     if switch in ("0", "false", "no", "off"):
         return f"{ENV_SWITCH}=0"
     if not sm90:
@@ -125,8 +127,11 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, extras,
         return "a mask, dropout, softcap, a sliding window or key padding bounds"
     if seqlen_q == 0 or seqlen_k == 0:
         return "an empty query or key set"
-    if seqlen_k < min_keys[head_dim] and switch != "always":
-        return f"{seqlen_k} keys < {min_keys[head_dim]} (the FlashAttention-2 kernel is faster there)"
+    fewest = min_keys[head_dim]
+    if isinstance(fewest, tuple):  # (without a causal mask, with one)
+        fewest = fewest[bool(causal)]
+    if seqlen_k < fewest and switch != "always":
+        return f"{seqlen_k} keys < {fewest} (the FlashAttention-2 kernel is faster there)"
     return None
 
 
