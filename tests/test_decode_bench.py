@@ -27,14 +27,17 @@ def test_cells_cover_the_issue_grid_smallest_first():
 
 def test_table_ratios_bandwidth_and_failures():
     row = {"dtype": "bf16", "batch": 1, "seqlen_k": 131072, "seqlen_q": 1, "kv_bytes": 536870912,
-           "us": {"sdpa": 194.0, "sdpa-cudnn": None, "triton": 200.0, "kvcache": 190.0, "paged": 199.5},
-           "status": {"sdpa": "ok", "sdpa-cudnn": "n/a: no kernel", "triton": "ok", "kvcache": "ok", "paged": "ok"}}
+           "us": {"sdpa": 194.0, "sdpa-cudnn": None, "triton": 200.0, "cupy": 400.0, "auto": 203.7, "kvcache": 190.0,
+                  "paged": 199.5},
+           "status": {"sdpa": "ok", "sdpa-cudnn": "n/a: no kernel", "triton": "ok", "cupy": "ok", "auto": "ok",
+                      "kvcache": "ok", "paged": "ok"}}
     text = decode_bench.decode_table([row])
     line = text.splitlines()[2]
     assert line.split()[:4] == ["bf16", "1", "128k", "1"]
     assert "0.97" in line.split()  # sdpa / triton
     assert "2826" in line.split()  # 536870912 B / 190 us (the faster of triton and kvcache) in GB/s
     assert "1.05" in line.split()  # paged / contiguous
+    assert line.split()[-1] == "1.05"  # auto / the fastest of sdpa, triton, cupy (203.7 / 194)
     assert "not measured:" in text and "sdpa-cudnn: n/a: no kernel" in text
 
 

@@ -4,7 +4,9 @@ One cell per (dtype, B, Nk, Nq) with Hq = 32 query heads sharing Hkv = 8 key/val
 default). Every implementation reads the same K and V:
 
 - ``sdpa``: torch SDPA with its default kernel choice (``enable_gqa=True``); ``sdpa-cudnn``: forced to cuDNN;
-- ``triton``: ``mhattn.attention(..., backend="triton")`` (the split-KV kernels for few query rows);
+- ``triton``: ``mhattn.attention(..., backend="triton")`` (the split-KV kernels for few query rows); ``cupy``: the
+  same on the CuPy backend; ``auto``: ``mhattn.attention`` with automatic selection, and its time over the
+  fastest of sdpa, triton and cupy (issue 12's measure: at least 0.95 of the fastest is 1.05 or less here);
 - ``kvcache``: ``mhattn.attention_with_kvcache(..., backend="triton")`` over the same tensors as a contiguous
   cache (its value checks read cache_seqlens back on the first call only: the timed calls reuse it);
 - ``paged``: the same over a paged pool (blocks of ``block_size`` keys in a shuffled order).
@@ -28,7 +30,9 @@ SEQLENS_K = (1024, 8192, 32768, 131072)
 QUERY_ROWS = (1, 4)
 HEAD_DIM = 128
 BLOCK_SIZE = 256
-IMPLS = ("sdpa", "sdpa-cudnn", "triton", "kvcache", "paged")
+IMPLS = ("sdpa", "sdpa-cudnn", "triton", "cupy", "auto", "kvcache", "paged")
+# What automatic selection is held against: SDPA's default and each mhattn backend through mhattn.attention.
+AUTO_PEERS = ("sdpa", "triton", "cupy")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -143,7 +147,9 @@ def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) 
         bias = None if cell.seqlen_q == 1 else torch.nn.attention.bias.causal_lower_right(cell.seqlen_q, cell.seqlen_k)
         measure("sdpa", lambda: _sdpa(q, k, v, mask))
         measure("sdpa-cudnn", lambda: _sdpa(q, k, v, mask, "CUDNN_ATTENTION"))
-        measure("triton", lambda: lambda: mhattn.attention(q, k, v, attn_mask=bias, enable_gqa=True, backend="triton"))
+        for name in ("triton", "cupy", "auto"):
+            measure(name, lambda name=name: lambda: mhattn.attention(q, k, v, attn_mask=bias, enable_gqa=True,
+                                                                     backend=name))
         measure("kvcache", lambda: _cache_call(q, KVCache(k, v, seqlens)))
         del k, v
         timing.release_memory(device)
@@ -170,18 +176,21 @@ def _ratio(a, b) -> str:
 
 def decode_table(rows: list) -> str:
     """The decode table: times (us), triton's speed-up over each SDPA column (their time / triton's), its
-    bandwidth (GB/s) and the paged cache's time over the contiguous one's."""
-    header = ["dtype", "B", "Nk", "Nq", "sdpa us", "cudnn us", "triton us", "kvcache us", "paged us",
-              "x sdpa", "x cudnn", "triton GB/s", "paged/contig"]
+    bandwidth (GB/s), the paged cache's time over the contiguous one's, and auto's time over the fastest of
+    AUTO_PEERS."""
+    header = ["dtype", "B", "Nk", "Nq", "sdpa us", "cudnn us", "triton us", "cupy us", "auto us", "kvcache us",
+              "paged us", "x sdpa", "x cudnn", "triton GB/s", "paged/contig", "auto/best"]
     lines = []
     for r in rows:
         us = r["us"]
         best = min((t for t in (us.get("triton"), us.get("kvcache")) if t is not None), default=None)
         bandwidth = "-" if best is None else f"{bandwidth_gbs(r['kv_bytes'], best):.0f}"
+        fastest = min((us[n] for n in AUTO_PEERS if us.get(n) is not None), default=None)
         lines.append([r["dtype"], str(r["batch"]), _seqlen(r["seqlen_k"]), str(r["seqlen_q"]), _us(us.get("sdpa")),
-                      _us(us.get("sdpa-cudnn")), _us(us.get("triton")), _us(us.get("kvcache")), _us(us.get("paged")),
+                      _us(us.get("sdpa-cudnn")), _us(us.get("triton")), _us(us.get("cupy")), _us(us.get("auto")),
+                      _us(us.get("kvcache")), _us(us.get("paged")),
                       _ratio(us.get("sdpa"), us.get("triton")), _ratio(us.get("sdpa-cudnn"), us.get("triton")),
-                      bandwidth, _ratio(us.get("paged"), us.get("kvcache"))])
+                      bandwidth, _ratio(us.get("paged"), us.get("kvcache")), _ratio(us.get("auto"), fastest)])
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
     out = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
