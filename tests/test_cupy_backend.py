@@ -75,15 +75,31 @@ def feature_variant_sample(cc) -> list:
     return out
 
 
+def sequence_variant_sample(cc) -> list:
+    """The per-sequence variants CI compiles (mhattn build compiles all of them): the varlen preprocess, and at every
+    bucket the varlen forward / backward and both KV-cache forwards with every flag they take; all of them at the
+    "bounds" level for one bucket."""
+    out = [variants.preprocess_variant(dtype, any_dims=any_dims, varlen=True) for dtype in variants.DTYPE_NAMES
+           for any_dims in (False, True)]
+    flags = variants.SEQUENCE_FEATURE_SETS[-1]
+    for i, d in enumerate(variants.HEAD_DIM_BUCKETS):
+        dtype = variants.DTYPE_NAMES[i % 2]
+        out.extend(v for v in variants.sequence_variants(cc, dtype, d)
+                   if dict(v.defines)["HAS_EXTRAS"] and all(dict(v.defines).get(f) for f in flags))
+    out.extend(v for v in variants.sequence_variants(cc, "bfloat16", 64)
+               if dict(v.defines)["HAS_BOUNDS"] and not dict(v.defines)["HAS_EXTRAS"])
+    return out
+
+
 @pytest.fixture(scope="module")
 def compile_failures():
-    """Compile every variant without feature flags and a sample of those with them (feature_variant_sample) for
-    every architecture once (in parallel); (arch, kernel) -> failures."""
+    """Compile every variant without feature flags and a sample of those with them (feature_variant_sample,
+    sequence_variant_sample) for every architecture once (in parallel); (arch, kernel) -> failures."""
     from mhattn.backends.cupy import compiler
 
     tasks = [(v, variants.parse_arch(arch)) for arch in ARCHS
-             for v in variants.all_variants(variants.parse_arch(arch), features=False)
-             + feature_variant_sample(variants.parse_arch(arch))]
+             for v in variants.all_variants(variants.parse_arch(arch), features=False, sequences=False)
+             + feature_variant_sample(variants.parse_arch(arch)) + sequence_variant_sample(variants.parse_arch(arch))]
     tasks += [(v, variants.HOPPER_CC) for v in variants.hopper_variants()]
     jobs = max(1, min(len(tasks), os.cpu_count() or 1))
     with ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -219,7 +235,7 @@ def test_feature_flags_pick_variants_and_leave_the_others_alone():
     params = _params(64, 64, 64)
     assert ops.feature_flags(params, 64, 64) == () and ops.level_of(params) == "plain"
     # without flags a variant's -D options (so its code) are those it had before the flags existed
-    for v in variants.all_variants((9, 0), features=False):
+    for v in variants.all_variants((9, 0), features=False, sequences=False):
         assert not set(dict(v.defines)) & set(variants.FEATURE_FLAGS), v.label
     float_mask = torch.zeros(1, 1, 64, 64).expand(2, 3, 64, 64)
     assert ops.feature_flags(params.replace(softcap=30.0), 64, 64) == ("SOFTCAP",)
@@ -237,7 +253,8 @@ def test_feature_flags_pick_variants_and_leave_the_others_alone():
     # a broadcast float mask is converted to float32 without materialising the broadcast
     view = ops.float_mask_view(torch.randn(1, 1, 64, 64).half().expand(2, 3, 64, 64))
     assert view.dtype == torch.float32 and view.shape == float_mask.shape and view.stride()[:2] == (0, 0)
-    assert len(variants.all_variants((9, 0))) == len(variants.all_variants((9, 0), features=False)) + 2 + sum(
+    assert len(variants.all_variants((9, 0), sequences=False)) == len(
+        variants.all_variants((9, 0), features=False, sequences=False)) + 2 + sum(
         len(variants.kernel_variants((9, 0), dt, d, "full", features=f))
         for dt in variants.DTYPE_NAMES for d in variants.HEAD_DIM_BUCKETS for f in variants.FEATURE_SETS)
 

@@ -33,6 +33,14 @@ FEATURE_SETS = tuple(
     tuple(flag for bit, flag in enumerate(FEATURE_FLAGS) if mask >> bit & 1) for mask in range(1, 1 << len(FEATURE_FLAGS))
 )
 
+# Per-sequence addressing (kernels/sequences.cuh), one -D option each: "varlen" (packed sequences, cu_seqlens; the
+# forward, the backward preprocess, the dK/dV kernels without atomic dQ and the dQ kernel), "kvcache" (a contiguous
+# cache with per-sequence lengths) and "paged_kvcache" (a paged cache through a block table), both forward only.
+# They run with the feature flags but FLOAT_MASK (no mask reaches these entry points); without them a variant's
+# options, hence its code, are those it had before they existed.
+SEQUENCE_DEFINES = {"varlen": ("VARLEN", 1), "kvcache": ("KV_CACHE", 1), "paged_kvcache": ("KV_CACHE", 2)}
+SEQUENCE_FEATURE_SETS = tuple(flags for flags in FEATURE_SETS if "FLOAT_MASK" not in flags)
+
 # Bytes of shared memory one CTA may use (opt-in maximum): what a device of that compute capability reported
 # (note_device_smem_limit: the backend notes each GPU's at its first call there), else this table, which is what
 # ``mhattn build`` compiles for without a GPU; compute capabilities not in it get the smallest.
@@ -327,12 +335,27 @@ def _feature_defines(features, level: str) -> list:
     return [(flag, 1) for flag in FEATURE_FLAGS if flag in features]
 
 
-def fwd_variant(cc, dtype_name: str, d: int, level: str, tiles: FwdTiles = None, features=()) -> Variant:
+def _sequence_defines(sequences, features=(), kernels=("fwd",), kernel="fwd") -> list:
+    """[(define, value)] of a per-sequence mode (SEQUENCE_DEFINES; None: [])."""
+    if sequences is None:
+        return []
+    if sequences not in SEQUENCE_DEFINES:
+        raise ValueError(f"sequences: expected one of {sorted(SEQUENCE_DEFINES)} or None, got {sequences!r}")
+    if "FLOAT_MASK" in features:
+        raise ValueError(f"sequences {sequences!r}: no float mask reaches the packed / KV-cache entry points")
+    if sequences != "varlen" and kernel != "fwd":
+        raise ValueError(f"sequences {sequences!r}: forward only, got kernel {kernel!r}")
+    return [SEQUENCE_DEFINES[sequences]]
+
+
+def fwd_variant(cc, dtype_name: str, d: int, level: str, tiles: FwdTiles = None, features=(),
+                sequences=None) -> Variant:
+    """sequences: None (dense), or a per-sequence mode of SEQUENCE_DEFINES."""
     tiles = tiles or fwd_tiles(cc, d, level)
     defines = _common_defines(dtype_name, d, level) + [
         ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
         ("Q_IN_REGS", int(tiles.q_in_regs)),
-    ] + _feature_defines(features, level)
+    ] + _feature_defines(features, level) + _sequence_defines(sequences, features)
     return Variant("fwd", tuple(defines), tiles.num_warps * 32, fwd_smem(tiles, d))
 
 
@@ -347,9 +370,13 @@ def atomic_dq_possible(tiles, d: int) -> bool:
 
 
 def dkdv_variants(cc, dtype_name: str, d: int, level: str, tiles: DkdvTiles = None, atomic_dq: bool = False,
-                  features=()) -> list:
+                  features=(), sequences=None) -> list:
     """The dK/dV launches: one (mode 0: dK and dV), two (modes 1, 2: dV, then dK) when ``tiles.split``, or
-    with ``atomic_dq`` one that also adds dQ into a float32 accumulator with atomics (mode 3)."""
+    with ``atomic_dq`` one that also adds dQ into a float32 accumulator with atomics (mode 3); ``sequences``
+    "varlen" (without atomic dQ) for packed sequences."""
+    if sequences is not None and atomic_dq:
+        raise ValueError(f"sequences {sequences!r}: the backward forms dQ in its own kernel (no atomic dQ)")
+    seq_defines = _sequence_defines(sequences, features, kernel="bwd_dkdv")
     tiles = tiles or dkdv_tiles(cc, d, atomic_dq)
     if isinstance(tiles, Dkdv2dTiles):
         problems = dkdv_2d_problems(tiles, d)
@@ -359,7 +386,7 @@ def dkdv_variants(cc, dtype_name: str, d: int, level: str, tiles: DkdvTiles = No
             ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
             ("S_WARPS_N", tiles.s_warps_n), ("KV_WARPS_N", tiles.kv_warps_n), ("DQ_WARPS_M", tiles.dq_warps_m),
             ("KV_IN_REGS", int(tiles.kv_in_regs)), ("DKDV_MODE", 3 if atomic_dq else 0),
-        ] + _feature_defines(features, level)
+        ] + _feature_defines(features, level) + seq_defines
         return [Variant("bwd_dkdv_2d", tuple(defines), tiles.num_warps * 32, dkdv_smem(tiles, d))]
     if atomic_dq and not atomic_dq_possible(tiles, d):
         raise ValueError(f"atomic_dq: tiles {tiles} at head dim {d} cannot form dQ in the dK/dV kernel")
@@ -369,30 +396,33 @@ def dkdv_variants(cc, dtype_name: str, d: int, level: str, tiles: DkdvTiles = No
         defines = _common_defines(dtype_name, d, level) + [
             ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
             ("KV_IN_REGS", int(tiles.kv_in_regs)), ("DKDV_MODE", mode),
-        ] + _feature_defines(features, level)
+        ] + _feature_defines(features, level) + seq_defines
         out.append(Variant("bwd_dkdv", tuple(defines), tiles.num_warps * 32, dkdv_smem(tiles, d, mode == 3)))
     return out
 
 
-def dq_variant(cc, dtype_name: str, d: int, level: str, tiles: DqTiles = None, features=()) -> Variant:
+def dq_variant(cc, dtype_name: str, d: int, level: str, tiles: DqTiles = None, features=(),
+               sequences=None) -> Variant:
     tiles = tiles or dq_tiles(cc, d)
     defines = _common_defines(dtype_name, d, level) + [
         ("BLOCK_M", tiles.block_m), ("BLOCK_N", tiles.block_n), ("NUM_WARPS", tiles.num_warps),
         ("Q_IN_REGS", int(tiles.q_in_regs)),
-    ] + _feature_defines(features, level)
+    ] + _feature_defines(features, level) + _sequence_defines(sequences, features, kernel="bwd_dq")
     return Variant("bwd_dq", tuple(defines), tiles.num_warps * 32, dq_smem(tiles, d))
 
 
 PREPROCESS_WARPS = 8
 
 
-def preprocess_variant(dtype_name: str, any_dims: bool = False) -> Variant:
-    """any_dims: rows read element by element (head dims that are not multiples of 8)."""
+def preprocess_variant(dtype_name: str, any_dims: bool = False, varlen: bool = False) -> Variant:
+    """any_dims: rows read element by element (head dims that are not multiples of 8); varlen: packed sequences."""
     if dtype_name not in DTYPE_NAMES:
         raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("NUM_WARPS", PREPROCESS_WARPS))
     if any_dims:
         defines += (("ANY_DIMS", 1),)
+    if varlen:
+        defines += (SEQUENCE_DEFINES["varlen"],)
     return Variant("bwd_preprocess", defines, PREPROCESS_WARPS * 32, 0)
 
 
@@ -403,6 +433,21 @@ def kernel_variants(cc, dtype_name: str, d: int, level: str, features=()) -> lis
     if atomic_dq_possible(dkdv_tiles(cc, d, True), d):
         out.extend(dkdv_variants(cc, dtype_name, d, level, atomic_dq=True, features=features))
     out.append(dq_variant(cc, dtype_name, d, level, features=features))
+    return out
+
+
+def sequence_variants(cc, dtype_name: str, d: int) -> list:
+    """The per-sequence variants of one dtype and bucket: varlen forward and deterministic backward (dK/dV, dQ), and
+    the contiguous and paged KV-cache forwards, at every level and feature set those entry points can need (no
+    mask; dropout, hence the "full" level without features, only for varlen)."""
+    out = []
+    for level, features in [("plain", ()), ("bounds", ()), ("full", ())] + [("full", f) for f in SEQUENCE_FEATURE_SETS]:
+        out.append(fwd_variant(cc, dtype_name, d, level, features=features, sequences="varlen"))
+        out.extend(dkdv_variants(cc, dtype_name, d, level, features=features, sequences="varlen"))
+        out.append(dq_variant(cc, dtype_name, d, level, features=features, sequences="varlen"))
+        if level != "full" or features:
+            out.extend(fwd_variant(cc, dtype_name, d, level, features=features, sequences=mode)
+                       for mode in ("kvcache", "paged_kvcache"))
     return out
 
 
@@ -455,9 +500,9 @@ def hopper_variants() -> list:
             + [hopper_bwd_variant(dtype, d) for dtype in DTYPE_NAMES for d in HOPPER_BWD_STAGES])
 
 
-def all_variants(cc, features: bool = True) -> list:
+def all_variants(cc, features: bool = True, sequences: bool = True) -> list:
     """Every variant a GPU of compute capability ``cc`` may launch (what ``mhattn build`` compiles); with
-    ``features=False`` only those without feature flags."""
+    ``features=False`` none with feature flags, with ``sequences=False`` none with per-sequence addressing."""
     out = [preprocess_variant(dtype) for dtype in DTYPE_NAMES]
     for dtype in DTYPE_NAMES:
         for d in HEAD_DIM_BUCKETS:
@@ -469,6 +514,12 @@ def all_variants(cc, features: bool = True) -> list:
             for d in HEAD_DIM_BUCKETS:
                 for flags in FEATURE_SETS:
                     out.extend(kernel_variants(cc, dtype, d, "full", features=flags))
+    if sequences:
+        out.extend(preprocess_variant(dtype, any_dims=any_dims, varlen=True) for dtype in DTYPE_NAMES
+                   for any_dims in (False, True))
+        for dtype in DTYPE_NAMES:
+            for d in HEAD_DIM_BUCKETS:
+                out.extend(sequence_variants(cc, dtype, d))
     return out
 
 

@@ -16,6 +16,7 @@
 // and is added to a float32 dq_accum (B, Hq, Nq, head_dim) with atomic adds, whose order varies.
 #include "key_side.cuh"
 #include "score_mask.cuh"
+#include "sequences.cuh"
 #include "warp_mma.cuh"
 
 #ifndef DKDV_MODE
@@ -27,6 +28,9 @@
 #define COMPUTE_DV (DKDV_MODE != 2)
 #define COMPUTE_DK (DKDV_MODE != 1)
 #define COMPUTE_DQ (DKDV_MODE == 3)
+#if VARLEN
+static_assert(!COMPUTE_DQ, "VARLEN: packed sequences take dQ from bwd_dq.cu (no atomic dQ accumulator layout for them)");
+#endif
 
 constexpr int ROWS_PER_WARP = BLOCK_N / NUM_WARPS;
 constexpr int MT = ROWS_PER_WARP / 16;  // m16 tiles of key rows per warp
@@ -60,12 +64,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
                     const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
                     const u32* __restrict__ seed_words, u32 drop_threshold, float drop_scale,
                     int head_dim_v, float softcap_in2, float softcap_out2, const float* __restrict__ float_mask,
-                    i64 fm_sb, i64 fm_sh, i64 fm_sq, i64 fm_sk, float* __restrict__ dmask) {
+                    i64 fm_sb, i64 fm_sh, i64 fm_sq, i64 fm_sk, float* __restrict__ dmask SEQUENCE_PARAMS) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int hk = blockIdx.y, b = blockIdx.z;
   const int n0 = blockIdx.x * BLOCK_N;
+#if VARLEN
+  const Sequence seq = packed_backward(b, seqlen_q, seqlen_k, seq_q, seq_k, q, q_sn, d_o, do_sn, k, k_sn, v, v_sn,
+                                       lse_log2, delta);
+  if (n0 >= seq.seqlen_k) return;  // past this sequence's last key (the grid is sized by the longest)
+  dk += seq.k_start * dk_sn;
+  dv += seq.k_start * dv_sn;
+#endif
   const int n_last = min_of(n0 + BLOCK_N, seqlen_k) - 1;
   const int warp_row0 = warp * ROWS_PER_WARP;
   const u32 s_base = smem_u32(smem);
@@ -80,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   const int total = walk.total;
   const int dim_v = ANY_DIMS ? head_dim_v : head_dim;  // columns of V, dO and dV
   const QuerySide query_side{q + b * q_sb, d_o + b * do_sb, lse_log2, delta, q_sh, q_sn, do_sh, do_sn,
-                             b, heads_q, seqlen_q, seqlen_q_pad, head_dim, dim_v};
+                             VARLEN ? 0 : b, heads_q, seqlen_q, seqlen_q_pad, head_dim, dim_v};
   const Softcap softcap{softcap_in2, softcap_out2};
 
 #if HAS_EXTRAS

@@ -6,8 +6,9 @@
 // cp.async). Per key block:
 //   S  = Q K^T      P = 2^(S * scale * log2 e - lse_log2)
 //   dP = dO V^T     dS = P (dP keep / (1 - p) - delta)      dQ += dS K   (dS fed from registers)
-// dQ is scaled by the softmax scale at the end.
+// dQ is scaled by the softmax scale at the end. VARLEN: packed sequences (sequences.cuh).
 #include "score_mask.cuh"
+#include "sequences.cuh"
 #include "warp_mma.cuh"
 
 #ifndef Q_IN_REGS
@@ -39,13 +40,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
                   const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
                   const u32* __restrict__ seed_words, u32 drop_threshold, float drop_scale,
                   int head_dim_v, float softcap_in2, float softcap_out2, const float* __restrict__ float_mask,
-                  i64 fm_sb, i64 fm_sh, i64 fm_sq, i64 fm_sk, float* __restrict__ dmask) {
+                  i64 fm_sb, i64 fm_sh, i64 fm_sq, i64 fm_sk, float* __restrict__ dmask SEQUENCE_PARAMS) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int m_block = gridDim.x - 1 - blockIdx.x;  // most keys first under a causal mask
   const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
   const int m0 = m_block * BLOCK_M;
+#if VARLEN
+  const Sequence seq = packed_backward(b, seqlen_q, seqlen_k, seq_q, seq_k, q, q_sn, d_o, do_sn, k, k_sn, v, v_sn,
+                                       lse_log2, delta);
+  if (m0 >= seq.seqlen_q) return;  // past this sequence's last query (the grid is sized by the longest)
+  dq += seq.q_start * dq_sn;
+#endif
   const int warp_row0 = warp * ROWS_PER_WARP;
   const u32 s_base = smem_u32(smem);
   const int dim_v = ANY_DIMS ? head_dim_v : head_dim;  // columns of V and dO
@@ -74,7 +81,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const i64 vec = ((i64)b * heads_q + h) * seqlen_q_pad + m0 + warp_row0 + mt * 16 + g + 8 * hr;
+      const i64 vec = ((i64)(VARLEN ? 0 : b) * heads_q + h) * seqlen_q_pad + m0 + warp_row0 + mt * 16 + g + 8 * hr;
       row_lse[mt][hr] = lse_log2[vec];
       row_delta[mt][hr] = delta[vec];
     }

@@ -5,7 +5,11 @@
 // delta = 0 (grad_lse is ignored there, as in the reference), so P = 2^(S - lse_log2) = 0 for them
 // without any test in the main kernels. One warp per row; a lane handles 8 consecutive elements (ANY_DIMS:
 // one element at a time, for rows that are not whole 16-byte chunks). head_dim is the value head dim.
+// VARLEN (sequences.cuh): o, dO packed (total_q, Hq, Dv), lse and grad_lse (Hq, total_q) with head stride
+// packed_stride; the grid is (row blocks of the longest sequence padded, head, sequence) and each sequence's rows
+// go to its own stretch of the vectors (head stride seqlen_q_pad), padded to a multiple of VECTOR_PAD.
 #include "ptx.cuh"
+#include "sequences.cuh"
 
 #ifndef NUM_WARPS
 #define NUM_WARPS 8
@@ -15,13 +19,23 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32)
     mhattn_bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict__ d_o, const float* __restrict__ lse,
                           const float* __restrict__ grad_lse, float* __restrict__ lse_log2, float* __restrict__ delta,
                           i64 o_sb, i64 o_sh, i64 o_sn, i64 do_sb, i64 do_sh, i64 do_sn,
-                          int heads_q, int seqlen_q, int seqlen_q_pad, int head_dim, i64 total_rows) {
+                          int heads_q, int seqlen_q, int seqlen_q_pad, int head_dim, i64 total_rows SEQUENCE_PARAMS) {
   const int lane = threadIdx.x & 31;
+#if VARLEN
+  const int i = blockIdx.x * NUM_WARPS + (threadIdx.x >> 5), h = blockIdx.y, b = blockIdx.z;
+  const Sequence seq = sequence_of(b, seqlen_q, 0, seq_q, seq_k);
+  if (i >= (seq.seqlen_q + VECTOR_PAD - 1) / VECTOR_PAD * VECTOR_PAD) return;  // whole warps leave together
+  seqlen_q = seq.seqlen_q;
+  o += seq.q_start * o_sn;
+  d_o += seq.q_start * do_sn;
+  const i64 row = h * (i64)seqlen_q_pad + seq.vec_start + i;  // in the vectors
+#else
   const i64 row = (i64)blockIdx.x * NUM_WARPS + (threadIdx.x >> 5);
   if (row >= total_rows) return;  // whole warps leave together
   const i64 bh = row / seqlen_q_pad;
   const int i = (int)(row - bh * seqlen_q_pad);
   const int b = (int)(bh / heads_q), h = (int)(bh - (i64)b * heads_q);
+#endif
 
   float acc = 0.f;
 #ifndef ANY_DIMS
@@ -51,7 +65,11 @@ extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32)
   for (int m = 16; m >= 1; m >>= 1) acc += shfl_xor(acc, m);
 
   if (lane == 0) {
+#if VARLEN
+    const i64 src = h * packed_stride + seq.q_start + i;  // lse and grad_lse are (Hq, total_q)
+#else
     const i64 src = bh * seqlen_q + i;  // lse and grad_lse are (B, Hq, Nq) contiguous
+#endif
     const float l = i < seqlen_q ? lse[src] : -MHATTN_INF;
     const bool seen = l != -MHATTN_INF;
     float d = seen ? acc : 0.f;

@@ -10,8 +10,10 @@
 //                         ldmatrix.trans)
 // Out: O (B, Hq, Nq, Dv) with the caller's strides, lse (B, Hq, Nq) float32 natural log, -inf for a row
 // that sees no key (whose output is 0). The parameters after drop_scale serve the feature flags (SOFTCAP,
-// FLOAT_MASK, ANY_DIMS; common.cuh) and are unused without them (dmask: the dQ kernel's only).
+// FLOAT_MASK, ANY_DIMS; common.cuh) and are unused without them (dmask: the dQ kernel's only); the sequence
+// arguments serve VARLEN (packed sequences) and KV_CACHE (a contiguous or paged cache), see sequences.cuh.
 #include "score_mask.cuh"
+#include "sequences.cuh"
 #include "warp_mma.cuh"
 
 constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
@@ -37,7 +39,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
                const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk,
                const u32* __restrict__ seed_words, u32 drop_threshold, float drop_scale,
                int head_dim_v, float softcap_in2, float softcap_out2, const float* __restrict__ float_mask,
-               i64 fm_sb, i64 fm_sh, i64 fm_sq, i64 fm_sk, float* __restrict__ dmask) {
+               i64 fm_sb, i64 fm_sh, i64 fm_sq, i64 fm_sk, float* __restrict__ dmask SEQUENCE_PARAMS) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -64,15 +66,40 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
 #endif
   const int m0 = m_block * BLOCK_M;
+#if PER_SEQUENCE
+  const Sequence seq = sequence_of(b, seqlen_q, seqlen_k, seq_q, seq_k);
+  if (m0 >= seq.seqlen_q) return;  // VARLEN: past this sequence's last query (the grid is sized by the longest)
+  seqlen_q = seq.seqlen_q;
+  seqlen_k = seq.seqlen_k;
+#if KV_CACHE
+  diag_offset = seqlen_k - seqlen_q;  // a sequence's queries are its last seqlen_q positions
+#endif
+#endif
   const int warp_row0 = warp * ROWS_PER_WARP;
   const int dim_v = ANY_DIMS ? head_dim_v : head_dim;  // columns of V and O
   const Softcap softcap{softcap_in2, softcap_out2};
 
   q += b * q_sb + h * q_sh;
+#if KV_CACHE == 2
+  const PagedRows k_rows{k + hk * k_sh, k_sn, k_sb, block_table + b * table_stride, page_size};
+  const PagedRows v_rows{v + hk * v_sh, v_sn, v_sb, block_table + b * table_stride, page_size};
+#else
   k += b * k_sb + hk * k_sh;
   v += b * v_sb + hk * v_sh;
+#endif
   o += b * o_sb + h * o_sh;
+#if VARLEN
+  q += seq.q_start * q_sn;
+  k += seq.k_start * k_sn;
+  v += seq.k_start * v_sn;
+  o += seq.q_start * o_sn;
+  lse += h * packed_stride + seq.q_start;
+#else
   lse += ((i64)b * heads_q + h) * seqlen_q;
+#endif
+#if KV_CACHE != 2
+  const StridedRows k_rows{k, k_sn}, v_rows{v, v_sn};
+#endif
 
   const u32 s_q = smem_u32(smem);
   const u32 s_k = s_q + Q_TILE_BYTES;       // stage s at s_k + s * KV_TILE_BYTES
@@ -95,8 +122,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 
   load_tile_async<BLOCK_M>(s_q, q, q_sn, m0, seqlen_q, head_dim, tid);
   if (nb_lo < nb_hi) {
-    load_tile_async<BLOCK_N>(s_k, k, k_sn, nb_lo * BLOCK_N, seqlen_k, head_dim, tid);
-    load_tile_async<BLOCK_N>(s_v, v, v_sn, nb_lo * BLOCK_N, seqlen_k, dim_v, tid);
+    load_rows_async<BLOCK_N>(s_k, k_rows, nb_lo * BLOCK_N, seqlen_k, head_dim, tid);
+    load_rows_async<BLOCK_N>(s_v, v_rows, nb_lo * BLOCK_N, seqlen_k, dim_v, tid);
   }
   cp_async_commit();
 
@@ -124,8 +151,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
     block_sync();  // this block's K, V (and Q) have landed; everyone is done with the other stage
     if (nb + 1 < nb_hi) {
       const u32 nxt = (stage ^ 1) * KV_TILE_BYTES;
-      load_tile_async<BLOCK_N>(s_k + nxt, k, k_sn, (nb + 1) * BLOCK_N, seqlen_k, head_dim, tid);
-      load_tile_async<BLOCK_N>(s_v + nxt, v, v_sn, (nb + 1) * BLOCK_N, seqlen_k, dim_v, tid);
+      load_rows_async<BLOCK_N>(s_k + nxt, k_rows, (nb + 1) * BLOCK_N, seqlen_k, head_dim, tid);
+      load_rows_async<BLOCK_N>(s_v + nxt, v_rows, (nb + 1) * BLOCK_N, seqlen_k, dim_v, tid);
     }
     cp_async_commit();
 #if Q_IN_REGS
