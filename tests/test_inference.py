@@ -430,19 +430,19 @@ def test_dispatcher_reasons_for_the_new_operations():
     from mhattn.backends.base import OPERATIONS
 
     assert mhattn.get_backend("reference").capabilities.operations == frozenset(OPERATIONS)
-    cupy = mhattn.get_backend("cupy")
-    assert cupy.capabilities.operations == frozenset({"attention"})
+    sdpa = mhattn.get_backend("sdpa")
+    assert sdpa.capabilities.operations == frozenset({"attention"})
     q, kc, vc, table = _kv_inputs(paged=True)
     decision = mhattn.decode.explain(q, kc, vc, cache_seqlens=torch.tensor([3, 5], dtype=torch.int32),
                                      block_table=table)
     assert decision.chosen == "reference" and decision.problem.operation == "paged_kvcache"
-    assert any("paged KV cache" in r for r in decision.reasons["cupy"])
+    assert any("paged KV cache" in r for r in decision.reasons["sdpa"])
     assert "paged_kvcache" in str(decision)
     q, k, v, cq, ck = _varlen_inputs()
     decision = mhattn.varlen.explain(q, k, v, cq, ck, 6, 7)
-    assert any("variable-length" in r for r in decision.reasons["cupy"])
+    assert any("variable-length" in r for r in decision.reasons["sdpa"])
     with pytest.raises(mhattn.BackendUnavailableError, match="variable-length"):
-        mhattn.varlen_attention(q, k, v, cq, ck, 6, 7, backend="cupy")
+        mhattn.varlen_attention(q, k, v, cq, ck, 6, 7, backend="sdpa")
 
 
 def test_a_backend_without_an_operation_is_refused_with_its_reason():

@@ -5,7 +5,8 @@ producer warpgroup; compiled for sm_90a) where they cover the problem.
 Kernels: ``kernels/*.cu`` (forward; backward preprocess, dK/dV, dQ; ``hopper_fwd.cu``, ``hopper_bwd.cu``). Tensor maps:
 :mod:`.tensor_maps`. Variants and tile shapes:
 :mod:`.variants`. Compilation and the cubin cache: :mod:`.compiler`. Launch: :mod:`.launcher`.
-Host logic: :mod:`.ops`. ``mhattn build`` (:mod:`.build`) compiles every variant without a GPU.
+Host logic: :mod:`.ops` (dense attention), :mod:`.packed` (KV cache and packed sequences: the mma.sync kernels with
+per-sequence addressing, kernels/sequences.cuh). ``mhattn build`` (:mod:`.build`) compiles every variant without a GPU.
 
 Install: ``pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12`` (CUDA 12 drivers) or ``pip install
 cupy-cuda13x`` with a CUDA 13 NVRTC; no CUDA toolkit or headers are needed.
@@ -18,8 +19,8 @@ import os
 
 import torch
 
-from mhattn.backends.base import AttentionParams, Backend, Capabilities
-from mhattn.backends.cupy import ops, variants
+from mhattn.backends.base import AttentionParams, Backend, Capabilities, KVCache, Packing
+from mhattn.backends.cupy import ops, packed, variants
 
 __all__ = ["CupyBackend"]
 
@@ -60,6 +61,7 @@ class CupyBackend(Backend):
         min_compute_capability=(8, 0),
         features=frozenset({"causal", "gqa", "bool_mask", "float_mask", "mask_grad", "dropout", "window", "softcap",
                             "deterministic", "value_dim"}),
+        operations=frozenset({"attention", "kvcache", "paged_kvcache", "varlen"}),
     )
 
     def __init__(self, launcher=None, compute_capability=None, deterministic=None):
@@ -122,7 +124,9 @@ class CupyBackend(Backend):
 
     def forward_path(self, problem):
         if problem.operation != "attention":
-            return None
+            flag = "VARLEN" if problem.operation == "varlen" else "KV_CACHE"
+            return (f"the mma.sync forward (kernels/fwd.cu with {flag}, kernels/sequences.cuh) on every GPU: the "
+                    "Hopper forward takes dense attention only")
         reason = ops.hopper_problem_refusal(problem)
         if reason is None:
             return ("the Hopper forward (kernels/hopper_fwd.cu: TMA, wgmma, warp-specialised), when q, k, v rows "
@@ -130,8 +134,11 @@ class CupyBackend(Backend):
         return f"the mma.sync forward (kernels/fwd.cu): not the Hopper forward because {reason}"
 
     def backward_path(self, problem):
+        if problem.operation == "varlen":
+            return ("the mma.sync backward (kernels/bwd_*.cu with VARLEN, dQ from its own kernel: deterministic) on "
+                    "every GPU: the Hopper backward takes dense attention only")
         if problem.operation != "attention":
-            return None
+            return None  # forward only
         reason = ops.DETERMINISTIC if self._deterministic() else ops.hopper_problem_refusal(problem, backward=True)
         if reason is None:
             return ("the Hopper backward (kernels/hopper_bwd.cu: TMA, wgmma, dQ with atomics), when q, k, v and the "
@@ -148,3 +155,14 @@ class CupyBackend(Backend):
     def backward(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
         return ops.backward(self.launcher, self._cc(q.device), grad_out, q, k, v, out, lse, params, grad_lse,
                             deterministic=self._deterministic())
+
+    def forward_kvcache(self, q, cache: KVCache, params: AttentionParams):
+        return packed.forward_kvcache(self.launcher, self._cc(q.device), q, cache, params)
+
+    def forward_varlen(self, q, k, v, packing: Packing, params: AttentionParams):
+        return packed.forward_varlen(self.launcher, self._cc(q.device), q, k, v, packing, params)
+
+    def backward_varlen(self, grad_out, q, k, v, out, lse, packing: Packing, params: AttentionParams,
+                        grad_lse=None):
+        return packed.backward_varlen(self.launcher, self._cc(q.device), grad_out, q, k, v, out, lse, packing,
+                                      params, grad_lse)

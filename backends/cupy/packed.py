@@ -1,0 +1,279 @@
+"""Host side of the KV-cache and packed (varlen) entry points: the mma.sync kernels with per-sequence addressing
+(kernels/sequences.cuh), on every GPU (the Hopper kernels take dense attention only).
+
+- ``forward_kvcache``: one launch of kernels/fwd.cu with KV_CACHE 1 (contiguous cache (B, Hkv, Nmax, D)) or 2
+  (paged pool (num_blocks, Hkv, block_size, D) and a block table). Each sequence attends over its first
+  ``cache.seqlens[b]`` keys with its queries aligned bottom-right; the kernel reads the lengths (and the block
+  table) from the device, so a decoding loop's calls share one plan. The cache is never copied: rows that are not
+  16-byte aligned take the ANY_DIMS variants.
+- ``forward_varlen`` / ``backward_varlen``: the packed (total, H, D) tensors reach the kernels with batch stride
+  0 and VARLEN 1; each CTA finds its sequence's rows in cu_seqlens and leaves at once when its block lies past
+  that sequence's end. Grids are sized by the longest sequence. The backward forms dQ in its own kernel
+  (deterministic); its lse_log2 / delta vectors hold each head's sequences one after the other, each padded to
+  a multiple of VECTOR_PAD rows (sequences.cuh's vector_start).
+
+Shapes and layouts as the backend contract (mhattn.backends.base) gives them: kvcache out (B, Hq, Nq, Dv) with
+(B, Nq, Hq, Dv) memory and lse (B, Hq, Nq); varlen out (total_q, Hq, Dv), lse (Hq, total_q), dq / dk / dv
+contiguous like q / k / v.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from mhattn.backends import layouts
+from mhattn.backends.base import AttentionParams, KVCache, Packing
+from mhattn.backends.cupy import ops, variants
+from mhattn.backends.cupy.launcher import i32, i64, f32, slot
+from mhattn.backends.cupy.ops import LOG2E, _NULL, _empty, _extra_args, _feature_args, _prepared, cdiv
+
+# Sequence b's rows of the backward's per-head vectors start at (cu_seqlens_q[b] rounded up to 4) + b * VECTOR_GAP
+# (kernels/sequences.cuh): room for its rows padded to a multiple of VECTOR_PAD.
+VECTOR_PAD = 128
+VECTOR_GAP = VECTOR_PAD + 4
+
+# The data pointers of a call, in these orders (the launches' argument templates name them by position).
+FWD_POINTERS = ("q", "k", "v", "out", "lse", "seq_q", "seq_k", "block_table")
+BWD_POINTERS = ("q", "k", "v", "out", "grad_out", "lse", "grad_lse", "lse_log2", "delta", "dq", "dk", "dv",
+                "seq_q", "seq_k")
+_FWD = {name: slot(i) for i, name in enumerate(FWD_POINTERS)}
+_BWD = {name: slot(i) for i, name in enumerate(BWD_POINTERS)}
+# No mask and no float mask reach these entry points; dropout's seed only varlen's (see _seed_slots).
+_NO_MASK = {"mask": _NULL, "seed": _NULL}
+
+_plans = ops._Plans()
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Rows start 16-byte aligned (what the variants without ANY_DIMS need), for any strides."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+
+
+def _features(params: AttentionParams, head_dim: int, head_dim_v: int, tensors) -> tuple:
+    """The feature flags of a call; ANY_DIMS also where an input's rows are not 16-byte aligned (those tensors are
+    read as they are, never copied: a cache is written in place by its owner)."""
+    features = ops.feature_flags(params, head_dim, head_dim_v)
+    if "ANY_DIMS" not in features and not all(_aligned(t) for t in tensors):
+        features += ("ANY_DIMS",)
+    return tuple(flag for flag in variants.FEATURE_FLAGS if flag in features)
+
+
+def _packed_strides(t: torch.Tensor) -> list:
+    """(batch, head, row) strides of a packed (total, H, D) tensor seen as a batch of sequences."""
+    return [i64(0), i64(t.stride(1)), i64(t.stride(0))]
+
+
+def _sequence_args(slots: dict, table_stride: int = 0, page_size: int = 0, packed_stride: int = 0) -> list:
+    """The kernels' sequence arguments (SEQUENCE_PARAMS): seq_q, seq_k, block_table, its row stride, the page size
+    and the packed lse's head stride."""
+    return [slots.get("seq_q", _NULL), slots["seq_k"], slots.get("block_table", _NULL), i64(table_stride),
+            i32(page_size), i64(packed_stride)]
+
+
+def _shape_args(q_rows, k_rows, heads_q, group, head_dim, params: AttentionParams, pairs, element_size) -> list:
+    """The forward's sizes, scheduling group and scale (kernels/fwd.cu), as ops' dense forward passes them."""
+    return [i32(q_rows), i32(k_rows), i32(heads_q), i32(group), i32(head_dim),
+            i32(ops.sched_pairs(pairs, k_rows, head_dim, element_size)), f32(params.scale * LOG2E)]
+
+
+@functools.lru_cache(maxsize=512)
+def _fwd_choice(cc, dtype, d: int, level: str, features: tuple, sequences: str, *tables) -> tuple:
+    variant = variants.fwd_variant(cc, ops._DTYPE_NAMES[dtype], d, level, features=features, sequences=sequences)
+    return variant, variant.define("BLOCK_M"), bool(variant.define("HAS_BOUNDS"))
+
+
+@functools.lru_cache(maxsize=512)
+def _bwd_choice(cc, dtype, d: int, level: str, features: tuple, *tables) -> tuple:
+    name = ops._DTYPE_NAMES[dtype]
+    return (variants.preprocess_variant(name, any_dims="ANY_DIMS" in features, varlen=True),
+            tuple(variants.dkdv_variants(cc, name, d, level, features=features, sequences="varlen")),
+            variants.dq_variant(cc, name, d, level, features=features, sequences="varlen"))
+
+
+def _forward_launch(launcher, cc, device, q, k, v, params, features, sequences, batch, heads_q, heads_kv, q_rows,
+                    k_rows, strides, sequence_args, slots):
+    """The prepared launch of kernels/fwd.cu for ``sequences``; ``strides``: q, k, v, out (batch, head, row)."""
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    d = variants.head_dim_bucket(max(head_dim, head_dim_v))
+    variant, block_m, has_bounds = _fwd_choice(cc, q.dtype, d, ops.level_of(params, features), features, sequences,
+                                               *ops._forward_tiles(d))
+    if has_bounds:  # query blocks of unequal cost: (group, query block, pair) in x, see fwd.cu
+        grid = (cdiv(q_rows, block_m) * batch * heads_q, 1, 1)
+    else:
+        grid = (cdiv(q_rows, block_m), heads_q, batch)
+    args = [slots["q"], slots["k"], slots["v"], slots["out"], slots["lse"]] + strides
+    args += _shape_args(q_rows, k_rows, heads_q, heads_q // heads_kv, head_dim, params, batch * heads_q,
+                        q.element_size())
+    args += _feature_args(params, slots) + _extra_args(params, head_dim_v, slots) + sequence_args
+    return d, _prepared(launcher, variant, grid, args, device, cc)
+
+
+# ---- forward_kvcache -----------------------------------------------------------------------------------------
+
+
+def forward_kvcache(launcher, cc, q, cache: KVCache, params: AttentionParams):
+    """(out, lse) of q (B, Hq, Nq, D) over each sequence's first cache.seqlens[b] keys (Backend.forward_kvcache)."""
+    device = q.device
+    k, v = cache.k, cache.v
+    seqlens = cache.seqlens if cache.seqlens.is_contiguous() else cache.seqlens.contiguous()
+    table = cache.block_table
+    if table is not None and table.stride(-1) != 1:
+        table = table.contiguous()
+    key = ("kvcache", launcher, cc, device, q.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+           q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, None if table is None else table.shape,
+           None if table is None else table.stride(), ops._params_signature(params))
+    plan = _plans.get(key)
+    if plan is None or (plan[0] is not None and plan[1] != ops._forward_tiles(plan[0])):
+        plan = _plans.put(key, _kvcache_plan(launcher, cc, device, q, k, v, table, params))
+    out = layouts.output_buffer(q, v)
+    lse = _empty(q.shape[:3], torch.float32, device)
+    if ops.POISON_OUTPUTS:
+        out.fill_(float("nan"))
+    launch = plan[2]
+    if launch is None:  # an empty output
+        return out, lse
+    launch((q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 0, seqlens.data_ptr(),
+            0 if table is None else table.data_ptr()))
+    return out, lse
+
+
+def _kvcache_plan(launcher, cc, device, q, k, v, table, params: AttentionParams) -> tuple:
+    """(head-dim bucket, its tile-table entries, the launch or None)."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    out = torch.empty_strided(*layouts.rows_major_layout(batch, heads_q, seqlen_q, v.shape[-1]), device="meta")
+    if out.numel() == 0:
+        return None, None, None
+    paged = table is not None
+    capacity = table.shape[1] * k.shape[2] if paged else k.shape[2]
+    strides = ops._strides(q) + ops._strides(k) + ops._strides(v) + ops._strides(out)  # k, v: the pool's if paged
+    slots = dict(_FWD, **_NO_MASK)
+    sequence_args = _sequence_args(slots, table.stride(0) if paged else 0, k.shape[2] if paged else 0)
+    features = _features(params, head_dim, v.shape[-1], (q, k, v))
+    d, launch = _forward_launch(launcher, cc, device, q, k, v, params, features,
+                                "paged_kvcache" if paged else "kvcache", batch, heads_q, k.shape[1], seqlen_q,
+                                capacity, strides, sequence_args, slots)
+    return d, ops._forward_tiles(d), launch
+
+
+# ---- forward_varlen / backward_varlen -----------------------------------------------------------------------------
+
+
+def _varlen_key(kind, launcher, cc, tensors, packing: Packing, params: AttentionParams, extra=()) -> tuple:
+    return (kind, launcher, cc, tensors[0].device, tensors[0].dtype, packing.batch, packing.max_seqlen_q,
+            packing.max_seqlen_k, ops._params_signature(params)) + tuple(
+        (t.shape, t.stride(), t.data_ptr() & 15) for t in tensors) + tuple(extra)
+
+
+def _seed_slots(params: AttentionParams, slots: dict) -> dict:
+    """The slots _feature_args reads: no mask; the seed (varlen dropout) where there is dropout."""
+    return dict(slots, mask=_NULL, seed=slots["seed"] if params.dropout_p > 0 else _NULL)
+
+
+_VARLEN_FWD = dict(_FWD, seed=slot(len(FWD_POINTERS)))  # the seed tensor's pointer follows FWD_POINTERS
+_VARLEN_BWD = dict(_BWD, seed=slot(len(BWD_POINTERS)))
+
+
+def forward_varlen(launcher, cc, q, k, v, packing: Packing, params: AttentionParams):
+    """(out (total_q, Hq, Dv), lse (Hq, total_q) float32) of packed sequences (Backend.forward_varlen)."""
+    device = q.device
+    total_q, heads_q, _ = q.shape
+    out = _empty((total_q, heads_q, v.shape[-1]), q.dtype, device)
+    lse = _empty((heads_q, total_q), torch.float32, device)
+    if total_q == 0:
+        return out, lse
+    if k.shape[0] == 0:  # no sequence has a key: every row sees none
+        return out.zero_(), lse.fill_(float("-inf"))
+    key = _varlen_key("varlen_fwd", launcher, cc, (q, k, v), packing, params)
+    plan = _plans.get(key)
+    if plan is None or plan[1] != ops._forward_tiles(plan[0]):
+        plan = _plans.put(key, _varlen_forward_plan(launcher, cc, device, q, k, v, out, lse, packing, params))
+    seed = ops._seed(params, device)
+    plan[2]((q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+             packing.cu_seqlens_q.data_ptr(), packing.cu_seqlens_k.data_ptr(), 0,
+             0 if seed is None else seed.data_ptr()))
+    return out, lse
+
+
+def _varlen_forward_plan(launcher, cc, device, q, k, v, out, lse, packing: Packing, params) -> tuple:
+    strides = _packed_strides(q) + _packed_strides(k) + _packed_strides(v) + _packed_strides(out)
+    slots = _seed_slots(params, _VARLEN_FWD)
+    features = _features(params, q.shape[-1], v.shape[-1], (q, k, v))
+    d, launch = _forward_launch(launcher, cc, device, q, k, v, params, features, "varlen", packing.batch,
+                                q.shape[1], k.shape[1], packing.max_seqlen_q, packing.max_seqlen_k, strides,
+                                _sequence_args(slots, packed_stride=lse.stride(0)), slots)
+    return d, ops._forward_tiles(d), launch
+
+
+def vector_length(total_q: int, batch: int) -> int:
+    """Rows of each head's lse_log2 / delta vector for ``batch`` packed sequences of ``total_q`` queries: every
+    sequence's stretch (see VECTOR_GAP) fits, and each head's vector starts 16-byte aligned."""
+    return cdiv(total_q + batch * VECTOR_GAP + 4, 4) * 4
+
+
+def backward_varlen(launcher, cc, grad_out, q, k, v, out, lse, packing: Packing, params: AttentionParams,
+                    grad_lse=None):
+    """(dq, dk, dv) of forward_varlen, shaped like q, k, v (Backend.backward_varlen)."""
+    device = q.device
+    dq, dk, dv = (_empty(t.shape, t.dtype, device) for t in (q, k, v))
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    lse = lse.to(torch.float32).contiguous()
+    if grad_lse is not None:
+        grad_lse = grad_lse.to(torch.float32).contiguous()
+    key = _varlen_key("varlen_bwd", launcher, cc, (q, k, v, out, grad_out), packing, params,
+                      (grad_lse is not None,))
+    plan = _plans.get(key)
+    if plan is None or plan[1] != ops._backward_tiles(plan[0]):
+        plan = _plans.put(key, _varlen_backward_plan(launcher, cc, device, grad_out, q, k, v, out, dq, dk, dv,
+                                                     packing, params, grad_lse is not None))
+    vectors = plan[2]
+    lse_log2 = _empty(vectors, torch.float32, device)  # poisoned in tests: every row a kernel reads is written
+    delta = _empty(vectors, torch.float32, device)
+    seed = ops._seed(params, device)
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(),
+                0 if grad_lse is None else grad_lse.data_ptr(), lse_log2.data_ptr(), delta.data_ptr(),
+                dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), packing.cu_seqlens_q.data_ptr(),
+                packing.cu_seqlens_k.data_ptr(), 0 if seed is None else seed.data_ptr())
+    for launch in plan[3]:
+        launch(pointers)
+    return dq, dk, dv
+
+
+def _varlen_backward_plan(launcher, cc, device, grad_out, q, k, v, out, dq, dk, dv, packing: Packing, params,
+                          has_grad_lse: bool) -> tuple:
+    """(head-dim bucket, its tile-table entries, the vectors' shape, the launches: preprocess, dK/dV, dQ)."""
+    total_q, heads_q, head_dim = q.shape
+    heads_kv, head_dim_v = k.shape[1], v.shape[-1]
+    batch, max_q, max_k = packing.batch, packing.max_seqlen_q, packing.max_seqlen_k
+    features = _features(params, head_dim, head_dim_v, (q, k, v, out, grad_out))
+    d = variants.head_dim_bucket(max(head_dim, head_dim_v))
+    tiles = ops._backward_tiles(d)
+    pre, dkdv_variants, dq_variant = _bwd_choice(cc, q.dtype, d, ops.level_of(params, features), features, *tiles)
+    vec_len = vector_length(total_q, batch)
+    p = _seed_slots(params, _VARLEN_BWD)
+    sequence_args = _sequence_args(p, packed_stride=total_q)  # lse and grad_lse (Hq, total_q), contiguous
+    launches = []
+
+    args = [p["out"], p["grad_out"], p["lse"], p["grad_lse"] if has_grad_lse else _NULL, p["lse_log2"], p["delta"]]
+    args += _packed_strides(out) + _packed_strides(grad_out)
+    args += [i32(heads_q), i32(max_q), i32(vec_len), i32(head_dim_v), i64(0)] + sequence_args
+    grid = (cdiv(cdiv(max_q, VECTOR_PAD) * VECTOR_PAD, variants.PREPROCESS_WARPS), heads_q, batch)
+    launches.append(_prepared(launcher, pre, grid, args, device, cc))
+
+    shape_args = [i32(max_q), i32(vec_len), i32(max_k), i32(heads_q), i32(heads_q // heads_kv), i32(head_dim),
+                  f32(params.scale * LOG2E), f32(params.scale)]
+    tail = shape_args + _feature_args(params, p) + _extra_args(params, head_dim_v, p) + sequence_args
+    for variant in dkdv_variants:
+        args = [p["q"], p["k"], p["v"], p["grad_out"], p["lse_log2"], p["delta"], p["dk"], p["dv"], _NULL]
+        args += (_packed_strides(q) + _packed_strides(k) + _packed_strides(v) + _packed_strides(grad_out)
+                 + _packed_strides(dk) + _packed_strides(dv))
+        grid = (cdiv(max_k, variant.define("BLOCK_N")), heads_kv, batch)
+        launches.append(_prepared(launcher, variant, grid, args + tail, device, cc))
+    args = [p["q"], p["k"], p["v"], p["grad_out"], p["lse_log2"], p["delta"], p["dq"]]
+    args += (_packed_strides(q) + _packed_strides(k) + _packed_strides(v) + _packed_strides(grad_out)
+             + _packed_strides(dq))
+    grid = (cdiv(max_q, dq_variant.define("BLOCK_M")), heads_q, batch)
+    launches.append(_prepared(launcher, dq_variant, grid, args + tail, device, cc))
+    return d, tiles, (heads_q, vec_len), tuple(launches)
