@@ -49,7 +49,7 @@ def make_table(cells, key=H100, **made):
 
 def test_grids_cover_what_users_run():
     quick = grid.quick_grid()
-    assert len(quick) == 54 and len(set(quick)) == len(quick)
+    assert len(quick) == 55 and len(set(quick)) == len(quick)
     assert {c.dtype for c in quick} == {"bf16", "fp16", "fp32"}
     full = grid.full_grid()
     assert len(set(full)) == len(full) > len(quick)
@@ -279,3 +279,18 @@ def test_one_progress_display_serves_conformance_bench_and_tune():
     text = stream.getvalue()
     assert "FAIL reference basic" in text and "reproduce: mhattn conformance --backend reference" in text
     assert "1/2 1 failed" in text
+
+
+def test_short_calls_count_their_host_loop(monkeypatch):
+    """A call shorter than HOST_BOUND_MS on the GPU timer counts the slower of that and its host loop; a longer one
+    is never looped."""
+    from mhattn.benchmark import latency, timing
+    from mhattn.tuning import measure
+
+    loops = []
+    monkeypatch.setattr(latency, "host_loop_us", lambda fn, calls, device, rounds=3: loops.append(calls) or 50.0)
+    monkeypatch.setattr(timing, "bench_ms", lambda fn, warmup, rep, device: 0.01)
+    assert measure.call_ms(None, 1, 1, torch.device("cuda")) == 0.05 and loops == [measure.HOST_LOOP_CALLS]
+    assert measure.call_ms(None, 1, 1, torch.device("cpu")) == 0.01 and len(loops) == 1
+    monkeypatch.setattr(timing, "bench_ms", lambda fn, warmup, rep, device: 2 * measure.HOST_BOUND_MS)
+    assert measure.call_ms(None, 1, 1, torch.device("cuda")) == 2 * measure.HOST_BOUND_MS and len(loops) == 1
