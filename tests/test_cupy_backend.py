@@ -29,7 +29,7 @@ from mhattn.problem import Problem
 from mhattn.reference.naive import naive_attention
 
 ARCHS = ("sm_80", "sm_90")
-KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dkdv_2d", "bwd_dq")
+KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dkdv_2d", "bwd_dq", "kv_combine")
 # (compile target, kernel) pairs CI compiles: every kernel for each architecture, the Hopper family for sm_90a.
 COMPILED = tuple((arch, kernel) for arch in ARCHS for kernel in KERNELS) + (("sm_90a", "hopper_fwd"),
                                                                              ("sm_90a", "hopper_bwd"))
@@ -76,11 +76,12 @@ def feature_variant_sample(cc) -> list:
 
 
 def sequence_variant_sample(cc) -> list:
-    """The per-sequence variants CI compiles (mhattn build compiles all of them): the varlen preprocess, and at every
-    bucket the varlen forward / backward and both KV-cache forwards with every flag they take; all of them at the
-    "bounds" level for one bucket."""
+    """The per-sequence variants CI compiles (mhattn build compiles all of them): the varlen preprocess, the split-KV
+    combine, and at every bucket the varlen forward / backward and the KV-cache forwards (both caches, with and
+    without KV_SPLIT) with every flag they take; all of them at the "bounds" level for one bucket."""
     out = [variants.preprocess_variant(dtype, any_dims=any_dims, varlen=True) for dtype in variants.DTYPE_NAMES
            for any_dims in (False, True)]
+    out += [variants.combine_variant(dtype) for dtype in variants.DTYPE_NAMES]
     flags = variants.SEQUENCE_FEATURE_SETS[-1]
     for i, d in enumerate(variants.HEAD_DIM_BUCKETS):
         dtype = variants.DTYPE_NAMES[i % 2]

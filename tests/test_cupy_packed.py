@@ -117,6 +117,10 @@ KVCACHE_CASES = {
     # paged, not causal, head dims that are not multiples of 8 (ANY_DIMS), a value dim of its own
     "paged_odd_dims": dict(shape=(2, 2, 2, 5, 20), d_v=12, capacity=64, block_size=16, lengths=[50, 5],
                            dtype=torch.float16),
+    # more query rows than a decoding step (the forward's own tiles, no KV_SPLIT): a chunk of a prompt over a cache,
+    # one sequence shorter than the chunk
+    "paged_prompt_chunk": dict(shape=(2, 4, 2, 20, 64), capacity=96, block_size=32, lengths=[90, 12], causal=True,
+                               dtype=torch.float16),
     # a contiguous cache whose rows are not 16-byte aligned: read as it is (ANY_DIMS), never copied
     "contiguous_unaligned": dict(shape=(2, 2, 1, 1, 32), capacity=40, lengths=[40, 17], causal=True, unaligned=True,
                                  dtype=torch.bfloat16),
@@ -203,6 +207,30 @@ def test_emulated_varlen_matches_reference(emulated_backend, poisoned, name):
     assert not failures, failures
 
 
+DECODING_CASES = sorted(name for name, case in KVCACHE_CASES.items() if case["shape"][3] <= variants.DECODE_MAX_ROWS)
+
+
+@pytest.mark.parametrize("name", DECODING_CASES)
+def test_emulated_split_kv_decoding_matches_reference(emulated_backend, poisoned, monkeypatch, name):
+    """Split-KV decoding (KV_SPLIT, kernels/kv_combine.cu): as if the GPU had 64 SMs and splits of 16 keys paid off,
+    so every case splits its sequences' keys (splits that see no key of a short or empty sequence included)."""
+    monkeypatch.setattr(packed, "EMULATED_SM_COUNT", 64)
+    monkeypatch.setattr(packed, "SPLIT_MIN_KEYS", 16)
+    case = KVCACHE_CASES[name]
+    batch, heads_q = case["shape"][:2]
+    assert packed.kv_splits(batch * heads_q, case["capacity"], 64) > 1
+    failures = check_kvcache(emulated_backend, case, "cpu")
+    assert not failures, failures
+
+
+def test_split_counts():
+    assert packed.kv_splits(132, 1 << 20, 132) == 1  # the unsplit grid fills the GPU
+    assert packed.kv_splits(8, 200, 132) == 1  # a short cache
+    assert packed.kv_splits(32, 1 << 17, 132) == 9  # two CTAs per SM
+    assert packed.kv_splits(1, 1 << 20, 132) == packed.MAX_SPLITS
+    assert packed.kv_splits(1, 1000, 132) == 4  # at least SPLIT_MIN_KEYS keys a split
+
+
 def test_emulated_decoding_steps_share_a_plan(emulated_backend, poisoned):
     """Lengths and block tables are read on the device: steps that only advance them reuse the plan of the first,
     and each step's result is that of its own lengths."""
@@ -239,10 +267,13 @@ def test_sequence_variants_leave_the_dense_ones_alone():
     assert every[:len(dense)] == dense
     assert not any(name in ("VARLEN", "KV_CACHE") for v in dense for name, _ in v.defines)
     added = every[len(dense):]
-    assert {dict(v.defines).get("VARLEN", 0) or dict(v.defines).get("KV_CACHE", 0) for v in added} == {1, 2}
+    assert {v.kernel for v in added if not (dict(v.defines).get("VARLEN") or dict(v.defines).get("KV_CACHE"))} == {
+        "kv_combine"}
+    assert {dict(v.defines).get("KV_CACHE") for v in added if dict(v.defines).get("KV_SPLIT")} == {1, 2}
     assert not any(v.kernel.startswith("hopper") or "FLOAT_MASK" in dict(v.defines) for v in added)
     assert not any(dict(v.defines).get("DKDV_MODE") == 3 for v in added)  # varlen takes dQ from its own kernel
-    assert not any(dict(v.defines).get("KV_CACHE") and v.kernel != "fwd" for v in added)
+    assert not any((dict(v.defines).get("KV_CACHE") or dict(v.defines).get("KV_SPLIT")) and v.kernel != "fwd"
+                   for v in added)
     with pytest.raises(ValueError, match="forward only"):
         variants.dq_variant(cc, "float16", 64, "plain", sequences="kvcache")
     with pytest.raises(ValueError, match="no atomic dQ"):

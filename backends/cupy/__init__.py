@@ -124,9 +124,14 @@ class CupyBackend(Backend):
 
     def forward_path(self, problem):
         if problem.operation != "attention":
-            flag = "VARLEN" if problem.operation == "varlen" else "KV_CACHE"
-            return (f"the mma.sync forward (kernels/fwd.cu with {flag}, kernels/sequences.cuh) on every GPU: the "
-                    "Hopper forward takes dense attention only")
+            if problem.operation == "varlen":
+                kernels = "kernels/fwd.cu with VARLEN"
+            else:
+                kernels = ("kernels/fwd.cu with KV_CACHE; for a decoding step (at most 16 query rows) KV_SPLIT, the "
+                           "keys split over CTAs where the grid would not fill the GPU and merged by "
+                           "kernels/kv_combine.cu")
+            return (f"the mma.sync forward ({kernels}; kernels/sequences.cuh) on every GPU: the Hopper forward takes "
+                    "dense attention only")
         reason = ops.hopper_problem_refusal(problem)
         if reason is None:
             return ("the Hopper forward (kernels/hopper_fwd.cu: TMA, wgmma, warp-specialised), when q, k, v rows "

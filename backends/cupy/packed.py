@@ -1,11 +1,13 @@
 """Host side of the KV-cache and packed (varlen) entry points: the mma.sync kernels with per-sequence addressing
 (kernels/sequences.cuh), on every GPU (the Hopper kernels take dense attention only).
 
-- ``forward_kvcache``: one launch of kernels/fwd.cu with KV_CACHE 1 (contiguous cache (B, Hkv, Nmax, D)) or 2
-  (paged pool (num_blocks, Hkv, block_size, D) and a block table). Each sequence attends over its first
-  ``cache.seqlens[b]`` keys with its queries aligned bottom-right; the kernel reads the lengths (and the block
-  table) from the device, so a decoding loop's calls share one plan. The cache is never copied: rows that are not
-  16-byte aligned take the ANY_DIMS variants.
+- ``forward_kvcache``: kernels/fwd.cu with KV_CACHE 1 (contiguous cache (B, Hkv, Nmax, D)) or 2 (paged pool
+  (num_blocks, Hkv, block_size, D) and a block table). Each sequence attends over its first ``cache.seqlens[b]``
+  keys with its queries aligned bottom-right; the kernel reads the lengths (and the block table) from the device,
+  so a decoding loop's calls share one plan. The cache is never copied: rows that are not 16-byte aligned take the
+  ANY_DIMS variants. A decoding step (at most DECODE_MAX_ROWS query rows) takes the KV_SPLIT variants: CTAs of
+  16 rows, and where (batch, head) pairs would not fill the GPU each sequence's keys are split over ``kv_splits``
+  CTAs whose float32 partial results kernels/kv_combine.cu merges (split-KV decoding).
 - ``forward_varlen`` / ``backward_varlen``: the packed (total, H, D) tensors reach the kernels with batch stride
   0 and VARLEN 1; each CTA finds its sequence's rows in cu_seqlens and leaves at once when its block lies past
   that sequence's end. Grids are sized by the longest sequence. The backward forms dQ in its own kernel
@@ -35,7 +37,7 @@ VECTOR_PAD = 128
 VECTOR_GAP = VECTOR_PAD + 4
 
 # The data pointers of a call, in these orders (the launches' argument templates name them by position).
-FWD_POINTERS = ("q", "k", "v", "out", "lse", "seq_q", "seq_k", "block_table")
+FWD_POINTERS = ("q", "k", "v", "out", "lse", "seq_q", "seq_k", "block_table", "o_split", "lse_split")
 BWD_POINTERS = ("q", "k", "v", "out", "grad_out", "lse", "grad_lse", "lse_log2", "delta", "dq", "dk", "dv",
                 "seq_q", "seq_k")
 _FWD = {name: slot(i) for i, name in enumerate(FWD_POINTERS)}
@@ -65,11 +67,33 @@ def _packed_strides(t: torch.Tensor) -> list:
     return [i64(0), i64(t.stride(1)), i64(t.stride(0))]
 
 
-def _sequence_args(slots: dict, table_stride: int = 0, page_size: int = 0, packed_stride: int = 0) -> list:
-    """The kernels' sequence arguments (SEQUENCE_PARAMS): seq_q, seq_k, block_table, its row stride, the page size
-    and the packed lse's head stride."""
+def _sequence_args(slots: dict, table_stride: int = 0, page_size: int = 0, packed_stride: int = 0,
+                   splits: int = 1) -> list:
+    """The kernels' sequence arguments (SEQUENCE_PARAMS): seq_q, seq_k, block_table, its row stride, the page size,
+    the packed lse's head stride, the split outputs and the number of splits."""
     return [slots.get("seq_q", _NULL), slots["seq_k"], slots.get("block_table", _NULL), i64(table_stride),
-            i32(page_size), i64(packed_stride)]
+            i32(page_size), i64(packed_stride), slots["o_split"] if splits > 1 else _NULL, i32(splits)]
+
+
+# Split-KV decoding: a split gets at least SPLIT_MIN_KEYS keys of the cache's capacity, and the splits aim at
+# SPLITS_PER_SM CTAs per SM. The emulator (CPU tensors) counts EMULATED_SM_COUNT SMs.
+SPLIT_MIN_KEYS = 256
+SPLITS_PER_SM = 2
+MAX_SPLITS = 64
+EMULATED_SM_COUNT = 4
+
+
+def kv_splits(ctas: int, capacity: int, sm_count: int, min_keys: int = None) -> int:
+    """How many CTAs share the keys of one (sequence, head, query block): one where the unsplit grid of ``ctas``
+    already fills the GPU or the cache is short."""
+    min_keys = SPLIT_MIN_KEYS if min_keys is None else min_keys
+    if ctas >= sm_count or capacity <= min_keys:
+        return 1
+    return max(1, min(cdiv(SPLITS_PER_SM * sm_count, ctas), cdiv(capacity, min_keys), MAX_SPLITS))
+
+
+def _sm_count(device) -> int:
+    return ops.sm_count(device) if device.type == "cuda" else EMULATED_SM_COUNT
 
 
 def _shape_args(q_rows, k_rows, heads_q, group, head_dim, params: AttentionParams, pairs, element_size) -> list:
@@ -80,8 +104,15 @@ def _shape_args(q_rows, k_rows, heads_q, group, head_dim, params: AttentionParam
 
 @functools.lru_cache(maxsize=512)
 def _fwd_choice(cc, dtype, d: int, level: str, features: tuple, sequences: str, *tables) -> tuple:
-    variant = variants.fwd_variant(cc, ops._DTYPE_NAMES[dtype], d, level, features=features, sequences=sequences)
+    tiles = variants.decode_tiles(cc, d) if sequences.endswith("_split") else None
+    variant = variants.fwd_variant(cc, ops._DTYPE_NAMES[dtype], d, level, tiles=tiles, features=features,
+                                   sequences=sequences)
     return variant, variant.define("BLOCK_M"), bool(variant.define("HAS_BOUNDS"))
+
+
+def _fwd_tiles(d) -> tuple:
+    """The tile-table entries a forward of head-dim bucket d is chosen from."""
+    return ops._forward_tiles(d) + (variants.DECODE_TILES.get(d),)
 
 
 @functools.lru_cache(maxsize=512)
@@ -93,17 +124,19 @@ def _bwd_choice(cc, dtype, d: int, level: str, features: tuple, *tables) -> tupl
 
 
 def _forward_launch(launcher, cc, device, q, k, v, params, features, sequences, batch, heads_q, heads_kv, q_rows,
-                    k_rows, strides, sequence_args, slots):
+                    k_rows, strides, sequence_args, slots, splits=1):
     """The prepared launch of kernels/fwd.cu for ``sequences``; ``strides``: q, k, v, out (batch, head, row)."""
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     d = variants.head_dim_bucket(max(head_dim, head_dim_v))
     variant, block_m, has_bounds = _fwd_choice(cc, q.dtype, d, ops.level_of(params, features), features, sequences,
-                                               *ops._forward_tiles(d))
-    if has_bounds:  # query blocks of unequal cost: (group, query block, pair) in x, see fwd.cu
+                                               *_fwd_tiles(d))
+    if sequences.endswith("_split"):  # (query block + blocks * split, head, batch), see fwd.cu
+        grid = (cdiv(q_rows, block_m) * splits, heads_q, batch)
+    elif has_bounds:  # query blocks of unequal cost: (group, query block, pair) in x, see fwd.cu
         grid = (cdiv(q_rows, block_m) * batch * heads_q, 1, 1)
     else:
         grid = (cdiv(q_rows, block_m), heads_q, batch)
-    args = [slots["q"], slots["k"], slots["v"], slots["out"], slots["lse"]] + strides
+    args = [slots["q"], slots["k"], slots["v"], slots["out"], slots["lse_split" if splits > 1 else "lse"]] + strides
     args += _shape_args(q_rows, k_rows, heads_q, heads_q // heads_kv, head_dim, params, batch * heads_q,
                         q.element_size())
     args += _feature_args(params, slots) + _extra_args(params, head_dim_v, slots) + sequence_args
@@ -121,40 +154,59 @@ def forward_kvcache(launcher, cc, q, cache: KVCache, params: AttentionParams):
     table = cache.block_table
     if table is not None and table.stride(-1) != 1:
         table = table.contiguous()
+    batch, heads_q, seqlen_q, _ = q.shape
+    splits = 0  # not a decoding step
+    if 0 < seqlen_q <= variants.DECODE_MAX_ROWS:
+        splits = kv_splits(batch * heads_q, cache.capacity, _sm_count(device))
     key = ("kvcache", launcher, cc, device, q.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
            q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, None if table is None else table.shape,
-           None if table is None else table.stride(), ops._params_signature(params))
+           None if table is None else table.stride(), ops._params_signature(params), splits)
     plan = _plans.get(key)
-    if plan is None or (plan[0] is not None and plan[1] != ops._forward_tiles(plan[0])):
-        plan = _plans.put(key, _kvcache_plan(launcher, cc, device, q, k, v, table, params))
+    if plan is None or (plan[0] is not None and plan[1] != _fwd_tiles(plan[0])):
+        plan = _plans.put(key, _kvcache_plan(launcher, cc, device, q, k, v, table, params, splits))
     out = layouts.output_buffer(q, v)
     lse = _empty(q.shape[:3], torch.float32, device)
     if ops.POISON_OUTPUTS:
         out.fill_(float("nan"))
-    launch = plan[2]
-    if launch is None:  # an empty output
+    launches = plan[2]
+    if not launches:  # an empty output
         return out, lse
-    launch((q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 0, seqlens.data_ptr(),
-            0 if table is None else table.data_ptr()))
+    o_split = lse_split = None
+    if splits > 1:
+        o_split = _empty((splits,) + tuple(out.shape), torch.float32, device)
+        lse_split = _empty((splits,) + tuple(lse.shape), torch.float32, device)
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 0, seqlens.data_ptr(),
+                0 if table is None else table.data_ptr(), 0 if o_split is None else o_split.data_ptr(),
+                0 if lse_split is None else lse_split.data_ptr())
+    for launch in launches:
+        launch(pointers)
     return out, lse
 
 
-def _kvcache_plan(launcher, cc, device, q, k, v, table, params: AttentionParams) -> tuple:
-    """(head-dim bucket, its tile-table entries, the launch or None)."""
+def _kvcache_plan(launcher, cc, device, q, k, v, table, params: AttentionParams, splits: int) -> tuple:
+    """(head-dim bucket, its tile-table entries, the launches: the forward, and the combine of its splits)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     out = torch.empty_strided(*layouts.rows_major_layout(batch, heads_q, seqlen_q, v.shape[-1]), device="meta")
     if out.numel() == 0:
-        return None, None, None
+        return None, None, ()
     paged = table is not None
     capacity = table.shape[1] * k.shape[2] if paged else k.shape[2]
     strides = ops._strides(q) + ops._strides(k) + ops._strides(v) + ops._strides(out)  # k, v: the pool's if paged
     slots = dict(_FWD, **_NO_MASK)
-    sequence_args = _sequence_args(slots, table.stride(0) if paged else 0, k.shape[2] if paged else 0)
+    sequence_args = _sequence_args(slots, table.stride(0) if paged else 0, k.shape[2] if paged else 0, 0,
+                                   max(splits, 1))
     features = _features(params, head_dim, v.shape[-1], (q, k, v))
-    d, launch = _forward_launch(launcher, cc, device, q, k, v, params, features,
-                                "paged_kvcache" if paged else "kvcache", batch, heads_q, k.shape[1], seqlen_q,
-                                capacity, strides, sequence_args, slots)
-    return d, ops._forward_tiles(d), launch
+    mode = ("paged_kvcache" if paged else "kvcache") + ("_split" if splits else "")
+    d, launch = _forward_launch(launcher, cc, device, q, k, v, params, features, mode, batch, heads_q, k.shape[1],
+                                seqlen_q, capacity, strides, sequence_args, slots, max(splits, 1))
+    launches = (launch,)
+    if splits > 1:  # kernels/kv_combine.cu: one warp a row
+        rows = batch * heads_q * seqlen_q
+        args = [slots["o_split"], slots["lse_split"], slots["out"], slots["lse"]] + ops._strides(out)
+        args += [i32(heads_q), i32(seqlen_q), i32(v.shape[-1]), i32(splits), i64(rows)]
+        combine = variants.combine_variant(ops._DTYPE_NAMES[q.dtype])
+        launches += (_prepared(launcher, combine, (cdiv(rows, variants.COMBINE_WARPS), 1, 1), args, device, cc),)
+    return d, _fwd_tiles(d), launches
 
 
 # ---- forward_varlen / backward_varlen -----------------------------------------------------------------------------
@@ -187,11 +239,11 @@ def forward_varlen(launcher, cc, q, k, v, packing: Packing, params: AttentionPar
         return out.zero_(), lse.fill_(float("-inf"))
     key = _varlen_key("varlen_fwd", launcher, cc, (q, k, v), packing, params)
     plan = _plans.get(key)
-    if plan is None or plan[1] != ops._forward_tiles(plan[0]):
+    if plan is None or plan[1] != _fwd_tiles(plan[0]):
         plan = _plans.put(key, _varlen_forward_plan(launcher, cc, device, q, k, v, out, lse, packing, params))
     seed = ops._seed(params, device)
     plan[2]((q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-             packing.cu_seqlens_q.data_ptr(), packing.cu_seqlens_k.data_ptr(), 0,
+             packing.cu_seqlens_q.data_ptr(), packing.cu_seqlens_k.data_ptr(), 0, 0, 0,
              0 if seed is None else seed.data_ptr()))
     return out, lse
 
@@ -203,7 +255,7 @@ def _varlen_forward_plan(launcher, cc, device, q, k, v, out, lse, packing: Packi
     d, launch = _forward_launch(launcher, cc, device, q, k, v, params, features, "varlen", packing.batch,
                                 q.shape[1], k.shape[1], packing.max_seqlen_q, packing.max_seqlen_k, strides,
                                 _sequence_args(slots, packed_stride=lse.stride(0)), slots)
-    return d, ops._forward_tiles(d), launch
+    return d, _fwd_tiles(d), launch
 
 
 def vector_length(total_q: int, batch: int) -> int:

@@ -35,10 +35,13 @@ FEATURE_SETS = tuple(
 
 # Per-sequence addressing (kernels/sequences.cuh), one -D option each: "varlen" (packed sequences, cu_seqlens; the
 # forward, the backward preprocess, the dK/dV kernels without atomic dQ and the dQ kernel), "kvcache" (a contiguous
-# cache with per-sequence lengths) and "paged_kvcache" (a paged cache through a block table), both forward only.
-# They run with the feature flags but FLOAT_MASK (no mask reaches these entry points); without them a variant's
-# options, hence its code, are those it had before they existed.
-SEQUENCE_DEFINES = {"varlen": ("VARLEN", 1), "kvcache": ("KV_CACHE", 1), "paged_kvcache": ("KV_CACHE", 2)}
+# cache with per-sequence lengths) and "paged_kvcache" (a paged cache through a block table), both forward only, and
+# their "_split" forms (KV_SPLIT: decoding tiles, DECODE_TILES, that may split a sequence's keys over CTAs, merged by
+# kernels/kv_combine.cu). They run with the feature flags but FLOAT_MASK (no mask reaches these entry points);
+# without them a variant's options, hence its code, are those it had before they existed.
+SEQUENCE_DEFINES = {"varlen": (("VARLEN", 1),), "kvcache": (("KV_CACHE", 1),), "paged_kvcache": (("KV_CACHE", 2),),
+                    "kvcache_split": (("KV_CACHE", 1), ("KV_SPLIT", 1)),
+                    "paged_kvcache_split": (("KV_CACHE", 2), ("KV_SPLIT", 1))}
 SEQUENCE_FEATURE_SETS = tuple(flags for flags in FEATURE_SETS if "FLOAT_MASK" not in flags)
 
 # Bytes of shared memory one CTA may use (opt-in maximum): what a device of that compute capability reported
@@ -144,6 +147,10 @@ FWD_TILES_BOUNDED = {
     128: FwdTiles(128, 64, 8, True),  # 16 rows a warp with Q in registers: 221 registers, no spills (H100 sweeps)
     256: FwdTiles(128, 32, 8, False),  # the plain level's 64-key block spills 256 bytes with the masking code
 }
+# The forward of a decoding step (KV_SPLIT: a KV cache with at most 16 query rows): one warp of 16 rows a CTA, the
+# CTAs of a sequence's keys split among them where the grid would not fill the GPU (packed.py).
+DECODE_TILES = {d: FwdTiles(16, 64, 1, True) for d in HEAD_DIM_BUCKETS}
+DECODE_MAX_ROWS = 16
 # The dK/dV kernel of the fast backward (dQ formed in it with atomics, mode 3) has its own table.
 DKDV_ATOMIC_TILES = dict(DKDV_TILES)
 DQ_TILES = {
@@ -245,6 +252,13 @@ def fwd_tiles(cc, d: int, level: str = "plain") -> FwdTiles:
     return tiles
 
 
+def decode_tiles(cc, d: int) -> FwdTiles:
+    tiles = DECODE_TILES[d]
+    while fwd_smem(tiles, d) > smem_limit(cc) and tiles.block_n > 16:
+        tiles = replace(tiles, block_n=tiles.block_n // 2)
+    return tiles
+
+
 def dkdv_2d_problems(tiles: Dkdv2dTiles, d: int) -> list:
     """Why these two-dimensional tiles cannot serve head-dim bucket ``d`` (empty: they can): every phase
     must split into warp tiles of whole 16 x 16 blocks."""
@@ -290,7 +304,7 @@ def dq_tiles(cc, d: int) -> DqTiles:
 class Variant:
     """One kernel compiled with one set of -D options."""
 
-    kernel: str          # fwd | bwd_preprocess | bwd_dkdv | bwd_dkdv_2d | bwd_dq | hopper_fwd  (kernels/<kernel>.cu)
+    kernel: str          # fwd | bwd_preprocess | bwd_dkdv | bwd_dkdv_2d | bwd_dq | kv_combine | hopper_fwd | hopper_bwd
     defines: tuple       # ((name, value), ...) in a fixed order
     num_threads: int
     smem_bytes: int      # dynamic shared memory per CTA
@@ -345,7 +359,7 @@ def _sequence_defines(sequences, features=(), kernels=("fwd",), kernel="fwd") ->
         raise ValueError(f"sequences {sequences!r}: no float mask reaches the packed / KV-cache entry points")
     if sequences != "varlen" and kernel != "fwd":
         raise ValueError(f"sequences {sequences!r}: forward only, got kernel {kernel!r}")
-    return [SEQUENCE_DEFINES[sequences]]
+    return list(SEQUENCE_DEFINES[sequences])
 
 
 def fwd_variant(cc, dtype_name: str, d: int, level: str, tiles: FwdTiles = None, features=(),
@@ -422,7 +436,7 @@ def preprocess_variant(dtype_name: str, any_dims: bool = False, varlen: bool = F
     if any_dims:
         defines += (("ANY_DIMS", 1),)
     if varlen:
-        defines += (SEQUENCE_DEFINES["varlen"],)
+        defines += SEQUENCE_DEFINES["varlen"]
     return Variant("bwd_preprocess", defines, PREPROCESS_WARPS * 32, 0)
 
 
@@ -448,7 +462,20 @@ def sequence_variants(cc, dtype_name: str, d: int) -> list:
         if level != "full" or features:
             out.extend(fwd_variant(cc, dtype_name, d, level, features=features, sequences=mode)
                        for mode in ("kvcache", "paged_kvcache"))
+            out.extend(fwd_variant(cc, dtype_name, d, level, tiles=decode_tiles(cc, d), features=features,
+                                   sequences=mode) for mode in ("kvcache_split", "paged_kvcache_split"))
     return out
+
+
+def combine_variant(dtype_name: str) -> Variant:
+    """kernels/kv_combine.cu: merges the splits of a split-KV decoding step."""
+    if dtype_name not in DTYPE_NAMES:
+        raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
+    return Variant("kv_combine", (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("NUM_WARPS", COMBINE_WARPS)),
+                   COMBINE_WARPS * 32, 0)
+
+
+COMBINE_WARPS = 4
 
 
 def hopper_fwd_smem(tiles: HopperFwdTiles, d: int) -> int:
@@ -517,6 +544,7 @@ def all_variants(cc, features: bool = True, sequences: bool = True) -> list:
     if sequences:
         out.extend(preprocess_variant(dtype, any_dims=any_dims, varlen=True) for dtype in DTYPE_NAMES
                    for any_dims in (False, True))
+        out.extend(combine_variant(dtype) for dtype in DTYPE_NAMES)
         for dtype in DTYPE_NAMES:
             for d in HEAD_DIM_BUCKETS:
                 out.extend(sequence_variants(cc, dtype, d))

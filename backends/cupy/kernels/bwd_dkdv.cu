@@ -29,7 +29,7 @@
 #define COMPUTE_DK (DKDV_MODE != 1)
 #define COMPUTE_DQ (DKDV_MODE == 3)
 #if VARLEN
-static_assert(!COMPUTE_DQ, "VARLEN: packed sequences take dQ from bwd_dq.cu (no atomic dQ accumulator layout for them)");
+static_assert(!COMPUTE_DQ, "VARLEN: packed sequences take dQ from bwd_dq.cu (no atomic dQ layout for them)");
 #endif
 
 constexpr int ROWS_PER_WARP = BLOCK_N / NUM_WARPS;

@@ -32,7 +32,7 @@
 #endif
 #define COMPUTE_DQ (DKDV_MODE == 3)
 #if VARLEN
-static_assert(!COMPUTE_DQ, "VARLEN: packed sequences take dQ from bwd_dq.cu (no atomic dQ accumulator layout for them)");
+static_assert(!COMPUTE_DQ, "VARLEN: packed sequences take dQ from bwd_dq.cu (no atomic dQ layout for them)");
 #endif
 static_assert(DKDV_MODE == 0 || DKDV_MODE == 3, "DKDV_MODE: 0 (dK and dV) or 3 (dK, dV and dQ with atomics)");
 

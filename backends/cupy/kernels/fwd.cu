@@ -43,7 +43,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-#if HAS_BOUNDS
+#if KV_SPLIT
+  // Decoding (sequences.cuh): grid (query block + blocks * split, head, batch).
+  const int n_mblocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+  const int m_block = blockIdx.x % n_mblocks, split = blockIdx.x / n_mblocks;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+#elif HAS_BOUNDS
   // Query blocks differ in cost (a causal mask or a window): grid x walks the query blocks of groups of
   // `sched_pairs` (batch, head) pairs, group by group; within a group the query block is the slowest index
   // and runs backwards. Under a causal mask the last query blocks see the most keys, so every group starts
@@ -94,6 +99,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
   v += seq.k_start * v_sn;
   o += seq.q_start * o_sn;
   lse += h * packed_stride + seq.q_start;
+#elif KV_SPLIT
+  // with splits > 1, this split's rows of lse (S, B, Hq, Nq) and o_split (S, B, Hq, Nq, Dv)
+  lse += (((i64)split * gridDim.z + b) * heads_q + h) * seqlen_q;
+  o_split += (((i64)split * gridDim.z + b) * heads_q + h) * seqlen_q * dim_v;
 #else
   lse += ((i64)b * heads_q + h) * seqlen_q;
 #endif
@@ -107,7 +116,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 
   // Key blocks this query block can see, and what hides a score.
   const int m_last = min_of(m0 + BLOCK_M, seqlen_q) - 1;
+#if KV_SPLIT
+  const KeyBlockRange blocks =
+      split_share(key_block_range(m0, m_last, seqlen_k, diag_offset, window_left, window_right), seqlen_k, split,
+                  splits);
+#else
   const KeyBlockRange blocks = key_block_range(m0, m_last, seqlen_k, diag_offset, window_left, window_right);
+#endif
   const int nb_lo = blocks.lo, nb_hi = blocks.hi;
   const ScoreMask smask = score_mask(b, h, seqlen_q, seqlen_k, diag_offset, window_left, window_right, mask, m_sb,
                                      m_sh, m_sq, m_sk, float_mask, fm_sb, fm_sh, fm_sq, fm_sk);
@@ -265,8 +280,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
       acc_o[mt][nt][2] *= inv[1];
       acc_o[mt][nt][3] *= inv[1];
     }
+#if KV_SPLIT
+    if (splits > 1) {  // float32 rows for kv_combine.cu
+      split_rows_out<NT_O>(o_split, acc_o[mt], m0 + warp_row0 + mt * 16, seqlen_q, dim_v, lane);
+      continue;
+    }
+#endif
     acc_to_smem<NT_O>(smem, acc_o[mt], warp_row0 + mt * 16, 1.f, lane);
   }
+#if KV_SPLIT
+  if (splits > 1) return;
+#endif
   block_sync();
   store_tile<BLOCK_M>(o, o_sn, smem, m0, seqlen_q, dim_v, tid);
 }

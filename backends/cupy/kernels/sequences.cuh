@@ -9,6 +9,11 @@
 //              (num_blocks, Hkv, block_size, D) whose key j of sequence b is row j % page_size of pool block
 //              block_table[b * table_stride + j / page_size] (the batch strides of k and v are the pool's block
 //              strides). Forward only.
+//   KV_SPLIT   1 (with KV_CACHE) = decoding tiles that may split a sequence's keys: the grid is (query block + blocks
+//              * split, head, batch) and split s of `splits` (a run-time argument) takes its share of the key
+//              blocks; with splits > 1 each split writes its rows' output over its keys alone, normalised, in float32
+//              to o_split (S, B, Hq, Nq, Dv) and their log-sum-exp to lse (S, B, Hq, Nq), which kv_combine.cu
+//              merges; with splits == 1 the kernel writes out and lse itself.
 // With both 0 (the default) the kernels take no sequence arguments and compile to the code they had before
 // these flags existed.
 #pragma once
@@ -20,13 +25,16 @@
 #ifndef KV_CACHE
 #define KV_CACHE 0
 #endif
+#ifndef KV_SPLIT
+#define KV_SPLIT 0
+#endif
 #define PER_SEQUENCE (VARLEN || KV_CACHE)
 
 // The kernels' last parameters with a per-sequence flag on (none without).
 #if PER_SEQUENCE
 #define SEQUENCE_PARAMS                                                                                    \
   , const int* __restrict__ seq_q, const int* __restrict__ seq_k, const int* __restrict__ block_table, \
-      i64 table_stride, int page_size, i64 packed_stride
+      i64 table_stride, int page_size, i64 packed_stride, float* __restrict__ o_split, int splits
 #else
 #define SEQUENCE_PARAMS
 #endif
@@ -100,4 +108,34 @@ struct PagedRows {
     return ((row_stride | block_stride | (i64)head_dim) & 7) == 0 && ((u64)g & 15) == 0;
   }
 };
+
+#if KV_SPLIT
+// Split `split` of `splits`: its share of the key blocks of a sequence with seqlen_k keys, within `blocks` (a split
+// may get none: lo == hi).
+MHATTN_DEVICE KeyBlockRange split_share(KeyBlockRange blocks, int seqlen_k, int split, int splits) {
+  const int per_split = ((seqlen_k + BLOCK_N - 1) / BLOCK_N + splits - 1) / splits;
+  const int lo = max_of(blocks.lo, split * per_split);
+  return KeyBlockRange{lo, max_of(lo, min_of(blocks.hi, (split + 1) * per_split))};
+}
+
+// A split's output rows [r0, r0 + 16) of one accumulator block (columns 8 nt + 2t, + 1 of each n8 tile; NT8 tiles),
+// already normalised, to o_split (rows of `ncols` floats); rows >= nrows and columns >= ncols are skipped.
+template <int NT8>
+MHATTN_DEVICE void split_rows_out(float* o_split, const float (&acc)[NT8][4], int r0, int nrows, int ncols,
+                                  int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = r0 + g + 8 * hr;
+    if (row >= nrows) continue;
+#pragma unroll
+    for (int nt = 0; nt < NT8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = nt * 8 + 2 * t + e;
+        if (col < ncols) o_split[(i64)row * ncols + col] = acc[nt][2 * hr + e];
+      }
+  }
+}
+#endif  // KV_SPLIT
 #endif  // PER_SEQUENCE
