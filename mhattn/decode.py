@@ -15,6 +15,7 @@ from mhattn import dispatch
 from mhattn.arguments import (check_heads, check_index_tensor, check_same, check_softcap, check_tensor,
                               check_values_once, host_checks_allowed, scale_or_default)
 from mhattn.backends.base import KVCache
+from mhattn.caches import put_bounded
 from mhattn.errors import InputError
 from mhattn.functional import _causal_right, _params, _window
 from mhattn.problem import Problem
@@ -61,13 +62,65 @@ def attention_with_kvcache(
         out (B, Hq, Nq, Dv) in q's dtype; with ``return_lse`` a tuple (out, lse). Hq must be a multiple of Hkv
         (grouped-query attention needs no flag here and never copies K/V). A row that sees no key gives 0.
     """
-    call = _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap)
-    name, source = dispatch.requested(backend)
-    chosen = dispatch.select(call.problem, name, source)
+    key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend)
+    known = _known_calls.get(key) if key is not None else None
+    if known is None:  # every check, then the selection; a repeated signature skips both (see _call_key)
+        call = _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap)
+        name, source = dispatch.requested(backend)
+        known = (call.params, dispatch.select(call.problem, name, source))
+        if key is not None:
+            put_bounded(_known_calls, key, known, _KNOWN_CALLS_LIMIT)
+    params, chosen = known
+    cache = _cache_of_call(q, k_cache, v_cache, k, cache_seqlens, block_table)
     if k is not None:
-        _append(call.cache, k, v, cache_seqlens)
-    out, lse = chosen.forward_kvcache(q, call.cache, call.params)
+        _append(cache, k, v, cache_seqlens)
+    out, lse = chosen.forward_kvcache(q, cache, params)
     return (out, lse) if return_lse else out
+
+
+# Calls whose arguments passed _prepare's checks and whose backend was selected, by _call_key: (params, backend).
+# A decoding loop calls with one signature per layer and step, so only the per-call part (_cache_of_call: the
+# lengths, their value checks, the KVCache) runs again. Cleared with the dispatcher's cache.
+_known_calls: dict = {}
+_KNOWN_CALLS_LIMIT = 1024
+dispatch.clears_with_cache(_known_calls)
+
+
+def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend):
+    """Everything _prepare checks and the selection reads, as a tuple of primitives; None where the call is not
+    memoised (under torch.compile, or arguments of types the key cannot hold exactly)."""
+    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    if (type(is_causal) is not bool or not (scale is None or type(scale) is float) or window is not None
+            or not (softcap is None or type(softcap) is float) or torch.compiler.is_compiling()
+            or not all(t is None or isinstance(t, torch.Tensor) for t in tensors)):
+        return None
+    try:
+        request = dispatch.requested(backend)
+    except Exception:  # a bad request raises where the full path checks it
+        return None
+    grad = torch.is_grad_enabled()
+    return (request, is_causal, scale, softcap, grad) + tuple(
+        None if t is None else (t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad) for t in tensors)
+
+
+def _cache_of_call(q, k_cache, v_cache, k, cache_seqlens, block_table) -> KVCache:
+    """The per-call part of a call: each sequence's key count (cached plus appended), checked against the cache's
+    capacity and the block table's range once per index tensor value (check_values_once), and the KVCache."""
+    batch, seqlen_q = q.shape[0], q.shape[2]
+    paged = block_table is not None
+    appended = seqlen_q if k is not None else 0
+    capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+    if cache_seqlens is None:
+        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    else:
+        seqlens = cache_seqlens + appended if appended else cache_seqlens
+    checked = tuple(t for t in (cache_seqlens, block_table) if t is not None)
+    if checked and host_checks_allowed(q):
+        before = seqlens if cache_seqlens is None else cache_seqlens
+        check_values_once(checked, (appended, capacity, k_cache.shape[0], k_cache.shape[2]),
+                          lambda: _check_lengths(before, seqlens, block_table, k_cache.shape[0], k_cache.shape[2],
+                                                 capacity))
+    return KVCache(k_cache, v_cache, seqlens.to(torch.int32), block_table)
 
 
 def explain(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, *, is_causal=True,
@@ -80,11 +133,13 @@ def explain(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table
 
 
 class _Call:
-    def __init__(self, problem, cache, params):
-        self.problem, self.cache, self.params = problem, cache, params
+    def __init__(self, problem, params):
+        self.problem, self.params = problem, params
 
 
 def _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap) -> _Call:
+    """Every check of a call's arguments but the index tensors' values (_cache_of_call), then its Problem and
+    params. What it reads is what _call_key holds."""
     paged = block_table is not None
     cache_shape = "(num_blocks, Hkv, block_size, D)" if paged else "(B, Hkv, Nmax, D)"
     check_tensor("q", q, 4, "(B, Hq, Nq, D)")
@@ -135,28 +190,16 @@ def _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
     if is_causal not in (True, False):
         raise InputError(f"is_causal must be a bool, got {is_causal!r}")
 
-    appended = seqlen_q if k is not None else 0
     capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
-    if cache_seqlens is None:
-        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
-    else:
-        seqlens = cache_seqlens + appended if appended else cache_seqlens
-    checked = tuple(t for t in (cache_seqlens, block_table) if t is not None)
-    if checked and host_checks_allowed(q):
-        before = seqlens if cache_seqlens is None else cache_seqlens
-        check_values_once(checked, (appended, capacity, k_cache.shape[0], k_cache.shape[2]),
-                          lambda: _check_lengths(before, seqlens, block_table, k_cache.shape[0], k_cache.shape[2],
-                                                 capacity))
     left, right = (None, None) if window is None else _window(window)
     params = _params(None, False, scale_or_default(scale, head_dim), bool(is_causal), 0, left,
                      _causal_right(right, bool(is_causal)), 0.0, (0, 0),
                      check_softcap(softcap))
-    cache = KVCache(k_cache, v_cache, seqlens.to(torch.int32), block_table)
     problem = Problem.from_tensors(q, k_cache, v_cache, params, causal=bool(is_causal),
                                    window=left is not None or right is not None,
                                    operation="paged_kvcache" if paged else "kvcache",
                                    sizes=(batch, seqlen_q, capacity))
-    return _Call(problem, cache, params)
+    return _Call(problem, params)
 
 
 def _check_lengths(cache_seqlens, seqlens, block_table, num_blocks, block_size, capacity) -> None:

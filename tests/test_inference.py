@@ -390,6 +390,28 @@ def test_cache_values_are_read_back_once_per_change(monkeypatch):
         _kv_call(q, kc, vc, cache_seqlens=torch.tensor([3, 11], dtype=torch.int32))  # a new tensor
 
 
+def test_repeated_kvcache_calls_skip_the_checks_but_not_the_request(monkeypatch):
+    """A call with the signature of an earlier one (shapes, strides, dtypes, flags, request) skips the argument
+    checks and the selection; another signature, or another request, does not."""
+    from mhattn import decode, dispatch
+
+    dispatch.clear_cache()  # (the memo of calls goes with it: earlier tests made calls of this signature)
+    prepared = []
+    original = decode._prepare
+    monkeypatch.setattr(decode, "_prepare", lambda *a: prepared.append(1) or original(*a))
+    q, kc, vc, _ = _kv_inputs()
+    first = _kv_call(q, kc, vc)
+    again = _kv_call(q.clone(), kc, vc)
+    assert len(prepared) == 1 and torch.equal(first, again)
+    _kv_call(q, kc[:, :, :8], vc[:, :, :8])  # a smaller cache: another signature
+    _kv_call(q, kc, vc, window=(2, 0))       # windows are not memoised
+    assert len(prepared) == 3
+    with mhattn.use_backend("triton"), pytest.raises(mhattn.BackendUnavailableError, match="triton"):
+        _kv_call(q, kc, vc)  # the request is part of the signature: no GPU here, so triton refuses
+    with pytest.raises(mhattn.InputError, match="forward only"):
+        _kv_call(q.clone().requires_grad_(), kc, vc)  # requires_grad is part of it too
+
+
 def test_varlen_cu_seqlens_checked_once_per_change():
     q, k, v, cq, ck = _varlen_inputs()
     mhattn.varlen_attention(q, k, v, cq, ck, 6, 7)
