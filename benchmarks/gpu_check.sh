@@ -13,8 +13,8 @@
 # The bench gets the time the earlier stages leave (it stops starting tasks at its time limit and still
 # reports, plots and saves what ran): for the complete sweep in one call, run the benchmarks alone.
 #
-# FEATURE_CHECKS=callpath,inference,tune,cupy,cupy-hopper runs those checks first (CHECK_S seconds each, default
-# 300; INFERENCE_ARGS, TUNE_ARGS, CUPY_HOPPER_ARGS passed on).
+# FEATURE_CHECKS=callpath,inference,tune,cupy,cupy-hopper,triton-hopper runs those checks first (CHECK_S seconds
+# each, default 300; INFERENCE_ARGS, TUNE_ARGS, CUPY_HOPPER_ARGS, TRITON_HOPPER_ARGS passed on).
 # Environment: OUT (default /tmp/mhattn_gpu_check), QUICK, SKIP_TESTS, SKIP_CONFORMANCE, SKIP_BENCH,
 # SKIP_PYTEST_BENCH, FULL_CONFORMANCE (1: conformance --full --jobs auto instead of --quick), TOTAL_S
 # (budget of the whole script, default 560), TESTS_S (default 180), CONFORMANCE_S (the --quick run, default
@@ -54,7 +54,8 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
   # The per-feature GPU checks, one after another (each prints its own short table; logs in $OUT/<name>/):
   # callpath (bench --latency), inference (decode / varlen tables), tune (sdpa tests, tune --quick, auto vs
   # best), cupy (the CuPy feature variants), cupy-hopper (the CuPy Hopper kernels against float64 and beside
-  # cuDNN, benchmarks/check_cupy_hopper.py). ring needs two GPUs: torchrun --nproc-per-node 2
+  # cuDNN, benchmarks/check_cupy_hopper.py), triton-hopper (the Gluon kernels of the Triton backend, each forward
+  # grid, benchmarks/check_hopper.py). ring needs two GPUs: torchrun --nproc-per-node 2
   # benchmarks/check_ring.py on a two-GPU machine.
   for check in ${FEATURE_CHECKS//,/ }; do
     stage "feature check: $check"
@@ -66,7 +67,8 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
       tune) OUT="$OUT/$check" timeout -k 10 "${CHECK_S:-300}" python3 benchmarks/check_tune.py ${TUNE_ARGS:-} ;;
       cupy) OUT="$OUT/$check" timeout -k 10 "${CHECK_S:-300}" python3 benchmarks/check_cupy_features.py ;;
       cupy-hopper) timeout -k 10 "${CHECK_S:-300}" python3 benchmarks/check_cupy_hopper.py ${CUPY_HOPPER_ARGS:-} ;;
-      *) echo "unknown feature check $check (callpath, inference, tune, cupy, cupy-hopper)" ;;
+      triton-hopper) timeout -k 10 "${CHECK_S:-300}" python3 benchmarks/check_hopper.py ${TRITON_HOPPER_ARGS:-} ;;
+      *) echo "unknown feature check $check (callpath, inference, tune, cupy, cupy-hopper, triton-hopper)" ;;
     esac 2>&1 | tail -n "${CHECK_TAIL:-40}"
   done
 fi
