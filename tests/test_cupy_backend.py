@@ -77,18 +77,15 @@ def feature_variant_sample(cc) -> list:
 
 def sequence_variant_sample(cc) -> list:
     """The per-sequence variants CI compiles (mhattn build compiles all of them): the varlen preprocess, the split-KV
-    combine, and at every bucket the varlen forward / backward and the KV-cache forwards (both caches, with and
-    without KV_SPLIT) with every flag they take; all of them at the "bounds" level for one bucket."""
+    combine, and every varlen and KV-cache kernel (both caches, with and without KV_SPLIT) at the "bounds" level at
+    d = 64 and with every flag they take at d = 128 (the 2-D dK/dV kernel)."""
     out = [variants.preprocess_variant(dtype, any_dims=any_dims, varlen=True) for dtype in variants.DTYPE_NAMES
            for any_dims in (False, True)]
     out += [variants.combine_variant(dtype) for dtype in variants.DTYPE_NAMES]
     flags = variants.SEQUENCE_FEATURE_SETS[-1]
-    for i, d in enumerate(variants.HEAD_DIM_BUCKETS):
-        dtype = variants.DTYPE_NAMES[i % 2]
-        out.extend(v for v in variants.sequence_variants(cc, dtype, d)
-                   if dict(v.defines)["HAS_EXTRAS"] and all(dict(v.defines).get(f) for f in flags))
-    out.extend(v for v in variants.sequence_variants(cc, "bfloat16", 64)
+    out.extend(v for v in variants.sequence_variants(cc, "float16", 64)
                if dict(v.defines)["HAS_BOUNDS"] and not dict(v.defines)["HAS_EXTRAS"])
+    out.extend(v for v in variants.sequence_variants(cc, "bfloat16", 128) if all(dict(v.defines).get(f) for f in flags))
     return out
 
 
