@@ -11,7 +11,8 @@ on an sm_90 GPU:
    programs);
 2. the protocol's shapes (B * N = 16384, H = 2048 / d; N 1k, 4k, 16k; causal and not), TFLOP/s from do_bench
    medians beside sdpa-cudnn in the same run. Forward: the kernel alone (one program per tile, and persistent),
-   the Triton backend as it chooses, the same with the Gluon forward on one program per tile everywhere
+   the Triton backend as it chooses, the same with the Gluon forward scheduled as in version 8 (one program per
+   tile, causal tiles of each head alone)
    (``mhattn.attention(backend="triton")``) and the FlashAttention-2 kernel (``MHATTN_TRITON_HOPPER=0``).
    Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses and with
    ``MHATTN_TRITON_HOPPER=0``. The tables are printed last.
@@ -46,8 +47,9 @@ def launch(q, k, v, causal, diag_offset, poison=True, persistent=None, sm_count=
     out = make(q, float("nan"))
     lse = make(q[..., 0].float(), float("nan"))
     sm_count = sm_count or torch.cuda.get_device_properties(q.device).multi_processor_count
-    programs, *schedule = hopper_launch.forward_schedule(batch, heads_q, seqlen_q, seqlen_k, causal, sm_count,
-                                                         persistent)
+    head_bytes = hopper_launch.forward_head_bytes(seqlen_k, head_dim, q.element_size(), heads_q // heads_kv)
+    programs, *schedule = hopper_launch.forward_schedule(batch, heads_q, seqlen_q, seqlen_k, causal, head_bytes,
+                                                         sm_count, persistent)
     hopper_forward.hopper_forward_kernel[(programs,)](
         *hopper_launch.forward_maps(q, k, v, head_dim), out, lse, *out.stride()[:3], lse.stride(0), lse.stride(1),
         heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, *schedule, LOG2E / math.sqrt(head_dim), diag_offset,
@@ -173,21 +175,22 @@ def with_hopper_off(fn):
             os.environ[hopper_launch.ENV_SWITCH] = before
 
 
-def with_grid_per_tile(fn):
-    """fn() with the Gluon forward on one program per tile wherever the backend would take a persistent grid."""
+def with_old_schedule(fn):
+    """fn() with the Gluon forward scheduled as before version 9: one program per tile, each head's causal tiles
+    alone (heaviest first)."""
     from mhattn.backends.triton import backend as triton_backend
 
     def forget_schedules():
         for plan in triton_backend._plans.values():
             plan.hopper_schedule = None
 
-    before = hopper_launch.PERSISTENT_MAX_KEYS
-    hopper_launch.PERSISTENT_MAX_KEYS = 0
+    before = hopper_launch.PERSISTENT_MAX_KEYS, hopper_launch.CAUSAL_GROUP_BYTES
+    hopper_launch.PERSISTENT_MAX_KEYS = hopper_launch.CAUSAL_GROUP_BYTES = 0
     forget_schedules()
     try:
         return fn()
     finally:
-        hopper_launch.PERSISTENT_MAX_KEYS = before
+        hopper_launch.PERSISTENT_MAX_KEYS, hopper_launch.CAUSAL_GROUP_BYTES = before
         forget_schedules()
 
 
@@ -210,10 +213,10 @@ def timing(dtype, parts, seqlens, wanted=None):
                     persistent = bench(lambda: launch(q, k, v, causal, 0, poison=False, persistent=True))
                     run_triton = lambda: mhattn.attention(q, k, v, is_causal=causal, backend="triton")  # noqa: E731
                     backend = bench(run_triton)
-                    backend_per_tile = with_grid_per_tile(lambda: bench(run_triton))
+                    backend_old = with_old_schedule(lambda: bench(run_triton))
                     flash2 = with_hopper_off(lambda: bench(run_triton))
                     forward_rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in (
-                        cudnn, per_tile, persistent, backend, backend_per_tile, flash2)), cudnn / backend))
+                        cudnn, per_tile, persistent, backend, backend_old, flash2)), cudnn / backend))
                     print(forward_rows[-1], flush=True)
                 if "bwd" in parts and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
                     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -237,11 +240,11 @@ def timing(dtype, parts, seqlens, wanted=None):
     if forward_rows:
         print(f"\n{name} forward, TFLOP/s (same run)\n")
         print("| d | N | causal | sdpa-cudnn | Gluon alone, a program per tile | Gluon alone, persistent | "
-              "triton backend | backend, a program per tile | FlashAttention-2 kernel | backend/cuDNN |")
+              "triton backend | backend, version 8's schedule | FlashAttention-2 kernel | backend/cuDNN |")
         print("|---|---|---|---|---|---|---|---|---|---|")
-        for d, n, causal, cudnn, per_tile, persistent, backend, backend_per_tile, flash2, ratio in forward_rows:
+        for d, n, causal, cudnn, per_tile, persistent, backend, backend_old, flash2, ratio in forward_rows:
             print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {per_tile:.0f} | {persistent:.0f} | "
-                  f"{backend:.0f} | {backend_per_tile:.0f} | {flash2:.0f} | {ratio:.2f} |")
+                  f"{backend:.0f} | {backend_old:.0f} | {flash2:.0f} | {ratio:.2f} |")
     if backward_rows:
         print(f"\n{name} backward, TFLOP/s (same run)\n")
         print("| d | N | causal | sdpa-cudnn | triton backend | FlashAttention-2 kernels | triton/cuDNN |")

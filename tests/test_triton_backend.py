@@ -927,15 +927,21 @@ def test_explain_names_the_kernel_families(monkeypatch):
     assert f"{hopper_launch.ENV_SWITCH}=0" in backend.backward_path(problem())
 
 
-def test_gluon_forward_grid_is_persistent_for_short_unmasked_calls():
+def test_gluon_forward_schedule():
     """hopper_launch.forward_schedule: one program per SM (at most one per tile) without a causal mask up to
-    PERSISTENT_MAX_KEYS keys, one program per tile otherwise or when asked."""
+    PERSISTENT_MAX_KEYS keys, one program per tile otherwise or when asked; causal tiles in groups of heads whose
+    K/V take CAUSAL_GROUP_BYTES (at least one head, at most all)."""
     from mhattn.backends.triton import hopper_launch
 
     limit = hopper_launch.PERSISTENT_MAX_KEYS
-    assert hopper_launch.forward_schedule(16, 16, 1024, limit, False, 132) == (132, 8, 2048)
-    assert hopper_launch.forward_schedule(16, 16, 1024, limit, True, 132) == (2048, 8, 2048)
-    assert hopper_launch.forward_schedule(1, 16, 1024, 2 * limit, False, 132) == (128, 8, 128)
-    assert hopper_launch.forward_schedule(1, 1, 300, 300, False, 132) == (3, 3, 3)
-    assert hopper_launch.forward_schedule(16, 16, 1024, 1024, False, 132, persistent=False)[0] == 2048
-    assert hopper_launch.forward_schedule(16, 16, 1024, 1024, True, 132, persistent=True)[0] == 132
+    head = hopper_launch.forward_head_bytes(1024, 128, 2, 1)  # K and V of 1k keys at d = 128 in bf16: 512 KiB
+    assert head == 512 << 10 and hopper_launch.forward_head_bytes(1024, 128, 2, 4) == 128 << 10
+    groups = hopper_launch.CAUSAL_GROUP_BYTES // head
+    assert hopper_launch.forward_schedule(16, 16, 1024, limit, False, head, 132) == (132, 8, 2048, 1)
+    assert hopper_launch.forward_schedule(16, 16, 1024, limit, True, head, 132) == (2048, 8, 2048, groups)
+    assert hopper_launch.forward_schedule(1, 2, 1024, limit, True, head, 132)[3] == 2             # all the heads
+    assert hopper_launch.forward_schedule(1, 2, 1024, limit, True, 1 << 40, 132)[3] == 1          # one head
+    assert hopper_launch.forward_schedule(1, 16, 1024, 2 * limit, False, head, 132) == (128, 8, 128, 1)
+    assert hopper_launch.forward_schedule(1, 1, 300, 300, False, head, 132) == (3, 3, 3, 1)
+    assert hopper_launch.forward_schedule(16, 16, 1024, 1024, False, head, 132, persistent=False)[0] == 2048
+    assert hopper_launch.forward_schedule(16, 16, 1024, 1024, True, head, 132, persistent=True)[0] == 132

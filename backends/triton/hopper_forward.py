@@ -75,20 +75,29 @@ def visible_key_blocks(start_m, seqlen_k, diag_offset, ROWS: gl.constexpr, BLOCK
 
 
 @gluon.jit
-def tile_rows(tile, num_m_blocks, heads_q, BLOCK_M: gl.constexpr, HEAVY_FIRST: gl.constexpr):
-    """(batch, head, start_m) of tile ``tile``: 2 * BLOCK_M query rows of one (batch, head), head-major (a head's
-    query blocks in a row, so programs running side by side share its K/V in L2); HEAVY_FIRST (causal): a head's
-    query blocks that see the most keys first."""
-    batch_head = tile // num_m_blocks
-    m_block = tile % num_m_blocks
+def tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M: gl.constexpr, HEAVY_FIRST: gl.constexpr):
+    """(batch, head, start_m) of tile ``tile``: 2 * BLOCK_M query rows of one (batch, head). Without a causal mask,
+    head-major (a head's query blocks in a row, so programs running side by side share its K/V in L2). Causal
+    (HEAVY_FIRST): groups of group_heads heads, and within a group the query blocks that see the most keys first,
+    across the group's heads, so the last programs to start are short ones and a group's K/V stay in L2 while it
+    runs (FlashAttention-3's longest-first order); group_heads = 1 is each head's blocks, heaviest first."""
     if HEAVY_FIRST:
-        m_block = num_m_blocks - 1 - m_block
+        group_tiles = group_heads * num_m_blocks
+        group = tile // group_tiles
+        within = tile % group_tiles
+        heads_here = gl.minimum(group_heads, num_tiles // num_m_blocks - group * group_heads)
+        m_block = num_m_blocks - 1 - within // heads_here
+        batch_head = group * group_heads + within % heads_here
+    else:
+        batch_head = tile // num_m_blocks
+        m_block = tile % num_m_blocks
     return batch_head // heads_q, batch_head % heads_q, m_block * 2 * BLOCK_M
 
 
 @gluon.jit
 def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                   v_empty, num_tiles, num_m_blocks, heads_q, kv_group, seqlen_k, diag_offset, BLOCK_M: gl.constexpr,
+                   v_empty, num_tiles, num_m_blocks, group_heads, heads_q, kv_group, seqlen_k, diag_offset,
+                   BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """The load warp, for each of the program's tiles: both consumers' Q tiles once both have finished their
     products with the previous tile's Q, then K_j and V_j into ring slots as soon as both consumers have released
@@ -97,7 +106,7 @@ def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_em
     step = 0
     rounds = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        batch, head, start_m = tile_rows(tile, num_m_blocks, heads_q, BLOCK_M, CAUSAL)
+        batch, head, start_m = tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M, CAUSAL)
         head_kv = head // kv_group
         # The upper consumer's rows see the most keys: the load warp fetches what it needs.
         cta_blocks, _ = visible_key_blocks(start_m + BLOCK_M, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
@@ -239,7 +248,7 @@ def consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_r
 @gluon.jit
 def consumer_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                        Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, num_tiles, num_m_blocks,
-                       heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
+                       group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
                        ROW_OFFSET: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """One softmax warpgroup: rows ROW_OFFSET .. ROW_OFFSET + BLOCK_M of each of the program's tiles, in the load
@@ -247,7 +256,7 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
     step = 0
     rounds = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        batch, head, tile_m = tile_rows(tile, num_m_blocks, heads_q, BLOCK_M, CAUSAL)
+        batch, head, tile_m = tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M, CAUSAL)
         cta_blocks, _ = visible_key_blocks(tile_m + BLOCK_M, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
         out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
         lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
@@ -258,13 +267,13 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
         rounds += 1
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "num_tiles", "diag_offset", "stride_lb",
-                              "stride_lh"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "num_tiles", "group_heads", "diag_offset",
+                              "stride_lb", "stride_lh"])
 def hopper_forward_kernel(
     q_desc, k_desc, v_desc, Out, Lse,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
-    heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, qk_scale2, diag_offset,
+    heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
 ):
@@ -275,10 +284,10 @@ def hopper_forward_kernel(
     head h // kv_group; qk_scale2 = scale * log2(e); causal: query row i sees keys j <= i + diag_offset.
 
     Tiles of 2 * BLOCK_M query rows: num_m_blocks = cdiv(Nq, 2 * BLOCK_M) per (batch, head), num_tiles =
-    B * Hq * num_m_blocks, in tile_rows' order. Program p takes tiles p, p + G, p + 2G, ... of a grid of G
-    programs: G = num_tiles is one tile per program, a smaller G a persistent grid, whose next tile's loads run
-    under this tile's last products and output. Launched with 4
-    warps (the first consumer) plus the partitions' own."""
+    B * Hq * num_m_blocks, in tile_rows' order (group_heads: its causal groups). Program p takes tiles p, p + G,
+    p + 2G, ... of a grid of G programs: G = num_tiles is one tile per program, a smaller G a persistent grid,
+    whose next tile's loads run under this tile's last products and output. Launched with 4 warps (the first
+    consumer) plus the partitions' own."""
     dtype: gl.constexpr = q_desc.dtype
 
     # Slots of (1, 1, rows, D) tiles, as the copy engine writes them (the products read them as (rows, D)).
@@ -302,13 +311,13 @@ def hopper_forward_kernel(
     gl.warp_specialize([
         (consumer_partition, (q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, q_empty, k_ready,
                               k_empty, v_ready, v_empty, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb,
-                              stride_lh, num_tiles, num_m_blocks, heads_q, seqlen_q, seqlen_k,
+                              stride_lh, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                               diag_offset, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
         (consumer_partition, (q_smem.index(1).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, q_empty, k_ready,
                               k_empty, v_ready, v_empty, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb,
-                              stride_lh, num_tiles, num_m_blocks, heads_q, seqlen_q, seqlen_k,
+                              stride_lh, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                               diag_offset, qk_scale2, BLOCK_M, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                          v_empty, num_tiles, num_m_blocks, heads_q, kv_group, seqlen_k,
+                          v_empty, num_tiles, num_m_blocks, group_heads, heads_q, kv_group, seqlen_k,
                           diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

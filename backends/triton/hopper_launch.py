@@ -142,15 +142,28 @@ def compile_time_args(head_dim: int, causal: bool) -> dict:
                 NUM_STAGES=NUM_STAGES, CAUSAL=causal)
 
 
-def forward_schedule(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, causal: bool, sm_count: int,
-                     persistent: Optional[bool] = None) -> tuple:
-    """The forward's (programs, num_m_blocks, num_tiles) (see hopper_forward_kernel): a persistent grid (``persistent``
-    None: the rule above) has one program per SM, or fewer when there are fewer tiles."""
+# Causal tiles go longest first across groups of heads whose K/V take about CAUSAL_GROUP_BYTES (they stay in L2
+# while the group runs; tile_rows); 0 orders each head's tiles alone, heaviest first.
+CAUSAL_GROUP_BYTES = 16 << 20
+
+
+def forward_schedule(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, causal: bool, head_bytes: int,
+                     sm_count: int, persistent: Optional[bool] = None) -> tuple:
+    """The forward's (programs, num_m_blocks, num_tiles, group_heads) (see hopper_forward_kernel): a persistent grid
+    (``persistent`` None: the rule above) has one program per SM, or fewer when there are fewer tiles. head_bytes:
+    the bytes of K and V one query head reads (its share of its key/value head's), which size the causal groups."""
     num_m_blocks = -(-seqlen_q // (2 * QUERY_ROWS_PER_CONSUMER))
-    num_tiles = batch * heads_q * num_m_blocks
+    num_heads = batch * heads_q
+    num_tiles = num_heads * num_m_blocks
     if persistent is None:
         persistent = not causal and seqlen_k <= PERSISTENT_MAX_KEYS
-    return (min(num_tiles, sm_count) if persistent else num_tiles), num_m_blocks, num_tiles
+    group_heads = max(1, min(num_heads, CAUSAL_GROUP_BYTES // max(1, head_bytes))) if causal else 1
+    return (min(num_tiles, sm_count) if persistent else num_tiles), num_m_blocks, num_tiles, group_heads
+
+
+def forward_head_bytes(seqlen_k: int, head_dim: int, element_size: int, kv_group: int) -> int:
+    """The bytes of K and V one query head reads: its key/value head's, shared by kv_group query heads."""
+    return -(-2 * seqlen_k * head_dim * element_size // kv_group)
 
 
 def tensor_map(tensor, block_shape):
@@ -218,8 +231,9 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
         constexprs = plan.hopper_constexprs = launcher.constexprs(4, 1, **compile_time_args(plan.head_dim,
                                                                                             plan.has_right))
     if plan.hopper_schedule is None:
+        head_bytes = forward_head_bytes(plan.seqlen_k, plan.head_dim, q.element_size(), plan.kv_group)
         plan.hopper_schedule = forward_schedule(plan.batch, plan.heads_q, plan.seqlen_q, plan.seqlen_k, plan.has_right,
-                                                _sm_count(device_index))
+                                                head_bytes, _sm_count(device_index))
     programs, *schedule = plan.hopper_schedule
     launcher.launch((programs,), (
         *forward_maps(q, k, v, plan.head_dim), out, lse, *out.stride()[:3], lse.stride(0), lse.stride(1),
