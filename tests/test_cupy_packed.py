@@ -117,6 +117,9 @@ KVCACHE_CASES = {
     # paged, not causal, head dims that are not multiples of 8 (ANY_DIMS), a value dim of its own
     "paged_odd_dims": dict(shape=(2, 2, 2, 5, 20), d_v=12, capacity=64, block_size=16, lengths=[50, 5],
                            dtype=torch.float16),
+    # a decoding step at d = 128 (decoding tiles of 16 keys, Q from shared memory)
+    "paged_d128_decode": dict(shape=(2, 2, 1, 1, 128), capacity=64, block_size=16, lengths=[60, 9], causal=True,
+                              dtype=torch.bfloat16),
     # more query rows than a decoding step (the forward's own tiles, no KV_SPLIT): a chunk of a prompt over a cache,
     # one sequence shorter than the chunk
     "paged_prompt_chunk": dict(shape=(2, 4, 2, 20, 64), capacity=96, block_size=32, lengths=[90, 12], causal=True,

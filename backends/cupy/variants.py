@@ -148,8 +148,11 @@ FWD_TILES_BOUNDED = {
     256: FwdTiles(128, 32, 8, False),  # the plain level's 64-key block spills 256 bytes with the masking code
 }
 # The forward of a decoding step (KV_SPLIT: a KV cache with at most 16 query rows): one warp of 16 rows a CTA, the
-# CTAs of a sequence's keys split among them where the grid would not fill the GPU (packed.py).
-DECODE_TILES = {d: FwdTiles(16, 64, 1, True) for d in HEAD_DIM_BUCKETS}
+# CTAs of a sequence's keys split among them where the grid would not fill the GPU (packed.py). Key steps as large as
+# fit the registers of one warp (ptxas through NVRTC 12.9, sm_90: no spills but 144-168 bytes at d = 256; 64 keys a step
+# spill 456-1892 bytes from d = 128 up); not timed yet.
+DECODE_TILES = {32: FwdTiles(16, 64, 1, True), 64: FwdTiles(16, 64, 1, True), 96: FwdTiles(16, 32, 1, True),
+                128: FwdTiles(16, 16, 1, False), 192: FwdTiles(16, 16, 1, False), 256: FwdTiles(16, 16, 1, False)}
 DECODE_MAX_ROWS = 16
 # The dK/dV kernel of the fast backward (dQ formed in it with atomics, mode 3) has its own table.
 DKDV_ATOMIC_TILES = dict(DKDV_TILES)
