@@ -49,13 +49,14 @@ def make_table(cells, key=H100, **made):
 
 def test_grids_cover_what_users_run():
     quick = grid.quick_grid()
-    assert len(quick) == 55 and len(set(quick)) == len(quick)
+    assert len(quick) == 57 and len(set(quick)) == len(quick)
     assert {c.dtype for c in quick} == {"bf16", "fp16", "fp32"}
     full = grid.full_grid()
     assert len(set(full)) == len(full) > len(quick)
     for cells in (quick, full):
         assert {c.head_dim for c in cells} >= {64, 128, 256}
         assert any(c.seqlen_q == 1 and not c.grad for c in cells)                    # decoding
+        assert any(c.seqlen_q == 4 and not c.grad for c in cells)                    # speculative decoding
         assert any(c.heads_q != c.heads_kv for c in cells)                           # GQA
         assert {c.mask for c in cells} == set(grid.MASK_KINDS)
         assert {c.causal for c in cells} == set(grid.CAUSAL_KINDS)

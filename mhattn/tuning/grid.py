@@ -60,9 +60,10 @@ def training(dtype, head_dim, seqlen, causal="none", group=1, mask="none") -> Ce
     return Cell(dtype, max(1, TOKENS // seqlen), heads, max(1, heads // group), seqlen, seqlen, head_dim, causal, mask)
 
 
-def decode(dtype, batch, seqlen_k, heads_q=32, heads_kv=8, head_dim=128) -> Cell:
-    """One new query against a key cache of ``seqlen_k``; forward only (decoding keeps no graph)."""
-    return Cell(dtype, batch, heads_q, heads_kv, 1, seqlen_k, head_dim, "bottom_right", "none", grad=False)
+def decode(dtype, batch, seqlen_k, heads_q=32, heads_kv=8, head_dim=128, seqlen_q=1) -> Cell:
+    """``seqlen_q`` new queries (1: a decoding step; a few: speculative decoding) against a key cache of
+    ``seqlen_k``, bottom-right causal; forward only (decoding keeps no graph)."""
+    return Cell(dtype, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, "bottom_right", "none", grad=False)
 
 
 def latency_cells() -> list:
@@ -75,7 +76,7 @@ def latency_cells() -> list:
 
 
 def quick_grid() -> list:
-    """55 cells: every training shape of ``mhattn bench`` (bf16), its latency shapes, and one of each other kind,
+    """57 cells: every training shape of ``mhattn bench`` (bf16), its latency shapes, and one of each other kind,
     fp32 included."""
     cells = latency_cells()
     for d in (64, 128, 256):
@@ -87,6 +88,8 @@ def quick_grid() -> list:
         cells.append(training("fp16", d, 2048, "top_left"))
     for batch, nk in ((1, 2048), (8, 8192), (1, 32768), (8, 32768)):
         cells.append(decode("bf16", batch, nk))
+    for batch, nk in ((1, 8192), (8, 32768)):  # speculative decoding: 4 new tokens a step
+        cells.append(decode("bf16", batch, nk, seqlen_q=4))
     cells.append(training("bf16", 128, 2048, "top_left", group=4))
     cells.append(Cell("bf16", 1, 32, 8, 512, 32768, 128, "bottom_right"))    # chunked prefill
     cells.append(training("bf16", 64, 1024, mask="bool"))
@@ -116,6 +119,7 @@ def full_grid() -> list:
         for batch in (1, 8, 32):
             for nk in (512, 2048, 8192, 32768):
                 cells.append(decode(dtype, batch, nk))
+                cells.append(decode(dtype, batch, nk, seqlen_q=4))
         for nk in (4096, 32768):
             cells.append(Cell(dtype, 1, 32, 8, 512, nk, 128, "bottom_right"))
     cells.append(training("fp32", 64, 1024))
