@@ -569,3 +569,17 @@ def test_gpu_dense_decode(dtype, shape):
 def test_gpu_varlen(dtype, is_causal):
     check_varlen(dtype=dtype, device="cuda", lengths_q=(100, 0, 1000, 257, 1), lengths_k=(100, 5, 1000, 300, 64),
                  heads_q=8, heads_kv=2, head_dim=128, is_causal=is_causal)
+
+
+def test_decode_tiles_fit_shared_memory_for_every_width():
+    """The split-KV kernel's tile follows the wider head dim and the element size: K and V stages of any padded
+    dims up to 256, 16- or 32-bit, stay within 96 KiB (float32 at d = 16, dv = 256 once asked for 288 KB)."""
+    from mhattn.backends.triton import decode_launch
+
+    for block_d in (16, 32, 64, 128, 256):
+        for block_dv in (16, 32, 64, 128, 256):
+            for size in (2, 4):
+                tile = decode_launch.decode_tile(block_d, block_dv, size)
+                stages = tile.block_n * (block_d + block_dv) * size * tile.num_stages
+                assert stages <= 96 << 10, (block_d, block_dv, size, tile)
+    assert decode_launch.decode_tile(128, 128, 2) == decode_launch.GPU_TILES[128]  # 16-bit, equal dims: the table

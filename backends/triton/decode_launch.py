@@ -35,9 +35,20 @@ class DecodeTile:
     num_stages: int
 
 
-# Keys per step by padded head dim on GPUs (not swept yet: a starting point, see benchmarks/check_inference.py).
+# Keys per step on GPUs by the wider padded head dim (of K and of V) of 16-bit inputs (not swept yet: a starting
+# point, see benchmarks/check_inference.py); decode_tile scales wider elements and dims past the table down.
 GPU_TILES = {16: DecodeTile(128, 4, 3), 32: DecodeTile(128, 4, 3), 64: DecodeTile(128, 4, 3),
              128: DecodeTile(64, 4, 3), 256: DecodeTile(32, 4, 2)}
+# Beyond the table (float32 at d = 256: 512 bytes-equivalent of 16-bit columns): the K and V stages stay near 64 KiB.
+WIDEST_TILE = DecodeTile(16, 4, 2)
+
+
+def decode_tile(block_d: int, block_dv: int, element_size: int) -> DecodeTile:
+    """The split-KV kernel's tile for padded head dims block_d (K) and block_dv (V) of ``element_size``-byte
+    inputs: the table's entry for the wider of the two, counted in 16-bit columns (so that float32 at d = 16 with a
+    value head dim of 256 does not ask for 288 KB of shared memory)."""
+    width = max(block_d, block_dv) * element_size // 2
+    return GPU_TILES.get(width, WIDEST_TILE if width > max(GPU_TILES) else GPU_TILES[min(GPU_TILES)])
 # The interpreter: small steps and small splits so that tiny test shapes take several of each.
 INTERPRETER_TILE = DecodeTile(16, 4, 1)
 INTERPRETER_MIN_KEYS_PER_SPLIT = 16
@@ -82,7 +93,7 @@ def _split_plan(plan, device: torch.device, keys: int) -> tuple:
         row_blocks = -(-rows // block_m)
         programs = plan.batch * plan.heads_kv * row_blocks
         if device.type == "cuda":
-            tile = GPU_TILES.get(plan.block_d, DecodeTile(32, 4, 1))
+            tile = decode_tile(plan.block_d, plan.block_dv, plan.dtype.itemsize)
             splits = num_splits(programs, keys, _sm_count(device.index or torch.cuda.current_device()))
         else:  # Triton's interpreter (CPU tensors)
             tile = INTERPRETER_TILE
