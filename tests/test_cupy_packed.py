@@ -19,11 +19,9 @@ import torch
 
 from mhattn.backends.base import AttentionParams, KVCache, Packing
 from mhattn.backends.cupy import CupyBackend, packed, variants
-from mhattn.conformance.packed import PackedInputs, _varlen_reference
+from mhattn.conformance.packed import PackedInputs, _varlen_reference, kvcache_reference
 from mhattn.conformance.tolerance import compare
 from mhattn.dropout_rng import keep_mask
-from mhattn.reference.naive import naive_attention
-from mhattn.reference.packed import cached_keys
 # the emulator / GPU fixtures and marks of the dense tests (poisoned: ops.POISON_OUTPUTS on)
 from test_cupy_backend import emulated_backend, gpu, gpu_backend, needs_gpu, poisoned  # noqa: F401
 
@@ -78,22 +76,6 @@ def kvcache_inputs(case: dict, device):
     return q, cache
 
 
-def kvcache_reference(q, cache: KVCache, params: AttentionParams, dtype) -> dict:
-    nq, dv = q.shape[2], cache.v.shape[-1]
-    outs, lses = [], []
-    for b, length in enumerate(cache.seqlens.tolist()):
-        if length == 0:  # no key: out 0, lse -inf
-            outs.append(torch.zeros(1, q.shape[1], nq, dv, dtype=dtype, device=q.device))
-            lses.append(torch.full((1, q.shape[1], nq), float("-inf"), dtype=dtype, device=q.device))
-            continue
-        k, v = cached_keys(cache, b, length)
-        out, lse = naive_attention(q[b:b + 1].to(dtype), k.to(dtype), v.to(dtype),
-                                   params.replace(diag_offset=length - nq))
-        outs.append(out)
-        lses.append(lse)
-    return {"out": torch.cat(outs), "lse": torch.cat(lses)}
-
-
 def check_kvcache(backend, case: dict, device) -> list:
     q, cache = kvcache_inputs(case, device)
     params = _params(q.shape[-1], case.get("causal", False), case.get("window"), case.get("softcap"))
@@ -103,8 +85,9 @@ def check_kvcache(backend, case: dict, device) -> list:
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
     assert torch.equal(before[0], cache.k) and torch.equal(before[1], cache.v), "forward_kvcache wrote into the cache"
     got = {"out": out, "lse": lse}
-    return _failures(got, kvcache_reference(q, cache, params, torch.float64),
-                     kvcache_reference(q, cache, params, q.dtype), q.dtype)
+    lengths = cache.seqlens.tolist()
+    return _failures(got, kvcache_reference(q, cache, params, lengths, torch.float64),
+                     kvcache_reference(q, cache, params, lengths, q.dtype), q.dtype)
 
 
 KVCACHE_CASES = {

@@ -158,11 +158,16 @@ def _compare_all(got: dict, gold: dict, lowp: Optional[dict], case: Case, floor_
             for name, tensor in got.items()]
 
 
-def _kvcache_reference(inputs: PackedInputs, dtype) -> dict:
-    q, cache, params = inputs.q, inputs.cache, inputs.params
-    nq = q.shape[2]
+def kvcache_reference(q, cache, params, lengths, dtype) -> dict:
+    """out and lse of q over each sequence's first ``lengths[b]`` cached keys, by the naive reference in ``dtype``
+    (a sequence with no key gives out 0 and lse -inf)."""
+    nq, dv = q.shape[2], cache.v.shape[-1]
     outs, lses = [], []
-    for b, length in enumerate(inputs.lengths):
+    for b, length in enumerate(lengths):
+        if length == 0:
+            outs.append(torch.zeros(1, q.shape[1], nq, dv, dtype=dtype, device=q.device))
+            lses.append(torch.full((1, q.shape[1], nq), float("-inf"), dtype=dtype, device=q.device))
+            continue
         k, v = cached_keys(cache, b, length)
         out, lse = naive_attention(q[b:b + 1].to(dtype), k.to(dtype), v.to(dtype),
                                    params.replace(diag_offset=length - nq))
@@ -176,8 +181,9 @@ def _judge_kvcache(backend, case: Case, inputs: PackedInputs) -> list:
     with poisoned_allocations():
         out, lse = backend.forward_kvcache(inputs.q, inputs.cache, inputs.params)
     got = {"out": out, "lse": lse}
-    gold = _kvcache_reference(inputs, torch.float64)
-    lowp = _kvcache_reference(inputs, case.torch_dtype) if case.torch_dtype in HALF_DTYPES else None
+    gold = kvcache_reference(inputs.q, inputs.cache, inputs.params, inputs.lengths, torch.float64)
+    lowp = (kvcache_reference(inputs.q, inputs.cache, inputs.params, inputs.lengths, case.torch_dtype)
+            if case.torch_dtype in HALF_DTYPES else None)
     checks = _compare_all(got, gold, lowp, case)
     unchanged = torch.equal(cache_before[0], inputs.cache.k) and torch.equal(cache_before[1], inputs.cache.v)
     checks.append(Comparison("cache unchanged by forward_kvcache", unchanged, 0.0, 0.0, 0.0 if unchanged else math.inf,
