@@ -51,6 +51,9 @@ ENV_SWITCH = "MHATTN_TRITON_HOPPER"
 # products and output) without a causal mask up to PERSISTENT_MAX_KEYS keys, one program per tile otherwise (NOTES
 # version 9: +2-14% at 1k-4k without a mask, mixed at 8k; a static persistent order balances causal tiles badly).
 PERSISTENT_MAX_KEYS = 4096
+# Causal tiles go longest first across groups of heads whose K/V take about CAUSAL_GROUP_BYTES (they stay in L2
+# while the group runs; hopper_forward.tile_rows); 0 orders each head's tiles alone, heaviest first.
+CAUSAL_GROUP_BYTES = 16 << 20
 DETERMINISTIC = "a deterministic backward (the Hopper kernel's dQ sum order varies between runs)"
 
 _launcher: list = []
@@ -140,11 +143,6 @@ def compile_time_args(head_dim: int, causal: bool) -> dict:
     GPU check script use the same)."""
     return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
                 NUM_STAGES=NUM_STAGES, CAUSAL=causal)
-
-
-# Causal tiles go longest first across groups of heads whose K/V take about CAUSAL_GROUP_BYTES (they stay in L2
-# while the group runs; tile_rows); 0 orders each head's tiles alone, heaviest first.
-CAUSAL_GROUP_BYTES = 16 << 20
 
 
 def forward_schedule(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, causal: bool, head_bytes: int,
