@@ -10,7 +10,8 @@ Host loops (300 calls, one synchronize at the end, best of five) at B=1 H=16 N=1
 - the Triton backend's forward and backward called directly on the main thread, an identity autograd
   Function's forward+backward (the autograd engine's own cost of a Python backward), and a Function whose
   backward calls the backend's backward (what mhattn's autograd Function pays on the engine's device thread).
-``--profile triton-fwd`` prints cProfile's top entries of mhattn.attention's forward on the Triton backend;
+``--device-thread`` times pieces of host work inside a backward (autograd's device thread) beside the same on the
+main thread. ``--profile triton-fwd`` prints cProfile's top entries of mhattn.attention's forward on the Triton backend;
 ``--profile triton-bwd`` prints cProfile's top entries of the Triton backward where autograd runs it (its
 device thread) and on the main thread. Prints the table last.
 """
@@ -172,9 +173,66 @@ def profile_triton_backward(q, k, v, dout):
         print(f"== triton backward x300 on {label}\n{text.getvalue()}")
 
 
+def device_thread_pieces(q, k, v, dout, calls=200):
+    """Median microseconds of pieces of host work run inside a backward (on autograd's device thread) and on the
+    main thread: a pure-Python loop, CUDA allocations, tensor attribute reads, the Triton backend's forward and
+    backward. Which of them slow down on the device thread says whether Python itself or the state it touches
+    (the CUDA driver's, the allocator's, Triton's) is slower there."""
+    import time
+
+    triton = mhattn.registry.get_backend("triton")
+    params = AttentionParams(scale=SHAPE[-1] ** -0.5)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out, lse = triton.forward(qd, kd, vd, params)
+
+    def python_loop():
+        total = 0
+        for i in range(300):
+            total += i
+        return total
+
+    pieces = {
+        "pure-Python loop (300 adds)": python_loop,
+        "10 CUDA allocations": lambda: [torch.empty(16, device="cuda") for _ in range(10)],
+        "50 reads of shape, strides, dtype": lambda: [(qd.shape, qd.stride(), qd.dtype) for _ in range(50)],
+        "triton backend forward": lambda: triton.forward(qd, kd, vd, params),
+        "triton backend backward": lambda: triton.backward(dout, qd, kd, vd, out, lse, params),
+    }
+    times = {name: ([], []) for name in pieces}
+
+    def run_pieces(slot):
+        for name, fn in pieces.items():
+            start = time.perf_counter()
+            fn()
+            times[name][slot].append(time.perf_counter() - start)
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            run_pieces(0)
+            return grad
+
+    for fn in pieces.values():
+        fn()
+    for _ in range(calls):
+        Probe.apply(q).backward(dout)
+        run_pieces(1)
+    torch.cuda.synchronize()
+    median = lambda xs: sorted(xs)[len(xs) // 2] * 1e6  # noqa: E731
+    print(f"{'median us per piece (B=1 H=16 N=128 d=64 bf16)':<52} {'device thread':>14} {'main thread':>12}")
+    for name, (device, main) in times.items():
+        print(f"{name:<52} {median(device):14.1f} {median(main):12.1f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", choices=("triton-fwd", "triton-bwd"), default=None)
+    parser.add_argument("--device-thread", action="store_true",
+                        help="also time pieces of host work on autograd's device thread and the main thread")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_profile.py needs a CUDA GPU (benchmarks/host_cost.py is the CPU counterpart)")
@@ -184,6 +242,8 @@ def main():
         profile_triton_forward(*tensors[:3])
     if args.profile == "triton-bwd":
         profile_triton_backward(*tensors)
+    if args.device_thread:
+        device_thread_pieces(*tensors)
     print(f"{'host loop per call, B=1 H=16 N=128 d=64 bf16':<52} {'us':>8}")
     for label, us in results:
         print(f"{label:<52} {us:8.1f}")
