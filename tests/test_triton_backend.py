@@ -654,6 +654,27 @@ def test_gpu_gluon_hopper_forward(monkeypatch, dtype, case):
     _check_gluon_kernel(monkeypatch, "MIN_KEYS", "forward", dtype, GLUON_FORWARD_CASES[case])
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+@pytest.mark.parametrize("case", ["d64_ragged", "d128_top_left_more_queries", "d256_packed_causal_grad_lse"])
+def test_gpu_gluon_forward_programs_walking_many_tiles(monkeypatch, case):
+    """Through the backend: the Gluon forward's tile loop on 3 programs without a causal mask (each walks many
+    tiles, so ring slots, barrier phases and Q's rounds run on across tiles), and causal tiles in groups of 3 heads
+    (the last group shorter when the heads do not divide)."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 3)
+    monkeypatch.setattr(hopper_launch, "PERSISTENT_MAX_KEYS", 1 << 30)
+    head_bytes = hopper_launch.forward_head_bytes(GLUON_FORWARD_CASES[case]["seqlen_k"], GLUON_FORWARD_CASES[case]
+                                                  ["head_dim"], 2, 1)
+    monkeypatch.setattr(hopper_launch, "CAUSAL_GROUP_BYTES", 3 * head_bytes)
+    monkeypatch.setattr(triton_backend, "_plans", {})  # plans keep their schedule: none made before this test
+    monkeypatch.setattr(triton_backend, "_signatures", {})
+    _check_gluon_kernel(monkeypatch, "MIN_KEYS", "forward", "bfloat16", GLUON_FORWARD_CASES[case])
+
+
 def _check_gluon_kernel(monkeypatch, threshold: str, launch: str, dtype, case: dict):
     """check_attention on ``case`` with hopper_launch's key threshold ``threshold`` lowered to one key, asserting
     that hopper_launch.``launch`` (the Gluon kernel's launch) ran."""
