@@ -116,9 +116,13 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """The most keys any sequence can hold (Nmax, or max_blocks * block_size)."""
-        if self.block_table is None:
-            return self.k.shape[2]
-        return self.block_table.shape[1] * self.k.shape[2]
+        return cache_capacity(self.k, self.block_table)
+
+
+def cache_capacity(k: torch.Tensor, block_table: Optional[torch.Tensor]) -> int:
+    """The most keys any sequence of a cache can hold: Nmax of a contiguous cache k (B, Hkv, Nmax, D), or
+    max_blocks * block_size of a paged pool k (num_blocks, Hkv, block_size, D) with ``block_table``."""
+    return k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 from mhattn import dispatch
 from mhattn.arguments import (check_heads, check_index_tensor, check_same, check_softcap, check_tensor,
                               check_values_once, host_checks_allowed, scale_or_default)
-from mhattn.backends.base import KVCache
+from mhattn.backends.base import KVCache, cache_capacity
 from mhattn.caches import put_bounded
 from mhattn.errors import InputError
 from mhattn.functional import _causal_right, _params, _window
@@ -107,9 +107,8 @@ def _cache_of_call(q, k_cache, v_cache, k, cache_seqlens, block_table) -> KVCach
     """The per-call part of a call: each sequence's key count (cached plus appended), checked against the cache's
     capacity and the block table's range once per index tensor value (check_values_once), and the KVCache."""
     batch, seqlen_q = q.shape[0], q.shape[2]
-    paged = block_table is not None
     appended = seqlen_q if k is not None else 0
-    capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+    capacity = cache_capacity(k_cache, block_table)
     if cache_seqlens is None:
         seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
     else:
@@ -190,7 +189,7 @@ def _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
     if is_causal not in (True, False):
         raise InputError(f"is_causal must be a bool, got {is_causal!r}")
 
-    capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+    capacity = cache_capacity(k_cache, block_table)
     left, right = (None, None) if window is None else _window(window)
     params = _params(None, False, scale_or_default(scale, head_dim), bool(is_causal), 0, left,
                      _causal_right(right, bool(is_causal)), 0.0, (0, 0),

@@ -26,7 +26,7 @@ import functools
 import torch
 
 from mhattn.backends import layouts
-from mhattn.backends.base import AttentionParams, KVCache, Packing
+from mhattn.backends.base import AttentionParams, KVCache, Packing, cache_capacity
 from mhattn.backends.cupy import ops, variants
 from mhattn.backends.cupy.launcher import i32, i64, f32, slot
 from mhattn.backends.cupy.ops import LOG2E, _NULL, _empty, _extra_args, _feature_args, _prepared, cdiv
@@ -190,7 +190,7 @@ def _kvcache_plan(launcher, cc, device, q, k, v, table, params: AttentionParams,
     if out.numel() == 0:
         return None, None, ()
     paged = table is not None
-    capacity = table.shape[1] * k.shape[2] if paged else k.shape[2]
+    capacity = cache_capacity(k, table)
     strides = ops._strides(q) + ops._strides(k) + ops._strides(v) + ops._strides(out)  # k, v: the pool's if paged
     slots = dict(_FWD, **_NO_MASK)
     sequence_args = _sequence_args(slots, table.stride(0) if paged else 0, k.shape[2] if paged else 0, 0,
