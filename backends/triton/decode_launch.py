@@ -46,9 +46,11 @@ WIDEST_TILE = DecodeTile(16, 4, 2)
 def decode_tile(block_d: int, block_dv: int, element_size: int) -> DecodeTile:
     """The split-KV kernel's tile for padded head dims block_d (K) and block_dv (V) of ``element_size``-byte
     inputs: the table's entry for the wider of the two, counted in 16-bit columns (so that float32 at d = 16 with a
-    value head dim of 256 does not ask for 288 KB of shared memory)."""
-    width = max(block_d, block_dv) * element_size // 2
-    return GPU_TILES.get(width, WIDEST_TILE if width > max(GPU_TILES) else GPU_TILES[min(GPU_TILES)])
+    value head dim of 256 does not ask for 288 KB of shared memory). Padded dims are powers of two from 16, so a
+    width the table lacks is wider than its widest."""
+    return GPU_TILES.get(max(block_d, block_dv) * element_size // 2, WIDEST_TILE)
+
+
 # The interpreter: small steps and small splits so that tiny test shapes take several of each.
 INTERPRETER_TILE = DecodeTile(16, 4, 1)
 INTERPRETER_MIN_KEYS_PER_SPLIT = 16
