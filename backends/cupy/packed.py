@@ -27,6 +27,7 @@ import torch
 
 from mhattn.backends import layouts
 from mhattn.backends.base import AttentionParams, KVCache, Packing, cache_capacity
+from mhattn.backends.splits import split_count
 from mhattn.backends.cupy import ops, variants
 from mhattn.backends.cupy.launcher import i32, i64, f32, slot
 from mhattn.backends.cupy.ops import LOG2E, _NULL, _empty, _extra_args, _feature_args, _prepared, cdiv
@@ -84,12 +85,10 @@ EMULATED_SM_COUNT = 4
 
 
 def kv_splits(ctas: int, capacity: int, sm_count: int, min_keys: int = None) -> int:
-    """How many CTAs share the keys of one (sequence, head, query block): one where the unsplit grid of ``ctas``
-    already fills the GPU or the cache is short."""
-    min_keys = SPLIT_MIN_KEYS if min_keys is None else min_keys
-    if ctas >= sm_count or capacity <= min_keys:
-        return 1
-    return max(1, min(cdiv(SPLITS_PER_SM * sm_count, ctas), cdiv(capacity, min_keys), MAX_SPLITS))
+    """How many CTAs share the keys of one (sequence, head, query block) (backends/splits.py): one where the unsplit
+    grid of ``ctas`` already fills the GPU or the cache is short."""
+    return split_count(ctas, capacity, sm_count, SPLIT_MIN_KEYS if min_keys is None else min_keys, SPLITS_PER_SM,
+                       MAX_SPLITS)
 
 
 def _sm_count(device) -> int:

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from mhattn.backends.base import AttentionParams, KVCache
+from mhattn.backends.splits import split_count
 from mhattn.backends.triton import configs
 from mhattn.caches import put_bounded
 
@@ -71,12 +72,9 @@ def _sm_count(device_index: int) -> int:
 
 def num_splits(programs: int, keys: int, sm_count: int, min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
     """How many programs share the keys of one (batch, key/value head, row block): enough to put
-    PROGRAMS_PER_SM programs on every SM, each with at least ``min_keys`` keys. One when the unsplit grid
-    already fills the GPU."""
-    if programs >= sm_count or keys <= min_keys:
-        return 1
-    wanted = -(-PROGRAMS_PER_SM * sm_count // programs)
-    return max(1, min(wanted, -(-keys // min_keys), MAX_SPLITS))
+    PROGRAMS_PER_SM programs on every SM, each with at least ``min_keys`` keys (backends/splits.py). One when the
+    unsplit grid already fills the GPU."""
+    return split_count(programs, keys, sm_count, min_keys, PROGRAMS_PER_SM, MAX_SPLITS)
 
 
 # (plan, device, keys) -> (tile, splits, block_m, row_blocks): the same for every step of a decoding loop.
