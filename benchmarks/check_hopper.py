@@ -8,17 +8,17 @@ on an sm_90 GPU:
    query; causal top-left and bottom-right, rows that see no key) against a float64 reference, outputs
    poisoned with NaN before the launch: prints the failures and their count;
    The forward runs on each of its schedules (SCHEDULES: one program per tile, persistent, persistent on a few
-   programs);
+   programs; causal persistent grids take their tiles from a table);
 2. the protocol's shapes (B * N = 16384, H = 2048 / d; N 1k, 4k, 16k; causal and not), TFLOP/s from do_bench
-   medians beside sdpa-cudnn in the same run. Forward: the kernel alone (one program per tile, and persistent),
-   the Triton backend as it chooses, the same with the Gluon forward scheduled as in version 8 (one program per
-   tile, causal tiles of each head alone)
-   (``mhattn.attention(backend="triton")``) and the FlashAttention-2 kernel (``MHATTN_TRITON_HOPPER=0``).
+   medians beside sdpa-cudnn in the same run. Forward: the Triton backend (``mhattn.attention(backend="triton")``)
+   as it chooses, the same with the Gluon forward on a persistent grid and on one program per tile whatever the
+   key count, and the FlashAttention-2 kernel (``MHATTN_TRITON_HOPPER=0``).
    Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses and with
    ``MHATTN_TRITON_HOPPER=0``. The tables are printed last.
 """
 
 import argparse
+import functools
 import math
 import os
 
@@ -48,13 +48,23 @@ def launch(q, k, v, causal, diag_offset, poison=True, persistent=None, sm_count=
     lse = make(q[..., 0].float(), float("nan"))
     sm_count = sm_count or torch.cuda.get_device_properties(q.device).multi_processor_count
     head_bytes = hopper_launch.forward_head_bytes(seqlen_k, head_dim, q.element_size(), heads_q // heads_kv)
-    programs, *schedule = hopper_launch.forward_schedule(batch, heads_q, seqlen_q, seqlen_k, causal, head_bytes,
-                                                         sm_count, persistent)
-    hopper_forward.hopper_forward_kernel[(programs,)](
-        *hopper_launch.forward_maps(q, k, v, head_dim), out, lse, *out.stride()[:3], lse.stride(0), lse.stride(1),
-        heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, *schedule, LOG2E / math.sqrt(head_dim), diag_offset,
-        **hopper_launch.compile_time_args(head_dim, causal), num_warps=4)
+    schedule, table = device_schedule((batch, heads_q, seqlen_q, seqlen_k, causal, head_bytes, sm_count, persistent,
+                                       diag_offset, head_dim), q.device)
+    hopper_forward.hopper_forward_kernel[(schedule.programs,)](
+        *hopper_launch.forward_maps(q, k, v, head_dim), out, lse, lse if table is None else table,
+        *out.stride()[:3], lse.stride(0), lse.stride(1), heads_q, heads_q // heads_kv, seqlen_q, seqlen_k,
+        *schedule[1:4], LOG2E / math.sqrt(head_dim), diag_offset,
+        **hopper_launch.compile_time_args(head_dim, causal, table is not None), num_warps=4)
     return out, lse
+
+
+@functools.lru_cache(maxsize=None)
+def device_schedule(schedule_args, device):
+    """hopper_launch.forward_schedule(*schedule_args) and its tile table on ``device`` (None without one), made once
+    per schedule (so that timing the kernel alone times no table copy)."""
+    schedule = hopper_launch.forward_schedule(*schedule_args)
+    table = None if schedule.tile_table is None else torch.tensor(schedule.tile_table, dtype=torch.int32, device=device)
+    return schedule, table
 
 
 def launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset):
@@ -175,23 +185,32 @@ def with_hopper_off(fn):
             os.environ[hopper_launch.ENV_SWITCH] = before
 
 
-def with_old_schedule(fn):
-    """fn() with the Gluon forward scheduled as before version 9: one program per tile, each head's causal tiles
-    alone (heaviest first)."""
+def with_schedule(fn, persistent_max_keys, causal_persistent_max_keys, causal_group_bytes):
+    """fn() with the Gluon forward's schedule rules set to these (hopper_launch's constants of those names)."""
     from mhattn.backends.triton import backend as triton_backend
 
     def forget_schedules():
         for plan in triton_backend._plans.values():
-            plan.hopper_schedule = None
+            plan.hopper_schedules.clear()
 
-    before = hopper_launch.PERSISTENT_MAX_KEYS, hopper_launch.CAUSAL_GROUP_BYTES
-    hopper_launch.PERSISTENT_MAX_KEYS = hopper_launch.CAUSAL_GROUP_BYTES = 0
+    names = ("PERSISTENT_MAX_KEYS", "CAUSAL_PERSISTENT_MAX_KEYS", "CAUSAL_GROUP_BYTES")
+    before = [getattr(hopper_launch, name) for name in names]
+    for name, value in zip(names, (persistent_max_keys, causal_persistent_max_keys, causal_group_bytes)):
+        setattr(hopper_launch, name, value)
     forget_schedules()
     try:
         return fn()
     finally:
-        hopper_launch.PERSISTENT_MAX_KEYS, hopper_launch.CAUSAL_GROUP_BYTES = before
+        for name, value in zip(names, before):
+            setattr(hopper_launch, name, value)
         forget_schedules()
+
+
+def with_persistent(fn, on: bool):
+    """fn() with the Gluon forward on a persistent grid at every key count (on) or on one program per tile (off),
+    causal or not; the causal groups as hopper_launch sets them."""
+    keys = 1 << 40 if on else 0
+    return with_schedule(fn, keys, keys, hopper_launch.CAUSAL_GROUP_BYTES)
 
 
 def timing(dtype, parts, seqlens, wanted=None):
@@ -209,14 +228,13 @@ def timing(dtype, parts, seqlens, wanted=None):
                 if "fwd" in parts and head_dim in hopper_launch.KEY_BLOCK:
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         cudnn = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-                    per_tile = bench(lambda: launch(q, k, v, causal, 0, poison=False, persistent=False))
-                    persistent = bench(lambda: launch(q, k, v, causal, 0, poison=False, persistent=True))
                     run_triton = lambda: mhattn.attention(q, k, v, is_causal=causal, backend="triton")  # noqa: E731
                     backend = bench(run_triton)
-                    backend_old = with_old_schedule(lambda: bench(run_triton))
+                    persistent = with_persistent(lambda: bench(run_triton), True)
+                    per_tile = with_persistent(lambda: bench(run_triton), False)
                     flash2 = with_hopper_off(lambda: bench(run_triton))
                     forward_rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in (
-                        cudnn, per_tile, persistent, backend, backend_old, flash2)), cudnn / backend))
+                        cudnn, backend, persistent, per_tile, flash2)), cudnn / backend))
                     print(forward_rows[-1], flush=True)
                 if "bwd" in parts and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
                     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -239,12 +257,12 @@ def timing(dtype, parts, seqlens, wanted=None):
     name = str(dtype).replace("torch.", "")
     if forward_rows:
         print(f"\n{name} forward, TFLOP/s (same run)\n")
-        print("| d | N | causal | sdpa-cudnn | Gluon alone, a program per tile | Gluon alone, persistent | "
-              "triton backend | backend, version 8's schedule | FlashAttention-2 kernel | backend/cuDNN |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for d, n, causal, cudnn, per_tile, persistent, backend, backend_old, flash2, ratio in forward_rows:
-            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {per_tile:.0f} | {persistent:.0f} | "
-                  f"{backend:.0f} | {backend_old:.0f} | {flash2:.0f} | {ratio:.2f} |")
+        print("| d | N | causal | sdpa-cudnn | triton backend | backend, persistent grid | backend, a program per "
+              "tile | FlashAttention-2 kernel | cuDNN/backend time |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for d, n, causal, cudnn, backend, persistent, per_tile, flash2, ratio in forward_rows:
+            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {backend:.0f} | {persistent:.0f} | "
+                  f"{per_tile:.0f} | {flash2:.0f} | {ratio:.2f} |")
     if backward_rows:
         print(f"\n{name} backward, TFLOP/s (same run)\n")
         print("| d | N | causal | sdpa-cudnn | triton backend | FlashAttention-2 kernels | triton/cuDNN |")

@@ -117,8 +117,7 @@ class _Plan:
         cc = device_capability(q.device)
         # The Gluon Hopper forward (hopper_forward.py) is sm_90 code: wgmma and setmaxnreg.
         self.sm90 = not INTERPRET and cc == (9, 0)
-        self.hopper_constexprs = None  # its compile-time set, made on its first launch
-        self.hopper_schedule = None    # its grid and tile order (hopper_launch.forward_schedule), likewise
+        self.hopper_schedules = {}     # its launch set per causal alignment (hopper_launch.forward), made on first use
         self.hopper_backward_constexprs = None  # the same for the Gluon Hopper backward (hopper_backward.py)
         self.hopper_backward_slices = None  # its launches' (batches, key/value heads) (hopper_launch.backward_slices)
         self.hopper_reasons = {}  # hopper_launch.why_not's plan part, per setting

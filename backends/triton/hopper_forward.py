@@ -95,17 +95,44 @@ def tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M: gl.c
 
 
 @gluon.jit
+def program_entries(TileTable, num_tiles, TILE_TABLE: gl.constexpr):
+    """(first, last, step): the entries of this program's tile loop. Without a table, tiles p, p + G, p + 2G, ...
+    of a grid of G programs; with one (hopper_launch.balanced_tiles: G + 1 offsets, then tile numbers), entries
+    TileTable[p] .. TileTable[p + 1] - 1 of its tile list."""
+    if TILE_TABLE:
+        first = gl.load(TileTable + gl.program_id(0))
+        last = gl.load(TileTable + gl.program_id(0) + 1)
+        step = 1
+    else:
+        first = gl.program_id(0)
+        last = num_tiles
+        step = gl.num_programs(0)
+    return first, last, step
+
+
+@gluon.jit
+def entry_tile(TileTable, entry, TILE_TABLE: gl.constexpr):
+    """The tile number (tile_rows' order) of a loop entry of program_entries."""
+    tile = entry
+    if TILE_TABLE:
+        tile = gl.load(TileTable + gl.num_programs(0) + 1 + entry)
+    return tile
+
+
+@gluon.jit
 def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                   v_empty, num_tiles, num_m_blocks, group_heads, heads_q, kv_group, seqlen_k, diag_offset,
-                   BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                   v_empty, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, kv_group, seqlen_k, diag_offset,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   TILE_TABLE: gl.constexpr):
     """The load warp, for each of the program's tiles: both consumers' Q tiles once both have finished their
     products with the previous tile's Q, then K_j and V_j into ring slots as soon as both consumers have released
     a slot's previous block. ``step`` counts the blocks the program has moved, across its tiles, so ring slots
     and barrier phases run on from one tile to the next."""
     step = 0
     rounds = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    first, last, entry_step = program_entries(TileTable, num_tiles, TILE_TABLE)
+    for entry in range(first, last, entry_step):
+        tile = entry_tile(TileTable, entry, TILE_TABLE)
         batch, head, start_m = tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M, CAUSAL)
         head_kv = head // kv_group
         # The upper consumer's rows see the most keys: the load warp fetches what it needs.
@@ -247,15 +274,18 @@ def consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_r
 
 @gluon.jit
 def consumer_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                       Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, num_tiles, num_m_blocks,
-                       group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
+                       Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, TileTable, num_tiles,
+                       num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
                        ROW_OFFSET: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       TILE_TABLE: gl.constexpr):
     """One softmax warpgroup: rows ROW_OFFSET .. ROW_OFFSET + BLOCK_M of each of the program's tiles, in the load
     warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds)."""
     step = 0
     rounds = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    first, last, entry_step = program_entries(TileTable, num_tiles, TILE_TABLE)
+    for entry in range(first, last, entry_step):
+        tile = entry_tile(TileTable, entry, TILE_TABLE)
         batch, head, tile_m = tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M, CAUSAL)
         cta_blocks, _ = visible_key_blocks(tile_m + BLOCK_M, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
         out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
@@ -270,12 +300,12 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "num_tiles", "group_heads", "diag_offset",
                               "stride_lb", "stride_lh"])
 def hopper_forward_kernel(
-    q_desc, k_desc, v_desc, Out, Lse,
+    q_desc, k_desc, v_desc, Out, Lse, TileTable,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    CAUSAL: gl.constexpr, TILE_TABLE: gl.constexpr,
 ):
     """q_desc, k_desc, v_desc: host tensor maps (hopper_launch.tensor_map) of Q (B, Hq, Nq, D) in blocks of
     (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine zero-fills rows
@@ -286,8 +316,10 @@ def hopper_forward_kernel(
     Tiles of 2 * BLOCK_M query rows: num_m_blocks = cdiv(Nq, 2 * BLOCK_M) per (batch, head), num_tiles =
     B * Hq * num_m_blocks, in tile_rows' order (group_heads: its causal groups). Program p takes tiles p, p + G,
     p + 2G, ... of a grid of G programs: G = num_tiles is one tile per program, a smaller G a persistent grid,
-    whose next tile's loads run under this tile's last products and output. Launched with 4 warps (the first
-    consumer) plus the partitions' own."""
+    whose next tile's loads run under this tile's last products and output. TILE_TABLE: program p takes the tiles
+    TileTable lists for it instead (int32, hopper_launch.balanced_tiles: causal tiles differ in work, and a table
+    made on the host evens it out); without it TileTable is not read. Launched with 4 warps (the first consumer)
+    plus the partitions' own."""
     dtype: gl.constexpr = q_desc.dtype
 
     # Slots of (1, 1, rows, D) tiles, as the copy engine writes them (the products read them as (rows, D)).
@@ -311,13 +343,15 @@ def hopper_forward_kernel(
     gl.warp_specialize([
         (consumer_partition, (q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, q_empty, k_ready,
                               k_empty, v_ready, v_empty, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb,
-                              stride_lh, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
-                              diag_offset, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
+                              stride_lh, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q,
+                              seqlen_k, diag_offset, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                              TILE_TABLE)),
         (consumer_partition, (q_smem.index(1).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, q_empty, k_ready,
                               k_empty, v_ready, v_empty, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb,
-                              stride_lh, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
-                              diag_offset, qk_scale2, BLOCK_M, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
+                              stride_lh, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q,
+                              seqlen_k, diag_offset, qk_scale2, BLOCK_M, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                              CAUSAL, TILE_TABLE)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                          v_empty, num_tiles, num_m_blocks, group_heads, heads_q, kv_group, seqlen_k,
-                          diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
+                          v_empty, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, kv_group, seqlen_k,
+                          diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, TILE_TABLE)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])
