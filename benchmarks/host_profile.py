@@ -4,7 +4,8 @@
     python benchmarks/host_profile.py --profile triton-bwd                            # + cProfile of one path
 
 Host loops (300 calls, one synchronize at the end, best of five) at B=1 H=16 N=128 d=64 bf16:
-- torch's SDPA, mhattn.attention on auto and on each fused backend, forward and forward+backward;
+- torch's SDPA, and its fused kernels (cuDNN, flash, efficient) called as their own ops;
+- mhattn.attention on auto and on each fused backend, forward and forward+backward;
 - the Triton forward kernel launched through Triton (``kernel[grid](...)``) and through the compiled handle
   the backend keeps (backends/triton/launcher.py), with the same arguments;
 - the Triton backend's forward and backward called directly on the main thread, an identity autograd
@@ -102,6 +103,7 @@ def rows():
     sdpa = torch.nn.functional.scaled_dot_product_attention
     table = [("torch sdpa forward", lambda: sdpa(qd, kd, vd)),
              ("torch sdpa forward+backward", lambda: sdpa(q, k, v).backward(dout))]
+    table += _fused_op_rows(q, k, v, dout)
     names = ["auto"] + [b.name for b in mhattn.registry.all_backends()
                         if b.name in ("triton", "cupy", "sdpa") and not b.unavailable()]
     for name in names:
@@ -122,6 +124,28 @@ def rows():
         direct = _backend_function(triton, params)
         table.append(("autograd Function of the triton backend", lambda: direct.apply(q, k, v).backward(dout)))
     return table, (q, k, v, dout)
+
+
+def _fused_op_rows(q, k, v, dout):
+    """torch's fused SDPA kernels called as their own ops (what the public op runs after choosing one), forward and
+    forward+backward: the host time the public op's choice and checks add."""
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    ops = {
+        "cudnn": lambda q, k, v, grad: torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, grad)[0],
+        "flash": lambda q, k, v, grad: torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[0],
+        "efficient": lambda q, k, v, grad: torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None,
+                                                                                                  grad)[0],
+    }
+    rows = []
+    for name, op in ops.items():
+        try:
+            op(q, k, v, True).backward(dout)
+        except Exception as error:  # a kernel this torch or GPU lacks
+            print(f"torch {name} op: {type(error).__name__}: {str(error)[:120]}")
+            continue
+        rows.append((f"torch {name} op forward", lambda op=op: op(qd, kd, vd, False)))
+        rows.append((f"torch {name} op forward+backward", lambda op=op: op(q, k, v, True).backward(dout)))
+    return rows
 
 
 def profile_triton_forward(q, k, v):
