@@ -1,7 +1,7 @@
 """Host cost of the call path on the CPU, no GPU needed: microseconds and Python function calls per call.
 
     python benchmarks/host_cost.py            # the table below
-    python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|decode|cupy|cupy_bwd   # cProfile's top entries
+    python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|decode|cupy|cupy_bwd|auto   # cProfile's top entries
 
 Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
 - mhattn.attention forward / forward+backward on a backend that does no work (``null``: allocates its
@@ -13,7 +13,9 @@ Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
   allocations, data pointers up to the launcher), and with CuPy's launcher whose CuPy pieces do nothing (its
   stream look-up, device check and argument splice included); these take the sm_80 (mma.sync) plans, since
   the Hopper plans encode tensor maps through the GPU driver;
-- torch's scaled_dot_product_attention at N = 1 (real work, but tiny), for scale.
+- torch's scaled_dot_product_attention at N = 1 (real work, but tiny), for scale, and mhattn.attention on the same
+  tensors with the backend left to automatic selection (the sdpa backend hands the call to torch's public op):
+  the difference of the two rows is what mhattn's front end adds to a repeated call.
 The machine's other load moves these numbers: compare rows of one run, best of five repetitions.
 """
 
@@ -225,12 +227,14 @@ def rows():
     sdpa_q = q[:, :, :1]
     table.append(("torch sdpa at N = 1 (for scale)",
                   lambda: torch.nn.functional.scaled_dot_product_attention(sdpa_q, sdpa_q, sdpa_q)))
+    table.append(("mhattn.attention forward on auto (sdpa) at N = 1", lambda: mhattn.attention(sdpa_q, sdpa_q, sdpa_q)))
     return table, (q, k, v, out, lse, params)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "decode", "cupy", "cupy_bwd"), default=None)
+    parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "decode", "cupy", "cupy_bwd", "auto"),
+                        default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)  # no intra-op thread pool in the numbers
     mhattn.register_backend(NullBackend(), replace=True)
@@ -247,7 +251,7 @@ def main():
                       ("triton backend decoding step, launches stubbed", decoding_step(triton))]
         if args.profile:
             fn = {"fwd": table[0][1], "fwd_bwd": table[1][1], "triton": table[2][1], "decode": table[4][1],
-                  "cupy": table[5][1], "cupy_bwd": table[6][1]}[args.profile]
+                  "cupy": table[5][1], "cupy_bwd": table[6][1], "auto": table[-1][1]}[args.profile]
             for _ in range(100):  # first calls fill the caches (plans, decisions, handles): profile the steady state
                 fn()
             profile = cProfile.Profile()
