@@ -956,13 +956,14 @@ def test_gluon_forward_schedule(monkeypatch):
     head, at most all)."""
     from mhattn.backends.triton import hopper_launch
 
-    monkeypatch.setattr(hopper_launch, "CAUSAL_PERSISTENT_MAX_KEYS", 512)
     limit = hopper_launch.PERSISTENT_MAX_KEYS
     head = hopper_launch.forward_head_bytes(1024, 128, 2, 1)  # K and V of 1k keys at d = 128 in bf16: 512 KiB
     assert head == 512 << 10 and hopper_launch.forward_head_bytes(1024, 128, 2, 4) == 128 << 10
     groups = hopper_launch.CAUSAL_GROUP_BYTES // head
     assert hopper_launch.forward_schedule(16, 16, 1024, limit, False, head, 132) == (132, 8, 2048, 1, None)
-    assert hopper_launch.forward_schedule(16, 16, 1024, limit, True, head, 132) == (2048, 8, 2048, groups, None)
+    assert hopper_launch.forward_schedule(16, 16, 1024, 1024, True, head, 132)[:4] == (132, 8, 2048, groups)
+    assert hopper_launch.forward_schedule(16, 16, 1024, 1024, True, head, 132, persistent=False) == (
+        2048, 8, 2048, groups, None)
     assert hopper_launch.forward_schedule(1, 2, 1024, limit, True, head, 132)[3] == 2             # all the heads
     assert hopper_launch.forward_schedule(1, 2, 1024, limit, True, 1 << 40, 132)[3] == 1          # one head
     assert hopper_launch.forward_schedule(1, 16, 1024, 2 * limit, False, head, 132) == (128, 8, 128, 1, None)
@@ -970,7 +971,9 @@ def test_gluon_forward_schedule(monkeypatch):
     assert hopper_launch.forward_schedule(16, 16, 1024, 1024, False, head, 132, persistent=False)[0] == 2048
     causal = hopper_launch.forward_schedule(16, 16, 1024, 1024, True, head, 132, persistent=True)
     assert causal.programs == 132 and len(causal.tile_table) == 133 + 2048
+    monkeypatch.setattr(hopper_launch, "CAUSAL_PERSISTENT_MAX_KEYS", 512)
     assert hopper_launch.forward_schedule(16, 16, 512, 512, True, head, 132).programs == 132      # up to the limit
+    assert hopper_launch.forward_schedule(16, 16, 1024, 1024, True, head, 132).programs == 2048   # above it
     assert hopper_launch.forward_schedule(1, 1, 256, 256, True, head, 132, persistent=True).tile_table is None
 
 
