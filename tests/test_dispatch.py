@@ -51,6 +51,34 @@ def test_precedence_argument_over_context_over_env(monkeypatch, recorders):
     assert a.calls == ["forward"] and b.calls == ["forward"]
 
 
+def test_requested_reads_os_environ_at_each_call(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    assert dispatch.requested() == ("reference", f"{dispatch.ENV_VAR}=reference")
+    monkeypatch.setenv(dispatch.ENV_VAR, "")  # set but empty: automatic selection
+    assert dispatch.requested()[0] == "auto"
+    monkeypatch.delenv(dispatch.ENV_VAR)
+    assert dispatch.requested() == ("auto", "automatic selection")
+    with mhattn.use_backend("reference"):
+        assert dispatch.requested() == ("reference", "use_backend()")
+        assert dispatch.requested("sdpa") == ("sdpa", "the backend= argument")
+    with pytest.raises(TypeError, match="backend must be"):
+        dispatch.requested(3)
+
+
+def test_an_environment_request_follows_the_registry(monkeypatch):
+    class Named(ReferenceBackend):
+        name = "named"
+
+    mhattn.register_backend(Named())
+    monkeypatch.setenv(dispatch.ENV_VAR, "named")
+    try:
+        assert dispatch.requested()[0] == "named"
+    finally:
+        mhattn.unregister_backend("named")
+    with pytest.raises(mhattn.UnknownBackendError, match="named"):  # not answered from before the change
+        dispatch.requested()
+
+
 def test_use_backend_restores_on_exit_and_on_error(recorders):
     a, _ = recorders
     with pytest.raises(RuntimeError):
