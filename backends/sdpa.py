@@ -35,6 +35,7 @@ import torch
 
 from mhattn.backends import layouts
 from mhattn.backends.base import FEATURE_SENTENCES, AttentionParams, Backend, Capabilities
+from mhattn.caches import put_bounded
 from mhattn.errors import InputError
 
 __all__ = ["SdpaBackend", "KERNEL_ENV", "KERNEL_CHOICES"]
@@ -105,6 +106,7 @@ KERNELS = (
 
 
 CUDA_ENV = "MHATTN_SDPA_CUDA"
+_NATIVE_CALLS_LIMIT = 4096
 
 
 def kernel_from_env(value: Optional[str]) -> str:
@@ -137,7 +139,7 @@ class SdpaBackend(Backend):
             cuda = os.environ.get(CUDA_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
         self.cuda = bool(cuda)
         self._choices = {}   # call signature -> kernel, so forward and backward skip the choice after the first
-        self._native = {}    # call signature -> whether torch's public op runs it on a fused kernel
+        self._native = {}    # call signature -> native_call's answer (_TorchSdpaCall)
         self._out_strides = {}  # (kernel, q and v layouts) -> the strides of the output the kernel wrote
 
     def _kernels(self, device_type: str):
@@ -194,24 +196,28 @@ class SdpaBackend(Backend):
         choice, no mask, causal only top-left (``is_causal``'s alignment), no row that could see no key
         (SDPA gives NaN there, mhattn 0), and torch's choice a fused kernel (not its math path, which the
         global enable flags could leave it)."""
+        call = self.native_call(q, k, v, params)
+        return None if call is None else call(q, k, v, params)
+
+    def native_call(self, q, k, v, params: AttentionParams):
+        """:meth:`native_attention` prepared for calls like this one: a callable of ``(q, k, v, params)`` giving
+        the output, or None where torch's global SDPA switches now leave it no fused kernel; None where calls
+        like this one have no such path. It serves every call with this one's params (the seed aside), shapes,
+        strides, dtype, device, inputs' ``requires_grad`` and grad mode, which is what torch's kernel choice
+        reads besides the switches (those it reads at each call), so a caller that keeps those equal (the
+        front end's memo of repeated calls) skips this method's checks and look-up."""
         if self.kernel != "auto" or params.mask is not None or (q.device.type == "cuda" and not self.cuda):
             return None
         causal = _is_causal(params)
         if (params.window_right is not None and not causal) or (causal and params.diag_offset != 0):
             return None
-        enable_gqa = q.shape[1] != k.shape[1]
-        signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, causal,
-                     torch.is_grad_enabled(), _global_flags())
-        fused = self._native.get(signature)
-        if fused is None:
-            if len(self._native) > 4096:
-                self._native.clear()
-            choice = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=params.scale, enable_gqa=enable_gqa)
-            fused = self._native[signature] = choice not in _NOT_FUSED
-        if not fused:
-            return None
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=params.scale,
-                                                                enable_gqa=enable_gqa)
+        signature = (params.scale, causal, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
+                     q.device, q.requires_grad or k.requires_grad or v.requires_grad, torch.is_grad_enabled())
+        call = self._native.get(signature)
+        if call is None:
+            call = put_bounded(self._native, signature, _TorchSdpaCall(q, k, params.scale, causal),
+                               _NATIVE_CALLS_LIMIT)
+        return call
 
     def forward(self, q, k, v, params: AttentionParams):
         plan = _Plan.make(q, k, params)
@@ -362,11 +368,36 @@ def _torch_choice(q, k, v, plan, fitting) -> TorchKernel:
     return fitting[0]
 
 
-def _global_flags() -> tuple:
-    """torch's global SDPA kernel switches (torch.backends.cuda.enable_*_sdp), which its public op obeys."""
-    cuda = torch.backends.cuda
-    return (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.cudnn_sdp_enabled(),
-            cuda.math_sdp_enabled())
+_torch_c = torch._C
+_priority_order = getattr(_torch_c, "_get_sdp_priority_order", list)  # (torch < 2.6 has no priority order)
+
+
+class _TorchSdpaCall:
+    """torch's public SDPA for one call signature (see SdpaBackend.native_call): its arguments, and whether torch
+    runs such a call on a fused kernel under each state of its global switches met so far."""
+
+    __slots__ = ("_sdpa", "_kwargs", "_fused")
+
+    def __init__(self, q, k, scale: float, causal: bool):
+        self._sdpa = torch.nn.functional.scaled_dot_product_attention
+        # Only the arguments that differ from SDPA's defaults (each keyword passed costs the call's parsing).
+        self._kwargs = {"scale": scale}
+        if causal:
+            self._kwargs["is_causal"] = True
+        if q.shape[1] != k.shape[1]:
+            self._kwargs["enable_gqa"] = True
+        self._fused = {}  # state of the switches -> whether torch's choice is a fused kernel
+
+    def __call__(self, q, k, v, params):  # (params: those of the signature; the seed, the one difference, is unused)
+        # torch's global SDPA switches, which its public op obeys: the kernels' enable flags
+        # (torch.backends.cuda.enable_*_sdp, read without their Python wrappers) and their priority order
+        # (sdpa_kernel(..., set_priority=True)).
+        switches = (_torch_c._get_flash_sdp_enabled(), _torch_c._get_mem_efficient_sdp_enabled(),
+                    _torch_c._get_cudnn_sdp_enabled(), _torch_c._get_math_sdp_enabled(), *_priority_order())
+        fused = self._fused.get(switches)
+        if fused is None:
+            fused = self._fused[switches] = torch._fused_sdp_choice(q, k, v, **self._kwargs) not in _NOT_FUSED
+        return self._sdpa(q, k, v, **self._kwargs) if fused else None
 
 
 def _not_fused_values() -> frozenset:

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 import mhattn
@@ -314,3 +315,38 @@ def test_backward_hands_the_kernel_its_own_output_layout_back(monkeypatch):
     want = backend.backward(grad_out, q, k, v, out, lse, params)
     for a, b in zip(got[:3], want[:3]):
         assert torch.equal(a, b)
+
+
+def test_native_call_is_prepared_once_per_signature_and_asks_torch_again_when_its_switches_change(monkeypatch):
+    """SdpaBackend.native_call: one prepared call per signature (everything torch's kernel choice reads but its
+    global switches), and torch's choice asked once per state of the switches."""
+    backend = sdpa.SdpaBackend()
+    q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))
+    params = AttentionParams(scale=0.25)
+    call = backend.native_call(q, k, v, params)
+    assert backend.native_call(q.clone(), k.clone(), v.clone(), params) is call
+    transposed = torch.randn(1, 9, 2, 16).transpose(1, 2)
+    with torch.no_grad():
+        no_grad_mode = backend.native_call(q, k, v, params)
+    others = [
+        backend.native_call(transposed, k, v, params),
+        no_grad_mode,
+        backend.native_call(q.detach().requires_grad_(True), k, v, params),
+        backend.native_call(q, k, v, params.replace(scale=0.5)),
+        backend.native_call(q, k, v, params.replace(window_right=0)),  # causal
+    ]
+    assert len({id(c) for c in others + [call]}) == 6
+    assert backend.native_call(q, k, v, params.replace(window_right=0, diag_offset=2)) is None  # bottom-right
+
+    asked = []
+    real_choice = torch._fused_sdp_choice
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **kw: asked.append(1) or real_choice(*a, **kw))
+    fresh = sdpa.SdpaBackend().native_call(q, k, v, params)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25)
+    assert torch.equal(fresh(q, k, v, params), want) and torch.equal(fresh(q, k, v, params), want) and len(asked) == 1
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert fresh(q, k, v, params) is None and len(asked) == 2  # torch would run its math path
+    order = [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(order, set_priority=True):  # every kernel enabled, in another order
+        assert torch.equal(fresh(q, k, v, params), want) and len(asked) == 3
+    assert torch.equal(fresh(q, k, v, params), want) and len(asked) == 3
