@@ -5,10 +5,12 @@ broadcast leading dims, masks, causal alignment). :func:`_resolve` then resolves
 (argument > ``use_backend`` > ``MHATTN_BACKEND`` > auto) at run time and looks the decision up in the
 dispatcher's cache. An eager call that returns no lse first offers the chosen backend its own
 differentiable path (``Backend.native_attention``: the sdpa backend hands such calls to torch's public
-SDPA, whose backward is a C++ autograd node); otherwise :func:`_run_forward` runs the backend's forward,
+SDPA, whose backward is a C++ autograd node); otherwise :meth:`_CallPlan.run` runs the backend's forward,
 directly when no input needs a gradient, else inside :class:`_EagerAttention`, which keeps the chosen
-backend for the backward. Under ``torch.compile``
-the same function runs inside the ``mhattn::attention_forward`` custom op, whose fake implementation
+backend for the backward. A call that repeats an earlier one (:func:`_call_key`: shapes, strides, dtypes,
+devices, values, request and gradient needs) skips the checks and the decision: :class:`_CallPlan` holds
+what they came to, the backend's own path prepared for such calls included. Under ``torch.compile`` the
+same function runs inside the ``mhattn::attention_forward`` custom op, whose fake implementation
 promises the layouts every built-in backend writes (:mod:`mhattn.backends.layouts`); the compiled
 backward finds the forward's backend through the log-sum-exp it returned (:data:`_forward_backends`).
 Because the request is resolved when the op runs, ``use_backend`` or ``MHATTN_BACKEND`` changed after
@@ -80,17 +82,26 @@ def attention(
     """
     call_key = _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap,
                          backend)
-    known = _known_calls.get(call_key) if call_key is not None else None
-    if known is not None:  # checked before: only the per-tensor layout step is left (see _call_key)
-        q, k, v, mask = _to4d(query), _to4d(key), _to4d(value), None
-        (scale, dropout_p, causal, diag_offset, window_left, window_right, softcap, out_shape, backend, chosen,
-         native) = known
-    else:
-        (q, k, v, mask, scale, dropout_p, causal, diag_offset, window_left, window_right, softcap,
-         out_shape) = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap)
-        if backend is not None:
-            backend = _backend_argument(backend)
-        chosen = native = _UNRESOLVED
+    plan = _known_calls.get(call_key) if call_key is not None else None  # (no look-up for torch.compile to guard)
+    if plan is not None:  # an earlier call with this key passed the checks and got its backend (see _call_key)
+        if not plan.as_is:
+            query, key, value = _to4d(query), _to4d(key), _to4d(value)
+        params = plan.params
+        if params.dropout_p > 0.0:  # a fresh dropout mask at every call
+            params = params.replace(seed=dropout_rng.draw_seed(query.device))
+        return plan.run(query, key, value, None, params, return_lse)
+    return _attention_in_full(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap,
+                              return_lse, backend, call_key)
+
+
+def _attention_in_full(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap,
+                       return_lse, backend, call_key):
+    """:func:`attention` with every step: checks, the request, the decision; what they came to (a _CallPlan) is
+    remembered under ``call_key`` (where there is one) for the calls that repeat it."""
+    (q, k, v, mask, scale, dropout_p, causal, diag_offset, window_left, window_right, softcap,
+     out_shape) = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap)
+    if backend is not None:
+        backend = _backend_argument(backend)
     if dropout_p == 1.0:  # every weight dropped: zeros, as SDPA (the lse keeps its meaning)
         out, lse = attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window=window,
                              softcap=softcap, return_lse=True, backend=backend)
@@ -102,24 +113,52 @@ def attention(
     seed = dropout_rng.draw_seed(q.device) if dropout_p > 0.0 else None
     args = (q, k, v, mask, seed, backend or "", scale, causal, diag_offset, window_left, window_right, dropout_p,
             softcap, mask_grad)
-    # (a known call was made outside compiled code: _call_key gives no key there)
-    if known is None and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # (a call with a key is made outside compiled code: _call_key gives none here)
         out, lse = torch.ops.mhattn.attention_forward(*args)
-    else:
-        if chosen is _UNRESOLVED:
-            chosen = _resolve(*args)
-            native = chosen is not None and _has_native_path(chosen)
-            if call_key is not None and query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:  # no broadcast
-                put_bounded(_known_calls, call_key, (scale, dropout_p, causal, diag_offset, window_left, window_right,
-                                                     softcap, out_shape, backend, chosen, native), _KNOWN_CALLS_LIMIT)
-        out = _native_attention(chosen, *args) if native and not return_lse else None
-        if out is not None:  # the backend's own differentiable path (e.g. torch's SDPA with its C++ backward)
-            return out.reshape(out_shape) if out.dim() != len(out_shape) else out
-        if grad and (q.requires_grad or k.requires_grad or v.requires_grad or mask_grad):
-            # The tensors autograd tracks as arguments of their own, the rest as one (fewer for apply to scan).
-            out, lse = _EagerAttention.apply(q, k, v, mask, args[4:], chosen)
+        return _returned(out, lse, out_shape, return_lse)
+    chosen = _resolve(*args)
+    params = _params(mask, mask_grad, scale, causal, diag_offset, window_left, window_right, dropout_p, seed, softcap)
+    tracked = grad and (q.requires_grad or k.requires_grad or v.requires_grad or mask_grad)
+    plan = _CallPlan(chosen, _prepared_native(chosen, q, k, v, params), params, tracked,
+                     q is query and k is key and v is value, out_shape)
+    if call_key is not None and query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:  # (see _known_calls)
+        if seed is not None:  # each repeated call draws its own
+            plan.params = _params(None, False, scale, causal, diag_offset, window_left, window_right, dropout_p, None,
+                                  softcap)
+        put_bounded(_known_calls, call_key, plan, _KNOWN_CALLS_LIMIT)
+    return plan.run(q, k, v, mask, params, return_lse)
+
+
+class _CallPlan:
+    """What a call's checks and decision came to: its backend ``chosen`` (None: the front end answers it), the
+    backend's own differentiable path for such calls (``native``, see _prepared_native; None where it has none),
+    the params (without a dropout seed in a plan that _known_calls keeps), whether autograd tracks the call,
+    whether the tensors reach the backend as they come (4-D with a contiguous last dim: ``as_is``), and the
+    output's shape. Left to each call: the layout step of other tensors, the dropout seed, the mask."""
+
+    __slots__ = ("chosen", "native", "params", "tracked", "as_is", "out_shape")
+
+    def __init__(self, chosen, native, params: Optional[AttentionParams], tracked: bool, as_is: bool, out_shape):
+        self.chosen, self.native, self.params, self.tracked, self.as_is, self.out_shape = (
+            chosen, native, params, tracked, as_is, out_shape)
+
+    def run(self, q, k, v, mask, params, return_lse: bool):
+        """The call on its backend: through the backend's own path where it has one for the call and no lse is
+        asked for, else through its forward, inside _EagerAttention where a gradient is needed."""
+        if self.native is not None and not return_lse:
+            out = self.native(q, k, v, params)
+            if out is not None:  # (e.g. torch's SDPA with its C++ backward; None where the backend declines the call)
+                return out.reshape(self.out_shape) if out.dim() != len(self.out_shape) else out
+        if self.tracked:
+            # The tensors autograd tracks as arguments of their own, the rest in params (fewer for apply to scan).
+            out, lse = _EagerAttention.apply(q, k, v, mask, params, self.chosen)
         else:  # nothing to differentiate: no autograd Function, no saved tensors
-            _, _, out, lse = _run_forward(*args, chosen=chosen)
+            out, lse = _forward_on(self.chosen, q, k, v, params)
+        return _returned(out, lse, self.out_shape, return_lse)
+
+
+def _returned(out, lse, out_shape, return_lse: bool):
+    """What attention returns: out (and lse) with the caller's leading dims (the backends see them as one)."""
     if out.dim() != len(out_shape):
         out = out.reshape(out_shape)
         lse = lse.reshape(out_shape[:-1])
@@ -128,21 +167,23 @@ def attention(
 
 # ---- repeated calls --------------------------------------------------------------------------------------------
 
-# Calls with plain arguments (no attn_mask or window; Python floats and bools; see _call_key) whose shapes,
-# dtypes, devices, values, backend request and gradient needs equal an earlier call's: what _prepare and
-# _resolve made of that call (its canonical numbers, output shape, backend), so a repeated call skips both.
-# Bounded (the oldest entry makes room); cleared with the dispatcher's cache, since it holds decisions.
+# Calls with plain arguments (no attn_mask or window; Python floats and bools; see _call_key) whose shapes, strides,
+# dtypes, devices, values, backend request and gradient needs equal an earlier call's: that call's _CallPlan, so a
+# repeated call skips the checks and the decision. Calls whose leading dims broadcast take every step (the views
+# they need are made by _prepare). Bounded (the oldest entry makes room); cleared with the dispatcher's cache,
+# since it holds decisions.
 _known_calls: dict = {}
 _KNOWN_CALLS_LIMIT = 1024
-_UNRESOLVED = object()
 dispatch.clears_with_cache(_known_calls)
 
 
 def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap, backend):
     """The key of a call in _known_calls, or None where the call is not one whose outcome it holds. The key holds
-    everything _prepare checks and _resolve decides on except each tensor's last-dim stride (_to4d, per call), so
-    a call found there would pass the same checks and get the same backend. Values are typed exactly (a bool
-    where a float was would compare equal but is refused by _prepare), and NaNs never match."""
+    everything _prepare checks and _resolve decides on, and what _to4d and the backend's own path (see
+    SdpaBackend.native_call) read of the tensors (strides, requires_grad, grad mode), so a call found there would
+    pass the same checks, take the same layout steps and get the same backend and path. Values are typed exactly
+    (a bool where a float was would compare equal but is refused by _prepare); _prepare refuses NaNs, so none is
+    stored."""
     if (attn_mask is not None or window is not None or type(dropout_p) is not float or type(is_causal) is not bool
             or type(enable_gqa) is not bool or not (scale is None or type(scale) is float)
             or not (softcap is None or type(softcap) is float)
@@ -153,10 +194,9 @@ def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         request = dispatch.requested(backend)
     except Exception:  # a bad request raises where the full path checks it (after the tensors)
         return None
-    return (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
-            value.device, dropout_p, is_causal, scale, enable_gqa, softcap, request,
-            query.requires_grad or key.requires_grad or value.requires_grad)
-
+    return (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(), query.dtype, key.dtype,
+            value.dtype, query.device, key.device, value.device, dropout_p, is_causal, scale, enable_gqa, softcap,
+            request, query.requires_grad or key.requires_grad or value.requires_grad, torch.is_grad_enabled())
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
@@ -416,34 +456,37 @@ def _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window
 _NO_NATIVE = Backend.native_attention
 
 
-def _has_native_path(chosen) -> bool:
-    """Whether ``chosen`` has a differentiable path of its own (Backend.native_attention overridden)."""
-    return getattr(type(chosen), "native_attention", _NO_NATIVE) is not _NO_NATIVE
-
-
-def _native_attention(chosen, q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right,
-                      dropout_p, softcap, mask_requires_grad):
-    """The output through ``chosen``'s own differentiable path (a backend with one), or None where it declines."""
-    params = _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
-                     seed, softcap)
-    return chosen.native_attention(q, k, v, params)
+def _prepared_native(chosen, q, k, v, params):
+    """``chosen``'s own differentiable path (Backend.native_attention overridden) for calls like this one, as a
+    callable of (q, k, v, params) that gives the output, or None where the backend declines the call; None where
+    ``chosen`` has no such path. A backend that prepares the path per call signature (``native_call``, as the sdpa
+    backend does) is asked here once per signature; the path of any other is its native_attention, asked at each
+    call."""
+    if chosen is None or getattr(type(chosen), "native_attention", _NO_NATIVE) is _NO_NATIVE:
+        return None
+    prepare = getattr(chosen, "native_call", None)
+    return chosen.native_attention if prepare is None else prepare(q, k, v, params)
 
 
 def _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
-                 softcap, mask_requires_grad, chosen=None):
-    """Resolves the request (unless ``chosen`` is given), runs the backend's forward. Returns (backend or None,
-    params, out, lse); None for a problem the front end answers itself (empty sizes, D = 0, meta tensors)."""
+                 softcap, mask_requires_grad):
+    """The custom op's forward: resolves the request, runs the backend's forward. Returns (backend or None, out,
+    lse); None for a problem the front end answers itself (empty sizes, D = 0, meta tensors)."""
     params = _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
                      seed, softcap)
-    if chosen is None:  # (a chosen backend means _resolve found none of the front end's own problems)
-        if q.is_meta:  # shape inference only
-            return None, params, layouts.output_buffer(q, v), layouts.lse_buffer(q)
-        if _front_end_answers(q, k, v):
-            return None, params, *_degenerate_forward(q, k, v, params)
-        chosen = _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right,
-                          dropout_p, softcap, mask_requires_grad)
-    out, lse = chosen.forward(q, k, v, params)
-    return chosen, params, out, lse
+    chosen = _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right,
+                      dropout_p, softcap, mask_requires_grad)
+    out, lse = _forward_on(chosen, q, k, v, params)
+    return chosen, out, lse
+
+
+def _forward_on(chosen, q, k, v, params):
+    """(out, lse) of the backend ``chosen``'s forward; for None, the front end's own answer (_front_end_answers)."""
+    if chosen is not None:
+        return chosen.forward(q, k, v, params)
+    if q.is_meta:  # shape inference only
+        return layouts.output_buffer(q, v), layouts.lse_buffer(q)
+    return _degenerate_forward(q, k, v, params)
 
 
 def _run_backward(chosen, params, grad_out, q, k, v, out, lse, grad_lse):
@@ -489,9 +532,9 @@ class _EagerAttention(torch.autograd.Function):
     forward (the mask included) raises at the backward, as SDPA does."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, rest, chosen):
-        """``rest``: the call's other arguments (seed, backend, scale, ..., mask_requires_grad; see attention)."""
-        chosen, params, out, lse = _run_forward(q, k, v, mask, *rest, chosen=chosen)
+    def forward(ctx, q, k, v, mask, params, chosen):
+        """``mask``: ``params.mask``, passed on its own for autograd to track; ``chosen`` as in _forward_on."""
+        out, lse = _forward_on(chosen, q, k, v, params)
         ctx.set_materialize_grads(False)  # an unused lse (the usual case) sends no gradient
         ctx.chosen, ctx.params = chosen, params
         ctx.save_for_backward(q, k, v, out, lse, mask)
@@ -533,8 +576,8 @@ def _attention_forward(
     backend: str, scale: float, is_causal: bool, diag_offset: int, window_left: Optional[int],
     window_right: Optional[int], dropout_p: float, softcap: Optional[float], mask_requires_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    chosen, _, out, lse = _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left,
-                                       window_right, dropout_p, softcap, mask_requires_grad)
+    chosen, out, lse = _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left,
+                                    window_right, dropout_p, softcap, mask_requires_grad)
     # Compiled graphs assume the layouts the fake implementation promises: every built-in backend writes
     # them (no copy); a third-party backend's other layout is copied into place.
     out = layouts.placed(out, _out_strides(q, v))
