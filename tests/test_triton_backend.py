@@ -919,9 +919,9 @@ def test_explain_names_the_kernel_families(monkeypatch):
         path = backend.forward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 forward") and reason in path, (kwargs, path)
     assert "split-KV" in backend.forward_path(problem(seqlen_q=1))
-    # d = 64: the Gluon forward from 2k keys without a causal mask, from 8k with one.
+    # d = 64: the Gluon forward from 2k keys without a causal mask, from 4k with one.
     assert "Gluon Hopper forward" in backend.forward_path(problem(head_dim=64, seqlen_q=2048, seqlen_k=2048))
-    assert "2048 keys < 8192" in backend.forward_path(problem(head_dim=64, seqlen_q=2048, seqlen_k=2048,
+    assert "2048 keys < 4096" in backend.forward_path(problem(head_dim=64, seqlen_q=2048, seqlen_k=2048,
                                                               features=("causal",)))
     assert "Gluon Hopper backward (hopper_backward.py)" in backend.backward_path(problem(features=("causal",)))
     for kwargs, reason in ((dict(head_dim=96), "head dims 96/96"), (dict(seqlen_k=512), "512 keys < 1024"),

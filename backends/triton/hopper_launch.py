@@ -35,9 +35,9 @@ KEY_BLOCK = {64: 128, 128: 128, 256: 64}
 QUERY_ROWS_PER_CONSUMER = 64   # one wgmma row block per consumer warpgroup
 NUM_STAGES = 2
 # Fewest keys at which the Hopper kernel beat forward.py on the H100 (bf16, PERFORMANCE.md's shapes), per head dim: a
-# key count, or a pair (without a causal mask, with one). NOTES version 9: at d = 64 +4-5% from 2k without a mask
-# (persistent grid), behind causal up to 4k; at d = 128 level at 1k causal, ahead elsewhere; d = 256 ahead everywhere.
-MIN_KEYS = {64: (2048, 8192), 128: 1024, 256: 1}
+# key count, or a pair (without a causal mask, with one). NOTES versions 9-10: at d = 64 +2-6% from 2k without a mask
+# (persistent grid), causal -3% at 1k, level at 2k, +3-5% from 4k; at d = 128 ahead from 1k; d = 256 ahead everywhere.
+MIN_KEYS = {64: (2048, 4096), 128: 1024, 256: 1}
 # The backward: head dim -> fewest keys at which it beat backward.py's kernels on the H100 (bf16, NOTES version 8:
 # d = 64 +6-12% from 2k, level at 1k; d = 128 +12-18% from 2k, 1k causal +12%).
 BACKWARD_MIN_KEYS = {64: 2048, 128: 1024, 256: 1}
