@@ -11,8 +11,8 @@ on an sm_90 GPU:
    programs; causal persistent grids take their tiles from a table);
 2. the protocol's shapes (B * N = 16384, H = 2048 / d; N 1k, 4k, 16k; causal and not), TFLOP/s from do_bench
    medians beside sdpa-cudnn in the same run. Forward: the Triton backend (``mhattn.attention(backend="triton")``)
-   as it chooses, the same with the Gluon forward's consumers not issuing their products in turn
-   (``hopper_launch.PINGPONG`` off), and the FlashAttention-2 kernel (``MHATTN_TRITON_HOPPER=0``).
+   as it chooses, the same with the Gluon forward on a persistent grid and on one program per tile whatever the
+   key count, and the FlashAttention-2 kernel (``MHATTN_TRITON_HOPPER=0``).
    Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses and with
    ``MHATTN_TRITON_HOPPER=0``. The tables are printed last.
 """
@@ -185,25 +185,32 @@ def with_hopper_off(fn):
             os.environ[hopper_launch.ENV_SWITCH] = before
 
 
-def with_settings(fn, **settings):
-    """fn() with hopper_launch's constants of these names set to these values (the Gluon forward's schedule and
-    compile-time choices; the plans' launch sets are made afresh before and after)."""
+def with_schedule(fn, persistent_max_keys, causal_persistent_max_keys, causal_group_bytes):
+    """fn() with the Gluon forward's schedule rules set to these (hopper_launch's constants of those names)."""
     from mhattn.backends.triton import backend as triton_backend
 
     def forget_schedules():
         for plan in triton_backend._plans.values():
             plan.hopper_schedules.clear()
 
-    before = {name: getattr(hopper_launch, name) for name in settings}
-    for name, value in settings.items():
+    names = ("PERSISTENT_MAX_KEYS", "CAUSAL_PERSISTENT_MAX_KEYS", "CAUSAL_GROUP_BYTES")
+    before = [getattr(hopper_launch, name) for name in names]
+    for name, value in zip(names, (persistent_max_keys, causal_persistent_max_keys, causal_group_bytes)):
         setattr(hopper_launch, name, value)
     forget_schedules()
     try:
         return fn()
     finally:
-        for name, value in before.items():
+        for name, value in zip(names, before):
             setattr(hopper_launch, name, value)
         forget_schedules()
+
+
+def with_persistent(fn, on: bool):
+    """fn() with the Gluon forward on a persistent grid at every key count (on) or on one program per tile (off),
+    causal or not; the causal groups as hopper_launch sets them."""
+    keys = 1 << 40 if on else 0
+    return with_schedule(fn, keys, keys, hopper_launch.CAUSAL_GROUP_BYTES)
 
 
 def timing(dtype, parts, seqlens, wanted=None):
@@ -223,10 +230,11 @@ def timing(dtype, parts, seqlens, wanted=None):
                         cudnn = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
                     run_triton = lambda: mhattn.attention(q, k, v, is_causal=causal, backend="triton")  # noqa: E731
                     backend = bench(run_triton)
-                    no_pingpong = with_settings(lambda: bench(run_triton), PINGPONG=False)
+                    persistent = with_persistent(lambda: bench(run_triton), True)
+                    per_tile = with_persistent(lambda: bench(run_triton), False)
                     flash2 = with_hopper_off(lambda: bench(run_triton))
                     forward_rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in (
-                        cudnn, backend, no_pingpong, flash2)), cudnn / backend))
+                        cudnn, backend, persistent, per_tile, flash2)), cudnn / backend))
                     print(forward_rows[-1], flush=True)
                 if "bwd" in parts and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
                     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -249,12 +257,12 @@ def timing(dtype, parts, seqlens, wanted=None):
     name = str(dtype).replace("torch.", "")
     if forward_rows:
         print(f"\n{name} forward, TFLOP/s (same run)\n")
-        print("| d | N | causal | sdpa-cudnn | triton backend | backend, consumers not in turn | FlashAttention-2 "
-              "kernel | cuDNN/backend time |")
-        print("|---|---|---|---|---|---|---|---|")
-        for d, n, causal, cudnn, backend, no_pingpong, flash2, ratio in forward_rows:
-            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {backend:.0f} | {no_pingpong:.0f} | "
-                  f"{flash2:.0f} | {ratio:.2f} |")
+        print("| d | N | causal | sdpa-cudnn | triton backend | backend, persistent grid | backend, a program per "
+              "tile | FlashAttention-2 kernel | cuDNN/backend time |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for d, n, causal, cudnn, backend, persistent, per_tile, flash2, ratio in forward_rows:
+            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {backend:.0f} | {persistent:.0f} | "
+                  f"{per_tile:.0f} | {flash2:.0f} | {ratio:.2f} |")
     if backward_rows:
         print(f"\n{name} backward, TFLOP/s (same run)\n")
         print("| d | N | causal | sdpa-cudnn | triton backend | FlashAttention-2 kernels | triton/cuDNN |")

@@ -204,38 +204,12 @@ def release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, first, num_b
 
 
 @gluon.jit
-def take_turn(turn, turns, FIRST: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong (FlashAttention-3): the two consumers issue their products in turn, so one's softmax runs while the
-    other's products are on the tensor cores. Waits until this consumer may issue its ``turns``-th group of products
-    (counted across the program's tiles): the other consumer's arrival after its previous group. The first
-    consumer goes first (a fresh barrier counts as having completed the phase before its first)."""
-    if PINGPONG:
-        if FIRST:
-            mbarrier.wait(turn.index(0), (turns & 1) ^ 1)
-        else:
-            mbarrier.wait(turn.index(1), turns & 1)
-
-
-@gluon.jit
-def pass_turn(turn, FIRST: gl.constexpr, PINGPONG: gl.constexpr):
-    """Hands the turn to the other consumer (after issuing a group of products, or instead of one: see
-    consume_tile)."""
-    if PINGPONG:
-        if FIRST:
-            mbarrier.arrive(turn.index(1), count=1)
-        else:
-            mbarrier.arrive(turn.index(0), count=1)
-
-
-@gluon.jit
-def consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, q_phase, step,
-                 turns, out_base, stride_om, lse_base, start_m, cta_blocks, seqlen_q, seqlen_k, diag_offset, qk_scale2,
+def consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, q_phase, step,
+                 out_base, stride_om, lse_base, start_m, cta_blocks, seqlen_q, seqlen_k, diag_offset, qk_scale2,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, FIRST: gl.constexpr, PINGPONG: gl.constexpr):
+                 CAUSAL: gl.constexpr):
     """One softmax warpgroup on one tile: BLOCK_M query rows from start_m, every key block they see (ring slots
-    from ``step`` on), then the output. With PINGPONG, each of its cta_blocks + 1 groups of products (S_0; S_j with
-    P_{j-1} V_{j-1}; the last P V) is issued in turn with the other consumer's (turns: the groups before this
-    tile); a consumer that sees fewer blocks passes its remaining turns, so both take as many per tile."""
+    from ``step`` on), then the output."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -251,9 +225,7 @@ def consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_r
     if num_blocks > 0:
         slot = step % NUM_STAGES
         mbarrier.wait(k_ready.index(slot), (step // NUM_STAGES) & 1)
-        take_turn(turn, turns, FIRST, PINGPONG)
         qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        pass_turn(turn, FIRST, PINGPONG)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
         p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
@@ -264,13 +236,11 @@ def consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_r
             # S_j on the tensor cores first, then P_{j-1} V_{j-1} behind it: while they run, nothing
             # waits; the softmax of block j starts once S_j alone has finished.
             mbarrier.wait(k_ready.index(slot), ((step + j) // NUM_STAGES) & 1)
-            take_turn(turn, turns + j, FIRST, PINGPONG)
             qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False,
                                is_async=True)
             mbarrier.wait(v_ready.index(prev), ((step + j - 1) // NUM_STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), block_tile(v_smem, prev), acc,
                                 is_async=True)
-            pass_turn(turn, FIRST, PINGPONG)
             qk = warpgroup_mma_wait(1, deps=(qk, ))
             mbarrier.arrive(k_empty.index(slot), count=1)
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset,
@@ -282,19 +252,11 @@ def consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_r
         mbarrier.arrive(q_empty, count=1)
         last = (step + num_blocks - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((step + num_blocks - 1) // NUM_STAGES) & 1)
-        take_turn(turn, turns + num_blocks, FIRST, PINGPONG)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), block_tile(v_smem, last), acc, is_async=True)
-        pass_turn(turn, FIRST, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(last), count=1)
-        issued = num_blocks + 1
     else:
         mbarrier.arrive(q_empty, count=1)
-        issued = 0
-    if PINGPONG:
-        for passed in range(issued, cta_blocks + 1):
-            take_turn(turn, turns + passed, FIRST, PINGPONG)
-            pass_turn(turn, FIRST, PINGPONG)
     release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, num_blocks, cta_blocks, NUM_STAGES)
 
     # Rows that saw no visible key have l = 0: output 0, lse -inf.
@@ -311,17 +273,16 @@ def consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_r
 
 
 @gluon.jit
-def consumer_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+def consumer_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                        Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, TileTable, num_tiles,
                        num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
                        ROW_OFFSET: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                       TILE_TABLE: gl.constexpr, PINGPONG: gl.constexpr):
+                       TILE_TABLE: gl.constexpr):
     """One softmax warpgroup: rows ROW_OFFSET .. ROW_OFFSET + BLOCK_M of each of the program's tiles, in the load
     warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds)."""
     step = 0
     rounds = 0
-    turns = 0
     first, last, entry_step = program_entries(TileTable, num_tiles, TILE_TABLE)
     for entry in range(first, last, entry_step):
         tile = entry_tile(TileTable, entry, TILE_TABLE)
@@ -329,13 +290,11 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
         cta_blocks, _ = visible_key_blocks(tile_m + BLOCK_M, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
         out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
         lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
-        consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, rounds & 1,
-                     step, turns, out_base, stride_om, lse_base, tile_m + ROW_OFFSET, cta_blocks, seqlen_q, seqlen_k,
-                     diag_offset, qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, ROW_OFFSET == 0,
-                     PINGPONG)
+        consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds & 1, step,
+                     out_base, stride_om, lse_base, tile_m + ROW_OFFSET, cta_blocks, seqlen_q, seqlen_k, diag_offset,
+                     qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)
         step += cta_blocks
         rounds += 1
-        turns += cta_blocks + 1
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "num_tiles", "group_heads", "diag_offset",
@@ -346,7 +305,7 @@ def hopper_forward_kernel(
     stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, TILE_TABLE: gl.constexpr, PINGPONG: gl.constexpr,
+    CAUSAL: gl.constexpr, TILE_TABLE: gl.constexpr,
 ):
     """q_desc, k_desc, v_desc: host tensor maps (hopper_launch.tensor_map) of Q (B, Hq, Nq, D) in blocks of
     (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine zero-fills rows
@@ -373,7 +332,6 @@ def hopper_forward_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # ping-pong: consumer i's turn
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=2)  # one arrival per consumer
     for slot in gl.static_range(NUM_STAGES):
@@ -381,20 +339,18 @@ def hopper_forward_kernel(
         mbarrier.init(v_ready.index(slot), count=1)
         mbarrier.init(k_empty.index(slot), count=2)
         mbarrier.init(v_empty.index(slot), count=2)
-    for consumer in gl.static_range(2):
-        mbarrier.init(turn.index(consumer), count=1)
 
     gl.warp_specialize([
         (consumer_partition, (q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, q_empty, k_ready,
-                              k_empty, v_ready, v_empty, turn, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb,
+                              k_empty, v_ready, v_empty, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb,
                               stride_lh, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q,
                               seqlen_k, diag_offset, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                              TILE_TABLE, PINGPONG)),
+                              TILE_TABLE)),
         (consumer_partition, (q_smem.index(1).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, q_empty, k_ready,
-                              k_empty, v_ready, v_empty, turn, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb,
+                              k_empty, v_ready, v_empty, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb,
                               stride_lh, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q,
                               seqlen_k, diag_offset, qk_scale2, BLOCK_M, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                              CAUSAL, TILE_TABLE, PINGPONG)),
+                              CAUSAL, TILE_TABLE)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                           v_empty, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, kv_group, seqlen_k,
                           diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, TILE_TABLE)),

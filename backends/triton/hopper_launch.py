@@ -59,9 +59,6 @@ CAUSAL_PERSISTENT_MAX_KEYS = 1 << 31
 # A tile's start (its Q load, the first K block's wait) and end (the output's write), in key blocks of work, for
 # balanced_tiles.
 TILE_START_BLOCKS = 1
-# The forward's two consumers issue their products in turn (hopper_forward.take_turn), so one's softmax runs under the
-# other's products.
-PINGPONG = True
 # Causal tiles go longest first across groups of heads whose K/V take about CAUSAL_GROUP_BYTES (they stay in L2
 # while the group runs; hopper_forward.tile_rows); 0 orders each head's tiles alone, heaviest first.
 CAUSAL_GROUP_BYTES = 16 << 20
@@ -153,7 +150,7 @@ def compile_time_args(head_dim: int, causal: bool, tile_table: bool = False) -> 
     """The kernel's compile-time arguments for a head dim, causal or not, and a tile table or not (the launch,
     `mhattn build` and the GPU check script use the same)."""
     return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
-                NUM_STAGES=NUM_STAGES, CAUSAL=causal, TILE_TABLE=tile_table, PINGPONG=PINGPONG)
+                NUM_STAGES=NUM_STAGES, CAUSAL=causal, TILE_TABLE=tile_table)
 
 
 class ForwardSchedule(NamedTuple):
