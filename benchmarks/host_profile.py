@@ -11,6 +11,7 @@ Host loops (300 calls, one synchronize at the end, best of five) at B=1 H=16 N=1
 - the Triton backend's forward and backward called directly on the main thread, an identity autograd
   Function's forward+backward (the autograd engine's own cost of a Python backward), and a Function whose
   backward calls the backend's backward (what mhattn's autograd Function pays on the engine's device thread).
+``--paths`` shows, at the latency shapes, which path auto takes beside torch's SDPA (call_paths).
 ``--device-thread`` times pieces of host work inside a backward (autograd's device thread) beside the same on the
 main thread. ``--profile triton-fwd`` prints cProfile's top entries of mhattn.attention's forward on the Triton backend;
 ``--profile triton-bwd`` prints cProfile's top entries of the Triton backward where autograd runs it (its
@@ -148,6 +149,47 @@ def _fused_op_rows(q, k, v, dout):
     return rows
 
 
+def call_paths():
+    """At each bf16 shape of ``mhattn bench --latency``: the kernel torch's SDPA picks (torch._fused_sdp_choice) with
+    and without an explicit scale, for inputs with and without a gradient; the autograd node of mhattn.attention's
+    output on auto beside SDPA's (mhattn's own Function, or torch's node when auto hands the call to torch's public
+    op); host loops of SDPA, SDPA with scale=, and mhattn on auto, forward and forward+backward; and cProfile's top
+    entries of 300 auto forwards."""
+    for shape in latency.SHAPES:
+        if shape.dtype != "bf16":
+            continue
+        dims = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
+        q, k, v = (torch.randn(*dims, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        qd, kd, vd = (t.detach() for t in (q, k, v))
+        dout = torch.randn_like(qd)
+        scale = shape.head_dim ** -0.5
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        choices = {f"{'grad' if t[0].requires_grad else 'no grad'}{', scale=' if kw else ''}":
+                   int(torch._fused_sdp_choice(*t, **kw)) for t in ((q, k, v), (qd, kd, vd))
+                   for kw in ({}, {"scale": scale})}
+        nodes = (type(mhattn.attention(q, k, v).grad_fn).__name__, type(sdpa(q, k, v).grad_fn).__name__)
+        print(f"== {shape.describe()}
+torch's choice (SDPBackend value): {choices}
+"
+              f"autograd node: mhattn auto {nodes[0]}, torch sdpa {nodes[1]}")
+        for label, fn in (("torch sdpa forward", lambda: sdpa(qd, kd, vd)),
+                          ("torch sdpa, scale=, forward", lambda: sdpa(qd, kd, vd, scale=scale)),
+                          ("mhattn auto forward", lambda: mhattn.attention(qd, kd, vd)),
+                          ("torch sdpa forward+backward", lambda: sdpa(q, k, v).backward(dout)),
+                          ("torch sdpa, scale=, forward+backward", lambda: sdpa(q, k, v, scale=scale).backward(dout)),
+                          ("mhattn auto forward+backward", lambda: mhattn.attention(q, k, v).backward(dout))):
+            print(f"{label:<52} {host_loop_us(fn):8.1f} us host loop")
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(300):
+            mhattn.attention(qd, kd, vd)
+        profile.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(8)
+        print(text.getvalue())
+
+
 def profile_triton_forward(q, k, v):
     """cProfile of mhattn.attention's forward on the Triton backend (no gradient), 300 calls."""
     qd, kd, vd = (t.detach() for t in (q, k, v))
@@ -251,11 +293,16 @@ def device_thread_pieces(q, k, v, dout, calls=200):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", choices=("triton-fwd", "triton-bwd"), default=None)
+    parser.add_argument("--paths", action="store_true",
+                        help="only the call paths of auto beside torch's SDPA at the latency shapes (call_paths)")
     parser.add_argument("--device-thread", action="store_true",
                         help="also time pieces of host work on autograd's device thread and the main thread")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_profile.py needs a CUDA GPU (benchmarks/host_cost.py is the CPU counterpart)")
+    if args.paths:
+        call_paths()
+        return
     table, tensors = rows()
     results = [(label, host_loop_us(fn)) for label, fn in table]
     if args.profile == "triton-fwd":
