@@ -168,9 +168,7 @@ def call_paths():
                    int(torch._fused_sdp_choice(*t, **kw)) for t in ((q, k, v), (qd, kd, vd))
                    for kw in ({}, {"scale": scale})}
         nodes = (type(mhattn.attention(q, k, v).grad_fn).__name__, type(sdpa(q, k, v).grad_fn).__name__)
-        print(f"== {shape.describe()}
-torch's choice (SDPBackend value): {choices}
-"
+        print(f"== {shape.describe()}\ntorch's choice (SDPBackend value): {choices}\n"
               f"autograd node: mhattn auto {nodes[0]}, torch sdpa {nodes[1]}")
         for label, fn in (("torch sdpa forward", lambda: sdpa(qd, kd, vd)),
                           ("torch sdpa, scale=, forward", lambda: sdpa(qd, kd, vd, scale=scale)),
