@@ -228,6 +228,16 @@ class Backend:
         gives. The default has none."""
         return None
 
+    def native_call(self, q, k, v, params: AttentionParams):
+        """Optional: :meth:`native_attention` prepared for calls like this one, as a callable of (q, k, v, params)
+        giving what native_attention would; None where calls like this one have no such path. The front end asks
+        once per call signature (shapes, strides, dtype, device, params but the dropout seed, the inputs'
+        ``requires_grad`` and grad mode) and keeps the answer for the calls that repeat it, so anything else the
+        choice depends on must be checked inside the callable. The default: native_attention itself, where the
+        backend has one."""
+        has_own = type(self).native_attention is not Backend.native_attention
+        return self.native_attention if has_own else None
+
     def forward_kvcache(self, q, cache: KVCache, params: AttentionParams):
         """Attention of q (B, Hq, Nq, D) over each sequence's first ``cache.seqlens[b]`` cached keys.
 

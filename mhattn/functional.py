@@ -27,7 +27,7 @@ import torch
 
 from mhattn import dispatch, dropout_rng
 from mhattn.backends import layouts
-from mhattn.backends.base import AttentionParams, Backend
+from mhattn.backends.base import AttentionParams
 from mhattn.caches import put_bounded
 from mhattn.errors import InputError
 from mhattn.problem import Problem
@@ -453,19 +453,10 @@ def _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window
                                      _uses_window(window_left, window_right, is_causal), name, source, diag_offset)
 
 
-_NO_NATIVE = Backend.native_attention
-
-
 def _prepared_native(chosen, q, k, v, params):
-    """``chosen``'s own differentiable path (Backend.native_attention overridden) for calls like this one, as a
-    callable of (q, k, v, params) that gives the output, or None where the backend declines the call; None where
-    ``chosen`` has no such path. A backend that prepares the path per call signature (``native_call``, as the sdpa
-    backend does) is asked here once per signature; the path of any other is its native_attention, asked at each
-    call."""
-    if chosen is None or getattr(type(chosen), "native_attention", _NO_NATIVE) is _NO_NATIVE:
-        return None
-    prepare = getattr(chosen, "native_call", None)
-    return chosen.native_attention if prepare is None else prepare(q, k, v, params)
+    """``chosen``'s own differentiable path for calls like this one (Backend.native_call), or None where it has
+    none (or the front end answers the call itself)."""
+    return None if chosen is None else chosen.native_call(q, k, v, params)
 
 
 def _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p,

@@ -131,3 +131,31 @@ def test_a_repeated_call_skips_the_checks_and_the_sdpa_backend_s_own_look_up(mon
     monkeypatch.setattr(sdpa.SdpaBackend, "native_call", lambda *a: prepared.append(1))
     assert torch.equal(mhattn.attention(q, k, v, enable_gqa=True), first) and prepared == []
     assert close(first, F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+
+
+def test_a_plugged_in_backend_with_its_own_differentiable_path_serves_every_repeated_call():
+    """A third-party backend that overrides only Backend.native_attention (the plug-in contract) has that path used
+    at every call, repeated ones included (Backend.native_call's default), and its gradients reach the inputs."""
+    from mhattn.reference import ReferenceBackend
+
+    calls = []
+
+    class OwnPath(ReferenceBackend):
+        name = "own-path-test"
+
+        def native_attention(self, q, k, v, params):
+            calls.append(1)
+            weights = torch.softmax(q @ k.transpose(-1, -2) * params.scale, dim=-1)
+            return weights @ v
+
+    mhattn.registry.register_backend(OwnPath())
+    try:
+        q, k, v = (rand(2, 3, 17, 8, requires_grad=True) for _ in range(3))
+        for _ in range(3):
+            out = mhattn.attention(q, k, v, backend="own-path-test")
+        assert len(calls) == 3 and close(out, F.scaled_dot_product_attention(q, k, v))
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v).sum(), (q, k, v))
+        assert all(close(g, w) for g, w in zip(grads, want))
+    finally:
+        mhattn.registry.unregister_backend("own-path-test")
