@@ -73,15 +73,20 @@ def launchers() -> _Launchers:
     return made
 
 
-# What torch.backends.cuda.matmul.allow_tf32 reads, without its Python attribute hook (read at every call).
+# What torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision read, without their Python
+# layers (read at every float32 call).
 _ALLOW_TF32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
+_MATMUL_PRECISION = getattr(torch._C, "_get_float32_matmul_precision", None) or torch.get_float32_matmul_precision
+# The current CUDA device, without torch.cuda.current_device's initialisation check (asked only for CUDA tensors,
+# so CUDA is initialised).
+_CURRENT_DEVICE = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
     """fp32 follows torch's matmul setting: full fp32 ("ieee") unless TF32 is allowed."""
     if dtype != torch.float32:
         return "tf32"  # ignored by tl.dot for 16-bit inputs
-    tf32 = _ALLOW_TF32() or torch.get_float32_matmul_precision() != "highest"
+    tf32 = _ALLOW_TF32() or _MATMUL_PRECISION() != "highest"
     return "tf32" if tf32 else "ieee"
 
 
@@ -137,6 +142,8 @@ class _Plan:
         # The stride half of the descriptor check (the plan is per strides); the addresses are checked per call.
         self.descriptor_strides_ok = self.hopper and _descriptor_strides_ok(q, k, v)
         self.device_index = q.device.index if q.device.index is not None else 0
+        # The GPU the launches must run on (None: CPU tensors under the interpreter), see _on_device.
+        self.cuda_index = self.device_index if q.device.type == "cuda" else None
         self.out_layout = layouts.rows_major_layout(self.batch, self.heads_q, self.seqlen_q, self.head_dim_v)
         # (shape, strides) of the per-row float32 buffers (lse, delta): contiguous (B, Hq, Nq).
         rows_shape = (self.batch, self.heads_q, self.seqlen_q)
@@ -180,7 +187,11 @@ class _Signature:
         self.decode = k.shape[2] > 0 and decode_launch.eligible(q, k, params)
         self.checked = False  # whether _check_inputs passed for these shapes and strides (dense calls)
         self.sites: dict = {}
-        plan = _plan_for(q, k, v, mask_kind, params.window_left is not None, params.window_right is not None,
+        # The FlashAttention-2 forward of a repeated call, per whether the call's addresses suit descriptors (index
+        # False / True): made by the first call of a signature whose only tensors are q, k, v and the outputs.
+        self.repeated_forwards = [None, None]
+        self.plain = mask is None and not has_dropout
+        plan = self.plan = _plan_for(q, k, v, mask_kind, params.window_left is not None, params.window_right is not None,
                          params.softcap is not None, has_dropout, self.key_lengths)
         sm_scale = float(params.scale)
         if params.softcap is not None:
@@ -210,7 +221,10 @@ def _signature_for(q, k, v, params: AttentionParams, dense: bool) -> _Signature:
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, _dot_precision(q.dtype),
            configs.pinned(), None if mask is None else (mask.dtype, mask.shape, mask.stride()), params.scale,
            params.diag_offset, params.window_left, params.window_right, params.dropout_p, params.softcap)
-    found = _signatures.get(key)
+    try:
+        found = _signatures[key]
+    except KeyError:
+        found = None
     if found is None or (dense and not found.checked):
         if dense:
             _check_inputs(q=q, k=k, v=v)
@@ -225,8 +239,8 @@ class _Launch:
     softcap_out2, dropout_scale, threshold, diag_offset, window_left, window_right) and what varies per call:
     the mask as the kernels read it, the key bounds, the seed tensor, whether the addresses suit descriptors."""
 
-    def __init__(self, q, k, v, params: AttentionParams, dense: bool = False):
-        signature = self.signature = _signature_for(q, k, v, params, dense)
+    def __init__(self, q, k, v, params: AttentionParams, dense: bool = False, signature: Optional[_Signature] = None):
+        signature = self.signature = signature or _signature_for(q, k, v, params, dense)
         self.__dict__.update(signature.shared)
         mask = params.mask
         if mask is None:
@@ -360,26 +374,39 @@ def _run(kernel_name: str, tile: configs.KernelConfig, key, launch):
         return
 
 
-def _launch_site(run: _Launch, key: tuple, launcher: CompiledLauncher, tensors: tuple, last: tuple, prepare):
+def _launch_site(signature: _Signature, key: tuple, launcher: CompiledLauncher, tensors: tuple, last: tuple,
+                 prepare) -> tuple:
     """Launch ``launcher`` with the arguments ``tensors + middle + last`` through the launch prepared for ``key``
     on this call's signature. ``key`` holds everything ``prepare`` reads besides the signature (tile, flags,
     the strides of tensors the signature does not fix); ``prepare() -> (grid, middle, constexprs)`` runs the
-    first time, ``middle`` being the arguments between the tensors and ``last`` (strides, sizes, scalars)."""
-    site = run.signature.sites.get(key)
+    first time, ``middle`` being the arguments between the tensors and ``last`` (strides, sizes, scalars).
+    Returns the site: (the PreparedLaunch, middle)."""
+    site = signature.sites.get(key)
     if site is None:
         grid, middle, constexprs = prepare()
-        prepared = launcher.prepare(grid, tensors + middle + last, constexprs, run.plan.device_index)
-        site = run.signature.sites[key] = (prepared, middle)
+        prepared = launcher.prepare(grid, tensors + middle + last, constexprs, signature.plan.device_index)
+        site = signature.sites[key] = (prepared, middle)
     prepared, middle = site
     prepared.launch(tensors + middle + last)
+    return site
+
+
+def _on_device(cuda_index: Optional[int], launch, args: tuple) -> None:
+    """``launch(args)`` with GPU ``cuda_index`` current (Triton launches on the current device); None: CPU tensors
+    (the interpreter). The device is switched only where another one is current (a comparison per call)."""
+    if cuda_index is None or _CURRENT_DEVICE() == cuda_index:
+        launch(args)
+        return
+    with torch.cuda.device(cuda_index):
+        launch(args)
 
 
 class _OnDevice:
-    """Make q's GPU the current one for the launch (Triton launches on the current device)."""
+    """Make q's GPU the current one for the launches inside the block (see _on_device)."""
 
     def __init__(self, device: torch.device):
         self.guard = None
-        if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        if device.type == "cuda" and device.index is not None and device.index != _CURRENT_DEVICE():
             self.guard = torch.cuda.device(device.index)
 
     def __enter__(self):
@@ -389,6 +416,44 @@ class _OnDevice:
     def __exit__(self, *exc):
         if self.guard is not None:
             self.guard.__exit__(*exc)
+
+
+def _forward_tensors(q, k, v, out, lse, mask, key_bounds) -> tuple:
+    """The FlashAttention-2 forward's leading tensor arguments (forward.py's order)."""
+    return q, k, v, out, lse, mask, lse, key_bounds
+
+
+class _RepeatedForward:
+    """The FlashAttention-2 forward of a plain signature (no mask, no dropout: q, k, v and the outputs are its only
+    tensors) as its first call launched it: the prepared launch of the tile that ran and the arguments between the
+    tensors, the GPU to launch on, whether the tile reads through descriptors. A repeated call allocates its outputs
+    and launches; the per-call checks stay: the tensors' dtypes and address alignment (PreparedLaunch picks the
+    compiled kernel by them), the current device, launch hooks, a tile out of resources. Holds what
+    hopper_launch.why_not reads of a call (window_right, tma_ok), so it stands for one there."""
+
+    __slots__ = ("site", "middle", "descriptors", "cuda_index", "window_right", "tma_ok")
+
+    def __init__(self, site: tuple, descriptors: bool, plan: _Plan, run: _Launch):
+        self.site, self.middle = site
+        self.descriptors, self.cuda_index = descriptors, plan.cuda_index
+        self.window_right, self.tma_ok = run.window_right, run.tma_ok
+
+    def launch(self, q, k, v, out, lse) -> bool:
+        """Launch into ``out`` and ``lse``; False where a new specialisation of the tile ran out of resources (the
+        full path then shrinks it)."""
+        if self.descriptors:
+            _ensure_descriptor_allocator()
+        # The mask, key bounds and seed places hold placeholders, as _Launch has them without a mask or dropout.
+        args = _forward_tensors(q, k, v, out, lse, q, lse) + self.middle + (q, 0)
+        try:
+            _on_device(self.cuda_index, self.site.launch, args)
+        except Exception as error:
+            from triton.runtime.errors import OutOfResources
+
+            if not isinstance(error, OutOfResources):
+                raise
+            return False
+        return True
 
 
 class TritonBackend(Backend):
@@ -486,12 +551,30 @@ class TritonBackend(Backend):
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, q, k, v, params: AttentionParams):
-        run = _Launch(q, k, v, params, dense=True)
-        plan = run.plan
+        signature = _signature_for(q, k, v, params, dense=True)
         # Decoding (few query rows per key/value head): the split-KV kernels (decode.py, decode_launch.py),
         # which allocate their own outputs.
-        if run.signature.decode:
-            return decode_launch.split_kv_forward(q, k, v, params, run=run)
+        if signature.decode:
+            return decode_launch.split_kv_forward(q, k, v, params, signature=signature)
+        plan = signature.plan
+        # The Hopper paths need every tensor read through descriptors aligned: the plan holds the strides' half.
+        tma_ok = plan.descriptor_strides_ok and _addresses_aligned(q, k, v)
+        repeat = signature.repeated_forwards[tma_ok]
+        # A repeated call launches what its signature's first call prepared, unless the launchers were replaced
+        # since or the Gluon Hopper forward takes this call (its switch and thresholds are read at every call).
+        if repeat is not None and repeat.site.launcher is launchers().forward and not (
+                plan.sm90 and hopper_launch.why_not(plan, repeat) is None):
+            out = torch.empty_strided(*plan.out_layout, dtype=q.dtype, device=q.device)  # layouts.output_buffer's
+            lse = torch.empty_strided(*plan.rows_layout, dtype=torch.float32, device=q.device)
+            if repeat.launch(q, k, v, out, lse):
+                return out, lse
+        return self._forward_in_full(q, k, v, params, signature)
+
+    def _forward_in_full(self, q, k, v, params: AttentionParams, signature: _Signature):
+        """The forward with every step: this call's per-call state (_Launch), the Hopper decision, the tile (shrunk
+        where it ran out of resources); leaves a plain signature the launch its repeated calls make."""
+        run = _Launch(q, k, v, params, signature=signature)
+        plan = run.plan
         out = torch.empty_strided(*plan.out_layout, dtype=q.dtype, device=q.device)  # layouts.output_buffer's
         lse = torch.empty_strided(*plan.rows_layout, dtype=torch.float32, device=q.device)
         if out.numel() == 0 and lse.numel() == 0:
@@ -505,8 +588,9 @@ class TritonBackend(Backend):
                 hopper_launch.forward(q, k, v, out, lse, run, plan, plan.device_index)
             return out, lse
         launcher = launchers().forward
-        tensors = (q, k, v, out, lse, run.mask, lse, run.key_bounds_or(lse))
+        tensors = _forward_tensors(q, k, v, out, lse, run.mask, run.key_bounds_or(lse))
         seed = (run.seed, run.threshold)
+        ran = []
 
         def launch(tile):
             tma = run.tma(tile)
@@ -522,10 +606,13 @@ class TritonBackend(Backend):
                 ), plan.constexprs(launcher, tile, HEAVY_FIRST=plan.heavy_first, TMA=tma,
                                    WARP_SPECIALIZE=tile.warp_specialize and plan.warp_specialize_ok)
 
-            _launch_site(run, (launcher, tile, tma), launcher, tensors, seed, prepare)
+            ran.append((_launch_site(signature, (launcher, tile, tma), launcher, tensors, seed, prepare), tma))
 
         with _OnDevice(q.device):
             _run("forward", plan.config.forward, plan.shrink_key + (run.tma_ok,), launch)
+        if signature.plain:
+            site, tma = ran[-1]
+            signature.repeated_forwards[run.tma_ok] = _RepeatedForward(site, tma, plan, run)
         return out, lse
 
     # ---- backward -----------------------------------------------------------------------------
@@ -574,7 +661,7 @@ class TritonBackend(Backend):
                 ), kernel.preprocess.cached_constexprs(4, 1, HEAD_DIM_V=plan.head_dim_v, BLOCK_DV=plan.block_dv,
                                                        BLOCK_M=block_pre, HAS_GRAD_LSE=grad_lse is not None)
 
-            _launch_site(run, (kernel.preprocess, out.stride(), grad_out_strides, lse.stride(),
+            _launch_site(run.signature, (kernel.preprocess, out.stride(), grad_out_strides, lse.stride(),
                                None if grad_lse is None else grad_lse.stride()),
                          kernel.preprocess, (out, grad_out, lse, grad_lse_arg, delta, lse2), (), prepare_preprocess)
 
@@ -593,7 +680,7 @@ class TritonBackend(Backend):
                                        WARP_SPECIALIZE=tile.warp_specialize and plan.warp_specialize_ok,
                                        DQ_MODE=dq_mode)
 
-                _launch_site(run, (kernel.dkdv, tile, tma, grad_out_strides, dq_mode), kernel.dkdv,
+                _launch_site(run.signature, (kernel.dkdv, tile, tma, grad_out_strides, dq_mode), kernel.dkdv,
                              (q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run.mask, delta, key_bounds), seed,
                              prepare)
 
@@ -608,7 +695,7 @@ class TritonBackend(Backend):
                         run.diag_offset, run.window_left, run.window_right,
                     ), plan.constexprs(kernel.dq, tile, MASK_GRAD=mask_grad, HEAVY_FIRST=plan.heavy_first)
 
-                _launch_site(run, (kernel.dq, tile, grad_out_strides, mask_grad), kernel.dq,
+                _launch_site(run.signature, (kernel.dq, tile, grad_out_strides, mask_grad), kernel.dq,
                              (q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta, delta,
                               key_bounds), seed, prepare)
 

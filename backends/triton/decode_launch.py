@@ -102,50 +102,47 @@ def _split_plan(plan, device: torch.device, keys: int) -> tuple:
     return found
 
 
-def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None, run=None):
+def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None, signature=None):
     """out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) fp32 of q over k, v.
 
     Dense (cache None): k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), diagonal at params.diag_offset. With a
     cache, k and v are its tensors (contiguous or the paged pool) and each sequence b attends over its
-    first cache.seqlens[b] keys with its diagonal at seqlens[b] - Nq. ``run``: the backend's _Launch of
-    these arguments when the caller has it already.
+    first cache.seqlens[b] keys with its diagonal at seqlens[b] - Nq. ``signature``: the backend's _Signature
+    of these arguments when the caller has it already.
     """
-    from mhattn.backends import layouts
-    from mhattn.backends.triton.backend import INTERPRET, _Launch, _launch_site, _OnDevice, launchers
-
-    run = run or _Launch(q, k, v, params)
-    plan = run.plan
-    batch, heads_q, seqlen_q = q.shape[:3]
-    heads_kv = k.shape[1]
-    out = layouts.output_buffer(q, v)
-    lse = layouts.lse_buffer(q)
-    if out.numel() == 0 and lse.numel() == 0:
+    backend = _backend or _import_backend()
+    signature = signature or backend._signature_for(q, k, v, params, dense=False)
+    plan = signature.plan
+    out = torch.empty_strided(*plan.out_layout, dtype=q.dtype, device=q.device)  # layouts.output_buffer's
+    lse = torch.empty_strided(*plan.rows_layout, dtype=torch.float32, device=q.device)  # layouts.lse_buffer's
+    rows = plan.batch * plan.heads_q * plan.seqlen_q
+    if rows == 0:  # out and lse are empty
         return out, lse
 
     paged = cache is not None and cache.paged
-    keys = cache.capacity if cache is not None else k.shape[2]
-    if q.device.type != "cuda" and not INTERPRET:
+    keys = k.shape[2] if cache is None else cache.capacity
+    if plan.cuda_index is None and not backend.INTERPRET:
         raise ValueError("triton backend: CPU tensors need TRITON_INTERPRET=1 (set before import)")
     tile, splits, block_m, row_blocks = _split_plan(plan, q.device, keys)
 
     if splits > 1:
-        out_split = torch.empty(batch * heads_q * seqlen_q, splits, plan.head_dim_v, dtype=torch.float32,
-                                device=q.device)
-        lse_split = torch.empty(batch * heads_q * seqlen_q, splits, dtype=torch.float32, device=q.device)
+        out_split = torch.empty(rows, splits, plan.head_dim_v, dtype=torch.float32, device=q.device)
+        lse_split = torch.empty(rows, splits, dtype=torch.float32, device=q.device)
     else:
         out_split = lse_split = lse
     seqlens = cache.seqlens if cache is not None else lse
     table = cache.block_table if paged else lse
     table_stride = table.stride(0) if paged else 0
-    kernel = launchers()
+    kernel = backend.launchers()
     split_kv, combine = kernel.split_kv, kernel.combine_splits
 
     # The launches are prepared once per signature and what the signature does not fix (the cache's capacity and
     # block table stride): a repeated decoding step only passes its tensors (launcher.PreparedLaunch).
     def prepare_split_kv():
-        return (batch * heads_kv, splits, row_blocks), (
+        run = backend._Launch(q, k, v, params, signature=signature)  # the signature's scalars
+        return (plan.batch * plan.heads_kv, splits, row_blocks), (
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], table_stride,
-            heads_q, heads_kv, plan.kv_group, seqlen_q, k.shape[2], splits,
+            plan.heads_q, plan.heads_kv, plan.kv_group, plan.seqlen_q, k.shape[2], splits,
             run.qk_scale2, run.softcap_in2, run.softcap_out2,
             run.diag_offset, run.window_left, run.window_right,
         ), split_kv.cached_constexprs(
@@ -158,13 +155,26 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
         )
 
     def prepare_combine():
-        return (batch * heads_q * seqlen_q,), (*out.stride()[:3], heads_q, seqlen_q, splits), \
+        return (rows,), (*out.stride()[:3], plan.heads_q, plan.seqlen_q, splits), \
             combine.cached_constexprs(4 if plan.block_dv >= 128 else 2, 1, HEAD_DIM_V=plan.head_dim_v,
                                       BLOCK_DV=plan.block_dv, BLOCK_S=max(2, configs.triton_next_power_of_2(splits)))
 
-    with _OnDevice(q.device):
-        _launch_site(run, (split_kv, keys, cache is not None, paged, table_stride), split_kv,
-                     (q, k, v, out, lse, out_split, lse_split, seqlens, table), (), prepare_split_kv)
+    with backend._OnDevice(q.device):
+        backend._launch_site(signature, (split_kv, keys, cache is not None, paged, table_stride), split_kv,
+                             (q, k, v, out, lse, out_split, lse_split, seqlens, table), (), prepare_split_kv)
         if splits > 1:
-            _launch_site(run, (combine, keys), combine, (out, lse, out_split, lse_split), (), prepare_combine)
+            backend._launch_site(signature, (combine, keys), combine, (out, lse, out_split, lse_split), (),
+                                 prepare_combine)
     return out, lse
+
+
+_backend = None
+
+
+def _import_backend():
+    """The backend module (backend.py), imported at the first call: it imports this module."""
+    global _backend
+    from mhattn.backends.triton import backend
+
+    _backend = backend
+    return backend

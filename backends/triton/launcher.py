@@ -230,8 +230,9 @@ class PreparedLaunch:
             return
         tensors = self.tensors(args)
         key = (self.site, tuple(map(_DTYPE, tensors)), tuple(map(_LOW_BITS, map(_DATA_PTR, tensors))))
-        handle = launcher.handles.get(key)
-        if handle is None:
+        try:
+            handle = launcher.handles[key]
+        except KeyError:  # a new specialisation: Triton compiles (or finds) it
             compiled = launcher._launch_through_triton(self.grid, args, self.constexprs)
             launcher._keep(key, compiled)
             return
@@ -242,14 +243,19 @@ class PreparedLaunch:
 
 
 def _launch_hooks_set() -> bool:
-    """A profiler (e.g. Triton's proton) watches launches through Triton's hooks: leave them to Triton."""
-    runtime = _runtime_knobs()
+    """A profiler (e.g. Triton's proton) watches launches through Triton's hooks: leave them to Triton. Asked at
+    every launch, so it reads the hooks without calling anything where it can."""
+    runtime = _RUNTIME_KNOBS[0] if _RUNTIME_KNOBS else _runtime_knobs()
     if runtime is None:
         return False
     for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         # None (Triton 3.6) or an empty chain of hooks (later Triton) is no hook.
-        if hook is not None and getattr(hook, "calls", True):
-            return True
+        if hook is not None:
+            try:
+                if hook.calls:
+                    return True
+            except AttributeError:  # a plain function set as the hook
+                return True
     return False
 
 
