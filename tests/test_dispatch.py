@@ -270,3 +270,21 @@ def test_a_repeated_call_is_answered_by_the_call_memo_until_the_registry_changes
     mhattn.register_backend(ReferenceBackend(), replace=True)
     mhattn.attention(q.detach(), q.detach(), q.detach(), backend="rec_a")
     assert len(calls) == 5 and recorders[0].calls == ["forward"] * 3
+
+
+def test_environment_variables_read_at_every_call_follow_os_environ(monkeypatch):
+    """mhattn.environment.raw_store sees every change made through os.environ, as MHATTN_TRITON_HOPPER's switch
+    reads it at each call (set, changed, with spaces and capitals, unset)."""
+    from mhattn import environment
+    from mhattn.backends.triton import hopper_launch
+
+    store, key = environment.raw_store("MHATTN_TEST_VARIABLE")
+    monkeypatch.delenv("MHATTN_TEST_VARIABLE", raising=False)
+    assert store.get(key) is None
+    monkeypatch.setenv("MHATTN_TEST_VARIABLE", "x y")
+    assert environment.decoded(store.get(key)) == "x y"
+    for value, switch in ((" Always ", "always"), ("0", "0"), ("OFF", "off")):
+        monkeypatch.setenv(hopper_launch.ENV_SWITCH, value)
+        assert hopper_launch._switch() == switch
+    monkeypatch.delenv(hopper_launch.ENV_SWITCH)
+    assert hopper_launch._switch() == "1"

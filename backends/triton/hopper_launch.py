@@ -19,13 +19,14 @@ compare the two; ``MHATTN_TRITON_HOPPER=always`` runs them at any key count (e.g
 
 from __future__ import annotations
 
+import functools
 import heapq
 import importlib.util
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
+from mhattn import environment
 from mhattn.backends.triton import configs
 from mhattn.backends.triton.decode_launch import _sm_count
 from mhattn.backends.triton.launcher import CompiledLauncher
@@ -77,8 +78,18 @@ def gluon_available() -> bool:
 
 def _switch() -> str:
     """MHATTN_TRITON_HOPPER's value: "0" (or false, no, off) turns the Hopper kernels off; "always" runs them
-    wherever they apply, whatever the key count (to qualify them on a conformance run's small shapes)."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower()
+    wherever they apply, whatever the key count (to qualify them on a conformance run's small shapes). Read at every
+    call on an sm_90 GPU (it may change between calls), so through os.environ's own store."""
+    raw = _switch_store.get(_switch_key)
+    return "1" if raw is None else _switch_value(raw)
+
+
+_switch_store, _switch_key = environment.raw_store(ENV_SWITCH)
+
+
+@functools.lru_cache(maxsize=16)
+def _switch_value(raw) -> str:
+    return environment.decoded(raw).strip().lower()
 
 
 def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
