@@ -16,7 +16,8 @@
 # FEATURE_CHECKS=callpath,inference,tune,cupy,cupy-hopper,triton-hopper runs those checks first (CHECK_S seconds
 # each, default 300; INFERENCE_ARGS, TUNE_ARGS, CUPY_HOPPER_ARGS, TRITON_HOPPER_ARGS passed on).
 # Environment: OUT (default /tmp/mhattn_gpu_check), QUICK, SKIP_TESTS, SKIP_CONFORMANCE, SKIP_BENCH,
-# SKIP_PYTEST_BENCH, FULL_CONFORMANCE (1: conformance --full --jobs auto instead of --quick), TOTAL_S
+# SKIP_PYTEST_BENCH, GPU_TESTS (the test files for `pytest -m gpu`, default tests/: the whole GPU suite takes more
+# than one 10-minute device call on an H100), FULL_CONFORMANCE (1: conformance --full --jobs auto instead of --quick), TOTAL_S
 # (budget of the whole script, default 560), TESTS_S (default 180), CONFORMANCE_S (the --quick run, default
 # 150), FULL_CONFORMANCE_S (the --full run, default 480), TASK_TIMEOUT_S (one bench task, default 150),
 # MODULE_SEQLEN (default 1k,4k; 1k with QUICK), BENCH_ARGS.
@@ -77,9 +78,11 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   stage "GPU tests: pytest -m gpu tests/"
   limit=$(budget "$TESTS_S" 240)
   if [ "$limit" -gt 20 ]; then
-    timeout -k 10 "$limit" python3 -m pytest -q -m gpu tests/ -p no:cacheprovider >> "$CHECKS" 2>&1
+    # One line per test, unbuffered: a run stopped by its time limit still shows what passed and where it was.
+    timeout -k 10 "$limit" python3 -u -m pytest -v -m gpu ${GPU_TESTS:-tests/} -p no:cacheprovider >> "$CHECKS" 2>&1
     rc=$?
-    [ "$rc" = 124 ] && echo "GPU tests stopped after ${limit} s (TESTS_S)"
+    [ "$rc" = 124 ] && echo "GPU tests stopped after ${limit} s (TESTS_S): $(grep -c ' PASSED' "$CHECKS") passed, at" \
+      "$(grep -E '^tests/' "$CHECKS" | tail -1 | cut -d' ' -f1)"
     grep -E "^(FAILED|ERROR) " "$CHECKS" | head -25
     grep -E "(passed|failed|skipped|error).* in [0-9.]+s" "$CHECKS" | tail -1
   else
