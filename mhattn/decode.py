@@ -226,14 +226,31 @@ def _check_lengths(cache_seqlens, seqlens, block_table, num_blocks, block_size, 
 def _append(cache: KVCache, k, v, cache_seqlens) -> None:
     """Write k, v (B, Hkv, Nq, D) at positions cache_seqlens[b] + i of each sequence, in place."""
     batch, _, seqlen_q, _ = k.shape
-    positions = cache_seqlens.long()[:, None] + torch.arange(seqlen_q, device=k.device)[None, :]  # (B, Nq)
+    rows, steps = _append_ranges(k.device, batch, seqlen_q)
+    positions = cache_seqlens.long()[:, None] + steps  # (B, Nq)
     if cache.paged:
         block_size = cache.k.shape[2]
-        rows = torch.arange(batch, device=k.device)[:, None].expand(batch, seqlen_q)
         blocks = cache.block_table.long()[rows, positions // block_size]
         index = (blocks, slice(None), positions % block_size)
     else:
-        index = (torch.arange(batch, device=k.device)[:, None], slice(None), positions)
+        index = (rows, slice(None), positions)
     # Advanced indices around a slice put their (B, Nq) dims first: the values go in as (B, Nq, Hkv, D).
     cache.k[index] = k.transpose(1, 2)
     cache.v[index] = v.transpose(1, 2)
+
+
+def _append_ranges(device, batch: int, seqlen_q: int) -> tuple:
+    """(rows, steps): each sequence's index (B, Nq) and 0 .. Nq - 1 as a row (1, Nq), int64 on ``device``, made once
+    per (device, B, Nq): a decoding step with appends then launches no arange of its own (each is a kernel launch,
+    several microseconds of a short step's host time)."""
+    key = (device, batch, seqlen_q)
+    found = _append_range_cache.get(key)
+    if found is None:
+        rows = torch.arange(batch, device=device)[:, None].expand(batch, seqlen_q)
+        found = put_bounded(_append_range_cache, key, (rows, torch.arange(seqlen_q, device=device)[None, :]),
+                            _APPEND_RANGES_LIMIT)
+    return found
+
+
+_append_range_cache: dict = {}
+_APPEND_RANGES_LIMIT = 256
