@@ -111,12 +111,16 @@ def program_entries(TileTable, num_tiles, TILE_TABLE: gl.constexpr):
 
 
 @gluon.jit
-def entry_tile(TileTable, entry, TILE_TABLE: gl.constexpr):
-    """The tile number (tile_rows' order) of a loop entry of program_entries."""
+def entry_tile(TileTable, entry, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, diag_offset,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TILE_TABLE: gl.constexpr):
+    """(batch, head, start_m, cta_blocks) of the tile at a loop entry of program_entries, as every partition walks
+    it: its rows (tile_rows) and the key blocks the program moves for it, those the upper consumer's rows see."""
     tile = entry
     if TILE_TABLE:
         tile = gl.load(TileTable + gl.num_programs(0) + 1 + entry)
-    return tile
+    batch, head, start_m = tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M, CAUSAL)
+    cta_blocks, _ = visible_key_blocks(start_m + BLOCK_M, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    return batch, head, start_m, cta_blocks
 
 
 @gluon.jit
@@ -132,11 +136,11 @@ def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_em
     rounds = 0
     first, last, entry_step = program_entries(TileTable, num_tiles, TILE_TABLE)
     for entry in range(first, last, entry_step):
-        tile = entry_tile(TileTable, entry, TILE_TABLE)
-        batch, head, start_m = tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M, CAUSAL)
+        # (cta_blocks: the upper consumer's rows see the most keys; the load warp fetches what it needs.)
+        batch, head, start_m, cta_blocks = entry_tile(TileTable, entry, num_tiles, num_m_blocks, group_heads,
+                                                      heads_q, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      TILE_TABLE)
         head_kv = head // kv_group
-        # The upper consumer's rows see the most keys: the load warp fetches what it needs.
-        cta_blocks, _ = visible_key_blocks(start_m + BLOCK_M, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
         # A fresh barrier counts as having completed the phase before its first: round 0 waits for nothing.
         mbarrier.wait(q_empty, (rounds & 1) ^ 1)
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
@@ -285,9 +289,9 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
     rounds = 0
     first, last, entry_step = program_entries(TileTable, num_tiles, TILE_TABLE)
     for entry in range(first, last, entry_step):
-        tile = entry_tile(TileTable, entry, TILE_TABLE)
-        batch, head, tile_m = tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M, CAUSAL)
-        cta_blocks, _ = visible_key_blocks(tile_m + BLOCK_M, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+        batch, head, tile_m, cta_blocks = entry_tile(TileTable, entry, num_tiles, num_m_blocks, group_heads,
+                                                     heads_q, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL,
+                                                     TILE_TABLE)
         out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
         lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
         consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds & 1, step,
