@@ -79,7 +79,9 @@ def test_the_second_launch_goes_to_the_kept_handle_with_every_argument_in_order(
     # grid (3, 2, 1), the stream, the handle's function and metadata, no launch metadata or hooks,
     # then the runtime arguments and the compile-time values in parameter order (EVEN's default included).
     assert args[:9] == (3, 2, 1, 1234, "function1", "metadata1", None, None, None)
-    assert args[9:] == (x, y, 16, 7, 2.0, True, 64, False)
+    # Tensors reach the handle as their addresses (Triton's launcher then asks the driver nothing).
+    assert args[9:] == (x.data_ptr(), y.data_ptr(), 16, 7, 2.0, True, 64, False)
+    assert all(type(a) is int for a in args[9:11])
     assert kernel.log[0][3] == (x, y, 16, 100, 0.5, True)
     assert kernel.log[0][4] == {"BLOCK": 64, "num_warps": 4, "num_stages": 2}
     assert launcher.handle_launches == 1
@@ -210,7 +212,7 @@ def test_a_prepared_launch_keeps_the_handle_for_new_tensors_and_passes_every_arg
     prepared.launch((x2, y2, 16, 100, 0.5, True))
     assert kinds(kernel) == ["triton", "handle"]
     assert kernel.log[1][2] == (3, 2, 1, 1234, "function1", "metadata1", None, None, None,
-                                x2, y2, 16, 100, 0.5, True, 64, False)
+                                x2.data_ptr(), y2.data_ptr(), 16, 100, 0.5, True, 64, False)
     prepared.launch((buffers(offset=1)[0], y, 16, 100, 0.5, True))  # another alignment: Triton's path
     prepared.launch((x, y.double(), 16, 100, 0.5, True))  # another dtype: Triton's path
     assert kinds(kernel) == ["triton", "handle", "triton", "triton"]
@@ -237,8 +239,19 @@ def test_a_prepared_launch_leaves_hooked_launches_to_triton(recording, monkeypat
     assert kinds(kernel) == ["triton", "triton"]
 
 
+class _Address(int):
+    """A tensor's address that remembers the tensor (what the launcher passes a kept handle, under
+    :func:`_recording_backend_launchers`), so a recorded launch can show what it was the address of."""
+
+    def __new__(cls, tensor):
+        address = super().__new__(cls, torch.Tensor.data_ptr(tensor))
+        address.tensor = tensor
+        return address
+
+
 def _recorded_launch(entry, launcher):
-    """A recorded launch as (grid, runtime arguments, compile-time values), tensors as (shape, strides, dtype)."""
+    """A recorded launch as (grid, runtime arguments, compile-time values), tensors (and the addresses of tensors
+    passed to a kept handle) as (shape, strides, dtype)."""
     if entry[0] == "triton":
         _, _, grid, args, kwargs = entry
         grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -247,6 +260,7 @@ def _recorded_launch(entry, launcher):
         args = entry[2]
         grid, constexprs = args[:3], args[9 + launcher.num_runtime:]
         args = args[9:9 + launcher.num_runtime]
+    args = tuple(a.tensor if isinstance(a, _Address) else a for a in args)
     args = tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
     return grid, args, constexprs
 
@@ -262,6 +276,7 @@ def _recording_backend_launchers(monkeypatch, interpret: bool):
 
     monkeypatch.setattr(launcher_module, "current_stream", lambda index: 1234)
     monkeypatch.setattr(launcher_module, "_launch_hooks_set", lambda: False)
+    monkeypatch.setattr(launcher_module, "_DATA_PTR", _Address)
     jit = {name: RecordingKernel(getattr(module, name).fn) for module, name in (
         (forward, "attention_forward_kernel"), (backward, "backward_preprocess_kernel"),
         (backward, "backward_dkdv_kernel"), (backward, "backward_dq_kernel"), (decode, "split_kv_kernel"),

@@ -18,6 +18,9 @@ only where Triton would have picked the same compiled kernel:
 - the Python type of every argument (float arguments are always fp32, bools i1);
 - the compile-time arguments, num_warps and num_stages (a :class:`ConstexprSet`, built once per plan);
 - the current device.
+A launch through a kept handle passes each tensor as its address (an int), which Triton's launcher takes as it is;
+given the tensor, it would call ``data_ptr`` and ask the driver about the pointer (``cuPointerGetAttribute``), once
+per tensor argument at every launch. Every tensor a backend launches with was checked to be on the launching GPU.
 Anything unusual (Triton's interpreter, a launch hook installed by a profiler) takes Triton's own path.
 """
 
@@ -69,14 +72,17 @@ class ConstexprSet:
 
 class _ArgumentKinds:
     """Where the tensors, the host tensor maps and the integers sit in a runtime argument tuple of one type
-    pattern."""
+    pattern; ``with_addresses(args + addresses)`` is ``args`` with each tensor replaced by its address (the
+    addresses in the tensors' order)."""
 
-    __slots__ = ("tensors", "tensor_maps", "specialized_ints", "plain_ints")
+    __slots__ = ("tensors", "tensor_maps", "specialized_ints", "plain_ints", "with_addresses")
 
     def __init__(self, types: tuple, do_not_specialize: frozenset):
         tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
         ints = [i for i, t in enumerate(types) if t is int]
         self.tensors = _getter(tensors)
+        address_of = {position: len(types) + j for j, position in enumerate(tensors)}
+        self.with_addresses = _getter([address_of.get(i, i) for i in range(len(types))])
         self.tensor_maps = _getter([i for i, t in enumerate(types) if t.__name__ == "TensorDescriptor"])
         self.specialized_ints = _getter([i for i in ints if i not in do_not_specialize])
         self.plain_ints = _getter([i for i in ints if i in do_not_specialize])
@@ -135,17 +141,23 @@ class CompiledLauncher:
 
     def specialization_key(self, device_index: int, args: tuple, constexprs: ConstexprSet):
         """What selects the compiled kernel for these arguments (see the module's docstring)."""
+        return self._key_and_addresses(device_index, args, constexprs)[0]
+
+    def _key_and_addresses(self, device_index: int, args: tuple, constexprs: ConstexprSet):
+        """The specialisation key, the argument kinds and the tensors' addresses."""
         types = tuple(map(type, args))
         kinds = self._kinds.get(types)
         if kinds is None:
             kinds = self._kinds[types] = _ArgumentKinds(types, self.do_not_specialize)
         tensors = kinds.tensors(args)
+        addresses = tuple(map(_DATA_PTR, tensors))
         plain = kinds.plain_ints(args)
         plain_fit = not plain or (min(plain) >= INT32_MIN and max(plain) <= INT32_MAX)
         maps = tuple((m.base.dtype, tuple(m.block_shape), m.layout) for m in kinds.tensor_maps(args))
         # Each address's offset from a 16-byte boundary (finer than Triton's aligned-or-not: never coarser).
-        return (device_index, types, tuple(map(_DTYPE, tensors)), tuple(map(_LOW_BITS, map(_DATA_PTR, tensors))),
-                kinds.specialized_ints(args), plain_fit, constexprs.key, maps)
+        key = (device_index, types, tuple(map(_DTYPE, tensors)), tuple(map(_LOW_BITS, addresses)),
+               kinds.specialized_ints(args), plain_fit, constexprs.key, maps)
+        return key, kinds, addresses
 
     def launch(self, grid: tuple, args: tuple, constexprs: ConstexprSet, device_index: Optional[int] = None):
         """Launch on the current stream of the current device (``device_index`` when given: the caller made it
@@ -160,7 +172,7 @@ class CompiledLauncher:
             return
         if device_index is None:
             device_index = torch.cuda.current_device()
-        key = self.specialization_key(device_index, args, constexprs)
+        key, kinds, addresses = self._key_and_addresses(device_index, args, constexprs)
         handle = self.handles.get(key)
         if handle is None:
             self._keep(key, self._launch_through_triton(grid, args, constexprs))
@@ -169,7 +181,7 @@ class CompiledLauncher:
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
         run(grid[0], grid_1, grid_2, current_stream(device_index), function, packed_metadata,
-            None, None, None, *args, *constexprs.values)
+            None, None, None, *kinds.with_addresses(args + addresses), *constexprs.values)
         self.handle_launches += 1
 
     def prepare(self, grid: tuple, args: tuple, constexprs: ConstexprSet, device_index: int) -> "PreparedLaunch":
@@ -203,13 +215,13 @@ class PreparedLaunch:
     the ``args`` it was prepared with except in their tensors; the caller keys its prepared launches by
     everything the other arguments come from."""
 
-    __slots__ = ("launcher", "grid", "constexprs", "device_index", "tensors", "site", "run_grid")
+    __slots__ = ("launcher", "grid", "constexprs", "device_index", "tensors", "with_addresses", "site", "run_grid")
 
     def __init__(self, launcher: CompiledLauncher, grid: tuple, args: tuple, constexprs: ConstexprSet,
                  device_index: int):
         self.launcher, self.grid, self.constexprs, self.device_index = launcher, grid, constexprs, device_index
         self.run_grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        self.tensors = self.site = None
+        self.tensors = self.with_addresses = self.site = None
         if launcher.interpret:
             return
         if len(args) != launcher.num_runtime:
@@ -217,10 +229,10 @@ class PreparedLaunch:
         full = launcher.specialization_key(device_index, args, constexprs)
         if full[7]:  # a map's type would have to be read per call, like a tensor's dtype
             raise TypeError(f"{launcher.name}: host tensor maps are launched through CompiledLauncher.launch")
-        types = full[1]
-        self.tensors = launcher._kinds[types].tensors
+        kinds = launcher._kinds[full[1]]
+        self.tensors, self.with_addresses = kinds.tensors, kinds.with_addresses
         # The key without the tensors' dtypes and address bits, as one small int: no long tuple hashed per call.
-        static = (device_index, types, full[4], full[5], constexprs.key)
+        static = (device_index, full[1], full[4], full[5], constexprs.key)
         self.site = launcher._site_id(static)
 
     def launch(self, args: tuple) -> None:
@@ -229,7 +241,8 @@ class PreparedLaunch:
             launcher.launch(self.grid, args, self.constexprs, self.device_index)
             return
         tensors = self.tensors(args)
-        key = (self.site, tuple(map(_DTYPE, tensors)), tuple(map(_LOW_BITS, map(_DATA_PTR, tensors))))
+        addresses = tuple(map(_DATA_PTR, tensors))
+        key = (self.site, tuple(map(_DTYPE, tensors)), tuple(map(_LOW_BITS, addresses)))
         try:
             handle = launcher.handles[key]
         except KeyError:  # a new specialisation: Triton compiles (or finds) it
@@ -238,7 +251,7 @@ class PreparedLaunch:
             return
         run, function, packed_metadata = handle
         run(*self.run_grid, current_stream(self.device_index), function, packed_metadata, None, None, None,
-            *args, *self.constexprs.values)
+            *self.with_addresses(args + addresses), *self.constexprs.values)
         launcher.handle_launches += 1
 
 
