@@ -350,3 +350,54 @@ def test_native_call_is_prepared_once_per_signature_and_asks_torch_again_when_it
     with sdpa_kernel(order, set_priority=True):  # every kernel enabled, in another order
         assert torch.equal(fresh(q, k, v, params), want) and len(asked) == 3
     assert torch.equal(fresh(q, k, v, params), want) and len(asked) == 3
+
+
+def test_native_call_asks_torch_again_in_deterministic_mode(monkeypatch):
+    """Deterministic mode is one of the switches torch's choice reads (it refuses cuDNN's kernel there)."""
+    q, k, v = (torch.randn(1, 2, 9, 16) for _ in range(3))
+    params = AttentionParams(scale=0.25)
+    asked = []
+    real_choice = torch._fused_sdp_choice
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **kw: asked.append(1) or real_choice(*a, **kw))
+    call = sdpa.SdpaBackend().native_call(q, k, v, params)
+    call(q, k, v, params)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        call(q, k, v, params)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    call(q, k, v, params)
+    assert len(asked) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("grad", [False, True])
+def test_cuda_native_calls_run_torch_s_private_op_with_the_public_op_s_results(kernel, causal, grad):
+    """Where torch's public SDPA would only choose a private fused op and call it, the native path calls that op
+    itself: output bitwise equal to the public op's under the same pinned kernel, the same autograd node, and the same
+    gradients (up to the order of the kernels' float32 atomic sums into dQ)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none visible)")
+    member = getattr(SDPBackend, kernel)
+    q, k, v = draw(2, 4, 4, 128, 128, 64, dtype=torch.bfloat16, device="cuda")
+    if not grad:
+        q, k, v = (t.detach() for t in (q, k, v))
+    backend = sdpa.SdpaBackend()
+    params = AttentionParams(scale=0.125, window_right=0 if causal else None)
+    with sdpa_kernel([member]):
+        try:
+            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.125)
+        except RuntimeError:
+            pytest.skip(f"torch has no {kernel} kernel for this call here")
+        call = backend.native_call(q, k, v, params)
+        got = call(q, k, v, params)
+    assert call._runs and all(run is not call._public for run in call._runs.values())  # the private op ran
+    assert torch.equal(got, want)
+    if grad:
+        assert type(got.grad_fn).__name__ == type(want.grad_fn).__name__
+        g = torch.randn_like(want)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+            torch.testing.assert_close(a, b)
