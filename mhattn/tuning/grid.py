@@ -76,7 +76,7 @@ def latency_cells() -> list:
 
 
 def quick_grid() -> list:
-    """58 cells: every training shape of ``mhattn bench`` (bf16), its latency shapes, and one of each other kind,
+    """64 cells: every training shape of ``mhattn bench`` (bf16), its latency shapes, and one of each other kind,
     fp32 included."""
     cells = latency_cells()
     for d in (64, 128, 256):
@@ -86,9 +86,11 @@ def quick_grid() -> list:
     for d in (64, 128):
         cells.append(training("bf16", d, 128))
         cells.append(training("fp16", d, 2048, "top_left"))
-    for batch, nk in ((1, 2048), (8, 8192), (1, 32768), (8, 32768)):
+    # Decoding at the batches and cache lengths of `mhattn bench --decode`: short caches are host-bound and long
+    # ones bandwidth-bound, so the winner changes along Nk and B, and a cell three octaves away decides badly.
+    for batch, nk in ((1, 1024), (8, 1024), (1, 2048), (8, 8192), (1, 32768), (8, 32768), (64, 8192)):
         cells.append(decode("bf16", batch, nk))
-    for batch, nk in ((1, 8192), (8, 8192), (8, 32768)):  # speculative decoding: 4 new tokens a step
+    for batch, nk in ((1, 1024), (8, 1024), (1, 8192), (8, 8192), (1, 32768), (8, 32768)):  # speculative decoding
         cells.append(decode("bf16", batch, nk, seqlen_q=4))
     cells.append(training("bf16", 128, 2048, "top_left", group=4))
     cells.append(Cell("bf16", 1, 32, 8, 512, 32768, 128, "bottom_right"))    # chunked prefill
