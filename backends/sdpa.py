@@ -26,7 +26,6 @@ lse -inf, as in every mhattn backend (SDPA itself gives NaN there).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -216,7 +215,7 @@ class SdpaBackend(Backend):
                      q.device, q.requires_grad or k.requires_grad or v.requires_grad, torch.is_grad_enabled())
         call = self._native.get(signature)
         if call is None:
-            call = put_bounded(self._native, signature, _TorchSdpaCall(q, k, v, params.scale, causal),
+            call = put_bounded(self._native, signature, _TorchSdpaCall(q, k, params.scale, causal),
                                _NATIVE_CALLS_LIMIT)
         return call
 
@@ -374,71 +373,31 @@ _priority_order = getattr(_torch_c, "_get_sdp_priority_order", list)  # (torch <
 
 
 class _TorchSdpaCall:
-    """torch's public SDPA for one call signature (see SdpaBackend.native_call), and what torch runs for such a call
-    under each state of its global switches met so far: None where that is its math path (not a fused kernel),
-    else the callable of (q, k, v) that runs it.
+    """torch's public SDPA for one call signature (see SdpaBackend.native_call): its arguments, and whether torch
+    runs such a call on a fused kernel under each state of its global switches met so far."""
 
-    On CUDA, where the public op would only choose and call one of its private fused ops with these very
-    arguments (no mask, no dropout, no GQA, D == Dv a multiple of 8: see ``_private_ops``), the call goes to that
-    op directly with what the public op would pass it, so torch's per-call choice (a dozen checks in C++) is made
-    once per signature and state of the switches; the op's output, and its C++ autograd node, are the public
-    op's. Elsewhere, the public op."""
+    __slots__ = ("_sdpa", "_kwargs", "_fused")
 
-    __slots__ = ("_kwargs", "_public", "_private", "_runs")
-
-    def __init__(self, q, k, v, scale: float, causal: bool):
+    def __init__(self, q, k, scale: float, causal: bool):
+        self._sdpa = torch.nn.functional.scaled_dot_product_attention
         # Only the arguments that differ from SDPA's defaults (each keyword passed costs the call's parsing).
         self._kwargs = {"scale": scale}
         if causal:
             self._kwargs["is_causal"] = True
         if q.shape[1] != k.shape[1]:
             self._kwargs["enable_gqa"] = True
-        self._public = functools.partial(torch.nn.functional.scaled_dot_product_attention, **self._kwargs)
-        self._private = _private_ops(q, k, v, scale, causal)
-        self._runs = {}  # state of the switches -> what runs (None: torch's math path)
+        self._fused = {}  # state of the switches -> whether torch's choice is a fused kernel
 
     def __call__(self, q, k, v, params):  # (params: those of the signature; the seed, the one difference, is unused)
         # torch's global SDPA switches, which its public op obeys: the kernels' enable flags
-        # (torch.backends.cuda.enable_*_sdp, read without their Python wrappers), their priority order
-        # (sdpa_kernel(..., set_priority=True)), and deterministic mode (cuDNN's kernel is refused under it).
+        # (torch.backends.cuda.enable_*_sdp, read without their Python wrappers) and their priority order
+        # (sdpa_kernel(..., set_priority=True)).
         switches = (_torch_c._get_flash_sdp_enabled(), _torch_c._get_mem_efficient_sdp_enabled(),
-                    _torch_c._get_cudnn_sdp_enabled(), _torch_c._get_math_sdp_enabled(),
-                    _torch_c._get_deterministic_algorithms(), _torch_c._get_deterministic_algorithms_warn_only(),
-                    *_priority_order())
-        try:
-            run = self._runs[switches]
-        except KeyError:
-            choice = int(torch._fused_sdp_choice(q, k, v, **self._kwargs))
-            run = None if choice in _NOT_FUSED else self._private.get(choice, self._public)
-            self._runs[switches] = run
-        return None if run is None else run(q, k, v)
-
-
-def _private_ops(q, k, v, scale: float, causal: bool) -> dict:
-    """torch's private fused ops for calls like this one, by the value of torch's choice (SDPBackend) that runs
-    each: each called as torch's public SDPA calls it after choosing it (aten/src/ATen/native/transformers/
-    attention.cpp), where that is the op alone, with nothing done to the arguments or the output. That holds for
-    CUDA tensors with no mask or dropout, as many key/value heads as query heads (with GQA the public op may
-    repeat K/V first) and equal head dims that are a multiple of 8 (the flash path pads others). Empty where not.
-    ``compute_log_sumexp`` is the public op's: whether autograd records the call (inputs' requires_grad and
-    grad mode, part of the signature)."""
-    from torch.nn.attention import SDPBackend
-
-    head_dim = q.shape[-1]
-    if q.device.type != "cuda" or q.shape[1] != k.shape[1] or v.shape[-1] != head_dim or head_dim % 8:
-        return {}
-    lse = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
-    cudnn = getattr(torch, "_scaled_dot_product_cudnn_attention", None)
-    flash = getattr(torch, "_scaled_dot_product_flash_attention", None)
-    efficient = getattr(torch, "_scaled_dot_product_efficient_attention", None)
-    ops = {
-        "CUDNN_ATTENTION": cudnn and (lambda q, k, v: cudnn(q, k, v, None, lse, 0.0, causal, False, scale=scale)[0]),
-        "FLASH_ATTENTION": flash and (lambda q, k, v: flash(q, k, v, 0.0, causal, False, scale=scale)[0]),
-        "EFFICIENT_ATTENTION": efficient and (lambda q, k, v: efficient(q, k, v, None, lse, 0.0, causal,
-                                                                          scale=scale)[0]),
-    }
-    return {_member_value(getattr(SDPBackend, name)): op for name, op in ops.items()
-            if op is not None and hasattr(SDPBackend, name)}
+                    _torch_c._get_cudnn_sdp_enabled(), _torch_c._get_math_sdp_enabled(), *_priority_order())
+        fused = self._fused.get(switches)
+        if fused is None:
+            fused = self._fused[switches] = torch._fused_sdp_choice(q, k, v, **self._kwargs) not in _NOT_FUSED
+        return self._sdpa(q, k, v, **self._kwargs) if fused else None
 
 
 def _not_fused_values() -> frozenset:
