@@ -153,8 +153,9 @@ def call_paths():
     """At each bf16 shape of ``mhattn bench --latency``: the kernel torch's SDPA picks (torch._fused_sdp_choice) with
     and without an explicit scale, for inputs with and without a gradient; the autograd node of mhattn.attention's
     output on auto beside SDPA's (mhattn's own Function, or torch's node when auto hands the call to torch's public
-    op); host loops of SDPA, SDPA with scale=, and mhattn on auto, forward and forward+backward; and cProfile's top
-    entries of 300 auto forwards."""
+    op); host loops of SDPA, SDPA with scale=, torch's private cuDNN op (what auto's native path calls where torch
+    would choose it), and mhattn on auto, forward and forward+backward; and cProfile's top entries of 300 auto
+    forwards."""
     for shape in latency.SHAPES:
         if shape.dtype != "bf16":
             continue
@@ -170,9 +171,13 @@ def call_paths():
         nodes = (type(mhattn.attention(q, k, v).grad_fn).__name__, type(sdpa(q, k, v).grad_fn).__name__)
         print(f"== {shape.describe()}\ntorch's choice (SDPBackend value): {choices}\n"
               f"autograd node: mhattn auto {nodes[0]}, torch sdpa {nodes[1]}")
+        cudnn_op = torch._scaled_dot_product_cudnn_attention
         for label, fn in (("torch sdpa forward", lambda: sdpa(qd, kd, vd)),
                           ("torch sdpa, scale=, forward", lambda: sdpa(qd, kd, vd, scale=scale)),
+                          ("torch cuDNN op, scale=, forward",
+                           lambda: cudnn_op(qd, kd, vd, None, False, 0.0, False, False, scale=scale)[0]),
                           ("mhattn auto forward", lambda: mhattn.attention(qd, kd, vd)),
+                          ("torch sdpa forward (again: the host's drift)", lambda: sdpa(qd, kd, vd)),
                           ("torch sdpa forward+backward", lambda: sdpa(q, k, v).backward(dout)),
                           ("torch sdpa, scale=, forward+backward", lambda: sdpa(q, k, v, scale=scale).backward(dout)),
                           ("mhattn auto forward+backward", lambda: mhattn.attention(q, k, v).backward(dout))):
