@@ -13,6 +13,8 @@ entry's last key) against the same mask materialised per query row (every key bl
 few outputs are checked against SDPA.
 
 ``--device cpu --tiny`` runs the same code on tiny shapes (with TRITON_INTERPRET=1) to test the script.
+``--sweep-tiles`` instead times the split-KV kernel's candidate tiles at d = 128 (decode_launch.GPU_TILES and
+CONTIGUOUS_TILES at 128: keys per step, warps, pipeline stages) on the bandwidth-bound decode cells, contiguous and paged, beside cuDNN.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ import torch
 from mhattn.benchmark import decode_bench, timing
 
 VARLEN_LENGTHS = (8192, 4096, 2048, 1024, 512, 256, 156, 100)  # 16384 tokens
+# --sweep-tiles: (keys per step, warps, stages) of the split-KV kernel at d = 128, and (B, Nk) cells at Nq = 1.
+SWEEP_TILES = ((64, 4, 3), (64, 4, 2), (64, 4, 1), (64, 8, 3), (32, 4, 3), (32, 4, 4), (128, 4, 2), (128, 8, 2))
+SWEEP_CELLS = ((1, 131072), (8, 32768), (8, 131072), (64, 8192), (64, 32768))
 VARLEN_HEADS = 16
 
 
@@ -169,6 +174,42 @@ def key_padding_section(device, dtype, settings, tiny):
     return lines
 
 
+def sweep_tiles(device, settings, out_dir):
+    """Contiguous and paged decoding (bf16, Nq = 1) with each of SWEEP_TILES as the d = 128 tile, beside cuDNN."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import decode_launch
+
+    tables = (decode_launch.GPU_TILES, decode_launch.CONTIGUOUS_TILES)  # the paged cache's, the contiguous one's
+    kept = [table[128] for table in tables]
+    header = f"{'B':>3} {'Nk':>6} {'cuDNN us':>9}  " + "  ".join(f"{'x'.join(map(str, t)):>13}" for t in SWEEP_TILES)
+    lines = ["== split-KV tile sweep, d = 128, bf16, Nq = 1: contiguous / paged us per tile (keys x warps x stages); "
+             f"kept: paged {kept[0]}, contiguous {kept[1]} ==", header]
+    try:
+        for batch, seqlen_k in SWEEP_CELLS:
+            cell = decode_bench.DecodeCell("bf16", batch, seqlen_k, 1)
+            cudnn = decode_bench.time_cell(cell, ("sdpa-cudnn",), settings, device)["us"]["sdpa-cudnn"]
+            times = []
+            for tile in SWEEP_TILES:
+                for table in tables:
+                    table[128] = decode_launch.DecodeTile(*tile)
+                decode_launch._split_plans.clear()  # prepared launches and split plans hold the tile
+                triton_backend._signatures.clear()
+                us = decode_bench.time_cell(cell, ("kvcache", "paged"), settings, device)["us"]
+                times.append(f"{_us(us.get('kvcache'))}/{_us(us.get('paged'))}")
+                log(out_dir, f"B={batch} Nk={seqlen_k} tile {tile}: {times[-1]} (cuDNN {_us(cudnn)})")
+            lines.append(f"{batch:>3} {seqlen_k:>6} {_us(cudnn):>9}  " + "  ".join(f"{t:>13}" for t in times))
+    finally:
+        for table, tile in zip(tables, kept):
+            table[128] = tile
+        decode_launch._split_plans.clear()
+        triton_backend._signatures.clear()
+    return lines
+
+
+def _us(value) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 class _nothing:
     def __enter__(self):
         return None
@@ -182,11 +223,16 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (to test the script on the CPU)")
     parser.add_argument("--dtype", default="bf16,fp16")
+    parser.add_argument("--sweep-tiles", action="store_true", help="only the split-KV tile sweep at d = 128")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     out_dir = os.environ.get("OUT")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
+    if args.sweep_tiles:
+        for line in sweep_tiles(device, timing.TimingSettings(10.0, 40.0), out_dir):
+            log(out_dir, line)
+        return 0
     started = time.monotonic()
     dtypes = [d for d in args.dtype.split(",") if d]
     if args.tiny:

@@ -579,7 +579,10 @@ def test_decode_tiles_fit_shared_memory_for_every_width():
     for block_d in (16, 32, 64, 128, 256):
         for block_dv in (16, 32, 64, 128, 256):
             for size in (2, 4):
-                tile = decode_launch.decode_tile(block_d, block_dv, size)
-                stages = tile.block_n * (block_d + block_dv) * size * tile.num_stages
-                assert stages <= 96 << 10, (block_d, block_dv, size, tile)
-    assert decode_launch.decode_tile(128, 128, 2) == decode_launch.GPU_TILES[128]  # 16-bit, equal dims: the table
+                for paged in (False, True):
+                    tile = decode_launch.decode_tile(block_d, block_dv, size, paged)
+                    stages = tile.block_n * (block_d + block_dv) * size * tile.num_stages
+                    assert stages <= 96 << 10, (block_d, block_dv, size, paged, tile)
+    # 16-bit, equal dims: the table's entry, the paged cache's or the contiguous one's.
+    assert decode_launch.decode_tile(128, 128, 2, paged=True) == decode_launch.GPU_TILES[128]
+    assert decode_launch.decode_tile(128, 128, 2) == decode_launch.CONTIGUOUS_TILES[128]

@@ -36,20 +36,24 @@ class DecodeTile:
     num_stages: int
 
 
-# Keys per step on GPUs by the wider padded head dim (of K and of V) of 16-bit inputs (not swept yet: a starting
-# point, see benchmarks/check_inference.py); decode_tile scales wider elements and dims past the table down.
+# Keys per step on GPUs by the wider padded head dim (of K and of V) of 16-bit inputs, for a paged cache; decode_tile
+# scales wider elements and dims past the table down. Only d = 128 is swept (benchmarks/check_inference.py
+# --sweep-tiles, H100, bf16, Nq = 1, B 1-64, 8k-128k keys): there three stages suit the paged cache's gathered rows
+# (two lost up to 16% at B = 64), and two stages a contiguous cache (3-6% faster than three at B = 8 and 64,
+# level at B = 1), so CONTIGUOUS_TILES differs there.
 GPU_TILES = {16: DecodeTile(128, 4, 3), 32: DecodeTile(128, 4, 3), 64: DecodeTile(128, 4, 3),
              128: DecodeTile(64, 4, 3), 256: DecodeTile(32, 4, 2)}
+CONTIGUOUS_TILES = {**GPU_TILES, 128: DecodeTile(64, 4, 2)}
 # Beyond the table (float32 at d = 256: 512 bytes-equivalent of 16-bit columns): the K and V stages stay near 64 KiB.
 WIDEST_TILE = DecodeTile(16, 4, 2)
 
 
-def decode_tile(block_d: int, block_dv: int, element_size: int) -> DecodeTile:
+def decode_tile(block_d: int, block_dv: int, element_size: int, paged: bool = False) -> DecodeTile:
     """The split-KV kernel's tile for padded head dims block_d (K) and block_dv (V) of ``element_size``-byte
-    inputs: the table's entry for the wider of the two, counted in 16-bit columns (so that float32 at d = 16 with a
-    value head dim of 256 does not ask for 288 KB of shared memory). Padded dims are powers of two from 16, so a
-    width the table lacks is wider than its widest."""
-    return GPU_TILES.get(max(block_d, block_dv) * element_size // 2, WIDEST_TILE)
+    inputs, over a paged cache or not: the table's entry for the wider of the two, counted in 16-bit columns (so
+    that float32 at d = 16 with a value head dim of 256 does not ask for 288 KB of shared memory). Padded dims are
+    powers of two from 16, so a width the table lacks is wider than its widest."""
+    return (GPU_TILES if paged else CONTIGUOUS_TILES).get(max(block_d, block_dv) * element_size // 2, WIDEST_TILE)
 
 
 # The interpreter: small steps and small splits so that tiny test shapes take several of each.
@@ -77,15 +81,15 @@ def num_splits(programs: int, keys: int, sm_count: int, min_keys: int = MIN_KEYS
     return split_count(programs, keys, sm_count, min_keys, PROGRAMS_PER_SM, MAX_SPLITS)
 
 
-# (plan, device, keys) -> (tile, splits, block_m, row_blocks): the same for every step of a decoding loop.
+# (plan, device, keys, paged) -> (tile, splits, block_m, row_blocks): the same for every step of a decoding loop.
 _split_plans: dict = {}
 _SPLIT_PLANS_LIMIT = 1024
 
 
-def _split_plan(plan, device: torch.device, keys: int) -> tuple:
+def _split_plan(plan, device: torch.device, keys: int, paged: bool) -> tuple:
     """The tile, the number of splits and the row blocking of a call (``plan``: the backend's cached plan of
     its shapes, so a repeated call looks this up instead of working it out)."""
-    key = (plan, device, keys)
+    key = (plan, device, keys, paged)
     found = _split_plans.get(key)
     if found is None:
         rows = plan.kv_group * plan.seqlen_q
@@ -93,7 +97,7 @@ def _split_plan(plan, device: torch.device, keys: int) -> tuple:
         row_blocks = -(-rows // block_m)
         programs = plan.batch * plan.heads_kv * row_blocks
         if device.type == "cuda":
-            tile = decode_tile(plan.block_d, plan.block_dv, plan.dtype.itemsize)
+            tile = decode_tile(plan.block_d, plan.block_dv, plan.dtype.itemsize, paged)
             splits = num_splits(programs, keys, _sm_count(device.index or torch.cuda.current_device()))
         else:  # Triton's interpreter (CPU tensors)
             tile = INTERPRETER_TILE
@@ -123,7 +127,7 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
     keys = k.shape[2] if cache is None else cache.capacity
     if plan.cuda_index is None and not backend.INTERPRET:
         raise ValueError("triton backend: CPU tensors need TRITON_INTERPRET=1 (set before import)")
-    tile, splits, block_m, row_blocks = _split_plan(plan, q.device, keys)
+    tile, splits, block_m, row_blocks = _split_plan(plan, q.device, keys, paged)
 
     if splits > 1:
         out_split = torch.empty(rows, splits, plan.head_dim_v, dtype=torch.float32, device=q.device)
