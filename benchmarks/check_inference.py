@@ -14,7 +14,8 @@ few outputs are checked against SDPA.
 
 ``--device cpu --tiny`` runs the same code on tiny shapes (with TRITON_INTERPRET=1) to test the script.
 ``--sweep-tiles`` instead times the split-KV kernel's candidate tiles at d = 128 (decode_launch.GPU_TILES and
-CONTIGUOUS_TILES at 128: keys per step, warps, pipeline stages) on the bandwidth-bound decode cells, contiguous and paged, beside cuDNN.
+CONTIGUOUS_TILES at 128: keys per step, warps, pipeline stages) on the bandwidth-bound decode cells, contiguous and
+paged, beside cuDNN.
 """
 
 from __future__ import annotations

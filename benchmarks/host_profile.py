@@ -153,8 +153,8 @@ def call_paths():
     """At each bf16 shape of ``mhattn bench --latency``: the kernel torch's SDPA picks (torch._fused_sdp_choice) with
     and without an explicit scale, for inputs with and without a gradient; the autograd node of mhattn.attention's
     output on auto beside SDPA's (mhattn's own Function, or torch's node when auto hands the call to torch's public
-    op); host loops of SDPA, SDPA with scale=, torch's private cuDNN op (what auto's native path calls where torch
-    would choose it), and mhattn on auto, forward and forward+backward; and cProfile's top entries of 300 auto
+    op); host loops of SDPA, SDPA with scale=, torch's private cuDNN op (what the public op runs after its per-call
+    kernel choice), and mhattn on auto, forward and forward+backward; and cProfile's top entries of 300 auto
     forwards."""
     for shape in latency.SHAPES:
         if shape.dtype != "bf16":

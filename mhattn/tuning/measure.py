@@ -79,7 +79,7 @@ def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None
     """The table row of ``cell``: its fields, ``fwd_ms`` and ``fwd_bwd_ms`` {backend: ms}, and ``skipped``
     {backend: why} for each backend that cannot run it or failed. Never raises for a backend's failure. A time is
     the GPU timer's median, or where that is under HOST_BOUND_MS and the host loop takes longer, the host loop's
-    time per call (host_loops_us, after every backend's GPU timing)."""
+    time per call (with_host_loops, after every backend's GPU timing)."""
     import mhattn
 
     device = torch.device(device)
