@@ -37,8 +37,37 @@ def test_table_ratios_bandwidth_and_failures():
     assert "0.97" in line.split()  # sdpa / triton
     assert "2826" in line.split()  # 536870912 B / 190 us (the faster of triton and kvcache) in GB/s
     assert "1.05" in line.split()  # paged / contiguous
-    assert line.split()[-1] == "1.05"  # auto / the fastest of sdpa, triton, cupy (203.7 / 194)
+    assert line.split()[-2] == "1.05"  # auto / the fastest of sdpa, triton, cupy (203.7 / 194)
+    assert line.split()[-1] == "1.05"  # in a loop: no call here was looped
     assert "not measured:" in text and "sdpa-cudnn: n/a: no kernel" in text
+
+
+def test_table_holds_auto_against_the_fastest_in_a_loop_too():
+    """A looped call costs the larger of its GPU time and its host loop's: auto/best loop compares those."""
+    row = {"dtype": "bf16", "batch": 1, "seqlen_k": 1024, "seqlen_q": 4, "kv_bytes": 4194304,
+           "us": {"sdpa": 37.0, "triton": 16.0, "cupy": 22.0, "auto": 42.0},
+           "status": dict.fromkeys(("sdpa", "triton", "cupy", "auto"), "ok"),
+           "loop_us": {"sdpa": 40.0, "triton": 80.0, "cupy": 60.0, "auto": 41.0}}
+    line = decode_bench.decode_table([row]).splitlines()[2].split()
+    assert line[-2] == "2.62"  # GPU timer: auto 42 against triton's 16
+    assert line[-1] == "1.05"  # in a loop: auto max(42, 41) against sdpa's max(37, 40)
+
+
+def test_host_loops_take_turns_and_report_errors(monkeypatch):
+    from mhattn.benchmark import latency
+
+    order = []
+
+    def host_loop_us(fn, calls, device, rounds=3):
+        order.append(fn)
+        if fn == "bad":
+            raise RuntimeError("boom")
+        return {"a": 5.0, "b": 7.0}[fn] + len(order)
+
+    monkeypatch.setattr(latency, "host_loop_us", host_loop_us)
+    loops, errors = latency.host_loops_in_turn({"a": "a", "bad": "bad", "b": "b"}, 10, "cpu", rounds=2)
+    assert order == ["a", "bad", "b", "a", "b"]
+    assert loops == {"a": 6.0, "b": 10.0} and list(errors) == ["bad"] and str(errors["bad"]) == "boom"
 
 
 def test_decode_bench_runs_on_the_cpu(tmp_path, capsys):

@@ -11,6 +11,11 @@ default). Every implementation reads the same K and V:
   cache (its value checks read cache_seqlens back on the first call only: the timed calls reuse it);
 - ``paged``: the same over a paged pool (blocks of ``block_size`` keys in a shuffled order).
 
+Times are the GPU timer's medians. A call under 0.5 ms on it (``mhattn.tuning.measure.HOST_BOUND_MS``) is also timed
+as a host loop, the implementations' loops taking turns (what ``mhattn tune`` does): a decoding step runs in a loop,
+where a short call costs the larger of its GPU time and its host path. ``auto/best loop`` holds auto against the
+fastest by that cost, the measure its timing table chose by.
+
 Bandwidth is FlashAttention's measure: the bytes of K and V / time. Query rows past the first sit at the bottom-right
 diagonal (causal), as in speculative decoding.
 """
@@ -22,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from mhattn.benchmark import timing
+from mhattn.benchmark import latency, timing
 
 HEADS = (32, 8)
 BATCHES = (1, 8, 64)
@@ -114,13 +119,16 @@ def _cache_call(q, cache):
 
 
 def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) -> dict:
-    """One row: microseconds per implementation (None where it failed, with the reason in ``status``)."""
+    """One row: microseconds per implementation (None where it failed, with the reason in ``status``), and in
+    ``loop_us`` the host loop's microseconds per call of each implementation under HOST_BOUND_MS on a GPU."""
     import mhattn
     from mhattn.backends.base import KVCache
+    from mhattn.tuning.measure import HOST_BOUND_MS, HOST_LOOP_CALLS, HOST_LOOP_ROUNDS
 
     device = torch.device(device)
     dtype = DTYPES[cell.dtype]
-    row = {"kind": "decode", **asdict(cell), "kv_bytes": cell.kv_bytes, "us": {}, "status": {}}
+    row = {"kind": "decode", **asdict(cell), "kv_bytes": cell.kv_bytes, "us": {}, "status": {}, "loop_us": {}}
+    short = {}  # name -> the call, for the host loops
     generator = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(cell.batch, cell.heads_q, cell.seqlen_q, cell.head_dim, device=device, dtype=dtype,
                     generator=generator)
@@ -134,6 +142,8 @@ def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) 
             fn()
             row["us"][name] = 1e3 * timing.bench_ms(fn, settings.warmup_ms, settings.rep_ms, device)
             row["status"][name] = "ok"
+            if device.type == "cuda" and row["us"][name] < 1e3 * HOST_BOUND_MS:
+                short[name] = fn
         except Exception as error:  # a cell an implementation cannot run stays in the table, with why
             row["us"][name] = None
             row["status"][name] = timing.describe_error(error)
@@ -160,6 +170,11 @@ def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) 
 
         measure("paged", make_paged)
         timing.release_memory(device)
+    if short:
+        loops, errors = latency.host_loops_in_turn(short, HOST_LOOP_CALLS, device, HOST_LOOP_ROUNDS)
+        row["loop_us"] = loops
+        for name, error in errors.items():
+            row["status"][name] = f"host loop: {timing.describe_error(error)}"
     return row
 
 
@@ -177,20 +192,23 @@ def _ratio(a, b) -> str:
 def decode_table(rows: list) -> str:
     """The decode table: times (us), triton's speed-up over each SDPA column (their time / triton's), its
     bandwidth (GB/s), the paged cache's time over the contiguous one's, and auto's time over the fastest of
-    AUTO_PEERS."""
+    AUTO_PEERS, on the GPU timer and in a loop (each time the larger of it and its host loop's, where looped)."""
     header = ["dtype", "B", "Nk", "Nq", "sdpa us", "cudnn us", "triton us", "cupy us", "auto us", "kvcache us",
-              "paged us", "x sdpa", "x cudnn", "triton GB/s", "paged/contig", "auto/best"]
+              "paged us", "x sdpa", "x cudnn", "triton GB/s", "paged/contig", "auto/best", "auto/best loop"]
     lines = []
     for r in rows:
         us = r["us"]
         best = min((t for t in (us.get("triton"), us.get("kvcache")) if t is not None), default=None)
         bandwidth = "-" if best is None else f"{bandwidth_gbs(r['kv_bytes'], best):.0f}"
         fastest = min((us[n] for n in AUTO_PEERS if us.get(n) is not None), default=None)
+        looped = {n: max(t, r.get("loop_us", {}).get(n, 0.0)) for n, t in us.items() if t is not None}
+        fastest_looped = min((looped[n] for n in AUTO_PEERS if n in looped), default=None)
         lines.append([r["dtype"], str(r["batch"]), _seqlen(r["seqlen_k"]), str(r["seqlen_q"]), _us(us.get("sdpa")),
                       _us(us.get("sdpa-cudnn")), _us(us.get("triton")), _us(us.get("cupy")), _us(us.get("auto")),
                       _us(us.get("kvcache")), _us(us.get("paged")),
                       _ratio(us.get("sdpa"), us.get("triton")), _ratio(us.get("sdpa-cudnn"), us.get("triton")),
-                      bandwidth, _ratio(us.get("paged"), us.get("kvcache")), _ratio(us.get("auto"), fastest)])
+                      bandwidth, _ratio(us.get("paged"), us.get("kvcache")), _ratio(us.get("auto"), fastest),
+                      _ratio(looped.get("auto"), fastest_looped)])
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
     out = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]

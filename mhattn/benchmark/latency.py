@@ -85,6 +85,23 @@ def host_loop_us(fn, calls: int, device, rounds: int = HOST_LOOP_ROUNDS) -> floa
     return best
 
 
+def host_loops_in_turn(calls: dict, loop_calls: int, device, rounds: int) -> tuple:
+    """Host loops of several calls taking turns (the host's speed drifts between loops, so calls timed one after
+    another are compared at different speeds): ``rounds`` rounds, each one loop of ``loop_calls`` calls of each of
+    ``calls`` ({name: fn}) with one synchronize at its end. Returns ({name: its best loop's microseconds per call},
+    {name: the error that stopped its loops})."""
+    best, errors = dict.fromkeys(calls, float("inf")), {}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            if name in errors:
+                continue
+            try:
+                best[name] = min(best[name], host_loop_us(fn, loop_calls, device, rounds=1))
+            except Exception as error:  # the caller reports it
+                errors[name] = error
+    return {name: us for name, us in best.items() if name not in errors}, errors
+
+
 def _synchronize(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)

@@ -131,17 +131,11 @@ def with_host_loops(times: dict, calls: dict, device, skipped: dict) -> dict:
     short = {name: calls[name] for name, ms in times.items() if ms < HOST_BOUND_MS}
     if torch.device(device).type != "cuda" or not short:
         return dict(times)
-    best = dict.fromkeys(short, float("inf"))
-    for _ in range(HOST_LOOP_ROUNDS):
-        for name, fn in short.items():
-            if name in best:
-                try:
-                    best[name] = min(best[name], latency.host_loop_us(fn, HOST_LOOP_CALLS, device, rounds=1))
-                except Exception as error:  # report, never stop the tuning run
-                    skipped[name] = timing.describe_error(error)
-                    del best[name]
-    return {name: max(ms, best[name] / 1e3) if name in best else ms for name, ms in times.items()
-            if name in best or name not in short}
+    loops, errors = latency.host_loops_in_turn(short, HOST_LOOP_CALLS, device, HOST_LOOP_ROUNDS)
+    for name, error in errors.items():  # report, never stop the tuning run
+        skipped[name] = timing.describe_error(error)
+    return {name: max(ms, loops[name] / 1e3) if name in loops else ms for name, ms in times.items()
+            if name not in errors}
 
 
 # Largest max-abs difference from torch's SDPA accepted for randn inputs (the benchmark's suspect limit).
