@@ -109,6 +109,14 @@ def _paged_pool(cell: DecodeCell, device, generator):
     return k_pool, v_pool, order.view(cell.batch, per_sequence).to(torch.int32)
 
 
+def _attention_call(q, k, v, bias, backend):
+    """mhattn.attention on ``backend`` over these tensors (bound here: the host loops run after time_cell has let go
+    of its own names for them)."""
+    import mhattn
+
+    return lambda: mhattn.attention(q, k, v, attn_mask=bias, enable_gqa=True, backend=backend)
+
+
 def _cache_call(q, cache):
     """attention_with_kvcache over ``cache`` (no new tokens) on the Triton backend. Its value checks read
     cache_seqlens back once (the first call); the timed calls reuse the same tensors and skip them."""
@@ -121,7 +129,6 @@ def _cache_call(q, cache):
 def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) -> dict:
     """One row: microseconds per implementation (None where it failed, with the reason in ``status``), and in
     ``loop_us`` the host loop's microseconds per call of each implementation under HOST_BOUND_MS on a GPU."""
-    import mhattn
     from mhattn.backends.base import KVCache
     from mhattn.tuning.measure import HOST_BOUND_MS, HOST_LOOP_CALLS, HOST_LOOP_ROUNDS
 
@@ -158,8 +165,7 @@ def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) 
         measure("sdpa", lambda: _sdpa(q, k, v, mask))
         measure("sdpa-cudnn", lambda: _sdpa(q, k, v, mask, "CUDNN_ATTENTION"))
         for name in ("triton", "cupy", "auto"):
-            measure(name, lambda name=name: lambda: mhattn.attention(q, k, v, attn_mask=bias, enable_gqa=True,
-                                                                     backend=name))
+            measure(name, lambda name=name: _attention_call(q, k, v, bias, name))
         measure("kvcache", lambda: _cache_call(q, KVCache(k, v, seqlens)))
         del k, v
         timing.release_memory(device)
