@@ -49,7 +49,7 @@ def make_table(cells, key=H100, **made):
 
 def test_grids_cover_what_users_run():
     quick = grid.quick_grid()
-    assert len(quick) == 66 and len(set(quick)) == len(quick)
+    assert len(quick) == 67 and len(set(quick)) == len(quick)
     assert {c.dtype for c in quick} == {"bf16", "fp16", "fp32"}
     full = grid.full_grid()
     assert len(set(full)) == len(full) > len(quick)

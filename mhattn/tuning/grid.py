@@ -76,7 +76,7 @@ def latency_cells() -> list:
 
 
 def quick_grid() -> list:
-    """66 cells: every training shape of ``mhattn bench`` (bf16), its latency shapes, and one of each other kind,
+    """67 cells: every training shape of ``mhattn bench`` (bf16), its latency shapes, and one of each other kind,
     fp32 included."""
     cells = latency_cells()
     for d in (64, 128, 256):
@@ -88,8 +88,10 @@ def quick_grid() -> list:
         cells.append(training("fp16", d, 2048, "top_left"))
     # Decoding at the batches and cache lengths of `mhattn bench --decode`: short caches are host-bound and long
     # ones bandwidth-bound, so the winner changes along Nk and B, and a cell three octaves away decides badly.
-    # (At B = 64 a 1k cache is GPU-bound where B = 8's is host-bound: a cell of its own.)
-    for batch, nk in ((1, 1024), (8, 1024), (64, 1024), (1, 2048), (8, 8192), (1, 32768), (8, 32768), (64, 8192)):
+    # (At B = 64 a 1k cache is GPU-bound where B = 8's is host-bound, and at B = 1 an 8k cache is host-bound where
+    # B = 8's is not: cells of their own.)
+    for batch, nk in ((1, 1024), (8, 1024), (64, 1024), (1, 2048), (1, 8192), (8, 8192), (1, 32768), (8, 32768),
+                      (64, 8192)):
         cells.append(decode("bf16", batch, nk))
     for batch, nk in ((1, 1024), (8, 1024), (64, 1024), (1, 8192), (8, 8192), (1, 32768), (8, 32768)):  # speculative
         cells.append(decode("bf16", batch, nk, seqlen_q=4))
