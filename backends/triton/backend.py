@@ -156,6 +156,12 @@ class _Plan:
         self.dense = (layouts.is_dense(q), layouts.is_dense(k), layouts.is_dense(v))
         self._constexpr_sets: dict = {}
 
+    def output_buffers(self, q):
+        """(out, lse) of a forward, uninitialised: out (B, Hq, Nq, Dv) in q's dtype rows-major as
+        layouts.output_buffer lays it out, lse (B, Hq, Nq) float32 contiguous (layouts.lse_buffer's)."""
+        return (torch.empty_strided(*self.out_layout, dtype=q.dtype, device=q.device),
+                torch.empty_strided(*self.rows_layout, dtype=torch.float32, device=q.device))
+
     def constexprs(self, launcher: CompiledLauncher, tile: configs.KernelConfig, **kwargs):
         """The launcher's compile-time argument set for ``tile`` and ``kwargs`` (with this plan's flags), made
         once per plan: the hot path builds no dict."""
@@ -564,8 +570,7 @@ class TritonBackend(Backend):
         # since or the Gluon Hopper forward takes this call (its switch and thresholds are read at every call).
         if repeat is not None and repeat.site.launcher is launchers().forward and not (
                 plan.sm90 and hopper_launch.why_not(plan, repeat) is None):
-            out = torch.empty_strided(*plan.out_layout, dtype=q.dtype, device=q.device)  # layouts.output_buffer's
-            lse = torch.empty_strided(*plan.rows_layout, dtype=torch.float32, device=q.device)
+            out, lse = plan.output_buffers(q)
             if repeat.launch(q, k, v, out, lse):
                 return out, lse
         return self._forward_in_full(q, k, v, params, signature)
@@ -575,8 +580,7 @@ class TritonBackend(Backend):
         where it ran out of resources); leaves a plain signature the launch its repeated calls make."""
         run = _Launch(q, k, v, params, signature=signature)
         plan = run.plan
-        out = torch.empty_strided(*plan.out_layout, dtype=q.dtype, device=q.device)  # layouts.output_buffer's
-        lse = torch.empty_strided(*plan.rows_layout, dtype=torch.float32, device=q.device)
+        out, lse = plan.output_buffers(q)
         if out.numel() == 0 and lse.numel() == 0:
             return out, lse
         if plan.seqlen_k == 0:  # no key at all: every row is empty

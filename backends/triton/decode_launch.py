@@ -117,8 +117,7 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
     backend = _backend or _import_backend()
     signature = signature or backend._signature_for(q, k, v, params, dense=False)
     plan = signature.plan
-    out = torch.empty_strided(*plan.out_layout, dtype=q.dtype, device=q.device)  # layouts.output_buffer's
-    lse = torch.empty_strided(*plan.rows_layout, dtype=torch.float32, device=q.device)  # layouts.lse_buffer's
+    out, lse = plan.output_buffers(q)
     rows = plan.batch * plan.heads_q * plan.seqlen_q
     if rows == 0:  # out and lse are empty
         return out, lse
