@@ -15,7 +15,8 @@ few outputs are checked against SDPA.
 ``--device cpu --tiny`` runs the same code on tiny shapes (with TRITON_INTERPRET=1) to test the script.
 ``--sweep-tiles`` instead times the split-KV kernel's candidate tiles at d = 128 (decode_launch.GPU_TILES and
 CONTIGUOUS_TILES at 128: keys per step, warps, pipeline stages) on the bandwidth-bound decode cells, contiguous and
-paged, beside cuDNN.
+paged, beside cuDNN. ``--sweep-splits`` times contiguous decoding at d = 128 with the number of splits forced
+(SWEEP_SPLITS) beside the rule's own choice and cuDNN, at batches whose grid already fills the GPU unsplit.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ VARLEN_LENGTHS = (8192, 4096, 2048, 1024, 512, 256, 156, 100)  # 16384 tokens
 # --sweep-tiles: (keys per step, warps, stages) of the split-KV kernel at d = 128, and (B, Nk) cells at Nq = 1.
 SWEEP_TILES = ((64, 4, 3), (64, 4, 2), (64, 4, 1), (64, 8, 3), (32, 4, 3), (32, 4, 4), (128, 4, 2), (128, 8, 2))
 SWEEP_CELLS = ((1, 131072), (8, 32768), (8, 131072), (64, 8192), (64, 32768))
+# --sweep-splits: forced split counts and (B, Nk) cells at Nq = 1.
+SWEEP_SPLITS = (1, 2, 3, 4, 6)
+SWEEP_SPLIT_CELLS = ((8, 32768), (8, 131072), (64, 8192), (64, 32768), (64, 131072))
 VARLEN_HEADS = 16
 
 
@@ -207,6 +211,40 @@ def sweep_tiles(device, settings, out_dir):
     return lines
 
 
+def sweep_splits(device, settings, out_dir):
+    """Contiguous decoding (bf16, Nq = 1, d = 128) with each of SWEEP_SPLITS forced, beside the split rule's own
+    count (decode_launch.num_splits) and cuDNN."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import decode_launch
+
+    rule = decode_launch.num_splits
+    header = f"{'B':>3} {'Nk':>6} {'cuDNN us':>9} {'rule':>9}  " + "  ".join(f"{n:>5}" for n in SWEEP_SPLITS)
+    lines = ["== split-count sweep, d = 128, bf16, Nq = 1, contiguous cache: us per forced count; rule = "
+             "decode_launch.num_splits (its count in brackets) ==", header]
+
+    def timed(cell, count):
+        decode_launch.num_splits = rule if count is None else (lambda *args, **kwargs: count)
+        decode_launch._split_plans.clear()  # prepared launches and split plans hold the count
+        triton_backend._signatures.clear()
+        return decode_bench.time_cell(cell, ("kvcache",), settings, device)["us"].get("kvcache")
+
+    try:
+        for batch, seqlen_k in SWEEP_SPLIT_CELLS:
+            cell = decode_bench.DecodeCell("bf16", batch, seqlen_k, 1)
+            cudnn = decode_bench.time_cell(cell, ("sdpa-cudnn",), settings, device)["us"]["sdpa-cudnn"]
+            own = timed(cell, None)
+            own_count = max(plan[1] for plan in decode_launch._split_plans.values())
+            times = [timed(cell, count) for count in SWEEP_SPLITS]
+            lines.append(f"{batch:>3} {seqlen_k:>6} {_us(cudnn):>9} {_us(own) + f' [{own_count}]':>9}  "
+                         + "  ".join(f"{_us(t):>5}" for t in times))
+            log(out_dir, lines[-1])
+    finally:
+        decode_launch.num_splits = rule
+        decode_launch._split_plans.clear()
+        triton_backend._signatures.clear()
+    return lines
+
+
 def _us(value) -> str:
     return "-" if value is None else f"{value:.0f}"
 
@@ -225,6 +263,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (to test the script on the CPU)")
     parser.add_argument("--dtype", default="bf16,fp16")
     parser.add_argument("--sweep-tiles", action="store_true", help="only the split-KV tile sweep at d = 128")
+    parser.add_argument("--sweep-splits", action="store_true", help="only the split-count sweep at d = 128")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     out_dir = os.environ.get("OUT")
@@ -232,6 +271,10 @@ def main(argv=None) -> int:
         os.makedirs(out_dir, exist_ok=True)
     if args.sweep_tiles:
         for line in sweep_tiles(device, timing.TimingSettings(10.0, 40.0), out_dir):
+            log(out_dir, line)
+        return 0
+    if args.sweep_splits:
+        for line in sweep_splits(device, timing.TimingSettings(10.0, 40.0), out_dir):
             log(out_dir, line)
         return 0
     started = time.monotonic()

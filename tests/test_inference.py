@@ -33,7 +33,8 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 def make_cache(dtype, device, batch, heads_q, heads_kv, seqlen_q, head_dim, cached, capacity, block_size, append,
                generator, head_dim_v=None):
     """q, the cache (contiguous, or a shuffled paged pool with its block table), the new k/v (or None), and
-    cache_seqlens. ``cached``: tokens already in each sequence's cache."""
+    cache_seqlens. ``cached``: tokens already in each sequence's cache; a contiguous cache holds NaN past each
+    sequence's keys (cached plus appended)."""
     head_dim_v = head_dim_v or head_dim
 
     def randn(*shape):
@@ -44,8 +45,11 @@ def make_cache(dtype, device, batch, heads_q, heads_kv, seqlen_q, head_dim, cach
     new_v = randn(batch, heads_kv, seqlen_q, head_dim_v) if append else None
     seqlens = torch.tensor(cached, dtype=torch.int32, device=device)
     if block_size is None:
-        return q, randn(batch, heads_kv, capacity, head_dim), randn(batch, heads_kv, capacity, head_dim_v), \
-            new_k, new_v, seqlens, None
+        k_cache, v_cache = randn(batch, heads_kv, capacity, head_dim), randn(batch, heads_kv, capacity, head_dim_v)
+        for b, c in enumerate(cached):  # rows past each sequence's keys are never to be read: NaN shows it
+            k_cache[b, :, c + (seqlen_q if append else 0):] = float("nan")
+            v_cache[b, :, c + (seqlen_q if append else 0):] = float("nan")
+        return q, k_cache, v_cache, new_k, new_v, seqlens, None
     max_blocks = -(-capacity // block_size)
     num_blocks = batch * max_blocks + 3  # a few blocks no sequence uses
     order = torch.randperm(num_blocks, generator=generator)[:batch * max_blocks]

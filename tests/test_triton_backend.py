@@ -819,6 +819,20 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_split_kv_kernel_compiles_for_sm90_without_spills():
+    """The split-KV decoding kernel as the d = 64, 128 and 256 decoding tiles launch it (contiguous and paged cache,
+    several splits) compiles for sm_90 with no register spills."""
+    from mhattn.backends.triton import ahead
+
+    for head_dim in (64, 128, 256):
+        tasks = ahead.split_kv_tasks(head_dim)
+        assert [dict(task.flags)["PAGED"] for task in tasks] == [False, True]
+        assert all(task in ahead.table_tasks("sm_90") for task in tasks)
+        for task in tasks:
+            assert ahead.resource_usage(ahead.compile_kernel(task, 90))["stack"] == 0, task.label
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_float32_tiles_on_sm90_spill_little():
     """The sm_90 table's float32 tiles (TF32 and full-precision dots, d = 64, 128, 256, causal and not) compile with
     at most a little stack. The earlier full-precision tiles spilled 1-11 KB per thread and ran about 40x slower

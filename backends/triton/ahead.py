@@ -50,7 +50,7 @@ def hopper_backward_tile(head_dim: int) -> configs.KernelConfig:
 class KernelTask:
     """One kernel to compile: which kernel, for which problem class and tile."""
 
-    kind: str            # "fwd", "dkdv", "dq", "hopper_fwd" / "hopper_bwd" (the Gluon kernels, hopper_*.py)
+    kind: str            # "fwd", "dkdv", "dq", "splitkv" (decode.py), "hopper_fwd" / "hopper_bwd" (Gluon, hopper_*.py)
     head_dim: int
     causal: bool
     tile: configs.KernelConfig
@@ -201,6 +201,23 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                                             flags=(("TILE_TABLE", True),)))
             if cc == 90 and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
                 tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim)))
+        if not hopper_only:
+            tasks += split_kv_tasks(head_dim)
+    return tasks
+
+
+def split_kv_tasks(head_dim: int) -> list:
+    """The split-KV decoding kernel (decode.py) as decoding launches it at ``head_dim``: several splits, one query head
+    group of 4 rows, over a contiguous cache and a paged one (blocks of 256 keys)."""
+    from mhattn.backends.triton import decode_launch
+
+    padded = configs.padded_head_dim(head_dim)
+    tasks = []
+    for paged in (False, True):
+        tile = decode_launch.decode_tile(padded, padded, 2, paged)
+        flags = (("PAGED", paged), ("HAS_SEQLENS", paged), ("PAGE_SIZE", 256 if paged else 1))
+        tasks.append(KernelTask("splitkv", head_dim, True, configs.KernelConfig(16, tile.block_n, tile.num_warps,
+                                                                                 tile.num_stages), flags=flags))
     return tasks
 
 
