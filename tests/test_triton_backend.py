@@ -819,6 +819,35 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_hopper_tensor_maps_equal_gluons_checked_descriptors():
+    """The Hopper kernels' host tensor maps are made without Gluon's constructor checks (hopper_launch.tensor_map):
+    each equals the descriptor Gluon's checked constructor makes of the same fields, and has every field it has,
+    for the forward's and the backward's maps, a head dim Gluon pads and a dim of extent 1 (whose stride is
+    rewritten)."""
+    import dataclasses
+
+    from mhattn.backends.triton import hopper_launch
+
+    if not hopper_launch.gluon_available():
+        pytest.skip("needs Gluon")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    for head_dim, heads in ((128, 4), (64, 1), (256, 2)):
+        # (B, N, H, D) storage seen as (B, H, N, D), as a projection's output is: with one head, its head stride (D)
+        # is not what the copy engine accepts for an extent-1 dim.
+        rows = torch.empty(2, 256, heads, head_dim, dtype=torch.bfloat16).transpose(1, 2)
+        per_row = torch.empty(2, heads, 256, dtype=torch.float32)
+        maps = hopper_launch.forward_maps(rows, rows, rows, head_dim) + hopper_launch.backward_maps(
+            rows, rows, rows, rows, per_row, per_row, rows.float(), head_dim)
+        for made in maps:
+            checked = TensorDescriptor(made.base, made.shape, made.strides, made.block_shape, made.layout)
+            assert type(made) is TensorDescriptor and made == checked
+            assert {f.name for f in dataclasses.fields(TensorDescriptor)} <= set(vars(made))
+        if heads == 1:
+            assert rows.stride(1) == head_dim and maps[0].strides[1] == 256 * head_dim
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_split_kv_kernel_compiles_for_sm90_without_spills():
     """The split-KV decoding kernel as the d = 64, 128 and 256 decoding tiles launch it (contiguous and paged cache,
     several splits) compiles for sm_90 with no register spills."""

@@ -11,7 +11,7 @@ The Hopper backward covers the same problems (from BACKWARD_MIN_KEYS keys), exce
 copy engine's reduce-add sums dQ in an order that varies between runs): backward.py's kernels run the rest.
 
 Both kernels read their tiles through host tensor maps (:func:`tensor_map`, 4-D over batch, head, row and column),
-made per launch here.
+made per launch here (Triton's launcher encodes them at each launch).
 
 ``MHATTN_TRITON_HOPPER=0`` turns the Hopper kernels off (the FlashAttention-2 kernels everywhere), e.g. to
 compare the two; ``MHATTN_TRITON_HOPPER=always`` runs them at any key count (e.g. for a conformance run).
@@ -233,15 +233,39 @@ def tensor_map(tensor, block_shape):
     """The copy engine's host tensor map of ``tensor``, read in blocks of ``block_shape`` into the swizzled
     shared-memory tile wgmma reads. The callers have checked the alignments (why_not); a dim of extent 1 gets a
     stride the map accepts whatever the tensor's says."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     shape, strides = list(tensor.shape), list(tensor.stride())
-    inner = 1
-    for dim in range(len(shape) - 1, -1, -1):
-        if shape[dim] == 1:
-            strides[dim] = inner
-        inner = strides[dim] * shape[dim]
-    return TensorDescriptor(tensor, shape, strides, list(block_shape), _map_layout(block_shape, tensor.dtype))
+    if 1 in shape:
+        inner = 1
+        for dim in range(len(shape) - 1, -1, -1):
+            if shape[dim] == 1:
+                strides[dim] = inner
+            inner = strides[dim] * shape[dim]
+    return _unchecked_descriptor(tensor, shape, strides, list(block_shape), _map_layout(block_shape, tensor.dtype))
+
+
+def _unchecked_descriptor(base, shape, strides, block_shape, layout):
+    """Gluon's ``TensorDescriptor(base, shape, strides, block_shape, layout)`` without its constructor's checks, which
+    took 60% of the host time of making the maps (the backward makes seven per launch): what they check (rank, 16-byte
+    aligned base and strides, a contiguous last dim, the layout's type and width) holds by construction here or was
+    checked before the launch (why_not). tests/test_triton_backend.py holds these equal to the checked ones."""
+    if not _descriptor_type:
+        import dataclasses
+
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        defaults = {f.name: f.default for f in dataclasses.fields(TensorDescriptor)
+                    if f.default is not dataclasses.MISSING}
+        _descriptor_type.extend((TensorDescriptor, defaults))
+    kind, defaults = _descriptor_type
+    descriptor = object.__new__(kind)
+    fields = descriptor.__dict__
+    fields.update(defaults)
+    fields["base"], fields["shape"], fields["strides"], fields["block_shape"], fields["layout"] = \
+        base, shape, strides, block_shape, layout
+    return descriptor
+
+
+_descriptor_type: list = []  # Gluon's TensorDescriptor class and its fields' defaults, found on first use
 
 
 def _map_layout(block_shape: tuple, dtype):
@@ -337,19 +361,26 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     group = plan.kv_group
     accumulator = torch.empty(batches * heads * group * plan.seqlen_q * head_dim, dtype=torch.float32,
                               device=q.device)
+
+    def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s):
+        dq_acc = accumulator[:q_s.numel()].view(q_s.shape).zero_()
+        launcher.launch((k_s.shape[0] * k_s.shape[1] * num_n_blocks,), (
+            *backward_maps(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_acc, head_dim),
+            dk_s, dv_s, *dk.stride()[:3], *dv.stride()[:3],
+            k_s.shape[1], group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2, run.sm_scale,
+            run.diag_offset,
+        ), constexprs, device_index)
+        dq_s.copy_(dq_acc)
+
+    if batches == plan.batch and heads == plan.heads_kv:  # one launch over the whole tensors: no slicing views
+        launch(q, k, v, grad_out, lse2, delta, dq, dk, dv)
+        return
     for b0 in range(0, plan.batch, batches):
         for h0 in range(0, plan.heads_kv, heads):
             b, h = slice(b0, b0 + batches), slice(h0, h0 + heads)
             hq = slice(h0 * group, (h0 + heads) * group)
-            q_s, k_s = q[b, hq], k[b, h]
-            dq_acc = accumulator[:q_s.numel()].view(q_s.shape).zero_()
-            launcher.launch((k_s.shape[0] * k_s.shape[1] * num_n_blocks,), (
-                *backward_maps(q_s, k_s, v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq_acc, head_dim),
-                dk[b, h], dv[b, h], *dk.stride()[:3], *dv.stride()[:3],
-                k_s.shape[1], group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2, run.sm_scale,
-                run.diag_offset,
-            ), constexprs, device_index)
-            dq[b, hq].copy_(dq_acc)
+            launch(q[b, hq], k[b, h], v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq[b, hq], dk[b, h],
+                   dv[b, h])
 
 
 # The float32 dQ buffer: one launch when the whole buffer takes at most SINGLE_LAUNCH_BYTES (the protocol's shapes
