@@ -179,9 +179,18 @@ def key_padding_section(device, dtype, settings, tiny):
     return lines
 
 
+def _forget_decode_plans():
+    """Drop the Triton backend's split plans and prepared launches, which hold the tile and the split count a sweep
+    changes, so the next call works them out again."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import decode_launch
+
+    decode_launch._split_plans.clear()
+    triton_backend._signatures.clear()
+
+
 def sweep_tiles(device, settings, out_dir):
     """Contiguous and paged decoding (bf16, Nq = 1) with each of SWEEP_TILES as the d = 128 tile, beside cuDNN."""
-    from mhattn.backends.triton import backend as triton_backend
     from mhattn.backends.triton import decode_launch
 
     tables = (decode_launch.GPU_TILES, decode_launch.CONTIGUOUS_TILES)  # the paged cache's, the contiguous one's
@@ -197,8 +206,7 @@ def sweep_tiles(device, settings, out_dir):
             for tile in SWEEP_TILES:
                 for table in tables:
                     table[128] = decode_launch.DecodeTile(*tile)
-                decode_launch._split_plans.clear()  # prepared launches and split plans hold the tile
-                triton_backend._signatures.clear()
+                _forget_decode_plans()
                 us = decode_bench.time_cell(cell, ("kvcache", "paged"), settings, device)["us"]
                 times.append(f"{_us(us.get('kvcache'))}/{_us(us.get('paged'))}")
                 log(out_dir, f"B={batch} Nk={seqlen_k} tile {tile}: {times[-1]} (cuDNN {_us(cudnn)})")
@@ -206,15 +214,13 @@ def sweep_tiles(device, settings, out_dir):
     finally:
         for table, tile in zip(tables, kept):
             table[128] = tile
-        decode_launch._split_plans.clear()
-        triton_backend._signatures.clear()
+        _forget_decode_plans()
     return lines
 
 
 def sweep_splits(device, settings, out_dir):
     """Contiguous decoding (bf16, Nq = 1, d = 128) with each of SWEEP_SPLITS forced, beside the split rule's own
     count (decode_launch.num_splits) and cuDNN."""
-    from mhattn.backends.triton import backend as triton_backend
     from mhattn.backends.triton import decode_launch
 
     rule = decode_launch.num_splits
@@ -224,8 +230,7 @@ def sweep_splits(device, settings, out_dir):
 
     def timed(cell, count):
         decode_launch.num_splits = rule if count is None else (lambda *args, **kwargs: count)
-        decode_launch._split_plans.clear()  # prepared launches and split plans hold the count
-        triton_backend._signatures.clear()
+        _forget_decode_plans()
         return decode_bench.time_cell(cell, ("kvcache",), settings, device)["us"].get("kvcache")
 
     try:
@@ -240,8 +245,7 @@ def sweep_splits(device, settings, out_dir):
             log(out_dir, lines[-1])
     finally:
         decode_launch.num_splits = rule
-        decode_launch._split_plans.clear()
-        triton_backend._signatures.clear()
+        _forget_decode_plans()
     return lines
 
 
