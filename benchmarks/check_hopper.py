@@ -51,7 +51,7 @@ def launch(q, k, v, causal, diag_offset, poison=True, persistent=None, sm_count=
     schedule, table = device_schedule((batch, heads_q, seqlen_q, seqlen_k, causal, head_bytes, sm_count, persistent,
                                        diag_offset, head_dim), q.device)
     hopper_forward.hopper_forward_kernel[(schedule.programs,)](
-        *hopper_launch.forward_maps(q, k, v, head_dim), out, lse, lse if table is None else table,
+        *hopper_launch.forward_maps(q, k, v, out, head_dim), out, lse, lse if table is None else table,
         *out.stride()[:3], lse.stride(0), lse.stride(1), heads_q, heads_q // heads_kv, seqlen_q, seqlen_k,
         *schedule[1:4], LOG2E / math.sqrt(head_dim), diag_offset,
         **hopper_launch.compile_time_args(head_dim, causal, table is not None), num_warps=4)

@@ -431,12 +431,15 @@ def test_hopper_tensor_maps_describe_the_tensors_as_the_kernels_read_them():
 
     q = torch.randn(3, 8, 200, 128, dtype=torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D)
     k = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
-    q_map, k_map, v_map = hopper_launch.forward_maps(q, k, k, 128)
+    q_map, k_map, v_map, o_map = hopper_launch.forward_maps(q, k, k, q, 128)
     assert list(q_map.shape) == [3, 8, 200, 128] and list(q_map.strides) == list(q.stride())
     assert list(q_map.block_shape) == [1, 1, hopper_launch.QUERY_ROWS_PER_CONSUMER, 128]
     assert list(k_map.strides) == [2 * 300 * 128, 300 * 128, 128, 1]  # batch of one: a stride the map accepts
     assert list(k_map.block_shape) == [1, 1, hopper_launch.KEY_BLOCK[128], 128]
     assert q_map.layout.swizzle_byte_width == 128 and q_map.layout.rank == 4
+    # The forward stages each output tile in its Q slot for the copy engine: the same blocks in the same layout.
+    assert list(o_map.strides) == list(q.stride()) and o_map.block_shape == q_map.block_shape
+    assert o_map.layout == q_map.layout
     rows = torch.zeros(3, 8, 2, 200, dtype=torch.float32)[:, :, 0]
     maps = hopper_launch.backward_maps(q, k, k, q, rows, rows, torch.zeros(q.shape), 128)
     assert maps[4].layout.swizzle_byte_width == 0 and list(maps[4].block_shape) == [1, 1, 64]
@@ -800,8 +803,9 @@ def test_gpu_over_2_31_elements_and_huge_batch_heads():
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
     """Every table entry that uses the Hopper switches compiles for sm_90a through Triton's compiler, and the
-    copy-engine switch really gives bulk tensor copies in the PTX."""
-    from mhattn.backends.triton import ahead
+    copy-engine switch really gives bulk tensor copies in the PTX. The Gluon kernels fit an H100's shared memory per
+    block (227 KB), and the forward with two Q buffers writes its output through the copy engine (from Q's slot)."""
+    from mhattn.backends.triton import ahead, hopper_launch
 
     tasks = ahead.table_tasks("sm_90a")
     assert tasks and all(task.tile.tma or task.tile.warp_specialize or task.dq_mode for task in tasks)
@@ -811,8 +815,13 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
         assert ".target sm_90a" in ptx, task.label
         if task.tile.tma:
             assert "cp.async.bulk.tensor" in ptx, task.label
+        if task.kind in ahead.GLUON_KINDS:
+            assert kernel.metadata.shared <= 227 * 1024, (task.label, kernel.metadata.shared)
         if task.kind == "hopper_bwd":  # dQ's shares summed by the copy engine
             assert "cp.reduce.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx, task.label
+        if task.kind == "hopper_fwd":
+            staged = "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
+            assert staged == (hopper_launch.Q_BUFFERS[task.head_dim] == 2), task.label
     assert {task.kind for task in tasks} >= {"hopper_fwd", "hopper_bwd"}
     with pytest.raises(ValueError, match="unknown architecture"):
         ahead.table_tasks("sm_91x")
@@ -837,7 +846,7 @@ def test_hopper_tensor_maps_equal_gluons_checked_descriptors():
         # is not what the copy engine accepts for an extent-1 dim.
         rows = torch.empty(2, 256, heads, head_dim, dtype=torch.bfloat16).transpose(1, 2)
         per_row = torch.empty(2, heads, 256, dtype=torch.float32)
-        maps = hopper_launch.forward_maps(rows, rows, rows, head_dim) + hopper_launch.backward_maps(
+        maps = hopper_launch.forward_maps(rows, rows, rows, rows, head_dim) + hopper_launch.backward_maps(
             rows, rows, rows, rows, per_row, per_row, rows.float(), head_dim)
         for made in maps:
             checked = TensorDescriptor(made.base, made.shape, made.strides, made.block_shape, made.layout)
@@ -962,10 +971,12 @@ def test_explain_names_the_kernel_families(monkeypatch):
         path = backend.forward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 forward") and reason in path, (kwargs, path)
     assert "split-KV" in backend.forward_path(problem(seqlen_q=1))
-    # d = 64: the Gluon forward from 2k keys without a causal mask, from 4k with one.
-    assert "Gluon Hopper forward" in backend.forward_path(problem(head_dim=64, seqlen_q=2048, seqlen_k=2048))
-    assert "2048 keys < 4096" in backend.forward_path(problem(head_dim=64, seqlen_q=2048, seqlen_k=2048,
-                                                              features=("causal",)))
+    # d = 64: the Gluon forward from 1k keys, causal or not.
+    for features in ((), ("causal",)):
+        assert "Gluon Hopper forward" in backend.forward_path(problem(head_dim=64, seqlen_q=1024, seqlen_k=1024,
+                                                                      features=features))
+        assert "512 keys < 1024" in backend.forward_path(problem(head_dim=64, seqlen_q=512, seqlen_k=512,
+                                                                 features=features))
     assert "Gluon Hopper backward (hopper_backward.py)" in backend.backward_path(problem(features=("causal",)))
     for kwargs, reason in ((dict(head_dim=96), "head dims 96/96"), (dict(seqlen_k=512), "512 keys < 1024"),
                            (dict(features=("dropout",)), "dropout")):

@@ -123,3 +123,24 @@ def test_launches_switch_to_the_tensors_gpu_only_when_another_is_current(monkeyp
     tb._on_device(0, launch, ("b",))
     tb._on_device(None, launch, ("c",))
     assert launched == [(("a",), [1]), (("b",), [1, "exit"]), (("c",), [1, "exit"])]
+
+
+def test_a_repeated_forward_answers_the_hopper_rule_as_its_call_does(monkeypatch, fresh_signatures):
+    """hopper_launch.why_not reads a call's right window bound, alignment and scale: the _RepeatedForward standing for
+    a repeated call gives the same answer as the call worked out in full, and a scale <= 0 keeps the Gluon forward
+    (which takes row maxima of unscaled scores) out, on a plan marked sm_90."""
+    from mhattn.backends.triton import hopper_launch
+
+    _recording_backend_launchers(monkeypatch, interpret=True)
+    backend = tb.TritonBackend()
+    q = torch.randn(SHAPE)
+    for scale in (0.25, -0.25, 0.0):
+        params = AttentionParams(scale=scale, window_right=0)
+        backend.forward(q, q, q, params)
+        signature = tb._signature_for(q, q, q, params, dense=True)
+        repeated = [found for found in signature.repeated_forwards if found is not None]
+        run = tb._Launch(q, q, q, params, dense=True)
+        monkeypatch.setattr(run.plan, "sm90", True)
+        assert repeated and hopper_launch.why_not(run.plan, repeated[0]) == hopper_launch.why_not(run.plan, run)
+        if scale <= 0:
+            assert "scale" in hopper_launch.why_not(run.plan, run)

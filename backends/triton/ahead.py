@@ -151,8 +151,8 @@ def _tensor_map_types(task: KernelTask) -> dict:
     d, dtype = task.head_dim, _torch_dtype(task.dtype)
     rows = torch.empty(1, 1, 256, d, dtype=dtype)
     if task.kind == "hopper_fwd":
-        maps = hopper_launch.forward_maps(rows, rows, rows, d)
-        return dict(zip(("q_desc", "k_desc", "v_desc"), map(mangle_type, maps)))
+        maps = hopper_launch.forward_maps(rows, rows, rows, rows, d)
+        return dict(zip(("q_desc", "k_desc", "v_desc", "o_desc"), map(mangle_type, maps)))
     per_row = torch.empty(1, 1, 256, dtype=torch.float32)
     maps = hopper_launch.backward_maps(rows, rows, rows, rows, per_row, per_row, rows.float(), d)
     names = ("q_desc", "k_desc", "v_desc", "do_desc", "lse2_desc", "delta_desc", "dq_desc")

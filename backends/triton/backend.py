@@ -435,14 +435,14 @@ class _RepeatedForward:
     tensors, the GPU to launch on, whether the tile reads through descriptors. A repeated call allocates its outputs
     and launches; the per-call checks stay: the tensors' dtypes and address alignment (PreparedLaunch picks the
     compiled kernel by them), the current device, launch hooks, a tile out of resources. Holds what
-    hopper_launch.why_not reads of a call (window_right, tma_ok), so it stands for one there."""
+    hopper_launch.why_not reads of a call (window_right, tma_ok, qk_scale2), so it stands for one there."""
 
-    __slots__ = ("site", "middle", "descriptors", "cuda_index", "window_right", "tma_ok")
+    __slots__ = ("site", "middle", "descriptors", "cuda_index", "window_right", "tma_ok", "qk_scale2")
 
     def __init__(self, site: tuple, descriptors: bool, plan: _Plan, run: _Launch):
         self.site, self.middle = site
         self.descriptors, self.cuda_index = descriptors, plan.cuda_index
-        self.window_right, self.tma_ok = run.window_right, run.tma_ok
+        self.window_right, self.tma_ok, self.qk_scale2 = run.window_right, run.tma_ok, run.qk_scale2
 
     def launch(self, q, k, v, out, lse) -> bool:
         """Launch into ``out`` and ``lse``; False where a new specialisation of the tile ran out of resources (the

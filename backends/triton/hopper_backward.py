@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from mhattn.backends.triton.hopper_forward import LOAD_REGS, tile_layout, tma_load, wgmma_layout
+from mhattn.backends.triton.hopper_forward import LOAD_REGS, thread_barrier, tile_layout, tma_load, wgmma_layout
 
 
 def _tma_reduce_add_builtin():
@@ -57,8 +57,6 @@ def _tma_reduce_add_builtin():
 
 
 tma_reduce_add = _tma_reduce_add_builtin()
-# A barrier over the partition's warps: Triton 3.6 names it thread_barrier, later ones barrier.
-thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 WRITER_REGS = gl.constexpr(24)  # the dQ writer warp only issues copies, like the load warp
 COMPUTE_WARPS = gl.constexpr(8)

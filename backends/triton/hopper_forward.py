@@ -13,25 +13,33 @@ What the FlashAttention-2 kernel (forward.py) leaves to Triton's pipeliner is sp
   is issued before P_j V_j, and the softmax of block j+1 runs while P_j V_j is still on the tensor cores
   (FlashAttention-3's intra-warpgroup overlap); the two consumers also interleave on the SM's schedulers;
 - the registers move to the consumers: the load warp keeps LOAD_REGS per thread, and each consumer warpgroup
-  gets up to CONSUMER_REGS (``setmaxnreg``, through warp_specialize's register budgets).
+  gets up to CONSUMER_REGS (``setmaxnreg``, through warp_specialize's register budgets);
+- where shared memory has room (d = 64, 128), Q has two buffers, so the next tile's Q lands while this tile runs,
+  and each consumer stages its output in its Q slot for the copy engine to write (consume_tile); the online
+  softmax takes each row's maximum of the unscaled scores, so an exponent's argument is one fused multiply-add.
 
 The tensor maps are made on the host (hopper_launch.tensor_map), 4-D over (batch, head, row, column), so the
 copy engine zero-fills rows past each head's sequence end; making them in the kernel (a map written to global
 memory and fenced in every program) took about 15% of a program at 1k keys (NOTES, version 8).
 
 Coverage (the backend routes the rest to forward.py): fp16 and bf16; head dims 64, 128, 256 (K and V the
-same); no mask, or a causal mask of either alignment (diag_offset); GQA by head index; any Nq, Nk >= 1;
-16-byte aligned rows. Output (B, Hq, Nq, D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
+same); no mask, or a causal mask of either alignment (diag_offset); GQA by head index; any Nq, Nk >= 1; a positive
+scale; 16-byte aligned rows. Output (B, Hq, Nq, D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
 """
 
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
 # The copy-engine load into shared memory: Triton 3.6 names it async_copy_global_to_shared, later ones async_load
 # (same arguments: descriptor, coordinates, barrier, destination).
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# The copy-engine store of a shared-memory tile: async_copy_shared_to_global in Triton 3.6, async_store later.
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# A barrier over the partition's warps: Triton 3.6 names it thread_barrier, later ones barrier.
+thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 LN2 = gl.constexpr(0.6931471805599453)
 # Per-thread register budgets of the partitions (setmaxnreg): the load warp needs few.
@@ -126,12 +134,12 @@ def entry_tile(TileTable, entry, num_tiles, num_m_blocks, group_heads, heads_q, 
 @gluon.jit
 def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                    v_empty, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, kv_group, seqlen_k, diag_offset,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   TILE_TABLE: gl.constexpr):
-    """The load warp, for each of the program's tiles: both consumers' Q tiles once both have finished their
-    products with the previous tile's Q, then K_j and V_j into ring slots as soon as both consumers have released
-    a slot's previous block. ``step`` counts the blocks the program has moved, across its tiles, so ring slots
-    and barrier phases run on from one tile to the next."""
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
+                   CAUSAL: gl.constexpr, TILE_TABLE: gl.constexpr):
+    """The load warp, for each of the program's tiles: both consumers' Q tiles into Q buffer ``rounds %
+    Q_BUFFERS`` once both consumers have released it (see consume_tile), then K_j and V_j into ring slots as soon as
+    both consumers have released a slot's previous block. ``step`` counts the blocks the program has moved, across
+    its tiles, so ring slots and barrier phases run on from one tile to the next."""
     step = 0
     rounds = 0
     first, last, entry_step = program_entries(TileTable, num_tiles, TILE_TABLE)
@@ -142,10 +150,11 @@ def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_em
                                                       TILE_TABLE)
         head_kv = head // kv_group
         # A fresh barrier counts as having completed the phase before its first: round 0 waits for nothing.
-        mbarrier.wait(q_empty, (rounds & 1) ^ 1)
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        tma_load(q_desc, [batch, head, start_m, 0], q_ready, q_smem.index(0))
-        tma_load(q_desc, [batch, head, start_m + BLOCK_M, 0], q_ready, q_smem.index(1))
+        buf = rounds % Q_BUFFERS
+        mbarrier.wait(q_empty.index(buf), ((rounds // Q_BUFFERS) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)
+        tma_load(q_desc, [batch, head, start_m, 0], q_ready.index(buf), q_smem.index(2 * buf))
+        tma_load(q_desc, [batch, head, start_m + BLOCK_M, 0], q_ready.index(buf), q_smem.index(2 * buf + 1))
         for j in range(cta_blocks):
             slot = (step + j) % NUM_STAGES
             free_phase = (((step + j) // NUM_STAGES) & 1) ^ 1
@@ -166,28 +175,30 @@ def block_tile(slots, slot):
 
 
 @gluon.jit
-def masked_scores(s2, start_m, start_n, seqlen_k, diag_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def masked_scores(qk, start_m, start_n, seqlen_k, diag_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   CAUSAL: gl.constexpr, layout: gl.constexpr):
-    """Base-2 scores with invisible keys (past the sequence end, or after the row's diagonal) at -inf."""
+    """Scores with invisible keys (past the sequence end, or after the row's diagonal) at -inf."""
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     ok = gl.expand_dims(cols < seqlen_k, 0)
     if CAUSAL:
         ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + diag_offset, 1))
-    return gl.where(ok, s2, float("-inf"))
+    return gl.where(ok, qk, float("-inf"))
 
 
 @gluon.jit
 def softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset, qk_scale2,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
-    """The online softmax of key block j: returns (p, alpha, m_new, l_new), p unnormalised in fp32."""
-    s2 = qk * qk_scale2
+    """The online softmax of key block j: returns (p, alpha, m_new, l_new), p unnormalised in fp32, m in base-2
+    units of the scaled scores. The row maximum is taken of the unscaled scores and scaled once per row (qk_scale2 >
+    0: hopper_launch.why_not), so each exponent's argument, qk * qk_scale2 - m, is one fused multiply-add instead of
+    a multiply over the whole block and then a subtraction."""
     if j >= full:
-        s2 = masked_scores(s2, start_m, j * BLOCK_N, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
-    m_new = gl.maximum(m_i, gl.max(s2, 1))
+        qk = masked_scores(qk, start_m, j * BLOCK_N, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale2)
     # A row that has seen no visible key keeps m = -inf; shifting by 0 keeps exp2(-inf) = 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s2 - gl.expand_dims(m_shift, 1))
+    p = gl.exp2(qk * qk_scale2 - gl.expand_dims(m_shift, 1))
     alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
@@ -208,23 +219,42 @@ def release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, first, num_b
 
 
 @gluon.jit
-def consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, q_phase, step,
-                 out_base, stride_om, lse_base, start_m, cta_blocks, seqlen_q, seqlen_k, diag_offset, qk_scale2,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr):
-    """One softmax warpgroup on one tile: BLOCK_M query rows from start_m, every key block they see (ring slots
-    from ``step`` on), then the output."""
+def release_q_buffer(q_empty, buf):
+    """Hand Q buffer ``buf`` back to the load warp once the copy engine has read the output staged in it (every
+    thread waits at the barrier for the one that issued the store)."""
+    tma.store_wait(0)
+    thread_barrier()
+    mbarrier.arrive(q_empty.index(buf), count=1)
+
+
+@gluon.jit
+def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
+                 o_desc, out_base, stride_om, lse_base, batch, head, start_m, cta_blocks, seqlen_q, seqlen_k,
+                 diag_offset, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
+    """One softmax warpgroup on one tile (the program's ``rounds``-th): BLOCK_M query rows from start_m, its half
+    HALF of Q buffer rounds % Q_BUFFERS, every key block they see (ring slots from ``step`` on), then the output.
+
+    With two Q buffers, the output is staged in this tile's Q slot (its S products are done by then) and written by
+    the copy engine, and the slot goes back to the load warp once the next tile's first product has run, so the
+    store's read of shared memory is long over. With one (d = 256: no room for a second), Q's slot is handed back as
+    soon as the tile's last S product has finished, so the next tile's Q loads under this tile's last P V product,
+    and the output is stored from registers."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = q_slots.dtype
+    buf = rounds % Q_BUFFERS
+    q_slot = q_slots.index(2 * buf + HALF)
+    q_smem = q_slot.reshape([BLOCK_M, HEAD_DIM])
+    staged: gl.constexpr = Q_BUFFERS == 2
 
     num_blocks, full = visible_key_blocks(start_m, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_ready, q_phase)
+    mbarrier.wait(q_ready.index(buf), (rounds // Q_BUFFERS) & 1)
 
     if num_blocks > 0:
         slot = step % NUM_STAGES
@@ -232,6 +262,9 @@ def consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_r
         qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
+        if staged:
+            if rounds > 0:
+                release_q_buffer(q_empty, (rounds - 1) % Q_BUFFERS)
         p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
                                           BLOCK_M, BLOCK_N, CAUSAL, s_layout)
         for j in range(1, num_blocks):
@@ -252,15 +285,20 @@ def consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_r
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        # Every S product of this tile has finished: Q's slot may take the next tile's rows.
-        mbarrier.arrive(q_empty, count=1)
+        if not staged:
+            # Every S product of this tile has finished: Q's slot may take the next tile's rows.
+            mbarrier.arrive(q_empty.index(0), count=1)
         last = (step + num_blocks - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((step + num_blocks - 1) // NUM_STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), block_tile(v_smem, last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(v_empty.index(last), count=1)
     else:
-        mbarrier.arrive(q_empty, count=1)
+        if staged:
+            if rounds > 0:
+                release_q_buffer(q_empty, (rounds - 1) % Q_BUFFERS)
+        else:
+            mbarrier.arrive(q_empty.index(0), count=1)
     release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, num_blocks, cta_blocks, NUM_STAGES)
 
     # Rows that saw no visible key have l = 0: output 0, lse -inf.
@@ -268,23 +306,30 @@ def consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_r
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
     out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout)), 1)
-    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = out_base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
-    gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(rows < seqlen_q, 1))
+    if staged:
+        # The copy engine clips rows past Nq (the tensor map's bounds).
+        q_smem.store(out.to(dtype))
+        fence_async_shared()
+        thread_barrier()
+        tma_store(o_desc, [batch, head, start_m, 0], q_slot)
+    else:
+        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = out_base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+        gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(rows < seqlen_q, 1))
     lse_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     gl.store(lse_base + lse_rows, lse, mask=lse_rows < seqlen_q)
 
 
 @gluon.jit
-def consumer_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                        Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, TileTable, num_tiles,
                        num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
-                       ROW_OFFSET: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                       HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
                        TILE_TABLE: gl.constexpr):
-    """One softmax warpgroup: rows ROW_OFFSET .. ROW_OFFSET + BLOCK_M of each of the program's tiles, in the load
-    warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds)."""
+    """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
+    load warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds)."""
     step = 0
     rounds = 0
     first, last, entry_step = program_entries(TileTable, num_tiles, TILE_TABLE)
@@ -294,50 +339,56 @@ def consumer_partition(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empt
                                                      TILE_TABLE)
         out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
         lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
-        consume_tile(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds & 1, step,
-                     out_base, stride_om, lse_base, tile_m + ROW_OFFSET, cta_blocks, seqlen_q, seqlen_k, diag_offset,
-                     qk_scale2, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)
+        consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
+                     o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_blocks, seqlen_q,
+                     seqlen_k, diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL)
         step += cta_blocks
         rounds += 1
+    # The last tile's staged output must be read before the program's shared memory goes.
+    tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "num_tiles", "group_heads", "diag_offset",
                               "stride_lb", "stride_lh"])
 def hopper_forward_kernel(
-    q_desc, k_desc, v_desc, Out, Lse, TileTable,
+    q_desc, k_desc, v_desc, o_desc, Out, Lse, TileTable,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, TILE_TABLE: gl.constexpr,
+    Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_TABLE: gl.constexpr,
 ):
-    """q_desc, k_desc, v_desc: host tensor maps (hopper_launch.tensor_map) of Q (B, Hq, Nq, D) in blocks of
-    (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine zero-fills rows
-    past each head's sequence end, and no program spends time making maps. Out (B, Hq, Nq, D): any strides, last
-    dim contiguous. Lse (B, Hq, Nq) fp32 by (stride_lb, stride_lh), natural log. Query head h reads key/value
-    head h // kv_group; qk_scale2 = scale * log2(e); causal: query row i sees keys j <= i + diag_offset.
+    """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
+    blocks of (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine
+    zero-fills rows past each head's sequence end (and clips the output's), and no program spends time making maps.
+    Out (B, Hq, Nq, D): any strides, last dim contiguous (read through o_desc with two Q buffers, through Out and its
+    strides with one). Lse (B, Hq, Nq) fp32 by (stride_lb, stride_lh), natural log. Query head h reads key/value
+    head h // kv_group; qk_scale2 = scale * log2(e) > 0; causal: query row i sees keys j <= i + diag_offset.
 
     Tiles of 2 * BLOCK_M query rows: num_m_blocks = cdiv(Nq, 2 * BLOCK_M) per (batch, head), num_tiles =
     B * Hq * num_m_blocks, in tile_rows' order (group_heads: its causal groups). Program p takes tiles p, p + G,
     p + 2G, ... of a grid of G programs: G = num_tiles is one tile per program, a smaller G a persistent grid,
     whose next tile's loads run under this tile's last products and output. TILE_TABLE: program p takes the tiles
     TileTable lists for it instead (int32, hopper_launch.balanced_tiles: causal tiles differ in work, and a table
-    made on the host evens it out); without it TileTable is not read. Launched with 4 warps (the first consumer)
-    plus the partitions' own."""
+    made on the host evens it out); without it TileTable is not read. Q_BUFFERS (1 or 2): Q buffers, so that the
+    next tile's Q loads during this one (consume_tile). Launched with 4 warps (the first consumer) plus the
+    partitions' own."""
     dtype: gl.constexpr = q_desc.dtype
 
-    # Slots of (1, 1, rows, D) tiles, as the copy engine writes them (the products read them as (rows, D)).
-    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    # Slots of (1, 1, rows, D) tiles, as the copy engine writes them (the products read them as (rows, D)); Q buffer
+    # b holds the two consumers' tiles at slots 2b and 2b + 1.
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # one arrival per consumer
+    for buf in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_ready.index(buf), count=1)
+        mbarrier.init(q_empty.index(buf), count=2)  # one arrival per consumer
     for slot in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
@@ -345,17 +396,15 @@ def hopper_forward_kernel(
         mbarrier.init(v_empty.index(slot), count=2)
 
     gl.warp_specialize([
-        (consumer_partition, (q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, q_empty, k_ready,
-                              k_empty, v_ready, v_empty, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb,
-                              stride_lh, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q,
-                              seqlen_k, diag_offset, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                              TILE_TABLE)),
-        (consumer_partition, (q_smem.index(1).reshape([BLOCK_M, HEAD_DIM]), k_smem, v_smem, q_ready, q_empty, k_ready,
-                              k_empty, v_ready, v_empty, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb,
-                              stride_lh, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q,
-                              seqlen_k, diag_offset, qk_scale2, BLOCK_M, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                              CAUSAL, TILE_TABLE)),
+        (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
+                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, TileTable, num_tiles,
+                              num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2, 0,
+                              HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_TABLE)),
+        (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
+                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, TileTable, num_tiles,
+                              num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2, 1,
+                              HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_TABLE)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                           v_empty, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, kv_group, seqlen_k,
-                          diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, TILE_TABLE)),
+                          diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_TABLE)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -2,7 +2,7 @@
 
 The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/128/256 with equal value
 head dim, no mask, no dropout, no softcap, no sliding window (a causal mask of either alignment is fine), no
-key padding bounds, 16-byte aligned rows (and no broadcast batch or head). It pays once each program has enough
+key padding bounds, a positive scale, 16-byte aligned rows (and no broadcast batch or head). It pays once each program has enough
 key blocks to amortise its start (the first copies) and its output write; below MIN_KEYS the FlashAttention-2
 kernel (forward.py) is faster on the H100 (backends/triton/NOTES.md, versions 5 and 8). Everything else runs
 forward.py.
@@ -35,10 +35,14 @@ from mhattn.backends.triton.launcher import CompiledLauncher
 KEY_BLOCK = {64: 128, 128: 128, 256: 64}
 QUERY_ROWS_PER_CONSUMER = 64   # one wgmma row block per consumer warpgroup
 NUM_STAGES = 2
+# Head dim -> Q buffers of the forward: two where shared memory has room (d = 64: 48 + 64 KB; d = 128: 64 + 128 KB of
+# Q and the K/V ring), so the next tile's Q loads during this one and this one's output is staged in its Q slot for
+# the copy engine (hopper_forward.consume_tile); one at d = 256 (its Q and ring take 192 KB).
+Q_BUFFERS = {64: 2, 128: 2, 256: 1}
 # Fewest keys at which the Hopper kernel beat forward.py on the H100 (bf16, PERFORMANCE.md's shapes), per head dim: a
-# key count, or a pair (without a causal mask, with one). NOTES versions 9-10: at d = 64 +2-6% from 2k without a mask
-# (persistent grid), causal -3% at 1k, level at 2k, +3-5% from 4k; at d = 128 ahead from 1k; d = 256 ahead everywhere.
-MIN_KEYS = {64: (2048, 4096), 128: 1024, 256: 1}
+# key count, or a pair (without a causal mask, with one). NOTES version 11: at d = 64 +15% at 1k (+13% causal) and
+# ahead at every longer length; at d = 128 ahead from 1k (shorter ones not timed); d = 256 ahead everywhere.
+MIN_KEYS = {64: 1024, 128: 1024, 256: 1}
 # The backward: head dim -> fewest keys at which it beat backward.py's kernels on the H100 (bf16, NOTES version 8:
 # d = 64 +6-12% from 2k, level at 1k; d = 128 +12-18% from 2k, 1k causal +12%).
 BACKWARD_MIN_KEYS = {64: 2048, 128: 1024, 256: 1}
@@ -97,6 +101,8 @@ def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
     its backward; otherwise the reason it does not. The plan's part is worked out once per plan and setting."""
     if plan.has_right and run.window_right != 0:
         return "a right window bound other than causal"
+    if run.qk_scale2 <= 0:
+        return "a scale <= 0 (the Hopper forward takes each row's maximum of the unscaled scores)"
     min_keys = MIN_KEYS if min_keys is None else min_keys
     # Keyed by the thresholds' identity (a replaced dict is a new key); the entry holds the dict, so its id cannot
     # be reused by another while the entry lives.
@@ -161,7 +167,7 @@ def compile_time_args(head_dim: int, causal: bool, tile_table: bool = False) -> 
     """The kernel's compile-time arguments for a head dim, causal or not, and a tile table or not (the launch,
     `mhattn build` and the GPU check script use the same)."""
     return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
-                NUM_STAGES=NUM_STAGES, CAUSAL=causal, TILE_TABLE=tile_table)
+                NUM_STAGES=NUM_STAGES, Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal, TILE_TABLE=tile_table)
 
 
 class ForwardSchedule(NamedTuple):
@@ -289,11 +295,12 @@ def _map_layout(block_shape: tuple, dtype):
 _map_layouts: dict = {}  # a handful of entries: the kernels' block shapes by dtype
 
 
-def forward_maps(q, k, v, head_dim: int) -> tuple:
-    """The forward kernel's tensor maps of q, k, v."""
+def forward_maps(q, k, v, out, head_dim: int) -> tuple:
+    """The forward kernel's tensor maps of q, k, v and out."""
     key_block = (1, 1, KEY_BLOCK[head_dim], head_dim)
-    return (tensor_map(q, (1, 1, QUERY_ROWS_PER_CONSUMER, head_dim)), tensor_map(k, key_block),
-            tensor_map(v, key_block))
+    query_block = (1, 1, QUERY_ROWS_PER_CONSUMER, head_dim)
+    return (tensor_map(q, query_block), tensor_map(k, key_block), tensor_map(v, key_block),
+            tensor_map(out, query_block))
 
 
 def backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, head_dim: int) -> tuple:
@@ -327,7 +334,7 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
         found = plan.hopper_schedules[run.diag_offset] = (schedule.programs, table, schedule[1:4], constexprs)
     programs, table, numbers, constexprs = found
     launcher.launch((programs,), (
-        *forward_maps(q, k, v, plan.head_dim), out, lse, lse if table is None else table, *out.stride()[:3],
+        *forward_maps(q, k, v, out, plan.head_dim), out, lse, lse if table is None else table, *out.stride()[:3],
         lse.stride(0), lse.stride(1), plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, *numbers,
         run.qk_scale2, run.diag_offset,
     ), constexprs, device_index)
