@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import mhattn
 from mhattn.backends.triton import hopper_backward, hopper_forward, hopper_launch
+from mhattn.backends.triton.launcher import COMPILE_OPTIONS
 
 LOG2E = 1.4426950408889634
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -54,7 +55,7 @@ def launch(q, k, v, causal, diag_offset, poison=True, persistent=None, sm_count=
         *hopper_launch.forward_maps(q, k, v, out, head_dim), out, lse, lse if table is None else table,
         *out.stride()[:3], lse.stride(0), lse.stride(1), heads_q, heads_q // heads_kv, seqlen_q, seqlen_k,
         *schedule[1:4], LOG2E / math.sqrt(head_dim), diag_offset,
-        **hopper_launch.compile_time_args(head_dim, causal, table is not None), num_warps=4)
+        **hopper_launch.compile_time_args(head_dim, causal, table is not None), num_warps=4, **COMPILE_OPTIONS)
     return out, lse
 
 
@@ -84,7 +85,8 @@ def launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset):
     hopper_backward.hopper_backward_kernel[(batch * heads_kv * num_n_blocks,)](
         *hopper_launch.backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, head_dim), dk, dv,
         *dk.stride()[:3], *dv.stride()[:3], heads_kv, heads_q // heads_kv, seqlen_q, seqlen_k, num_n_blocks,
-        scale * LOG2E, scale, diag_offset, **hopper_launch.backward_compile_time_args(head_dim, causal), num_warps=8)
+        scale * LOG2E, scale, diag_offset, **hopper_launch.backward_compile_time_args(head_dim, causal), num_warps=8,
+        **COMPILE_OPTIONS)
     return dq_acc, dk, dv
 
 

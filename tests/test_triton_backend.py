@@ -828,6 +828,19 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_kernels_are_built_with_fused_multiply_adds_whatever_tritons_default(monkeypatch):
+    """The builds ask Triton for fused multiply-adds (launcher.COMPILE_OPTIONS): with Triton's default turned off
+    (TRITON_DEFAULT_FP_FUSION=0, the coming default), the Gluon forward for sm_90a still computes each exponent's
+    argument as one fma, and ptxas is not told to split them (--fmad=false)."""
+    from mhattn.backends.triton import ahead
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    task = next(task for task in ahead.table_tasks("sm_90a") if task.kind == "hopper_fwd")
+    kernel = ahead.compile_kernel(task, 90)
+    assert kernel.metadata.enable_fp_fusion and "fma.rn.f32" in kernel.asm["ptx"]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_hopper_tensor_maps_equal_gluons_checked_descriptors():
     """The Hopper kernels' host tensor maps are made without Gluon's constructor checks (hopper_launch.tensor_map):
     each equals the descriptor Gluon's checked constructor makes of the same fields, and has every field it has,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mhattn.backends.triton import configs, hopper_launch
+from mhattn.backends.triton.launcher import COMPILE_OPTIONS
 
 # Kernel arguments that are pointers (float32 ones listed apart), floats; every other argument is an int32.
 POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", "dV", "dQ", "dMask", "GradLse",
@@ -137,7 +138,8 @@ def compile_kernel(task: KernelTask, cc: int = 90):
     else:
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", cc, 32),
-                          options=dict(num_warps=task.tile.num_warps, num_stages=task.tile.num_stages))
+                          options=dict(num_warps=task.tile.num_warps, num_stages=task.tile.num_stages,
+                                       **COMPILE_OPTIONS))
 
 
 def _tensor_map_types(task: KernelTask) -> dict:

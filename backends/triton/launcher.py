@@ -42,6 +42,12 @@ _DTYPE = operator.attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
 _LOW_BITS = (15).__and__
 
+# Compile options of every launch of the backend's kernels. The kernels are written for fused multiply-adds (e.g. the
+# softmax's exponent argument, scores * scale - row maximum, as one instruction): Triton up to 3.9 fuses by default,
+# and its default is to change to no fusion (TRITON_DEFAULT_FP_FUSION), which would slow the kernels and change their
+# rounding, so the launches ask for fusion themselves.
+COMPILE_OPTIONS = dict(enable_fp_fusion=True)
+
 # Compiled handles kept per launcher; beyond this the oldest makes room (a program with ever-new
 # shapes or strides keeps working, at Triton's cost for the new ones).
 HANDLES_LIMIT = 1024
@@ -204,7 +210,7 @@ class CompiledLauncher:
 
     def _launch_through_triton(self, grid, args, constexprs: ConstexprSet):
         return self.kernel[grid](*args, **constexprs.kwargs, num_warps=constexprs.num_warps,
-                                 num_stages=constexprs.num_stages)
+                                 num_stages=constexprs.num_stages, **COMPILE_OPTIONS)
 
 
 class PreparedLaunch:

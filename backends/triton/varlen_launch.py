@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from mhattn.backends.base import AttentionParams, Packing
+from mhattn.backends.triton.launcher import COMPILE_OPTIONS
 
 
 def _packed_strides(t: torch.Tensor):
@@ -69,6 +70,7 @@ def forward(q, k, v, packing: Packing, params: AttentionParams):
             *run.band,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAVY_FIRST=run.plan.heavy_first, **run.plan.flags,
             **run.hopper_flags(tile), VARLEN=True, num_warps=tile.num_warps, num_stages=tile.num_stages,
+            **COMPILE_OPTIONS,
         )
 
     with _OnDevice(q.device):
@@ -104,7 +106,7 @@ def backward(grad_out, q, k, v, out, lse, packing: Packing, params: AttentionPar
             0, lse.stride(0), lse.stride(1), 0, grad_lse_arg.stride(0), grad_lse_arg.stride(1),
             heads_q, total_q, num_pre_blocks, delta.stride(0),
             HEAD_DIM_V=run.plan.head_dim_v, BLOCK_DV=run.plan.block_dv, BLOCK_M=block_pre,
-            HAS_GRAD_LSE=grad_lse is not None, num_warps=4, num_stages=1,
+            HAS_GRAD_LSE=grad_lse is not None, num_warps=4, num_stages=1, **COMPILE_OPTIONS,
         )
 
         def launch_dkdv(tile):
@@ -118,7 +120,7 @@ def backward(grad_out, q, k, v, out, lse, packing: Packing, params: AttentionPar
                 *run.band,
                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, **run.plan.flags,
                 **run.hopper_flags(tile, _as_batch_view(grad_out)), VARLEN=True,
-                num_warps=tile.num_warps, num_stages=tile.num_stages,
+                num_warps=tile.num_warps, num_stages=tile.num_stages, **COMPILE_OPTIONS,
             )
 
         def launch_dq(tile):
@@ -132,7 +134,7 @@ def backward(grad_out, q, k, v, out, lse, packing: Packing, params: AttentionPar
                 *run.band,
                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, MASK_GRAD=False, HEAVY_FIRST=run.plan.heavy_first,
                 **run.plan.flags, VARLEN=True,
-                num_warps=tile.num_warps, num_stages=tile.num_stages,
+                num_warps=tile.num_warps, num_stages=tile.num_stages, **COMPILE_OPTIONS,
             )
 
         _run("dkdv_varlen", run.plan.config.dkdv, key, launch_dkdv)
