@@ -2,10 +2,10 @@
 
 The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/128/256 with equal value
 head dim, no mask, no dropout, no softcap, no sliding window (a causal mask of either alignment is fine), no
-key padding bounds, a positive scale, 16-byte aligned rows (and no broadcast batch or head). It pays once each program has enough
-key blocks to amortise its start (the first copies) and its output write; below MIN_KEYS the FlashAttention-2
-kernel (forward.py) is faster on the H100 (backends/triton/NOTES.md, versions 5 and 8). Everything else runs
-forward.py.
+key padding bounds, a positive scale, 16-byte aligned rows (and no broadcast batch or head). It pays once each
+program has enough key blocks to amortise its start (the first copies) and its output write; below MIN_KEYS the
+FlashAttention-2 kernel (forward.py) is faster on the H100 (backends/triton/NOTES.md, versions 5, 8 and 11).
+Everything else runs forward.py.
 
 The Hopper backward covers the same problems (from BACKWARD_MIN_KEYS keys), except a deterministic backward (the
 copy engine's reduce-add sums dQ in an order that varies between runs): backward.py's kernels run the rest.
@@ -40,7 +40,7 @@ NUM_STAGES = 2
 # the copy engine (hopper_forward.consume_tile); one at d = 256 (its Q and ring take 192 KB).
 Q_BUFFERS = {64: 2, 128: 2, 256: 1}
 # Fewest keys at which the Hopper kernel beat forward.py on the H100 (bf16, PERFORMANCE.md's shapes), per head dim: a
-# key count, or a pair (without a causal mask, with one). NOTES version 11: at d = 64 +15% at 1k (+13% causal) and
+# key count, or a pair (without a causal mask, with one). NOTES version 11: at d = 64 +16% at 1k, causal or not, and
 # ahead at every longer length; at d = 128 ahead from 1k (shorter ones not timed); d = 256 ahead everywhere.
 MIN_KEYS = {64: 1024, 128: 1024, 256: 1}
 # The backward: head dim -> fewest keys at which it beat backward.py's kernels on the H100 (bf16, NOTES version 8:
