@@ -47,8 +47,9 @@ def make_cache(dtype, device, batch, heads_q, heads_kv, seqlen_q, head_dim, cach
     if block_size is None:
         k_cache, v_cache = randn(batch, heads_kv, capacity, head_dim), randn(batch, heads_kv, capacity, head_dim_v)
         for b, c in enumerate(cached):  # rows past each sequence's keys are never to be read: NaN shows it
-            k_cache[b, :, c + (seqlen_q if append else 0):] = float("nan")
-            v_cache[b, :, c + (seqlen_q if append else 0):] = float("nan")
+            end = c + (seqlen_q if append else 0)
+            k_cache[b, :, end:] = float("nan")
+            v_cache[b, :, end:] = float("nan")
         return q, k_cache, v_cache, new_k, new_v, seqlens, None
     max_blocks = -(-capacity // block_size)
     num_blocks = batch * max_blocks + 3  # a few blocks no sequence uses
