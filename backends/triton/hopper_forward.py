@@ -285,12 +285,14 @@ def release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, first, num_b
 
 
 @gluon.jit
-def release_q_buffer(q_empty, buf):
-    """Hand Q buffer ``buf`` back to the load warp once the copy engine has read the output staged in it (every
-    thread waits at the barrier for the one that issued the store)."""
-    tma.store_wait(0)
-    thread_barrier()
-    mbarrier.arrive(q_empty.index(buf), count=1)
+def release_previous_q_buffer(q_empty, rounds, Q_BUFFERS: gl.constexpr):
+    """Hand the previous tile's Q buffer (if this is not the program's first tile) back to the load warp once the
+    copy engine has read the output staged in it (every thread waits at the barrier for the one that issued the
+    store)."""
+    if rounds > 0:
+        tma.store_wait(0)
+        thread_barrier()
+        mbarrier.arrive(q_empty.index((rounds - 1) % Q_BUFFERS), count=1)
 
 
 @gluon.jit
@@ -330,8 +332,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
         if staged:
-            if rounds > 0:
-                release_q_buffer(q_empty, (rounds - 1) % Q_BUFFERS)
+            release_previous_q_buffer(q_empty, rounds, Q_BUFFERS)
         p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
                                           BLOCK_M, BLOCK_N, CAUSAL, FMA_EXP2, s_layout)
         for j in range(1, num_blocks):
@@ -362,8 +363,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
         mbarrier.arrive(v_empty.index(last), count=1)
     else:
         if staged:
-            if rounds > 0:
-                release_q_buffer(q_empty, (rounds - 1) % Q_BUFFERS)
+            release_previous_q_buffer(q_empty, rounds, Q_BUFFERS)
         else:
             mbarrier.arrive(q_empty.index(0), count=1)
     release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, num_blocks, cta_blocks, NUM_STAGES)
