@@ -67,11 +67,11 @@ def _parse_name(value: str, source: str) -> str:
     name = value.strip().lower()
     if name == "" and source == ENV_VAR:
         return AUTO
-    if name != AUTO and name not in registry.names():
-        raise UnknownBackendError(
-            f"{source}={value!r} is not a backend; valid names: {', '.join([AUTO] + registry.names())}"
-        )
-    return name
+    if name == AUTO:
+        return name
+    if not registry.is_backend_name(name):
+        raise UnknownBackendError(f"{source}={value!r} is not a backend; {registry.valid_names()}")
+    return registry.get_backend(name).name  # a pair's name as the pair spells it ("triton + sdpa" -> "triton+sdpa")
 
 
 _AUTOMATIC = (AUTO, "automatic selection")
@@ -213,12 +213,26 @@ def decide(problem: Problem, name: str, source: str) -> Decision:
     """Every registered backend's reasons for ``problem`` and the choice for the request ``name`` (not cached:
     :func:`backend_for` caches the outcome per call signature)."""
     reasons = {b.name: b.unsupported(problem) for b in registry.all_backends()}
+    if name != AUTO and name not in reasons:  # a pair asked for by name
+        reasons[name] = registry.get_backend(name).unsupported(problem)
     candidates = priority_for(problem) if name == AUTO else (name,)
-    chosen = next((n for n in candidates if n in reasons and not reasons[n]), None)
-    measured = timing_table.measured_choice(problem, [n for n in candidates if n in reasons and not reasons[n]]) \
-        if name == AUTO else None  # the fastest measured on this GPU, if a table has a close enough shape
+    runnable = [n for n in candidates if n in reasons and not reasons[n]]
+    chosen = runnable[0] if runnable else None
+    # The fastest measured on this GPU, if a table has a close enough shape: a backend, or a pair of two where the
+    # problem needs gradients (the table holds a pair's time only where mhattn tune measured it).
+    measured = timing_table.measured_choice(problem, runnable + _runnable_pairs(problem, runnable)) \
+        if name == AUTO else None
     chosen = measured.chosen if measured is not None else chosen
     return Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else (), measured)
+
+
+def _runnable_pairs(problem: Problem, runnable: list) -> list:
+    """The names of the pairs (forward on one, backward on another) of ``runnable`` backends that can run
+    ``problem``, where it needs gradients."""
+    if not problem.needs_grad or len(runnable) < 2:
+        return []
+    pairs = (registry.get_backend(f"{a}+{b}") for a in runnable for b in runnable if a != b)
+    return [pair.name for pair in pairs if not pair.unsupported(problem)]
 
 
 def size_bucket(n: int) -> int:

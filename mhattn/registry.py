@@ -1,7 +1,9 @@
 """The backend registry: built-ins, third-party backends registered by call or entry point.
 
 Registering a backend makes it selectable by name (``backend=``, ``use_backend``, ``MHATTN_BACKEND``);
-it takes part in automatic selection only where the priority table (``mhattn.dispatch``) names it.
+it takes part in automatic selection only where the priority table (``mhattn.dispatch``) names it. Two registered
+backends joined by ``+`` name a pair: the forward of the first, the backward of the second
+(:mod:`mhattn.backends.paired`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import threading
 import warnings
 
 from mhattn.backends.base import Backend, Capabilities
+from mhattn.backends.paired import PairedBackend, pair_name, split_pair_name
 from mhattn.errors import UnknownBackendError
 
 ENTRY_POINT_GROUP = "mhattn.backends"
@@ -27,6 +30,7 @@ _lock = threading.RLock()
 _backends: dict = {}
 _loaded = False
 _listeners: list = []  # callables run when the registry changes (the dispatcher clears its cache)
+_pairs: dict = {}  # pair name -> PairedBackend, made on first use; emptied when the registry changes
 
 
 class BrokenBackend(Backend):
@@ -82,13 +86,15 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     if not isinstance(backend, Backend):
         raise TypeError(f"register_backend: backend must be an instance of mhattn.Backend, got {type(backend).__name__}")
     name = backend.name
-    if not isinstance(name, str) or not name or name != name.lower() or name == "auto":
-        raise ValueError(f"register_backend: backend.name must be a non-empty lowercase string other than 'auto', got {name!r}")
+    if not isinstance(name, str) or not name or name != name.lower() or name == "auto" or split_pair_name(name):
+        raise ValueError("register_backend: backend.name must be a non-empty lowercase string other than 'auto' and "
+                         f"without '+' (which joins a pair's names), got {name!r}")
     _load()
     with _lock:
         if name in _backends and not replace:
             raise ValueError(f"register_backend: a backend named {name!r} is already registered (pass replace=True)")
         _backends[name] = backend
+        _pairs.clear()
         for listener in _listeners:
             listener()
     return backend
@@ -99,20 +105,48 @@ def unregister_backend(name: str) -> None:
     _load()
     with _lock:
         _backends.pop(name, None)
+        _pairs.clear()
         for listener in _listeners:
             listener()
 
 
 def get_backend(name: str) -> Backend:
-    """The backend registered under ``name`` (case-insensitive)."""
+    """The backend registered under ``name`` (case-insensitive), or the pair ``"<forward>+<backward>"`` of two
+    different registered backends."""
     _load()
     key = name.strip().lower() if isinstance(name, str) else name
     try:
         return _backends[key]
     except (KeyError, TypeError):
-        raise UnknownBackendError(
-            f"unknown backend {name!r}; valid names: {', '.join(['auto'] + names())}"
-        ) from None
+        pair = _pair(key) if isinstance(key, str) else None
+        if pair is None:
+            raise UnknownBackendError(f"unknown backend {name!r}; {valid_names()}") from None
+        return pair
+
+
+def valid_names() -> str:
+    """What a backend request may name, for error messages."""
+    return (f"valid names: {', '.join(['auto'] + names())}, or a forward and a backward backend joined by '+' "
+            "(e.g. triton+sdpa)")
+
+
+def _pair(key: str):
+    """The PairedBackend that ``key`` names, or None when it names none (not two different registered backends)."""
+    parts = split_pair_name(key)
+    if parts is None or parts[0] == parts[1] or parts[0] not in _backends or parts[1] not in _backends:
+        return None
+    name = pair_name(*parts)
+    with _lock:
+        pair = _pairs.get(name)
+        if pair is None:
+            pair = _pairs[name] = PairedBackend(_backends[parts[0]], _backends[parts[1]])
+    return pair
+
+
+def is_backend_name(name: str) -> bool:
+    """Whether ``name`` (lowercase, stripped) is a registered backend or a pair of two."""
+    _load()
+    return name in _backends or _pair(name) is not None
 
 
 def names() -> list:

@@ -50,3 +50,18 @@ def recorders():
     yield made
     for backend in made:
         mhattn.unregister_backend(backend.name)
+
+
+@pytest.fixture
+def private_tables(tmp_path, monkeypatch):
+    """Timing tables read and written in the test's own cache directory (none shipped, no MHATTN_TABLE), and no
+    cached decision before or after the test."""
+    from mhattn import dispatch
+    from mhattn.tuning import table
+
+    monkeypatch.setenv("MHATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(table.TABLE_ENV, raising=False)
+    monkeypatch.setattr(table, "SHIPPED_DIR", tmp_path / "shipped")
+    dispatch.clear_cache()
+    yield
+    dispatch.clear_cache()

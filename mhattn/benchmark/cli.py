@@ -174,6 +174,7 @@ def build_selection(args, table: dict) -> plan.Selection:
     """The :class:`plan.Selection` for ``args``; raises ValueError for unknown implementation names."""
     impls = _flatten(args.impl)
     if impls:
+        table.update(protocol.with_pairs(table, impls))
         unknown = [n for n in impls if n not in table]
         if unknown:
             raise ValueError(f"--impl: unknown implementation(s) {', '.join(unknown)}; known: {', '.join(table)}")
@@ -372,6 +373,7 @@ def write_plots(document: dict, folder: str) -> list:
 def run_latency(args, table: dict, device) -> int:
     """``--latency``: the latency table, measured in this process (small shapes, a minute or two)."""
     impls = _flatten(args.impl) or latency.default_impls(table)
+    table = protocol.with_pairs(table, impls)
     unknown = [n for n in impls if n not in table]
     if unknown:
         print(f"mhattn bench: --impl: unknown implementation(s) {', '.join(unknown)}; known: {', '.join(table)}",

@@ -335,6 +335,20 @@ def implementations() -> dict:
     return table
 
 
+def with_pairs(table: dict, names) -> dict:
+    """``table`` and, after it, for each of ``names`` that names a pair of mhattn backends ("triton+sdpa": the forward
+    of one, the backward of the other, :mod:`mhattn.backends.paired`) and is not in it, that pair's implementation."""
+    from mhattn import registry
+    from mhattn.backends.paired import split_pair_name
+
+    pairs = {}
+    for name in names:
+        if name not in table and split_pair_name(name) and registry.is_backend_name(name):
+            backend = registry.get_backend(name)
+            pairs[backend.name] = MhattnImplementation(backend.name, backend.description)
+    return {**table, **pairs} if pairs else table
+
+
 def default_implementation_names(table: Optional[dict] = None) -> list:
     """The implementations a run takes when no filter is given: every mhattn backend, the three SDPA
     peers of PERFORMANCE.md, and the reference."""

@@ -110,7 +110,7 @@ class Runner:
 
     # ---- attention cells ---------------------------------------------------------------------------------
     def _implementation(self, task):
-        impl = self.table.get(task["impl"])
+        impl = protocol.with_pairs(self.table, [task["impl"]]).get(task["impl"])
         if impl is None:
             raise LookupError(f"no implementation named {task['impl']!r}; known: {', '.join(self.table)}")
         return impl

@@ -1,4 +1,6 @@
-"""Timing one tuned shape: every backend that can run it, forward and forward+backward.
+"""Timing one tuned shape: every backend that can run it, forward and forward+backward, and the pair of two
+backends (the forward of one, the backward of another: ``mhattn.backends.paired``) where the fastest forward and the
+fastest backward were different backends'.
 
 Each backend runs through the public ``mhattn.attention(..., backend=name)``, so what is timed is what
 automatic selection would call (argument handling included, which dominates short sequences). Times are
@@ -79,7 +81,9 @@ def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None
     """The table row of ``cell``: its fields, ``fwd_ms`` and ``fwd_bwd_ms`` {backend: ms}, and ``skipped``
     {backend: why} for each backend that cannot run it or failed. Never raises for a backend's failure. A time is
     the GPU timer's median, or where that is under HOST_BOUND_MS and the host loop takes longer, the host loop's
-    time per call (with_host_loops, after every backend's GPU timing)."""
+    time per call (with_host_loops, after every backend's GPU timing). Where the cell times a backward and its
+    fastest forward and fastest backward (forward+backward less forward) are two backends', ``fwd_bwd_ms`` also
+    holds that pair's time under its name, "<forward>+<backward>" (time_pair)."""
     import mhattn
 
     device = torch.device(device)
@@ -106,19 +110,70 @@ def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None
 
         modes = (("fwd", forward), ("fwd_bwd", forward_backward)) if cell.grad else (("fwd", forward),)
         for mode, fn in modes:
-            try:
-                ms = timing.bench_ms(fn, warmup_ms, rep_ms, device)
-            except Exception as error:  # report, never stop the tuning run
-                row["skipped"][name] = timing.describe_error(error)
-                timing.release_memory(device)
+            if not _time_into(name, mode, fn, warmup_ms, rep_ms, device, row, timed[mode]):
                 break
-            if math.isfinite(ms) and ms > 0:
-                row[f"{mode}_ms"][name] = ms
-                timed[mode][name] = fn
+    halves = fastest_apart(row) if cell.grad else None
+    if halves is not None:
+        time_pair(halves, q, k, v, dout, kwargs, warmup_ms, rep_ms, device, row, timed["fwd_bwd"])
     for mode, calls in timed.items():
         times = with_host_loops(row[f"{mode}_ms"], calls, device, row["skipped"])
         row[f"{mode}_ms"] = {name: round(ms, 5) for name, ms in times.items()}
     return row
+
+
+def fastest_apart(row: dict):
+    """(forward backend, backward backend): the backend with the fastest forward and the one with the fastest
+    backward (forward+backward less forward) in ``row``, where those are two different backends; else None."""
+    forward, both = row["fwd_ms"], row["fwd_bwd_ms"]
+    timed = [name for name in both if name in forward]
+    if len(timed) < 2:
+        return None
+    fastest_forward = min(timed, key=forward.get)
+    fastest_backward = min(timed, key=lambda name: both[name] - forward[name])
+    return None if fastest_forward == fastest_backward else (fastest_forward, fastest_backward)
+
+
+def time_pair(halves, q, k, v, dout, kwargs, warmup_ms, rep_ms, device, row: dict, calls: dict) -> None:
+    """Time the forward+backward of the pair ``halves`` (forward backend, backward backend) into
+    ``row["fwd_bwd_ms"]`` and ``calls`` (for the host loops), once its gradients have matched those of the backward
+    backend alone (within GRADIENT_TOLERANCE of their largest magnitude): a pair whose backward misreads the other's
+    forward must never win the table. Its failure or mismatch goes to ``row["skipped"]``."""
+    import mhattn
+    from mhattn.backends.paired import pair_name
+
+    name = pair_name(*halves)
+
+    def forward_backward(backend=name):
+        return torch.autograd.grad(mhattn.attention(q, k, v, backend=backend, **kwargs), (q, k, v), dout)
+
+    try:
+        got, want = forward_backward(), forward_backward(halves[1])
+    except Exception as error:  # report, never stop the tuning run
+        row["skipped"][name] = timing.describe_error(error)
+        timing.release_memory(device)
+        return
+    worst = max(float((a.float() - b.float()).abs().max() / max(1.0, float(b.float().abs().max())))
+                for a, b in zip(got, want))
+    if not worst <= GRADIENT_TOLERANCE:
+        row["skipped"][name] = (f"error: its gradients differ from {halves[1]}'s own by {worst:.3g} of their "
+                                "largest magnitude; not timed")
+        return
+    _time_into(name, "fwd_bwd", forward_backward, warmup_ms, rep_ms, device, row, calls)
+
+
+def _time_into(name, mode, fn, warmup_ms, rep_ms, device, row: dict, calls: dict) -> bool:
+    """Time ``fn`` (``name``'s call in ``mode``) into ``row[mode + "_ms"]`` and ``calls``; False, with why in
+    ``row["skipped"]``, when it failed."""
+    try:
+        ms = timing.bench_ms(fn, warmup_ms, rep_ms, device)
+    except Exception as error:  # report, never stop the tuning run
+        row["skipped"][name] = timing.describe_error(error)
+        timing.release_memory(device)
+        return False
+    if math.isfinite(ms) and ms > 0:
+        row[f"{mode}_ms"][name] = ms
+        calls[name] = fn
+    return True
 
 
 def with_host_loops(times: dict, calls: dict, device, skipped: dict) -> dict:
@@ -141,6 +196,9 @@ def with_host_loops(times: dict, calls: dict, device, skipped: dict) -> dict:
 # Largest max-abs difference from torch's SDPA accepted for randn inputs (the benchmark's suspect limit).
 CHECK_TOLERANCE = {torch.float16: timing.SUSPECT_DIFF, torch.bfloat16: timing.SUSPECT_DIFF, torch.float32: 1e-3,
                    torch.float64: 1e-6}
+# Largest difference accepted between a pair's gradients and its backward backend's own, relative to their largest
+# magnitude (at least 1): the two forwards round differently, a misread layout is off by the gradients' size.
+GRADIENT_TOLERANCE = timing.SUSPECT_DIFF
 
 
 def _torch_output(q, k, v, kwargs):
