@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mhattn import environment, registry
+from mhattn.backends.paired import pair_name
 from mhattn.caches import put_bounded
 from mhattn.errors import BackendUnavailableError, UnknownBackendError
 from mhattn.problem import Problem, feature_bits
@@ -231,7 +232,7 @@ def _runnable_pairs(problem: Problem, runnable: list) -> list:
     ``problem``, where it needs gradients."""
     if not problem.needs_grad or len(runnable) < 2:
         return []
-    pairs = (registry.get_backend(f"{a}+{b}") for a in runnable for b in runnable if a != b)
+    pairs = (registry.get_backend(pair_name(a, b)) for a in runnable for b in runnable if a != b)
     return [pair.name for pair in pairs if not pair.unsupported(problem)]
 
 
