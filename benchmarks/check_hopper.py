@@ -3,7 +3,6 @@ on an sm_90 GPU:
 
     source benchmarks/device_env.sh && cd /tmp && python3 $OLDPWD/benchmarks/check_hopper.py \
         [--dtype fp16|bf16] [--part fwd,bwd] [--head-dim 64,128,256] [--timing-only] [--seqlen 1024,4096,16384]
-        [--fma-exp2 2,4]
 
 1. each kernel launched directly on ragged shapes (fp16 and bf16; its head dims; GQA; Nq > Nk; one key; one
    query; causal top-left and bottom-right, rows that see no key) against a float64 reference, outputs
@@ -16,9 +15,6 @@ on an sm_90 GPU:
    key count, and the FlashAttention-2 kernel (``MHATTN_TRITON_HOPPER=0``).
    Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses and with
    ``MHATTN_TRITON_HOPPER=0``. The tables are printed last.
-
-``--fma-exp2 2,4`` also checks the forward (1.) with each of those shares of its exponents on the fused multiply-add
-units (hopper_launch.FMA_EXP2) and times it beside the set one (2.), in a table of its own.
 """
 
 import argparse
@@ -191,17 +187,14 @@ def with_hopper_off(fn):
             os.environ[hopper_launch.ENV_SWITCH] = before
 
 
-def forget_schedules():
-    """Drop the backend's prepared Gluon forward launches (schedule and compile-time set), so the next call makes
-    them again from hopper_launch's constants."""
-    from mhattn.backends.triton import backend as triton_backend
-
-    for plan in triton_backend._plans.values():
-        plan.hopper_schedules.clear()
-
-
 def with_schedule(fn, persistent_max_keys, causal_persistent_max_keys, causal_group_bytes):
     """fn() with the Gluon forward's schedule rules set to these (hopper_launch's constants of those names)."""
+    from mhattn.backends.triton import backend as triton_backend
+
+    def forget_schedules():
+        for plan in triton_backend._plans.values():
+            plan.hopper_schedules.clear()
+
     names = ("PERSISTENT_MAX_KEYS", "CAUSAL_PERSISTENT_MAX_KEYS", "CAUSAL_GROUP_BYTES")
     before = [getattr(hopper_launch, name) for name in names]
     for name, value in zip(names, (persistent_max_keys, causal_persistent_max_keys, causal_group_bytes)):
@@ -215,19 +208,6 @@ def with_schedule(fn, persistent_max_keys, causal_persistent_max_keys, causal_gr
         forget_schedules()
 
 
-def with_fma_exp2(fn, share: int):
-    """fn() with hopper_launch.FMA_EXP2 = share at every head dim: 1 / share of the Gluon forward's exponents of whole
-    key blocks on the fused multiply-add units (0: none)."""
-    before = dict(hopper_launch.FMA_EXP2)
-    hopper_launch.FMA_EXP2.update({head_dim: share for head_dim in before})
-    forget_schedules()
-    try:
-        return fn()
-    finally:
-        hopper_launch.FMA_EXP2.update(before)
-        forget_schedules()
-
-
 def with_persistent(fn, on: bool):
     """fn() with the Gluon forward on a persistent grid at every key count (on) or on one program per tile (off),
     causal or not; the causal groups as hopper_launch sets them."""
@@ -235,9 +215,9 @@ def with_persistent(fn, on: bool):
     return with_schedule(fn, keys, keys, hopper_launch.CAUSAL_GROUP_BYTES)
 
 
-def timing(dtype, parts, seqlens, wanted=None, fma_shares=()):
+def timing(dtype, parts, seqlens, wanted=None):
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
-    forward_rows, backward_rows, fma_rows = [], [], []
+    forward_rows, backward_rows = [], []
     head_dims = set(kernel_head_dims(hopper_launch.KEY_BLOCK, wanted) if "fwd" in parts else ())
     head_dims = sorted(head_dims | set(kernel_head_dims(hopper_launch.BACKWARD_MIN_KEYS, wanted) if "bwd" in parts
                                        else ()))
@@ -258,11 +238,6 @@ def timing(dtype, parts, seqlens, wanted=None, fma_shares=()):
                     forward_rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in (
                         cudnn, backend, persistent, per_tile, flash2)), cudnn / backend))
                     print(forward_rows[-1], flush=True)
-                    if fma_shares:
-                        shared = [with_fma_exp2(lambda: bench(run_triton), share) for share in fma_shares]
-                        fma_rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in (cudnn, backend,
-                                                                                               *shared))))
-                        print(fma_rows[-1], flush=True)
                 if "bwd" in parts and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
                     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
                     grad_out = torch.randn_like(q)
@@ -290,13 +265,6 @@ def timing(dtype, parts, seqlens, wanted=None, fma_shares=()):
         for d, n, causal, cudnn, backend, persistent, per_tile, flash2, ratio in forward_rows:
             print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {backend:.0f} | {persistent:.0f} | "
                   f"{per_tile:.0f} | {flash2:.0f} | {ratio:.2f} |")
-    if fma_rows:
-        print(f"\n{name} forward with 1 / share of the exponents on the FMA units (FMA_EXP2), TFLOP/s (same run)\n")
-        print("| d | N | causal | sdpa-cudnn | backend (FMA_EXP2 as set) | "
-              + " | ".join(f"share {share}" for share in fma_shares) + " |")
-        print("|---|---|---|---|---|" + "---|" * len(fma_shares))
-        for d, n, causal, *numbers in fma_rows:
-            print(f"| {d} | {n} | {'yes' if causal else 'no'} | " + " | ".join(f"{x:.0f}" for x in numbers) + " |")
     if backward_rows:
         print(f"\n{name} backward, TFLOP/s (same run)\n")
         print("| d | N | causal | sdpa-cudnn | triton backend | FlashAttention-2 kernels | triton/cuDNN |")
@@ -313,22 +281,16 @@ def main():
     parser.add_argument("--seqlen", default="1024,4096,16384", help="comma-separated sequence lengths to time")
     parser.add_argument("--head-dim", default="", help="comma-separated head dims (default: every one a kernel has)")
     parser.add_argument("--timing-only", action="store_true")
-    parser.add_argument("--fma-exp2", default="", help="comma-separated shares (2, 4) of hopper_launch.FMA_EXP2 to "
-                        "check and time the forward with, beside the set one")
     args = parser.parse_args()
-    fma_shares = [int(share) for share in args.fma_exp2.split(",")] if args.fma_exp2 else []
     head_dims = {int(d) for d in args.head_dim.split(",")} if args.head_dim else None
     parts = set(args.part.split(","))
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
     if not args.timing_only:
         if "fwd" in parts:
             correctness(head_dims)
-            for share in fma_shares:
-                print(f"FMA_EXP2 = {share}:", end=" ")
-                with_fma_exp2(lambda: correctness(head_dims), share)
         if "bwd" in parts:
             correctness_backward(head_dims)
-    timing(DTYPES[args.dtype], parts, [int(n) for n in args.seqlen.split(",")], head_dims, fma_shares)
+    timing(DTYPES[args.dtype], parts, [int(n) for n in args.seqlen.split(",")], head_dims)
 
 
 if __name__ == "__main__":

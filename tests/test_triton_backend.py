@@ -679,24 +679,6 @@ def test_gpu_gluon_forward_programs_walking_many_tiles(monkeypatch, case):
     _check_gluon_kernel(monkeypatch, "MIN_KEYS", "forward", "bfloat16", GLUON_FORWARD_CASES[case])
 
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
-@pytest.mark.parametrize("share", [2, 4])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("case", ["d64_ragged", "d64_bottom_right_gqa"])
-def test_gpu_gluon_forward_with_exponents_on_fma_units(monkeypatch, share, dtype, case):
-    """The Gluon forward with 1 / share of each whole key block's exponents on the fused multiply-add units
-    (hopper_launch.FMA_EXP2), against the reference: 517 keys make four whole blocks and a masked one."""
-    from mhattn.backends.triton import backend as triton_backend
-    from mhattn.backends.triton import hopper_launch
-
-    monkeypatch.setattr(hopper_launch, "FMA_EXP2", dict.fromkeys(hopper_launch.FMA_EXP2, share))
-    monkeypatch.setattr(triton_backend, "_plans", {})  # plans keep their compile-time set: none made before this test
-    monkeypatch.setattr(triton_backend, "_signatures", {})
-    _check_gluon_kernel(monkeypatch, "MIN_KEYS", "forward", dtype, GLUON_FORWARD_CASES[case])
-
-
 def _check_gluon_kernel(monkeypatch, threshold: str, launch: str, dtype, case: dict):
     """check_attention on ``case`` with hopper_launch's key threshold ``threshold`` lowered to one key, asserting
     that hopper_launch.``launch`` (the Gluon kernel's launch) ran."""
@@ -856,65 +838,6 @@ def test_kernels_are_built_with_fused_multiply_adds_whatever_tritons_default(mon
     task = next(task for task in ahead.table_tasks("sm_90a") if task.kind == "hopper_fwd")
     kernel = ahead.compile_kernel(task, 90)
     assert kernel.metadata.enable_fp_fusion and "fma.rn.f32" in kernel.asm["ptx"]
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_gluon_forwards_exponents_on_fma_units_match_exp2():
-    """hopper_forward.exp2_on_fma's steps, done in float32 as the kernel does them (the clamp, the rounding by adding
-    1.5 * 2^23, the cubic by Horner with its constants, j added into the exponent bits): within 8e-5 of 2^x relative
-    to it from x = -125 to 0 (and a little above, where rounding leaves qk * scale - m), and 2^-125 below -125."""
-    import numpy as np
-
-    from mhattn.backends.triton import hopper_forward as hf
-
-    def c(value):
-        return np.float32(getattr(value, "value", value))
-
-    x = np.concatenate([np.linspace(-125.0, 0.01, 2_000_001), -np.logspace(-8, 0, 10_001),
-                        np.arange(-125, 1)]).astype(np.float32)
-    clamped = np.maximum(x, c(hf.EXP2_FLOOR))
-    rounded = clamped + c(hf.ROUNDING_SHIFT)
-    f = clamped - (rounded - c(hf.ROUNDING_SHIFT))
-    assert np.all(np.abs(f) <= 0.5)
-    p = c(hf.EXP2_CUBIC3) * f + c(hf.EXP2_CUBIC2)
-    p = p * f + c(hf.EXP2_CUBIC1)
-    p = p * f + c(hf.EXP2_CUBIC0)
-    bits = p.view(np.int32) + (rounded.view(np.int32) << np.int32(23))
-    got = bits.view(np.float32).astype(np.float64)
-    want = np.exp2(x.astype(np.float64))
-    assert np.all(np.isfinite(got)) and np.max(np.abs(got / want - 1.0)) < 8e-5
-    below = np.array([-126.0, -1000.0, -3.0e38], dtype=np.float32)
-    assert np.all(np.maximum(below, c(hf.EXP2_FLOOR)) == np.float32(-125.0))
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("share", [2, 4])
-def test_gluon_forward_with_exponents_on_fma_units_compiles_for_sm90a(share):
-    """With hopper_launch.FMA_EXP2 = 2 or 4 at d = 64, the sm_90a forward computes that share of a whole block's
-    exponents on the fused multiply-add units: one rounding addition per moved exponent, fewer ex2 instructions than
-    a kernel with the masked blocks' copy of the softmax beside an unchanged one would have, and the column split made
-    in registers (no more shared-memory traffic and no stack beyond the kernel without it)."""
-    import dataclasses
-    import re
-
-    from mhattn.backends.triton import ahead
-
-    def build(flags):
-        task = next(task for task in ahead.table_tasks("sm_90a")
-                    if task.kind == "hopper_fwd" and task.head_dim == 64 and not task.causal and not task.flags)
-        kernel = ahead.compile_kernel(dataclasses.replace(task, flags=flags), 90)
-        ptx = kernel.asm["ptx"]
-        counts = {name: len(re.findall(pattern, ptx)) for name, pattern in
-                  (("ex2", r"ex2\.approx"), ("shift", r"0f4B400000"), ("shared", r"(ld|st)\.shared"))}
-        return counts, ahead.resource_usage(kernel)["stack"]
-
-    (plain, plain_stack), (split, split_stack) = build(()), build((("FMA_EXP2", share),))
-    assert plain["shift"] == 0 and split["shift"] > 0
-    assert split["shared"] == plain["shared"] and split_stack <= plain_stack
-    # Two consumers, two softmax sites each (a tile's first block, the loop), 64 exponents per thread at each; with
-    # the split, each site has a whole-block branch (64 / share of them on the FMA units) and a masked one (none).
-    assert split["shift"] == 2 * 2 * (64 // share), split
-    assert split["ex2"] < plain["ex2"] + 2 * 2 * 64, (plain, split)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

@@ -42,15 +42,6 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 LN2 = gl.constexpr(0.6931471805599453)
-# exp2_on_fma: 2^f ~ EXP2_CUBIC0 + f * (EXP2_CUBIC1 + f * (EXP2_CUBIC2 + f * EXP2_CUBIC3)) for f in [-0.5, 0.5] (a fit
-# of the relative error; at most 8e-5 in float32), the float32 1.5 * 2^23 whose addition rounds to an integer, and
-# the clamp that keeps the result's exponent normal.
-EXP2_CUBIC0 = gl.constexpr(0.9999281167984009)
-EXP2_CUBIC1 = gl.constexpr(0.6932609677314758)
-EXP2_CUBIC2 = gl.constexpr(0.24261032044887543)
-EXP2_CUBIC3 = gl.constexpr(0.055171336978673935)
-ROUNDING_SHIFT = gl.constexpr(12582912.0)
-EXP2_FLOOR = gl.constexpr(-125.0)
 # Per-thread register budgets of the partitions (setmaxnreg): the load warp needs few.
 LOAD_REGS = gl.constexpr(24)
 CONSUMER_REGS = gl.constexpr(240)
@@ -196,75 +187,18 @@ def masked_scores(qk, start_m, start_n, seqlen_k, diag_offset, BLOCK_M: gl.const
 
 
 @gluon.jit
-def exp2_on_fma(x):
-    """2^x for x <= 0 on the fused multiply-add units instead of the special-function unit (MUFU), whose 16
-    exponents per clock per SM are as many as the tensor cores' products of d = 64 need (NOTES, version 12).
-
-    Adding 1.5 * 2^23 rounds x to an integer j and leaves j in the sum's low mantissa bits; a cubic gives 2^(x - j)
-    (x - j in [-0.5, 0.5], relative error below 8e-5, under the rounding of P to bf16 or fp16), and j shifted into
-    the exponent field is added to its bits. No float-integer conversion (those run at the MUFU's rate too). x is
-    clamped at -125 so the exponent stays normal: scores below that give 2^-125 instead of less, which no row sum
-    notices; a masked score (-inf) must not come here, as it would not give 0."""
-    x = gl.maximum(x, EXP2_FLOOR)
-    rounded = x + ROUNDING_SHIFT
-    f = x - (rounded - ROUNDING_SHIFT)
-    p = EXP2_CUBIC3 * f + EXP2_CUBIC2
-    p = p * f + EXP2_CUBIC1
-    p = p * f + EXP2_CUBIC0
-    bits = p.to(gl.int32, bitcast=True) + (rounded.to(gl.int32, bitcast=True) << 23)
-    return bits.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def split_columns(x):
-    """The left and right halves of x's columns. In the wgmma accumulator's layout every thread holds columns of
-    both halves, so nothing moves between threads."""
-    rows: gl.constexpr = x.shape[0]
-    cols: gl.constexpr = x.shape[1]
-    return x.reshape([rows, 2, cols // 2]).permute(0, 2, 1).split()
-
-
-@gluon.jit
-def join_columns(left, right):
-    """split_columns' inverse."""
-    rows: gl.constexpr = left.shape[0]
-    cols: gl.constexpr = left.shape[1]
-    return gl.join(left, right).permute(0, 2, 1).reshape([rows, 2 * cols])
-
-
-@gluon.jit
-def exp2_of_visible(x, FMA_EXP2: gl.constexpr):
-    """2^x of a block of visible scores, the last 1 / FMA_EXP2 of its columns (FMA_EXP2 = 2 or 4) on the
-    fused multiply-add units (exp2_on_fma) and the rest on the MUFU, so neither unit bounds the softmax."""
-    left, right = split_columns(x)
-    if FMA_EXP2 == 2:
-        right = exp2_on_fma(right)
-    else:
-        right_mufu, right_fma = split_columns(right)
-        # (the joined quarters come back in a layout equal to the halves' but spelled differently: no data moves)
-        right = gl.convert_layout(join_columns(gl.exp2(right_mufu), exp2_on_fma(right_fma)), left.type.layout)
-    return join_columns(gl.exp2(left), right)
-
-
-@gluon.jit
 def softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset, qk_scale2,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, FMA_EXP2: gl.constexpr,
-                 s_layout: gl.constexpr):
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
     """The online softmax of key block j: returns (p, alpha, m_new, l_new), p unnormalised in fp32, m in base-2
     units of the scaled scores. The row maximum is taken of the unscaled scores and scaled once per row (qk_scale2 >
     0: hopper_launch.why_not), so each exponent's argument, qk * qk_scale2 - m, is one fused multiply-add instead of
-    a multiply over the whole block and then a subtraction. FMA_EXP2 > 0: in blocks every row sees whole, 1 /
-    FMA_EXP2 of the exponents are computed on the fused multiply-add units (exp2_of_visible)."""
+    a multiply over the whole block and then a subtraction."""
     if j >= full:
         qk = masked_scores(qk, start_m, j * BLOCK_N, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale2)
     # A row that has seen no visible key keeps m = -inf; shifting by 0 keeps exp2(-inf) = 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-    exponent = qk * qk_scale2 - gl.expand_dims(m_shift, 1)
-    if FMA_EXP2 > 0 and j < full:
-        p = gl.convert_layout(exp2_of_visible(exponent, FMA_EXP2), s_layout)
-    else:
-        p = gl.exp2(exponent)
+    p = gl.exp2(qk * qk_scale2 - gl.expand_dims(m_shift, 1))
     alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
@@ -299,8 +233,7 @@ def release_previous_q_buffer(q_empty, rounds, Q_BUFFERS: gl.constexpr):
 def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
                  o_desc, out_base, stride_om, lse_base, batch, head, start_m, cta_blocks, seqlen_q, seqlen_k,
                  diag_offset, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                 FMA_EXP2: gl.constexpr):
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
     """One softmax warpgroup on one tile (the program's ``rounds``-th): BLOCK_M query rows from start_m, its half
     HALF of Q buffer rounds % Q_BUFFERS, every key block they see (ring slots from ``step`` on), then the output.
 
@@ -334,7 +267,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
         if staged:
             release_previous_q_buffer(q_empty, rounds, Q_BUFFERS)
         p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
-                                          BLOCK_M, BLOCK_N, CAUSAL, FMA_EXP2, s_layout)
+                                          BLOCK_M, BLOCK_N, CAUSAL, s_layout)
         for j in range(1, num_blocks):
             slot = (step + j) % NUM_STAGES
             prev = (step + j - 1) % NUM_STAGES
@@ -349,7 +282,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
             qk = warpgroup_mma_wait(1, deps=(qk, ))
             mbarrier.arrive(k_empty.index(slot), count=1)
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset,
-                                              qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, FMA_EXP2, s_layout)
+                                              qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -394,7 +327,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                        num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
                        HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                       TILE_TABLE: gl.constexpr, FMA_EXP2: gl.constexpr):
+                       TILE_TABLE: gl.constexpr):
     """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
     load warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds)."""
     step = 0
@@ -408,8 +341,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
         lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
         consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
                      o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_blocks, seqlen_q,
-                     seqlen_k, diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
-                     FMA_EXP2)
+                     seqlen_k, diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL)
         step += cta_blocks
         rounds += 1
     # The last tile's staged output must be read before the program's shared memory goes.
@@ -424,7 +356,7 @@ def hopper_forward_kernel(
     stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_TABLE: gl.constexpr, FMA_EXP2: gl.constexpr,
+    Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_TABLE: gl.constexpr,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
     blocks of (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine
@@ -439,9 +371,8 @@ def hopper_forward_kernel(
     whose next tile's loads run under this tile's last products and output. TILE_TABLE: program p takes the tiles
     TileTable lists for it instead (int32, hopper_launch.balanced_tiles: causal tiles differ in work, and a table
     made on the host evens it out); without it TileTable is not read. Q_BUFFERS (1 or 2): Q buffers, so that the
-    next tile's Q loads during this one (consume_tile). FMA_EXP2 (0, 2 or 4): 0 computes every exponent on the
-    special-function unit; 2 or 4 moves 1 / FMA_EXP2 of those of whole key blocks to the fused multiply-add units
-    (softmax_step). Launched with 4 warps (the first consumer) plus the partitions' own."""
+    next tile's Q loads during this one (consume_tile). Launched with 4 warps (the first consumer) plus the
+    partitions' own."""
     dtype: gl.constexpr = q_desc.dtype
 
     # Slots of (1, 1, rows, D) tiles, as the copy engine writes them (the products read them as (rows, D)); Q buffer
@@ -468,11 +399,11 @@ def hopper_forward_kernel(
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, TileTable, num_tiles,
                               num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2, 0,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_TABLE, FMA_EXP2)),
+                              HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_TABLE)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, TileTable, num_tiles,
                               num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2, 1,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_TABLE, FMA_EXP2)),
+                              HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_TABLE)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                           v_empty, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, kv_group, seqlen_k,
                           diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_TABLE)),

@@ -39,11 +39,6 @@ NUM_STAGES = 2
 # Q and the K/V ring), so the next tile's Q loads during this one and this one's output is staged in its Q slot for
 # the copy engine (hopper_forward.consume_tile); one at d = 256 (its Q and ring take 192 KB).
 Q_BUFFERS = {64: 2, 128: 2, 256: 1}
-# Head dim -> 1 / share of the forward's exponents computed on the fused multiply-add units (2: half, 4: a quarter;
-# 0: none, every exponent on the special-function unit). At d = 64 the softmax needs as many exponents per clock as
-# that unit gives (16 per SM) while the tensor cores run, so moving some off it may pay there (hopper_forward.
-# exp2_on_fma); not yet timed on a GPU, so 0 everywhere (NOTES, version 12).
-FMA_EXP2 = {64: 0, 128: 0, 256: 0}
 # Fewest keys at which the Hopper kernel beat forward.py on the H100 (bf16, PERFORMANCE.md's shapes), per head dim: a
 # key count, or a pair (without a causal mask, with one). NOTES version 11: at d = 64 +16% at 1k, causal or not, and
 # ahead at every longer length; at d = 128 ahead from 1k (shorter ones not timed); d = 256 ahead everywhere.
@@ -172,8 +167,7 @@ def compile_time_args(head_dim: int, causal: bool, tile_table: bool = False) -> 
     """The kernel's compile-time arguments for a head dim, causal or not, and a tile table or not (the launch,
     `mhattn build` and the GPU check script use the same)."""
     return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
-                NUM_STAGES=NUM_STAGES, Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal, TILE_TABLE=tile_table,
-                FMA_EXP2=FMA_EXP2[head_dim])
+                NUM_STAGES=NUM_STAGES, Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal, TILE_TABLE=tile_table)
 
 
 class ForwardSchedule(NamedTuple):
