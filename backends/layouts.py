@@ -72,6 +72,17 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
+def strides_in_order_of(template: torch.Tensor, shape) -> tuple:
+    """Dense strides for ``shape`` whose dims are laid out in the order of template's strides (largest first, ties
+    in dim order): what torch's cuDNN attention gives its output, which follows the query's layout."""
+    order = sorted(range(template.dim()), key=lambda i: (-template.stride(i), i))
+    strides, step = [0] * len(order), 1
+    for i in reversed(order):
+        strides[i] = step
+        step *= max(shape[i], 1)
+    return tuple(strides)
+
+
 def grad_strides(t: torch.Tensor) -> tuple:
     """The strides of :func:`grad_buffer` (t)."""
     return tuple(t.stride()) if is_dense(t) else rows_major_strides(*t.shape)

@@ -245,6 +245,11 @@ class SdpaBackend(Backend):
         # output gradient laid out like it. Under torch.compile, out arrives in the layout mhattn's custom op
         # promises (a copy, where the kernel wrote another): both go back to the kernel's own layout.
         kernel_strides = self._out_strides.get(_layout_key(kern, q, v))
+        if kernel_strides is None and kern.name == "cudnn":
+            # Another backend's forward (a pair): torch caches a cuDNN backward graph by q, k and v's strides
+            # alone, so out and grad_out must always come in one layout per q layout, or a graph built for
+            # another out layout is reused and reads out wrongly. cuDNN's own forward writes q's layout.
+            kernel_strides = layouts.strides_in_order_of(q, out.shape)
         if kernel_strides is not None and out.stride() != kernel_strides:
             out = torch.empty_strided(out.shape, kernel_strides, dtype=out.dtype, device=out.device).copy_(out)
         grad_out = _laid_out_like(grad_out, out)

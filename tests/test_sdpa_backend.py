@@ -228,6 +228,61 @@ def test_backward_hands_the_kernels_an_output_gradient_laid_out_like_the_output(
     assert seen["grad_out"] == seen["out"] == out.stride()
 
 
+def test_cudnn_backward_after_another_backend_s_forward_gets_out_in_q_s_layout(monkeypatch):
+    """torch caches a cuDNN backward graph by q, k and v's strides alone: out and grad_out from another backend's
+    forward (a pair's) reach the cuDNN backward in q's layout, the one cuDNN's own forward writes, whatever layout
+    they come in, so no graph built for one out layout is used for another."""
+    from mhattn.backends import layouts
+
+    seen = []
+
+    class Ops:
+        @staticmethod
+        def backward(grad_out, q, k, v, out, lse, scale, plan):
+            seen.append((out.stride(), grad_out.stride()))
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    backend = sdpa.SdpaBackend()
+    cudnn = next(kern for kern in sdpa.KERNELS if kern.name == "cudnn")
+    monkeypatch.setitem(sdpa._OPS, ("cuda", "cudnn"), Ops)
+    monkeypatch.setattr(backend, "_choose", lambda *a: cudnn)
+    q_layouts = (torch.randn(1, 2, 8, 16), torch.randn(1, 8, 2, 16).transpose(1, 2))
+    out_layouts = (torch.randn(1, 2, 8, 16), torch.randn(1, 8, 2, 16).transpose(1, 2))
+    for q in q_layouts:
+        k = v = torch.randn(1, 2, 8, 16)
+        for out in out_layouts:
+            backend.backward(torch.randn(1, 2, 8, 16), q, k, v, out, torch.zeros(1, 2, 8), AttentionParams(scale=0.25))
+        assert seen == [(q.stride(), q.stride())] * 2
+        seen.clear()
+    assert layouts.strides_in_order_of(q_layouts[1], (3, 2, 8, 5)) == (80, 5, 10, 1)
+
+
+@pytest.mark.gpu
+def test_cuda_cudnn_backward_gives_the_reference_s_gradients_for_outputs_in_any_layout():
+    """On a GPU: one q layout, out handed to the cuDNN backward first in q's layout and then in the row-major heads
+    layout (as the Triton and CuPy forwards write it): both give the float64 reference's gradients (torch's graph
+    cache would reuse the first call's graph for the second)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none visible)")
+    backend = sdpa.SdpaBackend(kernel="cudnn", cuda=True)
+    q, k, v = (t.detach() for t in draw(2, 3, 3, 384, 384, 64, dtype=torch.bfloat16, device="cuda", seed=5))
+    if backend.unsupported(Problem.from_tensors(q, k, v, AttentionParams(scale=0.125), causal=False, window=False)):
+        pytest.skip("cuDNN attention cannot run here")
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out = torch.nn.functional.scaled_dot_product_attention(*ref, scale=0.125)
+    lse = torch.logsumexp(ref[0].detach() @ ref[1].detach().transpose(-1, -2) * 0.125, -1).float()
+    grad_out = torch.randn(ref_out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    want = torch.autograd.grad(ref_out, ref, grad_out)
+    from mhattn.backends import layouts
+
+    out = ref_out.detach().to(torch.bfloat16)
+    for placed_out in (out.contiguous(), layouts.placed(out, layouts.rows_major_strides(*out.shape))):
+        got = backend.backward(grad_out.to(torch.bfloat16), q, k, v, placed_out, lse, AttentionParams(scale=0.125))
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            err = (a.double() - b).abs().max().item()
+            assert err <= 0.02 * b.abs().max().item() + 0.01, (name, placed_out.stride(), err)
+
+
 # ---- torch's own autograd for calls that return no lse ------------------------------------------------------
 
 
