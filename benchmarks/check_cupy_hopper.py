@@ -18,7 +18,7 @@ each case checked to have run the Hopper backward; 2. ``torch.autograd.grad`` of
 sdpa-cudnn and sdpa-flash, and the mma.sync backward.
 
 ``--sweep``: instead of 2., each candidate of SWEEP / SWEEP_BWD (set in variants.HOPPER_FWD_TILES /
-HOPPER_BWD_STAGES at run time) is checked (1. in bf16) and timed at the protocol's shapes beside sdpa-cudnn.
+HOPPER_BWD_TILES at run time) is checked (1. in bf16) and timed at the protocol's shapes beside sdpa-cudnn.
 """
 
 import argparse
@@ -43,8 +43,8 @@ MASKINGS = ((False, None, False), (True, None, False), (True, None, True), (Fals
 
 
 # Candidates of --sweep per head dim: forward HopperFwdTiles fields (block_n, stages, consumers, pingpong, persistent);
-# backward Q / dO ring slots (variants.HOPPER_BWD_STAGES).
-SWEEP_BWD = {64: (2, 3), 128: (2,)}
+# backward HopperBwdTiles fields (ring slots, dQ by the copy engine's bulk reduce-add).
+SWEEP_BWD = {64: ((3, False), (3, True), (2, True)), 128: ((2, False), (2, True))}
 SWEEP = {64: ((128, 2, 3, False, True), (128, 2, 3, False, False), (128, 3, 2, True, True)),
          128: ((128, 2, 2, True, True), (128, 2, 2, True, False)),
          256: ((64, 2, 2, True, True), (64, 2, 2, True, False))}
@@ -228,12 +228,12 @@ def timing(dtype, head_dims, seqlens, backward=False):
 
 def sweep(dtype, head_dims, seqlens, backward=False):
     """Each candidate of SWEEP (SWEEP_BWD) set in the table at run time, checked in bf16 and timed beside cuDNN."""
-    table = variants.HOPPER_BWD_STAGES if backward else variants.HOPPER_FWD_TILES
+    table = variants.HOPPER_BWD_TILES if backward else variants.HOPPER_FWD_TILES
     rows = []
     for head_dim in head_dims:
         default = table[head_dim]
         for candidate in (SWEEP_BWD if backward else SWEEP)[head_dim]:
-            table[head_dim] = candidate if backward else variants.HopperFwdTiles(*candidate)
+            table[head_dim] = (variants.HopperBwdTiles if backward else variants.HopperFwdTiles)(*candidate)
             failures = (correctness_backward if backward else correctness)([head_dim], (torch.bfloat16,))
             for d, n, causal, q, k, v, flops in protocol_cells(dtype, [head_dim], seqlens):
                 time = (lambda run: backward_time(run, [q, k, v])) if backward else forward_time
@@ -243,7 +243,7 @@ def sweep(dtype, head_dims, seqlens, backward=False):
                              f"{hopper:.0f}", f"{hopper / cudnn:.2f}"])
                 print(rows[-1], flush=True)
         table[head_dim] = default
-    what = "ring slots" if backward else "tiles (block_n, stages, consumers, pingpong, persistent)"
+    what = "tiles (stages, dq_bulk)" if backward else "tiles (block_n, stages, consumers, pingpong, persistent)"
     print_table(f"{str(dtype).replace('torch.', '')} {'backward' if backward else 'forward'} sweep, TFLOP/s (same run)",
                 ["d", what, "failures", "N", "causal", "sdpa-cudnn", "cupy Hopper", "ratio"], rows)
 
@@ -261,7 +261,7 @@ def main():
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
     seqlens = [int(n) for n in args.seqlen.split(",")]
     parts = set(args.part.split(","))
-    bwd_dims = [d for d in head_dims if d in variants.HOPPER_BWD_STAGES]
+    bwd_dims = [d for d in head_dims if d in variants.HOPPER_BWD_TILES]
     if args.sweep:
         if "fwd" in parts:
             sweep(DTYPES[args.dtype], head_dims, seqlens)

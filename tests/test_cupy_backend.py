@@ -14,6 +14,7 @@ torch stream / CUDA graph / CuPy memory pool behaviour, and the path through mha
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -89,6 +90,12 @@ def sequence_variant_sample(cc) -> list:
     return out
 
 
+def hopper_bwd_bulk_variants() -> list:
+    """The Hopper backward with dQ by the copy engine's bulk reduce-add, where the table does not choose it already."""
+    return [variants.hopper_bwd_variant(dtype, d, variants.HopperBwdTiles(tiles.stages, True))
+            for dtype in variants.DTYPE_NAMES for d, tiles in variants.HOPPER_BWD_TILES.items() if not tiles.dq_bulk]
+
+
 @pytest.fixture(scope="module")
 def compile_failures():
     """Compile every variant without feature flags and a sample of those with them (feature_variant_sample,
@@ -98,7 +105,7 @@ def compile_failures():
     tasks = [(v, variants.parse_arch(arch)) for arch in ARCHS
              for v in variants.all_variants(variants.parse_arch(arch), features=False, sequences=False)
              + feature_variant_sample(variants.parse_arch(arch)) + sequence_variant_sample(variants.parse_arch(arch))]
-    tasks += [(v, variants.HOPPER_CC) for v in variants.hopper_variants()]
+    tasks += [(v, variants.HOPPER_CC) for v in variants.hopper_variants() + hopper_bwd_bulk_variants()]
     jobs = max(1, min(len(tasks), os.cpu_count() or 1))
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         errors = list(pool.map(_compile, tasks, chunksize=4))
@@ -679,6 +686,26 @@ def test_hopper_backward_plan_launches_the_preprocess_then_the_hopper_kernel(rec
     backend.deterministic = True
     backend.backward(grad_out, q, k, v, out, lse, params)
     assert launcher.calls[-1][0].kernel == "bwd_dq"
+
+
+def test_hopper_backward_tiles_from_the_table_and_the_override(recorded_maps, monkeypatch):
+    """The Hopper backward's variant follows variants.HOPPER_BWD_TILES (ring slots, dQ by bulk reduce-add), a changed
+    entry makes the call's plan again, and MHATTN_CUPY_TILES' "hopper_bwd" table sets it (bad text is named)."""
+    monkeypatch.setitem(variants.HOPPER_BWD_TILES, 64, variants.HOPPER_BWD_TILES[64])
+    launcher = _MapLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(9, 0), deterministic=False)
+    q, k, v, grad_out = _inputs(1, 2, 2, 256, 256, 64, torch.bfloat16, "cpu")
+    params = _params(256, 256, 64)
+    out, lse = backend.forward(q, k, v, params)
+    for tiles in (variants.HopperBwdTiles(3, False), variants.HopperBwdTiles(2, True)):
+        variants._apply_tile_override(json.dumps({"hopper_bwd": {"64": [tiles.stages, tiles.dq_bulk]}}))
+        assert variants.HOPPER_BWD_TILES[64] == tiles
+        backend.backward(grad_out, q, k, v, out, lse, params)
+        defines = dict(launcher.calls[-1][0].defines)
+        assert launcher.calls[-1][0].kernel == "hopper_bwd"
+        assert (defines["STAGES"], defines["DQ_BULK"]) == (tiles.stages, int(tiles.dq_bulk))
+    with pytest.raises(ValueError, match=variants.TILES_ENV):
+        variants._apply_tile_override('{"hopper_bwd": {"64": [2]}}')
 
 
 def test_cupy_launcher_launches_on_torchs_stream_in_the_tensors_device(monkeypatch):

@@ -243,7 +243,7 @@ def hopper_refusal(cc, dtype, head_dim: int, head_dim_v: int, bool_mask: bool, d
                    float_mask: bool, backward: bool = False) -> Optional[str]:
     """Why the Hopper forward (``backward``: the Hopper backward, with head dims of its own) does not run a problem
     (None: it does, where the tensors can be mapped)."""
-    head_dims = tuple(variants.HOPPER_BWD_STAGES) if backward else variants.HOPPER_HEAD_DIMS
+    head_dims = tuple(variants.HOPPER_BWD_TILES) if backward else variants.HOPPER_HEAD_DIMS
     if not HOPPER_ENABLED:
         return f"{HOPPER_ENV}=0"
     if tuple(cc or ()) != variants.HOPPER_CC:
@@ -427,7 +427,7 @@ class _BackwardPlan:
 
 def _backward_tiles(d):
     return (variants.DKDV_TILES.get(d), variants.DKDV_ATOMIC_TILES.get(d), variants.DKDV_FALLBACK_TILES.get(d),
-            variants.DQ_TILES.get(d), variants.HOPPER_BWD_STAGES.get(d))
+            variants.DQ_TILES.get(d), variants.HOPPER_BWD_TILES.get(d))
 
 
 def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None,

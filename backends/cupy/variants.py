@@ -182,10 +182,17 @@ class HopperFwdTiles:
     persistent: bool  # one CTA per SM walking the tiles (a tile counter under a causal mask or window), else one a tile
 
 
+@dataclass(frozen=True)
+class HopperBwdTiles:
+    stages: int       # Q / dO slots in the shared-memory ring
+    dq_bulk: bool     # dQ tiles added to the float32 accumulator by the copy engine (a bulk reduce-add per row), else
+                      # by the writer warps' 16-byte atomics
+
+
 # H100 sweeps (backends/cupy/NOTES.md, version 5).
-# The backward (kernels/hopper_bwd.cu): 128 keys a CTA in two consumer warpgroups, 64 queries a step; Q / dO ring
-# slots per head dim it takes.
-HOPPER_BWD_STAGES = {64: 3, 128: 2}
+# The backward (kernels/hopper_bwd.cu): 128 keys a CTA in two consumer warpgroups, 64 queries a step; per head dim it
+# takes, its ring slots and how dQ reaches the accumulator (the bulk reduce-add: built, not yet timed; NOTES.md).
+HOPPER_BWD_TILES = {64: HopperBwdTiles(3, False), 128: HopperBwdTiles(2, False)}
 HOPPER_FWD_TILES = {
     64: HopperFwdTiles(128, 3, 2, True, True),
     128: HopperFwdTiles(128, 2, 2, True, True),
@@ -193,7 +200,8 @@ HOPPER_FWD_TILES = {
 }
 
 # A tuning override, read once at import: MHATTN_CUPY_TILES='{"fwd": {"128": [128, 32, 4, false]}, ...}'
-# with tables "fwd", "fwd_bounded", "dkdv", "dkdv_atomic", "dq" and the fields of each tiles class in order.
+# with tables "fwd", "fwd_bounded", "dkdv", "dkdv_atomic", "dq", "hopper_fwd", "hopper_bwd" and the fields of each
+# tiles class in order.
 TILES_ENV = "MHATTN_CUPY_TILES"
 
 
@@ -209,7 +217,8 @@ def dkdv_tiles_from_fields(*fields) -> object:
 def _apply_tile_override(text: str) -> None:
     tables = {"fwd": (FWD_TILES, FwdTiles), "fwd_bounded": (FWD_TILES_BOUNDED, FwdTiles),
               "dkdv": (DKDV_TILES, dkdv_tiles_from_fields), "dkdv_atomic": (DKDV_ATOMIC_TILES, dkdv_tiles_from_fields),
-              "dq": (DQ_TILES, DqTiles), "hopper_fwd": (HOPPER_FWD_TILES, HopperFwdTiles)}
+              "dq": (DQ_TILES, DqTiles), "hopper_fwd": (HOPPER_FWD_TILES, HopperFwdTiles),
+              "hopper_bwd": (HOPPER_BWD_TILES, HopperBwdTiles)}
     try:
         entries = json.loads(text)
         for name, per_dim in entries.items():
@@ -512,22 +521,22 @@ def hopper_bwd_smem(stages: int, d: int) -> int:
             + dq_tiles * 64 * (d + 8) * 4 + 8 * (3 + 2 * stages))
 
 
-def hopper_bwd_variant(dtype_name: str, d: int) -> Variant:
+def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None) -> Variant:
     if dtype_name not in DTYPE_NAMES:
         raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
-    if d not in HOPPER_BWD_STAGES:
-        raise ValueError(f"head dim: the Hopper backward takes {tuple(HOPPER_BWD_STAGES)}, got {d}")
-    stages = HOPPER_BWD_STAGES[d]
-    smem = hopper_bwd_smem(stages, d)
-    defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("STAGES", stages),
-               ("SMEM_BYTES", smem))
+    if d not in HOPPER_BWD_TILES:
+        raise ValueError(f"head dim: the Hopper backward takes {tuple(HOPPER_BWD_TILES)}, got {d}")
+    tiles = tiles or HOPPER_BWD_TILES[d]
+    smem = hopper_bwd_smem(tiles.stages, d)
+    defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("STAGES", tiles.stages),
+               ("DQ_BULK", int(tiles.dq_bulk)), ("SMEM_BYTES", smem))
     return Variant("hopper_bwd", defines, 384, smem, arch_features="a")
 
 
 def hopper_variants() -> list:
     """Every variant of the Hopper family (what ``mhattn build --arch sm_90a`` compiles)."""
     return ([hopper_fwd_variant(dtype, d) for dtype in DTYPE_NAMES for d in HOPPER_HEAD_DIMS]
-            + [hopper_bwd_variant(dtype, d) for dtype in DTYPE_NAMES for d in HOPPER_BWD_STAGES])
+            + [hopper_bwd_variant(dtype, d) for dtype in DTYPE_NAMES for d in HOPPER_BWD_TILES])
 
 
 def all_variants(cc, features: bool = True, sequences: bool = True) -> list:

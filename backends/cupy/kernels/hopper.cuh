@@ -74,6 +74,16 @@ MHATTN_DEVICE void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
+// Adds `bytes` (a multiple of 16; both ends 16-byte aligned) of float32 at shared address `src` into global `dst`
+// by the copy engine, in this thread's bulk async-group (bulk_commit, then bulk_wait_read before `src` is reused).
+MHATTN_DEVICE void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+MHATTN_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until the copy engine has read the shared memory of every bulk group this thread committed.
+MHATTN_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 // Makes this thread's plain shared-memory stores visible to the asynchronous proxy (wgmma, TMA) that reads them
 // next (a barrier among the writers must follow before the reads are issued).
 MHATTN_DEVICE void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

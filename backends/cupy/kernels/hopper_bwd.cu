@@ -11,13 +11,15 @@
 //   dQ += dS K                                        (wgmma, dS^T through shared memory: at d = 128 warpgroup w
 //                                                      forms dQ columns 64w..64w+63 over all 128 keys; at d = 64
 //                                                      every column over its own 64 keys)
-// The consumers leave dQ in shared memory; warps 1-3 of the producer warpgroup add it to dq_accum with float32
-// atomics (at d = 64 the two warpgroups' tiles summed first) while the consumers go on with the next query block.
+// The consumers leave dQ in shared memory; warps 1-3 of the producer warpgroup add it to dq_accum (at d = 64 the two
+// warpgroups' tiles summed first) while the consumers go on with the next query block: with 16-byte float32
+// atomics (DQ_BULK 0), or each row handed to the copy engine as one bulk reduce-add (DQ_BULK 1).
 // Keys past seqlen_k read as zeros (K and V), so they add nothing to dQ and their dK / dV rows are not stored;
 // query rows past seqlen_q have lse = +inf (P = 0). The causal / window band masks P per element only in the
 // blocks that cut it.
 //
-// -D options: MHATTN_BF16, HEAD_DIM (64 or 128), STAGES, SMEM_BYTES (checked against the layout below).
+// -D options: MHATTN_BF16, HEAD_DIM (64 or 128), STAGES, DQ_BULK (0 or 1), SMEM_BYTES (checked against the layout
+// below).
 #define NUM_WARPS 12
 #include "common.cuh"
 #include "hopper.cuh"
@@ -60,6 +62,7 @@ constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = 232;
 constexpr int DQ_BARRIER = 1;                  // named barriers (+ w at d = 64): the dS^T dQ reads is in shared memory
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "the Hopper backward takes head dims 64 and 128");
+static_assert(DQ_BULK == 0 || DQ_BULK == 1, "DQ_BULK is 0 (atomics) or 1 (bulk reduce-add)");
 static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory than the layout needs");
 static_assert(budgets_fit_launch(NUM_THREADS, PRODUCER_REGS, 256, CONSUMER_REGS),
               "register budgets exceed what the CTA gets at launch");
@@ -217,29 +220,58 @@ MHATTN_DEVICE void store_dq(float* s_dq, const float (&dq)[SQ_REGS], int row_in_
   }
 }
 
+// Adds the shared dQ tile's first `rows` rows to rows m0.. of dq_head (one head's dq_accum) with 16-byte atomics,
+// `worker` 0..95 taking every 96th float4.
+MHATTN_DEVICE void add_dq_by_atomics(const float* s_dq, float* dq_head, int m0, int rows, int worker) {
+  for (int x = worker; x < rows * (HEAD_DIM / 4); x += 32 * DQ_WRITER_WARPS) {
+    const int row = x / (HEAD_DIM / 4), col = (x % (HEAD_DIM / 4)) * 4;
+    float4 v = *reinterpret_cast<const float4*>(s_dq + row * DQ_ROW_FLOATS + col);
+    if (DQ_TILES == 2) {  // the other warpgroup's share
+      const float4 u = *reinterpret_cast<const float4*>(s_dq + DQ_TILE_BYTES / 4 + row * DQ_ROW_FLOATS + col);
+      v = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
+    }
+    float* dst = dq_head + (i64)(m0 + row) * HEAD_DIM + col;
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+                 : "memory");
+  }
+}
+
+// Adds the shared dQ tile's first `rows` rows to rows m0.. of dq_head by the copy engine: worker r < rows owns row
+// r (at d = 64 it first sums the other warpgroup's row into it), issues one bulk reduce-add of it (tile rows are
+// DQ_ROW_FLOATS * 4 bytes apart, a multiple of 16) and waits until the engine has read it, so the tile can be handed
+// back. The writers run on PRODUCER_REGS registers: the sum is not unrolled.
+MHATTN_DEVICE void add_dq_by_bulk_reduce(float* s_dq, float* dq_head, int m0, int rows, int worker) {
+  if (worker >= rows) return;
+  float* row = s_dq + worker * DQ_ROW_FLOATS;
+  if (DQ_TILES == 2) {
+    const float* other = row + DQ_TILE_BYTES / 4;
+#pragma unroll 1
+    for (int col = 0; col < HEAD_DIM; col += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(row + col), u = *reinterpret_cast<const float4*>(other + col);
+      *reinterpret_cast<float4*>(row + col) = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
+    }
+    fence_async_shared();  // the sums, for the copy engine (the consumers fenced their own stores)
+  }
+  bulk_reduce_add_f32(dq_head + (i64)(m0 + worker) * HEAD_DIM, smem_u32(row), HEAD_DIM * 4);
+  bulk_commit();
+  bulk_wait_read();
+}
+
 // The dQ writers (warps 1-3 of the producer warpgroup, `worker` 0..95): per query block, the shared dQ tile added
-// to dq_accum with 16-byte atomics, rows below seqlen_q; the steps in the consumers' order.
-MHATTN_DEVICE void write_dq(const float* s_dq, float* dq_accum, u32 dq_full, u32 dq_empty, QueryBlocks blocks,
-                            int hk, int b, int group, int heads_q, int seqlen_q, int worker) {
+// to dq_accum, rows below seqlen_q; the steps in the consumers' order.
+MHATTN_DEVICE void write_dq(float* s_dq, float* dq_accum, u32 dq_full, u32 dq_empty, QueryBlocks blocks, int hk,
+                            int b, int group, int heads_q, int seqlen_q, int worker) {
   int step = 0;
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
-    float* dq_rows = dq_accum + ((i64)b * heads_q + h) * seqlen_q * HEAD_DIM;
+    float* dq_head = dq_accum + ((i64)b * heads_q + h) * seqlen_q * HEAD_DIM;
     for (int i = 0; i < blocks.count; ++i, ++step) {
       const int m0 = (blocks.first + i) * BLOCK_M;
       const int rows = min_of(BLOCK_M, seqlen_q - m0);
       mbar_wait(dq_full, step & 1);
-      for (int x = worker; x < rows * (HEAD_DIM / 4); x += 32 * DQ_WRITER_WARPS) {
-        const int row = x / (HEAD_DIM / 4), col = (x % (HEAD_DIM / 4)) * 4;
-        float4 v = *reinterpret_cast<const float4*>(s_dq + row * DQ_ROW_FLOATS + col);
-        if (DQ_TILES == 2) {  // the other warpgroup's share
-          const float4 u = *reinterpret_cast<const float4*>(s_dq + DQ_TILE_BYTES / 4 + row * DQ_ROW_FLOATS + col);
-          v = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
-        }
-        float* dst = dq_rows + (i64)(m0 + row) * HEAD_DIM + col;
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z),
-                     "f"(v.w)
-                     : "memory");
-      }
+      if (DQ_BULK)
+        add_dq_by_bulk_reduce(s_dq, dq_head, m0, rows, worker);
+      else
+        add_dq_by_atomics(s_dq, dq_head, m0, rows, worker);
       __syncwarp();
       if ((worker & 31) == 0) mbar_arrive(dq_empty);
     }
@@ -357,6 +389,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       release_slot(ring.empty(s), lane);
       mbar_wait(dq_empty, (step & 1) ^ 1);  // the writers are done with the last block's dQ
       store_dq(s_dq + (DQ_BY_KEYS ? w * DQ_TILE_BYTES / 4 : 0), dq, row_in_wg, DQ_BY_KEYS ? 0 : 64 * w, t);
+      if (DQ_BULK) fence_async_shared();  // the copy engine reads the tile
       release_slot(dq_full, lane);
     }
   }
