@@ -146,8 +146,10 @@ class CupyBackend(Backend):
             return None  # forward only
         reason = ops.DETERMINISTIC if self._deterministic() else ops.hopper_problem_refusal(problem, backward=True)
         if reason is None:
-            return ("the Hopper backward (kernels/hopper_bwd.cu: TMA, wgmma, dQ with atomics), when q, k, v and the "
-                    "output gradient rows are 16-byte aligned and no dim is broadcast")
+            tiles = variants.HOPPER_BWD_TILES[problem.head_dim]
+            dq = "dQ by the copy engine's bulk reduce-add" if tiles.dq_bulk else "dQ with atomics"
+            return (f"the Hopper backward (kernels/hopper_bwd.cu: TMA, wgmma, {dq}), when q, k, v and the output "
+                    "gradient rows are 16-byte aligned and no dim is broadcast")
         return f"the mma.sync backward (kernels/bwd_*.cu): not the Hopper backward because {reason}"
 
     def _deterministic(self) -> bool:
