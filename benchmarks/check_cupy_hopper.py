@@ -42,12 +42,12 @@ MASKINGS = ((False, None, False), (True, None, False), (True, None, True), (Fals
             (False, (37, 50), False), (True, (64, None), True))
 
 
-# Candidates of --sweep per head dim: forward HopperFwdTiles fields (block_n, stages, consumers, pingpong, persistent);
-# backward HopperBwdTiles fields (ring slots, dQ by the copy engine's bulk reduce-add).
+# Candidates of --sweep per head dim: forward HopperFwdTiles fields (block_n, stages, consumers, pingpong, persistent,
+# staged_out); backward HopperBwdTiles fields (ring slots, dQ by the copy engine's bulk reduce-add).
 SWEEP_BWD = {64: ((3, False), (3, True), (2, True)), 128: ((2, False), (2, True))}
-SWEEP = {64: ((128, 2, 3, False, True), (128, 2, 3, False, False), (128, 3, 2, True, True)),
-         128: ((128, 2, 2, True, True), (128, 2, 2, True, False)),
-         256: ((64, 2, 2, True, True), (64, 2, 2, True, False))}
+SWEEP = {64: ((128, 3, 2, True, True, False), (128, 3, 2, True, True, True), (128, 2, 2, True, True, True)),
+         128: ((128, 2, 2, True, True, False), (128, 2, 2, True, True, True), (128, 2, 2, True, False, True)),
+         256: ((64, 2, 2, True, True, False), (64, 2, 2, True, False, False))}
 
 
 def reference(q, k, v, causal, window, diag_offset):
@@ -243,7 +243,8 @@ def sweep(dtype, head_dims, seqlens, backward=False):
                              f"{hopper:.0f}", f"{hopper / cudnn:.2f}"])
                 print(rows[-1], flush=True)
         table[head_dim] = default
-    what = "tiles (stages, dq_bulk)" if backward else "tiles (block_n, stages, consumers, pingpong, persistent)"
+    what = ("tiles (stages, dq_bulk)" if backward
+            else "tiles (block_n, stages, consumers, pingpong, persistent, staged_out)")
     print_table(f"{str(dtype).replace('torch.', '')} {'backward' if backward else 'forward'} sweep, TFLOP/s (same run)",
                 ["d", what, "failures", "N", "causal", "sdpa-cudnn", "cupy Hopper", "ratio"], rows)
 

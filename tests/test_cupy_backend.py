@@ -14,6 +14,7 @@ torch stream / CUDA graph / CuPy memory pool behaviour, and the path through mha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -90,10 +91,17 @@ def sequence_variant_sample(cc) -> list:
     return out
 
 
-def hopper_bwd_bulk_variants() -> list:
-    """The Hopper backward with dQ by the copy engine's bulk reduce-add, where the table does not choose it already."""
-    return [variants.hopper_bwd_variant(dtype, d, variants.HopperBwdTiles(tiles.stages, True))
-            for dtype in variants.DTYPE_NAMES for d, tiles in variants.HOPPER_BWD_TILES.items() if not tiles.dq_bulk]
+def hopper_options_off_in_the_tables() -> list:
+    """The Hopper variants of the options the tables leave off (so CI compiles them too): the backward with dQ by the
+    copy engine's bulk reduce-add, the forward with its output staged for the copy engine (where it fits)."""
+    out = [variants.hopper_bwd_variant(dtype, d, variants.HopperBwdTiles(tiles.stages, True))
+           for dtype in variants.DTYPE_NAMES for d, tiles in variants.HOPPER_BWD_TILES.items() if not tiles.dq_bulk]
+    for dtype in variants.DTYPE_NAMES:
+        for d, tiles in variants.HOPPER_FWD_TILES.items():
+            staged = dataclasses.replace(tiles, staged_out=True)
+            if not tiles.staged_out and variants.hopper_fwd_smem(staged, d) <= variants.smem_limit(variants.HOPPER_CC):
+                out.append(variants.hopper_fwd_variant(dtype, d, staged))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +113,7 @@ def compile_failures():
     tasks = [(v, variants.parse_arch(arch)) for arch in ARCHS
              for v in variants.all_variants(variants.parse_arch(arch), features=False, sequences=False)
              + feature_variant_sample(variants.parse_arch(arch)) + sequence_variant_sample(variants.parse_arch(arch))]
-    tasks += [(v, variants.HOPPER_CC) for v in variants.hopper_variants() + hopper_bwd_bulk_variants()]
+    tasks += [(v, variants.HOPPER_CC) for v in variants.hopper_variants() + hopper_options_off_in_the_tables()]
     jobs = max(1, min(len(tasks), os.cpu_count() or 1))
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         errors = list(pool.map(_compile, tasks, chunksize=4))
@@ -628,6 +636,30 @@ def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps)
     backend.forward(q, k, v, _params(300, 517, 128))
     assert launcher.calls[-1][1] == ((5, 1, 1) if tiles.persistent else (tile_count, 1, 1))
     assert launcher.calls[-1][2][5] == ("ptr", 0)
+
+
+def test_hopper_forward_with_the_output_staged_passes_the_output_s_map(recorded_maps, monkeypatch):
+    """HopperFwdTiles.staged_out: the variant has STAGED_OUT=1 and the shared memory of a second Q buffer, and the
+    launch passes a fourth map, of the output in boxes of 64 rows, right after v's (the kernel's parameter order);
+    at d = 256 there is no room for it (a clear error)."""
+    tiles = dataclasses.replace(variants.HOPPER_FWD_TILES[128], staged_out=True)
+    monkeypatch.setitem(variants.HOPPER_FWD_TILES, 128, tiles)
+    launcher = _MapLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(9, 0))
+    q, k, v, _ = _inputs(1, 2, 2, 300, 300, 128, torch.bfloat16, "cpu")
+    out, lse = backend.forward(q, k, v, _params(300, 300, 128))
+    variant, grid, args = launcher.calls[-1]
+    assert variant.define("STAGED_OUT") == 1
+    plain = dataclasses.replace(tiles, staged_out=False)
+    assert variant.define("SMEM_BYTES") == variants.hopper_fwd_smem(plain, 128) + 64 * tiles.consumers * 128 * 2 + 16
+    assert recorded_maps[3] == (tuple(out.shape), out.stride(), 64)
+    block_m = 64 * tiles.consumers
+    maps = [10**15 + rows * 10**12 + t.data_ptr()
+            for rows, t in ((block_m, q), (tiles.block_n, k), (tiles.block_n, v), (64, out))]
+    assert args[:6] == [("ptr", p) for p in maps + [out.data_ptr(), lse.data_ptr()]]
+    assert args[7:10] == [("i64", s) for s in out.stride()[:3]]
+    with pytest.raises(ValueError, match="shared memory"):
+        variants.hopper_fwd_variant("bfloat16", 256, dataclasses.replace(variants.HOPPER_FWD_TILES[256], staged_out=True))
 
 
 @pytest.mark.parametrize("case", ["head dim 96", "value head dim", "softcap", "float mask", "bool mask", "dropout",

@@ -290,14 +290,16 @@ def _row_maps(launcher, tensors, box_rows) -> tuple:
 
 def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params: AttentionParams, device) -> None:
     """The plan's launch through kernels/hopper_fwd.cu; its pointer tuple is (q map, k map, v map, out, lse, tile
-    counter or 0)."""
+    counter or 0, and with the output staged for the copy engine, the output's map)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     variant = variants.hopper_fwd_variant(_DTYPE_NAMES[q.dtype], head_dim)
     block_m, block_n = 64 * variant.define("CONSUMERS"), variant.define("BLOCK_N")
-    plan.maps = _row_maps(launcher, (q, k, v), (block_m, block_n, block_n))
+    staged = bool(variant.define("STAGED_OUT"))
+    # the output's map: boxes of one consumer's 64 rows
+    plan.maps = _row_maps(launcher, (q, k, v, out)[:4 if staged else 3], (block_m, block_n, block_n, 64))
     pairs = batch * heads_q
-    args = [slot(0), slot(1), slot(2), slot(3), slot(4), slot(5)] + _strides(out)
+    args = [slot(0), slot(1), slot(2)] + [slot(6)] * staged + [slot(3), slot(4), slot(5)] + _strides(out)
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(pairs),
              i32(sched_pairs(pairs, seqlen_k, head_dim, q.element_size())), f32(params.scale * LOG2E)]
     args += _feature_args(params, _FWD)[:3]  # diag_offset, window_left, window_right
@@ -334,10 +336,11 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
     if plan.launch is None:
         return (out.zero_(), lse.fill_(float("-inf"))) if plan.no_keys else (out, lse)
     if plan.maps is not None:
-        q_map, k_map, v_map = plan.maps
+        q_map, k_map, v_map = plan.maps[:3]
         counter = torch.zeros(1, dtype=torch.int32, device=device) if plan.tile_counter else None
-        plan.launch((q_map(q.data_ptr()), k_map(k.data_ptr()), v_map(v.data_ptr()), out.data_ptr(), lse.data_ptr(),
-                     0 if counter is None else counter.data_ptr()))
+        pointers = (q_map(q.data_ptr()), k_map(k.data_ptr()), v_map(v.data_ptr()), out.data_ptr(), lse.data_ptr(),
+                    0 if counter is None else counter.data_ptr())
+        plan.launch(pointers + tuple(o_map(out.data_ptr()) for o_map in plan.maps[3:]))
         return out, lse
     if plan.copies:
         q, k, v = _copied((q, k, v), plan.copies)

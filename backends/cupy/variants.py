@@ -180,6 +180,7 @@ class HopperFwdTiles:
     consumers: int    # consumer warpgroups (64 query rows each): BLOCK_M = 64 * consumers
     pingpong: bool    # two consumers take turns to issue their products (kernels/hopper_fwd.cu)
     persistent: bool  # one CTA per SM walking the tiles (a tile counter under a causal mask or window), else one a tile
+    staged_out: bool = False  # two Q buffers; the output staged in the tile's and stored by the copy engine
 
 
 @dataclass(frozen=True)
@@ -491,10 +492,11 @@ COMBINE_WARPS = 4
 
 
 def hopper_fwd_smem(tiles: HopperFwdTiles, d: int) -> int:
-    """kernels/hopper_fwd.cu's layout: Q, the K and V slots, the barriers, two tile indices, and 1024 bytes to align
-    the base."""
-    return (1024 + (64 * tiles.consumers + 2 * tiles.stages * tiles.block_n) * d * 2 + 8 * (6 + 4 * tiles.stages)
-            + 8)
+    """kernels/hopper_fwd.cu's layout: the Q buffers, the K and V slots, the barriers, two tile indices, and 1024 bytes
+    to align the base."""
+    q_buffers = 2 if tiles.staged_out else 1
+    return (1024 + (64 * tiles.consumers * q_buffers + 2 * tiles.stages * tiles.block_n) * d * 2
+            + 8 * (2 * q_buffers + 4 + 4 * tiles.stages) + 8)
 
 
 def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) -> Variant:
@@ -509,7 +511,7 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) ->
                          f"{smem_limit(HOPPER_CC)}")
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("BLOCK_N", tiles.block_n),
                ("STAGES", tiles.stages), ("CONSUMERS", tiles.consumers), ("PINGPONG", int(tiles.pingpong)),
-               ("SMEM_BYTES", smem))
+               ("STAGED_OUT", int(tiles.staged_out)), ("SMEM_BYTES", smem))
     return Variant("hopper_fwd", defines, 128 * (1 + tiles.consumers), smem, arch_features="a")
 
 

@@ -67,6 +67,14 @@ MHATTN_DEVICE void tma_load_4d(u32 dst, const TensorMap* map, u32 bar, int c0, i
       "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
+// Copies the box at shared address `src` (1024-byte aligned, 128-byte swizzled) to coordinates (c0, c1, c2, c3) of
+// `map`'s tensor, in this thread's bulk async-group; coordinates past the tensor's end are not written.
+MHATTN_DEVICE void tma_store_4d(const TensorMap* map, u32 src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+                   reinterpret_cast<u64>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+               : "memory");
+}
 // Copies `bytes` (a multiple of 16; both ends 16-byte aligned) from global to shared memory; completion counted in
 // bytes on `bar`.
 MHATTN_DEVICE void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
@@ -84,6 +92,8 @@ MHATTN_DEVICE void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
 MHATTN_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until the copy engine has read the shared memory of every bulk group this thread committed.
 MHATTN_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Waits until every bulk group this thread committed has completed (its global writes done).
+MHATTN_DEVICE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 // Makes this thread's plain shared-memory stores visible to the asynchronous proxy (wgmma, TMA) that reads them
 // next (a barrier among the writers must follow before the reads are issued).
 MHATTN_DEVICE void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

@@ -14,6 +14,12 @@
 // The producer gives registers back (setmaxnreg) so the consumers can hold S, P and O at once. With PINGPONG (two
 // consumers) the consumers take turns to issue their products (two named barriers): one warpgroup's products
 // queue on the tensor cores while the other runs its softmax.
+// With STAGED_OUT, Q has two buffers that tiles take in turn, so the next tile's Q loads while this one runs, and a
+// consumer writes its normalised output into its rows of the tile's Q buffer (free once its last S product is done)
+// for the copy engine to store through a fourth tensor map (of O, boxes of 64 rows): one bulk store per 64-column
+// chunk instead of scattered 4-byte stores from the accumulators. The buffer goes back to the producer after the
+// next tile's first S product, when the store has long been read. Without it, Q's one buffer goes back after the
+// tile's last S product and the output is stored from registers.
 //
 // Q, K, V are read through tensor maps over (column, row, head, batch) (innermost first; backends/cupy/tensor_maps.py),
 // boxes of 64 columns x BLOCK_M (Q) or BLOCK_N (K, V) rows with the 128-byte swizzle: rows past a head's sequence
@@ -23,8 +29,8 @@
 // cut them.
 //
 // -D options: MHATTN_BF16, HEAD_DIM (64, 128, 256: whole 64-column chunks), BLOCK_N (64 or 128), STAGES,
-// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), SMEM_BYTES (dynamic shared memory the host gives;
-// checked against the layout below).
+// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), STAGED_OUT (0 or 1), SMEM_BYTES (dynamic shared memory the
+// host gives; checked against the layout below).
 #define NUM_WARPS (4 * (CONSUMERS + 1))
 #include "common.cuh"
 #include "hopper.cuh"
@@ -40,12 +46,14 @@ constexpr u32 KV_CHUNK_BYTES = BLOCK_N * ROW_BYTES;
 constexpr u32 Q_BYTES = Q_CHUNK_BYTES * D_CHUNKS;
 constexpr u32 KV_BYTES = KV_CHUNK_BYTES * D_CHUNKS;  // one K or V slot
 constexpr u32 SWIZZLE_ATOM = 1024;             // 8 rows of 128 bytes: the tiles' alignment and wgmma's row-group stride
-// Shared memory from a 1024-byte aligned base: Q, the K slots, the V slots, then the barriers.
-constexpr u32 K_OFFSET = Q_BYTES;
+constexpr int Q_BUFS = STAGED_OUT ? 2 : 1;     // Q buffers the tiles take in turn
+// Shared memory from a 1024-byte aligned base: the Q buffers, the K slots, the V slots, then the barriers.
+constexpr u32 K_OFFSET = Q_BUFS * Q_BYTES;
 constexpr u32 V_OFFSET = K_OFFSET + STAGES * KV_BYTES;
 constexpr u32 BAR_OFFSET = V_OFFSET + STAGES * KV_BYTES;
-// q_full, q_empty; tile_full, tile_empty for each of two tile slots; k_full, v_full, k_empty, v_empty per ring slot
-constexpr u32 BAR_COUNT = 6 + 4 * STAGES;
+// q_full, q_empty per Q buffer; tile_full, tile_empty for each of two tile slots; k_full, v_full, k_empty, v_empty
+// per ring slot
+constexpr u32 BAR_COUNT = 2 * Q_BUFS + 4 + 4 * STAGES;
 constexpr u32 TILE_OFFSET = BAR_OFFSET + 8 * BAR_COUNT;  // two tile indices
 constexpr u32 LAYOUT_BYTES = TILE_OFFSET + 8 + SWIZZLE_ATOM;  // + the worst-case alignment shift
 constexpr u32 CONSUMER_WARPS = 4 * CONSUMERS;  // each releases a slot once
@@ -60,6 +68,16 @@ static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory tha
 static_assert(budgets_fit_launch(NUM_THREADS, PRODUCER_REGS, 128 * CONSUMERS, CONSUMER_REGS),
               "register budgets exceed what the CTA gets at launch");
 static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong schedule takes two consumers");
+static_assert(STAGED_OUT == 0 || STAGED_OUT == 1, "STAGED_OUT is 0 or 1");
+constexpr int STAGE_BARRIER = 3;  // named barriers 3.. (one per consumer): its output rows written to shared memory
+
+// The Q buffers and their barriers: full = the buffer's copy landed; empty = every consumer warp is done with it.
+struct QBuffers {
+  u32 base, bars;  // the first buffer; q_full[0]
+  MHATTN_DEVICE u32 slot(int b) const { return base + b * Q_BYTES; }
+  MHATTN_DEVICE u32 full(int b) const { return bars + 8u * b; }
+  MHATTN_DEVICE u32 empty(int b) const { return bars + 8u * (Q_BUFS + b); }
+};
 
 // The ring slots' barriers: full = the slot's copy landed; empty = every consumer warp is done with it.
 struct Slots {
@@ -118,16 +136,17 @@ MHATTN_DEVICE Tile tile_at(int index, const Problem& pb) {
 
 // ---- the producer ----------------------------------------------------------------------------------------
 
-// Loads one tile: Q once the consumers have released the last one (q_round: tiles with keys loaded so far), then
-// K and V of each key block into the ring (ring: key blocks loaded so far, over all tiles).
-MHATTN_DEVICE void produce_tile(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map, u32 s_q,
-                                u32 s_k, u32 s_v, u32 q_full, u32 q_empty, Slots slots, const Tile& tile, int q_round,
-                                int& ring) {
+// Loads one tile: Q into buffer q_round % Q_BUFS once the consumers have released it (q_round: tiles with keys
+// loaded so far), then K and V of each key block into the ring (ring: key blocks loaded so far, over all tiles).
+MHATTN_DEVICE void produce_tile(const TensorMap* q_map, const TensorMap* k_map, const TensorMap* v_map, QBuffers qb,
+                                u32 s_k, u32 s_v, Slots slots, const Tile& tile, int q_round, int& ring) {
   const KeyBlocks blocks = tile.blocks;
-  mbar_wait(q_empty, (q_round & 1) ^ 1);  // the first round passes: Q starts empty
-  mbar_arrive_expect_tx(q_full, Q_BYTES);
+  const int buf = q_round % Q_BUFS;
+  mbar_wait(qb.empty(buf), ((q_round / Q_BUFS) & 1) ^ 1);  // the first round passes: the buffers start empty
+  mbar_arrive_expect_tx(qb.full(buf), Q_BYTES);
 #pragma unroll
-  for (int c = 0; c < D_CHUNKS; ++c) tma_load_4d(s_q + c * Q_CHUNK_BYTES, q_map, q_full, c * 64, tile.m0, tile.h, tile.b);
+  for (int c = 0; c < D_CHUNKS; ++c)
+    tma_load_4d(qb.slot(buf) + c * Q_CHUNK_BYTES, q_map, qb.full(buf), c * 64, tile.m0, tile.h, tile.b);
   for (int i = 0; i < blocks.count; ++i, ++ring) {
     const int s = ring % STAGES;
     const u32 parity = ((ring / STAGES) & 1) ^ 1;  // the first round passes: the slots start empty
@@ -253,22 +272,68 @@ MHATTN_DEVICE void store_rows(const float (&o)[O_REGS], const float (&m)[2], con
   }
 }
 
+// STAGED_OUT: O / l of the thread's two rows into its rows of the tile's Q buffer `q_buf` (Q's 128-byte swizzled
+// layout: 16-byte unit u of a chunk's row r at unit u ^ (r % 8)) for the copy engine; lse for the rows below seqlen_q.
+// row_in_tile: the thread's first row within the tile; row0: the same row in the head.
+MHATTN_DEVICE void stage_rows(const float (&o)[O_REGS], const float (&m)[2], const float (&l)[2], u32 q_buf,
+                              float* lse_bh, int row_in_tile, int row0, int t, int seqlen_q) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = l[r] + shfl_xor(l[r], 1);
+    sum += shfl_xor(sum, 2);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int row = row_in_tile + 8 * r;
+#pragma unroll
+    for (int i = 0; i < HEAD_DIM / 8; ++i) {  // columns 8i + 2t, + 1: chunk i / 8, 16-byte unit i % 8
+      const u32 addr = q_buf + (i / 8) * Q_CHUNK_BYTES + row * ROW_BYTES + (((i % 8) ^ (row & 7)) << 4) + 4 * t;
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(pack2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv))
+                   : "memory");
+    }
+    if (t == 0 && row0 + 8 * r < seqlen_q)
+      lse_bh[row0 + 8 * r] = sum > 0.f ? (m[r] + fast_log2(sum)) * LN2 : -MHATTN_INF;
+  }
+}
+
 // ---- a consumer's tile ------------------------------------------------------------------------------------
 
 // What a consumer thread keeps from tile to tile.
 struct Consumer {
   int lane, t, row_in_tile;  // row_in_tile: this thread's first row within the tile (the other is 8 below)
   int wg_row_in_tile;        // this warpgroup's first row within the tile
-  u32 s_q_rows, s_k, s_v, q_full, q_empty;
+  int index;                 // this consumer warpgroup (0 ..)
+  bool stores;               // STAGED_OUT: the thread that hands this warpgroup's output to the copy engine
+  u32 s_k, s_v;
+  QBuffers qb;
   Slots slots;
   Turns turns;
   float scale_log2;
+  MHATTN_DEVICE u32 q_rows(int buf) const { return qb.slot(buf) + wg_row_in_tile * ROW_BYTES; }
 };
+
+// STAGED_OUT: hands Q buffer `buf` back to the producer once the copy engine has read the output staged in it.
+MHATTN_DEVICE void release_staged_buffer(const Consumer& c, int buf) {
+  if (c.stores) bulk_wait_read();
+  release_slot(c.qb.empty(buf), c.lane);
+}
+
+// STAGED_OUT: this warpgroup's output rows, staged in Q buffer `buf`, stored by the copy engine (one box of 64 rows
+// per 64-column chunk) once every thread of the warpgroup has written its rows.
+MHATTN_DEVICE void store_staged_rows(const Consumer& c, const TensorMap* o_map, int buf, const Tile& tile) {
+  fence_async_shared();
+  named_barrier_sync(STAGE_BARRIER + c.index, 128);
+  if (c.stores) {
+#pragma unroll
+    for (int chunk = 0; chunk < D_CHUNKS; ++chunk)
+      tma_store_4d(o_map, c.q_rows(buf) + chunk * Q_CHUNK_BYTES, chunk * 64, tile.m0 + c.wg_row_in_tile, tile.h,
+                   tile.b);
+    bulk_commit();
+  }
+}
 
 // One tile of this consumer's 64 rows: O and lse written. q_round: tiles with keys consumed so far; ring: key
 // blocks consumed so far (the producer's counts).
 MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Problem& pb, int q_round, int& ring,
-                                elem_t* o, float* lse, i64 o_sb, i64 o_sh, i64 o_sn) {
+                                const TensorMap* o_map, elem_t* o, float* lse, i64 o_sb, i64 o_sh, i64 o_sn) {
   float o_acc[O_REGS];
 #pragma unroll
   for (int i = 0; i < O_REGS; ++i) o_acc[i] = 0.f;
@@ -277,6 +342,8 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
   u32 p[P_STEPS][4];
   const int row0 = tile.m0 + c.row_in_tile, wg_row0 = tile.m0 + c.wg_row_in_tile;
   const KeyBlocks blocks = tile.blocks;
+  const int buf = q_round % Q_BUFS;
+  const u32 s_q_rows = c.q_rows(buf);
   // Whether key block n0 needs per-element masking for this warpgroup's rows.
   auto cuts = [&](int n0) {
     return n0 + BLOCK_N > pb.seqlen_k || !pb.bounds.block_inside(wg_row0, wg_row0 + 63, n0, n0 + BLOCK_N - 1);
@@ -284,19 +351,20 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
 
   if (blocks.count > 0) {
     c.turns.start();
-    mbar_wait(c.q_full, q_round & 1);
+    mbar_wait(c.qb.full(buf), (q_round / Q_BUFS) & 1);
     // The first block: scores, softmax, nothing to multiply yet.
     int s = ring % STAGES;
     mbar_wait(c.slots.k_full(s), (ring / STAGES) & 1);
     c.turns.take();
     wgmma_fence();
-    issue_scores(s_acc, c.s_q_rows, c.s_k + s * KV_BYTES);
+    issue_scores(s_acc, s_q_rows, c.s_k + s * KV_BYTES);
     wgmma_commit();
     c.turns.pass();
     wgmma_wait<0>();
     touch_registers(s_acc);
     release_slot(c.slots.k_empty(s), c.lane);
-    if (blocks.count == 1) release_slot(c.q_empty, c.lane);  // the tile's last use of Q
+    if (STAGED_OUT && q_round > 0) release_staged_buffer(c, (q_round - 1) % Q_BUFS);  // the previous tile's
+    if (!STAGED_OUT && blocks.count == 1) release_slot(c.qb.empty(buf), c.lane);  // the tile's last use of Q
     int n0 = blocks.first * BLOCK_N;
     if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
     online_softmax(s_acc, m, l, alpha, c.scale_log2);
@@ -312,7 +380,7 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
       mbar_wait(c.slots.v_full(prev), prev_parity);
       c.turns.take();
       wgmma_fence();
-      issue_scores(s_acc, c.s_q_rows, c.s_k + s * KV_BYTES);
+      issue_scores(s_acc, s_q_rows, c.s_k + s * KV_BYTES);
       wgmma_commit();
       issue_pv(o_acc, p, c.s_v + prev * KV_BYTES);
       wgmma_commit();
@@ -320,7 +388,7 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
       wgmma_wait<1>();
       touch_registers(s_acc);
       release_slot(c.slots.k_empty(s), c.lane);
-      if (i == blocks.count - 1) release_slot(c.q_empty, c.lane);
+      if (!STAGED_OUT && i == blocks.count - 1) release_slot(c.qb.empty(buf), c.lane);
       n0 = (blocks.first + i) * BLOCK_N;
       if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
       online_softmax(s_acc, m, l, alpha, c.scale_log2);
@@ -343,6 +411,11 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
     ++ring;
   }
   const i64 bh = (i64)tile.b * pb.heads_q + tile.h;
+  if (STAGED_OUT && blocks.count > 0) {
+    stage_rows(o_acc, m, l, c.qb.slot(buf), lse + bh * pb.seqlen_q, c.row_in_tile, row0, c.t, pb.seqlen_q);
+    store_staged_rows(c, o_map, buf, tile);
+    return;
+  }
   store_rows(o_acc, m, l, o + tile.b * o_sb + tile.h * o_sh, lse + bh * pb.seqlen_q, o_sn, row0, c.t, pb.seqlen_q);
 }
 
@@ -377,7 +450,11 @@ MHATTN_DEVICE int take_tile(const TileSlots& slots, int n, int lane) {
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     mhattn_hopper_fwd(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
-                      const __grid_constant__ TensorMap v_map, elem_t* __restrict__ o, float* __restrict__ lse,
+                      const __grid_constant__ TensorMap v_map,
+#if STAGED_OUT
+                      const __grid_constant__ TensorMap o_map,  // O in boxes of 64 rows
+#endif
+                      elem_t* __restrict__ o, float* __restrict__ lse,
                       int* __restrict__ tile_counter, i64 o_sb, i64 o_sh, i64 o_sn, int seqlen_q, int seqlen_k,
                       int heads_q, int group, int pairs, int sched_pairs, float scale_log2, int diag_offset,
                       int window_left, int window_right) {
@@ -388,12 +465,20 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
   const int tiles = pb.tiles();
 
   const u32 base = (smem_u32(smem) + SWIZZLE_ATOM - 1) & ~(SWIZZLE_ATOM - 1);
-  const u32 s_q = base, s_k = base + K_OFFSET, s_v = base + V_OFFSET, q_full = base + BAR_OFFSET, q_empty = q_full + 8;
-  const TileSlots tile_slots{q_full + 16, base + TILE_OFFSET};
-  const Slots slots{q_full + 48};
+  const u32 s_k = base + K_OFFSET, s_v = base + V_OFFSET;
+  const QBuffers qb{base, base + BAR_OFFSET};
+  const TileSlots tile_slots{qb.bars + 16 * Q_BUFS, base + TILE_OFFSET};
+  const Slots slots{qb.bars + 16 * Q_BUFS + 32};
+#if STAGED_OUT
+  const TensorMap* out_map = &o_map;
+#else
+  const TensorMap* out_map = nullptr;
+#endif
   if (tid == 0) {
-    mbar_init(q_full, 1);
-    mbar_init(q_empty, CONSUMER_WARPS);
+    for (int b = 0; b < Q_BUFS; ++b) {
+      mbar_init(qb.full(b), 1);
+      mbar_init(qb.empty(b), CONSUMER_WARPS);
+    }
     for (int n = 0; n < 2; ++n) {
       mbar_init(tile_slots.full(n), 1);
       mbar_init(tile_slots.empty(n), CONSUMER_WARPS);
@@ -418,7 +503,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
         if (index >= tiles) break;
         const Tile tile = tile_at(index, pb);
         if (tile.blocks.count > 0)
-          produce_tile(&q_map, &k_map, &v_map, s_q, s_k, s_v, q_full, q_empty, slots, tile, q_round++, ring);
+          produce_tile(&q_map, &k_map, &v_map, qb, s_k, s_v, slots, tile, q_round++, ring);
         index = tile_counter != nullptr ? atomicAdd(tile_counter, 1) + (int)gridDim.x : index + (int)gridDim.x;
       }
     }
@@ -427,15 +512,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
   claim_registers<CONSUMER_REGS>();
 
   const int lane = tid & 31, warp = (tid & 127) >> 5;
-  const Consumer consumer{lane, lane & 3, (wg - 1) * 64 + warp * 16 + (lane >> 2), (wg - 1) * 64,
-                          s_q + (wg - 1) * 64 * ROW_BYTES, s_k, s_v, q_full, q_empty, slots, Turns{wg, 3 - wg},
-                          scale_log2};
+  const Consumer consumer{lane, lane & 3, (wg - 1) * 64 + warp * 16 + (lane >> 2), (wg - 1) * 64, wg - 1,
+                          STAGED_OUT && (tid & 127) == 0, s_k, s_v, qb, slots, Turns{wg, 3 - wg}, scale_log2};
   int q_round = 0, ring = 0;
   for (int n = 0;; ++n) {
     const int index = take_tile(tile_slots, n, lane);
     if (index < 0) break;
     const Tile tile = tile_at(index, pb);
-    consume_tile(consumer, tile, pb, q_round, ring, o, lse, o_sb, o_sh, o_sn);
+    consume_tile(consumer, tile, pb, q_round, ring, out_map, o, lse, o_sb, o_sh, o_sn);
     q_round += tile.blocks.count > 0;
   }
+  if (consumer.stores && q_round > 0) bulk_wait_all();  // the last tile's output stored before the CTA ends
 }
