@@ -13,7 +13,8 @@ on an sm_90 GPU:
    medians beside sdpa-cudnn in the same run. Forward: the Triton backend (``mhattn.attention(backend="triton")``)
    as it chooses, the same with the Gluon forward on a persistent grid and on one program per tile whatever the
    key count, and the FlashAttention-2 kernel (``MHATTN_TRITON_HOPPER=0``).
-   Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses and with
+   Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses, with
+   ``MHATTN_TRITON_HOPPER=always`` (the Gluon backward below hopper_launch.BACKWARD_MIN_KEYS too) and with
    ``MHATTN_TRITON_HOPPER=0``. The tables are printed last.
 """
 
@@ -176,8 +177,18 @@ def correctness_backward(wanted=None) -> int:
 
 def with_hopper_off(fn):
     """fn() with the Hopper kernels off; the switch's previous value (e.g. "always") is restored after."""
+    return with_hopper_switch(fn, "0")
+
+
+def with_hopper_always(fn):
+    """fn() with the Hopper kernels at every key count (below hopper_launch's MIN_KEYS / BACKWARD_MIN_KEYS too)."""
+    return with_hopper_switch(fn, "always")
+
+
+def with_hopper_switch(fn, value: str):
+    """fn() with MHATTN_TRITON_HOPPER set to ``value``; its previous value is restored after."""
     before = os.environ.get(hopper_launch.ENV_SWITCH)
-    os.environ[hopper_launch.ENV_SWITCH] = "0"
+    os.environ[hopper_launch.ENV_SWITCH] = value
     try:
         return fn()
     finally:
@@ -250,11 +261,11 @@ def timing(dtype, parts, seqlens, wanted=None):
                         cudnn = backward_time(lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal))
                     run_triton = lambda: mhattn.attention(*leaves, is_causal=causal, backend="triton")  # noqa: E731
                     backend = backward_time(run_triton)
+                    gluon = with_hopper_always(lambda: backward_time(run_triton))
                     flash2 = with_hopper_off(lambda: backward_time(run_triton))
                     bwd_flops = 2.5 * flops
-                    backward_rows.append((head_dim, seqlen, causal, *(bwd_flops / ms / 1e9 for ms in (cudnn, backend,
-                                                                                                    flash2)),
-                                          cudnn / backend))
+                    backward_rows.append((head_dim, seqlen, causal, *(bwd_flops / ms / 1e9 for ms in (
+                        cudnn, backend, gluon, flash2)), cudnn / backend))
                     print(backward_rows[-1], flush=True)
     name = str(dtype).replace("torch.", "")
     if forward_rows:
@@ -267,11 +278,12 @@ def timing(dtype, parts, seqlens, wanted=None):
                   f"{per_tile:.0f} | {flash2:.0f} | {ratio:.2f} |")
     if backward_rows:
         print(f"\n{name} backward, TFLOP/s (same run)\n")
-        print("| d | N | causal | sdpa-cudnn | triton backend | FlashAttention-2 kernels | triton/cuDNN |")
-        print("|---|---|---|---|---|---|---|")
-        for d, n, causal, cudnn, backend, flash2, ratio in backward_rows:
-            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {backend:.0f} | {flash2:.0f} | "
-                  f"{ratio:.2f} |")
+        print("| d | N | causal | sdpa-cudnn | triton backend | Gluon kernel at any length | FlashAttention-2 kernels | "
+              "triton/cuDNN |")
+        print("|---|---|---|---|---|---|---|---|")
+        for d, n, causal, cudnn, backend, gluon, flash2, ratio in backward_rows:
+            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {backend:.0f} | {gluon:.0f} | "
+                  f"{flash2:.0f} | {ratio:.2f} |")
 
 
 def main():
