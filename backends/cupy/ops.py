@@ -340,7 +340,9 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
         counter = torch.zeros(1, dtype=torch.int32, device=device) if plan.tile_counter else None
         pointers = (q_map(q.data_ptr()), k_map(k.data_ptr()), v_map(v.data_ptr()), out.data_ptr(), lse.data_ptr(),
                     0 if counter is None else counter.data_ptr())
-        plan.launch(pointers + tuple(o_map(out.data_ptr()) for o_map in plan.maps[3:]))
+        if len(plan.maps) == 4:  # the output staged for the copy engine: its map
+            pointers += (plan.maps[3](out.data_ptr()),)
+        plan.launch(pointers)
         return out, lse
     if plan.copies:
         q, k, v = _copied((q, k, v), plan.copies)
