@@ -255,12 +255,19 @@ MHATTN_DEVICE void rescale_output(float (&o)[O_REGS], const float (&alpha)[2]) {
 }
 
 // O / l and lse for the thread's two rows (those below seqlen_q).
+// A row's sum of probabilities from its four threads' partial sums l (every lane of the quad must call it).
+MHATTN_DEVICE float row_sum(float l) {
+  const float sum = l + shfl_xor(l, 1);
+  return sum + shfl_xor(sum, 2);
+}
+// The row's natural-log lse from its running maximum m (log2 units, scaled) and its sum; -inf where it saw no key.
+MHATTN_DEVICE float row_lse(float m, float sum) { return sum > 0.f ? (m + fast_log2(sum)) * LN2 : -MHATTN_INF; }
+
 MHATTN_DEVICE void store_rows(const float (&o)[O_REGS], const float (&m)[2], const float (&l)[2], elem_t* o_bh,
                               float* lse_bh, i64 o_sn, int row0, int t, int seqlen_q) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float sum = l[r] + shfl_xor(l[r], 1);
-    sum += shfl_xor(sum, 2);
+    const float sum = row_sum(l[r]);
     const int row = row0 + 8 * r;
     if (row >= seqlen_q) continue;
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
@@ -268,7 +275,7 @@ MHATTN_DEVICE void store_rows(const float (&o)[O_REGS], const float (&m)[2], con
 #pragma unroll
     for (int i = 0; i < HEAD_DIM / 8; ++i)
       *reinterpret_cast<u32*>(dst + 8 * i) = pack2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
-    if (t == 0) lse_bh[row] = sum > 0.f ? (m[r] + fast_log2(sum)) * LN2 : -MHATTN_INF;
+    if (t == 0) lse_bh[row] = row_lse(m[r], sum);
   }
 }
 
@@ -279,8 +286,7 @@ MHATTN_DEVICE void stage_rows(const float (&o)[O_REGS], const float (&m)[2], con
                               float* lse_bh, int row_in_tile, int row0, int t, int seqlen_q) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float sum = l[r] + shfl_xor(l[r], 1);
-    sum += shfl_xor(sum, 2);
+    const float sum = row_sum(l[r]);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const int row = row_in_tile + 8 * r;
 #pragma unroll
@@ -289,8 +295,7 @@ MHATTN_DEVICE void stage_rows(const float (&o)[O_REGS], const float (&m)[2], con
       asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(pack2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv))
                    : "memory");
     }
-    if (t == 0 && row0 + 8 * r < seqlen_q)
-      lse_bh[row0 + 8 * r] = sum > 0.f ? (m[r] + fast_log2(sum)) * LN2 : -MHATTN_INF;
+    if (t == 0 && row0 + 8 * r < seqlen_q) lse_bh[row0 + 8 * r] = row_lse(m[r], sum);
   }
 }
 
