@@ -92,15 +92,16 @@ def sequence_variant_sample(cc) -> list:
 
 
 def hopper_options_off_in_the_tables() -> list:
-    """The Hopper variants of the options the tables leave off (so CI compiles them too): the backward with dQ by the
-    copy engine's bulk reduce-add, the forward with its output staged for the copy engine (where it fits)."""
-    out = [variants.hopper_bwd_variant(dtype, d, variants.HopperBwdTiles(tiles.stages, True))
-           for dtype in variants.DTYPE_NAMES for d, tiles in variants.HOPPER_BWD_TILES.items() if not tiles.dq_bulk]
+    """The Hopper variants with each option the other way from the tables (so CI compiles them too): dQ by the
+    copy engine's bulk reduce-add or by atomics in the backward, the output staged for the copy engine or stored by
+    the consumers in the forward (staged only where it fits)."""
+    out = [variants.hopper_bwd_variant(dtype, d, variants.HopperBwdTiles(tiles.stages, not tiles.dq_bulk))
+           for dtype in variants.DTYPE_NAMES for d, tiles in variants.HOPPER_BWD_TILES.items()]
     for dtype in variants.DTYPE_NAMES:
         for d, tiles in variants.HOPPER_FWD_TILES.items():
-            staged = dataclasses.replace(tiles, staged_out=True)
-            if not tiles.staged_out and variants.hopper_fwd_smem(staged, d) <= variants.smem_limit(variants.HOPPER_CC):
-                out.append(variants.hopper_fwd_variant(dtype, d, staged))
+            other = dataclasses.replace(tiles, staged_out=not tiles.staged_out)
+            if variants.hopper_fwd_smem(other, d) <= variants.smem_limit(variants.HOPPER_CC):
+                out.append(variants.hopper_fwd_variant(dtype, d, other))
     return out
 
 
@@ -607,14 +608,17 @@ def recorded_maps(monkeypatch):
     return made
 
 
-def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps):
+def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps, monkeypatch):
+    """The forward with the output stored by the consumers (three maps; the staged output's fourth: the test
+    below)."""
+    tiles = dataclasses.replace(variants.HOPPER_FWD_TILES[128], staged_out=False)
+    monkeypatch.setitem(variants.HOPPER_FWD_TILES, 128, tiles)
     launcher = _MapLauncher()
     backend = CupyBackend(launcher=launcher, compute_capability=(9, 0))
     q, k, v, _ = _inputs(2, 4, 2, 300, 517, 128, torch.bfloat16, "cpu")
     params = _params(300, 517, 128, causal="bottom_right", window=(64, None))
     out, lse = backend.forward(q, k, v, params)
     variant, grid, args = launcher.calls[-1]
-    tiles = variants.HOPPER_FWD_TILES[128]
     block_m = 64 * tiles.consumers
     assert variant == variants.hopper_fwd_variant("bfloat16", 128) and variant.arch_features == "a"
     tile_count = -(-300 // block_m) * 8

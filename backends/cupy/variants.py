@@ -190,13 +190,16 @@ class HopperBwdTiles:
                       # by the writer warps' 16-byte atomics
 
 
-# H100 sweeps (backends/cupy/NOTES.md, version 5).
+# H100 sweeps (backends/cupy/NOTES.md, versions 5, B6 and H6).
 # The backward (kernels/hopper_bwd.cu): 128 keys a CTA in two consumer warpgroups, 64 queries a step; per head dim it
-# takes, its ring slots and how dQ reaches the accumulator (the bulk reduce-add: built, not yet timed; NOTES.md).
-HOPPER_BWD_TILES = {64: HopperBwdTiles(3, False), 128: HopperBwdTiles(2, False)}
+# takes, its ring slots and how dQ reaches the accumulator (the bulk reduce-add: +2-13% at d = 128; at d = 64 with
+# the tiles summed on the writer threads first 0.55x of the atomics, B6).
+HOPPER_BWD_TILES = {64: HopperBwdTiles(3, False), 128: HopperBwdTiles(2, True)}
+# The staged output (H6): +1-5% at d = 64 (-2% at 4k without a mask), at d = 128 +11-13% at 1k and from -5% to +6% at
+# 4k and 16k; no shared memory for it at d = 256.
 HOPPER_FWD_TILES = {
-    64: HopperFwdTiles(128, 3, 2, True, True),
-    128: HopperFwdTiles(128, 2, 2, True, True),
+    64: HopperFwdTiles(128, 3, 2, True, True, True),
+    128: HopperFwdTiles(128, 2, 2, True, True, True),
     256: HopperFwdTiles(64, 2, 2, True, True),
 }
 

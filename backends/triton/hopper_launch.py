@@ -44,8 +44,8 @@ Q_BUFFERS = {64: 2, 128: 2, 256: 1}
 # ahead at every longer length; at d = 128 ahead from 1k (shorter ones not timed); d = 256 ahead everywhere.
 MIN_KEYS = {64: 1024, 128: 1024, 256: 1}
 # The backward: head dim -> fewest keys at which it beat backward.py's kernels on the H100 (bf16, NOTES version 8:
-# d = 64 +6-12% from 2k, level at 1k; d = 128 +12-18% from 2k, 1k causal +12%).
-BACKWARD_MIN_KEYS = {64: 2048, 128: 1024, 256: 1}
+# d = 64 +6-12% from 2k; d = 128 +12-18% from 2k, 1k causal +12%; NOTES version 13: d = 64 +1.5-1.8% at 1k).
+BACKWARD_MIN_KEYS = {64: 1024, 128: 1024, 256: 1}
 # Keys per program: two compute warpgroups of 64 keys, except at d = 256, where dK and dV of 64 keys fill both
 # warpgroups' registers (they split the columns); there Q and dO have one shared-memory slot (the float32 dQ
 # chunks take the second's room).

@@ -11,9 +11,9 @@
 //   dQ += dS K                                        (wgmma, dS^T through shared memory: at d = 128 warpgroup w
 //                                                      forms dQ columns 64w..64w+63 over all 128 keys; at d = 64
 //                                                      every column over its own 64 keys)
-// The consumers leave dQ in shared memory; warps 1-3 of the producer warpgroup add it to dq_accum (at d = 64 the two
+// The consumers leave dQ in shared memory; warps 1-3 of the producer warpgroup add it to dq_accum (by atomics at d = 64 the two
 // warpgroups' tiles summed first) while the consumers go on with the next query block: with 16-byte float32
-// atomics (DQ_BULK 0), or each row handed to the copy engine as one bulk reduce-add (DQ_BULK 1).
+// atomics (DQ_BULK 0), or each tile row handed to the copy engine as one bulk reduce-add (DQ_BULK 1).
 // Keys past seqlen_k read as zeros (K and V), so they add nothing to dQ and their dK / dV rows are not stored;
 // query rows past seqlen_q have lse = +inf (P = 0). The causal / window band masks P per element only in the
 // blocks that cut it.
@@ -236,23 +236,17 @@ MHATTN_DEVICE void add_dq_by_atomics(const float* s_dq, float* dq_head, int m0, 
   }
 }
 
-// Adds the shared dQ tile's first `rows` rows to rows m0.. of dq_head by the copy engine: worker r < rows owns row
-// r (at d = 64 it first sums the other warpgroup's row into it), issues one bulk reduce-add of it (tile rows are
-// DQ_ROW_FLOATS * 4 bytes apart, a multiple of 16) and waits until the engine has read it, so the tile can be handed
-// back. The writers run on PRODUCER_REGS registers: the sum is not unrolled.
+// Adds the shared dQ tile's first `rows` rows to rows m0.. of dq_head by the copy engine: one bulk reduce-add per
+// tile row (tile rows are DQ_ROW_FLOATS * 4 bytes apart, a multiple of 16), `worker` 0..95 issuing every 96th; at
+// d = 64 both warpgroups' tiles go as they are (the engine sums them in L2). Then waits until the engine has read
+// them, so the tiles can be handed back. At d = 64 this path is a third slower than the atomics (NOTES.md, B6).
 MHATTN_DEVICE void add_dq_by_bulk_reduce(float* s_dq, float* dq_head, int m0, int rows, int worker) {
-  if (worker >= rows) return;
-  float* row = s_dq + worker * DQ_ROW_FLOATS;
-  if (DQ_TILES == 2) {
-    const float* other = row + DQ_TILE_BYTES / 4;
-#pragma unroll 1
-    for (int col = 0; col < HEAD_DIM; col += 4) {
-      const float4 v = *reinterpret_cast<const float4*>(row + col), u = *reinterpret_cast<const float4*>(other + col);
-      *reinterpret_cast<float4*>(row + col) = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
-    }
-    fence_async_shared();  // the sums, for the copy engine (the consumers fenced their own stores)
+  if (worker >= rows * DQ_TILES) return;
+  for (int x = worker; x < rows * DQ_TILES; x += 32 * DQ_WRITER_WARPS) {
+    const int tile = x / rows, row = x - tile * rows;
+    const float* src = s_dq + tile * (DQ_TILE_BYTES / 4) + row * DQ_ROW_FLOATS;
+    bulk_reduce_add_f32(dq_head + (i64)(m0 + row) * HEAD_DIM, smem_u32(src), HEAD_DIM * 4);
   }
-  bulk_reduce_add_f32(dq_head + (i64)(m0 + worker) * HEAD_DIM, smem_u32(row), HEAD_DIM * 4);
   bulk_commit();
   bulk_wait_read();
 }
