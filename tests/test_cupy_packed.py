@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mhattn.backends.base import AttentionParams, KVCache, Packing
-from mhattn.backends.cupy import CupyBackend, packed, variants
+from mhattn.backends.cupy import CupyBackend, ops, packed, variants
 from mhattn.conformance.packed import PackedInputs, _varlen_reference, kvcache_reference
 from mhattn.conformance.tolerance import compare
 from mhattn.dropout_rng import keep_mask
@@ -110,6 +110,15 @@ KVCACHE_CASES = {
     # a contiguous cache whose rows are not 16-byte aligned: read as it is (ANY_DIMS), never copied
     "contiguous_unaligned": dict(shape=(2, 2, 1, 1, 32), capacity=40, lengths=[40, 17], causal=True, unaligned=True,
                                  dtype=torch.bfloat16),
+    # decoding steps whose query heads are packed as rows of one CTA per key/value head: 20 heads on one (two query
+    # blocks of rows, the second partly empty), an empty sequence; a right window and softcap, paged
+    "contiguous_mqa_decode": dict(shape=(2, 20, 1, 1, 64), capacity=50, lengths=[50, 0], causal=True,
+                                  dtype=torch.float16),
+    "paged_gqa_decode_right_window": dict(shape=(3, 8, 2, 1, 32), capacity=40, block_size=8, lengths=[30, 1, 17],
+                                          window=(None, 5), softcap=2.5, dtype=torch.bfloat16),
+    # a left window bounds each query head's row by its own position: one CTA a query head
+    "paged_gqa_decode_left_window": dict(shape=(2, 4, 2, 1, 32), capacity=32, block_size=8, lengths=[20, 3],
+                                         causal=True, window=(6, None), dtype=torch.float16),
 }
 
 
@@ -215,6 +224,35 @@ def test_split_counts():
     assert packed.kv_splits(32, 1 << 17, 132) == 9  # two CTAs per SM
     assert packed.kv_splits(1, 1 << 20, 132) == packed.MAX_SPLITS
     assert packed.kv_splits(1, 1000, 132) == 4  # at least SPLIT_MIN_KEYS keys a split
+
+
+@pytest.mark.parametrize("name, packs", [("contiguous_mqa_decode", True), ("paged_gqa_decode_right_window", True),
+                                         ("paged_d128_decode", True), ("paged_gqa_decode_left_window", False),
+                                         ("paged_prompt_chunk", False)])
+def test_emulated_decoding_step_packs_query_heads_as_rows(emulated_backend, poisoned, monkeypatch, name, packs):
+    """A step of one query under GQA launches one CTA per (sequence, key/value head) over its query heads as rows
+    (without the causal or right bound, which hide none of that query's keys); a left window or several queries keep
+    one CTA a query head. Either way the result is the reference's."""
+    launches = []
+    real_launch = packed._forward_launch
+
+    def recording_launch(*args):
+        launches.append(args)
+        return real_launch(*args)
+
+    monkeypatch.setattr(packed, "_forward_launch", recording_launch)
+    monkeypatch.setattr(packed, "_plans", ops._Plans())  # plan this call afresh
+    case = KVCACHE_CASES[name]
+    failures = check_kvcache(emulated_backend, case, "cpu")
+    assert not failures, failures
+    batch, heads_q, heads_kv, seqlen_q, _ = case["shape"]
+    (q_seen, params_seen, heads_seen, rows_seen), = [(a[3], a[6], a[10], a[12]) for a in launches]
+    if packs:
+        assert (heads_seen, rows_seen, tuple(q_seen.shape[:3])) == (heads_kv, heads_q // heads_kv,
+                                                                    (batch, heads_kv, heads_q // heads_kv))
+        assert params_seen.window_right is None
+    else:
+        assert (heads_seen, rows_seen) == (heads_q, seqlen_q)
 
 
 def test_emulated_decoding_steps_share_a_plan(emulated_backend, poisoned):

@@ -7,7 +7,9 @@
   so a decoding loop's calls share one plan. The cache is never copied: rows that are not 16-byte aligned take the
   ANY_DIMS variants. A decoding step (at most DECODE_MAX_ROWS query rows) takes the KV_SPLIT variants: CTAs of
   16 rows, and where (batch, head) pairs would not fill the GPU each sequence's keys are split over ``kv_splits``
-  CTAs whose float32 partial results kernels/kv_combine.cu merges (split-KV decoding).
+  CTAs whose float32 partial results kernels/kv_combine.cu merges (split-KV decoding). A step of one query under
+  GQA packs the query heads of a key/value head as the rows of one CTA (``packs_query_heads``), so each head's keys
+  and values are read once per step instead of once per query head.
 - ``forward_varlen`` / ``backward_varlen``: the packed (total, H, D) tensors reach the kernels with batch stride
   0 and VARLEN 1; each CTA finds its sequence's rows in cu_seqlens and leaves at once when its block lies past
   that sequence's end. Grids are sized by the longest sequence. The backward forms dQ in its own kernel
@@ -91,6 +93,24 @@ def kv_splits(ctas: int, capacity: int, sm_count: int, min_keys: int = None) -> 
                        MAX_SPLITS)
 
 
+def packs_query_heads(q: torch.Tensor, heads_kv: int, params: AttentionParams) -> bool:
+    """Whether a KV-cache call runs the query heads of each key/value head as the rows of one (sequence, key/value
+    head) CTA: a step of one query (Nq = 1) under GQA. That one query sits at its sequence's last position, so a
+    causal mask or a right window hides none of its keys and every packed row sees the same keys; a left window
+    would bound each row by its own position, so it keeps one CTA a query head (the KV path has no masks or dropout,
+    whose addressing is per head)."""
+    return (q.shape[2] == 1 and q.shape[1] > heads_kv and params.window_left is None and params.mask is None
+            and params.dropout_p == 0.0)
+
+
+def heads_as_rows(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """(B, Hq, 1, D) as (B, Hkv, Hq / Hkv, D): the query heads of key/value head j become its rows (a view; head
+    j * group + r is row r of head j, so the head stride serves as the row stride)."""
+    batch, heads_q, _, dim = t.shape
+    group = heads_q // heads_kv
+    return t.as_strided((batch, heads_kv, group, dim), (t.stride(0), group * t.stride(1), t.stride(1), t.stride(3)))
+
+
 def _sm_count(device) -> int:
     return ops.sm_count(device) if device.type == "cuda" else EMULATED_SM_COUNT
 
@@ -156,7 +176,10 @@ def forward_kvcache(launcher, cc, q, cache: KVCache, params: AttentionParams):
     batch, heads_q, seqlen_q, _ = q.shape
     splits = 0  # not a decoding step
     if 0 < seqlen_q <= variants.DECODE_MAX_ROWS:
-        splits = kv_splits(batch * heads_q, cache.capacity, _sm_count(device))
+        ctas = batch * heads_q  # one 16-row query block per (sequence, head); packed: the heads' rows of a kv head
+        if packs_query_heads(q, k.shape[1], params):
+            ctas = batch * k.shape[1] * cdiv(heads_q // k.shape[1], variants.DECODE_MAX_ROWS)
+        splits = kv_splits(ctas, cache.capacity, _sm_count(device))
     key = ("kvcache", launcher, cc, device, q.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
            q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, None if table is None else table.shape,
            None if table is None else table.stride(), ops._params_signature(params), splits)
@@ -190,14 +213,21 @@ def _kvcache_plan(launcher, cc, device, q, k, v, table, params: AttentionParams,
         return None, None, ()
     paged = table is not None
     capacity = cache_capacity(k, table)
-    strides = ops._strides(q) + ops._strides(k) + ops._strides(v) + ops._strides(out)  # k, v: the pool's if paged
+    # What the forward kernel sees: q and out as they are, or (packed) each key/value head's query heads as its rows,
+    # with no causal or right bound (none hides a key from the one query) and one query head per key/value head.
+    q_rows, out_rows, kernel_params, kernel_heads = q, out, params, heads_q
+    if packs_query_heads(q, k.shape[1], params):
+        q_rows, out_rows = heads_as_rows(q, k.shape[1]), heads_as_rows(out, k.shape[1])
+        kernel_params, kernel_heads = params.replace(window_right=None), k.shape[1]
+    strides = ops._strides(q_rows) + ops._strides(k) + ops._strides(v) + ops._strides(out_rows)  # k, v: the pool's
     slots = dict(_FWD, **_NO_MASK)
     sequence_args = _sequence_args(slots, table.stride(0) if paged else 0, k.shape[2] if paged else 0, 0,
                                    max(splits, 1))
-    features = _features(params, head_dim, v.shape[-1], (q, k, v))
+    features = _features(kernel_params, head_dim, v.shape[-1], (q_rows, k, v))
     mode = ("paged_kvcache" if paged else "kvcache") + ("_split" if splits else "")
-    d, launch = _forward_launch(launcher, cc, device, q, k, v, params, features, mode, batch, heads_q, k.shape[1],
-                                seqlen_q, capacity, strides, sequence_args, slots, max(splits, 1))
+    d, launch = _forward_launch(launcher, cc, device, q_rows, k, v, kernel_params, features, mode, batch,
+                                kernel_heads, k.shape[1], q_rows.shape[2], capacity, strides, sequence_args, slots,
+                                max(splits, 1))
     launches = (launch,)
     if splits > 1:  # kernels/kv_combine.cu: one warp a row
         rows = batch * heads_q * seqlen_q
