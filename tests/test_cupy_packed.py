@@ -22,8 +22,10 @@ from mhattn.backends.cupy import CupyBackend, ops, packed, variants
 from mhattn.conformance.packed import PackedInputs, _varlen_reference, kvcache_reference
 from mhattn.conformance.tolerance import compare
 from mhattn.dropout_rng import keep_mask
+from mhattn.problem import Problem
 # the emulator / GPU fixtures and marks of the dense tests (poisoned: ops.POISON_OUTPUTS on)
 from test_cupy_backend import emulated_backend, gpu, gpu_backend, needs_gpu, poisoned  # noqa: F401
+from test_cupy_backend import _check as check_dense, _inputs as dense_inputs, _params as dense_params
 
 
 def _params(d, causal=False, window=None, softcap=None, dropout_p=0.0, seed=(0, 0)) -> AttentionParams:
@@ -253,6 +255,45 @@ def test_emulated_decoding_step_packs_query_heads_as_rows(emulated_backend, pois
         assert params_seen.window_right is None
     else:
         assert (heads_seen, rows_seen) == (heads_q, seqlen_q)
+
+
+# (B, Hq, Hkv, Nq, Nk, d), causal ("bottom_right" / "top_left" / None), window, softcap, decodes (runs as a
+# decoding step)
+DENSE_DECODING_CASES = {
+    "gqa_one_query": ((2, 8, 2, 1, 70, 64), None, None, None, True),
+    "bottom_right_window_softcap": ((2, 4, 4, 3, 50, 32), "bottom_right", (5, None), 2.0, True),
+    "mqa_more_queries_than_keys": ((1, 4, 1, 6, 4, 32), "bottom_right", None, None, True),
+    "top_left_causal": ((1, 4, 2, 4, 40, 32), "top_left", None, None, False),  # not the cache's alignment
+    "seventeen_queries": ((1, 2, 2, 17, 40, 32), None, None, None, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DENSE_DECODING_CASES))
+def test_emulated_dense_decoding_step_runs_the_cache_kernels(emulated_backend, poisoned, monkeypatch, name):
+    """CupyBackend.forward of a few query rows with bottom-right or no bounds reads k and v as a full cache
+    (forward_kvcache, split-KV decoding); other calls keep the dense kernels. The forward and the backward that
+    uses its out and lse match the reference either way, and forward_path says which kernels run."""
+    (batch, hq, hkv, nq, nk, d), causal, window, softcap, decodes = DENSE_DECODING_CASES[name]
+    monkeypatch.setattr(packed, "EMULATED_SM_COUNT", 64)  # splits of the keys pay off
+    monkeypatch.setattr(packed, "SPLIT_MIN_KEYS", 16)
+    cache_calls = []
+    real_forward_kvcache = packed.forward_kvcache
+
+    def recording_forward_kvcache(*args):
+        cache_calls.append(args)
+        return real_forward_kvcache(*args)
+
+    monkeypatch.setattr(packed, "forward_kvcache", recording_forward_kvcache)
+    q, k, v, grad_out = dense_inputs(batch, hq, hkv, nq, nk, d, torch.bfloat16, "cpu")
+    params = dense_params(nq, nk, d, causal=causal, window=window, softcap=softcap)
+    failures = check_dense(emulated_backend, q, k, v, grad_out, params)
+    assert not failures, failures
+    assert bool(cache_calls) == decodes
+    if decodes:
+        cache = cache_calls[0][3]
+        assert cache.k is k and cache.v is v and cache.seqlens.tolist() == [nk] * batch
+    problem = Problem.from_tensors(q, k, v, params, causal=causal is not None, window=window is not None)
+    assert ("decoding step" in emulated_backend.forward_path(problem)) == decodes
 
 
 def test_emulated_decoding_steps_share_a_plan(emulated_backend, poisoned):

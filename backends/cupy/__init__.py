@@ -120,6 +120,8 @@ class CupyBackend(Backend):
         return cc
 
     def forward(self, q, k, v, params: AttentionParams):
+        if packed.decodes_dense(q, k, v, params):
+            return packed.forward_dense_decoding(self.launcher, self._cc(q.device), q, k, v, params)
         return ops.forward(self.launcher, self._cc(q.device), q, k, v, params)
 
     def forward_path(self, problem):
@@ -132,6 +134,10 @@ class CupyBackend(Backend):
                            "kernels/kv_combine.cu")
             return (f"the mma.sync forward ({kernels}; kernels/sequences.cuh) on every GPU: the Hopper forward takes "
                     "dense attention only")
+        if packed.problem_decodes_dense(problem):
+            return ("the mma.sync forward of a decoding step (kernels/fwd.cu with KV_CACHE and KV_SPLIT: k and v as a "
+                    "full cache, the keys split over CTAs where the grid would not fill the GPU), when q, k, v rows "
+                    "have their last dim contiguous")
         reason = ops.hopper_problem_refusal(problem)
         if reason is None:
             return ("the Hopper forward (kernels/hopper_fwd.cu: TMA, wgmma, warp-specialised), when q, k, v rows "

@@ -9,7 +9,8 @@
   16 rows, and where (batch, head) pairs would not fill the GPU each sequence's keys are split over ``kv_splits``
   CTAs whose float32 partial results kernels/kv_combine.cu merges (split-KV decoding). A step of one query under
   GQA packs the query heads of a key/value head as the rows of one CTA (``packs_query_heads``), so each head's keys
-  and values are read once per step instead of once per query head.
+  and values are read once per step instead of once per query head. Dense attention with as few query rows
+  (``mhattn.attention`` of a decoding step) runs the same way, its k and v as a full cache (``decodes_dense``).
 - ``forward_varlen`` / ``backward_varlen``: the packed (total, H, D) tensors reach the kernels with batch stride
   0 and VARLEN 1; each CTA finds its sequence's rows in cu_seqlens and leaves at once when its block lies past
   that sequence's end. Grids are sized by the longest sequence. The backward forms dQ in its own kernel
@@ -236,6 +237,46 @@ def _kvcache_plan(launcher, cc, device, q, k, v, table, params: AttentionParams,
         combine = variants.combine_variant(ops._DTYPE_NAMES[q.dtype])
         launches += (_prepared(launcher, combine, (cdiv(rows, variants.COMBINE_WARPS), 1, 1), args, device, cc),)
     return d, _fwd_tiles(d), launches
+
+
+# ---- dense attention of a decoding step ------------------------------------------------------------------------
+
+
+def decodes_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams) -> bool:
+    """Whether the backend's dense forward runs as a decoding step over k and v as a full cache: at most
+    DECODE_MAX_ROWS query rows, keys, no mask or dropout, a causal mask or window (if any) aligned bottom-right (the
+    cache kernels' alignment), rows with their last dim contiguous. The dense kernels' tiles of 64-128 query rows
+    would hold one to 16 real rows, one CTA per (batch, head) with no split of the keys."""
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    return (0 < seqlen_q <= variants.DECODE_MAX_ROWS and seqlen_k > 0 and params.mask is None
+            and params.dropout_p == 0.0 and (not params.has_window or params.diag_offset == seqlen_k - seqlen_q)
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
+
+
+def problem_decodes_dense(problem) -> bool:
+    """decodes_dense from a Problem (for the backend's description of its path; strides are not in it)."""
+    bounded = "causal" in problem.features or "window" in problem.features
+    return (0 < problem.seqlen_q <= variants.DECODE_MAX_ROWS and problem.seqlen_k > 0
+            and not problem.features & {"bool_mask", "float_mask", "dropout"}
+            and (not bounded or problem.diag_offset == problem.seqlen_k - problem.seqlen_q))
+
+
+# (device, batch, keys) -> an int32 (batch,) tensor of `keys`: the lengths of a dense decoding step's full cache,
+# made once (a decoding loop's steps with the same number of keys share it; it is never written).
+_full_lengths: dict = {}
+_FULL_LENGTHS_LIMIT = 256
+
+
+def forward_dense_decoding(launcher, cc, q, k, v, params: AttentionParams):
+    """(out, lse) of a dense call that decodes_dense: k and v read in place as a contiguous cache every sequence of
+    which holds all Nk keys."""
+    key = (q.device, q.shape[0], k.shape[2])
+    lengths = _full_lengths.get(key)
+    if lengths is None:
+        if len(_full_lengths) >= _FULL_LENGTHS_LIMIT:
+            _full_lengths.clear()
+        lengths = _full_lengths[key] = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
+    return forward_kvcache(launcher, cc, q, KVCache(k, v, lengths), params)
 
 
 # ---- forward_varlen / backward_varlen -----------------------------------------------------------------------------
