@@ -228,6 +228,18 @@ def test_split_counts():
     assert packed.kv_splits(1, 1000, 132) == 4  # at least SPLIT_MIN_KEYS keys a split
 
 
+def recorded_calls(monkeypatch, name: str) -> list:
+    """The positional arguments of every call of packed.<name> from now on (the function still runs)."""
+    calls, real = [], getattr(packed, name)
+
+    def recording(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(packed, name, recording)
+    return calls
+
+
 @pytest.mark.parametrize("name, packs", [("contiguous_mqa_decode", True), ("paged_gqa_decode_right_window", True),
                                          ("paged_d128_decode", True), ("paged_gqa_decode_left_window", False),
                                          ("paged_prompt_chunk", False)])
@@ -235,14 +247,7 @@ def test_emulated_decoding_step_packs_query_heads_as_rows(emulated_backend, pois
     """A step of one query under GQA launches one CTA per (sequence, key/value head) over its query heads as rows
     (without the causal or right bound, which hide none of that query's keys); a left window or several queries keep
     one CTA a query head. Either way the result is the reference's."""
-    launches = []
-    real_launch = packed._forward_launch
-
-    def recording_launch(*args):
-        launches.append(args)
-        return real_launch(*args)
-
-    monkeypatch.setattr(packed, "_forward_launch", recording_launch)
+    launches = recorded_calls(monkeypatch, "_forward_launch")
     monkeypatch.setattr(packed, "_plans", ops._Plans())  # plan this call afresh
     case = KVCACHE_CASES[name]
     failures = check_kvcache(emulated_backend, case, "cpu")
@@ -276,14 +281,7 @@ def test_emulated_dense_decoding_step_runs_the_cache_kernels(emulated_backend, p
     (batch, hq, hkv, nq, nk, d), causal, window, softcap, decodes = DENSE_DECODING_CASES[name]
     monkeypatch.setattr(packed, "EMULATED_SM_COUNT", 64)  # splits of the keys pay off
     monkeypatch.setattr(packed, "SPLIT_MIN_KEYS", 16)
-    cache_calls = []
-    real_forward_kvcache = packed.forward_kvcache
-
-    def recording_forward_kvcache(*args):
-        cache_calls.append(args)
-        return real_forward_kvcache(*args)
-
-    monkeypatch.setattr(packed, "forward_kvcache", recording_forward_kvcache)
+    cache_calls = recorded_calls(monkeypatch, "forward_kvcache")
     q, k, v, grad_out = dense_inputs(batch, hq, hkv, nq, nk, d, torch.bfloat16, "cpu")
     params = dense_params(nq, nk, d, causal=causal, window=window, softcap=softcap)
     failures = check_dense(emulated_backend, q, k, v, grad_out, params)
