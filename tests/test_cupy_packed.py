@@ -271,16 +271,19 @@ DENSE_DECODING_CASES = {
     # a window about the top-left diagonal (keys 0..5 for the one query): not the cache's alignment
     "top_left_window": ((1, 4, 2, 1, 40, 32), None, (None, 5), None, False),
     "four_queries": ((1, 4, 2, 4, 40, 32), "bottom_right", None, None, False),
+    "short_cache": ((1, 4, 2, 1, 40, 32), None, None, None, False),  # below DENSE_DECODING_MIN_KEYS as shipped
 }
 
 @pytest.mark.parametrize("name", sorted(DENSE_DECODING_CASES))
 def test_emulated_dense_decoding_step_runs_the_cache_kernels(emulated_backend, poisoned, monkeypatch, name):
-    """CupyBackend.forward of one query row with bottom-right or no bounds reads k and v as a full cache
-    (forward_kvcache, split-KV decoding); other calls keep the dense kernels. The forward and the backward that
-    uses its out and lse match the reference either way, and forward_path says which kernels run."""
+    """CupyBackend.forward of one query row over enough keys, with bottom-right or no bounds, reads k and v as a
+    full cache (forward_kvcache, split-KV decoding); other calls keep the dense kernels. The forward and the backward
+    that uses its out and lse match the reference either way, and forward_path says which kernels run."""
     (batch, hq, hkv, nq, nk, d), causal, window, softcap, decodes = DENSE_DECODING_CASES[name]
     monkeypatch.setattr(packed, "EMULATED_SM_COUNT", 64)  # splits of the keys pay off
     monkeypatch.setattr(packed, "SPLIT_MIN_KEYS", 16)
+    if name != "short_cache":  # the emulator's shapes are short: route from one key
+        monkeypatch.setattr(packed, "DENSE_DECODING_MIN_KEYS", 1)
     cache_calls = recorded_calls(monkeypatch, "forward_kvcache")
     q, k, v, grad_out = dense_inputs(batch, hq, hkv, nq, nk, d, torch.bfloat16, "cpu")
     params = dense_params(nq, nk, d, causal=causal, window=window, softcap=softcap)

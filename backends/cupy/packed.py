@@ -9,8 +9,9 @@
   16 rows, and where (batch, head) pairs would not fill the GPU each sequence's keys are split over ``kv_splits``
   CTAs whose float32 partial results kernels/kv_combine.cu merges (split-KV decoding). A step of one query under
   GQA packs the query heads of a key/value head as the rows of one CTA (``packs_query_heads``), so each head's keys
-  and values are read once per step instead of once per query head. Dense attention of one query row
-  (``mhattn.attention`` of a decoding step) runs the same way, its k and v as a full cache (``decodes_dense``).
+  and values are read once per step instead of once per query head. Dense attention of one query row over at least
+  DENSE_DECODING_MIN_KEYS keys (``mhattn.attention`` of a decoding step) runs the same way, its k and v as a full
+  cache (``decodes_dense``).
 - ``forward_varlen`` / ``backward_varlen``: the packed (total, H, D) tensors reach the kernels with batch stride
   0 and VARLEN 1; each CTA finds its sequence's rows in cu_seqlens and leaves at once when its block lies past
   that sequence's end. Grids are sized by the longest sequence. The backward forms dQ in its own kernel
@@ -242,15 +243,22 @@ def _kvcache_plan(launcher, cc, device, q, k, v, table, params: AttentionParams,
 # ---- dense attention of a decoding step ------------------------------------------------------------------------
 
 
+# Fewest keys at which a dense call of one query row runs as a decoding step. On the H100 (bf16, 32 / 8 heads, d = 128;
+# NOTES.md, version 8) the decoding route took 33 / 55 us at 1k keys (B = 1 / 8) where the dense kernels took 20 / 35
+# (its two launches and the KV-cache entry's host path), and 70 / 153 us at 8k where they took 103 / 202: about 7 and
+# 10 us less per 1k keys, so the two cross near 3k.
+DENSE_DECODING_MIN_KEYS = 4096
+
+
 def decodes_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams) -> bool:
-    """Whether the backend's dense forward runs as a decoding step over k and v as a full cache: one query row,
-    keys, no mask or dropout, a causal mask or window (if any) aligned bottom-right (the cache kernels' alignment),
-    rows with their last dim contiguous. The dense kernels' tiles of 64-128 query rows would hold one real row, one
-    CTA per (batch, head) with no split of the keys. On the H100 (NOTES.md, version 8) this took a step over 128k keys
-    from 1509 to 341 us; with 4 query rows the decoding kernels' one-warp CTAs, one per query head, were up to 2.3x
-    slower than the dense kernels at B = 8, so several rows stay on those."""
+    """Whether the backend's dense forward runs as a decoding step over k and v as a full cache: one query row, at
+    least DENSE_DECODING_MIN_KEYS keys, no mask or dropout, a causal mask or window (if any) aligned bottom-right
+    (the cache kernels' alignment), rows with their last dim contiguous. The dense kernels' tiles of 64-128 query
+    rows would hold one real row, one CTA per (batch, head) with no split of the keys. On the H100 (NOTES.md, version
+    8) this took a step over 128k keys from 1509 to 341 us; with 4 query rows the decoding kernels' one-warp CTAs, one
+    per query head, were up to 2.3x slower than the dense kernels at B = 8, so several rows stay on those."""
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    return (seqlen_q == 1 and seqlen_k > 0 and params.mask is None
+    return (seqlen_q == 1 and seqlen_k >= max(DENSE_DECODING_MIN_KEYS, 1) and params.mask is None
             and params.dropout_p == 0.0 and (not params.has_window or params.diag_offset == seqlen_k - seqlen_q)
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
 
@@ -258,7 +266,7 @@ def decodes_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Att
 def problem_decodes_dense(problem) -> bool:
     """decodes_dense from a Problem (for the backend's description of its path; strides are not in it)."""
     bounded = "causal" in problem.features or "window" in problem.features
-    return (problem.seqlen_q == 1 and problem.seqlen_k > 0
+    return (problem.seqlen_q == 1 and problem.seqlen_k >= max(DENSE_DECODING_MIN_KEYS, 1)
             and not problem.features & {"bool_mask", "float_mask", "dropout"}
             and (not bounded or problem.diag_offset == problem.seqlen_k - problem.seqlen_q))
 
