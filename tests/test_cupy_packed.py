@@ -293,6 +293,7 @@ def test_emulated_dense_decoding_step_runs_the_cache_kernels(emulated_backend, p
     if decodes:
         cache = cache_calls[0][3]
         assert cache.k is k and cache.v is v and cache.seqlens.tolist() == [nk] * batch
+        assert cache.seqlens is packed._full_lengths[(q.device, batch, nk)]  # made once for the loop's steps
     problem = Problem.from_tensors(q, k, v, params, causal=causal is not None, window=window is not None)
     assert ("decoding step" in emulated_backend.forward_path(problem)) == decodes
 

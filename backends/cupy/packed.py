@@ -272,7 +272,8 @@ def problem_decodes_dense(problem) -> bool:
 
 
 # (device, batch, keys) -> an int32 (batch,) tensor of `keys`: the lengths of a dense decoding step's full cache,
-# made once (a decoding loop's steps with the same number of keys share it; it is never written).
+# made once (a decoding loop's steps with the same number of keys share it; it is never written). One made while a
+# CUDA graph is being captured is not kept: its fill runs only when the graph is replayed.
 _full_lengths: dict = {}
 _FULL_LENGTHS_LIMIT = 256
 
@@ -283,9 +284,11 @@ def forward_dense_decoding(launcher, cc, q, k, v, params: AttentionParams):
     key = (q.device, q.shape[0], k.shape[2])
     lengths = _full_lengths.get(key)
     if lengths is None:
-        if len(_full_lengths) >= _FULL_LENGTHS_LIMIT:
-            _full_lengths.clear()
-        lengths = _full_lengths[key] = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
+        lengths = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
+        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if len(_full_lengths) >= _FULL_LENGTHS_LIMIT:
+                _full_lengths.clear()
+            _full_lengths[key] = lengths
     return forward_kvcache(launcher, cc, q, KVCache(k, v, lengths), params)
 
 
