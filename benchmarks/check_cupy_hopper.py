@@ -44,9 +44,9 @@ MASKINGS = ((False, None, False), (True, None, False), (True, None, True), (Fals
 
 # Candidates of --sweep per head dim, the table's first: forward HopperFwdTiles fields (block_n, stages, consumers,
 # pingpong, persistent, staged_out); backward HopperBwdTiles fields (ring slots, dQ by the copy engine's bulk
-# reduce-add). Aimed at the d = 64 forward at 1k keys (0.88x-0.89x of cuDNN, NOTES.md version 7): key blocks of 64
+# reduce-add, dQ buffers: two at d = 64, NOTES.md B7). Forward candidates aimed at the d = 64 forward at 1k keys (0.88x-0.89x of cuDNN, NOTES.md version 7): key blocks of 64
 # (more steps, shorter ones), two ring slots, one CTA a tile. Each compiles without spills (NVRTC 12.9, sm_90a).
-SWEEP_BWD = {64: ((3, False), (2, False)), 128: ((2, True), (2, False))}
+SWEEP_BWD = {64: ((3, False), (2, False), (3, False, 2), (3, True, 2)), 128: ((2, True), (2, False))}
 SWEEP = {64: ((128, 3, 2, True, True, True), (128, 2, 2, True, True, True), (64, 4, 2, True, True, True),
               (128, 3, 2, True, False, True)),
          128: ((128, 2, 2, True, True, True), (128, 2, 2, True, False, True), (128, 2, 2, True, True, False)),
@@ -246,7 +246,7 @@ def sweep(dtype, head_dims, seqlens, backward=False):
                              f"{hopper:.0f}", f"{hopper / cudnn:.2f}"])
                 print(rows[-1], flush=True)
         table[head_dim] = default
-    what = ("tiles (stages, dq_bulk)" if backward
+    what = ("tiles (stages, dq_bulk, dq_buffers)" if backward
             else "tiles (block_n, stages, consumers, pingpong, persistent, staged_out)")
     print_table(f"{str(dtype).replace('torch.', '')} {'backward' if backward else 'forward'} sweep, TFLOP/s (same run)",
                 ["d", what, "failures", "N", "causal", "sdpa-cudnn", "cupy Hopper", "ratio"], rows)

@@ -93,10 +93,12 @@ def sequence_variant_sample(cc) -> list:
 
 def hopper_options_off_in_the_tables() -> list:
     """The Hopper variants with each option the other way from the tables (so CI compiles them too): dQ by the
-    copy engine's bulk reduce-add or by atomics in the backward, the output staged for the copy engine or stored by
-    the consumers in the forward (staged only where it fits)."""
+    copy engine's bulk reduce-add or by atomics in the backward, and two dQ buffers at d = 64; the output staged for
+    the copy engine or stored by the consumers in the forward (staged only where it fits)."""
     out = [variants.hopper_bwd_variant(dtype, d, variants.HopperBwdTiles(tiles.stages, not tiles.dq_bulk))
            for dtype in variants.DTYPE_NAMES for d, tiles in variants.HOPPER_BWD_TILES.items()]
+    out += [variants.hopper_bwd_variant(dtype, 64, variants.HopperBwdTiles(variants.HOPPER_BWD_TILES[64].stages, bulk, 2))
+            for dtype in variants.DTYPE_NAMES for bulk in (False, True)]  # two dQ buffers (room at d = 64 only)
     for dtype in variants.DTYPE_NAMES:
         for d, tiles in variants.HOPPER_FWD_TILES.items():
             other = dataclasses.replace(tiles, staged_out=not tiles.staged_out)
@@ -742,6 +744,20 @@ def test_hopper_backward_tiles_from_the_table_and_the_override(recorded_maps, mo
         assert (defines["STAGES"], defines["DQ_BULK"]) == (tiles.stages, int(tiles.dq_bulk))
     with pytest.raises(ValueError, match=variants.TILES_ENV):
         variants._apply_tile_override('{"hopper_bwd": {"64": [2]}}')
+
+
+def test_hopper_backward_with_two_dq_buffers_has_their_memory_and_barriers(monkeypatch):
+    """HopperBwdTiles.dq_buffers: DQ_BUFFERS=2 and the shared memory of a second set of dQ tiles and its two
+    barriers; at d = 128 there is no room for it (a clear error)."""
+    one = variants.hopper_bwd_variant("bfloat16", 64, variants.HopperBwdTiles(3, False, 1))
+    two = variants.hopper_bwd_variant("bfloat16", 64, variants.HopperBwdTiles(3, False, 2))
+    assert (one.define("DQ_BUFFERS"), two.define("DQ_BUFFERS")) == (1, 2)
+    assert two.define("SMEM_BYTES") - one.define("SMEM_BYTES") == 2 * 64 * (64 + 8) * 4 + 2 * 8
+    monkeypatch.setitem(variants.HOPPER_BWD_TILES, 64, variants.HOPPER_BWD_TILES[64])  # put back afterwards
+    variants._apply_tile_override('{"hopper_bwd": {"64": [3, true, 2]}}')
+    assert variants.HOPPER_BWD_TILES[64] == variants.HopperBwdTiles(3, True, 2)
+    with pytest.raises(ValueError, match="shared memory"):
+        variants.hopper_bwd_variant("bfloat16", 128, variants.HopperBwdTiles(2, True, 2))
 
 
 def test_cupy_launcher_launches_on_torchs_stream_in_the_tensors_device(monkeypatch):

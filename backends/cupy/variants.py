@@ -188,6 +188,8 @@ class HopperBwdTiles:
     stages: int       # Q / dO slots in the shared-memory ring
     dq_bulk: bool     # dQ tiles added to the float32 accumulator by the copy engine (a bulk reduce-add per row), else
                       # by the writer warps' 16-byte atomics
+    dq_buffers: int = 1  # dQ buffers the consumers and the writers take in turn (2: a block's dQ is stored while the
+                         # writers still add the one before; room for it at d = 64 only)
 
 
 # H100 sweeps (backends/cupy/NOTES.md, versions 5, B6 and H6).
@@ -518,12 +520,13 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) ->
     return Variant("hopper_fwd", defines, 128 * (1 + tiles.consumers), smem, arch_features="a")
 
 
-def hopper_bwd_smem(stages: int, d: int) -> int:
+def hopper_bwd_smem(stages: int, d: int, dq_buffers: int = 1) -> int:
     """kernels/hopper_bwd.cu's layout: K, V (128 keys), the Q and dO slots (64 queries), two dS^T buffers, the lse and
-    delta slots, float32 dQ tiles (two at d = 64; rows padded by 8), the barriers, and 1024 bytes to align the base."""
+    delta slots, float32 dQ tiles per dQ buffer (two at d = 64; rows padded by 8), the barriers, and 1024 bytes to
+    align the base."""
     dq_tiles = 2 if d == 64 else 1
     return (1024 + (2 * 128 + 2 * stages * 64) * d * 2 + 2 * 128 * 64 * 2 + 2 * stages * 64 * 4
-            + dq_tiles * 64 * (d + 8) * 4 + 8 * (3 + 2 * stages))
+            + dq_buffers * dq_tiles * 64 * (d + 8) * 4 + 8 * (1 + 2 * dq_buffers + 2 * stages))
 
 
 def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None) -> Variant:
@@ -532,9 +535,12 @@ def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None) ->
     if d not in HOPPER_BWD_TILES:
         raise ValueError(f"head dim: the Hopper backward takes {tuple(HOPPER_BWD_TILES)}, got {d}")
     tiles = tiles or HOPPER_BWD_TILES[d]
-    smem = hopper_bwd_smem(tiles.stages, d)
+    smem = hopper_bwd_smem(tiles.stages, d, tiles.dq_buffers)
+    if smem > smem_limit(HOPPER_CC):
+        raise ValueError(f"tiles {tiles} at head dim {d} need {smem} bytes of shared memory, more than "
+                         f"{smem_limit(HOPPER_CC)}")
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("STAGES", tiles.stages),
-               ("DQ_BULK", int(tiles.dq_bulk)), ("SMEM_BYTES", smem))
+               ("DQ_BULK", int(tiles.dq_bulk)), ("DQ_BUFFERS", tiles.dq_buffers), ("SMEM_BYTES", smem))
     return Variant("hopper_bwd", defines, 384, smem, arch_features="a")
 
 

@@ -13,13 +13,15 @@
 //                                                      every column over its own 64 keys)
 // The consumers leave dQ in shared memory; warps 1-3 of the producer warpgroup add it to dq_accum (by atomics at d = 64 the two
 // warpgroups' tiles summed first) while the consumers go on with the next query block: with 16-byte float32
-// atomics (DQ_BULK 0), or each tile row handed to the copy engine as one bulk reduce-add (DQ_BULK 1).
+// atomics (DQ_BULK 0), or each tile row handed to the copy engine as one bulk reduce-add (DQ_BULK 1). With
+// DQ_BUFFERS 2 the consumers and the writers take two dQ buffers in turn, so a block's dQ can be stored while the
+// writers still add the one before.
 // Keys past seqlen_k read as zeros (K and V), so they add nothing to dQ and their dK / dV rows are not stored;
 // query rows past seqlen_q have lse = +inf (P = 0). The causal / window band masks P per element only in the
 // blocks that cut it.
 //
-// -D options: MHATTN_BF16, HEAD_DIM (64 or 128), STAGES, DQ_BULK (0 or 1), SMEM_BYTES (checked against the layout
-// below).
+// -D options: MHATTN_BF16, HEAD_DIM (64 or 128), STAGES, DQ_BULK (0 or 1), DQ_BUFFERS (1 or 2), SMEM_BYTES (checked
+// against the layout below).
 #define NUM_WARPS 12
 #include "common.cuh"
 #include "hopper.cuh"
@@ -53,8 +55,10 @@ constexpr int DQ_TILES = DQ_BY_KEYS ? 2 : 1;
 constexpr int DQ_ROW_FLOATS = HEAD_DIM + 8;                  // padded: the consumers' float2 stores hit distinct banks
 constexpr u32 DQ_TILE_BYTES = BLOCK_M * DQ_ROW_FLOATS * 4;
 constexpr u32 DQ_OFFSET = DELTA_OFFSET + STAGES * VEC_BYTES;  // float32
-constexpr u32 BAR_OFFSET = DQ_OFFSET + DQ_TILES * DQ_TILE_BYTES;
-constexpr u32 BAR_COUNT = 3 + 2 * STAGES;                    // kv_full, dq_full, dq_empty; q_full, q_empty per slot
+constexpr u32 DQ_BUFFER_BYTES = DQ_TILES * DQ_TILE_BYTES;
+constexpr u32 BAR_OFFSET = DQ_OFFSET + DQ_BUFFERS * DQ_BUFFER_BYTES;
+constexpr u32 BAR_COUNT = 1 + 2 * DQ_BUFFERS + 2 * STAGES;  // kv_full; dq_full, dq_empty per buffer; q_full, q_empty
+                                                            // per slot
 constexpr u32 DQ_WRITER_WARPS = 3;                           // warps 1-3 of the producer warpgroup
 constexpr u32 LAYOUT_BYTES = BAR_OFFSET + 8 * BAR_COUNT + SWIZZLE_ATOM;
 constexpr u32 CONSUMER_WARPS = 8;
@@ -63,6 +67,7 @@ constexpr int CONSUMER_REGS = 232;
 constexpr int DQ_BARRIER = 1;                  // named barriers (+ w at d = 64): the dS^T dQ reads is in shared memory
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "the Hopper backward takes head dims 64 and 128");
 static_assert(DQ_BULK == 0 || DQ_BULK == 1, "DQ_BULK is 0 (atomics) or 1 (bulk reduce-add)");
+static_assert(DQ_BUFFERS == 1 || DQ_BUFFERS == 2, "DQ_BUFFERS is 1 or 2");
 static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory than the layout needs");
 static_assert(budgets_fit_launch(NUM_THREADS, PRODUCER_REGS, 256, CONSUMER_REGS),
               "register budgets exceed what the CTA gets at launch");
@@ -71,6 +76,17 @@ struct Ring {
   u32 bars;  // q_full[0]
   MHATTN_DEVICE u32 full(int s) const { return bars + 8u * s; }
   MHATTN_DEVICE u32 empty(int s) const { return bars + 8u * (STAGES + s); }
+};
+
+// The dQ buffers' barriers (after kv_full): full = the consumers stored the buffer's dQ; empty = the writers are done
+// with it. Step `step` takes buffer step % DQ_BUFFERS, in its (step / DQ_BUFFERS)-th round.
+struct DqBuffers {
+  u32 bars;  // dq_full[0]
+  MHATTN_DEVICE u32 full(int j) const { return bars + 16u * j; }
+  MHATTN_DEVICE u32 empty(int j) const { return bars + 16u * j + 8u; }
+  MHATTN_DEVICE static int of(int step) { return step % DQ_BUFFERS; }
+  MHATTN_DEVICE static u32 round(int step) { return (u32)(step / DQ_BUFFERS) & 1u; }
+  MHATTN_DEVICE static float* tile(float* s_dq, int step) { return s_dq + of(step) * (DQ_BUFFER_BYTES / 4); }
 };
 
 // The query blocks that can see keys [n0, n0 + BLOCK_N): [first, first + count).
@@ -251,9 +267,9 @@ MHATTN_DEVICE void add_dq_by_bulk_reduce(float* s_dq, float* dq_head, int m0, in
   bulk_wait_read();
 }
 
-// The dQ writers (warps 1-3 of the producer warpgroup, `worker` 0..95): per query block, the shared dQ tile added
+// The dQ writers (warps 1-3 of the producer warpgroup, `worker` 0..95): per query block, its buffer's dQ tile added
 // to dq_accum, rows below seqlen_q; the steps in the consumers' order.
-MHATTN_DEVICE void write_dq(float* s_dq, float* dq_accum, u32 dq_full, u32 dq_empty, QueryBlocks blocks, int hk,
+MHATTN_DEVICE void write_dq(float* s_dq, float* dq_accum, DqBuffers dqb, QueryBlocks blocks, int hk,
                             int b, int group, int heads_q, int seqlen_q, int worker) {
   int step = 0;
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
@@ -261,13 +277,13 @@ MHATTN_DEVICE void write_dq(float* s_dq, float* dq_accum, u32 dq_full, u32 dq_em
     for (int i = 0; i < blocks.count; ++i, ++step) {
       const int m0 = (blocks.first + i) * BLOCK_M;
       const int rows = min_of(BLOCK_M, seqlen_q - m0);
-      mbar_wait(dq_full, step & 1);
+      mbar_wait(dqb.full(DqBuffers::of(step)), DqBuffers::round(step));
       if (DQ_BULK)
-        add_dq_by_bulk_reduce(s_dq, dq_head, m0, rows, worker);
+        add_dq_by_bulk_reduce(DqBuffers::tile(s_dq, step), dq_head, m0, rows, worker);
       else
-        add_dq_by_atomics(s_dq, dq_head, m0, rows, worker);
+        add_dq_by_atomics(DqBuffers::tile(s_dq, step), dq_head, m0, rows, worker);
       __syncwarp();
-      if ((worker & 31) == 0) mbar_arrive(dq_empty);
+      if ((worker & 31) == 0) mbar_arrive(dqb.empty(DqBuffers::of(step)));
     }
   }
 }
@@ -302,13 +318,16 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   const QueryBlocks blocks = query_blocks(n0, seqlen_q, bounds);
 
   const u32 base = (smem_u32(smem) + SWIZZLE_ATOM - 1) & ~(SWIZZLE_ATOM - 1);
-  const u32 kv_full = base + BAR_OFFSET, dq_full = kv_full + 8, dq_empty = kv_full + 16;
-  const Ring ring{kv_full + 24};
+  const u32 kv_full = base + BAR_OFFSET;
+  const DqBuffers dqb{kv_full + 8};
+  const Ring ring{kv_full + 8 + 16 * DQ_BUFFERS};
   float* s_dq = reinterpret_cast<float*>(smem + (base - smem_u32(smem)) + DQ_OFFSET);
   if (tid == 0) {
     mbar_init(kv_full, 1);
-    mbar_init(dq_full, CONSUMER_WARPS);
-    mbar_init(dq_empty, DQ_WRITER_WARPS);
+    for (int j = 0; j < DQ_BUFFERS; ++j) {
+      mbar_init(dqb.full(j), CONSUMER_WARPS);
+      mbar_init(dqb.empty(j), DQ_WRITER_WARPS);
+    }
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(ring.full(s), 1);
       mbar_init(ring.empty(s), CONSUMER_WARPS);
@@ -324,7 +343,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       produce(&q_map, &k_map, &v_map, &do_map, lse_log2, delta, base, kv_full, ring, blocks, n0, hk, b, group,
               heads_q, seqlen_q_pad);
     else if (tid >= 32)
-      write_dq(s_dq, dq_accum, dq_full, dq_empty, blocks, hk, b, group, heads_q, seqlen_q, tid - 32);
+      write_dq(s_dq, dq_accum, dqb, blocks, hk, b, group, heads_q, seqlen_q, tid - 32);
     return;
   }
   claim_registers<CONSUMER_REGS>();
@@ -381,10 +400,12 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       touch_registers(dk_acc);
       touch_registers(dq);
       release_slot(ring.empty(s), lane);
-      mbar_wait(dq_empty, (step & 1) ^ 1);  // the writers are done with the last block's dQ
-      store_dq(s_dq + (DQ_BY_KEYS ? w * DQ_TILE_BYTES / 4 : 0), dq, row_in_wg, DQ_BY_KEYS ? 0 : 64 * w, t);
+      // the writers are done with the dQ this buffer held (DQ_BUFFERS steps ago)
+      mbar_wait(dqb.empty(DqBuffers::of(step)), DqBuffers::round(step) ^ 1);
+      store_dq(DqBuffers::tile(s_dq, step) + (DQ_BY_KEYS ? w * DQ_TILE_BYTES / 4 : 0), dq, row_in_wg,
+               DQ_BY_KEYS ? 0 : 64 * w, t);
       if (DQ_BULK) fence_async_shared();  // the copy engine reads the tile
-      release_slot(dq_full, lane);
+      release_slot(dqb.full(DqBuffers::of(step)), lane);
     }
   }
   store_key_rows(dk + b * dk_sb + hk * dk_sh, dk_sn, dk_acc, key0, t, seqlen_k);
