@@ -44,8 +44,9 @@ MASKINGS = ((False, None, False), (True, None, False), (True, None, True), (Fals
 
 # Candidates of --sweep per head dim, the table's first: forward HopperFwdTiles fields (block_n, stages, consumers,
 # pingpong, persistent, staged_out); backward HopperBwdTiles fields (ring slots, dQ by the copy engine's bulk
-# reduce-add, dQ buffers: two at d = 64, NOTES.md B7). Forward candidates aimed at the d = 64 forward at 1k keys (0.88x-0.89x of cuDNN, NOTES.md version 7): key blocks of 64
-# (more steps, shorter ones), two ring slots, one CTA a tile. Each compiles without spills (NVRTC 12.9, sm_90a).
+# reduce-add, dQ buffers: two at d = 64, NOTES.md B7). The forward candidates aim at the d = 64 forward at 1k keys
+# (0.88x-0.89x of cuDNN, NOTES.md version 7): key blocks of 64 (more steps, shorter ones), two ring slots, one CTA a
+# tile. Each compiles without spills (NVRTC 12.9, sm_90a).
 SWEEP_BWD = {64: ((3, False), (2, False), (3, False, 2), (3, True, 2)), 128: ((2, True), (2, False))}
 SWEEP = {64: ((128, 3, 2, True, True, True), (128, 2, 2, True, True, True), (64, 4, 2, True, True, True),
               (128, 3, 2, True, False, True)),

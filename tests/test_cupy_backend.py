@@ -97,7 +97,8 @@ def hopper_options_off_in_the_tables() -> list:
     the copy engine or stored by the consumers in the forward (staged only where it fits)."""
     out = [variants.hopper_bwd_variant(dtype, d, variants.HopperBwdTiles(tiles.stages, not tiles.dq_bulk))
            for dtype in variants.DTYPE_NAMES for d, tiles in variants.HOPPER_BWD_TILES.items()]
-    out += [variants.hopper_bwd_variant(dtype, 64, variants.HopperBwdTiles(variants.HOPPER_BWD_TILES[64].stages, bulk, 2))
+    stages_64 = variants.HOPPER_BWD_TILES[64].stages
+    out += [variants.hopper_bwd_variant(dtype, 64, variants.HopperBwdTiles(stages_64, bulk, 2))
             for dtype in variants.DTYPE_NAMES for bulk in (False, True)]  # two dQ buffers (room at d = 64 only)
     for dtype in variants.DTYPE_NAMES:
         for d, tiles in variants.HOPPER_FWD_TILES.items():

@@ -11,9 +11,9 @@
 //   dQ += dS K                                        (wgmma, dS^T through shared memory: at d = 128 warpgroup w
 //                                                      forms dQ columns 64w..64w+63 over all 128 keys; at d = 64
 //                                                      every column over its own 64 keys)
-// The consumers leave dQ in shared memory; warps 1-3 of the producer warpgroup add it to dq_accum (by atomics at d = 64 the two
-// warpgroups' tiles summed first) while the consumers go on with the next query block: with 16-byte float32
-// atomics (DQ_BULK 0), or each tile row handed to the copy engine as one bulk reduce-add (DQ_BULK 1). With
+// The consumers leave dQ in shared memory; warps 1-3 of the producer warpgroup add it to dq_accum while the
+// consumers go on with the next query block: with 16-byte float32 atomics (DQ_BULK 0; at d = 64 the two warpgroups'
+// tiles summed first), or each tile row handed to the copy engine as one bulk reduce-add (DQ_BULK 1). With
 // DQ_BUFFERS 2 the consumers and the writers take two dQ buffers in turn, so a block's dQ can be stored while the
 // writers still add the one before.
 // Keys past seqlen_k read as zeros (K and V), so they add nothing to dQ and their dK / dV rows are not stored;
