@@ -274,6 +274,7 @@ DENSE_DECODING_CASES = {
     "short_cache": ((1, 4, 2, 1, 40, 32), None, None, None, False),  # below DENSE_DECODING_MIN_KEYS as shipped
 }
 
+
 @pytest.mark.parametrize("name", sorted(DENSE_DECODING_CASES))
 def test_emulated_dense_decoding_step_runs_the_cache_kernels(emulated_backend, poisoned, monkeypatch, name):
     """CupyBackend.forward of one query row over enough keys, with bottom-right or no bounds, reads k and v as a
