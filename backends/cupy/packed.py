@@ -257,18 +257,23 @@ def decodes_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Att
     rows would hold one real row, one CTA per (batch, head) with no split of the keys. On the H100 (NOTES.md, version
     8) this took a step over 128k keys from 1509 to 341 us; with 4 query rows the decoding kernels' one-warp CTAs, one
     per query head, were up to 2.3x slower than the dense kernels at B = 8, so several rows stay on those."""
-    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
-    return (seqlen_q == 1 and seqlen_k >= max(DENSE_DECODING_MIN_KEYS, 1) and params.mask is None
-            and params.dropout_p == 0.0 and (not params.has_window or params.diag_offset == seqlen_k - seqlen_q)
+    masked = params.mask is not None or params.dropout_p != 0.0
+    return (_decoding_shape(q.shape[2], k.shape[2], masked, params.has_window, params.diag_offset)
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
 def problem_decodes_dense(problem) -> bool:
     """decodes_dense from a Problem (for the backend's description of its path; strides are not in it)."""
+    masked = bool(problem.features & {"bool_mask", "float_mask", "dropout"})
     bounded = "causal" in problem.features or "window" in problem.features
-    return (problem.seqlen_q == 1 and problem.seqlen_k >= max(DENSE_DECODING_MIN_KEYS, 1)
-            and not problem.features & {"bool_mask", "float_mask", "dropout"}
-            and (not bounded or problem.diag_offset == problem.seqlen_k - problem.seqlen_q))
+    return _decoding_shape(problem.seqlen_q, problem.seqlen_k, masked, bounded, problem.diag_offset)
+
+
+def _decoding_shape(seqlen_q: int, seqlen_k: int, masked: bool, bounded: bool, diag_offset: int) -> bool:
+    """decodes_dense's conditions on the call's sizes and features: one query row, enough keys, no mask or dropout,
+    bounds (if any) aligned bottom-right."""
+    return (seqlen_q == 1 and seqlen_k >= max(DENSE_DECODING_MIN_KEYS, 1) and not masked
+            and (not bounded or diag_offset == seqlen_k - seqlen_q))
 
 
 # (device, batch, keys) -> an int32 (batch,) tensor of `keys`: the lengths of a dense decoding step's full cache,

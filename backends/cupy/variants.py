@@ -194,8 +194,8 @@ class HopperBwdTiles:
 
 # H100 sweeps (backends/cupy/NOTES.md, versions 5, B6 and H6).
 # The backward (kernels/hopper_bwd.cu): 128 keys a CTA in two consumer warpgroups, 64 queries a step; per head dim it
-# takes, its ring slots and how dQ reaches the accumulator (the bulk reduce-add: +2-13% at d = 128; at d = 64 with
-# the tiles summed on the writer threads first 0.55x of the atomics, B6).
+# takes, its ring slots and how dQ reaches the accumulator (the bulk reduce-add: +2-13% at d = 128; at d = 64 a third
+# slower than the atomics, with or without the writers' sum of the two tiles, B6).
 HOPPER_BWD_TILES = {64: HopperBwdTiles(3, False), 128: HopperBwdTiles(2, True)}
 # The staged output (H6): +1-5% at d = 64 (-2% at 4k without a mask), at d = 128 +11-13% at 1k and from -5% to +6% at
 # 4k and 16k; no shared memory for it at d = 256.
@@ -504,6 +504,13 @@ def hopper_fwd_smem(tiles: HopperFwdTiles, d: int) -> int:
             + 8 * (2 * q_buffers + 4 + 4 * tiles.stages) + 8)
 
 
+def _check_hopper_smem(tiles, d: int, smem: int) -> None:
+    """A clear error where a Hopper variant's tiles need more shared memory than a CTA can have."""
+    if smem > smem_limit(HOPPER_CC):
+        raise ValueError(f"tiles {tiles} at head dim {d} need {smem} bytes of shared memory, more than "
+                         f"{smem_limit(HOPPER_CC)}")
+
+
 def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) -> Variant:
     if dtype_name not in DTYPE_NAMES:
         raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
@@ -511,9 +518,7 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) ->
         raise ValueError(f"head dim: the Hopper forward takes {HOPPER_HEAD_DIMS}, got {d}")
     tiles = tiles or HOPPER_FWD_TILES[d]
     smem = hopper_fwd_smem(tiles, d)
-    if smem > smem_limit(HOPPER_CC):
-        raise ValueError(f"tiles {tiles} at head dim {d} need {smem} bytes of shared memory, more than "
-                         f"{smem_limit(HOPPER_CC)}")
+    _check_hopper_smem(tiles, d, smem)
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("BLOCK_N", tiles.block_n),
                ("STAGES", tiles.stages), ("CONSUMERS", tiles.consumers), ("PINGPONG", int(tiles.pingpong)),
                ("STAGED_OUT", int(tiles.staged_out)), ("SMEM_BYTES", smem))
@@ -536,9 +541,7 @@ def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None) ->
         raise ValueError(f"head dim: the Hopper backward takes {tuple(HOPPER_BWD_TILES)}, got {d}")
     tiles = tiles or HOPPER_BWD_TILES[d]
     smem = hopper_bwd_smem(tiles.stages, d, tiles.dq_buffers)
-    if smem > smem_limit(HOPPER_CC):
-        raise ValueError(f"tiles {tiles} at head dim {d} need {smem} bytes of shared memory, more than "
-                         f"{smem_limit(HOPPER_CC)}")
+    _check_hopper_smem(tiles, d, smem)
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("STAGES", tiles.stages),
                ("DQ_BULK", int(tiles.dq_bulk)), ("DQ_BUFFERS", tiles.dq_buffers), ("SMEM_BYTES", smem))
     return Variant("hopper_bwd", defines, 384, smem, arch_features="a")
