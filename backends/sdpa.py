@@ -250,8 +250,8 @@ class SdpaBackend(Backend):
             # alone, so out and grad_out must always come in one layout per q layout, or a graph built for
             # another out layout is reused and reads out wrongly. cuDNN's own forward writes q's layout.
             kernel_strides = layouts.strides_in_order_of(q, out.shape)
-        if kernel_strides is not None and out.stride() != kernel_strides:
-            out = torch.empty_strided(out.shape, kernel_strides, dtype=out.dtype, device=out.device).copy_(out)
+        if kernel_strides is not None:
+            out = layouts.placed(out, kernel_strides)
         grad_out = _laid_out_like(grad_out, out)
         # A row that sees no key has lse -inf; +inf makes every kernel's P = exp(S - lse) exactly 0 there.
         lse_k = lse.masked_fill(lse == -math.inf, math.inf)
