@@ -67,6 +67,15 @@ MHATTN_DEVICE void tma_load_4d(u32 dst, const TensorMap* map, u32 bar, int c0, i
       "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
+// N pairs of mbarriers side by side: full[0..N) then empty[0..N), 8 bytes each (a ring of N slots or buffers:
+// full = its data landed, empty = its readers are done with it).
+template <int N>
+struct BarrierPairs {
+  u32 bars;  // full[0]
+  MHATTN_DEVICE u32 full(int i) const { return bars + 8u * i; }
+  MHATTN_DEVICE u32 empty(int i) const { return bars + 8u * (N + i); }
+};
+
 // Copies the box at shared address `src` (1024-byte aligned, 128-byte swizzled) to coordinates (c0, c1, c2, c3) of
 // `map`'s tensor, in this thread's bulk async-group; coordinates past the tensor's end are not written.
 MHATTN_DEVICE void tma_store_4d(const TensorMap* map, u32 src, int c0, int c1, int c2, int c3) {

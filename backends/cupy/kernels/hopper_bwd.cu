@@ -72,18 +72,11 @@ static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory tha
 static_assert(budgets_fit_launch(NUM_THREADS, PRODUCER_REGS, 256, CONSUMER_REGS),
               "register budgets exceed what the CTA gets at launch");
 
-struct Ring {
-  u32 bars;  // q_full[0]
-  MHATTN_DEVICE u32 full(int s) const { return bars + 8u * s; }
-  MHATTN_DEVICE u32 empty(int s) const { return bars + 8u * (STAGES + s); }
-};
+using Ring = BarrierPairs<STAGES>;  // q_full, q_empty per ring slot
 
 // The dQ buffers' barriers (after kv_full): full = the consumers stored the buffer's dQ; empty = the writers are done
 // with it. Step `step` takes buffer step % DQ_BUFFERS, in its (step / DQ_BUFFERS)-th round.
-struct DqBuffers {
-  u32 bars;  // dq_full[0]
-  MHATTN_DEVICE u32 full(int j) const { return bars + 16u * j; }
-  MHATTN_DEVICE u32 empty(int j) const { return bars + 16u * j + 8u; }
+struct DqBuffers : BarrierPairs<DQ_BUFFERS> {
   MHATTN_DEVICE static int of(int step) { return step % DQ_BUFFERS; }
   MHATTN_DEVICE static u32 round(int step) { return (u32)(step / DQ_BUFFERS) & 1u; }
   MHATTN_DEVICE static float* tile(float* s_dq, int step) { return s_dq + of(step) * (DQ_BUFFER_BYTES / 4); }
