@@ -72,20 +72,18 @@ static_assert(STAGED_OUT == 0 || STAGED_OUT == 1, "STAGED_OUT is 0 or 1");
 constexpr int STAGE_BARRIER = 3;  // named barriers 3.. (one per consumer): its output rows written to shared memory
 
 // The Q buffers and their barriers: full = the buffer's copy landed; empty = every consumer warp is done with it.
-struct QBuffers {
-  u32 base, bars;  // the first buffer; q_full[0]
+struct QBuffers : BarrierPairs<Q_BUFS> {
+  u32 base;  // the first buffer
   MHATTN_DEVICE u32 slot(int b) const { return base + b * Q_BYTES; }
-  MHATTN_DEVICE u32 full(int b) const { return bars + 8u * b; }
-  MHATTN_DEVICE u32 empty(int b) const { return bars + 8u * (Q_BUFS + b); }
 };
 
-// The ring slots' barriers: full = the slot's copy landed; empty = every consumer warp is done with it.
-struct Slots {
-  u32 bars;  // address of k_full[0]
-  MHATTN_DEVICE u32 k_full(int s) const { return bars + 8u * s; }
-  MHATTN_DEVICE u32 v_full(int s) const { return bars + 8u * (STAGES + s); }
-  MHATTN_DEVICE u32 k_empty(int s) const { return bars + 8u * (2 * STAGES + s); }
-  MHATTN_DEVICE u32 v_empty(int s) const { return bars + 8u * (3 * STAGES + s); }
+// The ring slots' barriers, K's slots then V's: full = the slot's copy landed; empty = every consumer warp is done
+// with it.
+struct Slots : BarrierPairs<2 * STAGES> {
+  MHATTN_DEVICE u32 k_full(int s) const { return full(s); }
+  MHATTN_DEVICE u32 v_full(int s) const { return full(STAGES + s); }
+  MHATTN_DEVICE u32 k_empty(int s) const { return empty(s); }
+  MHATTN_DEVICE u32 v_empty(int s) const { return empty(STAGES + s); }
 };
 
 // The key blocks a CTA's query rows [m0, m0 + rows) may see: [first, first + count).
@@ -426,28 +424,29 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
 
 // ---- tile handoff ----------------------------------------------------------------------------------------
 
-// Two slots through which the producer hands tile indices to the consumers (-1: no more tiles).
-struct TileSlots {
-  u32 bars, indices;  // tile_full[2], tile_empty[2]; two ints
-  MHATTN_DEVICE u32 full(int n) const { return bars + 8u * (n & 1); }
-  MHATTN_DEVICE u32 empty(int n) const { return bars + 16u + 8u * (n & 1); }
-  MHATTN_DEVICE u32 index(int n) const { return indices + 4u * (n & 1); }
+// Two slots through which the producer hands tile indices to the consumers (-1: no more tiles); the n-th handoff
+// takes slot n & 1.
+struct TileSlots : BarrierPairs<2> {
+  u32 indices;  // two ints
+  MHATTN_DEVICE u32 index(int slot) const { return indices + 4u * slot; }
 };
 
 // The producer thread's handoff of its n-th tile index.
 MHATTN_DEVICE void hand_tile(const TileSlots& slots, int n, int index) {
-  mbar_wait(slots.empty(n), ((n >> 1) & 1) ^ 1);  // the first round passes: the slots start empty
-  asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(slots.index(n)), "r"(index) : "memory");
-  mbar_arrive(slots.full(n));  // release: the consumers' wait sees the index
+  const int slot = n & 1;
+  mbar_wait(slots.empty(slot), ((n >> 1) & 1) ^ 1);  // the first round passes: the slots start empty
+  asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(slots.index(slot)), "r"(index) : "memory");
+  mbar_arrive(slots.full(slot));  // release: the consumers' wait sees the index
 }
 
 // A consumer warp's n-th tile index.
 MHATTN_DEVICE int take_tile(const TileSlots& slots, int n, int lane) {
-  mbar_wait(slots.full(n), (n >> 1) & 1);
+  const int slot = n & 1;
+  mbar_wait(slots.full(slot), (n >> 1) & 1);
   int index;
-  asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(index) : "r"(slots.index(n)) : "memory");
+  asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(index) : "r"(slots.index(slot)) : "memory");
   __syncwarp();
-  if (lane == 0) mbar_arrive(slots.empty(n));
+  if (lane == 0) mbar_arrive(slots.empty(slot));
   return index;
 }
 
@@ -471,9 +470,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 
   const u32 base = (smem_u32(smem) + SWIZZLE_ATOM - 1) & ~(SWIZZLE_ATOM - 1);
   const u32 s_k = base + K_OFFSET, s_v = base + V_OFFSET;
-  const QBuffers qb{base, base + BAR_OFFSET};
-  const TileSlots tile_slots{qb.bars + 16 * Q_BUFS, base + TILE_OFFSET};
-  const Slots slots{qb.bars + 16 * Q_BUFS + 32};
+  const QBuffers qb{{base + BAR_OFFSET}, base};
+  const TileSlots tile_slots{{qb.bars + 16 * Q_BUFS}, base + TILE_OFFSET};
+  const Slots slots{{qb.bars + 16 * Q_BUFS + 32}};
 #if STAGED_OUT
   const TensorMap* out_map = &o_map;
 #else
