@@ -2,7 +2,7 @@
 GPU:
 
     source benchmarks/device_env.sh && cd /tmp && python3 $OLDPWD/benchmarks/check_cupy_hopper.py \
-        [--part fwd,bwd] [--dtype bf16|fp16] [--head-dim 64,128,256] [--seqlen 1024,4096,16384] [--timing-only] \
+        [--part fwd,bwd] [--dtype bf16,fp16] [--head-dim 64,128,256] [--seqlen 1024,4096,16384] [--timing-only] \
         [--sweep]
 
 1. ``mhattn.attention(..., backend="cupy", return_lse=True)`` on ragged shapes (fp16 and bf16; GQA; Nq > Nk and
@@ -256,32 +256,37 @@ def sweep(dtype, head_dims, seqlens, backward=False):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", default="fwd,bwd", help="comma-separated: fwd, bwd")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="of the timing table")
+    parser.add_argument("--dtype", default="bf16", help="comma-separated, of the timing tables: bf16, fp16")
     parser.add_argument("--seqlen", default="1024,4096,16384", help="comma-separated sequence lengths to time")
     parser.add_argument("--head-dim", default="64,128,256", help="comma-separated head dims")
     parser.add_argument("--timing-only", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the tile candidates of SWEEP instead")
     args = parser.parse_args()
+    dtypes = [DTYPES[name] for name in args.dtype.split(",") if name in DTYPES]
+    if not dtypes or len(dtypes) != len(args.dtype.split(",")):
+        parser.error(f"--dtype: expected comma-separated names from {sorted(DTYPES)}, got {args.dtype!r}")
     head_dims = [int(d) for d in args.head_dim.split(",") if int(d) in variants.HOPPER_HEAD_DIMS]
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
     seqlens = [int(n) for n in args.seqlen.split(",")]
     parts = set(args.part.split(","))
     bwd_dims = [d for d in head_dims if d in variants.HOPPER_BWD_TILES]
     if args.sweep:
-        if "fwd" in parts:
-            sweep(DTYPES[args.dtype], head_dims, seqlens)
-        if "bwd" in parts:
-            sweep(DTYPES[args.dtype], bwd_dims, seqlens, backward=True)
+        for dtype in dtypes:
+            if "fwd" in parts:
+                sweep(dtype, head_dims, seqlens)
+            if "bwd" in parts:
+                sweep(dtype, bwd_dims, seqlens, backward=True)
         return
     if not args.timing_only:
         if "fwd" in parts:
             correctness(head_dims)
         if "bwd" in parts:
             correctness_backward(bwd_dims)
-    if "fwd" in parts:
-        timing(DTYPES[args.dtype], head_dims, seqlens)
-    if "bwd" in parts:
-        timing(DTYPES[args.dtype], bwd_dims, seqlens, backward=True)
+    for dtype in dtypes:
+        if "fwd" in parts:
+            timing(dtype, head_dims, seqlens)
+        if "bwd" in parts:
+            timing(dtype, bwd_dims, seqlens, backward=True)
 
 
 if __name__ == "__main__":
