@@ -244,9 +244,9 @@ def _kvcache_plan(launcher, cc, device, q, k, v, table, params: AttentionParams,
 
 
 # Fewest keys at which a dense call of one query row runs as a decoding step. On the H100 (bf16, 32 / 8 heads, d = 128;
-# NOTES.md, version 8) the decoding route took 33 / 55 us at 1k keys (B = 1 / 8) where the dense kernels took 20 / 35
-# (its two launches and the KV-cache entry's host path), and 70 / 153 us at 8k where they took 103 / 202: about 7 and
-# 10 us less per 1k keys, so the two cross near 3k.
+# NOTES.md, version 8, the limit's table) the decoding route wins by GPU time from 3k keys at B = 1 and 8 (4k: 48 / 90
+# us against the dense kernels' 55 / 109), but its host path (the KV-cache entry, two launches) costs about 58 us a
+# call, so at B = 1 a loop of calls gains only from about 6k keys (4k: 59 against 53 us).
 DENSE_DECODING_MIN_KEYS = 4096
 
 
