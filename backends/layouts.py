@@ -64,23 +64,21 @@ def rows_major_strides(batch: int, heads: int, seqlen: int, dim: int) -> tuple:
     return (seqlen * heads * dim, dim, heads * dim, 1)
 
 
-def contiguous_strides(shape) -> tuple:
-    strides, step = [], 1
-    for size in reversed(tuple(shape)):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+def contiguous_strides(shape, order=None) -> tuple:
+    """Dense strides for ``shape``, its dims laid out outermost first in ``order`` (default: their own order)."""
+    shape = tuple(shape)
+    order = range(len(shape)) if order is None else order
+    strides, step = [0] * len(shape), 1
+    for i in reversed(tuple(order)):
+        strides[i] = step
+        step *= max(shape[i], 1)
+    return tuple(strides)
 
 
 def strides_in_order_of(template: torch.Tensor, shape) -> tuple:
     """Dense strides for ``shape`` whose dims are laid out in the order of template's strides (largest first, ties
     in dim order): what torch's cuDNN attention gives its output, which follows the query's layout."""
-    order = sorted(range(template.dim()), key=lambda i: (-template.stride(i), i))
-    strides, step = [0] * len(order), 1
-    for i in reversed(order):
-        strides[i] = step
-        step *= max(shape[i], 1)
-    return tuple(strides)
+    return contiguous_strides(shape, sorted(range(template.dim()), key=lambda i: (-template.stride(i), i)))
 
 
 def grad_strides(t: torch.Tensor) -> tuple:
