@@ -66,10 +66,8 @@ def rows_major_strides(batch: int, heads: int, seqlen: int, dim: int) -> tuple:
 
 def contiguous_strides(shape, order=None) -> tuple:
     """Dense strides for ``shape``, its dims laid out outermost first in ``order`` (default: their own order)."""
-    shape = tuple(shape)
-    order = range(len(shape)) if order is None else order
     strides, step = [0] * len(shape), 1
-    for i in reversed(tuple(order)):
+    for i in reversed(range(len(shape)) if order is None else order):
         strides[i] = step
         step *= max(shape[i], 1)
     return tuple(strides)
