@@ -35,6 +35,7 @@ from mhattn.backends.splits import split_count
 from mhattn.backends.cupy import ops, variants
 from mhattn.backends.cupy.launcher import i32, i64, f32, slot
 from mhattn.backends.cupy.ops import LOG2E, _NULL, _empty, _extra_args, _feature_args, _prepared, cdiv
+from mhattn.caches import put_bounded
 
 # Sequence b's rows of the backward's per-head vectors start at (cu_seqlens_q[b] rounded up to 4) + b * VECTOR_GAP
 # (kernels/sequences.cuh): room for its rows padded to a multiple of VECTOR_PAD.
@@ -291,9 +292,7 @@ def forward_dense_decoding(launcher, cc, q, k, v, params: AttentionParams):
     if lengths is None:
         lengths = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
         if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-            if len(_full_lengths) >= _FULL_LENGTHS_LIMIT:
-                _full_lengths.clear()
-            _full_lengths[key] = lengths
+            put_bounded(_full_lengths, key, lengths, _FULL_LENGTHS_LIMIT)
     return forward_kvcache(launcher, cc, q, KVCache(k, v, lengths), params)
 
 
