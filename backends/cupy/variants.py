@@ -198,9 +198,10 @@ class HopperBwdTiles:
 # slower than the atomics, with or without the writers' sum of the two tiles, B6).
 HOPPER_BWD_TILES = {64: HopperBwdTiles(3, False), 128: HopperBwdTiles(2, True)}
 # The staged output (H6): +1-5% at d = 64 (-2% at 4k without a mask), at d = 128 +11-13% at 1k and from -5% to +6% at
-# 4k and 16k; no shared memory for it at d = 256.
+# 4k and 16k; no shared memory for it at d = 256. Ping-pong (H2) is off at d = 64 since H10: without it +0-13% in
+# every cell of two sweeps; at d = 128 it holds the cells without a mask (with one, off is +4-8%).
 HOPPER_FWD_TILES = {
-    64: HopperFwdTiles(128, 3, 2, True, True, True),
+    64: HopperFwdTiles(128, 3, 2, False, True, True),
     128: HopperFwdTiles(128, 2, 2, True, True, True),
     256: HopperFwdTiles(64, 2, 2, True, True),
 }
