@@ -13,9 +13,10 @@ on an sm_90 GPU:
    medians beside sdpa-cudnn in the same run. Forward: the Triton backend (``mhattn.attention(backend="triton")``)
    as it chooses, the same with the Gluon forward on a persistent grid and on one program per tile whatever the
    key count, and the FlashAttention-2 kernel (``MHATTN_TRITON_HOPPER=0``).
-   Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses, with
-   ``MHATTN_TRITON_HOPPER=always`` (the Gluon backward below hopper_launch.BACKWARD_MIN_KEYS too) and with
-   ``MHATTN_TRITON_HOPPER=0``. The tables are printed last.
+   Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses, the same with
+   its float32 dQ buffer zeroed by a fill of its own instead of by the preprocess kernel
+   (hopper_launch.ZERO_IN_PREPROCESS off), with ``MHATTN_TRITON_HOPPER=always`` (the Gluon backward below
+   hopper_launch.BACKWARD_MIN_KEYS too) and with ``MHATTN_TRITON_HOPPER=0``. The tables are printed last.
 """
 
 import argparse
@@ -198,6 +199,16 @@ def with_hopper_switch(fn, value: str):
             os.environ[hopper_launch.ENV_SWITCH] = before
 
 
+def with_zeroing_apart(fn):
+    """fn() with the Gluon backward's dQ buffer zeroed by a fill of its own (hopper_launch.ZERO_IN_PREPROCESS off)."""
+    before = hopper_launch.ZERO_IN_PREPROCESS
+    hopper_launch.ZERO_IN_PREPROCESS = False
+    try:
+        return fn()
+    finally:
+        hopper_launch.ZERO_IN_PREPROCESS = before
+
+
 def with_schedule(fn, persistent_max_keys, causal_persistent_max_keys, causal_group_bytes):
     """fn() with the Gluon forward's schedule rules set to these (hopper_launch's constants of those names)."""
     from mhattn.backends.triton import backend as triton_backend
@@ -261,11 +272,12 @@ def timing(dtype, parts, seqlens, wanted=None):
                         cudnn = backward_time(lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal))
                     run_triton = lambda: mhattn.attention(*leaves, is_causal=causal, backend="triton")  # noqa: E731
                     backend = backward_time(run_triton)
+                    fill = with_zeroing_apart(lambda: backward_time(run_triton))
                     gluon = with_hopper_always(lambda: backward_time(run_triton))
                     flash2 = with_hopper_off(lambda: backward_time(run_triton))
                     bwd_flops = 2.5 * flops
                     backward_rows.append((head_dim, seqlen, causal, *(bwd_flops / ms / 1e9 for ms in (
-                        cudnn, backend, gluon, flash2)), cudnn / backend))
+                        cudnn, backend, fill, gluon, flash2)), cudnn / backend))
                     print(backward_rows[-1], flush=True)
     name = str(dtype).replace("torch.", "")
     if forward_rows:
@@ -278,12 +290,12 @@ def timing(dtype, parts, seqlens, wanted=None):
                   f"{per_tile:.0f} | {flash2:.0f} | {ratio:.2f} |")
     if backward_rows:
         print(f"\n{name} backward, TFLOP/s (same run)\n")
-        print("| d | N | causal | sdpa-cudnn | triton backend | Gluon kernel at any length | FlashAttention-2 kernels | "
-              "triton/cuDNN |")
-        print("|---|---|---|---|---|---|---|---|")
-        for d, n, causal, cudnn, backend, gluon, flash2, ratio in backward_rows:
-            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {backend:.0f} | {gluon:.0f} | "
-                  f"{flash2:.0f} | {ratio:.2f} |")
+        print("| d | N | causal | sdpa-cudnn | triton backend | backend, dQ buffer zeroed apart | Gluon kernel at any "
+              "length | FlashAttention-2 kernels | triton/cuDNN |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for d, n, causal, cudnn, backend, fill, gluon, flash2, ratio in backward_rows:
+            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {backend:.0f} | {fill:.0f} | "
+                  f"{gluon:.0f} | {flash2:.0f} | {ratio:.2f} |")
 
 
 def main():

@@ -289,6 +289,33 @@ def check_through_attention(dtype="float16"):
         assert err < 2e-2 * max(1.0, float(want.abs().max())), f"{name}: max error {err}"
 
 
+def check_preprocess_zeroes_the_dq_accumulator(seqlen_q=100, head_dim=64):
+    """The backward's preprocess kernel with ZERO_ACC (what the Gluon Hopper backward launches): delta and lse2 as
+    without it, and every element of the NaN-filled float32 (B, Hq, Nq, D) accumulator zeroed, Nq not a multiple of
+    the kernel's 64 rows; without ZERO_ACC the accumulator is left as it was."""
+    import triton
+
+    from mhattn.backends.triton.backward import backward_preprocess_kernel
+
+    gen = torch.Generator().manual_seed(5)
+    batch, heads, block_m = 2, 3, 64
+    out, grad_out = (torch.randn(batch, heads, seqlen_q, head_dim, generator=gen) for _ in range(2))
+    lse = torch.randn(batch, heads, seqlen_q, generator=gen)
+    lse[0, 1, :7] = float("-inf")  # rows that saw no key
+    blocks = triton.cdiv(seqlen_q, block_m)
+    for zero in (True, False):
+        delta, lse2 = (torch.full((batch, heads, seqlen_q), float("nan")) for _ in range(2))
+        acc = torch.full((batch, heads, seqlen_q, head_dim), float("nan"))
+        backward_preprocess_kernel[(batch * heads * blocks,)](
+            out, grad_out, lse, lse, delta, lse2, acc, *out.stride()[:3], *grad_out.stride()[:3], *lse.stride(),
+            *lse.stride(), heads, seqlen_q, blocks, seqlen_q, HEAD_DIM_V=head_dim, BLOCK_DV=head_dim,
+            BLOCK_M=block_m, HAS_GRAD_LSE=False, ZERO_ACC=zero)
+        torch.testing.assert_close(delta, (out * grad_out).sum(-1), rtol=1e-5, atol=1e-5)
+        want_lse2 = torch.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        torch.testing.assert_close(lse2, want_lse2)
+        assert bool((acc == 0).all()) if zero else bool(acc.isnan().all())
+
+
 # ---- running checks under the interpreter -----------------------------------------------------------------
 
 _WORKER_MAIN = r"""
@@ -553,6 +580,11 @@ def test_interpreter_dropout_keep_mask_in_attention(interpreter, dtype):
 @pytest.mark.interpret
 def test_interpreter_capabilities(interpreter):
     interpreter.run("check_interpreter_capabilities")
+
+
+@pytest.mark.interpret
+def test_interpreter_preprocess_zeroes_the_dq_accumulator(interpreter):
+    interpreter.run("check_preprocess_zeroes_the_dq_accumulator")
 
 
 @pytest.mark.interpret
@@ -914,6 +946,30 @@ def test_hopper_backward_slices_bound_the_dq_buffer():
     assert backward_slices(32, 16, 1024 * 128 * 4, 8, 132) == (8, 16)      # B = 32: 64 MiB per launch
     assert backward_slices(1, 32, ACCUMULATOR_BYTES, 8, 132) == (1, 32)    # few programs per head: one launch
     assert backward_slices(7, 4, ACCUMULATOR_BYTES // 8, 1000, 132) == (2, 4)  # 8 heads fit: slices of 2, 2, 2, 1
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_hopper_dq_buffer_is_zeroed_by_the_preprocess_only_in_one_launch(monkeypatch):
+    """hopper_launch.dq_accumulator: a backward that runs as one launch has its float32 dQ buffer (B * Hq * Nq * D)
+    zeroed by the preprocess kernel; sliced launches reuse one slice-sized buffer and zero it before each
+    launch (the preprocess runs once, before all of them); ZERO_IN_PREPROCESS off gives the fill everywhere."""
+    from types import SimpleNamespace
+
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
+
+    def plan(batch, heads_kv, group, seqlen):
+        return SimpleNamespace(batch=batch, heads_kv=heads_kv, heads_q=heads_kv * group, kv_group=group,
+                               seqlen_q=seqlen, seqlen_k=seqlen, head_dim=128, hopper_backward_slices=None)
+
+    q = torch.empty(0)
+    whole, zeroed = hopper_launch.dq_accumulator(plan(16, 8, 2, 1024), q, 0)
+    assert zeroed and whole.numel() == 16 * 16 * 1024 * 128 and whole.dtype == torch.float32
+    sliced, zeroed = hopper_launch.dq_accumulator(plan(1, 16, 1, 32768), q, 0)  # N = 32k: 4 heads a launch
+    assert not zeroed and sliced.numel() == 4 * 32768 * 128
+    monkeypatch.setattr(hopper_launch, "ZERO_IN_PREPROCESS", False)
+    assert hopper_launch.dq_accumulator(plan(16, 8, 2, 1024), q, 0)[1] is False
 
 
 def test_key_bounds_of_key_padding_masks():

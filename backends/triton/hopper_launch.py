@@ -67,6 +67,9 @@ TILE_START_BLOCKS = 1
 # Causal tiles go longest first across groups of heads whose K/V take about CAUSAL_GROUP_BYTES (they stay in L2
 # while the group runs; hopper_forward.tile_rows); 0 orders each head's tiles alone, heaviest first.
 CAUSAL_GROUP_BYTES = 16 << 20
+# The backward's float32 dQ buffer zeroed by backward.py's preprocess kernel as it reads O and dO (dq_accumulator),
+# instead of by a fill of its own; False gives the fill (kept for the A/B in benchmarks/check_hopper.py).
+ZERO_IN_PREPROCESS = True
 DETERMINISTIC = "a deterministic backward (the Hopper kernel's dQ sum order varies between runs)"
 
 _launcher: list = []
@@ -346,9 +349,31 @@ def backward_compile_time_args(head_dim: int, causal: bool) -> dict:
                 NUM_STAGES=BACKWARD_STAGES[head_dim], CAUSAL=causal)
 
 
-def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int) -> None:
+def dq_accumulator(plan, q, device_index: int) -> tuple:
+    """(the float32 dQ buffer of a Hopper backward, whether backward.py's preprocess zeroes it). A backward that runs
+    as one launch gets a contiguous (B, Hq, Nq, D) buffer, which the preprocess zeroes row by row as it reads O and
+    dO (ZERO_IN_PREPROCESS; one pass and one launch fewer than a fill of its own); sliced launches
+    (:func:`backward_slices`) share one slice-sized buffer, zeroed before each launch. Flat, viewed per launch."""
+    batches, heads = _backward_slices(plan, device_index)
+    accumulator = torch.empty(batches * heads * plan.kv_group * plan.seqlen_q * plan.head_dim, dtype=torch.float32,
+                              device=q.device)
+    return accumulator, ZERO_IN_PREPROCESS and batches == plan.batch and heads == plan.heads_kv
+
+
+def _backward_slices(plan, device_index: int) -> tuple:
+    """(batches, key/value heads) per launch of this plan's backward, worked out once per plan."""
+    if plan.hopper_backward_slices is None:
+        num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[plan.head_dim])
+        plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
+                                                      * plan.head_dim * 4, num_n_blocks, _sm_count(device_index))
+    return plan.hopper_backward_slices
+
+
+def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int, accumulator,
+             zeroed: bool) -> None:
     """Launch the Hopper backward into dq, dk, dv (allocated by the caller); lse2 and delta from backward.py's
-    preprocess, rows padded to a 16-byte stride. dQ is summed in float32 and converted into dq at the end; to bound
+    preprocess, rows padded to a 16-byte stride. dQ is summed in float32 in ``accumulator`` (from
+    :func:`dq_accumulator`; ``zeroed``: the preprocess has zeroed it) and converted into dq at the end; to bound
     that buffer, large problems run as several launches over slices of the batch or of the key/value heads
     (:func:`backward_slices`)."""
     if not _backward_launcher:
@@ -362,15 +387,13 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     if constexprs is None:
         constexprs = plan.hopper_backward_constexprs = launcher.constexprs(
             8, 1, **backward_compile_time_args(head_dim, plan.has_right))
-        plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
-                                                      * head_dim * 4, num_n_blocks, _sm_count(device_index))
-    batches, heads = plan.hopper_backward_slices
+    batches, heads = _backward_slices(plan, device_index)
     group = plan.kv_group
-    accumulator = torch.empty(batches * heads * group * plan.seqlen_q * head_dim, dtype=torch.float32,
-                              device=q.device)
 
     def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s):
-        dq_acc = accumulator[:q_s.numel()].view(q_s.shape).zero_()
+        dq_acc = accumulator[:q_s.numel()].view(q_s.shape)
+        if not zeroed:
+            dq_acc.zero_()
         launcher.launch((k_s.shape[0] * k_s.shape[1] * num_n_blocks,), (
             *backward_maps(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_acc, head_dim),
             dk_s, dv_s, *dk.stride()[:3], *dv.stride()[:3],
@@ -382,6 +405,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     if batches == plan.batch and heads == plan.heads_kv:  # one launch over the whole tensors: no slicing views
         launch(q, k, v, grad_out, lse2, delta, dq, dk, dv)
         return
+    assert not zeroed, "a sliced backward reuses its accumulator: each slice zeroes it"
     for b0 in range(0, plan.batch, batches):
         for h0 in range(0, plan.heads_kv, heads):
             b, h = slice(b0, b0 + batches), slice(h0, h0 + heads)
