@@ -298,6 +298,37 @@ def timing(dtype, parts, seqlens, wanted=None):
                   f"{gluon:.0f} | {flash2:.0f} | {ratio:.2f} |")
 
 
+def backward_breakdown(dtype, seqlens, wanted=None):
+    """GPU time of each kernel in one backward of the Triton backend (the protocol's shapes, causal), from
+    torch.profiler over 20 backwards: with the dQ buffer zeroed by the preprocess and by a fill of its own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for head_dim in kernel_head_dims(hopper_launch.BACKWARD_MIN_KEYS, wanted):
+        for seqlen in seqlens:
+            batch, heads = 16384 // seqlen, 2048 // head_dim
+            leaves = [torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+                      for _ in range(3)]
+            out = mhattn.attention(*leaves, is_causal=True, backend="triton")
+            grad_out = torch.randn_like(out)
+            for label, run in (("zeroed in the preprocess", lambda fn: fn()), ("zeroed apart", with_zeroing_apart)):
+                step = lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)  # noqa: E731
+                run(step)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(20):
+                        run(step)
+                    torch.cuda.synchronize()
+                times = {}
+                for event in prof.key_averages():
+                    if event.device_type.name == "CUDA" and event.count:
+                        total_us = getattr(event, "device_time_total", None) or event.cuda_time_total
+                        times[event.key[:60]] = total_us / 20
+                total = sum(times.values())
+                print(f"\nd = {head_dim}, N = {seqlen}, causal, {label}: {total:.0f} us of kernels per backward")
+                for name, us in sorted(times.items(), key=lambda item: -item[1]):
+                    print(f"  {us:7.1f} us  {name}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="of the timing tables")
@@ -305,10 +336,14 @@ def main():
     parser.add_argument("--seqlen", default="1024,4096,16384", help="comma-separated sequence lengths to time")
     parser.add_argument("--head-dim", default="", help="comma-separated head dims (default: every one a kernel has)")
     parser.add_argument("--timing-only", action="store_true")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also each kernel's GPU time in one causal backward (torch.profiler), first")
     args = parser.parse_args()
     head_dims = {int(d) for d in args.head_dim.split(",")} if args.head_dim else None
     parts = set(args.part.split(","))
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
+    if args.breakdown:
+        backward_breakdown(DTYPES[args.dtype], [int(n) for n in args.seqlen.split(",")], head_dims)
     if not args.timing_only:
         if "fwd" in parts:
             correctness(head_dims)
