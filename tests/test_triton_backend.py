@@ -289,33 +289,6 @@ def check_through_attention(dtype="float16"):
         assert err < 2e-2 * max(1.0, float(want.abs().max())), f"{name}: max error {err}"
 
 
-def check_preprocess_zeroes_the_dq_accumulator(seqlen_q=100, head_dim=64):
-    """The backward's preprocess kernel with ZERO_ACC (what the Gluon Hopper backward launches): delta and lse2 as
-    without it, and every element of the NaN-filled float32 (B, Hq, Nq, D) accumulator zeroed, Nq not a multiple of
-    the kernel's 64 rows; without ZERO_ACC the accumulator is left as it was."""
-    import triton
-
-    from mhattn.backends.triton.backward import backward_preprocess_kernel
-
-    gen = torch.Generator().manual_seed(5)
-    batch, heads, block_m = 2, 3, 64
-    out, grad_out = (torch.randn(batch, heads, seqlen_q, head_dim, generator=gen) for _ in range(2))
-    lse = torch.randn(batch, heads, seqlen_q, generator=gen)
-    lse[0, 1, :7] = float("-inf")  # rows that saw no key
-    blocks = triton.cdiv(seqlen_q, block_m)
-    for zero in (True, False):
-        delta, lse2 = (torch.full((batch, heads, seqlen_q), float("nan")) for _ in range(2))
-        acc = torch.full((batch, heads, seqlen_q, head_dim), float("nan"))
-        backward_preprocess_kernel[(batch * heads * blocks,)](
-            out, grad_out, lse, lse, delta, lse2, acc, *out.stride()[:3], *grad_out.stride()[:3], *lse.stride(),
-            *lse.stride(), heads, seqlen_q, blocks, seqlen_q, HEAD_DIM_V=head_dim, BLOCK_DV=head_dim,
-            BLOCK_M=block_m, HAS_GRAD_LSE=False, ZERO_ACC=zero)
-        torch.testing.assert_close(delta, (out * grad_out).sum(-1), rtol=1e-5, atol=1e-5)
-        want_lse2 = torch.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        torch.testing.assert_close(lse2, want_lse2)
-        assert bool((acc == 0).all()) if zero else bool(acc.isnan().all())
-
-
 # ---- running checks under the interpreter -----------------------------------------------------------------
 
 _WORKER_MAIN = r"""
@@ -583,11 +556,6 @@ def test_interpreter_capabilities(interpreter):
 
 
 @pytest.mark.interpret
-def test_interpreter_preprocess_zeroes_the_dq_accumulator(interpreter):
-    interpreter.run("check_preprocess_zeroes_the_dq_accumulator")
-
-
-@pytest.mark.interpret
 def test_interpreter_through_mhattn_attention(interpreter):
     interpreter.run("check_through_attention")
 
@@ -774,6 +742,64 @@ def test_gpu_gluon_hopper_backward_in_slices(monkeypatch, slicing):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+@pytest.mark.parametrize("slicing", ["batches", "heads"])
+def test_gpu_gluon_hopper_backward_overlapped(monkeypatch, slicing):
+    """The backward as overlapped launches taking turns between two streams: three batch slices of 2, 2 and 1
+    entries (the caller's stream, the second, the caller's again), or two slices of the key/value heads of one
+    batch entry; the same gradients as the reference, the second stream used."""
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "OVERLAP_SLICES", 3 if slicing == "batches" else 2)
+    monkeypatch.setattr(hopper_launch, "OVERLAP_MIN_BYTES", 0)
+    turns = []
+    real_turns = hopper_launch._turn_streams
+    monkeypatch.setattr(hopper_launch, "_turn_streams", lambda device: turns.append(1) or real_turns(device))
+    case = (dict(batch=5, heads_q=4, heads_kv=2) if slicing == "batches" else dict(batch=1, heads_q=8, heads_kv=4))
+    _check_gluon_kernel(monkeypatch, "BACKWARD_MIN_KEYS", "backward", "bfloat16",
+                        dict(case, seqlen_q=300, seqlen_k=300, head_dim=128, causal="bottom_right"))
+    assert turns, "the backward ran as one launch"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+def test_gpu_gluon_backward_overlapped_in_a_cuda_graph(monkeypatch):
+    """A forward and an overlapped Gluon backward captured in one CUDA graph (the second stream forks from the
+    capturing one and joins it again) replay with new inputs to the gradients an eager call gives."""
+    import mhattn
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "BACKWARD_MIN_KEYS", dict.fromkeys(hopper_launch.BACKWARD_MIN_KEYS, 1))
+    monkeypatch.setattr(hopper_launch, "OVERLAP_MIN_BYTES", 0)
+    q, k, v = (torch.randn(4, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn_like(q)
+
+    def step():
+        out = mhattn.attention(q, k, v, is_causal=True, backend="triton")
+        return torch.autograd.grad(out, (q, k, v), grad_out)
+
+    step()  # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grads = step()
+    for _ in range(2):
+        with torch.no_grad():
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(grads, step()):
+            assert torch.equal(got.isnan(), want.isnan()) and (got.float() - want.float()).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("tf32", [False, True])
 def test_gpu_fp32_follows_torch_matmul_precision(tf32):
     previous = torch.get_float32_matmul_precision()
@@ -948,28 +974,17 @@ def test_hopper_backward_slices_bound_the_dq_buffer():
     assert backward_slices(7, 4, ACCUMULATOR_BYTES // 8, 1000, 132) == (2, 4)  # 8 heads fit: slices of 2, 2, 2, 1
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_hopper_dq_buffer_is_zeroed_by_the_preprocess_only_in_one_launch(monkeypatch):
-    """hopper_launch.dq_accumulator: a backward that runs as one launch has its float32 dQ buffer (B * Hq * Nq * D)
-    zeroed by the preprocess kernel; sliced launches reuse one slice-sized buffer and zero it before each
-    launch (the preprocess runs once, before all of them); ZERO_IN_PREPROCESS off gives the fill everywhere."""
-    from types import SimpleNamespace
+def test_hopper_backward_overlap_slices():
+    """hopper_launch.overlap_slices: batch slices where the batch has as many entries as slices, else slices of the
+    key/value heads of a single entry, else one launch."""
+    from mhattn.backends.triton.hopper_launch import overlap_slices
 
-    from mhattn.backends.triton import hopper_launch
-
-    monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
-
-    def plan(batch, heads_kv, group, seqlen):
-        return SimpleNamespace(batch=batch, heads_kv=heads_kv, heads_q=heads_kv * group, kv_group=group,
-                               seqlen_q=seqlen, seqlen_k=seqlen, head_dim=128, hopper_backward_slices=None)
-
-    q = torch.empty(0)
-    whole, zeroed = hopper_launch.dq_accumulator(plan(16, 8, 2, 1024), q, 0)
-    assert zeroed and whole.numel() == 16 * 16 * 1024 * 128 and whole.dtype == torch.float32
-    sliced, zeroed = hopper_launch.dq_accumulator(plan(1, 16, 1, 32768), q, 0)  # N = 32k: 4 heads a launch
-    assert not zeroed and sliced.numel() == 4 * 32768 * 128
-    monkeypatch.setattr(hopper_launch, "ZERO_IN_PREPROCESS", False)
-    assert hopper_launch.dq_accumulator(plan(16, 8, 2, 1024), q, 0)[1] is False
+    assert overlap_slices(16, 16, 2) == (8, 16)   # the protocol's N = 1k: two launches of 8 batch entries
+    assert overlap_slices(5, 2, 3) == (2, 2)      # slices of 2, 2 and 1
+    assert overlap_slices(1, 16, 2) == (1, 8)     # N = 16k, B = 1: two launches of 8 heads
+    assert overlap_slices(1, 1, 2) == (1, 1)      # nothing to split
+    assert overlap_slices(2, 3, 4) == (2, 3)      # fewer entries than slices and more than one: one launch
+    assert overlap_slices(16, 16, 1) == (16, 16)  # overlap off
 
 
 def test_key_bounds_of_key_padding_masks():

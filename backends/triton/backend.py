@@ -641,12 +641,9 @@ class TritonBackend(Backend):
 
         delta = torch.empty_strided(*plan.padded_rows_layout, dtype=torch.float32, device=q.device)
         lse2 = torch.empty_strided(*plan.padded_rows_layout, dtype=torch.float32, device=q.device)
-        # The Gluon Hopper backward (hopper_backward.py) sums dQ in a float32 buffer of its own, which the preprocess
-        # zeroes where it can (hopper_launch.dq_accumulator).
+        # The Gluon Hopper backward (hopper_backward.py) keeps its own float32 dQ buffers (hopper_launch.backward).
         hopper = plan.sm90 and hopper_launch.why_not_backward(plan, run, _descriptor_ready(grad_out),
                                                               self._deterministic()) is None
-        hopper_acc, acc_zeroed = (hopper_launch.dq_accumulator(plan, q, plan.device_index) if hopper
-                                  else (delta, False))
         dq_mode = 0 if hopper else self._dq_mode(run, mask_grad)
         # dQ summed inside the dK/dV kernel: a zeroed float32 buffer (B, Hq, Nq, D), converted at the end.
         dq_acc = (torch.zeros(plan.batch, plan.heads_q, plan.seqlen_q, plan.head_dim, dtype=torch.float32,
@@ -666,13 +663,11 @@ class TritonBackend(Backend):
                     grad_lse_arg.stride(0), grad_lse_arg.stride(1), grad_lse_arg.stride(2),
                     plan.heads_q, plan.seqlen_q, num_pre_blocks, delta.stride(1),
                 ), kernel.preprocess.cached_constexprs(4, 1, HEAD_DIM_V=plan.head_dim_v, BLOCK_DV=plan.block_dv,
-                                                       BLOCK_M=block_pre, HAS_GRAD_LSE=grad_lse is not None,
-                                                       ZERO_ACC=acc_zeroed)
+                                                       BLOCK_M=block_pre, HAS_GRAD_LSE=grad_lse is not None)
 
             _launch_site(run.signature, (kernel.preprocess, out.stride(), grad_out_strides, lse.stride(),
-                               None if grad_lse is None else grad_lse.stride(), acc_zeroed),
-                         kernel.preprocess, (out, grad_out, lse, grad_lse_arg, delta, lse2, hopper_acc), (),
-                         prepare_preprocess)
+                               None if grad_lse is None else grad_lse.stride()),
+                         kernel.preprocess, (out, grad_out, lse, grad_lse_arg, delta, lse2), (), prepare_preprocess)
 
             def launch_dkdv(tile):
                 tma = run.tma(tile, grad_out)
@@ -710,8 +705,7 @@ class TritonBackend(Backend):
 
             key = plan.shrink_key + (run.tma_ok, dq_mode)
             if hopper:
-                hopper_launch.backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, plan.device_index,
-                                       hopper_acc, acc_zeroed)
+                hopper_launch.backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, plan.device_index)
             elif dq_mode:
                 _run("dkdv", plan.config.dkdv, key, launch_dkdv)
                 dq.copy_(dq_acc)

@@ -9,8 +9,7 @@ version:
 where delta = rowsum(dO * O) - grad_lse. Three launches:
 
 1. ``backward_preprocess_kernel``: delta per query row, and lse converted to base 2 (lse2), with +inf
-   for rows that saw no key so that exp2(s2 - lse2) = 0 there instead of NaN; for the Hopper backward it
-   also zeroes the rows' float32 dQ accumulator (ZERO_ACC), one pass over memory instead of two.
+   for rows that saw no key so that exp2(s2 - lse2) = 0 there instead of NaN.
 2. ``backward_dkdv_kernel``: one program per key block of one (batch, key/value head); it walks every
    query block of every query head that shares this key/value head (GQA without atomics) and
    accumulates dK and dV in registers.
@@ -38,19 +37,16 @@ from mhattn.backends.triton.scores import LOG2E, attention_scores, key_major_ran
 
 @triton.jit(do_not_specialize=["seqlen_q", "num_m_blocks", "stride_rows"])
 def backward_preprocess_kernel(
-    Out, dOut, Lse, GradLse, Delta, Lse2, DqAcc,
+    Out, dOut, Lse, GradLse, Delta, Lse2,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, stride_lm,
     stride_gb, stride_gh, stride_gm,
     heads_q, seqlen_q, num_m_blocks, stride_rows,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
-    ZERO_ACC: tl.constexpr = False,
 ):
     """Delta and Lse2 (B, Hq, Nq) fp32, rows of one (batch, head) stride_rows apart (>= Nq; padded so the copy
     engine can read them), from Out, dOut (B, Hq, Nq, Dv) and Lse, GradLse (B, Hq, Nq), all by their strides.
-    ZERO_ACC: also zero the same rows of DqAcc, a contiguous float32 (B, Hq, Nq, Dv) buffer (the Hopper backward's
-    dQ accumulator, where Dv = D is a power of two), so that buffer needs no pass of its own.
     Grid: (B * Hq * cdiv(Nq, BLOCK_M),)."""
     pid = tl.program_id(0)
     batch_head = pid // num_m_blocks
@@ -79,10 +75,6 @@ def backward_preprocess_kernel(
     out_offsets = batch_head.to(tl.int64) * stride_rows + offs_m
     tl.store(Delta + out_offsets, delta, mask=rows_ok)
     tl.store(Lse2 + out_offsets, lse2, mask=rows_ok)
-    if ZERO_ACC:
-        acc_rows = batch_head.to(tl.int64) * seqlen_q + rows
-        tl.store(DqAcc + acc_rows * HEAD_DIM_V + offs_dv[None, :], tl.zeros([BLOCK_M, BLOCK_DV], tl.float32),
-                 mask=rows_ok[:, None])
 
 
 @triton.jit

@@ -67,9 +67,6 @@ TILE_START_BLOCKS = 1
 # Causal tiles go longest first across groups of heads whose K/V take about CAUSAL_GROUP_BYTES (they stay in L2
 # while the group runs; hopper_forward.tile_rows); 0 orders each head's tiles alone, heaviest first.
 CAUSAL_GROUP_BYTES = 16 << 20
-# The backward's float32 dQ buffer zeroed by backward.py's preprocess kernel as it reads O and dO (dq_accumulator),
-# instead of by a fill of its own; False gives the fill (kept for the A/B in benchmarks/check_hopper.py).
-ZERO_IN_PREPROCESS = True
 DETERMINISTIC = "a deterministic backward (the Hopper kernel's dQ sum order varies between runs)"
 
 _launcher: list = []
@@ -349,33 +346,12 @@ def backward_compile_time_args(head_dim: int, causal: bool) -> dict:
                 NUM_STAGES=BACKWARD_STAGES[head_dim], CAUSAL=causal)
 
 
-def dq_accumulator(plan, q, device_index: int) -> tuple:
-    """(the float32 dQ buffer of a Hopper backward, whether backward.py's preprocess zeroes it). A backward that runs
-    as one launch gets a contiguous (B, Hq, Nq, D) buffer, which the preprocess zeroes row by row as it reads O and
-    dO (ZERO_IN_PREPROCESS; one pass and one launch fewer than a fill of its own); sliced launches
-    (:func:`backward_slices`) share one slice-sized buffer, zeroed before each launch. Flat, viewed per launch."""
-    batches, heads = _backward_slices(plan, device_index)
-    accumulator = torch.empty(batches * heads * plan.kv_group * plan.seqlen_q * plan.head_dim, dtype=torch.float32,
-                              device=q.device)
-    return accumulator, ZERO_IN_PREPROCESS and batches == plan.batch and heads == plan.heads_kv
-
-
-def _backward_slices(plan, device_index: int) -> tuple:
-    """(batches, key/value heads) per launch of this plan's backward, worked out once per plan."""
-    if plan.hopper_backward_slices is None:
-        num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[plan.head_dim])
-        plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
-                                                      * plan.head_dim * 4, num_n_blocks, _sm_count(device_index))
-    return plan.hopper_backward_slices
-
-
-def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int, accumulator,
-             zeroed: bool) -> None:
+def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int) -> None:
     """Launch the Hopper backward into dq, dk, dv (allocated by the caller); lse2 and delta from backward.py's
-    preprocess, rows padded to a 16-byte stride. dQ is summed in float32 in ``accumulator`` (from
-    :func:`dq_accumulator`; ``zeroed``: the preprocess has zeroed it) and converted into dq at the end; to bound
-    that buffer, large problems run as several launches over slices of the batch or of the key/value heads
-    (:func:`backward_slices`)."""
+    preprocess, rows padded to a 16-byte stride. dQ is summed in float32 and converted into dq at the end. A
+    problem whose whole buffer fits one launch (and holds OVERLAP_MIN_BYTES) runs as OVERLAP_SLICES launches taking
+    turns between two streams (:func:`overlap_slices`); to bound that buffer, a large one runs as several launches in a row over slices of
+    the batch or of the key/value heads (:func:`backward_slices`), reusing one slice-sized buffer."""
     if not _backward_launcher:
         from mhattn.backends.triton import hopper_backward
 
@@ -387,13 +363,20 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     if constexprs is None:
         constexprs = plan.hopper_backward_constexprs = launcher.constexprs(
             8, 1, **backward_compile_time_args(head_dim, plan.has_right))
-    batches, heads = _backward_slices(plan, device_index)
+        plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
+                                                      * head_dim * 4, num_n_blocks, _sm_count(device_index))
+    batches, heads = plan.hopper_backward_slices
     group = plan.kv_group
+    whole = batches == plan.batch and heads == plan.heads_kv
+    if whole and q.numel() * 4 >= OVERLAP_MIN_BYTES:
+        batches, heads = overlap_slices(plan.batch, plan.heads_kv, OVERLAP_SLICES)
+    overlapped = whole and (batches, heads) != (plan.batch, plan.heads_kv)
+    slice_numel = batches * heads * group * plan.seqlen_q * head_dim
+    # Overlapped slices run side by side, each in a part of its own; slices in a row reuse one part.
+    accumulator = torch.empty(q.numel() if overlapped else slice_numel, dtype=torch.float32, device=q.device)
 
-    def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s):
-        dq_acc = accumulator[:q_s.numel()].view(q_s.shape)
-        if not zeroed:
-            dq_acc.zero_()
+    def launch(part, q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s):
+        dq_acc = accumulator[part * slice_numel:part * slice_numel + q_s.numel()].view(q_s.shape).zero_()
         launcher.launch((k_s.shape[0] * k_s.shape[1] * num_n_blocks,), (
             *backward_maps(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_acc, head_dim),
             dk_s, dv_s, *dk.stride()[:3], *dv.stride()[:3],
@@ -403,20 +386,61 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
         dq_s.copy_(dq_acc)
 
     if batches == plan.batch and heads == plan.heads_kv:  # one launch over the whole tensors: no slicing views
-        launch(q, k, v, grad_out, lse2, delta, dq, dk, dv)
+        launch(0, q, k, v, grad_out, lse2, delta, dq, dk, dv)
         return
-    assert not zeroed, "a sliced backward reuses its accumulator: each slice zeroes it"
-    for b0 in range(0, plan.batch, batches):
-        for h0 in range(0, plan.heads_kv, heads):
-            b, h = slice(b0, b0 + batches), slice(h0, h0 + heads)
-            hq = slice(h0 * group, (h0 + heads) * group)
-            launch(q[b, hq], k[b, h], v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq[b, hq], dk[b, h],
-                   dv[b, h])
+    streams = _turn_streams(q.device) if overlapped else None
+    for part, (b0, h0) in enumerate((b0, h0) for b0 in range(0, plan.batch, batches)
+                                    for h0 in range(0, plan.heads_kv, heads)):
+        b, h = slice(b0, b0 + batches), slice(h0, h0 + heads)
+        hq = slice(h0 * group, (h0 + heads) * group)
+        args = (q[b, hq], k[b, h], v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq[b, hq], dk[b, h], dv[b, h])
+        if streams is None:
+            launch(0, *args)
+        else:
+            with torch.cuda.stream(streams[part % 2]):
+                launch(part, *args)
+    if streams is not None:
+        streams[0].wait_stream(streams[1])
+
+
+# A backward whose whole float32 dQ buffer fits one launch runs as this many launches over slices of the batch (or,
+# with fewer batch entries, of the key/value heads), taking turns between the caller's stream and a second one, each
+# slice zeroing its own part of the buffer before its kernel and converting it into dq after: the zeroing and the
+# conversion are passes over memory, and each then runs beside the other slice's kernel instead of alone
+# (backends/triton/NOTES.md, "two streams"). 1 runs it as one launch. Below OVERLAP_MIN_BYTES of buffer the passes
+# take a few microseconds and the second launch's host time would cost more than they do: one launch.
+OVERLAP_SLICES = 2
+OVERLAP_MIN_BYTES = 32 << 20
+
+
+def overlap_slices(batch: int, heads_kv: int, slices: int) -> tuple:
+    """(batches, key/value heads) per launch of a backward run as ``slices`` overlapped launches: batch slices where
+    the batch has that many entries, else slices of the heads, else one launch (batch, heads_kv)."""
+    if slices > 1 and batch >= slices:
+        return -(-batch // slices), heads_kv
+    if slices > 1 and batch == 1 and heads_kv >= slices:
+        return 1, -(-heads_kv // slices)
+    return batch, heads_kv
+
+
+def _turn_streams(device: torch.device) -> tuple:
+    """(the caller's current stream, a second stream of the device that first waits for the caller's work so far):
+    the streams overlapped slices take turns on; the caller's stream waits for the second after the last slice."""
+    current = torch.cuda.current_stream(device)
+    side = _side_streams.get(device.index)
+    if side is None:
+        side = _side_streams[device.index] = torch.cuda.Stream(device=device)
+    side.wait_stream(current)
+    return current, side
+
+
+_side_streams: dict = {}  # device index -> the second stream of overlapped backward slices
 
 
 # The float32 dQ buffer: one launch when the whole buffer takes at most SINGLE_LAUNCH_BYTES (the protocol's shapes
-# up to 16k keys; slicing them cost up to 5% on the H100); above, slices whose buffers stay under ACCUMULATOR_BYTES,
-# unless a slice would then hold fewer than MIN_WAVES waves of programs (each launch's last wave leaves SMs idle).
+# up to 16k keys; slicing them in a row cost up to 5% on the H100); above, slices whose buffers stay under
+# ACCUMULATOR_BYTES, unless a slice would then hold fewer than MIN_WAVES waves of programs (each launch's last wave
+# leaves SMs idle).
 SINGLE_LAUNCH_BYTES = 128 << 20
 ACCUMULATOR_BYTES = 64 << 20
 MIN_WAVES = 8

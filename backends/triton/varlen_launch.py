@@ -101,7 +101,7 @@ def backward(grad_out, q, k, v, out, lse, packing: Packing, params: AttentionPar
         block_pre = 64
         num_pre_blocks = triton_cdiv(total_q, block_pre)
         backward_module.backward_preprocess_kernel[(heads_q * num_pre_blocks,)](
-            out, grad_out, lse, grad_lse_arg, delta, lse2, delta,
+            out, grad_out, lse, grad_lse_arg, delta, lse2,
             *_packed_strides(out), *_packed_strides(grad_out),
             0, lse.stride(0), lse.stride(1), 0, grad_lse_arg.stride(0), grad_lse_arg.stride(1),
             heads_q, total_q, num_pre_blocks, delta.stride(0),
