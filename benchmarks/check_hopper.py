@@ -13,8 +13,7 @@ on an sm_90 GPU:
    medians beside sdpa-cudnn in the same run. Forward: the Triton backend (``mhattn.attention(backend="triton")``)
    as it chooses, the same with the Gluon forward on a persistent grid and on one program per tile whatever the
    key count, and the FlashAttention-2 kernel (``MHATTN_TRITON_HOPPER=0``).
-   Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses, the same with
-   the Gluon backward as one launch and as four overlapped slices (hopper_launch.OVERLAP_SLICES 1 and 4), with
+   Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses, with
    ``MHATTN_TRITON_HOPPER=always`` (the Gluon backward below hopper_launch.BACKWARD_MIN_KEYS too) and with
    ``MHATTN_TRITON_HOPPER=0``. The tables are printed last. ``--breakdown`` first prints each kernel's GPU time
    in one causal backward of each length.
@@ -200,16 +199,6 @@ def with_hopper_switch(fn, value: str):
             os.environ[hopper_launch.ENV_SWITCH] = before
 
 
-def with_overlap_slices(fn, slices: int):
-    """fn() with the Gluon backward run as ``slices`` overlapped launches (hopper_launch.OVERLAP_SLICES)."""
-    before = hopper_launch.OVERLAP_SLICES
-    hopper_launch.OVERLAP_SLICES = slices
-    try:
-        return fn()
-    finally:
-        hopper_launch.OVERLAP_SLICES = before
-
-
 def with_schedule(fn, persistent_max_keys, causal_persistent_max_keys, causal_group_bytes):
     """fn() with the Gluon forward's schedule rules set to these (hopper_launch's constants of those names)."""
     from mhattn.backends.triton import backend as triton_backend
@@ -273,13 +262,11 @@ def timing(dtype, parts, seqlens, wanted=None):
                         cudnn = backward_time(lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal))
                     run_triton = lambda: mhattn.attention(*leaves, is_causal=causal, backend="triton")  # noqa: E731
                     backend = backward_time(run_triton)
-                    one = with_overlap_slices(lambda: backward_time(run_triton), 1)
-                    four = with_overlap_slices(lambda: backward_time(run_triton), 4)
                     gluon = with_hopper_always(lambda: backward_time(run_triton))
                     flash2 = with_hopper_off(lambda: backward_time(run_triton))
                     bwd_flops = 2.5 * flops
                     backward_rows.append((head_dim, seqlen, causal, *(bwd_flops / ms / 1e9 for ms in (
-                        cudnn, backend, one, four, gluon, flash2)), cudnn / backend))
+                        cudnn, backend, gluon, flash2)), cudnn / backend))
                     print(backward_rows[-1], flush=True)
     name = str(dtype).replace("torch.", "")
     if forward_rows:
@@ -292,17 +279,17 @@ def timing(dtype, parts, seqlens, wanted=None):
                   f"{per_tile:.0f} | {flash2:.0f} | {ratio:.2f} |")
     if backward_rows:
         print(f"\n{name} backward, TFLOP/s (same run)\n")
-        print("| d | N | causal | sdpa-cudnn | triton backend | backend, one launch | backend, 4 overlapped slices | "
-              "Gluon kernel at any length | FlashAttention-2 kernels | triton/cuDNN |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for d, n, causal, cudnn, backend, one, four, gluon, flash2, ratio in backward_rows:
-            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {backend:.0f} | {one:.0f} | "
-                  f"{four:.0f} | {gluon:.0f} | {flash2:.0f} | {ratio:.2f} |")
+        print("| d | N | causal | sdpa-cudnn | triton backend | Gluon kernel at any length | FlashAttention-2 kernels | "
+              "triton/cuDNN |")
+        print("|---|---|---|---|---|---|---|---|")
+        for d, n, causal, cudnn, backend, gluon, flash2, ratio in backward_rows:
+            print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {backend:.0f} | {gluon:.0f} | "
+                  f"{flash2:.0f} | {ratio:.2f} |")
 
 
 def backward_breakdown(dtype, seqlens, wanted=None):
-    """GPU time of each kernel in one causal backward of the Triton backend as one launch (the protocol's shapes),
-    from torch.profiler over 20 backwards: where the time goes besides the Gluon kernel."""
+    """GPU time of each kernel in one causal backward of the Triton backend (the protocol's shapes), from
+    torch.profiler over 20 backwards: where the time goes besides the Gluon kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     for head_dim in kernel_head_dims(hopper_launch.BACKWARD_MIN_KEYS, wanted):
@@ -313,18 +300,18 @@ def backward_breakdown(dtype, seqlens, wanted=None):
             out = mhattn.attention(*leaves, is_causal=True, backend="triton")
             grad_out = torch.randn_like(out)
             step = lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)  # noqa: E731
-            with_overlap_slices(step, 1)
+            step()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(20):
-                    with_overlap_slices(step, 1)
+                    step()
                 torch.cuda.synchronize()
             times = {}
             for event in prof.key_averages():
                 if event.device_type.name == "CUDA" and event.count:
                     total_us = getattr(event, "device_time_total", None) or event.cuda_time_total
                     times[event.key[:60]] = total_us / 20
-            print(f"\nd = {head_dim}, N = {seqlen}, causal, one launch: {sum(times.values()):.0f} us of kernels")
+            print(f"\nd = {head_dim}, N = {seqlen}, causal: {sum(times.values()):.0f} us of kernels")
             for name, us in sorted(times.items(), key=lambda item: -item[1]):
                 print(f"  {us:7.1f} us  {name}")
 

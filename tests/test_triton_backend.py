@@ -742,64 +742,6 @@ def test_gpu_gluon_hopper_backward_in_slices(monkeypatch, slicing):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
-@pytest.mark.parametrize("slicing", ["batches", "heads"])
-def test_gpu_gluon_hopper_backward_overlapped(monkeypatch, slicing):
-    """The backward as overlapped launches taking turns between two streams: three batch slices of 2, 2 and 1
-    entries (the caller's stream, the second, the caller's again), or two slices of the key/value heads of one
-    batch entry; the same gradients as the reference, the second stream used."""
-    from mhattn.backends.triton import hopper_launch
-
-    monkeypatch.setattr(hopper_launch, "OVERLAP_SLICES", 3 if slicing == "batches" else 2)
-    monkeypatch.setattr(hopper_launch, "OVERLAP_MIN_BYTES", 0)
-    turns = []
-    real_turns = hopper_launch._turn_streams
-    monkeypatch.setattr(hopper_launch, "_turn_streams", lambda device: turns.append(1) or real_turns(device))
-    case = (dict(batch=5, heads_q=4, heads_kv=2) if slicing == "batches" else dict(batch=1, heads_q=8, heads_kv=4))
-    _check_gluon_kernel(monkeypatch, "BACKWARD_MIN_KEYS", "backward", "bfloat16",
-                        dict(case, seqlen_q=300, seqlen_k=300, head_dim=128, causal="bottom_right"))
-    assert turns, "the backward ran as one launch"
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
-def test_gpu_gluon_backward_overlapped_in_a_cuda_graph(monkeypatch):
-    """A forward and an overlapped Gluon backward captured in one CUDA graph (the second stream forks from the
-    capturing one and joins it again) replay with new inputs to the gradients an eager call gives."""
-    import mhattn
-    from mhattn.backends.triton import hopper_launch
-
-    monkeypatch.setattr(hopper_launch, "BACKWARD_MIN_KEYS", dict.fromkeys(hopper_launch.BACKWARD_MIN_KEYS, 1))
-    monkeypatch.setattr(hopper_launch, "OVERLAP_MIN_BYTES", 0)
-    q, k, v = (torch.randn(4, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    grad_out = torch.randn_like(q)
-
-    def step():
-        out = mhattn.attention(q, k, v, is_causal=True, backend="triton")
-        return torch.autograd.grad(out, (q, k, v), grad_out)
-
-    step()  # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        grads = step()
-    for _ in range(2):
-        with torch.no_grad():
-            for t in (q, k, v):
-                t.copy_(torch.randn_like(t))
-        graph.replay()
-        torch.cuda.synchronize()
-        for got, want in zip(grads, step()):
-            assert torch.equal(got.isnan(), want.isnan()) and (got.float() - want.float()).abs().max() < 2e-2
-
-
-@pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("tf32", [False, True])
 def test_gpu_fp32_follows_torch_matmul_precision(tf32):
     previous = torch.get_float32_matmul_precision()
@@ -972,19 +914,6 @@ def test_hopper_backward_slices_bound_the_dq_buffer():
     assert backward_slices(32, 16, 1024 * 128 * 4, 8, 132) == (8, 16)      # B = 32: 64 MiB per launch
     assert backward_slices(1, 32, ACCUMULATOR_BYTES, 8, 132) == (1, 32)    # few programs per head: one launch
     assert backward_slices(7, 4, ACCUMULATOR_BYTES // 8, 1000, 132) == (2, 4)  # 8 heads fit: slices of 2, 2, 2, 1
-
-
-def test_hopper_backward_overlap_slices():
-    """hopper_launch.overlap_slices: batch slices where the batch has as many entries as slices, else slices of the
-    key/value heads of a single entry, else one launch."""
-    from mhattn.backends.triton.hopper_launch import overlap_slices
-
-    assert overlap_slices(16, 16, 2) == (8, 16)   # the protocol's N = 1k: two launches of 8 batch entries
-    assert overlap_slices(5, 2, 3) == (2, 2)      # slices of 2, 2 and 1
-    assert overlap_slices(1, 16, 2) == (1, 8)     # N = 16k, B = 1: two launches of 8 heads
-    assert overlap_slices(1, 1, 2) == (1, 1)      # nothing to split
-    assert overlap_slices(2, 3, 4) == (2, 3)      # fewer entries than slices and more than one: one launch
-    assert overlap_slices(16, 16, 1) == (16, 16)  # overlap off
 
 
 def test_key_bounds_of_key_padding_masks():

@@ -348,10 +348,9 @@ def backward_compile_time_args(head_dim: int, causal: bool) -> dict:
 
 def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int) -> None:
     """Launch the Hopper backward into dq, dk, dv (allocated by the caller); lse2 and delta from backward.py's
-    preprocess, rows padded to a 16-byte stride. dQ is summed in float32 and converted into dq at the end. A
-    problem whose whole buffer fits one launch (and holds OVERLAP_MIN_BYTES) runs as OVERLAP_SLICES launches taking
-    turns between two streams (:func:`overlap_slices`); to bound that buffer, a large one runs as several launches in a row over slices of
-    the batch or of the key/value heads (:func:`backward_slices`), reusing one slice-sized buffer."""
+    preprocess, rows padded to a 16-byte stride. dQ is summed in float32 and converted into dq at the end; to bound
+    that buffer, large problems run as several launches over slices of the batch or of the key/value heads
+    (:func:`backward_slices`)."""
     if not _backward_launcher:
         from mhattn.backends.triton import hopper_backward
 
@@ -367,16 +366,11 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
                                                       * head_dim * 4, num_n_blocks, _sm_count(device_index))
     batches, heads = plan.hopper_backward_slices
     group = plan.kv_group
-    whole = batches == plan.batch and heads == plan.heads_kv
-    if whole and q.numel() * 4 >= OVERLAP_MIN_BYTES:
-        batches, heads = overlap_slices(plan.batch, plan.heads_kv, OVERLAP_SLICES)
-    overlapped = whole and (batches, heads) != (plan.batch, plan.heads_kv)
-    slice_numel = batches * heads * group * plan.seqlen_q * head_dim
-    # Overlapped slices run side by side, each in a part of its own; slices in a row reuse one part.
-    accumulator = torch.empty(q.numel() if overlapped else slice_numel, dtype=torch.float32, device=q.device)
+    accumulator = torch.empty(batches * heads * group * plan.seqlen_q * head_dim, dtype=torch.float32,
+                              device=q.device)
 
-    def launch(part, q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s):
-        dq_acc = accumulator[part * slice_numel:part * slice_numel + q_s.numel()].view(q_s.shape).zero_()
+    def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s):
+        dq_acc = accumulator[:q_s.numel()].view(q_s.shape).zero_()
         launcher.launch((k_s.shape[0] * k_s.shape[1] * num_n_blocks,), (
             *backward_maps(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_acc, head_dim),
             dk_s, dv_s, *dk.stride()[:3], *dv.stride()[:3],
@@ -386,61 +380,19 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
         dq_s.copy_(dq_acc)
 
     if batches == plan.batch and heads == plan.heads_kv:  # one launch over the whole tensors: no slicing views
-        launch(0, q, k, v, grad_out, lse2, delta, dq, dk, dv)
+        launch(q, k, v, grad_out, lse2, delta, dq, dk, dv)
         return
-    streams = _turn_streams(q.device) if overlapped else None
-    for part, (b0, h0) in enumerate((b0, h0) for b0 in range(0, plan.batch, batches)
-                                    for h0 in range(0, plan.heads_kv, heads)):
-        b, h = slice(b0, b0 + batches), slice(h0, h0 + heads)
-        hq = slice(h0 * group, (h0 + heads) * group)
-        args = (q[b, hq], k[b, h], v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq[b, hq], dk[b, h], dv[b, h])
-        if streams is None:
-            launch(0, *args)
-        else:
-            with torch.cuda.stream(streams[part % 2]):
-                launch(part, *args)
-    if streams is not None:
-        streams[0].wait_stream(streams[1])
-
-
-# A backward whose whole float32 dQ buffer fits one launch runs as this many launches over slices of the batch (or,
-# with fewer batch entries, of the key/value heads), taking turns between the caller's stream and a second one, each
-# slice zeroing its own part of the buffer before its kernel and converting it into dq after: the zeroing and the
-# conversion are passes over memory, and each then runs beside the other slice's kernel instead of alone
-# (backends/triton/NOTES.md, "two streams"). 1 runs it as one launch. Below OVERLAP_MIN_BYTES of buffer the passes
-# take a few microseconds and the second launch's host time would cost more than they do: one launch.
-OVERLAP_SLICES = 2
-OVERLAP_MIN_BYTES = 32 << 20
-
-
-def overlap_slices(batch: int, heads_kv: int, slices: int) -> tuple:
-    """(batches, key/value heads) per launch of a backward run as ``slices`` overlapped launches: batch slices where
-    the batch has that many entries, else slices of the heads, else one launch (batch, heads_kv)."""
-    if slices > 1 and batch >= slices:
-        return -(-batch // slices), heads_kv
-    if slices > 1 and batch == 1 and heads_kv >= slices:
-        return 1, -(-heads_kv // slices)
-    return batch, heads_kv
-
-
-def _turn_streams(device: torch.device) -> tuple:
-    """(the caller's current stream, a second stream of the device that first waits for the caller's work so far):
-    the streams overlapped slices take turns on; the caller's stream waits for the second after the last slice."""
-    current = torch.cuda.current_stream(device)
-    side = _side_streams.get(device.index)
-    if side is None:
-        side = _side_streams[device.index] = torch.cuda.Stream(device=device)
-    side.wait_stream(current)
-    return current, side
-
-
-_side_streams: dict = {}  # device index -> the second stream of overlapped backward slices
+    for b0 in range(0, plan.batch, batches):
+        for h0 in range(0, plan.heads_kv, heads):
+            b, h = slice(b0, b0 + batches), slice(h0, h0 + heads)
+            hq = slice(h0 * group, (h0 + heads) * group)
+            launch(q[b, hq], k[b, h], v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq[b, hq], dk[b, h],
+                   dv[b, h])
 
 
 # The float32 dQ buffer: one launch when the whole buffer takes at most SINGLE_LAUNCH_BYTES (the protocol's shapes
-# up to 16k keys; slicing them in a row cost up to 5% on the H100); above, slices whose buffers stay under
-# ACCUMULATOR_BYTES, unless a slice would then hold fewer than MIN_WAVES waves of programs (each launch's last wave
-# leaves SMs idle).
+# up to 16k keys; slicing them cost up to 5% on the H100); above, slices whose buffers stay under ACCUMULATOR_BYTES,
+# unless a slice would then hold fewer than MIN_WAVES waves of programs (each launch's last wave leaves SMs idle).
 SINGLE_LAUNCH_BYTES = 128 << 20
 ACCUMULATOR_BYTES = 64 << 20
 MIN_WAVES = 8
