@@ -17,6 +17,8 @@ few outputs are checked against SDPA.
 CONTIGUOUS_TILES at 128: keys per step, warps, pipeline stages) on the bandwidth-bound decode cells, contiguous and
 paged, beside cuDNN. ``--sweep-splits`` times contiguous decoding at d = 128 with the number of splits forced
 (SWEEP_SPLITS) beside the rule's own choice and cuDNN, at batches whose grid already fills the GPU unsplit.
+``--dependent-launch`` times decoding (dense, contiguous and paged cache; bf16, d = 128, Nq = 1) with the combine as
+a programmatic dependent launch of the split kernel and after it (decode_launch.DEPENDENT_LAUNCH), beside cuDNN.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ SWEEP_CELLS = ((1, 131072), (8, 32768), (8, 131072), (64, 8192), (64, 32768))
 # --sweep-splits: forced split counts and (B, Nk) cells at Nq = 1.
 SWEEP_SPLITS = (1, 2, 3, 4, 6)
 SWEEP_SPLIT_CELLS = ((8, 32768), (8, 131072), (64, 8192), (64, 32768), (64, 131072))
+# --dependent-launch: (B, Nk) cells at Nq = 1.
+DEPENDENT_CELLS = ((1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 1024), (8, 8192), (8, 32768), (64, 8192))
 VARLEN_HEADS = 16
 
 
@@ -249,6 +253,31 @@ def sweep_splits(device, settings, out_dir):
     return lines
 
 
+def sweep_dependent_launch(device, settings, out_dir):
+    """Decoding (bf16, Nq = 1, d = 128) with the combine launched as a programmatic dependent of the split kernel
+    and after it (decode_launch.DEPENDENT_LAUNCH on / off), beside cuDNN, for DEPENDENT_CELLS."""
+    from mhattn.backends.triton import decode_launch
+
+    impls = ("triton", "kvcache", "paged")
+    header = f"{'B':>3} {'Nk':>6} {'cuDNN':>7}  " + "  ".join(f"{name + ' dep / after':>22}" for name in impls)
+    lines = ["== the combine as a dependent launch: us per step (on / off), d = 128, bf16, Nq = 1 ==", header]
+    before = decode_launch.DEPENDENT_LAUNCH
+    try:
+        for batch, seqlen_k in DEPENDENT_CELLS:
+            cell = decode_bench.DecodeCell("bf16", batch, seqlen_k, 1)
+            cudnn = decode_bench.time_cell(cell, ("sdpa-cudnn",), settings, device)["us"]["sdpa-cudnn"]
+            times = {}
+            for on in (True, False):
+                decode_launch.DEPENDENT_LAUNCH = on
+                times[on] = decode_bench.time_cell(cell, impls, settings, device)["us"]
+            lines.append(f"{batch:>3} {seqlen_k:>6} {_us(cudnn):>7}  " + "  ".join(
+                f"{_us(times[True].get(name)) + ' / ' + _us(times[False].get(name)):>22}" for name in impls))
+            log(out_dir, lines[-1])
+    finally:
+        decode_launch.DEPENDENT_LAUNCH = before
+    return lines
+
+
 def _us(value) -> str:
     return "-" if value is None else f"{value:.0f}"
 
@@ -268,6 +297,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bf16,fp16")
     parser.add_argument("--sweep-tiles", action="store_true", help="only the split-KV tile sweep at d = 128")
     parser.add_argument("--sweep-splits", action="store_true", help="only the split-count sweep at d = 128")
+    parser.add_argument("--dependent-launch", action="store_true",
+                        help="only decoding with the combine as a dependent launch and after the splits")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     out_dir = os.environ.get("OUT")
@@ -275,6 +306,10 @@ def main(argv=None) -> int:
         os.makedirs(out_dir, exist_ok=True)
     if args.sweep_tiles:
         for line in sweep_tiles(device, timing.TimingSettings(10.0, 40.0), out_dir):
+            log(out_dir, line)
+        return 0
+    if args.dependent_launch:
+        for line in sweep_dependent_launch(device, timing.TimingSettings(10.0, 40.0), out_dir):
             log(out_dir, line)
         return 0
     if args.sweep_splits:

@@ -1,7 +1,7 @@
 """Host cost of the call path on the CPU, no GPU needed: microseconds and Python function calls per call.
 
     python benchmarks/host_cost.py            # the table below
-    python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|decode|cupy|cupy_bwd|auto   # cProfile's top entries
+    python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|triton_bwd|decode|cupy|cupy_bwd|auto   # cProfile's top
 
 Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
 - mhattn.attention forward / forward+backward on a backend that does no work (``null``: allocates its
@@ -233,7 +233,8 @@ def rows():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "decode", "cupy", "cupy_bwd", "auto"),
+    parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "triton_bwd", "decode", "cupy", "cupy_bwd",
+                                              "auto"),
                         default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)  # no intra-op thread pool in the numbers
@@ -250,7 +251,8 @@ def main():
                        lambda: triton.backward(out, q, k, v, out, lse, params)),
                       ("triton backend decoding step, launches stubbed", decoding_step(triton))]
         if args.profile:
-            fn = {"fwd": table[0][1], "fwd_bwd": table[1][1], "triton": table[2][1], "decode": table[4][1],
+            fn = {"fwd": table[0][1], "fwd_bwd": table[1][1], "triton": table[2][1], "triton_bwd": table[3][1],
+                  "decode": table[4][1],
                   "cupy": table[5][1], "cupy_bwd": table[6][1], "auto": table[-1][1]}[args.profile]
             for _ in range(100):  # first calls fill the caches (plans, decisions, handles): profile the steady state
                 fn()

@@ -569,6 +569,40 @@ def test_gpu_dense_decode(dtype, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dependent", [True, False])
+def test_gpu_decode_steps_on_a_side_stream_and_in_a_cuda_graph(monkeypatch, dependent):
+    """Split-KV decoding steps (B = 1, 8k keys: several splits and a combine; on sm_90 the combine as a programmatic
+    dependent launch, or after the splits) give the same output on a second stream, back to back with other work, and
+    captured in a CUDA graph replayed with new queries, as an eager step on the default stream."""
+    import mhattn
+    from mhattn.backends.triton import decode_launch
+
+    monkeypatch.setattr(decode_launch, "DEPENDENT_LAUNCH", dependent)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, 8, 8192, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+
+    def step():
+        return mhattn.attention(q, k, v, enable_gqa=True, backend="triton")
+
+    want = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        outs = [step() for _ in range(3)]
+    torch.cuda.current_stream().wait_stream(stream)
+    assert all(torch.equal(out, want) for out in outs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(2):
+        q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, step())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_gpu_varlen(dtype, is_causal):

@@ -51,7 +51,7 @@ def hopper_backward_tile(head_dim: int) -> configs.KernelConfig:
 class KernelTask:
     """One kernel to compile: which kernel, for which problem class and tile."""
 
-    kind: str            # "fwd", "dkdv", "dq", "splitkv" (decode.py), "hopper_fwd" / "hopper_bwd" (Gluon, hopper_*.py)
+    kind: str            # "fwd", "dkdv", "dq", "splitkv" / "combine" (decode.py), "hopper_fwd" / "hopper_bwd" (Gluon)
     head_dim: int
     causal: bool
     tile: configs.KernelConfig
@@ -78,7 +78,8 @@ def _kernel_function(kind: str):
 
         return hopper_backward.hopper_backward_kernel
     return {"fwd": forward.attention_forward_kernel, "dkdv": backward.backward_dkdv_kernel,
-            "dq": backward.backward_dq_kernel, "splitkv": decode.split_kv_kernel}[kind]
+            "dq": backward.backward_dq_kernel, "splitkv": decode.split_kv_kernel,
+            "combine": decode.combine_splits_kernel}[kind]
 
 
 def _constexprs(task: KernelTask) -> dict:
@@ -87,6 +88,8 @@ def _constexprs(task: KernelTask) -> dict:
     if task.kind == "hopper_bwd":
         return dict(hopper_launch.backward_compile_time_args(task.head_dim, task.causal), **dict(task.flags))
     padded = configs.padded_head_dim(task.head_dim)
+    if task.kind == "combine":  # the split-KV combine (decode.py), 32 splits a row
+        return dict(HEAD_DIM_V=task.head_dim, BLOCK_DV=padded, BLOCK_S=32, **dict(task.flags))
     values = dict(HEAD_DIM=task.head_dim, HEAD_DIM_V=task.head_dim, BLOCK_D=padded, BLOCK_DV=padded,
                   BLOCK_M=task.tile.block_m, BLOCK_N=task.tile.block_n, HAS_LEFT=False, HAS_RIGHT=task.causal,
                   HAS_SOFTCAP=False, MASK_KIND=0, HAS_DROPOUT=False, DOT_PRECISION="tf32")
@@ -137,9 +140,10 @@ def compile_kernel(task: KernelTask, cc: int = 90):
         source = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     else:
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", cc, 32),
-                          options=dict(num_warps=task.tile.num_warps, num_stages=task.tile.num_stages,
-                                       **COMPILE_OPTIONS))
+    options = dict(num_warps=task.tile.num_warps, num_stages=task.tile.num_stages, **COMPILE_OPTIONS)
+    if dict(task.flags).get("WAIT_PRIMARY"):  # launched as a programmatic dependent (decode_launch.DEPENDENT_LAUNCH)
+        options["launch_pdl"] = True
+    return triton.compile(source, target=GPUTarget("cuda", cc, 32), options=options)
 
 
 def _tensor_map_types(task: KernelTask) -> dict:
@@ -204,22 +208,29 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
             if cc == 90 and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
                 tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim)))
         if not hopper_only:
-            tasks += split_kv_tasks(head_dim)
+            tasks += split_kv_tasks(head_dim, cc)
     return tasks
 
 
-def split_kv_tasks(head_dim: int) -> list:
-    """The split-KV decoding kernel (decode.py) as decoding launches it at ``head_dim``: several splits, one query head
-    group of 4 rows, over a contiguous cache and a paged one (blocks of 256 keys)."""
+def split_kv_tasks(head_dim: int, cc: int = 80) -> list:
+    """The split-KV decoding kernels (decode.py) as decoding launches them at ``head_dim`` on compute capability
+    ``cc``: the split kernel with several splits, one query head group of 4 rows, over a contiguous cache and a
+    paged one (blocks of 256 keys), then the combine; from sm_90 the combine as a programmatic dependent launch
+    of the split kernel (decode_launch.DEPENDENT_LAUNCH)."""
     from mhattn.backends.triton import decode_launch
 
     padded = configs.padded_head_dim(head_dim)
+    dependent = cc >= 90
     tasks = []
     for paged in (False, True):
         tile = decode_launch.decode_tile(padded, padded, 2, paged)
-        flags = (("PAGED", paged), ("HAS_SEQLENS", paged), ("PAGE_SIZE", 256 if paged else 1))
+        flags = (("PAGED", paged), ("HAS_SEQLENS", paged), ("PAGE_SIZE", 256 if paged else 1),
+                 ("RELEASE_DEPENDENTS", dependent))
         tasks.append(KernelTask("splitkv", head_dim, True, configs.KernelConfig(16, tile.block_n, tile.num_warps,
                                                                                  tile.num_stages), flags=flags))
+    combine_warps = 4 if padded >= 128 else 2  # as decode_launch launches it
+    tasks.append(KernelTask("combine", head_dim, True, configs.KernelConfig(1, 1, combine_warps, 1),
+                            flags=(("WAIT_PRIMARY", dependent),)))
     return tasks
 
 

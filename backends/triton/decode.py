@@ -16,10 +16,20 @@ key/value head once per query head. Here:
 
 Grid of :func:`split_kv_kernel`: (B * Hkv, num_splits, row blocks). With one split the kernel writes the
 final output and LSE itself and no combine runs.
+
+On sm_90 the combine is a programmatic dependent launch (decode_launch.DEPENDENT_LAUNCH): the split kernel lets it
+launch as soon as all of its programs have started (RELEASE_DEPENDENTS), and the combine's programs wait at their
+start for the split kernel to finish and its writes to be visible (WAIT_PRIMARY), so the combine's launch overlaps
+the splits instead of following them.
 """
 
 import triton
 import triton.language as tl
+
+try:  # programmatic dependent launch (Triton 3.3 and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: decode_launch never sets the flags that reach these
+    gdc_launch_dependents = gdc_wait = None
 
 from mhattn.backends.triton.scores import LN2, LOG2E, attention_scores
 
@@ -56,14 +66,18 @@ def split_kv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, RELEASE_DEPENDENTS: tl.constexpr = False,
 ):
     """Q (B, Hq, Nq, D) and Out (B, Hq, Nq, Dv) by strides, last dim contiguous; Lse (B, Hq, Nq) fp32
     contiguous. K/V: contiguous (B, Hkv, Nk, D) (stride_kb per sequence), or with PAGED a pool
     (num_blocks, Hkv, PAGE_SIZE, D) (stride_kb per block) and BlockTable (B, max_blocks) int32.
     HAS_SEQLENS: sequence b attends over its first Seqlens[b] keys with its diagonal at Seqlens[b] - Nq;
     else over seqlen_k keys with the diagonal at diag_offset. SPLIT: write OutSplit (B*Hq*Nq, num_splits,
-    Dv) and LseSplit (B*Hq*Nq, num_splits) fp32 for :func:`combine_splits_kernel` instead of Out/Lse."""
+    Dv) and LseSplit (B*Hq*Nq, num_splits) fp32 for :func:`combine_splits_kernel` instead of Out/Lse.
+    RELEASE_DEPENDENTS (sm_90): the next kernel, launched as a programmatic dependent, may start now (it waits for
+    this one's writes itself)."""
+    if RELEASE_DEPENDENTS:
+        gdc_launch_dependents()
     batch_head_kv = tl.program_id(0)
     split = tl.program_id(1)
     row_block = tl.program_id(2)
@@ -159,10 +173,14 @@ def combine_splits_kernel(
     Out, Lse, OutSplit, LseSplit,
     stride_ob, stride_oh, stride_om,
     heads_q, seqlen_q, num_splits,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, WAIT_PRIMARY: tl.constexpr = False,
 ):
     """Merge the splits of one query row (one program per row of B*Hq*Nq): out = sum_s w_s out_s with
-    w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s). A row no split saw gives 0 and lse -inf."""
+    w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s). A row no split saw gives 0 and lse -inf.
+    WAIT_PRIMARY (sm_90, launched as a programmatic dependent of the split kernel): wait for the split kernel to
+    finish and its writes to be visible before reading them."""
+    if WAIT_PRIMARY:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)

@@ -27,6 +27,9 @@ MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 128
 # Programs per SM to aim for when splitting (memory-bound work wants several in flight per SM).
 PROGRAMS_PER_SM = 2
+# On sm_90 the combine kernel is a programmatic dependent launch of the split kernel (decode.py): its launch overlaps
+# the splits. False launches it after them, as on older GPUs (kept for the A/B in benchmarks/check_inference.py).
+DEPENDENT_LAUNCH = True
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
     if plan.cuda_index is None and not backend.INTERPRET:
         raise ValueError("triton backend: CPU tensors need TRITON_INTERPRET=1 (set before import)")
     tile, splits, block_m, row_blocks = _split_plan(plan, q.device, keys, paged)
+    dependent = splits > 1 and DEPENDENT_LAUNCH and _dependent_launch_ok(plan)
 
     if splits > 1:
         out_split = torch.empty(rows, splits, plan.head_dim_v, dtype=torch.float32, device=q.device)
@@ -154,21 +158,35 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
             BLOCK_M=block_m, BLOCK_N=tile.block_n,
             HAS_SEQLENS=cache is not None, PAGED=paged, PAGE_SIZE=k.shape[2] if paged else 1,
             HAS_LEFT=plan.has_left, HAS_RIGHT=plan.has_right, HAS_SOFTCAP=plan.has_softcap,
-            SPLIT=splits > 1, DOT_PRECISION=plan.dot_precision,
+            SPLIT=splits > 1, DOT_PRECISION=plan.dot_precision, RELEASE_DEPENDENTS=dependent,
         )
 
     def prepare_combine():
         return (rows,), (*out.stride()[:3], plan.heads_q, plan.seqlen_q, splits), \
-            combine.cached_constexprs(4 if plan.block_dv >= 128 else 2, 1, HEAD_DIM_V=plan.head_dim_v,
-                                      BLOCK_DV=plan.block_dv, BLOCK_S=max(2, configs.triton_next_power_of_2(splits)))
+            combine.cached_constexprs(4 if plan.block_dv >= 128 else 2, 1, {"launch_pdl": True} if dependent else None,
+                                      HEAD_DIM_V=plan.head_dim_v, BLOCK_DV=plan.block_dv,
+                                      BLOCK_S=max(2, configs.triton_next_power_of_2(splits)), WAIT_PRIMARY=dependent)
 
     with backend._OnDevice(q.device):
-        backend._launch_site(signature, (split_kv, keys, cache is not None, paged, table_stride), split_kv,
+        backend._launch_site(signature, (split_kv, keys, cache is not None, paged, table_stride, dependent), split_kv,
                              (q, k, v, out, lse, out_split, lse_split, seqlens, table), (), prepare_split_kv)
         if splits > 1:
-            backend._launch_site(signature, (combine, keys), combine, (out, lse, out_split, lse_split), (),
+            backend._launch_site(signature, (combine, keys, dependent), combine, (out, lse, out_split, lse_split), (),
                                  prepare_combine)
     return out, lse
+
+
+def _dependent_launch_ok(plan) -> bool:
+    """Whether this plan's launches can be programmatic dependent ones: an sm_90 GPU (plan.sm90 is False under
+    Triton's interpreter) and a Triton that has the instructions."""
+    return plan.sm90 and _triton_has_dependent_launch()
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_has_dependent_launch() -> bool:
+    from mhattn.backends.triton import decode
+
+    return decode.gdc_wait is not None
 
 
 _backend = None

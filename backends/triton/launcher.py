@@ -16,7 +16,8 @@ only where Triton would have picked the same compiled kernel:
   integer arguments it does not specialise (``do_not_specialize``), whether they all fit in int32 (Triton
   types them i32 or i64 by value);
 - the Python type of every argument (float arguments are always fp32, bools i1);
-- the compile-time arguments, num_warps and num_stages (a :class:`ConstexprSet`, built once per plan);
+- the compile-time arguments, num_warps, num_stages and any other compile option asked for (e.g. ``launch_pdl``,
+  programmatic dependent launch: a :class:`ConstexprSet`, built once per plan);
 - the current device.
 A launch through a kept handle passes each tensor as its address (an int), which Triton's launcher takes as it is;
 given the tensor, it would call ``data_ptr`` and ask the driver about the pointer (``cuPointerGetAttribute``), once
@@ -55,14 +56,17 @@ HANDLES_LIMIT = 1024
 
 class ConstexprSet:
     """The compile-time arguments of one kernel configuration, in the kernel's parameter order (what the
-    compiled launcher takes after the runtime arguments), with num_warps and num_stages: hashable, made
-    once per plan and tile so that no per-call dict is built."""
+    compiled launcher takes after the runtime arguments), with num_warps, num_stages and other compile options
+    (``options``, e.g. ``{"launch_pdl": True}``; the kept handle's launcher reads them from the compiled kernel):
+    hashable, made once per plan and tile so that no per-call dict is built."""
 
-    __slots__ = ("kwargs", "values", "num_warps", "num_stages", "key")
+    __slots__ = ("kwargs", "values", "num_warps", "num_stages", "options", "key")
 
-    def __init__(self, launcher: "CompiledLauncher", kwargs: dict, num_warps: int, num_stages: int):
+    def __init__(self, launcher: "CompiledLauncher", kwargs: dict, num_warps: int, num_stages: int,
+                 options: Optional[dict] = None):
         self.kwargs = dict(kwargs)
         self.num_warps, self.num_stages = num_warps, num_stages
+        self.options = dict(COMPILE_OPTIONS, **(options or {}))
         if launcher.interpret:
             self.values, self.key = (), None
             return
@@ -73,7 +77,7 @@ class ConstexprSet:
         if missing:
             raise TypeError(f"{launcher.name}: compile-time parameters without a value: {missing}")
         self.values = tuple(kwargs.get(name, launcher.constexpr_defaults[name]) for name in launcher.constexpr_names)
-        self.key = (self.values, num_warps, num_stages)
+        self.key = (self.values, num_warps, num_stages, tuple(sorted(self.options.items())))
 
 
 class _ArgumentKinds:
@@ -133,15 +137,16 @@ class CompiledLauncher:
         self.constexpr_defaults = {p.name: p.default for p in params[first_constexpr:]}
         self.do_not_specialize = frozenset(i for i, p in enumerate(params[:first_constexpr]) if p.do_not_specialize)
 
-    def constexprs(self, num_warps: int, num_stages: int, **kwargs) -> ConstexprSet:
-        return ConstexprSet(self, kwargs, num_warps, num_stages)
+    def constexprs(self, num_warps: int, num_stages: int, options: Optional[dict] = None, **kwargs) -> ConstexprSet:
+        return ConstexprSet(self, kwargs, num_warps, num_stages, options)
 
-    def cached_constexprs(self, num_warps: int, num_stages: int, **kwargs) -> ConstexprSet:
+    def cached_constexprs(self, num_warps: int, num_stages: int, options: Optional[dict] = None,
+                          **kwargs) -> ConstexprSet:
         """:meth:`constexprs`, kept per distinct set (for call sites without a plan to keep it in)."""
-        key = (num_warps, num_stages, *kwargs.items())
+        key = (num_warps, num_stages, tuple(sorted((options or {}).items())), *kwargs.items())
         found = self._constexpr_sets.get(key)
         if found is None:
-            found = put_bounded(self._constexpr_sets, key, ConstexprSet(self, kwargs, num_warps, num_stages),
+            found = put_bounded(self._constexpr_sets, key, ConstexprSet(self, kwargs, num_warps, num_stages, options),
                                 HANDLES_LIMIT)
         return found
 
@@ -210,7 +215,7 @@ class CompiledLauncher:
 
     def _launch_through_triton(self, grid, args, constexprs: ConstexprSet):
         return self.kernel[grid](*args, **constexprs.kwargs, num_warps=constexprs.num_warps,
-                                 num_stages=constexprs.num_stages, **COMPILE_OPTIONS)
+                                 num_stages=constexprs.num_stages, **constexprs.options)
 
 
 class PreparedLaunch:
