@@ -385,8 +385,9 @@ class _TorchSdpaCall:
 
     def __init__(self, q, k, scale: float, causal: bool):
         self._sdpa = torch.nn.functional.scaled_dot_product_attention
-        # Only the arguments that differ from SDPA's defaults (each keyword passed costs the call's parsing).
-        self._kwargs = {"scale": scale}
+        # Only the arguments that differ from SDPA's defaults (each keyword passed costs the call's parsing): the
+        # default scale is SDPA's own 1 / sqrt(D), the same double either way.
+        self._kwargs = {} if scale == 1.0 / math.sqrt(q.shape[-1]) else {"scale": scale}
         if causal:
             self._kwargs["is_causal"] = True
         if q.shape[1] != k.shape[1]:
