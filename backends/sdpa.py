@@ -387,7 +387,8 @@ class _TorchSdpaCall:
         self._sdpa = torch.nn.functional.scaled_dot_product_attention
         # Only the arguments that differ from SDPA's defaults (each keyword passed costs the call's parsing): the
         # default scale is SDPA's own 1 / sqrt(D), the same double either way.
-        self._kwargs = {} if scale == 1.0 / math.sqrt(q.shape[-1]) else {"scale": scale}
+        head_dim = q.shape[-1]
+        self._kwargs = {} if head_dim > 0 and scale == 1.0 / math.sqrt(head_dim) else {"scale": scale}
         if causal:
             self._kwargs["is_causal"] = True
         if q.shape[1] != k.shape[1]:
