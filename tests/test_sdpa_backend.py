@@ -405,3 +405,19 @@ def test_native_call_is_prepared_once_per_signature_and_asks_torch_again_when_it
     with sdpa_kernel(order, set_priority=True):  # every kernel enabled, in another order
         assert torch.equal(fresh(q, k, v, params), want) and len(asked) == 3
     assert torch.equal(fresh(q, k, v, params), want) and len(asked) == 3
+
+
+def test_native_call_passes_a_scale_only_where_it_is_not_sdpas_default(monkeypatch):
+    """The prepared call leaves out SDPA's scale keyword where the scale is SDPA's own default 1 / sqrt(D) (D = 16
+    and 80) and passes any other; the outputs equal SDPA's either way."""
+    seen = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: seen.append(sorted(kw)) or real_sdpa(*a, **kw))
+    for head_dim in (16, 80):
+        q, k, v = (torch.randn(1, 2, 9, head_dim) for _ in range(3))
+        for scale, keywords in ((1.0 / math.sqrt(head_dim), []), (0.3, ["scale"])):
+            params = AttentionParams(scale=scale)
+            seen.clear()
+            out = sdpa.SdpaBackend().native_call(q, k, v, params)(q, k, v, params)
+            assert seen == [keywords] and torch.equal(out, real_sdpa(q, k, v, scale=scale))
