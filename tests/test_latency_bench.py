@@ -77,3 +77,28 @@ def test_cli_latency_on_the_cpu(tiny_shapes, tmp_path, capsys):
     document = json.loads(path.read_text())
     assert len(document["latency"]) == len(TINY) * 2 * 2 and "bench --latency" in document["meta"]["command"]
     assert mhattn_cli.main(["bench", "--latency", "--device", "cpu", "--impl", "nonesuch"]) == 2
+
+
+def test_host_loops_of_one_group_take_turns(tiny_shapes, monkeypatch):
+    """Within a (shape, mode) group every implementation is timed first, then their host loops alternate, one loop
+    each per round (a drifting host reaches both alike); each row keeps its best loop."""
+    order = []
+
+    class Recording(protocol.Implementation):
+        family = "mhattn"
+
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, q, k, v, causal):
+            order.append(self.name)
+            return q
+
+    monkeypatch.setattr(latency, "HOST_LOOP_ROUNDS", 3)
+    monkeypatch.setattr(latency.timing, "bench_ms", lambda fn, *args: (order.append("timed"), 0.001)[1])
+    table = {"a": Recording("a"), "b": Recording("b")}
+    rows = latency.run(["a", "b"], table, "cpu", shapes=TINY[:1], modes=("fwd",))
+    loops = order[order.index("timed", order.index("timed") + 1) + 1:]  # after both GPU timings
+    runs = [name for i, name in enumerate(loops) if i == 0 or loops[i - 1] != name]
+    assert runs == ["a", "b"] * 3  # each loop: a warm-up call, then HOST_LOOP_CALLS calls of one implementation
+    assert all(r["status"] == "ok" and r["host_us"] > 0 and r["gpu_us"] == 1.0 for r in rows)

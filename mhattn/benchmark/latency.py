@@ -8,7 +8,8 @@ implementation, forward and forward+backward, two numbers in microseconds per ca
   spends on one call when the host keeps ahead of it;
 - host-loop time: ``calls`` calls in a Python loop timed on the host, with one synchronize at the end, per
   call, the best of HOST_LOOP_ROUNDS loops: what a loop of such calls runs at (the larger of the host's and the
-  GPU's cost).
+  GPU's cost). The implementations of one (shape, mode) take turns, one loop each per round, so a drift of the
+  host's speed (up to 1.5x between minutes on the H100 host) reaches them alike.
 
 Each is shown beside ``sdpa-default`` (``torch.nn.functional.scaled_dot_product_attention`` with torch's own
 kernel choice) as a ratio. Planning and reporting are plain functions of plain data, tested on the CPU.
@@ -107,11 +108,9 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_cell(impl: protocol.Implementation, cell: dict, device, warmup_ms=WARMUP_MS, rep_ms=REP_MS,
-                 calls: int = 0) -> dict:
-    """One row: the cell with gpu_us, host_us and a status ("ok", "unsupported" or "error") and reason;
-    ``calls`` in the host loop (default HOST_LOOP_CALLS)."""
-    calls = calls or HOST_LOOP_CALLS
+def _prepared_call(impl: protocol.Implementation, cell: dict, device):
+    """(row, call) of one cell: the row with status "ok" and the call of its implementation on fresh inputs, run
+    once; or the row with status "unsupported" / "error" and its reason, and None."""
     shape = LatencyShape(**cell["shape"])
     row = dict(cell, gpu_us=None, host_us=None, status="ok", reason="")
     dtype = protocol.TORCH_DTYPES[shape.dtype]
@@ -121,34 +120,73 @@ def measure_cell(impl: protocol.Implementation, cell: dict, device, warmup_ms=WA
                                requires_grad=grad) for _ in range(3))
         reasons = impl.unsupported(q, k, v, False)
         if reasons:
-            return dict(row, status="unsupported", reason="; ".join(reasons))
+            return dict(row, status="unsupported", reason="; ".join(reasons)), None
         if grad:
             dout = torch.randn_like(q)
 
-            def fn():
+            def call():
                 impl(q, k, v, False).backward(dout)
         else:
 
-            def fn():
+            def call():
                 impl(q, k, v, False)
 
         with impl.context():
-            row["gpu_us"] = timing.bench_ms(fn, warmup_ms, rep_ms, device) * 1e3
-            row["host_us"] = host_loop_us(fn, calls, device)
+            call()
+        return row, call
     except Exception as error:  # one cell's failure is a table entry, not the end of the run
-        row.update(status="error", reason=describe_error(error), gpu_us=None, host_us=None)
+        return dict(row, status="error", reason=describe_error(error)), None
+
+
+def measure_group(cells: list, table: dict, device, warmup_ms=WARMUP_MS, rep_ms=REP_MS, calls: int = 0) -> list:
+    """The rows of ``cells``, one (shape, mode) in several implementations: each one's GPU time, then their host
+    loops (``calls`` calls each, default HOST_LOOP_CALLS) taking turns, HOST_LOOP_ROUNDS rounds, the best loop of
+    each kept."""
+    calls = calls or HOST_LOOP_CALLS
+    rows, ready = [], {}
+    try:
+        for cell in cells:
+            impl = table[cell["impl"]]
+            row, call = _prepared_call(impl, cell, device)
+            rows.append(row)
+            if call is None:
+                continue
+            try:
+                with impl.context():
+                    row["gpu_us"] = timing.bench_ms(call, warmup_ms, rep_ms, device) * 1e3
+                ready[len(rows) - 1] = (impl, call)
+            except Exception as error:
+                row.update(status="error", reason=describe_error(error))
+        for _ in range(HOST_LOOP_ROUNDS):
+            for index, (impl, call) in list(ready.items()):
+                try:
+                    with impl.context():
+                        us = host_loop_us(call, calls, device, rounds=1)
+                except Exception as error:
+                    rows[index].update(status="error", reason=describe_error(error), gpu_us=None, host_us=None)
+                    del ready[index]
+                    continue
+                rows[index]["host_us"] = min(us, rows[index]["host_us"] or float("inf"))
     finally:
+        ready.clear()
         release_memory(device)
-    return row
+    return rows
 
 
 def run(impl_names: list, table: dict, device, shapes=None, modes=MODES, progress=None, **timing_args) -> list:
-    """Measures every cell in this process; returns the rows."""
+    """Measures every cell in this process, a (shape, mode) group at a time; returns the rows."""
     rows = []
-    for cell in plan_cells(impl_names, shapes, modes):
-        rows.append(measure_cell(table[cell["impl"]], cell, device, **timing_args))
-        if progress is not None:
-            progress(rows[-1])
+    cells = plan_cells(impl_names, shapes, modes)
+    group = []
+    for cell in cells + [None]:
+        if group and (cell is None or (cell["shape"], cell["mode"]) != (group[0]["shape"], group[0]["mode"])):
+            for row in measure_group(group, table, device, **timing_args):
+                rows.append(row)
+                if progress is not None:
+                    progress(row)
+            group = []
+        if cell is not None:
+            group.append(cell)
     return rows
 
 
