@@ -90,7 +90,7 @@ def test_the_second_launch_goes_to_the_kept_handle_with_every_argument_in_order(
 
 @pytest.mark.parametrize("change", [
     "misaligned tensor", "tensor dtype", "specialised int divisibility", "specialised int one",
-    "int64 plain int", "constexpr", "default constexpr", "argument type", "num_warps", "device",
+    "int64 plain int", "constexpr", "default constexpr", "argument type", "num_warps", "device", "compile option",
 ])
 def test_anything_triton_specialises_on_takes_triton_s_path_again(recording, change):
     kernel, launcher = recording
@@ -116,6 +116,11 @@ def test_anything_triton_specialises_on_takes_triton_s_path_again(recording, cha
         launcher.launch((3,), (x, y, 16, 100, 0.5, True), launcher.constexprs(8, 2, BLOCK=64), device_index=0)
     elif change == "device":
         launcher.launch((3,), (x, y, 16, 100, 0.5, True), launcher.constexprs(4, 2, BLOCK=64), device_index=1)
+    elif change == "compile option":  # e.g. a programmatic dependent launch: Triton compiles a kernel that asks for it
+        sets = launcher.constexprs(4, 2, {"launch_pdl": True}, BLOCK=64)
+        launcher.launch((3, 2), (x, y, 16, 100, 0.5, True), sets, device_index=0)
+        assert kernel.log[-1][4] == {"BLOCK": 64, "num_warps": 4, "num_stages": 2, "enable_fp_fusion": True,
+                                     "launch_pdl": True}
     assert kinds(kernel) == ["triton", "triton"]
 
 
