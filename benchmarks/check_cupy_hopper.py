@@ -43,15 +43,18 @@ MASKINGS = ((False, None, False), (True, None, False), (True, None, True), (Fals
 
 
 # Candidates of --sweep per head dim, the table's first: forward HopperFwdTiles fields (block_n, stages, consumers,
-# pingpong, persistent, staged_out); backward HopperBwdTiles fields (ring slots, dQ by the copy engine's bulk
-# reduce-add, dQ buffers). Key blocks of 64, two ring slots, one CTA a tile (forward) and two dQ buffers (backward)
-# were measured at d = 64 and dropped (NOTES.md B7); four ring slots let the producer run further ahead across the
-# short tiles of a 1k-key forward; ping-pong, on at d = 128 and 256, off at d = 64 (NOTES.md H10). Under NVRTC 12.9
-# for sm_90a those of d = 64 and 128 compile without spills; d = 256's forward spills 40 bytes, the shipped one too.
+# pingpong, persistent, staged_out[, masked_pingpong]); backward HopperBwdTiles fields (ring slots, dQ by the copy
+# engine's bulk reduce-add, dQ buffers). Key blocks of 64, two ring slots, one CTA a tile (forward) and two dQ buffers
+# (backward) were measured at d = 64 and dropped (NOTES.md B7); four ring slots let the producer run further ahead
+# across the short tiles of a 1k-key forward; ping-pong off at d = 64 (NOTES.md H10), and at d = 128 and 256 on
+# without a mask and off under one (H12), beside it on and off for both. Under NVRTC 12.9 for sm_90a those of d = 64
+# and 128 compile without spills; d = 256's forward spills 40 bytes, the shipped one too.
 SWEEP_BWD = {64: ((3, False), (2, False)), 128: ((2, True), (2, False))}
 SWEEP = {64: ((128, 3, 2, False, True, True), (128, 3, 2, True, True, True), (128, 4, 2, False, True, True)),
-         128: ((128, 2, 2, True, True, True), (128, 2, 2, False, True, True), (128, 2, 2, True, False, True)),
-         256: ((64, 2, 2, True, True, False), (64, 2, 2, True, False, False))}
+         128: ((128, 2, 2, True, True, True, False), (128, 2, 2, True, True, True), (128, 2, 2, False, True, True),
+               (128, 2, 2, True, False, True, False)),
+         256: ((64, 2, 2, True, True, False, False), (64, 2, 2, True, True, False),
+               (64, 2, 2, True, False, False, False))}
 
 
 def reference(q, k, v, causal, window, diag_offset):
@@ -248,7 +251,7 @@ def sweep(dtype, head_dims, seqlens, backward=False):
                 print(rows[-1], flush=True)
         table[head_dim] = default
     what = ("tiles (stages, dq_bulk, dq_buffers)" if backward
-            else "tiles (block_n, stages, consumers, pingpong, persistent, staged_out)")
+            else "tiles (block_n, stages, consumers, pingpong, persistent, staged_out[, masked_pingpong])")
     print_table(f"{str(dtype).replace('torch.', '')} {'backward' if backward else 'forward'} sweep, TFLOP/s (same run)",
                 ["d", what, "failures", "N", "causal", "sdpa-cudnn", "cupy Hopper", "ratio"], rows)
 

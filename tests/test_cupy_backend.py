@@ -623,7 +623,9 @@ def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps,
     out, lse = backend.forward(q, k, v, params)
     variant, grid, args = launcher.calls[-1]
     block_m = 64 * tiles.consumers
-    assert variant == variants.hopper_fwd_variant("bfloat16", 128) and variant.arch_features == "a"
+    # under a causal mask or window the variant takes turns as HopperFwdTiles.masked_pingpong says
+    assert variant == variants.hopper_fwd_variant("bfloat16", 128, masked=True) and variant.arch_features == "a"
+    assert variant.define("PINGPONG") == int(tiles.pingpong_for(True))
     tile_count = -(-300 // block_m) * 8
     assert grid == ((min(tile_count, 5) if tiles.persistent else tile_count), 1, 1)
     assert recorded_maps == [(tuple(q.shape), q.stride(), block_m), (tuple(k.shape), k.stride(), tiles.block_n),
@@ -643,6 +645,24 @@ def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps,
     backend.forward(q, k, v, _params(300, 517, 128))
     assert launcher.calls[-1][1] == ((5, 1, 1) if tiles.persistent else (tile_count, 1, 1))
     assert launcher.calls[-1][2][5] == ("ptr", 0)
+    assert launcher.calls[-1][0] == variants.hopper_fwd_variant("bfloat16", 128)
+    assert launcher.calls[-1][0].define("PINGPONG") == int(tiles.pingpong)
+
+
+def test_hopper_forward_takes_turns_per_mask_as_the_tiles_say():
+    """HopperFwdTiles.masked_pingpong: the shipped tiles take turns without a mask and run freely under a causal mask
+    or window at d = 128 and 256 (the H10 sweeps, NOTES H12), run freely either way at d = 64; None keeps
+    ``pingpong`` for both; the family lists each distinct variant once."""
+    tiles = variants.HOPPER_FWD_TILES
+    assert [(tiles[d].pingpong_for(False), tiles[d].pingpong_for(True)) for d in (64, 128, 256)] == [
+        (False, False), (True, False), (True, False)]
+    same = dataclasses.replace(tiles[128], masked_pingpong=None)
+    assert same.pingpong_for(True) is True and variants.hopper_fwd_variant(
+        "float16", 128, same, masked=True) == variants.hopper_fwd_variant("float16", 128, same)
+    forward = [v for v in variants.hopper_variants() if v.kernel == "hopper_fwd"]
+    assert len(forward) == len(set(forward)) == 2 * 5  # per dtype: d = 64 once, d = 128 and 256 twice
+    assert {(v.define("HEAD_DIM"), v.define("PINGPONG")) for v in forward} == {(64, 0), (128, 1), (128, 0), (256, 1),
+                                                                             (256, 0)}
 
 
 def test_hopper_forward_with_the_output_staged_passes_the_output_s_map(recorded_maps, monkeypatch):

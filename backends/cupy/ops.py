@@ -293,7 +293,7 @@ def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params:
     counter or 0, and with the output staged for the copy engine, the output's map)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    variant = variants.hopper_fwd_variant(_DTYPE_NAMES[q.dtype], head_dim)
+    variant = variants.hopper_fwd_variant(_DTYPE_NAMES[q.dtype], head_dim, masked=params.has_window)
     block_m, block_n = 64 * variant.define("CONSUMERS"), variant.define("BLOCK_N")
     staged = bool(variant.define("STAGED_OUT"))
     # the output's map: boxes of one consumer's 64 rows

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, replace
+from typing import Optional
 
 # Head dims are rounded up to one of these; the padded columns are zero-filled in shared memory. Head dims that
 # are not multiples of 8 (rows not in whole 16-byte chunks) run the ANY_DIMS variants.
@@ -181,6 +182,11 @@ class HopperFwdTiles:
     pingpong: bool    # two consumers take turns to issue their products (kernels/hopper_fwd.cu)
     persistent: bool  # one CTA per SM walking the tiles (a tile counter under a causal mask or window), else one a tile
     staged_out: bool = False  # two Q buffers; the output staged in the tile's and stored by the copy engine
+    masked_pingpong: Optional[bool] = None  # ping-pong under a causal mask or a window (None: as ``pingpong``)
+
+    def pingpong_for(self, masked: bool) -> bool:
+        """Whether the consumers take turns on a problem with (``masked``) or without a causal mask or window."""
+        return self.pingpong if not masked or self.masked_pingpong is None else self.masked_pingpong
 
 
 @dataclass(frozen=True)
@@ -199,11 +205,12 @@ class HopperBwdTiles:
 HOPPER_BWD_TILES = {64: HopperBwdTiles(3, False), 128: HopperBwdTiles(2, True)}
 # The staged output (H6): +1-5% at d = 64 (-2% at 4k without a mask), at d = 128 +11-13% at 1k and from -5% to +6% at
 # 4k and 16k; no shared memory for it at d = 256. Ping-pong (H2) is off at d = 64 since H10: without it +0-13% in
-# every cell of two sweeps; at d = 128 it holds the cells without a mask (with one, off is +4-8%).
+# every cell of two sweeps; at d = 128 and 256 it holds the cells without a mask, and is off under a causal mask or a
+# window, where the same two sweeps read +3-12% at d = 128 and +1-4% at d = 256 without it (H12).
 HOPPER_FWD_TILES = {
     64: HopperFwdTiles(128, 3, 2, False, True, True),
-    128: HopperFwdTiles(128, 2, 2, True, True, True),
-    256: HopperFwdTiles(64, 2, 2, True, True),
+    128: HopperFwdTiles(128, 2, 2, True, True, True, masked_pingpong=False),
+    256: HopperFwdTiles(64, 2, 2, True, True, masked_pingpong=False),
 }
 
 # A tuning override, read once at import: MHATTN_CUPY_TILES='{"fwd": {"128": [128, 32, 4, false]}, ...}'
@@ -512,7 +519,9 @@ def _check_hopper_smem(tiles, d: int, smem: int) -> None:
                          f"{smem_limit(HOPPER_CC)}")
 
 
-def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) -> Variant:
+def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None, masked: bool = False) -> Variant:
+    """The Hopper forward at head dim ``d`` with ``tiles`` (default the table's), for problems with (``masked``) or
+    without a causal mask or window (the tiles may take turns differently, HopperFwdTiles.masked_pingpong)."""
     if dtype_name not in DTYPE_NAMES:
         raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
     if d not in HOPPER_HEAD_DIMS:
@@ -521,7 +530,7 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None) ->
     smem = hopper_fwd_smem(tiles, d)
     _check_hopper_smem(tiles, d, smem)
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("BLOCK_N", tiles.block_n),
-               ("STAGES", tiles.stages), ("CONSUMERS", tiles.consumers), ("PINGPONG", int(tiles.pingpong)),
+               ("STAGES", tiles.stages), ("CONSUMERS", tiles.consumers), ("PINGPONG", int(tiles.pingpong_for(masked))),
                ("STAGED_OUT", int(tiles.staged_out)), ("SMEM_BYTES", smem))
     return Variant("hopper_fwd", defines, 128 * (1 + tiles.consumers), smem, arch_features="a")
 
@@ -550,7 +559,9 @@ def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None) ->
 
 def hopper_variants() -> list:
     """Every variant of the Hopper family (what ``mhattn build --arch sm_90a`` compiles)."""
-    return ([hopper_fwd_variant(dtype, d) for dtype in DTYPE_NAMES for d in HOPPER_HEAD_DIMS]
+    forward = [hopper_fwd_variant(dtype, d, masked=masked) for dtype in DTYPE_NAMES for d in HOPPER_HEAD_DIMS
+               for masked in (False, True)]
+    return (list(dict.fromkeys(forward))  # (a variant the same with and without a mask, once)
             + [hopper_bwd_variant(dtype, d) for dtype in DTYPE_NAMES for d in HOPPER_BWD_TILES])
 
 
