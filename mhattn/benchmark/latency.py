@@ -17,6 +17,8 @@ kernel choice) as a ratio. Planning and reporting are plain functions of plain d
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
 from dataclasses import asdict, dataclass
 
@@ -86,18 +88,21 @@ def host_loop_us(fn, calls: int, device, rounds: int = HOST_LOOP_ROUNDS) -> floa
     return best
 
 
-def host_loops_in_turn(calls: dict, loop_calls: int, device, rounds: int) -> tuple:
+def host_loops_in_turn(calls: dict, loop_calls: int, device, rounds: int, contexts: dict = None) -> tuple:
     """Host loops of several calls taking turns (the host's speed drifts between loops, so calls timed one after
     another are compared at different speeds): ``rounds`` rounds, each one loop of ``loop_calls`` calls of each of
-    ``calls`` ({name: fn}) with one synchronize at its end. Returns ({name: its best loop's microseconds per call},
-    {name: the error that stopped its loops})."""
+    ``calls`` ({name: fn}) with one synchronize at its end, inside ``contexts[name]()`` where given (entered once a
+    loop, not per call). Returns ({name: its best loop's microseconds per call}, {name: the error that stopped its
+    loops})."""
     best, errors = dict.fromkeys(calls, float("inf")), {}
+    contexts = contexts or {}
     for _ in range(rounds):
         for name, fn in calls.items():
             if name in errors:
                 continue
             try:
-                best[name] = min(best[name], host_loop_us(fn, loop_calls, device, rounds=1))
+                with contexts.get(name, contextlib.nullcontext)():
+                    best[name] = min(best[name], host_loop_us(fn, loop_calls, device, rounds=1))
             except Exception as error:  # the caller reports it
                 errors[name] = error
     return {name: us for name, us in best.items() if name not in errors}, errors
@@ -157,16 +162,13 @@ def measure_group(cells: list, table: dict, device, warmup_ms=WARMUP_MS, rep_ms=
                 ready[len(rows) - 1] = (impl, call)
             except Exception as error:
                 row.update(status="error", reason=describe_error(error))
-        for _ in range(HOST_LOOP_ROUNDS):
-            for index, (impl, call) in list(ready.items()):
-                try:
-                    with impl.context():
-                        us = host_loop_us(call, calls, device, rounds=1)
-                except Exception as error:
-                    rows[index].update(status="error", reason=describe_error(error), gpu_us=None, host_us=None)
-                    del ready[index]
-                    continue
-                rows[index]["host_us"] = min(us, rows[index]["host_us"] or float("inf"))
+        loops, errors = host_loops_in_turn({index: call for index, (_, call) in ready.items()}, calls, device,
+                                           HOST_LOOP_ROUNDS,
+                                           {index: impl.context for index, (impl, _) in ready.items()})
+        for index, us in loops.items():
+            rows[index]["host_us"] = us
+        for index, error in errors.items():
+            rows[index].update(status="error", reason=describe_error(error), gpu_us=None, host_us=None)
     finally:
         ready.clear()
         release_memory(device)
@@ -176,17 +178,12 @@ def measure_group(cells: list, table: dict, device, warmup_ms=WARMUP_MS, rep_ms=
 def run(impl_names: list, table: dict, device, shapes=None, modes=MODES, progress=None, **timing_args) -> list:
     """Measures every cell in this process, a (shape, mode) group at a time; returns the rows."""
     rows = []
-    cells = plan_cells(impl_names, shapes, modes)
-    group = []
-    for cell in cells + [None]:
-        if group and (cell is None or (cell["shape"], cell["mode"]) != (group[0]["shape"], group[0]["mode"])):
-            for row in measure_group(group, table, device, **timing_args):
-                rows.append(row)
-                if progress is not None:
-                    progress(row)
-            group = []
-        if cell is not None:
-            group.append(cell)
+    cells = plan_cells(impl_names, shapes, modes)  # a (shape, mode) group's cells stand together
+    for _, group in itertools.groupby(cells, key=lambda cell: (cell["shape"], cell["mode"])):
+        for row in measure_group(list(group), table, device, **timing_args):
+            rows.append(row)
+            if progress is not None:
+                progress(row)
     return rows
 
 
