@@ -228,8 +228,8 @@ def split_kv_tasks(head_dim: int, cc: int = 80) -> list:
                  ("RELEASE_DEPENDENTS", dependent))
         tasks.append(KernelTask("splitkv", head_dim, True, configs.KernelConfig(16, tile.block_n, tile.num_warps,
                                                                                  tile.num_stages), flags=flags))
-    combine_warps = 4 if padded >= 128 else 2  # as decode_launch launches it
-    tasks.append(KernelTask("combine", head_dim, True, configs.KernelConfig(1, 1, combine_warps, 1),
+    combine_tile = configs.KernelConfig(1, 1, decode_launch.combine_warps(padded), 1)
+    tasks.append(KernelTask("combine", head_dim, True, combine_tile,
                             flags=(("WAIT_PRIMARY", dependent),)))
     return tasks
 

@@ -163,7 +163,7 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
 
     def prepare_combine():
         return (rows,), (*out.stride()[:3], plan.heads_q, plan.seqlen_q, splits), \
-            combine.cached_constexprs(4 if plan.block_dv >= 128 else 2, 1, {"launch_pdl": True} if dependent else None,
+            combine.cached_constexprs(combine_warps(plan.block_dv), 1, {"launch_pdl": True} if dependent else None,
                                       HEAD_DIM_V=plan.head_dim_v, BLOCK_DV=plan.block_dv,
                                       BLOCK_S=max(2, configs.triton_next_power_of_2(splits)), WAIT_PRIMARY=dependent)
 
@@ -174,6 +174,11 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
             backend._launch_site(signature, (combine, keys, dependent), combine, (out, lse, out_split, lse_split), (),
                                  prepare_combine)
     return out, lse
+
+
+def combine_warps(block_dv: int) -> int:
+    """Warps of a combine program (one query row) at padded value head dim ``block_dv``."""
+    return 4 if block_dv >= 128 else 2
 
 
 def _dependent_launch_ok(plan) -> bool:
