@@ -17,12 +17,17 @@ autograd with CONFORMANCE.md's rule (at most 4x the error of the same computatio
 each case checked to have run the Hopper backward; 2. ``torch.autograd.grad`` of the forward's output timed beside
 sdpa-cudnn and sdpa-flash, and the mma.sync backward.
 
+``--deterministic``: the backward with reproducible gradients asked for (MHATTN_CUPY_FAST_BACKWARD=0): the Hopper
+backward's key blocks add dQ in turns, the mma.sync column is the dQ kernel's backward; each correctness case also
+runs the backward twice and requires equal bits.
+
 ``--sweep``: instead of 2., each candidate of SWEEP / SWEEP_BWD (set in variants.HOPPER_FWD_TILES /
 HOPPER_BWD_TILES at run time) is checked (1. in bf16) and timed at the protocol's shapes beside sdpa-cudnn.
 """
 
 import argparse
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -120,8 +125,10 @@ def correctness_backward(head_dims, dtypes=(torch.bfloat16, torch.float16)) -> i
         grad_out = torch.randn_like(q)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out = run_cupy(*leaves, causal, window, bottom_right)[0]
-        got = torch.autograd.grad(out, leaves, grad_out)
+        got = torch.autograd.grad(out, leaves, grad_out, retain_graph=reproducible())
         hopper = last_plan_is_hopper(ops._backward_plans)
+        same = not reproducible() or all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(
+            out, leaves, grad_out)))
         exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
         want = torch.autograd.grad(reference(*exact, causal, window, diag_offset)[0], exact, grad_out.double())
         low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -129,15 +136,21 @@ def correctness_backward(head_dims, dtypes=(torch.bfloat16, torch.float16)) -> i
         cases += 1
         for name, g, w, b in zip("qkv", got, want, base):
             err, base_err = (g.double() - w).abs().max().item(), (b.double() - w).abs().max().item()
-            if not hopper or torch.isnan(g).any() or err > 4 * base_err + 1e-2:
+            if not hopper or not same or torch.isnan(g).any() or err > 4 * base_err + 1e-2:
                 failures += 1
                 print(f"FAIL backward d{name} {dtype} {layout} q{tuple(q.shape)} k{tuple(k.shape)} causal={causal} "
-                      f"window={window} bottom_right={bottom_right}: hopper={hopper} err {err:.3g} vs {base_err:.3g}",
-                      flush=True)
+                      f"window={window} bottom_right={bottom_right}: hopper={hopper} err {err:.3g} vs {base_err:.3g}"
+                      f", the same bits twice {same}", flush=True)
                 break
     ops.POISON_OUTPUTS = False
-    print(f"Hopper backward correctness: {failures} failures in {cases} cases", flush=True)
+    kind = " (reproducible gradients)" if reproducible() else ""
+    print(f"Hopper backward correctness{kind}: {failures} failures in {cases} cases", flush=True)
     return failures
+
+
+def reproducible() -> bool:
+    """Whether the backward runs with reproducible gradients asked for (--deterministic)."""
+    return os.environ.get("MHATTN_CUPY_FAST_BACKWARD") == "0"
 
 
 def correctness(head_dims, dtypes=(torch.bfloat16, torch.float16)) -> int:
@@ -228,7 +241,8 @@ def timing(dtype, head_dims, seqlens, backward=False):
         rows.append([str(d), str(n), "yes" if causal else "no"] + [f"{x:.0f}" for x in (cudnn, flash, hopper, mma)]
                     + [f"{hopper / cudnn:.2f}", f"{hopper / flash:.2f}"])
         print(rows[-1], flush=True)
-    print_table(f"{str(dtype).replace('torch.', '')} {'backward' if backward else 'forward'}, TFLOP/s (same run)",
+    what = ("backward, reproducible gradients" if reproducible() else "backward") if backward else "forward"
+    print_table(f"{str(dtype).replace('torch.', '')} {what}, TFLOP/s (same run)",
                 ["d", "N", "causal", "sdpa-cudnn", "sdpa-flash", "cupy Hopper", "cupy mma.sync", "Hopper/cuDNN",
                  "Hopper/flash"], rows)
 
@@ -264,7 +278,11 @@ def main():
     parser.add_argument("--head-dim", default="64,128,256", help="comma-separated head dims")
     parser.add_argument("--timing-only", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the tile candidates of SWEEP instead")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="the backward with reproducible gradients asked for (MHATTN_CUPY_FAST_BACKWARD=0)")
     args = parser.parse_args()
+    if args.deterministic:
+        os.environ["MHATTN_CUPY_FAST_BACKWARD"] = "0"  # read by the cupy backend at each call
     dtypes = [DTYPES[name] for name in args.dtype.split(",") if name in DTYPES]
     if not dtypes or len(dtypes) != len(args.dtype.split(",")):
         parser.error(f"--dtype: expected comma-separated names from {sorted(DTYPES)}, got {args.dtype!r}")

@@ -93,13 +93,16 @@ def sequence_variant_sample(cc) -> list:
 
 def hopper_options_off_in_the_tables() -> list:
     """The Hopper variants with each option the other way from the tables (so CI compiles them too): dQ by the
-    copy engine's bulk reduce-add or by atomics in the backward, and two dQ buffers at d = 64; the output staged for
+    copy engine's bulk reduce-add or by atomics in the backward, two dQ buffers at d = 64, dQ in turns (reproducible)
+    where the table keeps the mma.sync dQ kernel for it; the output staged for
     the copy engine or stored by the consumers in the forward (staged only where it fits)."""
     out = [variants.hopper_bwd_variant(dtype, d, variants.HopperBwdTiles(tiles.stages, not tiles.dq_bulk))
            for dtype in variants.DTYPE_NAMES for d, tiles in variants.HOPPER_BWD_TILES.items()]
     stages_64 = variants.HOPPER_BWD_TILES[64].stages
     out += [variants.hopper_bwd_variant(dtype, 64, variants.HopperBwdTiles(stages_64, bulk, 2))
             for dtype in variants.DTYPE_NAMES for bulk in (False, True)]  # two dQ buffers (room at d = 64 only)
+    out += [variants.hopper_bwd_variant(dtype, d, deterministic=True) for dtype in variants.DTYPE_NAMES
+            for d in variants.HOPPER_BWD_TILES if d not in variants.HOPPER_BWD_DETERMINISTIC_DIMS]  # dQ in turns
     for dtype in variants.DTYPE_NAMES:
         for d, tiles in variants.HOPPER_FWD_TILES.items():
             other = dataclasses.replace(tiles, staged_out=not tiles.staged_out)
@@ -717,7 +720,11 @@ def test_forward_path_names_the_family():
     assert "a mask, dropout or softcap" in backend.forward_path(_problem(features=frozenset({"dropout"})))
     assert "head dims 96/96" in backend.forward_path(_problem(head_dim=96, head_dim_v=96))
     assert "hopper_bwd.cu" in backend.backward_path(_problem())
-    assert "deterministic" in CupyBackend(compute_capability=(9, 0), deterministic=True).backward_path(_problem())
+    reproducible = CupyBackend(compute_capability=(9, 0), deterministic=True)
+    assert "hopper_bwd.cu" in reproducible.backward_path(_problem(head_dim=128, head_dim_v=128))
+    assert "in turns: deterministic" in reproducible.backward_path(_problem(head_dim=128, head_dim_v=128))
+    assert "not the Hopper backward because a deterministic backward at head dim 64" in reproducible.backward_path(
+        _problem(head_dim=64, head_dim_v=64))
     assert backend.backward_path(_problem(head_dim=256, head_dim_v=256)).startswith(
         "the mma.sync backward (kernels/bwd_*.cu): not the Hopper backward because head dims 256/256")
 
@@ -736,13 +743,27 @@ def test_hopper_backward_plan_launches_the_preprocess_then_the_hopper_kernel(rec
     assert recorded_maps == [(tuple(t.shape), t.stride(), rows) for t, rows in ((q, 64), (k, 128), (v, 128),
                                                                                 (grad_out, 64))]
     maps = [10**15 + rows * 10**12 + t.data_ptr() for t, rows in ((q, 64), (k, 128), (v, 128), (grad_out, 64))]
-    assert args[:4] == [("ptr", p) for p in maps] and args[7:9] == [("ptr", dk.data_ptr()), ("ptr", dv.data_ptr())]
-    assert args[9:15] == [("i64", s) for s in dk.stride()[:3] + dv.stride()[:3]]
-    assert args[15:] == [("i32", 300), ("i32", 384), ("i32", 517), ("i32", 4), ("i32", 2),
+    assert args[:4] == [("ptr", p) for p in maps] and args[8:10] == [("ptr", dk.data_ptr()), ("ptr", dv.data_ptr())]
+    assert args[10:16] == [("i64", s) for s in dk.stride()[:3] + dv.stride()[:3]]
+    assert args[16:] == [("i32", 300), ("i32", 384), ("i32", 517), ("i32", 4), ("i32", 2),
                          ("f32", params.scale * ops.LOG2E), ("f32", params.scale), ("i32", 217),
                          ("i32", ops.UNBOUNDED), ("i32", 0)]
-    # reproducible gradients asked for: the mma.sync kernels (dQ from its own kernel)
+    assert args[6][1] != 0 and args[7] == ("ptr", 0)  # the float32 dQ accumulator; no turn counters
+    # reproducible gradients asked for: the same kernel with DETERMINISTIC=1 and, right after the accumulator in the
+    # same zeroed buffer, a turn counter per (batch, query head, query block of 64)
     backend.deterministic = True
+    backend.backward(grad_out, q, k, v, out, lse, params)
+    variant, grid, args = launcher.calls[-1]
+    assert variant == variants.hopper_bwd_variant("bfloat16", 128, deterministic=True)
+    assert variant.define("DETERMINISTIC") == 1 and grid == (-(-517 // 128), 2, 2)
+    assert args[7][1] == args[6][1] + 4 * 2 * 4 * 300 * 128
+    assert args[16:] == [("i32", 300), ("i32", 384), ("i32", 517), ("i32", 4), ("i32", 2),
+                         ("f32", params.scale * ops.LOG2E), ("f32", params.scale), ("i32", 217),
+                         ("i32", ops.UNBOUNDED), ("i32", 0)]
+    # at d = 64 reproducible gradients keep the mma.sync dQ kernel (faster there: HOPPER_BWD_DETERMINISTIC_DIMS)
+    q, k, v, grad_out = _inputs(1, 2, 2, 200, 200, 64, torch.bfloat16, "cpu")
+    params = _params(200, 200, 64)
+    out, lse = backend.forward(q, k, v, params)
     backend.backward(grad_out, q, k, v, out, lse, params)
     assert launcher.calls[-1][0].kernel == "bwd_dq"
 
@@ -950,15 +971,23 @@ def test_gpu_dropout_keep_mask_is_the_shared_rng(gpu_backend, dtype):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("d", [64, 128, 256, "features"])
+@pytest.mark.parametrize("d", [64, 128, 256, "features", "window_gqa", "long"])
 def test_gpu_backward_is_deterministic(d, monkeypatch):
-    # asked for through torch, as users do; the default backward (atomic dQ) need not be reproducible
+    # asked for through torch, as users do; the default backward (atomic dQ) need not be reproducible. On sm_90 d =
+    # 64 and 128 run the Hopper backward with its key blocks adding dQ in turns; "long" has more key blocks a head
+    # (256) than the H100 has SMs, the grid that would deadlock if a CTA waited for one started after it.
     backend = CupyBackend()
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     if d == "features":  # softcap, float mask with its gradient, odd head dims
         q, k, v, grad_out = _inputs(2, 4, 2, 1000, 1000, 59, torch.bfloat16, "cuda", d_v=77)
         params = _params(1000, 1000, 59, causal="top_left", softcap=4.0, mask_requires_grad=True,
                          mask=_float_mask(2, 4, 1000, 1000, torch.bfloat16, "cuda"))
+    elif d == "window_gqa":
+        q, k, v, grad_out = _inputs(2, 6, 2, 1100, 1300, 64, torch.float16, "cuda")
+        params = _params(1100, 1300, 64, causal="bottom_right", window=(300, None))
+    elif d == "long":
+        q, k, v, grad_out = _inputs(1, 2, 2, 2048, 32768, 128, torch.bfloat16, "cuda")
+        params = _params(2048, 32768, 128)
     else:
         q, k, v, grad_out = _inputs(2, 4, 2, 1000, 1000, d, torch.bfloat16, "cuda")
         params = _params(1000, 1000, d, causal="top_left")

@@ -25,8 +25,9 @@ from mhattn.backends.cupy import ops, packed, variants
 __all__ = ["CupyBackend"]
 
 # The backward forms dQ with float32 atomics by default (as FlashAttention-2 and SDPA's flash backend do:
-# fastest, not bitwise reproducible). Set to 0 for the deterministic backward (dQ from its own kernel), which
-# torch.use_deterministic_algorithms(True) and CupyBackend(deterministic=True) also select.
+# fastest, not bitwise reproducible). Set to 0 for the deterministic backward (the mma.sync kernels: dQ from its own
+# kernel; the Hopper backward: the key blocks add dQ in a fixed order), which torch.use_deterministic_algorithms(True)
+# and CupyBackend(deterministic=True) also select.
 FAST_BACKWARD_ENV = "MHATTN_CUPY_FAST_BACKWARD"
 
 
@@ -68,7 +69,8 @@ class CupyBackend(Backend):
         # launcher: an object with prepare(variant, grid, template, device, cc) returning launch(pointers) (see
         # launcher.py), or only launch(variant, grid, args, device, cc); default: CuPy on torch's stream.
         # compute_capability: fixed (major, minor) instead of the device's (the host-side emulator uses it).
-        # deterministic: True = bitwise-reproducible backward (dQ from its own kernel); False = dQ through float32
+        # deterministic: True = bitwise-reproducible backward (dQ from its own kernel, or on sm_90 the Hopper
+        # backward's key blocks adding dQ in a fixed order); False = dQ through float32
         # atomics in the dK/dV kernel (faster, summation order varies between runs); None = False unless
         # torch.use_deterministic_algorithms(True) is on or MHATTN_CUPY_FAST_BACKWARD=0. Head dims whose tiles
         # cannot form dQ in the dK/dV kernel (the 96 and 192 buckets) always run the deterministic kernels.
@@ -150,10 +152,12 @@ class CupyBackend(Backend):
                     "every GPU: the Hopper backward takes dense attention only")
         if problem.operation != "attention":
             return None  # forward only
-        reason = ops.DETERMINISTIC if self._deterministic() else ops.hopper_problem_refusal(problem, backward=True)
+        reason = ops.hopper_problem_refusal(problem, backward=True, deterministic=self._deterministic())
         if reason is None:
             tiles = variants.HOPPER_BWD_TILES[problem.head_dim]
             dq = "dQ by the copy engine's bulk reduce-add" if tiles.dq_bulk else "dQ with atomics"
+            if self._deterministic():
+                dq += ", the key blocks in turns: deterministic"
             return (f"the Hopper backward (kernels/hopper_bwd.cu: TMA, wgmma, {dq}), when q, k, v and the output "
                     "gradient rows are 16-byte aligned and no dim is broadcast")
         return f"the mma.sync backward (kernels/bwd_*.cu): not the Hopper backward because {reason}"

@@ -121,7 +121,7 @@ def _seed(params: AttentionParams, device):
 
 FWD_POINTERS = ("q", "k", "v", "out", "lse", "mask", "seed", "float_mask")
 BWD_POINTERS = ("q", "k", "v", "out", "grad_out", "lse", "grad_lse", "lse_log2", "delta", "dq", "dk", "dv",
-                "dq_accum", "mask", "seed", "float_mask", "dmask")
+                "dq_accum", "mask", "seed", "float_mask", "dmask", "dq_turns")
 _FWD = {name: slot(i) for i, name in enumerate(FWD_POINTERS)}
 _BWD = {name: slot(i) for i, name in enumerate(BWD_POINTERS)}
 _NULL = ptr(None)
@@ -235,14 +235,10 @@ HOPPER_ENV = "MHATTN_CUPY_HOPPER"
 HOPPER_ENABLED = os.environ.get(HOPPER_ENV, "1").strip().lower() not in ("0", "false", "no", "off", "never")
 
 
-# Why the backward does not take the Hopper kernel when the problem asks for reproducible gradients.
-DETERMINISTIC = "a deterministic backward (dQ from its own kernel; the Hopper backward adds dQ with atomics)"
-
-
 def hopper_refusal(cc, dtype, head_dim: int, head_dim_v: int, bool_mask: bool, dropout: bool, softcap: bool,
-                   float_mask: bool, backward: bool = False) -> Optional[str]:
-    """Why the Hopper forward (``backward``: the Hopper backward, with head dims of its own) does not run a problem
-    (None: it does, where the tensors can be mapped)."""
+                   float_mask: bool, backward: bool = False, deterministic: bool = False) -> Optional[str]:
+    """Why the Hopper forward (``backward``: the Hopper backward, with head dims of its own; ``deterministic``: with
+    reproducible gradients asked for) does not run a problem (None: it does, where the tensors can be mapped)."""
     head_dims = tuple(variants.HOPPER_BWD_TILES) if backward else variants.HOPPER_HEAD_DIMS
     if not HOPPER_ENABLED:
         return f"{HOPPER_ENV}=0"
@@ -254,19 +250,23 @@ def hopper_refusal(cc, dtype, head_dim: int, head_dim_v: int, bool_mask: bool, d
         return f"head dims {head_dim}/{head_dim_v} (equal, one of {head_dims})"
     if bool_mask or dropout or softcap or float_mask:
         return "a mask, dropout or softcap"
+    if backward and deterministic and head_dim not in variants.HOPPER_BWD_DETERMINISTIC_DIMS:
+        return (f"a deterministic backward at head dim {head_dim} (there the Hopper backward's dQ in turns is slower "
+                "than the mma.sync dQ kernel)")
     return None
 
 
-def hopper_problem_refusal(problem, backward: bool = False) -> Optional[str]:
+def hopper_problem_refusal(problem, backward: bool = False, deterministic: bool = False) -> Optional[str]:
     """:func:`hopper_refusal` of a dispatcher Problem (no tensors: their alignment is not known there); ``backward``:
-    the backward's head dims."""
+    the backward's head dims (``deterministic``: with reproducible gradients)."""
     features = problem.features
     return hopper_refusal(problem.compute_capability, problem.dtype, problem.head_dim, problem.head_dim_v,
                           "bool_mask" in features, "dropout" in features, "softcap" in features,
-                          "float_mask" in features, backward)
+                          "float_mask" in features, backward, deterministic)
 
 
-def _hopper_call_refusal(launcher, cc, params: AttentionParams, tensors: dict, backward: bool = False) -> Optional[str]:
+def _hopper_call_refusal(launcher, cc, params: AttentionParams, tensors: dict, backward: bool = False,
+                         deterministic: bool = False) -> Optional[str]:
     """:func:`hopper_refusal` of a call; ``tensors``: name -> the (B, H, N, D) tensors the kernel reads through maps."""
     if not getattr(launcher, "tensor_maps", False):
         return "a launcher without tensor maps"
@@ -274,7 +274,7 @@ def _hopper_call_refusal(launcher, cc, params: AttentionParams, tensors: dict, b
     q, v = tensors["q"], tensors["v"]
     reason = hopper_refusal(cc, q.dtype, q.shape[-1], v.shape[-1], mask is not None and mask.dtype == torch.bool,
                             params.dropout_p > 0, params.softcap is not None,
-                            mask is not None and mask.dtype != torch.bool, backward)
+                            mask is not None and mask.dtype != torch.bool, backward, deterministic)
     if reason is None:
         for name, t in tensors.items():
             why = tensor_maps.why_not_mappable(t)
@@ -427,7 +427,7 @@ def sched_pairs(pairs: int, seqlen_k: int, head_dim: int, element_size: int) -> 
 class _BackwardPlan:
     __slots__ = ("d", "tiles", "grads", "trivial", "mask_grad", "dmask_shape", "copies", "convert_lse",
                  "convert_grad_lse", "vector_shape", "dropout", "bool_mask", "float_mask", "atomic_dq", "dq_shape",
-                 "maps", "launches")
+                 "dq_turns", "maps", "launches")
 
 
 def _backward_tiles(d):
@@ -477,12 +477,20 @@ def backward(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionParams,
     delta = torch.empty(plan.vector_shape, dtype=torch.float32, device=device)
     seed = _seed(params, device) if plan.dropout else None
     float_mask = float_mask_view(mask) if plan.float_mask else None
-    dq_accum = torch.zeros(plan.dq_shape, dtype=torch.float32, device=device) if plan.atomic_dq else None
+    dq_accum = dq_turns = None
+    if plan.atomic_dq:
+        # one zeroed buffer: the float32 accumulator, then the deterministic Hopper backward's int32 turn counters
+        # (zero bits either way)
+        accum_size = math.prod(plan.dq_shape)
+        zeros = torch.zeros(accum_size + plan.dq_turns, dtype=torch.float32, device=device)
+        dq_accum = zeros[:accum_size].view(plan.dq_shape)
+        dq_turns = zeros[accum_size:].view(torch.int32) if plan.dq_turns else None
     pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(),
                 0 if grad_lse is None else grad_lse.data_ptr(), lse_log2.data_ptr(), delta.data_ptr(),
                 dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), 0 if dq_accum is None else dq_accum.data_ptr(),
                 mask.data_ptr() if plan.bool_mask else 0, 0 if seed is None else seed.data_ptr(),
-                0 if float_mask is None else float_mask.data_ptr(), 0 if dmask is None else dmask.data_ptr())
+                0 if float_mask is None else float_mask.data_ptr(), 0 if dmask is None else dmask.data_ptr(),
+                0 if dq_turns is None else dq_turns.data_ptr())
     if plan.maps is not None:  # the Hopper backward's tensor maps follow, in _HOPPER_BWD_MAPS order
         pointers += tuple(make(t.data_ptr()) for make, t in zip(plan.maps, (q, k, v, grad_out)))
     for launch in plan.launches:
@@ -510,6 +518,7 @@ def _backward_plan(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionP
     plan.mask_grad = "FLOAT_MASK" in features and params.mask_requires_grad
     plan.dmask_shape = (batch, heads_q, seqlen_q, seqlen_k)
     plan.d = plan.tiles = plan.copies = plan.maps = None
+    plan.dq_turns = 0
     plan.trivial = seqlen_q == 0 or seqlen_k == 0 or batch == 0 or heads_q == 0
     if plan.trivial:
         return plan
@@ -539,10 +548,11 @@ def _backward_plan(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionP
     args += [i32(heads_q), i32(seqlen_q), i32(seqlen_q_pad), i32(head_dim_v), i64(rows)]
     launches.append(_prepared(launcher, pre, (cdiv(rows, variants.PREPROCESS_WARPS), 1, 1), args, device, cc))
 
-    hopper_refused = DETERMINISTIC if deterministic or plan.mask_grad else _hopper_call_refusal(
-        launcher, cc, params, {"q": q, "k": k, "v": v, "grad_out": grad_out}, backward=True)
+    # (a mask gradient comes with a float mask, which the Hopper backward refuses)
+    hopper_refused = _hopper_call_refusal(launcher, cc, params, {"q": q, "k": k, "v": v, "grad_out": grad_out},
+                                          backward=True, deterministic=bool(deterministic))
     if hopper_refused is None:
-        _hopper_backward_plan(plan, launcher, cc, q, k, v, grad_out, params, launches, device)
+        _hopper_backward_plan(plan, launcher, cc, q, k, v, grad_out, params, launches, bool(deterministic), device)
         return plan
 
     shape_args = [i32(seqlen_q), i32(seqlen_q_pad), i32(seqlen_k), i32(heads_q), i32(group), i32(head_dim),
@@ -579,15 +589,17 @@ _HOPPER_BWD_MAPS = {name: slot(len(BWD_POINTERS) + i) for i, name in enumerate((
 
 
 def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, params: AttentionParams, launches,
-                          device) -> None:
-    """The plan's launches after the preprocess: kernels/hopper_bwd.cu (dK, dV; dQ into the float32 accumulator)."""
+                          deterministic: bool, device) -> None:
+    """The plan's launches after the preprocess: kernels/hopper_bwd.cu (dK, dV; dQ into the float32 accumulator;
+    ``deterministic``: the key blocks add it in turns, with a counter per query block)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    variant = variants.hopper_bwd_variant(_DTYPE_NAMES[q.dtype], head_dim)
+    variant = variants.hopper_bwd_variant(_DTYPE_NAMES[q.dtype], head_dim, deterministic=deterministic)
     plan.maps = _row_maps(launcher, (q, k, v, grad_out), (64, 128, 128, 64))
     dk, dv = (torch.empty_strided(shape, stride, device="meta") for shape, stride in plan.grads[1:])
     m, p = _HOPPER_BWD_MAPS, _BWD
-    args = [m["q"], m["k"], m["v"], m["grad_out"], p["lse_log2"], p["delta"], p["dq_accum"], p["dk"], p["dv"]]
+    args = [m["q"], m["k"], m["v"], m["grad_out"], p["lse_log2"], p["delta"], p["dq_accum"],
+            p["dq_turns"] if deterministic else _NULL, p["dk"], p["dv"]]
     args += _strides(dk) + _strides(dv)
     args += [i32(seqlen_q), i32(plan.vector_shape[2]), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv),
              f32(params.scale * LOG2E), f32(params.scale)]
@@ -595,6 +607,7 @@ def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, 
     launches.append(_prepared(launcher, variant, (cdiv(seqlen_k, 128), heads_kv, batch), args, device, cc))
     plan.atomic_dq = True
     plan.dq_shape = (batch, heads_q, seqlen_q, head_dim)
+    plan.dq_turns = batch * heads_q * cdiv(seqlen_q, 64) if deterministic else 0  # one a (batch, head, query block)
     plan.bool_mask = plan.dropout = plan.float_mask = False
     plan.launches = tuple(launches)
 

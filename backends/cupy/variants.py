@@ -203,6 +203,9 @@ class HopperBwdTiles:
 # takes, its ring slots and how dQ reaches the accumulator (the bulk reduce-add: +2-13% at d = 128; at d = 64 a third
 # slower than the atomics, with or without the writers' sum of the two tiles, B6).
 HOPPER_BWD_TILES = {64: HopperBwdTiles(3, False), 128: HopperBwdTiles(2, True)}
+# The head dims whose reproducible backward is the Hopper kernel with its key blocks adding dQ in turns (B8: at d = 128
+# 1.2-1.6x the mma.sync dQ kernel's backward; at d = 64 0.8-1.0x of it, which keeps d = 64).
+HOPPER_BWD_DETERMINISTIC_DIMS = (128,)
 # The staged output (H6): +1-5% at d = 64 (-2% at 4k without a mask), at d = 128 +11-13% at 1k and from -5% to +6% at
 # 4k and 16k; no shared memory for it at d = 256. Ping-pong (H2) is off at d = 64 since H10: without it +0-13% in
 # every cell of two sweeps; at d = 128 and 256 it holds the cells without a mask, and is off under a causal mask or a
@@ -544,7 +547,9 @@ def hopper_bwd_smem(stages: int, d: int, dq_buffers: int = 1) -> int:
             + dq_buffers * dq_tiles * 64 * (d + 8) * 4 + 8 * (1 + 2 * dq_buffers + 2 * stages))
 
 
-def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None) -> Variant:
+def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, deterministic: bool = False) -> Variant:
+    """kernels/hopper_bwd.cu for one dtype and head dim; ``deterministic``: the key blocks add dQ in turns (bitwise
+    reproducible gradients)."""
     if dtype_name not in DTYPE_NAMES:
         raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
     if d not in HOPPER_BWD_TILES:
@@ -553,7 +558,8 @@ def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None) ->
     smem = hopper_bwd_smem(tiles.stages, d, tiles.dq_buffers)
     _check_hopper_smem(tiles, d, smem)
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("STAGES", tiles.stages),
-               ("DQ_BULK", int(tiles.dq_bulk)), ("DQ_BUFFERS", tiles.dq_buffers), ("SMEM_BYTES", smem))
+               ("DQ_BULK", int(tiles.dq_bulk)), ("DQ_BUFFERS", tiles.dq_buffers),
+               ("DETERMINISTIC", int(bool(deterministic))), ("SMEM_BYTES", smem))
     return Variant("hopper_bwd", defines, 384, smem, arch_features="a")
 
 
@@ -562,7 +568,9 @@ def hopper_variants() -> list:
     forward = [hopper_fwd_variant(dtype, d, masked=masked) for dtype in DTYPE_NAMES for d in HOPPER_HEAD_DIMS
                for masked in (False, True)]
     return (list(dict.fromkeys(forward))  # (a variant the same with and without a mask, once)
-            + [hopper_bwd_variant(dtype, d) for dtype in DTYPE_NAMES for d in HOPPER_BWD_TILES])
+            + [hopper_bwd_variant(dtype, d) for dtype in DTYPE_NAMES for d in HOPPER_BWD_TILES]
+            + [hopper_bwd_variant(dtype, d, deterministic=True) for dtype in DTYPE_NAMES
+               for d in HOPPER_BWD_DETERMINISTIC_DIMS])
 
 
 def all_variants(cc, features: bool = True, sequences: bool = True) -> list:

@@ -106,6 +106,20 @@ MHATTN_DEVICE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n
 // Makes this thread's plain shared-memory stores visible to the asynchronous proxy (wgmma, TMA) that reads them
 // next (a barrier among the writers must follow before the reads are issued).
 MHATTN_DEVICE void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Orders this thread's global-memory operations through the asynchronous proxy (bulk reduce-adds) with its plain
+// ones, both ways: after bulk_wait_all, before a release that others read; after an acquire, before the next bulk ops.
+MHATTN_DEVICE void fence_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+// A counter in global memory that CTAs of one grid pass on to each other (gpu scope): read with acquire semantics,
+// raised by one with release semantics.
+MHATTN_DEVICE int load_acquire_gpu(const int* p) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(value) : "l"(p) : "memory");
+  return value;
+}
+MHATTN_DEVICE void add_release_gpu(int* p, int x) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(x) : "memory");
+}
+MHATTN_DEVICE void fence_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 MHATTN_DEVICE void tma_prefetch_map(const TensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }

@@ -20,8 +20,15 @@
 // query rows past seqlen_q have lse = +inf (P = 0). The causal / window band masks P per element only in the
 // blocks that cut it.
 //
-// -D options: MHATTN_BF16, HEAD_DIM (64 or 128), STAGES, DQ_BULK (0 or 1), DQ_BUFFERS (1 or 2), SMEM_BYTES (checked
-// against the layout below).
+// DETERMINISTIC 1 (the backward on request of reproducible gradients): the CTAs whose keys a query block sees add
+// their dQ tiles to it one after another, from the highest key block down, so every dq_accum element sums its terms
+// in one order and dQ is the same bit for bit from run to run. A counter per (batch, query head, query block) in
+// dq_turns (zeros at launch) says how many have added. blockIdx.x runs over the key blocks from the last one, and the
+// GPU starts CTAs in blockIdx order, so a CTA only waits for CTAs started before it: no deadlock however large the
+// grid.
+//
+// -D options: MHATTN_BF16, HEAD_DIM (64 or 128), STAGES, DQ_BULK (0 or 1), DQ_BUFFERS (1 or 2), DETERMINISTIC (0 or
+// 1), SMEM_BYTES (checked against the layout below).
 #define NUM_WARPS 12
 #include "common.cuh"
 #include "hopper.cuh"
@@ -65,9 +72,13 @@ constexpr u32 CONSUMER_WARPS = 8;
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = 232;
 constexpr int DQ_BARRIER = 1;                  // named barriers (+ w at d = 64): the dS^T dQ reads is in shared memory
+constexpr int WRITER_BARRIER = 3;              // the dQ writers' named barrier (DETERMINISTIC)
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "the Hopper backward takes head dims 64 and 128");
 static_assert(DQ_BULK == 0 || DQ_BULK == 1, "DQ_BULK is 0 (atomics) or 1 (bulk reduce-add)");
 static_assert(DQ_BUFFERS == 1 || DQ_BUFFERS == 2, "DQ_BUFFERS is 1 or 2");
+static_assert(DETERMINISTIC == 0 || DETERMINISTIC == 1, "DETERMINISTIC is 0 or 1");
+// (the bulk path at d = 64 hands the engine both warpgroups' tiles, which it adds in either order)
+static_assert(!(DETERMINISTIC && DQ_BULK && DQ_TILES == 2), "a deterministic dQ at d = 64 takes the atomics");
 static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory than the layout needs");
 static_assert(budgets_fit_launch(NUM_THREADS, PRODUCER_REGS, 256, CONSUMER_REGS),
               "register budgets exceed what the CTA gets at launch");
@@ -93,6 +104,21 @@ MHATTN_DEVICE QueryBlocks query_blocks(int n0, int seqlen_q, const Bounds& bound
   const i64 first = lowest <= 0 ? 0 : min_of<i64>(lowest / BLOCK_M, n_blocks);
   const i64 end = highest < 0 ? 0 : min_of<i64>(highest / BLOCK_M + 1, n_blocks);
   return {(int)first, (int)max_of<i64>(end - first, 0)};
+}
+
+// The key blocks after block n (of n_blocks) that see query block m, which block n sees: with DETERMINISTIC, how many
+// add their dQ to m before n does. The key blocks that see m are consecutive (the first query block a key block sees
+// grows with it, and so does its last), so the last of them is found by bisection.
+MHATTN_DEVICE int later_key_blocks(int m, int n, int n_blocks, int seqlen_q, const Bounds& bounds) {
+  int lo = n, hi = n_blocks - 1;  // the last key block that sees m is in [lo, hi]
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (query_blocks(mid * BLOCK_N, seqlen_q, bounds).first <= m)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo - n;
 }
 
 // ---- the producer ----------------------------------------------------------------------------------------
@@ -260,21 +286,50 @@ MHATTN_DEVICE void add_dq_by_bulk_reduce(float* s_dq, float* dq_head, int m0, in
   bulk_wait_read();
 }
 
+// DETERMINISTIC: waits until `turn` other key blocks have added to the query block of `counter` (worker 0 polls; the
+// barrier holds the other writers until then).
+MHATTN_DEVICE void wait_for_turn(const int* counter, int turn, int worker) {
+  if (worker == 0)
+    while (load_acquire_gpu(counter) != turn) __nanosleep(32);
+  named_barrier_sync(WRITER_BARRIER, 32 * DQ_WRITER_WARPS);
+  if (DQ_BULK) fence_async_global();  // the bulk adds come after what the acquire saw
+}
+
+// DETERMINISTIC: hands the query block of `counter` on to the next key block once every writer's adds are done and
+// visible at gpu scope.
+MHATTN_DEVICE void pass_turn(int* counter, int worker) {
+  if (DQ_BULK) {
+    bulk_wait_all();
+    fence_async_global();
+  }
+  fence_gpu();
+  named_barrier_sync(WRITER_BARRIER, 32 * DQ_WRITER_WARPS);
+  if (worker == 0) add_release_gpu(counter, 1);
+}
+
 // The dQ writers (warps 1-3 of the producer warpgroup, `worker` 0..95): per query block, its buffer's dQ tile added
-// to dq_accum, rows below seqlen_q; the steps in the consumers' order.
-MHATTN_DEVICE void write_dq(float* s_dq, float* dq_accum, DqBuffers dqb, QueryBlocks blocks, int hk,
-                            int b, int group, int heads_q, int seqlen_q, int worker) {
+// to dq_accum, rows below seqlen_q; the steps in the consumers' order. With DETERMINISTIC, in turn with the other key
+// blocks (n_block of n_blocks).
+MHATTN_DEVICE void write_dq(float* s_dq, float* dq_accum, int* dq_turns, DqBuffers dqb, QueryBlocks blocks,
+                            int n_block, int n_blocks, const Bounds& bounds, int hk, int b, int group, int heads_q,
+                            int seqlen_q, int worker) {
+  const int m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
   int step = 0;
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     float* dq_head = dq_accum + ((i64)b * heads_q + h) * seqlen_q * HEAD_DIM;
+    int* turns_head = DETERMINISTIC ? dq_turns + ((i64)b * heads_q + h) * m_blocks : nullptr;
     for (int i = 0; i < blocks.count; ++i, ++step) {
-      const int m0 = (blocks.first + i) * BLOCK_M;
+      const int m = blocks.first + i, m0 = m * BLOCK_M;
       const int rows = min_of(BLOCK_M, seqlen_q - m0);
       mbar_wait(dqb.full(DqBuffers::of(step)), DqBuffers::round(step));
+      if (DETERMINISTIC)
+        wait_for_turn(turns_head + m, worker == 0 ? later_key_blocks(m, n_block, n_blocks, seqlen_q, bounds) : 0,
+                      worker);
       if (DQ_BULK)
         add_dq_by_bulk_reduce(DqBuffers::tile(s_dq, step), dq_head, m0, rows, worker);
       else
         add_dq_by_atomics(DqBuffers::tile(s_dq, step), dq_head, m0, rows, worker);
+      if (DETERMINISTIC) pass_turn(turns_head + m, worker);
       __syncwarp();
       if ((worker & 31) == 0) mbar_arrive(dqb.empty(DqBuffers::of(step)));
     }
@@ -301,12 +356,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     mhattn_hopper_bwd(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
                       const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap do_map,
                       const float* __restrict__ lse_log2, const float* __restrict__ delta, float* __restrict__ dq_accum,
+                      int* __restrict__ dq_turns,
                       elem_t* __restrict__ dk, elem_t* __restrict__ dv, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb,
                       i64 dv_sh, i64 dv_sn, int seqlen_q, int seqlen_q_pad, int seqlen_k, int heads_q, int group,
                       float scale_log2, float scale, int diag_offset, int window_left, int window_right) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
-  const int n0 = blockIdx.x * BLOCK_N, hk = blockIdx.y, b = blockIdx.z;
+  const int n_block = DETERMINISTIC ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int n0 = n_block * BLOCK_N, hk = blockIdx.y, b = blockIdx.z;
   const Bounds bounds{diag_offset, window_left, window_right};
   const QueryBlocks blocks = query_blocks(n0, seqlen_q, bounds);
 
@@ -336,7 +393,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       produce(&q_map, &k_map, &v_map, &do_map, lse_log2, delta, base, kv_full, ring, blocks, n0, hk, b, group,
               heads_q, seqlen_q_pad);
     else if (tid >= 32)
-      write_dq(s_dq, dq_accum, dqb, blocks, hk, b, group, heads_q, seqlen_q, tid - 32);
+      write_dq(s_dq, dq_accum, dq_turns, dqb, blocks, n_block, gridDim.x, bounds, hk, b, group, heads_q, seqlen_q,
+               tid - 32);
     return;
   }
   claim_registers<CONSUMER_REGS>();
