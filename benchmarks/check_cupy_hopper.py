@@ -21,6 +21,9 @@ sdpa-cudnn and sdpa-flash, and the mma.sync backward.
 backward's key blocks add dQ in turns, the mma.sync column is the dQ kernel's backward; each correctness case also
 runs the backward twice and requires equal bits.
 
+``--softcap X``: the correctness cases (1.) with a softcap (the timing tables have no peer with one; use
+benchmarks/check_cupy_features.py).
+
 ``--sweep``: instead of 2., each candidate of SWEEP / SWEEP_BWD (set in variants.HOPPER_FWD_TILES /
 HOPPER_BWD_TILES at run time) is checked (1. in bf16) and timed at the protocol's shapes beside sdpa-cudnn.
 """
@@ -62,11 +65,17 @@ SWEEP = {64: ((128, 3, 2, False, True, True), (128, 3, 2, True, True, True), (12
                (64, 2, 2, True, False, False, False))}
 
 
+# --softcap: the correctness cases' softcap (None: none).
+SOFTCAP = None
+
+
 def reference(q, k, v, causal, window, diag_offset):
     """(out, lse) in float64; rows that see no key give out 0 and lse -inf."""
     group = q.shape[1] // k.shape[1]
     kd, vd = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = q @ kd.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if SOFTCAP is not None:
+        scores = SOFTCAP * torch.tanh(scores / SOFTCAP)
     rel = (torch.arange(k.shape[2], device=q.device)[None] - torch.arange(q.shape[2], device=q.device)[:, None]
            - diag_offset)
     hidden = torch.zeros_like(rel, dtype=torch.bool)
@@ -84,6 +93,8 @@ def run_cupy(q, k, v, causal, window, bottom_right):
     from torch.nn.attention.bias import causal_lower_right
 
     kwargs = {} if window is None else {"window": tuple(-1 if side is None else side for side in window)}
+    if SOFTCAP is not None:
+        kwargs["softcap"] = SOFTCAP
     if causal and bottom_right:
         return mhattn.attention(q, k, v, causal_lower_right(q.shape[2], k.shape[2]), enable_gqa=True,
                                 return_lse=True, backend="cupy", **kwargs)
@@ -280,7 +291,10 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="time the tile candidates of SWEEP instead")
     parser.add_argument("--deterministic", action="store_true",
                         help="the backward with reproducible gradients asked for (MHATTN_CUPY_FAST_BACKWARD=0)")
+    parser.add_argument("--softcap", type=float, default=None, help="the correctness cases with this softcap")
     args = parser.parse_args()
+    global SOFTCAP
+    SOFTCAP = args.softcap
     if args.deterministic:
         os.environ["MHATTN_CUPY_FAST_BACKWARD"] = "0"  # read by the cupy backend at each call
     dtypes = [DTYPES[name] for name in args.dtype.split(",") if name in DTYPES]

@@ -638,7 +638,7 @@ def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps,
     assert (args[5][0] == "ptr" and args[5][1] != 0) == tiles.persistent  # a tile counter: causal, persistent
     assert args[6:] == [("i64", s) for s in out.stride()[:3]] + [
         ("i32", 300), ("i32", 517), ("i32", 4), ("i32", 2), ("i32", 8), ("i32", ops.sched_pairs(8, 517, 128, 2)),
-        ("f32", params.scale * ops.LOG2E), ("i32", 217), ("i32", 64), ("i32", 0)]
+        ("f32", params.scale * ops.LOG2E), ("i32", 217), ("i32", 64), ("i32", 0), ("f32", 0.0), ("f32", 0.0)]
     # a second call with other tensors of the same signature makes no map and prepares nothing
     q2, k2, v2 = (t.clone() for t in (q, k, v))
     backend.forward(q2, k2, v2, params)
@@ -663,7 +663,8 @@ def test_hopper_forward_takes_turns_per_mask_as_the_tiles_say():
     assert same.pingpong_for(True) is True and variants.hopper_fwd_variant(
         "float16", 128, same, masked=True) == variants.hopper_fwd_variant("float16", 128, same)
     forward = [v for v in variants.hopper_variants() if v.kernel == "hopper_fwd"]
-    assert len(forward) == len(set(forward)) == 2 * 5  # per dtype: d = 64 once, d = 128 and 256 twice
+    # per dtype and with or without a softcap: d = 64 once, d = 128 and 256 twice
+    assert len(forward) == len(set(forward)) == 2 * 2 * 5
     assert {(v.define("HEAD_DIM"), v.define("PINGPONG")) for v in forward} == {(64, 0), (128, 1), (128, 0), (256, 1),
                                                                              (256, 0)}
 
@@ -692,12 +693,12 @@ def test_hopper_forward_with_the_output_staged_passes_the_output_s_map(recorded_
         variants.hopper_fwd_variant("bfloat16", 256, dataclasses.replace(variants.HOPPER_FWD_TILES[256], staged_out=True))
 
 
-@pytest.mark.parametrize("case", ["head dim 96", "value head dim", "softcap", "float mask", "bool mask", "dropout",
+@pytest.mark.parametrize("case", ["head dim 96", "value head dim", "float mask", "bool mask", "dropout",
                                   "sm_80", "broadcast keys", "unaligned rows", "no maps", "switched off"])
 def test_hopper_forward_refusals_take_the_mma_sync_forward(recorded_maps, monkeypatch, case):
     d = 96 if case == "head dim 96" else 64
     q, k, v, _ = _inputs(1, 2, 2, 40, 40, d, torch.float16, "cpu", d_v=32 if case == "value head dim" else None)
-    kwargs = {"softcap": {"softcap": 5.0}, "float mask": {"mask": torch.zeros(1, 2, 40, 40)},
+    kwargs = {"float mask": {"mask": torch.zeros(1, 2, 40, 40)},
               "bool mask": {"mask": torch.ones(1, 2, 40, 40, dtype=torch.bool)},
               "dropout": {"dropout_p": 0.1, "seed": torch.tensor([1, 2])}}.get(case, {})
     if case == "broadcast keys":
@@ -712,12 +713,36 @@ def test_hopper_forward_refusals_take_the_mma_sync_forward(recorded_maps, monkey
     assert launcher.calls[-1][0].kernel == "fwd" and recorded_maps == []
 
 
+def test_hopper_kernels_take_a_softcap_through_a_variant_and_two_factors(recorded_maps):
+    """A softcap runs the Hopper forward and backward compiled with SOFTCAP=1, each given common.cuh's two factors
+    (2 log2(e) scale / softcap, softcap log2(e)) as its last arguments; without one they get zeros."""
+    launcher = _MapLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(9, 0), deterministic=False)
+    q, k, v, grad_out = _inputs(1, 2, 2, 200, 200, 128, torch.float16, "cpu")
+    params = _params(200, 200, 128, causal="top_left", softcap=30.0)
+    factors = [("f32", 2.0 * ops.LOG2E * params.scale / 30.0), ("f32", 30.0 * ops.LOG2E)]
+    out, lse = backend.forward(q, k, v, params)
+    variant, _, args = launcher.calls[-1]
+    assert variant == variants.hopper_fwd_variant("float16", 128, masked=True, softcap=True)
+    assert variant.define("SOFTCAP") == 1 and args[-2:] == factors
+    backend.backward(grad_out, q, k, v, out, lse, params)
+    variant, _, args = launcher.calls[-1]
+    assert variant == variants.hopper_bwd_variant("float16", 128, softcap=True) and args[-2:] == factors
+    backend.deterministic = True
+    backend.backward(grad_out, q, k, v, out, lse, params)
+    assert launcher.calls[-1][0] == variants.hopper_bwd_variant("float16", 128, deterministic=True, softcap=True)
+    assert {v for v in variants.hopper_variants() if v.define("SOFTCAP")} >= {
+        launcher.calls[-1][0], variants.hopper_fwd_variant("float16", 128, masked=True, softcap=True)}
+
+
 def test_forward_path_names_the_family():
     backend = CupyBackend(compute_capability=(9, 0))
     assert "hopper_fwd.cu" in backend.forward_path(_problem())
     assert backend.forward_path(_problem(compute_capability=(8, 0))).startswith(
         "the mma.sync forward (kernels/fwd.cu): not the Hopper forward because not an sm_90 GPU")
-    assert "a mask, dropout or softcap" in backend.forward_path(_problem(features=frozenset({"dropout"})))
+    assert "a mask or dropout" in backend.forward_path(_problem(features=frozenset({"dropout"})))
+    assert "hopper_fwd.cu" in backend.forward_path(_problem(features=frozenset({"softcap"})))
+    assert "hopper_bwd.cu" in backend.backward_path(_problem(features=frozenset({"softcap"})))
     assert "head dims 96/96" in backend.forward_path(_problem(head_dim=96, head_dim_v=96))
     assert "hopper_bwd.cu" in backend.backward_path(_problem())
     reproducible = CupyBackend(compute_capability=(9, 0), deterministic=True)
@@ -747,7 +772,7 @@ def test_hopper_backward_plan_launches_the_preprocess_then_the_hopper_kernel(rec
     assert args[10:16] == [("i64", s) for s in dk.stride()[:3] + dv.stride()[:3]]
     assert args[16:] == [("i32", 300), ("i32", 384), ("i32", 517), ("i32", 4), ("i32", 2),
                          ("f32", params.scale * ops.LOG2E), ("f32", params.scale), ("i32", 217),
-                         ("i32", ops.UNBOUNDED), ("i32", 0)]
+                         ("i32", ops.UNBOUNDED), ("i32", 0), ("f32", 0.0), ("f32", 0.0)]
     assert args[6][1] != 0 and args[7] == ("ptr", 0)  # the float32 dQ accumulator; no turn counters
     # reproducible gradients asked for: the same kernel with DETERMINISTIC=1 and, right after the accumulator in the
     # same zeroed buffer, a turn counter per (batch, query head, query block of 64)
@@ -759,7 +784,7 @@ def test_hopper_backward_plan_launches_the_preprocess_then_the_hopper_kernel(rec
     assert args[7][1] == args[6][1] + 4 * 2 * 4 * 300 * 128
     assert args[16:] == [("i32", 300), ("i32", 384), ("i32", 517), ("i32", 4), ("i32", 2),
                          ("f32", params.scale * ops.LOG2E), ("f32", params.scale), ("i32", 217),
-                         ("i32", ops.UNBOUNDED), ("i32", 0)]
+                         ("i32", ops.UNBOUNDED), ("i32", 0), ("f32", 0.0), ("f32", 0.0)]
     # at d = 64 reproducible gradients keep the mma.sync dQ kernel (faster there: HOPPER_BWD_DETERMINISTIC_DIMS)
     q, k, v, grad_out = _inputs(1, 2, 2, 200, 200, 64, torch.bfloat16, "cpu")
     params = _params(200, 200, 64)

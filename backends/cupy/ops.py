@@ -170,6 +170,11 @@ def _extra_args(params: AttentionParams, head_dim_v: int, slots: dict, float_mas
     return args + [slots["dmask"] if dmask else _NULL]
 
 
+def _softcap_args(params: AttentionParams) -> list:
+    """The Hopper kernels' last two arguments: common.cuh's Softcap factors (zeros without a softcap)."""
+    return _extra_args(params, 0, {})[1:3]
+
+
 def _float_mask_of(features, params: AttentionParams):
     return float_mask_view(params.mask) if "FLOAT_MASK" in features else None
 
@@ -235,8 +240,8 @@ HOPPER_ENV = "MHATTN_CUPY_HOPPER"
 HOPPER_ENABLED = os.environ.get(HOPPER_ENV, "1").strip().lower() not in ("0", "false", "no", "off", "never")
 
 
-def hopper_refusal(cc, dtype, head_dim: int, head_dim_v: int, bool_mask: bool, dropout: bool, softcap: bool,
-                   float_mask: bool, backward: bool = False, deterministic: bool = False) -> Optional[str]:
+def hopper_refusal(cc, dtype, head_dim: int, head_dim_v: int, bool_mask: bool, dropout: bool, float_mask: bool,
+                   backward: bool = False, deterministic: bool = False) -> Optional[str]:
     """Why the Hopper forward (``backward``: the Hopper backward, with head dims of its own; ``deterministic``: with
     reproducible gradients asked for) does not run a problem (None: it does, where the tensors can be mapped)."""
     head_dims = tuple(variants.HOPPER_BWD_TILES) if backward else variants.HOPPER_HEAD_DIMS
@@ -248,8 +253,8 @@ def hopper_refusal(cc, dtype, head_dim: int, head_dim_v: int, bool_mask: bool, d
         return f"dtype {dtype}"
     if head_dim != head_dim_v or head_dim not in head_dims:
         return f"head dims {head_dim}/{head_dim_v} (equal, one of {head_dims})"
-    if bool_mask or dropout or softcap or float_mask:
-        return "a mask, dropout or softcap"
+    if bool_mask or dropout or float_mask:
+        return "a mask or dropout"
     if backward and deterministic and head_dim not in variants.HOPPER_BWD_DETERMINISTIC_DIMS:
         return (f"a deterministic backward at head dim {head_dim} (there the Hopper backward's dQ in turns is slower "
                 "than the mma.sync dQ kernel)")
@@ -261,8 +266,8 @@ def hopper_problem_refusal(problem, backward: bool = False, deterministic: bool 
     the backward's head dims (``deterministic``: with reproducible gradients)."""
     features = problem.features
     return hopper_refusal(problem.compute_capability, problem.dtype, problem.head_dim, problem.head_dim_v,
-                          "bool_mask" in features, "dropout" in features, "softcap" in features,
-                          "float_mask" in features, backward, deterministic)
+                          "bool_mask" in features, "dropout" in features, "float_mask" in features, backward,
+                          deterministic)
 
 
 def _hopper_call_refusal(launcher, cc, params: AttentionParams, tensors: dict, backward: bool = False,
@@ -273,8 +278,7 @@ def _hopper_call_refusal(launcher, cc, params: AttentionParams, tensors: dict, b
     mask = params.mask
     q, v = tensors["q"], tensors["v"]
     reason = hopper_refusal(cc, q.dtype, q.shape[-1], v.shape[-1], mask is not None and mask.dtype == torch.bool,
-                            params.dropout_p > 0, params.softcap is not None,
-                            mask is not None and mask.dtype != torch.bool, backward, deterministic)
+                            params.dropout_p > 0, mask is not None and mask.dtype != torch.bool, backward, deterministic)
     if reason is None:
         for name, t in tensors.items():
             why = tensor_maps.why_not_mappable(t)
@@ -293,7 +297,8 @@ def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params:
     counter or 0, and with the output staged for the copy engine, the output's map)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    variant = variants.hopper_fwd_variant(_DTYPE_NAMES[q.dtype], head_dim, masked=params.has_window)
+    variant = variants.hopper_fwd_variant(_DTYPE_NAMES[q.dtype], head_dim, masked=params.has_window,
+                                          softcap=params.softcap is not None)
     block_m, block_n = 64 * variant.define("CONSUMERS"), variant.define("BLOCK_N")
     staged = bool(variant.define("STAGED_OUT"))
     # the output's map: boxes of one consumer's 64 rows
@@ -302,7 +307,7 @@ def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params:
     args = [slot(0), slot(1), slot(2)] + [slot(6)] * staged + [slot(3), slot(4), slot(5)] + _strides(out)
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(pairs),
              i32(sched_pairs(pairs, seqlen_k, head_dim, q.element_size())), f32(params.scale * LOG2E)]
-    args += _feature_args(params, _FWD)[:3]  # diag_offset, window_left, window_right
+    args += _feature_args(params, _FWD)[:3] + _softcap_args(params)  # diag_offset, window_left, window_right
     # Persistent: one CTA per SM (at most one fits), each walking tiles; under a causal mask or a window (tiles of
     # unequal cost) the CTAs take the next tile from a counter (zeroed per call), whichever is free first.
     tiles = cdiv(seqlen_q, block_m) * pairs
@@ -594,7 +599,8 @@ def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, 
     ``deterministic``: the key blocks add it in turns, with a counter per query block)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    variant = variants.hopper_bwd_variant(_DTYPE_NAMES[q.dtype], head_dim, deterministic=deterministic)
+    variant = variants.hopper_bwd_variant(_DTYPE_NAMES[q.dtype], head_dim, deterministic=deterministic,
+                                          softcap=params.softcap is not None)
     plan.maps = _row_maps(launcher, (q, k, v, grad_out), (64, 128, 128, 64))
     dk, dv = (torch.empty_strided(shape, stride, device="meta") for shape, stride in plan.grads[1:])
     m, p = _HOPPER_BWD_MAPS, _BWD
@@ -603,7 +609,7 @@ def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, 
     args += _strides(dk) + _strides(dv)
     args += [i32(seqlen_q), i32(plan.vector_shape[2]), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv),
              f32(params.scale * LOG2E), f32(params.scale)]
-    args += _feature_args(params, p)[:3]  # diag_offset, window_left, window_right
+    args += _feature_args(params, p)[:3] + _softcap_args(params)  # diag_offset, window_left, window_right
     launches.append(_prepared(launcher, variant, (cdiv(seqlen_k, 128), heads_kv, batch), args, device, cc))
     plan.atomic_dq = True
     plan.dq_shape = (batch, heads_q, seqlen_q, head_dim)

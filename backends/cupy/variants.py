@@ -522,9 +522,11 @@ def _check_hopper_smem(tiles, d: int, smem: int) -> None:
                          f"{smem_limit(HOPPER_CC)}")
 
 
-def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None, masked: bool = False) -> Variant:
+def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None, masked: bool = False,
+                       softcap: bool = False) -> Variant:
     """The Hopper forward at head dim ``d`` with ``tiles`` (default the table's), for problems with (``masked``) or
-    without a causal mask or window (the tiles may take turns differently, HopperFwdTiles.masked_pingpong)."""
+    without a causal mask or window (the tiles may take turns differently, HopperFwdTiles.masked_pingpong);
+    ``softcap``: the scores capped by softcap * tanh(s / softcap)."""
     if dtype_name not in DTYPE_NAMES:
         raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
     if d not in HOPPER_HEAD_DIMS:
@@ -534,7 +536,7 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None, ma
     _check_hopper_smem(tiles, d, smem)
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("BLOCK_N", tiles.block_n),
                ("STAGES", tiles.stages), ("CONSUMERS", tiles.consumers), ("PINGPONG", int(tiles.pingpong_for(masked))),
-               ("STAGED_OUT", int(tiles.staged_out)), ("SMEM_BYTES", smem))
+               ("STAGED_OUT", int(tiles.staged_out)), ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))
     return Variant("hopper_fwd", defines, 128 * (1 + tiles.consumers), smem, arch_features="a")
 
 
@@ -547,9 +549,10 @@ def hopper_bwd_smem(stages: int, d: int, dq_buffers: int = 1) -> int:
             + dq_buffers * dq_tiles * 64 * (d + 8) * 4 + 8 * (1 + 2 * dq_buffers + 2 * stages))
 
 
-def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, deterministic: bool = False) -> Variant:
+def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, deterministic: bool = False,
+                       softcap: bool = False) -> Variant:
     """kernels/hopper_bwd.cu for one dtype and head dim; ``deterministic``: the key blocks add dQ in turns (bitwise
-    reproducible gradients)."""
+    reproducible gradients); ``softcap``: the scores capped by softcap * tanh(s / softcap)."""
     if dtype_name not in DTYPE_NAMES:
         raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
     if d not in HOPPER_BWD_TILES:
@@ -559,18 +562,19 @@ def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, de
     _check_hopper_smem(tiles, d, smem)
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("STAGES", tiles.stages),
                ("DQ_BULK", int(tiles.dq_bulk)), ("DQ_BUFFERS", tiles.dq_buffers),
-               ("DETERMINISTIC", int(bool(deterministic))), ("SMEM_BYTES", smem))
+               ("DETERMINISTIC", int(bool(deterministic))), ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))
     return Variant("hopper_bwd", defines, 384, smem, arch_features="a")
 
 
 def hopper_variants() -> list:
     """Every variant of the Hopper family (what ``mhattn build --arch sm_90a`` compiles)."""
-    forward = [hopper_fwd_variant(dtype, d, masked=masked) for dtype in DTYPE_NAMES for d in HOPPER_HEAD_DIMS
-               for masked in (False, True)]
+    forward = [hopper_fwd_variant(dtype, d, masked=masked, softcap=softcap) for softcap in (False, True)
+               for dtype in DTYPE_NAMES for d in HOPPER_HEAD_DIMS for masked in (False, True)]
     return (list(dict.fromkeys(forward))  # (a variant the same with and without a mask, once)
-            + [hopper_bwd_variant(dtype, d) for dtype in DTYPE_NAMES for d in HOPPER_BWD_TILES]
-            + [hopper_bwd_variant(dtype, d, deterministic=True) for dtype in DTYPE_NAMES
-               for d in HOPPER_BWD_DETERMINISTIC_DIMS])
+            + [hopper_bwd_variant(dtype, d, softcap=softcap) for softcap in (False, True) for dtype in DTYPE_NAMES
+               for d in HOPPER_BWD_TILES]
+            + [hopper_bwd_variant(dtype, d, deterministic=True, softcap=softcap) for softcap in (False, True)
+               for dtype in DTYPE_NAMES for d in HOPPER_BWD_DETERMINISTIC_DIMS])
 
 
 def all_variants(cc, features: bool = True, sequences: bool = True) -> list:

@@ -355,6 +355,7 @@ inline u32 pack2(float lo, float hi) { return (u32)emu::float_to_elem(lo) | ((u3
 inline float elem_to_float(elem_t x) { return emu::elem_to_float_impl(x); }
 inline float fast_exp2(float x) { return exp2f(x); }
 inline float fast_log2(float x) { return log2f(x); }
+inline float fast_rcp(float x) { return 1.f / x; }
 
 inline void atomic_add_f32(float* p, float x) { *p += x; }  // fibers never run concurrently
 inline void atomic_add2_f32(float* p, float x, float y) {

@@ -314,7 +314,7 @@ struct Softcap {
 // backward's factor 1 - tanh^2) and is left alone otherwise.
 MHATTN_DEVICE float log2_score(float s, float scale_log2, const Softcap& softcap, float& th) {
 #if SOFTCAP
-  th = 1.f - 2.f / (fast_exp2(s * softcap.in2) + 1.f);
+  th = 1.f - 2.f * fast_rcp(fast_exp2(s * softcap.in2) + 1.f);
   return th * softcap.out2;
 #else
   return s * scale_log2;

@@ -124,6 +124,21 @@ MHATTN_DEVICE void tma_prefetch_map(const TensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }
 
+// ---- scores ------------------------------------------------------------------------------------------------
+
+// SOFTCAP: raw dot products -> softcap * tanh(s scale / softcap) in log2 units (common.cuh's log2_score), in place;
+// before the mask, and the softmax then takes them with a scale of 1 (softmax_scale_log2).
+template <int R>
+MHATTN_DEVICE void cap_scores(float (&s)[R], const Softcap& softcap) {
+#if SOFTCAP
+  float th;
+#pragma unroll
+  for (int i = 0; i < R; ++i) s[i] = log2_score(s[i], 0.f, softcap, th);
+#endif
+}
+// The factor from a block's scores to log2 units: scale log2(e), or 1 where cap_scores has put them there.
+MHATTN_DEVICE float softmax_scale_log2(float scale_log2) { return SOFTCAP ? 1.f : scale_log2; }
+
 // ---- register budgets and named barriers ------------------------------------------------------------------
 
 // Gives registers back (the producer warpgroup) or takes them (the consumers); every warp of a warpgroup runs it.

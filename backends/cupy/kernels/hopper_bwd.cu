@@ -20,6 +20,9 @@
 // query rows past seqlen_q have lse = +inf (P = 0). The causal / window band masks P per element only in the
 // blocks that cut it.
 //
+// SOFTCAP: the scores are softcap * tanh(s scale / softcap) (as in the forward) and dS^T takes the factor 1 - tanh^2,
+// with tanh found again from P and the lse (P = 0 gives dS = 0 whatever the factor).
+//
 // DETERMINISTIC 1 (the backward on request of reproducible gradients): the CTAs whose keys a query block sees add
 // their dQ tiles to it one after another, from the highest key block down, so every dq_accum element sums its terms
 // in one order and dQ is the same bit for bit from run to run. A counter per (batch, query head, query block) in
@@ -28,7 +31,7 @@
 // grid.
 //
 // -D options: MHATTN_BF16, HEAD_DIM (64 or 128), STAGES, DQ_BULK (0 or 1), DQ_BUFFERS (1 or 2), DETERMINISTIC (0 or
-// 1), SMEM_BYTES (checked against the layout below).
+// 1), SOFTCAP (0 or 1), SMEM_BYTES (checked against the layout below).
 #define NUM_WARPS 12
 #include "common.cuh"
 #include "hopper.cuh"
@@ -212,16 +215,29 @@ MHATTN_DEVICE void probabilities(float (&st)[SQ_REGS], const float* lse, int t, 
   }
 }
 
-// dS^T = P^T (dP^T - delta) scale from dP^T (in place), with each query column's delta from the slot.
-MHATTN_DEVICE void score_gradients(float (&dpt)[SQ_REGS], const float (&pt)[SQ_REGS], const float* delta, int t,
-                                   float scale) {
+// SOFTCAP: d(score) / d(s scale) = 1 - tanh^2 of a probability p of a query column whose lse (log2 units) is
+// lse_log2: tanh = (log2 p + lse_log2) / (softcap log2 e). p = 0 (masked or underflowed) gives 1: dS is 0 there anyway.
+MHATTN_DEVICE float softcap_factor(float p, float lse_log2, float inv_out2) {
+  const float th = p > 0.f ? (fast_log2(p) + lse_log2) * inv_out2 : 0.f;
+  return softcap_grad(th);
+}
+
+// dS^T = P^T (dP^T - delta) scale from dP^T (in place), with each query column's delta (and under SOFTCAP its lse)
+// from the slot.
+MHATTN_DEVICE void score_gradients(float (&dpt)[SQ_REGS], const float (&pt)[SQ_REGS], const float* delta,
+                                   const float* lse, int t, float scale, const Softcap& softcap) {
+  const float inv_out2 = SOFTCAP ? 1.f / softcap.out2 : 0.f;
 #pragma unroll
   for (int i = 0; i < BLOCK_M / 8; ++i) {
     const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * i + 2 * t);
+    const float2 l2 = SOFTCAP ? *reinterpret_cast<const float2*>(lse + 8 * i + 2 * t) : make_float2(0.f, 0.f);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      dpt[4 * i + 2 * r] = pt[4 * i + 2 * r] * (dpt[4 * i + 2 * r] - d2.x) * scale;
-      dpt[4 * i + 2 * r + 1] = pt[4 * i + 2 * r + 1] * (dpt[4 * i + 2 * r + 1] - d2.y) * scale;
+      float& x = dpt[4 * i + 2 * r];
+      float& y = dpt[4 * i + 2 * r + 1];
+      const float p = pt[4 * i + 2 * r], q = pt[4 * i + 2 * r + 1];
+      x = p * (x - d2.x) * (SOFTCAP ? scale * softcap_factor(p, l2.x, inv_out2) : scale);
+      y = q * (y - d2.y) * (SOFTCAP ? scale * softcap_factor(q, l2.y, inv_out2) : scale);
     }
   }
 }
@@ -359,12 +375,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                       int* __restrict__ dq_turns,
                       elem_t* __restrict__ dk, elem_t* __restrict__ dv, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb,
                       i64 dv_sh, i64 dv_sn, int seqlen_q, int seqlen_q_pad, int seqlen_k, int heads_q, int group,
-                      float scale_log2, float scale, int diag_offset, int window_left, int window_right) {
+                      float scale_log2, float scale, int diag_offset, int window_left, int window_right,
+                      float softcap_in2, float softcap_out2) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
   const int n_block = DETERMINISTIC ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int n0 = n_block * BLOCK_N, hk = blockIdx.y, b = blockIdx.z;
   const Bounds bounds{diag_offset, window_left, window_right};
+  const Softcap softcap{softcap_in2, softcap_out2};
   const QueryBlocks blocks = query_blocks(n0, seqlen_q, bounds);
 
   const u32 base = (smem_u32(smem) + SWIZZLE_ATOM - 1) & ~(SWIZZLE_ATOM - 1);
@@ -426,12 +444,14 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       wgmma_commit();
       wgmma_wait<1>();  // S^T: the probabilities while dP^T is multiplied
       touch_registers(st);
+      cap_scores(st, softcap);
       if (n0 + 64 * w + 64 > seqlen_k || !bounds.block_inside(m0, m0 + BLOCK_M - 1, n0 + 64 * w, n0 + 64 * w + 63))
         mask_scores(st, key0, m0, t, seqlen_k, bounds);
-      probabilities(st, s_vectors + (LSE_OFFSET + s * VEC_BYTES) / 4, t, scale_log2);
+      probabilities(st, s_vectors + (LSE_OFFSET + s * VEC_BYTES) / 4, t, softmax_scale_log2(scale_log2));
       wgmma_wait<0>();
       touch_registers(dpt);
-      score_gradients(dpt, st, s_vectors + (DELTA_OFFSET + s * VEC_BYTES) / 4, t, scale);
+      score_gradients(dpt, st, s_vectors + (DELTA_OFFSET + s * VEC_BYTES) / 4,
+                      s_vectors + (LSE_OFFSET + s * VEC_BYTES) / 4, t, scale, softcap);
       pack_a_fragments(p_frag, st);  // the A operands of dV and dK
       pack_a_fragments(ds_frag, dpt);
       wgmma_fence();

@@ -28,9 +28,12 @@
 // Bounds (unbounded sides as 2^30) and the keys past seqlen_k, tested per element only in the key blocks that
 // cut them.
 //
+// SOFTCAP: each block's scores become softcap * tanh(s scale / softcap) before the mask and the softmax (softcap_in2,
+// softcap_out2: common.cuh's Softcap; unused without it).
+//
 // -D options: MHATTN_BF16, HEAD_DIM (64, 128, 256: whole 64-column chunks), BLOCK_N (64 or 128), STAGES,
-// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), STAGED_OUT (0 or 1), SMEM_BYTES (dynamic shared memory the
-// host gives; checked against the layout below).
+// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), STAGED_OUT (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES (dynamic
+// shared memory the host gives; checked against the layout below).
 #define NUM_WARPS (4 * (CONSUMERS + 1))
 #include "common.cuh"
 #include "hopper.cuh"
@@ -310,6 +313,7 @@ struct Consumer {
   Slots slots;
   Turns turns;
   float scale_log2;
+  Softcap softcap;
   MHATTN_DEVICE u32 q_rows(int buf) const { return qb.slot(buf) + wg_row_in_tile * ROW_BYTES; }
 };
 
@@ -369,8 +373,9 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
     if (STAGED_OUT && q_round > 0) release_staged_buffer(c, (q_round - 1) % Q_BUFS);  // the previous tile's
     if (!STAGED_OUT && blocks.count == 1) release_slot(c.qb.empty(buf), c.lane);  // the tile's last use of Q
     int n0 = blocks.first * BLOCK_N;
+    cap_scores(s_acc, c.softcap);
     if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
-    online_softmax(s_acc, m, l, alpha, c.scale_log2);
+    online_softmax(s_acc, m, l, alpha, softmax_scale_log2(c.scale_log2));
     pack_a_fragments(p, s_acc);  // P, the A operand of P V
 
     for (int i = 1; i < blocks.count; ++i) {
@@ -393,8 +398,9 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
       release_slot(c.slots.k_empty(s), c.lane);
       if (!STAGED_OUT && i == blocks.count - 1) release_slot(c.qb.empty(buf), c.lane);
       n0 = (blocks.first + i) * BLOCK_N;
+      cap_scores(s_acc, c.softcap);
       if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
-      online_softmax(s_acc, m, l, alpha, c.scale_log2);
+      online_softmax(s_acc, m, l, alpha, softmax_scale_log2(c.scale_log2));
       wgmma_wait<0>();
       touch_registers(o_acc);
       release_slot(c.slots.v_empty(prev), c.lane);
@@ -461,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                       elem_t* __restrict__ o, float* __restrict__ lse,
                       int* __restrict__ tile_counter, i64 o_sb, i64 o_sh, i64 o_sn, int seqlen_q, int seqlen_k,
                       int heads_q, int group, int pairs, int sched_pairs, float scale_log2, int diag_offset,
-                      int window_left, int window_right) {
+                      int window_left, int window_right, float softcap_in2, float softcap_out2) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
   const Problem pb{seqlen_q, seqlen_k, heads_q, group, (seqlen_q + BLOCK_M - 1) / BLOCK_M, pairs, sched_pairs,
@@ -517,7 +523,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 
   const int lane = tid & 31, warp = (tid & 127) >> 5;
   const Consumer consumer{lane, lane & 3, (wg - 1) * 64 + warp * 16 + (lane >> 2), (wg - 1) * 64, wg - 1,
-                          STAGED_OUT && (tid & 127) == 0, s_k, s_v, qb, slots, Turns{wg, 3 - wg}, scale_log2};
+                          STAGED_OUT && (tid & 127) == 0, s_k, s_v, qb, slots, Turns{wg, 3 - wg}, scale_log2,
+                          Softcap{softcap_in2, softcap_out2}};
   int q_round = 0, ring = 0;
   for (int n = 0;; ++n) {
     const int index = take_tile(tile_slots, n, lane);
