@@ -44,14 +44,16 @@ def run_logged(cmd, log_name, timeout):
 
 
 def problems():
-    """(name, head_dim_v, head_dim, feature kwargs for AttentionParams, float mask?, mask requires grad?)"""
+    """(name, head_dim_v, head_dim, feature kwargs for AttentionParams, mask kind (None; "float": (B, 1, N, N); "bool":
+    key padding (B, 1, 1, N) hiding about a quarter of the keys), mask requires grad?)"""
     return [
-        ("plain", HEAD_DIM, HEAD_DIM, {}, False, False),
-        ("softcap 30", HEAD_DIM, HEAD_DIM, {"softcap": 30.0}, False, False),
-        ("float mask (B,1,N,N)", HEAD_DIM, HEAD_DIM, {}, True, False),
-        ("float mask + grad", HEAD_DIM, HEAD_DIM, {}, True, True),
-        ("Dv 64 (ANY_DIMS, cp.async)", 64, HEAD_DIM, {}, False, False),
-        ("d 100 (ANY_DIMS, element)", 100, 100, {}, False, False),
+        ("plain", HEAD_DIM, HEAD_DIM, {}, None, False),
+        ("softcap 30", HEAD_DIM, HEAD_DIM, {"softcap": 30.0}, None, False),
+        ("key padding (B,1,1,N) bool", HEAD_DIM, HEAD_DIM, {}, "bool", False),
+        ("float mask (B,1,N,N)", HEAD_DIM, HEAD_DIM, {}, "float", False),
+        ("float mask + grad", HEAD_DIM, HEAD_DIM, {}, "float", True),
+        ("Dv 64 (ANY_DIMS, cp.async)", 64, HEAD_DIM, {}, None, False),
+        ("d 100 (ANY_DIMS, element)", 100, 100, {}, None, False),
     ]
 
 
@@ -74,16 +76,19 @@ def timings(lines, backend=None, device="cuda", bench=None, seqlen=SEQLEN, token
     header = f"{'problem':28} {'causal':6} {'fwd TF/s':>9} {'ratio':>6} {'f+b TF/s':>9} {'ratio':>6}"
     lines.append(header)
     for causal in (False, True):
-        for name, d_v, d, extra, float_mask, mask_grad in problems():
+        for name, d_v, d, extra, mask_kind, mask_grad in problems():
             gen = torch.Generator(device=device).manual_seed(0)
             q, k = (torch.randn(batch, heads, seqlen, d, device=device, dtype=torch.bfloat16, generator=gen)
                     for _ in range(2))
             v, do = (torch.randn(batch, heads, seqlen, d_v, device=device, dtype=torch.bfloat16, generator=gen)
                      for _ in range(2))
             mask = None
-            if float_mask:
+            if mask_kind == "float":
                 mask = torch.randn(batch, 1, seqlen, seqlen, device=device, dtype=torch.bfloat16,
                                    generator=gen).expand(batch, heads, seqlen, seqlen)
+            if mask_kind == "bool":
+                mask = (torch.rand(batch, 1, 1, seqlen, device=device, generator=gen) > 0.25).expand(
+                    batch, heads, seqlen, seqlen)
             params = AttentionParams(scale=d ** -0.5, window_right=0 if causal else None, mask=mask,
                                      mask_requires_grad=mask_grad, **extra)
 

@@ -638,7 +638,8 @@ def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps,
     assert (args[5][0] == "ptr" and args[5][1] != 0) == tiles.persistent  # a tile counter: causal, persistent
     assert args[6:] == [("i64", s) for s in out.stride()[:3]] + [
         ("i32", 300), ("i32", 517), ("i32", 4), ("i32", 2), ("i32", 8), ("i32", ops.sched_pairs(8, 517, 128, 2)),
-        ("f32", params.scale * ops.LOG2E), ("i32", 217), ("i32", 64), ("i32", 0), ("f32", 0.0), ("f32", 0.0)]
+        ("f32", params.scale * ops.LOG2E), ("i32", 217), ("i32", 64), ("i32", 0), ("ptr", 0)] + [("i64", 0)] * 4 + [
+        ("f32", 0.0), ("f32", 0.0)]
     # a second call with other tensors of the same signature makes no map and prepares nothing
     q2, k2, v2 = (t.clone() for t in (q, k, v))
     backend.forward(q2, k2, v2, params)
@@ -663,8 +664,8 @@ def test_hopper_forward_takes_turns_per_mask_as_the_tiles_say():
     assert same.pingpong_for(True) is True and variants.hopper_fwd_variant(
         "float16", 128, same, masked=True) == variants.hopper_fwd_variant("float16", 128, same)
     forward = [v for v in variants.hopper_variants() if v.kernel == "hopper_fwd"]
-    # per dtype and with or without a softcap: d = 64 once, d = 128 and 256 twice
-    assert len(forward) == len(set(forward)) == 2 * 2 * 5
+    # per dtype, with or without a softcap, with or without a boolean mask: d = 64 once, d = 128 and 256 twice
+    assert len(forward) == len(set(forward)) == 2 * 2 * 2 * 5
     assert {(v.define("HEAD_DIM"), v.define("PINGPONG")) for v in forward} == {(64, 0), (128, 1), (128, 0), (256, 1),
                                                                              (256, 0)}
 
@@ -693,13 +694,12 @@ def test_hopper_forward_with_the_output_staged_passes_the_output_s_map(recorded_
         variants.hopper_fwd_variant("bfloat16", 256, dataclasses.replace(variants.HOPPER_FWD_TILES[256], staged_out=True))
 
 
-@pytest.mark.parametrize("case", ["head dim 96", "value head dim", "float mask", "bool mask", "dropout",
+@pytest.mark.parametrize("case", ["head dim 96", "value head dim", "float mask", "dropout",
                                   "sm_80", "broadcast keys", "unaligned rows", "no maps", "switched off"])
 def test_hopper_forward_refusals_take_the_mma_sync_forward(recorded_maps, monkeypatch, case):
     d = 96 if case == "head dim 96" else 64
     q, k, v, _ = _inputs(1, 2, 2, 40, 40, d, torch.float16, "cpu", d_v=32 if case == "value head dim" else None)
     kwargs = {"float mask": {"mask": torch.zeros(1, 2, 40, 40)},
-              "bool mask": {"mask": torch.ones(1, 2, 40, 40, dtype=torch.bool)},
               "dropout": {"dropout_p": 0.1, "seed": torch.tensor([1, 2])}}.get(case, {})
     if case == "broadcast keys":
         k = k[:, :1].expand(1, 2, 40, d)
@@ -735,12 +735,35 @@ def test_hopper_kernels_take_a_softcap_through_a_variant_and_two_factors(recorde
         launcher.calls[-1][0], variants.hopper_fwd_variant("float16", 128, masked=True, softcap=True)}
 
 
+def test_hopper_kernels_take_a_boolean_mask_by_pointer_and_strides(recorded_maps):
+    """A boolean attn_mask runs the Hopper forward and backward compiled with BOOL_MASK=1: the mask's address (the
+    forward's eighth pointer, the backward's mask slot) and its four strides (0 where broadcast) follow the window
+    bounds."""
+    launcher = _MapLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(9, 0), deterministic=False)
+    q, k, v, grad_out = _inputs(2, 4, 2, 200, 300, 64, torch.bfloat16, "cpu")
+    mask = (torch.rand(2, 1, 1, 300) > 0.3).expand(2, 4, 200, 300)  # key padding, broadcast over heads and queries
+    params = _params(200, 300, 64, mask=mask)
+    strides = [("i64", s) for s in mask.stride()]
+    out, lse = backend.forward(q, k, v, params)
+    variant, _, args = launcher.calls[-1]
+    assert variant == variants.hopper_fwd_variant("bfloat16", 64, bool_mask=True) and variant.define("BOOL_MASK") == 1
+    assert args[-7:] == [("ptr", mask.data_ptr())] + strides + [("f32", 0.0), ("f32", 0.0)]
+    assert strides[1:3] == [("i64", 0), ("i64", 0)]
+    backend.backward(grad_out, q, k, v, out, lse, params)
+    variant, _, args = launcher.calls[-1]
+    assert variant == variants.hopper_bwd_variant("bfloat16", 64, bool_mask=True)
+    assert args[-7:] == [("ptr", mask.data_ptr())] + strides + [("f32", 0.0), ("f32", 0.0)]
+    assert len(variants.hopper_variants()) == len(set(variants.hopper_variants())) == 64
+
+
 def test_forward_path_names_the_family():
     backend = CupyBackend(compute_capability=(9, 0))
     assert "hopper_fwd.cu" in backend.forward_path(_problem())
     assert backend.forward_path(_problem(compute_capability=(8, 0))).startswith(
         "the mma.sync forward (kernels/fwd.cu): not the Hopper forward because not an sm_90 GPU")
-    assert "a mask or dropout" in backend.forward_path(_problem(features=frozenset({"dropout"})))
+    assert "a float mask or dropout" in backend.forward_path(_problem(features=frozenset({"dropout"})))
+    assert "hopper_fwd.cu" in backend.forward_path(_problem(features=frozenset({"bool_mask"})))
     assert "hopper_fwd.cu" in backend.forward_path(_problem(features=frozenset({"softcap"})))
     assert "hopper_bwd.cu" in backend.backward_path(_problem(features=frozenset({"softcap"})))
     assert "head dims 96/96" in backend.forward_path(_problem(head_dim=96, head_dim_v=96))
@@ -772,7 +795,7 @@ def test_hopper_backward_plan_launches_the_preprocess_then_the_hopper_kernel(rec
     assert args[10:16] == [("i64", s) for s in dk.stride()[:3] + dv.stride()[:3]]
     assert args[16:] == [("i32", 300), ("i32", 384), ("i32", 517), ("i32", 4), ("i32", 2),
                          ("f32", params.scale * ops.LOG2E), ("f32", params.scale), ("i32", 217),
-                         ("i32", ops.UNBOUNDED), ("i32", 0), ("f32", 0.0), ("f32", 0.0)]
+                         ("i32", ops.UNBOUNDED), ("i32", 0), ("ptr", 0)] + [("i64", 0)] * 4 + [("f32", 0.0), ("f32", 0.0)]
     assert args[6][1] != 0 and args[7] == ("ptr", 0)  # the float32 dQ accumulator; no turn counters
     # reproducible gradients asked for: the same kernel with DETERMINISTIC=1 and, right after the accumulator in the
     # same zeroed buffer, a turn counter per (batch, query head, query block of 64)
@@ -784,7 +807,7 @@ def test_hopper_backward_plan_launches_the_preprocess_then_the_hopper_kernel(rec
     assert args[7][1] == args[6][1] + 4 * 2 * 4 * 300 * 128
     assert args[16:] == [("i32", 300), ("i32", 384), ("i32", 517), ("i32", 4), ("i32", 2),
                          ("f32", params.scale * ops.LOG2E), ("f32", params.scale), ("i32", 217),
-                         ("i32", ops.UNBOUNDED), ("i32", 0), ("f32", 0.0), ("f32", 0.0)]
+                         ("i32", ops.UNBOUNDED), ("i32", 0), ("ptr", 0)] + [("i64", 0)] * 4 + [("f32", 0.0), ("f32", 0.0)]
     # at d = 64 reproducible gradients keep the mma.sync dQ kernel (faster there: HOPPER_BWD_DETERMINISTIC_DIMS)
     q, k, v, grad_out = _inputs(1, 2, 2, 200, 200, 64, torch.bfloat16, "cpu")
     params = _params(200, 200, 64)
@@ -917,6 +940,10 @@ for _dtype in (torch.float16, torch.bfloat16):
         dict(name="mqa_causal", dtype=_dtype, shape=(1, 6, 1, 1023, 1024, 128), causal="bottom_right"),
         dict(name="keypad_mask", dtype=_dtype, shape=(3, 4, 4, 108, 256, 64), keypad=True),
         dict(name="bool_mask", dtype=_dtype, shape=(1, 2, 2, 113, 211, 96), bool_mask=True),
+        # boolean masks on the Hopper kernels (sm_90): a full mask with a row that sees nothing, and key padding
+        dict(name="bool_mask_d128_causal", dtype=_dtype, shape=(2, 4, 2, 300, 333, 128), bool_mask=True,
+             causal="bottom_right"),
+        dict(name="keypad_d256", dtype=_dtype, shape=(2, 2, 2, 200, 260, 256), keypad=True),
         dict(name="window", dtype=_dtype, shape=(1, 2, 2, 300, 300, 64), window=(37, 11)),
         dict(name="window_causal", dtype=_dtype, shape=(1, 2, 1, 300, 400, 128), window=(64, None),
              causal="bottom_right"),

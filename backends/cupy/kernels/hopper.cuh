@@ -136,6 +136,33 @@ MHATTN_DEVICE void cap_scores(float (&s)[R], const Softcap& softcap) {
   for (int i = 0; i < R; ++i) s[i] = log2_score(s[i], 0.f, softcap, th);
 #endif
 }
+#ifndef BOOL_MASK
+#define BOOL_MASK 0
+#endif
+
+// BOOL_MASK: hides the scores of (query, key) pairs a boolean attn_mask forbids (common.cuh's BoolMask, at the call's
+// (batch, head)). s[4i + 2r + e] is row row0 + 8r, column col0 + 8i + e (col0 with the lane's 2t in it); rows are
+// queries and columns keys (ROWS_ARE_QUERIES, the forward's S) or the other way round (the backward's S^T). Only
+// pairs inside both sequences are read; the others are hidden by the band's masking or carry no weight. (Reading the
+// mask before the scores' wait, to overlap its loads with the products, measured 0.5-0.8x of this: NOTES.md, H14.)
+template <int R, bool ROWS_ARE_QUERIES>
+MHATTN_DEVICE void hide_forbidden(float (&s)[R], const BoolMask& mask, int row0, int col0, int rows_end, int cols_end) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    if (row >= rows_end) continue;
+#pragma unroll
+    for (int i = 0; i < R / 4; ++i) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = col0 + 8 * i + e;
+        if (col < cols_end && !(ROWS_ARE_QUERIES ? mask.allows(row, col) : mask.allows(col, row)))
+          s[4 * i + 2 * r + e] = -MHATTN_INF;
+      }
+    }
+  }
+}
+
 // The factor from a block's scores to log2 units: scale log2(e), or 1 where cap_scores has put them there.
 MHATTN_DEVICE float softmax_scale_log2(float scale_log2) { return SOFTCAP ? 1.f : scale_log2; }
 

@@ -20,6 +20,7 @@
 // query rows past seqlen_q have lse = +inf (P = 0). The causal / window band masks P per element only in the
 // blocks that cut it.
 //
+// BOOL_MASK: a boolean attn_mask (True = attend; mask and its four strides) hides scores after the band does.
 // SOFTCAP: the scores are softcap * tanh(s scale / softcap) (as in the forward) and dS^T takes the factor 1 - tanh^2,
 // with tanh found again from P and the lse (P = 0 gives dS = 0 whatever the factor).
 //
@@ -31,7 +32,7 @@
 // grid.
 //
 // -D options: MHATTN_BF16, HEAD_DIM (64 or 128), STAGES, DQ_BULK (0 or 1), DQ_BUFFERS (1 or 2), DETERMINISTIC (0 or
-// 1), SOFTCAP (0 or 1), SMEM_BYTES (checked against the layout below).
+// 1), BOOL_MASK (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES (checked against the layout below).
 #define NUM_WARPS 12
 #include "common.cuh"
 #include "hopper.cuh"
@@ -376,7 +377,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                       elem_t* __restrict__ dk, elem_t* __restrict__ dv, i64 dk_sb, i64 dk_sh, i64 dk_sn, i64 dv_sb,
                       i64 dv_sh, i64 dv_sn, int seqlen_q, int seqlen_q_pad, int seqlen_k, int heads_q, int group,
                       float scale_log2, float scale, int diag_offset, int window_left, int window_right,
-                      float softcap_in2, float softcap_out2) {
+                      const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float softcap_in2,
+                      float softcap_out2) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
   const int n_block = DETERMINISTIC ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -431,6 +433,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   mbar_wait(kv_full, 0);
   int step = 0;
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
+    const BoolMask bool_mask{BOOL_MASK ? mask + b * m_sb + h * m_sh : nullptr, m_sq, m_sk};
     for (int i = 0; i < blocks.count; ++i, ++step) {
       const int s = step % STAGES;
       const int m0 = (blocks.first + i) * BLOCK_M;
@@ -447,6 +450,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       cap_scores(st, softcap);
       if (n0 + 64 * w + 64 > seqlen_k || !bounds.block_inside(m0, m0 + BLOCK_M - 1, n0 + 64 * w, n0 + 64 * w + 63))
         mask_scores(st, key0, m0, t, seqlen_k, bounds);
+      if (BOOL_MASK) hide_forbidden<SQ_REGS, false>(st, bool_mask, key0, m0 + 2 * t, seqlen_k, seqlen_q);
       probabilities(st, s_vectors + (LSE_OFFSET + s * VEC_BYTES) / 4, t, softmax_scale_log2(scale_log2));
       wgmma_wait<0>();
       touch_registers(dpt);

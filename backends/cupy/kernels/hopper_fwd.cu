@@ -28,12 +28,14 @@
 // Bounds (unbounded sides as 2^30) and the keys past seqlen_k, tested per element only in the key blocks that
 // cut them.
 //
+// BOOL_MASK: a boolean attn_mask (True = attend; mask and its four strides, any of them 0) hides scores after the band
+// does.
 // SOFTCAP: each block's scores become softcap * tanh(s scale / softcap) before the mask and the softmax (softcap_in2,
 // softcap_out2: common.cuh's Softcap; unused without it).
 //
 // -D options: MHATTN_BF16, HEAD_DIM (64, 128, 256: whole 64-column chunks), BLOCK_N (64 or 128), STAGES,
-// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), STAGED_OUT (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES (dynamic
-// shared memory the host gives; checked against the layout below).
+// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), STAGED_OUT (0 or 1), BOOL_MASK (0 or 1), SOFTCAP (0 or 1),
+// SMEM_BYTES (dynamic shared memory the host gives; checked against the layout below).
 #define NUM_WARPS (4 * (CONSUMERS + 1))
 #include "common.cuh"
 #include "hopper.cuh"
@@ -107,7 +109,10 @@ struct Problem {
   int seqlen_q, seqlen_k, heads_q, group;
   int n_mblocks, pairs, sched_pairs;  // query tiles per (batch, head); (batch, head) pairs; pairs per group
   Bounds bounds;
+  const unsigned char* mask;  // BOOL_MASK: the boolean attn_mask and its strides
+  i64 m_sb, m_sh, m_sq, m_sk;
   MHATTN_DEVICE int tiles() const { return n_mblocks * pairs; }
+  MHATTN_DEVICE BoolMask mask_of(int b, int h) const { return BoolMask{mask + b * m_sb + h * m_sh, m_sq, m_sk}; }
 };
 
 struct Tile {
@@ -349,6 +354,7 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
   u32 p[P_STEPS][4];
   const int row0 = tile.m0 + c.row_in_tile, wg_row0 = tile.m0 + c.wg_row_in_tile;
   const KeyBlocks blocks = tile.blocks;
+  const BoolMask bool_mask = BOOL_MASK ? pb.mask_of(tile.b, tile.h) : BoolMask{nullptr, 0, 0};
   const int buf = q_round % Q_BUFS;
   const u32 s_q_rows = c.q_rows(buf);
   // Whether key block n0 needs per-element masking for this warpgroup's rows.
@@ -375,6 +381,7 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
     int n0 = blocks.first * BLOCK_N;
     cap_scores(s_acc, c.softcap);
     if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
+    if (BOOL_MASK) hide_forbidden<S_REGS, true>(s_acc, bool_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k);
     online_softmax(s_acc, m, l, alpha, softmax_scale_log2(c.scale_log2));
     pack_a_fragments(p, s_acc);  // P, the A operand of P V
 
@@ -400,6 +407,7 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
       n0 = (blocks.first + i) * BLOCK_N;
       cap_scores(s_acc, c.softcap);
       if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
+      if (BOOL_MASK) hide_forbidden<S_REGS, true>(s_acc, bool_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k);
       online_softmax(s_acc, m, l, alpha, softmax_scale_log2(c.scale_log2));
       wgmma_wait<0>();
       touch_registers(o_acc);
@@ -467,11 +475,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                       elem_t* __restrict__ o, float* __restrict__ lse,
                       int* __restrict__ tile_counter, i64 o_sb, i64 o_sh, i64 o_sn, int seqlen_q, int seqlen_k,
                       int heads_q, int group, int pairs, int sched_pairs, float scale_log2, int diag_offset,
-                      int window_left, int window_right, float softcap_in2, float softcap_out2) {
+                      int window_left, int window_right, const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh,
+                      i64 m_sq, i64 m_sk, float softcap_in2, float softcap_out2) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
   const Problem pb{seqlen_q, seqlen_k, heads_q, group, (seqlen_q + BLOCK_M - 1) / BLOCK_M, pairs, sched_pairs,
-                   Bounds{diag_offset, window_left, window_right}};
+                   Bounds{diag_offset, window_left, window_right}, mask, m_sb, m_sh, m_sq, m_sk};
   const int tiles = pb.tiles();
 
   const u32 base = (smem_u32(smem) + SWIZZLE_ATOM - 1) & ~(SWIZZLE_ATOM - 1);
