@@ -143,10 +143,32 @@ MHATTN_DEVICE void cap_scores(float (&s)[R], const Softcap& softcap) {
 // BOOL_MASK: hides the scores of (query, key) pairs a boolean attn_mask forbids (common.cuh's BoolMask, at the call's
 // (batch, head)). s[4i + 2r + e] is row row0 + 8r, column col0 + 8i + e (col0 with the lane's 2t in it); rows are
 // queries and columns keys (ROWS_ARE_QUERIES, the forward's S) or the other way round (the backward's S^T). Only
-// pairs inside both sequences are read; the others are hidden by the band's masking or carry no weight. (Reading the
-// mask before the scores' wait, to overlap its loads with the products, measured 0.5-0.8x of this: NOTES.md, H14.)
+// pairs inside both sequences are read; the others are hidden by the band's masking or carry no weight. A mask
+// broadcast over the queries (key padding: query stride 0) is read once a key. (Reading the mask before the scores'
+// wait, to overlap its loads with the products, measured 0.5-0.8x of this: NOTES.md, H14.)
 template <int R, bool ROWS_ARE_QUERIES>
 MHATTN_DEVICE void hide_forbidden(float (&s)[R], const BoolMask& mask, int row0, int col0, int rows_end, int cols_end) {
+  if (mask.stride_q == 0) {  // key padding: hiding the rows or columns past a sequence's end changes nothing
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + 8 * r;
+      if (ROWS_ARE_QUERIES ? r > 0 : row >= rows_end || mask.allows(0, row)) continue;  // rows are keys: one read
+#pragma unroll
+      for (int i = 0; i < R / 4; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = col0 + 8 * i + e;
+          if (!ROWS_ARE_QUERIES) {
+            s[4 * i + 2 * r + e] = -MHATTN_INF;
+          } else if (col < cols_end && !mask.allows(0, col)) {  // columns are keys: one read for both rows
+            s[4 * i + e] = -MHATTN_INF;
+            s[4 * i + 2 + e] = -MHATTN_INF;
+          }
+        }
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 8 * r;
