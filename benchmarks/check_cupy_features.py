@@ -45,11 +45,13 @@ def run_logged(cmd, log_name, timeout):
 
 def problems():
     """(name, head_dim_v, head_dim, feature kwargs for AttentionParams, mask kind (None; "float": (B, 1, N, N); "bool":
-    key padding (B, 1, 1, N) hiding about a quarter of the keys), mask requires grad?)"""
+    key padding (B, 1, 1, N) hiding about a quarter of the keys; "float_pad": the same as an additive bias, 0 or the
+    dtype's minimum, as Hugging Face models pass it), mask requires grad?)"""
     return [
         ("plain", HEAD_DIM, HEAD_DIM, {}, None, False),
         ("softcap 30", HEAD_DIM, HEAD_DIM, {"softcap": 30.0}, None, False),
         ("key padding (B,1,1,N) bool", HEAD_DIM, HEAD_DIM, {}, "bool", False),
+        ("key padding (B,1,1,N) float", HEAD_DIM, HEAD_DIM, {}, "float_pad", False),
         ("float mask (B,1,N,N)", HEAD_DIM, HEAD_DIM, {}, "float", False),
         ("float mask + grad", HEAD_DIM, HEAD_DIM, {}, "float", True),
         ("Dv 64 (ANY_DIMS, cp.async)", 64, HEAD_DIM, {}, None, False),
@@ -86,9 +88,12 @@ def timings(lines, backend=None, device="cuda", bench=None, seqlen=SEQLEN, token
             if mask_kind == "float":
                 mask = torch.randn(batch, 1, seqlen, seqlen, device=device, dtype=torch.bfloat16,
                                    generator=gen).expand(batch, heads, seqlen, seqlen)
-            if mask_kind == "bool":
+            if mask_kind in ("bool", "float_pad"):
                 mask = (torch.rand(batch, 1, 1, seqlen, device=device, generator=gen) > 0.25).expand(
                     batch, heads, seqlen, seqlen)
+            if mask_kind == "float_pad":
+                mask = torch.zeros(mask.shape, device=device, dtype=torch.bfloat16).masked_fill(
+                    ~mask, torch.finfo(torch.bfloat16).min)[:, :1, :1].expand(batch, heads, seqlen, seqlen)
             params = AttentionParams(scale=d ** -0.5, window_right=0 if causal else None, mask=mask,
                                      mask_requires_grad=mask_grad, **extra)
 

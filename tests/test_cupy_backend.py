@@ -639,7 +639,7 @@ def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps,
     assert args[6:] == [("i64", s) for s in out.stride()[:3]] + [
         ("i32", 300), ("i32", 517), ("i32", 4), ("i32", 2), ("i32", 8), ("i32", ops.sched_pairs(8, 517, 128, 2)),
         ("f32", params.scale * ops.LOG2E), ("i32", 217), ("i32", 64), ("i32", 0), ("ptr", 0)] + [("i64", 0)] * 4 + [
-        ("f32", 0.0), ("f32", 0.0)]
+        ("f32", 0.0), ("f32", 0.0), ("ptr", 0)] + [("i64", 0)] * 4
     # a second call with other tensors of the same signature makes no map and prepares nothing
     q2, k2, v2 = (t.clone() for t in (q, k, v))
     backend.forward(q2, k2, v2, params)
@@ -664,8 +664,8 @@ def test_hopper_forward_takes_turns_per_mask_as_the_tiles_say():
     assert same.pingpong_for(True) is True and variants.hopper_fwd_variant(
         "float16", 128, same, masked=True) == variants.hopper_fwd_variant("float16", 128, same)
     forward = [v for v in variants.hopper_variants() if v.kernel == "hopper_fwd"]
-    # per dtype, with or without a softcap, with or without a boolean mask: d = 64 once, d = 128 and 256 twice
-    assert len(forward) == len(set(forward)) == 2 * 2 * 2 * 5
+    # per dtype, with or without a softcap, no / a boolean / a float mask: d = 64 once, d = 128 and 256 twice
+    assert len(forward) == len(set(forward)) == 2 * 2 * 3 * 5
     assert {(v.define("HEAD_DIM"), v.define("PINGPONG")) for v in forward} == {(64, 0), (128, 1), (128, 0), (256, 1),
                                                                              (256, 0)}
 
@@ -694,13 +694,12 @@ def test_hopper_forward_with_the_output_staged_passes_the_output_s_map(recorded_
         variants.hopper_fwd_variant("bfloat16", 256, dataclasses.replace(variants.HOPPER_FWD_TILES[256], staged_out=True))
 
 
-@pytest.mark.parametrize("case", ["head dim 96", "value head dim", "float mask", "dropout",
+@pytest.mark.parametrize("case", ["head dim 96", "value head dim", "dropout",
                                   "sm_80", "broadcast keys", "unaligned rows", "no maps", "switched off"])
 def test_hopper_forward_refusals_take_the_mma_sync_forward(recorded_maps, monkeypatch, case):
     d = 96 if case == "head dim 96" else 64
     q, k, v, _ = _inputs(1, 2, 2, 40, 40, d, torch.float16, "cpu", d_v=32 if case == "value head dim" else None)
-    kwargs = {"float mask": {"mask": torch.zeros(1, 2, 40, 40)},
-              "dropout": {"dropout_p": 0.1, "seed": torch.tensor([1, 2])}}.get(case, {})
+    kwargs = {"dropout": {"dropout_p": 0.1, "seed": torch.tensor([1, 2])}}.get(case, {})
     if case == "broadcast keys":
         k = k[:, :1].expand(1, 2, 40, d)
     if case == "unaligned rows":
@@ -724,10 +723,10 @@ def test_hopper_kernels_take_a_softcap_through_a_variant_and_two_factors(recorde
     out, lse = backend.forward(q, k, v, params)
     variant, _, args = launcher.calls[-1]
     assert variant == variants.hopper_fwd_variant("float16", 128, masked=True, softcap=True)
-    assert variant.define("SOFTCAP") == 1 and args[-2:] == factors
+    assert variant.define("SOFTCAP") == 1 and args[-7:-5] == factors
     backend.backward(grad_out, q, k, v, out, lse, params)
     variant, _, args = launcher.calls[-1]
-    assert variant == variants.hopper_bwd_variant("float16", 128, softcap=True) and args[-2:] == factors
+    assert variant == variants.hopper_bwd_variant("float16", 128, softcap=True) and args[-7:-5] == factors
     backend.deterministic = True
     backend.backward(grad_out, q, k, v, out, lse, params)
     assert launcher.calls[-1][0] == variants.hopper_bwd_variant("float16", 128, deterministic=True, softcap=True)
@@ -748,13 +747,55 @@ def test_hopper_kernels_take_a_boolean_mask_by_pointer_and_strides(recorded_maps
     out, lse = backend.forward(q, k, v, params)
     variant, _, args = launcher.calls[-1]
     assert variant == variants.hopper_fwd_variant("bfloat16", 64, bool_mask=True) and variant.define("BOOL_MASK") == 1
-    assert args[-7:] == [("ptr", mask.data_ptr())] + strides + [("f32", 0.0), ("f32", 0.0)]
+    assert args[-12:-5] == [("ptr", mask.data_ptr())] + strides + [("f32", 0.0), ("f32", 0.0)]
     assert strides[1:3] == [("i64", 0), ("i64", 0)]
     backend.backward(grad_out, q, k, v, out, lse, params)
     variant, _, args = launcher.calls[-1]
     assert variant == variants.hopper_bwd_variant("bfloat16", 64, bool_mask=True)
-    assert args[-7:] == [("ptr", mask.data_ptr())] + strides + [("f32", 0.0), ("f32", 0.0)]
-    assert len(variants.hopper_variants()) == len(set(variants.hopper_variants())) == 64
+    assert args[-12:-5] == [("ptr", mask.data_ptr())] + strides + [("f32", 0.0), ("f32", 0.0)]
+    # per dtype: forward 5 tile forms x 2 softcaps x 3 masks; backward 5 feature sets (no float mask with a softcap)
+    # at d = 64 and 128, and reproducible at d = 128
+    assert len(variants.hopper_variants()) == len(set(variants.hopper_variants())) == 2 * (30 + 5 * 3)
+
+
+def test_hopper_kernels_take_a_float_mask_as_float32_by_pointer_and_strides(recorded_maps):
+    """A float attn_mask runs the Hopper forward and backward compiled with FLOAT_MASK=1: its float32 view
+    (ops.float_mask_view: broadcast dims stay stride 0) by address (the forward's ninth pointer, the backward's
+    float_mask slot) and four strides, the kernels' last arguments. Its gradient, or a softcap with it in the
+    backward, keeps the mma.sync kernels; both say why."""
+    launcher = _MapLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(9, 0), deterministic=False)
+    q, k, v, grad_out = _inputs(2, 4, 2, 200, 300, 128, torch.bfloat16, "cpu")
+    bias = torch.randn(2, 1, 1, 300, dtype=torch.bfloat16).expand(2, 4, 200, 300)  # HF-style padding bias
+    params = _params(200, 300, 128, mask=bias)
+    view = ops.float_mask_view(bias)
+    strides = [("i64", 0 if view.shape[i] == 1 else view.stride(i)) for i in range(4)]
+    out, lse = backend.forward(q, k, v, params)
+    variant, _, args = launcher.calls[-1]
+    assert variant == variants.hopper_fwd_variant("bfloat16", 128, float_mask=True)
+    assert args[-5][0] == "ptr" and args[-5][1] != 0 and args[-4:] == strides and strides[1:3] == [("i64", 0)] * 2
+    backend.backward(grad_out, q, k, v, out, lse, params)
+    variant, _, args = launcher.calls[-1]
+    assert variant == variants.hopper_bwd_variant("bfloat16", 128, float_mask=True) and args[-4:] == strides
+    backend.backward(grad_out, q, k, v, out, lse, _params(200, 300, 128, mask=bias, softcap=20.0))
+    assert launcher.calls[-1][0].kernel != "hopper_bwd"
+    backend.backward(grad_out, q, k, v, out, lse, _params(200, 300, 128, mask=bias, mask_requires_grad=True))
+    assert launcher.calls[-1][0].kernel == "bwd_dq"
+    problem = _problem(features=frozenset({"float_mask", "softcap"}))
+    assert "hopper_fwd.cu" in backend.forward_path(problem)
+    assert "a float mask with a softcap" in backend.backward_path(problem)
+    assert "a float mask's gradient" in backend.backward_path(_problem(features=frozenset({"float_mask",
+                                                                                          "mask_grad"})))
+    with pytest.raises(ValueError, match="softcap or a float mask"):
+        variants.hopper_bwd_variant("bfloat16", 128, softcap=True, float_mask=True)
+    # a mask that varies along the queries: the mma.sync forward (as fast there), the Hopper backward
+    full = _float_mask(2, 4, 200, 300, torch.bfloat16, "cpu")
+    out, lse = backend.forward(q, k, v, _params(200, 300, 128, mask=full))
+    assert launcher.calls[-1][0].kernel == "fwd"
+    backend.backward(grad_out, q, k, v, out, lse, _params(200, 300, 128, mask=full))
+    assert launcher.calls[-1][0] == variants.hopper_bwd_variant("bfloat16", 128, float_mask=True)
+    assert "a float mask broadcast over the queries" in backend.forward_path(_problem(features=frozenset({
+        "float_mask"})))
 
 
 def test_forward_path_names_the_family():
@@ -762,7 +803,7 @@ def test_forward_path_names_the_family():
     assert "hopper_fwd.cu" in backend.forward_path(_problem())
     assert backend.forward_path(_problem(compute_capability=(8, 0))).startswith(
         "the mma.sync forward (kernels/fwd.cu): not the Hopper forward because not an sm_90 GPU")
-    assert "a float mask or dropout" in backend.forward_path(_problem(features=frozenset({"dropout"})))
+    assert "dropout" in backend.forward_path(_problem(features=frozenset({"dropout"})))
     assert "hopper_fwd.cu" in backend.forward_path(_problem(features=frozenset({"bool_mask"})))
     assert "hopper_fwd.cu" in backend.forward_path(_problem(features=frozenset({"softcap"})))
     assert "hopper_bwd.cu" in backend.backward_path(_problem(features=frozenset({"softcap"})))
@@ -795,7 +836,8 @@ def test_hopper_backward_plan_launches_the_preprocess_then_the_hopper_kernel(rec
     assert args[10:16] == [("i64", s) for s in dk.stride()[:3] + dv.stride()[:3]]
     assert args[16:] == [("i32", 300), ("i32", 384), ("i32", 517), ("i32", 4), ("i32", 2),
                          ("f32", params.scale * ops.LOG2E), ("f32", params.scale), ("i32", 217),
-                         ("i32", ops.UNBOUNDED), ("i32", 0), ("ptr", 0)] + [("i64", 0)] * 4 + [("f32", 0.0), ("f32", 0.0)]
+                         ("i32", ops.UNBOUNDED), ("i32", 0), ("ptr", 0)] + [("i64", 0)] * 4 + [("f32", 0.0), ("f32", 0.0)] + [
+                             ("ptr", 0)] + [("i64", 0)] * 4
     assert args[6][1] != 0 and args[7] == ("ptr", 0)  # the float32 dQ accumulator; no turn counters
     # reproducible gradients asked for: the same kernel with DETERMINISTIC=1 and, right after the accumulator in the
     # same zeroed buffer, a turn counter per (batch, query head, query block of 64)
@@ -807,7 +849,8 @@ def test_hopper_backward_plan_launches_the_preprocess_then_the_hopper_kernel(rec
     assert args[7][1] == args[6][1] + 4 * 2 * 4 * 300 * 128
     assert args[16:] == [("i32", 300), ("i32", 384), ("i32", 517), ("i32", 4), ("i32", 2),
                          ("f32", params.scale * ops.LOG2E), ("f32", params.scale), ("i32", 217),
-                         ("i32", ops.UNBOUNDED), ("i32", 0), ("ptr", 0)] + [("i64", 0)] * 4 + [("f32", 0.0), ("f32", 0.0)]
+                         ("i32", ops.UNBOUNDED), ("i32", 0), ("ptr", 0)] + [("i64", 0)] * 4 + [("f32", 0.0), ("f32", 0.0)] + [
+                             ("ptr", 0)] + [("i64", 0)] * 4
     # at d = 64 reproducible gradients keep the mma.sync dQ kernel (faster there: HOPPER_BWD_DETERMINISTIC_DIMS)
     q, k, v, grad_out = _inputs(1, 2, 2, 200, 200, 64, torch.bfloat16, "cpu")
     params = _params(200, 200, 64)
@@ -944,6 +987,11 @@ for _dtype in (torch.float16, torch.bfloat16):
         dict(name="bool_mask_d128_causal", dtype=_dtype, shape=(2, 4, 2, 300, 333, 128), bool_mask=True,
              causal="bottom_right"),
         dict(name="keypad_d256", dtype=_dtype, shape=(2, 2, 2, 200, 260, 256), keypad=True),
+        # float masks on the Hopper kernels: a (B, 1, Nq, Nk) bias with -inf places and a hidden row, and an
+        # additive key padding bias (B, 1, 1, Nk) as Hugging Face models pass it (0 or the dtype's minimum)
+        dict(name="float_mask_d128_causal", dtype=_dtype, shape=(2, 4, 2, 300, 333, 128), float_mask=True,
+             causal="bottom_right"),
+        dict(name="float_pad_d64", dtype=_dtype, shape=(2, 4, 4, 256, 300, 64), float_pad=True),
         dict(name="window", dtype=_dtype, shape=(1, 2, 2, 300, 300, 64), window=(37, 11)),
         dict(name="window_causal", dtype=_dtype, shape=(1, 2, 1, 300, 400, 128), window=(64, None),
              causal="bottom_right"),
@@ -991,6 +1039,10 @@ def test_gpu_matches_reference(gpu_backend, poisoned, case, deterministic):
         mask = mask.expand(batch, hq, nq, nk)
     if case.get("float_mask"):
         mask = _float_mask(batch, hq, nq, nk, case["dtype"], "cuda")
+    if case.get("float_pad"):
+        keep = torch.rand(batch, 1, 1, nk, generator=gen) > 0.25
+        mask = torch.zeros(batch, 1, 1, nk).masked_fill(~keep, torch.finfo(case["dtype"]).min)
+        mask = mask.to(case["dtype"]).cuda().expand(batch, hq, nq, nk)
     params = _params(nq, nk, d, causal=case.get("causal"), window=case.get("window"), mask=mask,
                      dropout_p=case.get("dropout_p", 0.0), seed=(2024, 77), softcap=case.get("softcap"),
                      mask_requires_grad=case.get("mask_grad", False))

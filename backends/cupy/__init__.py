@@ -142,8 +142,10 @@ class CupyBackend(Backend):
                     "have their last dim contiguous")
         reason = ops.hopper_problem_refusal(problem)
         if reason is None:
+            float_mask = (f", and a float mask broadcast over the queries (key padding; else {ops.FLOAT_MASK_BY_QUERY})"
+                          if "float_mask" in problem.features else "")
             return ("the Hopper forward (kernels/hopper_fwd.cu: TMA, wgmma, warp-specialised), when q, k, v rows "
-                    "are 16-byte aligned and no dim is broadcast")
+                    f"are 16-byte aligned and no dim is broadcast{float_mask}")
         return f"the mma.sync forward (kernels/fwd.cu): not the Hopper forward because {reason}"
 
     def backward_path(self, problem):

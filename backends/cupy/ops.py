@@ -170,9 +170,10 @@ def _extra_args(params: AttentionParams, head_dim_v: int, slots: dict, float_mas
     return args + [slots["dmask"] if dmask else _NULL]
 
 
-def _softcap_args(params: AttentionParams) -> list:
-    """The Hopper kernels' last two arguments: common.cuh's Softcap factors (zeros without a softcap)."""
-    return _extra_args(params, 0, {})[1:3]
+def _hopper_extra_args(params: AttentionParams, slots: dict, float_mask) -> list:
+    """The Hopper kernels' last arguments: common.cuh's Softcap factors (zeros without a softcap), the float32 mask
+    (``float_mask``: float_mask_view's result, or None) and its four strides."""
+    return _extra_args(params, 0, slots, float_mask)[1:8]
 
 
 def _float_mask_of(features, params: AttentionParams):
@@ -241,9 +242,10 @@ HOPPER_ENABLED = os.environ.get(HOPPER_ENV, "1").strip().lower() not in ("0", "f
 
 
 def hopper_refusal(cc, dtype, head_dim: int, head_dim_v: int, dropout: bool, float_mask: bool, backward: bool = False,
-                   deterministic: bool = False) -> Optional[str]:
+                   deterministic: bool = False, softcap: bool = False, mask_grad: bool = False) -> Optional[str]:
     """Why the Hopper forward (``backward``: the Hopper backward, with head dims of its own; ``deterministic``: with
-    reproducible gradients asked for) does not run a problem (None: it does, where the tensors can be mapped)."""
+    reproducible gradients asked for; ``mask_grad``: a float mask's gradient asked for) does not run a problem (None:
+    it does, where the tensors can be mapped)."""
     head_dims = tuple(variants.HOPPER_BWD_TILES) if backward else variants.HOPPER_HEAD_DIMS
     if not HOPPER_ENABLED:
         return f"{HOPPER_ENV}=0"
@@ -253,8 +255,12 @@ def hopper_refusal(cc, dtype, head_dim: int, head_dim_v: int, dropout: bool, flo
         return f"dtype {dtype}"
     if head_dim != head_dim_v or head_dim not in head_dims:
         return f"head dims {head_dim}/{head_dim_v} (equal, one of {head_dims})"
-    if dropout or float_mask:
-        return "a float mask or dropout"
+    if dropout:
+        return "dropout"
+    if backward and mask_grad:
+        return "a float mask's gradient (formed by the mma.sync dQ kernel)"
+    if backward and float_mask and softcap:
+        return "a float mask with a softcap (the Hopper backward finds the softcap's factor from P)"
     if backward and deterministic and head_dim not in variants.HOPPER_BWD_DETERMINISTIC_DIMS:
         return (f"a deterministic backward at head dim {head_dim} (there the Hopper backward's dQ in turns is slower "
                 "than the mma.sync dQ kernel)")
@@ -266,7 +272,8 @@ def hopper_problem_refusal(problem, backward: bool = False, deterministic: bool 
     the backward's head dims (``deterministic``: with reproducible gradients)."""
     features = problem.features
     return hopper_refusal(problem.compute_capability, problem.dtype, problem.head_dim, problem.head_dim_v,
-                          "dropout" in features, "float_mask" in features, backward, deterministic)
+                          "dropout" in features, "float_mask" in features, backward, deterministic,
+                          "softcap" in features, "mask_grad" in features)
 
 
 def _hopper_call_refusal(launcher, cc, params: AttentionParams, tensors: dict, backward: bool = False,
@@ -277,7 +284,10 @@ def _hopper_call_refusal(launcher, cc, params: AttentionParams, tensors: dict, b
     mask = params.mask
     q, v = tensors["q"], tensors["v"]
     reason = hopper_refusal(cc, q.dtype, q.shape[-1], v.shape[-1], params.dropout_p > 0,
-                            mask is not None and mask.dtype != torch.bool, backward, deterministic)
+                            mask is not None and mask.dtype != torch.bool, backward, deterministic,
+                            params.softcap is not None, bool(params.mask_requires_grad))
+    if reason is None and not backward and mask is not None and mask.dtype != torch.bool and _varies_by_query(mask):
+        return FLOAT_MASK_BY_QUERY
     if reason is None:
         for name, t in tensors.items():
             why = tensor_maps.why_not_mappable(t)
@@ -286,22 +296,36 @@ def _hopper_call_refusal(launcher, cc, params: AttentionParams, tensors: dict, b
     return reason
 
 
+# A float mask that varies along the queries is read per score, four bytes each: the Hopper forward measured level
+# with the mma.sync one on it (NOTES.md, H15), so the forward keeps the mma.sync kernel (the backward takes the Hopper
+# kernel: 1.4x there).
+FLOAT_MASK_BY_QUERY = "a float mask that varies along the queries (the mma.sync forward is as fast on it)"
+
+
+def _varies_by_query(mask: torch.Tensor) -> bool:
+    return mask.shape[2] > 1 and mask.stride(2) != 0
+
+
 def _row_maps(launcher, tensors, box_rows) -> tuple:
     wrap = getattr(launcher, "struct_value", None)
     return tuple(tensor_maps.RowMaps(t, rows, wrap) for t, rows in zip(tensors, box_rows))
 
 
-# The Hopper forward's pointer slots that _feature_args reads (it takes no dropout).
-_HOPPER_FWD_SLOTS = {"mask": slot(7), "seed": _NULL}
+# The Hopper forward's pointer slots that _feature_args and _extra_args read (it takes no dropout).
+_HOPPER_FWD_SLOTS = {"mask": slot(7), "float_mask": slot(8), "seed": _NULL}
 
 
 def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params: AttentionParams, device) -> None:
     """The plan's launch through kernels/hopper_fwd.cu; its pointer tuple is (q map, k map, v map, out, lse, tile
-    counter or 0, the output's map with the output staged for the copy engine or 0, the boolean mask or 0)."""
+    counter or 0, the output's map with the output staged for the copy engine or 0, the boolean mask or 0, the float
+    mask's float32 view or 0)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    mask = params.mask
+    bool_mask, float_mask = mask is not None and mask.dtype == torch.bool, mask is not None and mask.dtype != torch.bool
     variant = variants.hopper_fwd_variant(_DTYPE_NAMES[q.dtype], head_dim, masked=params.has_window,
-                                          softcap=params.softcap is not None, bool_mask=params.mask is not None)
+                                          softcap=params.softcap is not None, bool_mask=bool_mask,
+                                          float_mask=float_mask)
     block_m, block_n = 64 * variant.define("CONSUMERS"), variant.define("BLOCK_N")
     staged = bool(variant.define("STAGED_OUT"))
     # the output's map: boxes of one consumer's 64 rows
@@ -310,8 +334,11 @@ def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params:
     args = [slot(0), slot(1), slot(2)] + [slot(6)] * staged + [slot(3), slot(4), slot(5)] + _strides(out)
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(pairs),
              i32(sched_pairs(pairs, seqlen_k, head_dim, q.element_size())), f32(params.scale * LOG2E)]
-    # diag_offset, window_left, window_right, the boolean mask and its strides; the softcap factors
-    args += _feature_args(params, _HOPPER_FWD_SLOTS)[:8] + _softcap_args(params)
+    # diag_offset, window_left, window_right, the boolean mask and its strides; the softcap factors, the float mask and
+    # its strides (those of float_mask_view's result, which depend only on the mask's shape, strides and dtype)
+    args += _feature_args(params, _HOPPER_FWD_SLOTS)[:8] + _hopper_extra_args(
+        params, _HOPPER_FWD_SLOTS, float_mask_view(mask) if float_mask else None)
+    plan.float_mask = float_mask
     # Persistent: one CTA per SM (at most one fits), each walking tiles; under a causal mask or a window (tiles of
     # unequal cost) the CTAs take the next tile from a counter (zeroed per call), whichever is free first.
     tiles = cdiv(seqlen_q, block_m) * pairs
@@ -347,10 +374,12 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
     if plan.maps is not None:
         q_map, k_map, v_map = plan.maps[:3]
         counter = torch.zeros(1, dtype=torch.int32, device=device) if plan.tile_counter else None
+        float_mask = float_mask_view(mask) if plan.float_mask else None  # (held until the launch is enqueued)
         pointers = (q_map(q.data_ptr()), k_map(k.data_ptr()), v_map(v.data_ptr()), out.data_ptr(), lse.data_ptr(),
                     0 if counter is None else counter.data_ptr(),
                     plan.maps[3](out.data_ptr()) if len(plan.maps) == 4 else 0,  # the output staged: its map
-                    0 if mask is None else mask.data_ptr())
+                    mask.data_ptr() if mask is not None and mask.dtype == torch.bool else 0,
+                    0 if float_mask is None else float_mask.data_ptr())
         plan.launch(pointers)
         return out, lse
     if plan.copies:
@@ -603,8 +632,11 @@ def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, 
     ``deterministic``: the key blocks add it in turns, with a counter per query block)."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    mask = params.mask
+    bool_mask, float_mask = mask is not None and mask.dtype == torch.bool, mask is not None and mask.dtype != torch.bool
     variant = variants.hopper_bwd_variant(_DTYPE_NAMES[q.dtype], head_dim, deterministic=deterministic,
-                                          softcap=params.softcap is not None, bool_mask=params.mask is not None)
+                                          softcap=params.softcap is not None, bool_mask=bool_mask,
+                                          float_mask=float_mask)
     plan.maps = _row_maps(launcher, (q, k, v, grad_out), (64, 128, 128, 64))
     dk, dv = (torch.empty_strided(shape, stride, device="meta") for shape, stride in plan.grads[1:])
     m, p = _HOPPER_BWD_MAPS, _BWD
@@ -613,14 +645,15 @@ def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, 
     args += _strides(dk) + _strides(dv)
     args += [i32(seqlen_q), i32(plan.vector_shape[2]), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv),
              f32(params.scale * LOG2E), f32(params.scale)]
-    # diag_offset, window_left, window_right, the boolean mask and its strides; the softcap factors
-    args += _feature_args(params, p)[:8] + _softcap_args(params)
+    # diag_offset, window_left, window_right, the boolean mask and its strides; the softcap factors, the float mask and
+    # its strides
+    args += _feature_args(params, p)[:8] + _hopper_extra_args(params, p, float_mask_view(mask) if float_mask else None)
     launches.append(_prepared(launcher, variant, (cdiv(seqlen_k, 128), heads_kv, batch), args, device, cc))
     plan.atomic_dq = True
     plan.dq_shape = (batch, heads_q, seqlen_q, head_dim)
     plan.dq_turns = batch * heads_q * cdiv(seqlen_q, 64) if deterministic else 0  # one a (batch, head, query block)
-    plan.bool_mask = params.mask is not None  # (the Hopper backward takes no float mask)
-    plan.dropout = plan.float_mask = False
+    plan.bool_mask, plan.float_mask = bool_mask, float_mask
+    plan.dropout = False
     plan.launches = tuple(launches)
 
 

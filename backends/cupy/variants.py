@@ -523,10 +523,11 @@ def _check_hopper_smem(tiles, d: int, smem: int) -> None:
 
 
 def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None, masked: bool = False,
-                       softcap: bool = False, bool_mask: bool = False) -> Variant:
+                       softcap: bool = False, bool_mask: bool = False, float_mask: bool = False) -> Variant:
     """The Hopper forward at head dim ``d`` with ``tiles`` (default the table's), for problems with (``masked``) or
     without a causal mask or window (the tiles may take turns differently, HopperFwdTiles.masked_pingpong);
-    ``softcap``: the scores capped by softcap * tanh(s / softcap); ``bool_mask``: a boolean attn_mask read per score."""
+    ``softcap``: the scores capped by softcap * tanh(s / softcap); ``bool_mask`` / ``float_mask``: a boolean / an
+    additive float32 attn_mask read per score."""
     if dtype_name not in DTYPE_NAMES:
         raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
     if d not in HOPPER_HEAD_DIMS:
@@ -536,8 +537,8 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None, ma
     _check_hopper_smem(tiles, d, smem)
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("BLOCK_N", tiles.block_n),
                ("STAGES", tiles.stages), ("CONSUMERS", tiles.consumers), ("PINGPONG", int(tiles.pingpong_for(masked))),
-               ("STAGED_OUT", int(tiles.staged_out)), ("BOOL_MASK", int(bool(bool_mask))), ("SOFTCAP", int(bool(softcap))),
-               ("SMEM_BYTES", smem))
+               ("STAGED_OUT", int(tiles.staged_out)), ("BOOL_MASK", int(bool(bool_mask))),
+               ("FLOAT_MASK", int(bool(float_mask))), ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))
     return Variant("hopper_fwd", defines, 128 * (1 + tiles.consumers), smem, arch_features="a")
 
 
@@ -551,10 +552,13 @@ def hopper_bwd_smem(stages: int, d: int, dq_buffers: int = 1) -> int:
 
 
 def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, deterministic: bool = False,
-                       softcap: bool = False, bool_mask: bool = False) -> Variant:
+                       softcap: bool = False, bool_mask: bool = False, float_mask: bool = False) -> Variant:
     """kernels/hopper_bwd.cu for one dtype and head dim; ``deterministic``: the key blocks add dQ in turns (bitwise
-    reproducible gradients); ``softcap``: the scores capped by softcap * tanh(s / softcap); ``bool_mask``: a boolean
-    attn_mask read per score."""
+    reproducible gradients); ``softcap``: the scores capped by softcap * tanh(s / softcap); ``bool_mask`` /
+    ``float_mask``: a boolean / an additive float32 attn_mask read per score (a float mask not with a softcap)."""
+    if softcap and float_mask:
+        raise ValueError("the Hopper backward takes a softcap or a float mask, not both (its softcap factor is found "
+                         "from P, which the mask's term changes)")
     if dtype_name not in DTYPE_NAMES:
         raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
     if d not in HOPPER_BWD_TILES:
@@ -565,19 +569,22 @@ def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, de
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("STAGES", tiles.stages),
                ("DQ_BULK", int(tiles.dq_bulk)), ("DQ_BUFFERS", tiles.dq_buffers),
                ("DETERMINISTIC", int(bool(deterministic))), ("BOOL_MASK", int(bool(bool_mask))),
-               ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))
+               ("FLOAT_MASK", int(bool(float_mask))), ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))
     return Variant("hopper_bwd", defines, 384, smem, arch_features="a")
 
 
 def hopper_variants() -> list:
     """Every variant of the Hopper family (what ``mhattn build --arch sm_90a`` compiles)."""
-    features = [dict(softcap=softcap, bool_mask=bool_mask) for softcap in (False, True) for bool_mask in (False, True)]
+    masks = (dict(), dict(bool_mask=True), dict(float_mask=True))
+    features = [dict(softcap=softcap, **mask) for softcap in (False, True) for mask in masks]
+    backward_features = [f for f in features if not (f["softcap"] and f.get("float_mask"))]
     forward = [hopper_fwd_variant(dtype, d, masked=masked, **f) for f in features for dtype in DTYPE_NAMES
                for d in HOPPER_HEAD_DIMS for masked in (False, True)]
     return (list(dict.fromkeys(forward))  # (a variant the same with and without a causal mask or window, once)
-            + [hopper_bwd_variant(dtype, d, **f) for f in features for dtype in DTYPE_NAMES for d in HOPPER_BWD_TILES]
-            + [hopper_bwd_variant(dtype, d, deterministic=True, **f) for f in features for dtype in DTYPE_NAMES
-               for d in HOPPER_BWD_DETERMINISTIC_DIMS])
+            + [hopper_bwd_variant(dtype, d, **f) for f in backward_features for dtype in DTYPE_NAMES
+               for d in HOPPER_BWD_TILES]
+            + [hopper_bwd_variant(dtype, d, deterministic=True, **f) for f in backward_features
+               for dtype in DTYPE_NAMES for d in HOPPER_BWD_DETERMINISTIC_DIMS])
 
 
 def all_variants(cc, features: bool = True, sequences: bool = True) -> list:

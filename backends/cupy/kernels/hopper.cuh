@@ -139,6 +139,27 @@ MHATTN_DEVICE void cap_scores(float (&s)[R], const Softcap& softcap) {
 #ifndef BOOL_MASK
 #define BOOL_MASK 0
 #endif
+constexpr float LOG2E = 1.4426950408889634f;
+
+// Calls f(k, query, key) for each of this thread's scores s[k] whose pair lies inside both sequences: s[4i + 2r + e]
+// is row row0 + 8r, column col0 + 8i + e (col0 with the lane's 2t in it); rows are queries and columns keys
+// (ROWS_ARE_QUERIES, the forward's S) or the other way round (the backward's S^T).
+template <int R, bool ROWS_ARE_QUERIES, class F>
+MHATTN_DEVICE void for_each_pair(int row0, int col0, int rows_end, int cols_end, F f) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    if (row >= rows_end) continue;
+#pragma unroll
+    for (int i = 0; i < R / 4; ++i) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = col0 + 8 * i + e;
+        if (col < cols_end) f(4 * i + 2 * r + e, ROWS_ARE_QUERIES ? row : col, ROWS_ARE_QUERIES ? col : row);
+      }
+    }
+  }
+}
 
 // BOOL_MASK: hides the scores of (query, key) pairs a boolean attn_mask forbids (common.cuh's BoolMask, at the call's
 // (batch, head)). s[4i + 2r + e] is row row0 + 8r, column col0 + 8i + e (col0 with the lane's 2t in it); rows are
@@ -169,20 +190,46 @@ MHATTN_DEVICE void hide_forbidden(float (&s)[R], const BoolMask& mask, int row0,
     }
     return;
   }
+  for_each_pair<R, ROWS_ARE_QUERIES>(row0, col0, rows_end, cols_end, [&](int k, int query, int key) {
+    if (!mask.allows(query, key)) s[k] = -MHATTN_INF;
+  });
+}
+
+// FLOAT_MASK: adds an additive float attn_mask (common.cuh's FloatMask, float32, at the call's (batch, head)) to this
+// thread's scores, in the softmax's units: the mask times `unit` = log2(e) / the factor the softmax then multiplies
+// the scores by (so a score x becomes x factor + mask log2(e) there); -inf in the mask hides the pair. The layout is
+// hide_forbidden's; pairs outside the sequences are not read (the band's masking or P = 0 takes care of them), and a
+// mask broadcast over the queries (query stride 0) is read once a key.
+template <int R, bool ROWS_ARE_QUERIES>
+MHATTN_DEVICE void add_float_mask(float (&s)[R], const FloatMask& mask, int row0, int col0, int rows_end, int cols_end,
+                                  float unit) {
+  if (mask.stride_q == 0) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
-    if (row >= rows_end) continue;
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + 8 * r;
+      if (ROWS_ARE_QUERIES ? r > 0 : row >= rows_end) continue;  // columns are keys: one pass serves both rows
+      const float row_value = ROWS_ARE_QUERIES ? 0.f : mask.ptr[(i64)row * mask.stride_k] * unit;
 #pragma unroll
-    for (int i = 0; i < R / 4; ++i) {
+      for (int i = 0; i < R / 4; ++i) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = col0 + 8 * i + e;
-        if (col < cols_end && !(ROWS_ARE_QUERIES ? mask.allows(row, col) : mask.allows(col, row)))
-          s[4 * i + 2 * r + e] = -MHATTN_INF;
+        for (int e = 0; e < 2; ++e) {
+          const int col = col0 + 8 * i + e;
+          if (col >= cols_end) continue;
+          if (!ROWS_ARE_QUERIES) {
+            s[4 * i + 2 * r + e] += row_value;
+          } else {
+            const float value = mask.ptr[(i64)col * mask.stride_k] * unit;
+            s[4 * i + e] += value;
+            s[4 * i + 2 + e] += value;
+          }
+        }
       }
     }
+    return;
   }
+  for_each_pair<R, ROWS_ARE_QUERIES>(row0, col0, rows_end, cols_end, [&](int k, int query, int key) {
+    s[k] += mask.ptr[(i64)query * mask.stride_q + (i64)key * mask.stride_k] * unit;
+  });
 }
 
 // The factor from a block's scores to log2 units: scale log2(e), or 1 where cap_scores has put them there.

@@ -21,6 +21,8 @@
 // blocks that cut it.
 //
 // BOOL_MASK: a boolean attn_mask (True = attend; mask and its four strides) hides scores after the band does.
+// FLOAT_MASK: an additive float32 attn_mask (float_mask and its strides) is added to them after that; not with
+// SOFTCAP, whose factor is found from P (the mask's term would be in it). Its gradient is not formed here.
 // SOFTCAP: the scores are softcap * tanh(s scale / softcap) (as in the forward) and dS^T takes the factor 1 - tanh^2,
 // with tanh found again from P and the lse (P = 0 gives dS = 0 whatever the factor).
 //
@@ -32,7 +34,7 @@
 // grid.
 //
 // -D options: MHATTN_BF16, HEAD_DIM (64 or 128), STAGES, DQ_BULK (0 or 1), DQ_BUFFERS (1 or 2), DETERMINISTIC (0 or
-// 1), BOOL_MASK (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES (checked against the layout below).
+// 1), BOOL_MASK (0 or 1), FLOAT_MASK (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES (checked against the layout below).
 #define NUM_WARPS 12
 #include "common.cuh"
 #include "hopper.cuh"
@@ -81,6 +83,7 @@ static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "the Hopper backward takes head
 static_assert(DQ_BULK == 0 || DQ_BULK == 1, "DQ_BULK is 0 (atomics) or 1 (bulk reduce-add)");
 static_assert(DQ_BUFFERS == 1 || DQ_BUFFERS == 2, "DQ_BUFFERS is 1 or 2");
 static_assert(DETERMINISTIC == 0 || DETERMINISTIC == 1, "DETERMINISTIC is 0 or 1");
+static_assert(!(FLOAT_MASK && SOFTCAP), "the softcap's factor is found from P, which a float mask's term changes");
 // (the bulk path at d = 64 hands the engine both warpgroups' tiles, which it adds in either order)
 static_assert(!(DETERMINISTIC && DQ_BULK && DQ_TILES == 2), "a deterministic dQ at d = 64 takes the atomics");
 static_assert(LAYOUT_BYTES <= SMEM_BYTES, "the host gives less shared memory than the layout needs");
@@ -378,7 +381,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                       i64 dv_sh, i64 dv_sn, int seqlen_q, int seqlen_q_pad, int seqlen_k, int heads_q, int group,
                       float scale_log2, float scale, int diag_offset, int window_left, int window_right,
                       const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh, i64 m_sq, i64 m_sk, float softcap_in2,
-                      float softcap_out2) {
+                      float softcap_out2, const float* __restrict__ float_mask, i64 fm_sb, i64 fm_sh, i64 fm_sq,
+                      i64 fm_sk) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
   const int n_block = DETERMINISTIC ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -434,6 +438,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   int step = 0;
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     const BoolMask bool_mask{BOOL_MASK ? mask + b * m_sb + h * m_sh : nullptr, m_sq, m_sk};
+    const FloatMask fmask{FLOAT_MASK ? float_mask + b * fm_sb + h * fm_sh : nullptr, fm_sq, fm_sk};
     for (int i = 0; i < blocks.count; ++i, ++step) {
       const int s = step % STAGES;
       const int m0 = (blocks.first + i) * BLOCK_M;
@@ -451,6 +456,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       if (n0 + 64 * w + 64 > seqlen_k || !bounds.block_inside(m0, m0 + BLOCK_M - 1, n0 + 64 * w, n0 + 64 * w + 63))
         mask_scores(st, key0, m0, t, seqlen_k, bounds);
       if (BOOL_MASK) hide_forbidden<SQ_REGS, false>(st, bool_mask, key0, m0 + 2 * t, seqlen_k, seqlen_q);
+      if (FLOAT_MASK)
+        add_float_mask<SQ_REGS, false>(st, fmask, key0, m0 + 2 * t, seqlen_k, seqlen_q,
+                                       LOG2E / softmax_scale_log2(scale_log2));
       probabilities(st, s_vectors + (LSE_OFFSET + s * VEC_BYTES) / 4, t, softmax_scale_log2(scale_log2));
       wgmma_wait<0>();
       touch_registers(dpt);

@@ -29,13 +29,13 @@
 // cut them.
 //
 // BOOL_MASK: a boolean attn_mask (True = attend; mask and its four strides, any of them 0) hides scores after the band
-// does.
+// does. FLOAT_MASK: an additive float32 attn_mask (float_mask and its four strides) is added to them after that.
 // SOFTCAP: each block's scores become softcap * tanh(s scale / softcap) before the mask and the softmax (softcap_in2,
 // softcap_out2: common.cuh's Softcap; unused without it).
 //
 // -D options: MHATTN_BF16, HEAD_DIM (64, 128, 256: whole 64-column chunks), BLOCK_N (64 or 128), STAGES,
-// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), STAGED_OUT (0 or 1), BOOL_MASK (0 or 1), SOFTCAP (0 or 1),
-// SMEM_BYTES (dynamic shared memory the host gives; checked against the layout below).
+// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), STAGED_OUT (0 or 1), BOOL_MASK (0 or 1), FLOAT_MASK (0 or 1),
+// SOFTCAP (0 or 1), SMEM_BYTES (dynamic shared memory the host gives; checked against the layout below).
 #define NUM_WARPS (4 * (CONSUMERS + 1))
 #include "common.cuh"
 #include "hopper.cuh"
@@ -113,6 +113,9 @@ struct Problem {
   i64 m_sb, m_sh, m_sq, m_sk;
   MHATTN_DEVICE int tiles() const { return n_mblocks * pairs; }
   MHATTN_DEVICE BoolMask mask_of(int b, int h) const { return BoolMask{mask + b * m_sb + h * m_sh, m_sq, m_sk}; }
+  const float* fmask;  // FLOAT_MASK: the float32 attn_mask and its strides
+  i64 fm_sb, fm_sh, fm_sq, fm_sk;
+  MHATTN_DEVICE FloatMask fmask_of(int b, int h) const { return FloatMask{fmask + b * fm_sb + h * fm_sh, fm_sq, fm_sk}; }
 };
 
 struct Tile {
@@ -319,6 +322,7 @@ struct Consumer {
   Turns turns;
   float scale_log2;
   Softcap softcap;
+  float mask_unit;  // FLOAT_MASK: log2(e) over the factor the softmax multiplies the scores by
   MHATTN_DEVICE u32 q_rows(int buf) const { return qb.slot(buf) + wg_row_in_tile * ROW_BYTES; }
 };
 
@@ -355,6 +359,7 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
   const int row0 = tile.m0 + c.row_in_tile, wg_row0 = tile.m0 + c.wg_row_in_tile;
   const KeyBlocks blocks = tile.blocks;
   const BoolMask bool_mask = BOOL_MASK ? pb.mask_of(tile.b, tile.h) : BoolMask{nullptr, 0, 0};
+  const FloatMask float_mask = FLOAT_MASK ? pb.fmask_of(tile.b, tile.h) : FloatMask{nullptr, 0, 0};
   const int buf = q_round % Q_BUFS;
   const u32 s_q_rows = c.q_rows(buf);
   // Whether key block n0 needs per-element masking for this warpgroup's rows.
@@ -382,6 +387,8 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
     cap_scores(s_acc, c.softcap);
     if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
     if (BOOL_MASK) hide_forbidden<S_REGS, true>(s_acc, bool_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k);
+    if (FLOAT_MASK)
+      add_float_mask<S_REGS, true>(s_acc, float_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k, c.mask_unit);
     online_softmax(s_acc, m, l, alpha, softmax_scale_log2(c.scale_log2));
     pack_a_fragments(p, s_acc);  // P, the A operand of P V
 
@@ -408,6 +415,8 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
       cap_scores(s_acc, c.softcap);
       if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
       if (BOOL_MASK) hide_forbidden<S_REGS, true>(s_acc, bool_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k);
+      if (FLOAT_MASK)
+        add_float_mask<S_REGS, true>(s_acc, float_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k, c.mask_unit);
       online_softmax(s_acc, m, l, alpha, softmax_scale_log2(c.scale_log2));
       wgmma_wait<0>();
       touch_registers(o_acc);
@@ -476,11 +485,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                       int* __restrict__ tile_counter, i64 o_sb, i64 o_sh, i64 o_sn, int seqlen_q, int seqlen_k,
                       int heads_q, int group, int pairs, int sched_pairs, float scale_log2, int diag_offset,
                       int window_left, int window_right, const unsigned char* __restrict__ mask, i64 m_sb, i64 m_sh,
-                      i64 m_sq, i64 m_sk, float softcap_in2, float softcap_out2) {
+                      i64 m_sq, i64 m_sk, float softcap_in2, float softcap_out2,
+                      const float* __restrict__ float_mask, i64 fm_sb, i64 fm_sh, i64 fm_sq, i64 fm_sk) {
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
   const Problem pb{seqlen_q, seqlen_k, heads_q, group, (seqlen_q + BLOCK_M - 1) / BLOCK_M, pairs, sched_pairs,
-                   Bounds{diag_offset, window_left, window_right}, mask, m_sb, m_sh, m_sq, m_sk};
+                   Bounds{diag_offset, window_left, window_right}, mask,      m_sb,  m_sh,  m_sq, m_sk,
+                   float_mask, fm_sb, fm_sh, fm_sq, fm_sk};
   const int tiles = pb.tiles();
 
   const u32 base = (smem_u32(smem) + SWIZZLE_ATOM - 1) & ~(SWIZZLE_ATOM - 1);
@@ -533,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
   const int lane = tid & 31, warp = (tid & 127) >> 5;
   const Consumer consumer{lane, lane & 3, (wg - 1) * 64 + warp * 16 + (lane >> 2), (wg - 1) * 64, wg - 1,
                           STAGED_OUT && (tid & 127) == 0, s_k, s_v, qb, slots, Turns{wg, 3 - wg}, scale_log2,
-                          Softcap{softcap_in2, softcap_out2}};
+                          Softcap{softcap_in2, softcap_out2}, LOG2E / softmax_scale_log2(scale_log2)};
   int q_round = 0, ring = 0;
   for (int n = 0;; ++n) {
     const int index = take_tile(tile_slots, n, lane);
