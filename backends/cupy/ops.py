@@ -276,17 +276,22 @@ def hopper_problem_refusal(problem, backward: bool = False, deterministic: bool 
                           "softcap" in features, "mask_grad" in features)
 
 
+def _mask_kinds(params: AttentionParams) -> tuple:
+    """(a boolean attn_mask?, a float one?) of a call."""
+    mask = params.mask
+    return mask is not None and mask.dtype == torch.bool, mask is not None and mask.dtype != torch.bool
+
+
 def _hopper_call_refusal(launcher, cc, params: AttentionParams, tensors: dict, backward: bool = False,
                          deterministic: bool = False) -> Optional[str]:
     """:func:`hopper_refusal` of a call; ``tensors``: name -> the (B, H, N, D) tensors the kernel reads through maps."""
     if not getattr(launcher, "tensor_maps", False):
         return "a launcher without tensor maps"
-    mask = params.mask
     q, v = tensors["q"], tensors["v"]
-    reason = hopper_refusal(cc, q.dtype, q.shape[-1], v.shape[-1], params.dropout_p > 0,
-                            mask is not None and mask.dtype != torch.bool, backward, deterministic,
-                            params.softcap is not None, bool(params.mask_requires_grad))
-    if reason is None and not backward and mask is not None and mask.dtype != torch.bool and _varies_by_query(mask):
+    float_mask = _mask_kinds(params)[1]
+    reason = hopper_refusal(cc, q.dtype, q.shape[-1], v.shape[-1], params.dropout_p > 0, float_mask, backward,
+                            deterministic, params.softcap is not None, bool(params.mask_requires_grad))
+    if reason is None and not backward and float_mask and _varies_by_query(params.mask):
         return FLOAT_MASK_BY_QUERY
     if reason is None:
         for name, t in tensors.items():
@@ -322,7 +327,7 @@ def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params:
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     mask = params.mask
-    bool_mask, float_mask = mask is not None and mask.dtype == torch.bool, mask is not None and mask.dtype != torch.bool
+    bool_mask, float_mask = _mask_kinds(params)
     variant = variants.hopper_fwd_variant(_DTYPE_NAMES[q.dtype], head_dim, masked=params.has_window,
                                           softcap=params.softcap is not None, bool_mask=bool_mask,
                                           float_mask=float_mask)
@@ -338,7 +343,7 @@ def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params:
     # its strides (those of float_mask_view's result, which depend only on the mask's shape, strides and dtype)
     args += _feature_args(params, _HOPPER_FWD_SLOTS)[:8] + _hopper_extra_args(
         params, _HOPPER_FWD_SLOTS, float_mask_view(mask) if float_mask else None)
-    plan.float_mask = float_mask
+    plan.bool_mask, plan.float_mask = bool_mask, float_mask
     # Persistent: one CTA per SM (at most one fits), each walking tiles; under a causal mask or a window (tiles of
     # unequal cost) the CTAs take the next tile from a counter (zeroed per call), whichever is free first.
     tiles = cdiv(seqlen_q, block_m) * pairs
@@ -378,7 +383,7 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
         pointers = (q_map(q.data_ptr()), k_map(k.data_ptr()), v_map(v.data_ptr()), out.data_ptr(), lse.data_ptr(),
                     0 if counter is None else counter.data_ptr(),
                     plan.maps[3](out.data_ptr()) if len(plan.maps) == 4 else 0,  # the output staged: its map
-                    mask.data_ptr() if mask is not None and mask.dtype == torch.bool else 0,
+                    mask.data_ptr() if plan.bool_mask else 0,
                     0 if float_mask is None else float_mask.data_ptr())
         plan.launch(pointers)
         return out, lse
@@ -426,8 +431,7 @@ def _forward_plan(launcher, cc, q, k, v, params: AttentionParams, device) -> _Fo
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(head_dim),
              i32(sched_pairs(batch * heads_q, seqlen_k, head_dim, q.element_size())), f32(params.scale * LOG2E)]
     args += _feature_args(params, p) + _extra_args(params, head_dim_v, p, _float_mask_of(features, params))
-    mask = params.mask
-    plan.bool_mask = mask is not None and mask.dtype == torch.bool
+    plan.bool_mask = _mask_kinds(params)[0]
     plan.dropout = params.dropout_p > 0
     plan.float_mask = "FLOAT_MASK" in features
     plan.launch = _prepared(launcher, variant, grid, args, device, cc)
@@ -586,7 +590,7 @@ def _backward_plan(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionP
     args += [i32(heads_q), i32(seqlen_q), i32(seqlen_q_pad), i32(head_dim_v), i64(rows)]
     launches.append(_prepared(launcher, pre, (cdiv(rows, variants.PREPROCESS_WARPS), 1, 1), args, device, cc))
 
-    # (a mask gradient comes with a float mask, which the Hopper backward refuses)
+    # (a float mask's gradient: refused there, the dQ kernel writes dS)
     hopper_refused = _hopper_call_refusal(launcher, cc, params, {"q": q, "k": k, "v": v, "grad_out": grad_out},
                                           backward=True, deterministic=bool(deterministic))
     if hopper_refused is None:
@@ -614,8 +618,7 @@ def _backward_plan(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionP
         # the dQ kernel writes dS, the mask's gradient
         dq_feature_args = _feature_args(params, p) + _extra_args(params, head_dim_v, p, float_mask, plan.mask_grad)
         launches.append(_prepared(launcher, variant, grid, args + shape_args + dq_feature_args, device, cc))
-    mask = params.mask
-    plan.bool_mask = mask is not None and mask.dtype == torch.bool
+    plan.bool_mask = _mask_kinds(params)[0]
     plan.dropout = params.dropout_p > 0
     plan.float_mask = float_mask is not None
     plan.launches = tuple(launches)
@@ -633,7 +636,7 @@ def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, 
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     mask = params.mask
-    bool_mask, float_mask = mask is not None and mask.dtype == torch.bool, mask is not None and mask.dtype != torch.bool
+    bool_mask, float_mask = _mask_kinds(params)
     variant = variants.hopper_bwd_variant(_DTYPE_NAMES[q.dtype], head_dim, deterministic=deterministic,
                                           softcap=params.softcap is not None, bool_mask=bool_mask,
                                           float_mask=float_mask)

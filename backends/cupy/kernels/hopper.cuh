@@ -126,6 +126,11 @@ MHATTN_DEVICE void tma_prefetch_map(const TensorMap* map) {
 
 // ---- scores ------------------------------------------------------------------------------------------------
 
+#ifndef BOOL_MASK
+#define BOOL_MASK 0
+#endif
+constexpr float LOG2E = 1.4426950408889634f;
+
 // SOFTCAP: raw dot products -> softcap * tanh(s scale / softcap) in log2 units (common.cuh's log2_score), in place;
 // before the mask, and the softmax then takes them with a scale of 1 (softmax_scale_log2).
 template <int R>
@@ -136,11 +141,6 @@ MHATTN_DEVICE void cap_scores(float (&s)[R], const Softcap& softcap) {
   for (int i = 0; i < R; ++i) s[i] = log2_score(s[i], 0.f, softcap, th);
 #endif
 }
-#ifndef BOOL_MASK
-#define BOOL_MASK 0
-#endif
-constexpr float LOG2E = 1.4426950408889634f;
-
 // Calls f(k, query, key) for each of this thread's scores s[k] whose pair lies inside both sequences: s[4i + 2r + e]
 // is row row0 + 8r, column col0 + 8i + e (col0 with the lane's 2t in it); rows are queries and columns keys
 // (ROWS_ARE_QUERIES, the forward's S) or the other way round (the backward's S^T).
@@ -162,9 +162,8 @@ MHATTN_DEVICE void for_each_pair(int row0, int col0, int rows_end, int cols_end,
 }
 
 // BOOL_MASK: hides the scores of (query, key) pairs a boolean attn_mask forbids (common.cuh's BoolMask, at the call's
-// (batch, head)). s[4i + 2r + e] is row row0 + 8r, column col0 + 8i + e (col0 with the lane's 2t in it); rows are
-// queries and columns keys (ROWS_ARE_QUERIES, the forward's S) or the other way round (the backward's S^T). Only
-// pairs inside both sequences are read; the others are hidden by the band's masking or carry no weight. A mask
+// (batch, head)), in for_each_pair's layout. Only pairs inside both sequences are read; the others are hidden by the
+// band's masking or carry no weight. A mask
 // broadcast over the queries (key padding: query stride 0) is read once a key. (Reading the mask before the scores'
 // wait, to overlap its loads with the products, measured 0.5-0.8x of this: NOTES.md, H14.)
 template <int R, bool ROWS_ARE_QUERIES>

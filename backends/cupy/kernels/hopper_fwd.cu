@@ -366,6 +366,15 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
   auto cuts = [&](int n0) {
     return n0 + BLOCK_N > pb.seqlen_k || !pb.bounds.block_inside(wg_row0, wg_row0 + 63, n0, n0 + BLOCK_N - 1);
   };
+  // Key block n0's scores, as the tensor cores left them, made ready for the softmax: capped, masked by the band (where
+  // the block cuts it) and by the attn_mask.
+  auto finish_scores = [&](int n0) {
+    cap_scores(s_acc, c.softcap);
+    if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
+    if (BOOL_MASK) hide_forbidden<S_REGS, true>(s_acc, bool_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k);
+    if (FLOAT_MASK)
+      add_float_mask<S_REGS, true>(s_acc, float_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k, c.mask_unit);
+  };
 
   if (blocks.count > 0) {
     c.turns.start();
@@ -384,11 +393,7 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
     if (STAGED_OUT && q_round > 0) release_staged_buffer(c, (q_round - 1) % Q_BUFS);  // the previous tile's
     if (!STAGED_OUT && blocks.count == 1) release_slot(c.qb.empty(buf), c.lane);  // the tile's last use of Q
     int n0 = blocks.first * BLOCK_N;
-    cap_scores(s_acc, c.softcap);
-    if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
-    if (BOOL_MASK) hide_forbidden<S_REGS, true>(s_acc, bool_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k);
-    if (FLOAT_MASK)
-      add_float_mask<S_REGS, true>(s_acc, float_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k, c.mask_unit);
+    finish_scores(n0);
     online_softmax(s_acc, m, l, alpha, softmax_scale_log2(c.scale_log2));
     pack_a_fragments(p, s_acc);  // P, the A operand of P V
 
@@ -412,11 +417,7 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
       release_slot(c.slots.k_empty(s), c.lane);
       if (!STAGED_OUT && i == blocks.count - 1) release_slot(c.qb.empty(buf), c.lane);
       n0 = (blocks.first + i) * BLOCK_N;
-      cap_scores(s_acc, c.softcap);
-      if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
-      if (BOOL_MASK) hide_forbidden<S_REGS, true>(s_acc, bool_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k);
-      if (FLOAT_MASK)
-        add_float_mask<S_REGS, true>(s_acc, float_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k, c.mask_unit);
+      finish_scores(n0);
       online_softmax(s_acc, m, l, alpha, softmax_scale_log2(c.scale_log2));
       wgmma_wait<0>();
       touch_registers(o_acc);
@@ -490,7 +491,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
   MHATTN_DYNAMIC_SMEM(smem);
   const int tid = threadIdx.x;
   const Problem pb{seqlen_q, seqlen_k, heads_q, group, (seqlen_q + BLOCK_M - 1) / BLOCK_M, pairs, sched_pairs,
-                   Bounds{diag_offset, window_left, window_right}, mask,      m_sb,  m_sh,  m_sq, m_sk,
+                   Bounds{diag_offset, window_left, window_right}, mask, m_sb, m_sh, m_sq, m_sk,
                    float_mask, fm_sb, fm_sh, fm_sq, fm_sk};
   const int tiles = pb.tiles();
 
