@@ -234,6 +234,17 @@ MHATTN_DEVICE void add_float_mask(float (&s)[R], const FloatMask& mask, int row0
 // The factor from a block's scores to log2 units: scale log2(e), or 1 where cap_scores has put them there.
 MHATTN_DEVICE float softmax_scale_log2(float scale_log2) { return SOFTCAP ? 1.f : scale_log2; }
 
+// ---- shared-memory stores of fragments ------------------------------------------------------------------------
+
+// Stores four 8x8 matrices of 16-bit elements, one instruction for the warp (the inverse of ldmatrix): lane l gives
+// the shared address of row l % 8 of matrix l / 8, and register j of every lane holds its two elements of matrix j
+// (row lane / 4, columns 2 (lane % 4) and + 1: the mma fragment layout).
+MHATTN_DEVICE void stmatrix_x4(u32 addr, u32 m0, u32 m1, u32 m2, u32 m3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(m0), "r"(m1),
+               "r"(m2), "r"(m3)
+               : "memory");
+}
+
 // ---- register budgets and named barriers ------------------------------------------------------------------
 
 // Gives registers back (the producer warpgroup) or takes them (the consumers); every warp of a warpgroup runs it.

@@ -246,21 +246,15 @@ MHATTN_DEVICE void score_gradients(float (&dpt)[SQ_REGS], const float (&pt)[SQ_R
   }
 }
 
-// This thread's dS^T (packed) into the block's dS^T tile: rows are keys (row0, row0 + 8 within the 128), 128-byte
-// rows of 64 queries in the swizzled layout (16-byte chunk i of row r at chunk i ^ (r % 8)).
-MHATTN_DEVICE void store_ds(u32 s_ds, const u32 (&ds)[Q_STEPS][4], int row0, int t) {
+// This warp's dS^T (its 16 keys from warp_row0, packed as A fragments) into the block's dS^T tile, one stmatrix per
+// k16 step: rows are keys, 128-byte rows of 64 queries in the swizzled layout (16-byte chunk c of row r at chunk
+// c ^ (r % 8)). Fragment register j of step kk is the 8 x 8 matrix of keys + 8 (j % 2), queries 16 kk + 8 (j / 2)..
+MHATTN_DEVICE void store_ds(u32 s_ds, const u32 (&ds)[Q_STEPS][4], int warp_row0, int lane) {
+  const int matrix = lane >> 3, row = warp_row0 + 8 * (matrix & 1) + (lane & 7);
 #pragma unroll
   for (int kk = 0; kk < Q_STEPS; ++kk) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // n8 tiles 2kk and 2kk + 1: 16-byte chunks of the row
-      const int chunk = 2 * kk + half;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r;
-        const u32 addr = s_ds + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4) + 4 * t;
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(ds[kk][2 * half + r]) : "memory");
-      }
-    }
+    const int chunk = 2 * kk + (matrix >> 1);
+    stmatrix_x4(s_ds + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4), ds[kk][0], ds[kk][1], ds[kk][2], ds[kk][3]);
   }
 }
 
@@ -470,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       issue_key_gradient(dv_acc, p_frag, s_do);
       issue_key_gradient(dk_acc, ds_frag, s_q);
       wgmma_commit();
-      store_ds(s_ds, ds_frag, 64 * w + row_in_wg, t);
+      store_ds(s_ds, ds_frag, 64 * w + 16 * warp, lane);
       fence_async_shared();
       if (DQ_BY_KEYS)
         named_barrier_sync(DQ_BARRIER + w, 128);  // this warpgroup's dS^T written
