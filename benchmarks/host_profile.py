@@ -11,6 +11,9 @@ Host loops (300 calls, one synchronize at the end, best of five) at B=1 H=16 N=1
 - the Triton backend's forward and backward called directly on the main thread, an identity autograd
   Function's forward+backward (the autograd engine's own cost of a Python backward), and a Function whose
   backward calls the backend's backward (what mhattn's autograd Function pays on the engine's device thread).
+``--single-thread`` repeats the rows with a backward with autograd's multithreading off
+(``torch.autograd.set_multithreading_enabled(False)``: the engine runs every node on the calling thread), which
+says what the hand-off to the engine's device thread costs each path.
 ``--paths`` shows, at the latency shapes, which path auto takes beside torch's SDPA (call_paths).
 ``--device-thread`` times pieces of host work inside a backward (autograd's device thread) beside the same on the
 main thread. ``--profile triton-fwd`` prints cProfile's top entries of mhattn.attention's forward on the Triton backend;
@@ -119,11 +122,17 @@ def rows():
         table.append(("torch.empty_strided x2 (the forward's out, lse)", lambda: (
             torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device),
             torch.empty_strided(lse.shape, lse.stride(), dtype=lse.dtype, device=lse.device))))
-        table.append(("triton backend forward+backward, main thread",
-                      lambda: (triton.forward(qd, kd, vd, params), triton.backward(dout, qd, kd, vd, out, lse, params))))
         table.append(("identity autograd Function forward+backward", lambda: _Identity.apply(q).backward(dout)))
-        direct = _backend_function(triton, params)
-        table.append(("autograd Function of the triton backend", lambda: direct.apply(q, k, v).backward(dout)))
+    for name in ("triton", "cupy"):
+        if name not in names:
+            continue
+        backend = mhattn.registry.get_backend(name)
+        out, lse = backend.forward(qd, kd, vd, params)
+        table.append((f"{name} backend forward+backward, main thread", lambda backend=backend, out=out, lse=lse: (
+            backend.forward(qd, kd, vd, params), backend.backward(dout, qd, kd, vd, out, lse, params))))
+        direct = _backend_function(backend, params)
+        table.append((f"autograd Function of the {name} backend forward+backward",
+                      lambda direct=direct: direct.apply(q, k, v).backward(dout)))
     return table, (q, k, v, dout)
 
 
@@ -298,6 +307,8 @@ def main():
     parser.add_argument("--profile", choices=("triton-fwd", "triton-bwd"), default=None)
     parser.add_argument("--paths", action="store_true",
                         help="only the call paths of auto beside torch's SDPA at the latency shapes (call_paths)")
+    parser.add_argument("--single-thread", action="store_true",
+                        help="also the rows with a backward with autograd's multithreading off")
     parser.add_argument("--device-thread", action="store_true",
                         help="also time pieces of host work on autograd's device thread and the main thread")
     args = parser.parse_args()
@@ -308,6 +319,9 @@ def main():
         return
     table, tensors = rows()
     results = [(label, host_loop_us(fn)) for label, fn in table]
+    if args.single_thread:
+        with torch.autograd.set_multithreading_enabled(False):
+            results += [(f"{label} [1 thread]", host_loop_us(fn)) for label, fn in table if "backward" in label]
     if args.profile == "triton-fwd":
         profile_triton_forward(*tensors[:3])
     if args.profile == "triton-bwd":
