@@ -250,6 +250,25 @@ struct Bounds {
   MHATTN_DEVICE bool block_inside(int i0, int i1, int j0, int j1) const {
     return (i64)j0 - i1 - diag_offset >= -(i64)left && (i64)j1 - i0 - diag_offset <= (i64)right;
   }
+  // The blocks of BLOCK keys that rows [i0, i1] see whole (inside the band, every key below seqlen_k): block index
+  // range [lo, hi), hi <= lo where there is none. block_inside turned into a range once per row block, so a loop
+  // over key blocks tests two integers a block.
+  template <int BLOCK>
+  MHATTN_DEVICE void whole_blocks(int i0, int i1, int seqlen_k, int& lo, int& hi) const {
+    const i64 first_key = (i64)i1 + diag_offset - left;   // every key from here on is right of the band's left edge
+    const i64 end_key = (i64)i0 + diag_offset + right + 1;  // ... and below here left of its right edge
+    lo = first_key <= 0 ? 0 : (int)min_of<i64>((first_key + BLOCK - 1) / BLOCK, 1 << 30);
+    hi = end_key <= 0 ? 0 : (int)min_of<i64>(min_of<i64>(end_key, seqlen_k) / BLOCK, 1 << 30);
+  }
+  // The blocks of BLOCK rows that see keys [j0, j1] whole (the mirror of whole_blocks, for a loop over row blocks):
+  // block index range [lo, hi).
+  template <int BLOCK>
+  MHATTN_DEVICE void whole_row_blocks(int j0, int j1, int& lo, int& hi) const {
+    const i64 first_row = (i64)j1 - diag_offset - right;                // rows from here on see key j1
+    const i64 last_row = (i64)j0 - diag_offset + left - (BLOCK - 1);    // block starts up to here see key j0 whole
+    lo = first_row <= 0 ? 0 : (int)min_of<i64>((first_row + BLOCK - 1) / BLOCK, 1 << 30);
+    hi = last_row < 0 ? 0 : (int)min_of<i64>(last_row / BLOCK + 1, 1 << 30);
+  }
 };
 
 // A boolean attn_mask (True = attend) broadcast to (B, H, Nq, Nk) with arbitrary strides (0 allowed).

@@ -311,14 +311,22 @@ MHATTN_DEVICE void hide_outside(float (&s)[R], int r, int lo, int hi) {
 // ---- wgmma -----------------------------------------------------------------------------------------------
 
 // The descriptor of a matrix operand in shared memory in the 128-byte swizzled layout (bits: start address / 16,
-// leading-dimension byte offset / 16, stride-dimension byte offset / 16, layout type 1 = 128-byte swizzle).
-// K-major operands (rows contiguous along the reduction, as Q and K): stride = 1024 bytes between groups of 8
-// rows, the leading offset unused. MN-major operands (V: rows along the reduction): stride = 1024 bytes between
-// groups of 8 rows of the reduction, leading offset = bytes between column chunks of 64 elements.
-MHATTN_DEVICE u64 smem_desc(u32 addr, u32 leading_bytes, u32 stride_bytes) {
-  return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)((leading_bytes >> 4) & 0x3FFFu) << 16) |
-         ((u64)((stride_bytes >> 4) & 0x3FFFu) << 32) | (1ull << 62);
+// leading-dimension byte offset / 16, stride-dimension byte offset / 16, layout type 1 = 128-byte swizzle), for the
+// operand `offset` bytes past `base` (both multiples of 16). K-major operands (rows contiguous along the reduction, as
+// Q and K): stride = 1024 bytes between groups of 8 rows, the leading offset unused. MN-major operands (V: rows along
+// the reduction): stride = 1024 bytes between groups of 8 rows of the reduction, leading offset = bytes between column
+// chunks of 64 elements. A shared address is below 256 KB, so address / 16 fills the 14-bit field without carrying
+// out of it: the descriptors of a tile's k16 steps are then one base and a constant added per step (not a mask,
+// shift and or each, and a move to a uniform register, per wgmma).
+MHATTN_DEVICE u64 smem_desc(u32 base, u32 offset, u32 leading_bytes, u32 stride_bytes) {
+  const u32 lo = ((base >> 4) | (((leading_bytes >> 4) & 0x3FFFu) << 16)) + (offset >> 4);
+  const u32 hi = ((stride_bytes >> 4) & 0x3FFFu) | (1u << 30);  // (bit 62: the swizzle mode)
+  return ((u64)hi << 32) | lo;
 }
+
+// A shared address that is the same in every lane, as lane 0 has it: ptxas then forms the descriptors from it in
+// uniform registers (the wgmma operands' home) instead of in each lane's registers with a move per wgmma.
+MHATTN_DEVICE u32 warp_uniform(u32 x) { return __shfl_sync(0xffffffffu, x, 0); }
 
 // Orders this warpgroup's register writes before the wgmma that read them (accumulators, register A operands).
 MHATTN_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

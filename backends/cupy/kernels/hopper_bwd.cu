@@ -164,20 +164,22 @@ MHATTN_DEVICE void produce(const TensorMap* q_map, const TensorMap* k_map, const
 // Issues d (64 rows of A x 64 queries) = A B^T over the head dim: A = this warpgroup's 64 rows of K or V, B = the
 // slot's Q or dO (both K-major).
 MHATTN_DEVICE void issue_keys_by_queries(float (&d)[SQ_REGS], u32 s_rows, u32 s_queries) {
+  s_rows = warp_uniform(s_rows), s_queries = warp_uniform(s_queries);
 #pragma unroll
   for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
     const u32 chunk = kk / 4, within = (kk % 4) * 32;
-    wgmma_ss(d, smem_desc(s_rows + chunk * KV_CHUNK_BYTES + within, 16, SWIZZLE_ATOM),
-             smem_desc(s_queries + chunk * Q_CHUNK_BYTES + within, 16, SWIZZLE_ATOM), kk > 0);
+    wgmma_ss(d, smem_desc(s_rows, chunk * KV_CHUNK_BYTES + within, 16, SWIZZLE_ATOM),
+             smem_desc(s_queries, chunk * Q_CHUNK_BYTES + within, 16, SWIZZLE_ATOM), kk > 0);
   }
 }
 
 // Issues acc (64 keys x HEAD_DIM) += A B over the queries: A = P^T or dS^T from registers, B = the slot's dO or Q
 // (MN-major: rows are queries).
 MHATTN_DEVICE void issue_key_gradient(float (&acc)[ACC_REGS], const u32 (&a)[Q_STEPS][4], u32 s_queries) {
+  s_queries = warp_uniform(s_queries);
 #pragma unroll
   for (int kk = 0; kk < Q_STEPS; ++kk)
-    wgmma_rs(acc, a[kk], smem_desc(s_queries + kk * 16 * ROW_BYTES, Q_CHUNK_BYTES, SWIZZLE_ATOM), 1);
+    wgmma_rs(acc, a[kk], smem_desc(s_queries, kk * 16 * ROW_BYTES, Q_CHUNK_BYTES, SWIZZLE_ATOM), 1);
 }
 
 // Issues warpgroup w's dq (64 queries x 64 columns) = dS K: A = dS^T in shared memory read transposed, B = K
@@ -185,10 +187,11 @@ MHATTN_DEVICE void issue_key_gradient(float (&acc)[ACC_REGS], const u32 (&a)[Q_S
 MHATTN_DEVICE void issue_dq(float (&dq)[SQ_REGS], u32 s_ds, u32 s_k, int w) {
   constexpr int KEYS = DQ_BY_KEYS ? 64 : BLOCK_N;
   const u32 first_row = DQ_BY_KEYS ? 64 * w * ROW_BYTES : 0, chunk = DQ_BY_KEYS ? 0 : w;
+  const u32 ds_rows = warp_uniform(s_ds + first_row), k_rows = warp_uniform(s_k + chunk * KV_CHUNK_BYTES + first_row);
 #pragma unroll
   for (int kk = 0; kk < KEYS / 16; ++kk)
-    wgmma_ss<1, 1>(dq, smem_desc(s_ds + first_row + kk * 16 * ROW_BYTES, DS_BYTES, SWIZZLE_ATOM),
-                   smem_desc(s_k + chunk * KV_CHUNK_BYTES + first_row + kk * 16 * ROW_BYTES, KV_CHUNK_BYTES,
+    wgmma_ss<1, 1>(dq, smem_desc(ds_rows, kk * 16 * ROW_BYTES, DS_BYTES, SWIZZLE_ATOM),
+                   smem_desc(k_rows, kk * 16 * ROW_BYTES, KV_CHUNK_BYTES,
                              SWIZZLE_ATOM),
                    kk > 0);
 }
@@ -428,6 +431,11 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   u32 p_frag[Q_STEPS][4], ds_frag[Q_STEPS][4];
   const float* s_vectors = reinterpret_cast<const float*>(smem + (base - smem_u32(smem)));
 
+  // The query blocks that see this warpgroup's keys whole (none where its keys pass seqlen_k): no per-score masking.
+  int whole_lo, whole_hi;
+  bounds.whole_row_blocks<BLOCK_M>(n0 + 64 * w, n0 + 64 * w + 63, whole_lo, whole_hi);
+  if (n0 + 64 * w + 64 > seqlen_k) whole_hi = 0;
+
   mbar_wait(kv_full, 0);
   int step = 0;
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
@@ -447,7 +455,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       wgmma_wait<1>();  // S^T: the probabilities while dP^T is multiplied
       touch_registers(st);
       cap_scores(st, softcap);
-      if (n0 + 64 * w + 64 > seqlen_k || !bounds.block_inside(m0, m0 + BLOCK_M - 1, n0 + 64 * w, n0 + 64 * w + 63))
+      if (m0 < whole_lo * BLOCK_M || m0 >= whole_hi * BLOCK_M)
         mask_scores(st, key0, m0, t, seqlen_k, bounds);
       if (BOOL_MASK) hide_forbidden<SQ_REGS, false>(st, bool_mask, key0, m0 + 2 * t, seqlen_k, seqlen_q);
       if (FLOAT_MASK)

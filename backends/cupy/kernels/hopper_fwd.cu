@@ -198,8 +198,8 @@ MHATTN_DEVICE void issue_scores(float (&s)[S_REGS], u32 s_q_rows, u32 s_k_slot) 
 #pragma unroll
   for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
     const u32 chunk = kk / 4, within = (kk % 4) * 32;  // k16 step kk: 32 bytes into a 128-byte row
-    const u64 a = smem_desc(s_q_rows + chunk * Q_CHUNK_BYTES + within, 16, SWIZZLE_ATOM);
-    const u64 bk = smem_desc(s_k_slot + chunk * KV_CHUNK_BYTES + within, 16, SWIZZLE_ATOM);
+    const u64 a = smem_desc(s_q_rows, chunk * Q_CHUNK_BYTES + within, 16, SWIZZLE_ATOM);
+    const u64 bk = smem_desc(s_k_slot, chunk * KV_CHUNK_BYTES + within, 16, SWIZZLE_ATOM);
     wgmma_ss(s, a, bk, kk > 0);
   }
 }
@@ -208,7 +208,7 @@ MHATTN_DEVICE void issue_scores(float (&s)[S_REGS], u32 s_q_rows, u32 s_k_slot) 
 MHATTN_DEVICE void issue_pv(float (&o)[O_REGS], const u32 (&p)[P_STEPS][4], u32 s_v_slot) {
 #pragma unroll
   for (int kk = 0; kk < P_STEPS; ++kk)
-    wgmma_rs(o, p[kk], smem_desc(s_v_slot + kk * 16 * ROW_BYTES, KV_CHUNK_BYTES, SWIZZLE_ATOM), 1);
+    wgmma_rs(o, p[kk], smem_desc(s_v_slot, kk * 16 * ROW_BYTES, KV_CHUNK_BYTES, SWIZZLE_ATOM), 1);
 }
 
 // Hides the scores this thread holds that its rows may not see: keys past seqlen_k or outside the band. The
@@ -362,10 +362,10 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
   const FloatMask float_mask = FLOAT_MASK ? pb.fmask_of(tile.b, tile.h) : FloatMask{nullptr, 0, 0};
   const int buf = q_round % Q_BUFS;
   const u32 s_q_rows = c.q_rows(buf);
-  // Whether key block n0 needs per-element masking for this warpgroup's rows.
-  auto cuts = [&](int n0) {
-    return n0 + BLOCK_N > pb.seqlen_k || !pb.bounds.block_inside(wg_row0, wg_row0 + 63, n0, n0 + BLOCK_N - 1);
-  };
+  // Whether key block n0 needs per-element masking for this warpgroup's rows: outside the blocks they see whole.
+  int whole_lo, whole_hi;
+  pb.bounds.whole_blocks<BLOCK_N>(wg_row0, wg_row0 + 63, pb.seqlen_k, whole_lo, whole_hi);
+  auto cuts = [&](int n0) { return n0 < whole_lo * BLOCK_N || n0 >= whole_hi * BLOCK_N; };
   // Key block n0's scores, as the tensor cores left them, made ready for the softmax: capped, masked by the band (where
   // the block cuts it) and by the attn_mask.
   auto finish_scores = [&](int n0) {
