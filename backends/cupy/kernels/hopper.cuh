@@ -316,8 +316,8 @@ MHATTN_DEVICE void hide_outside(float (&s)[R], int r, int lo, int hi) {
 // Q and K): stride = 1024 bytes between groups of 8 rows, the leading offset unused. MN-major operands (V: rows along
 // the reduction): stride = 1024 bytes between groups of 8 rows of the reduction, leading offset = bytes between column
 // chunks of 64 elements. A shared address is below 256 KB, so address / 16 fills the 14-bit field without carrying
-// out of it: the descriptors of a tile's k16 steps are then one base and a constant added per step (not a mask,
-// shift and or each, and a move to a uniform register, per wgmma).
+// out of it: the descriptors of a tile's k16 steps are then one base and a constant added per step (not a mask, a
+// shift and an or per wgmma).
 MHATTN_DEVICE u64 smem_desc(u32 base, u32 offset, u32 leading_bytes, u32 stride_bytes) {
   const u32 lo = ((base >> 4) | (((leading_bytes >> 4) & 0x3FFFu) << 16)) + (offset >> 4);
   const u32 hi = ((stride_bytes >> 4) & 0x3FFFu) | (1u << 30);  // (bit 62: the swizzle mode)
