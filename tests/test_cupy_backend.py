@@ -668,6 +668,11 @@ def recorded_maps(monkeypatch):
     return made
 
 
+# The Hopper kernels' last arguments for a call with no attn_mask and no softcap: the boolean mask and its four
+# strides, the two softcap factors, the float mask and its four strides, all zero.
+HOPPER_NO_MASK_OR_SOFTCAP_ARGS = [("ptr", 0)] + [("i64", 0)] * 4 + [("f32", 0.0)] * 2 + [("ptr", 0)] + [("i64", 0)] * 4
+
+
 def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps, monkeypatch):
     """The forward with the output stored by the consumers (three maps; the staged output's fourth: the test
     below)."""
@@ -692,8 +697,7 @@ def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps,
     assert (args[5][0] == "ptr" and args[5][1] != 0) == tiles.persistent  # a tile counter: causal, persistent
     assert args[6:] == [("i64", s) for s in out.stride()[:3]] + [
         ("i32", 300), ("i32", 517), ("i32", 4), ("i32", 2), ("i32", 8), ("i32", ops.sched_pairs(8, 517, 128, 2)),
-        ("f32", params.scale * ops.LOG2E), ("i32", 217), ("i32", 64), ("i32", 0), ("ptr", 0)] + [("i64", 0)] * 4 + [
-        ("f32", 0.0), ("f32", 0.0), ("ptr", 0)] + [("i64", 0)] * 4
+        ("f32", params.scale * ops.LOG2E), ("i32", 217), ("i32", 64), ("i32", 0)] + HOPPER_NO_MASK_OR_SOFTCAP_ARGS
     # a second call with other tensors of the same signature makes no map and prepares nothing
     q2, k2, v2 = (t.clone() for t in (q, k, v))
     backend.forward(q2, k2, v2, params)
@@ -888,10 +892,10 @@ def test_hopper_backward_plan_launches_the_preprocess_then_the_hopper_kernel(rec
     maps = [10**15 + rows * 10**12 + t.data_ptr() for t, rows in ((q, 64), (k, 128), (v, 128), (grad_out, 64))]
     assert args[:4] == [("ptr", p) for p in maps] and args[8:10] == [("ptr", dk.data_ptr()), ("ptr", dv.data_ptr())]
     assert args[10:16] == [("i64", s) for s in dk.stride()[:3] + dv.stride()[:3]]
-    assert args[16:] == [("i32", 300), ("i32", 384), ("i32", 517), ("i32", 4), ("i32", 2),
-                         ("f32", params.scale * ops.LOG2E), ("f32", params.scale), ("i32", 217),
-                         ("i32", ops.UNBOUNDED), ("i32", 0), ("ptr", 0)] + [("i64", 0)] * 4 + [("f32", 0.0), ("f32", 0.0)] + [
-                             ("ptr", 0)] + [("i64", 0)] * 4
+    shape_and_features = [("i32", 300), ("i32", 384), ("i32", 517), ("i32", 4), ("i32", 2),
+                          ("f32", params.scale * ops.LOG2E), ("f32", params.scale), ("i32", 217),
+                          ("i32", ops.UNBOUNDED), ("i32", 0)] + HOPPER_NO_MASK_OR_SOFTCAP_ARGS
+    assert args[16:] == shape_and_features
     assert args[6][1] != 0 and args[7] == ("ptr", 0)  # the float32 dQ accumulator; no turn counters
     # reproducible gradients asked for: the same kernel with DETERMINISTIC=1 and, right after the accumulator in the
     # same zeroed buffer, a turn counter per (batch, query head, query block of 64)
@@ -901,10 +905,7 @@ def test_hopper_backward_plan_launches_the_preprocess_then_the_hopper_kernel(rec
     assert variant == variants.hopper_bwd_variant("bfloat16", 128, deterministic=True)
     assert variant.define("DETERMINISTIC") == 1 and grid == (-(-517 // 128), 2, 2)
     assert args[7][1] == args[6][1] + 4 * 2 * 4 * 300 * 128
-    assert args[16:] == [("i32", 300), ("i32", 384), ("i32", 517), ("i32", 4), ("i32", 2),
-                         ("f32", params.scale * ops.LOG2E), ("f32", params.scale), ("i32", 217),
-                         ("i32", ops.UNBOUNDED), ("i32", 0), ("ptr", 0)] + [("i64", 0)] * 4 + [("f32", 0.0), ("f32", 0.0)] + [
-                             ("ptr", 0)] + [("i64", 0)] * 4
+    assert args[16:] == shape_and_features
     # at d = 64 reproducible gradients keep the mma.sync dQ kernel (faster there: HOPPER_BWD_DETERMINISTIC_DIMS)
     q, k, v, grad_out = _inputs(1, 2, 2, 200, 200, 64, torch.bfloat16, "cpu")
     params = _params(200, 200, 64)
