@@ -227,7 +227,26 @@ def with_persistent(fn, on: bool):
     return with_schedule(fn, keys, keys, hopper_launch.CAUSAL_GROUP_BYTES)
 
 
-def timing(dtype, parts, seqlens, wanted=None):
+def with_backward_query_rows(fn, head_dim: int, rows: int):
+    """fn() with the Gluon backward taking ``rows`` query rows a step at ``head_dim`` (hopper_launch's
+    BACKWARD_QUERY_BLOCK), so the step heights compare in one process."""
+    from mhattn.backends.triton import backend as triton_backend
+
+    def forget_constants():
+        for plan in triton_backend._plans.values():
+            plan.hopper_backward_constexprs = plan.hopper_backward_slices = None
+
+    before = hopper_launch.BACKWARD_QUERY_BLOCK[head_dim]
+    hopper_launch.BACKWARD_QUERY_BLOCK[head_dim] = rows
+    forget_constants()
+    try:
+        return fn()
+    finally:
+        hopper_launch.BACKWARD_QUERY_BLOCK[head_dim] = before
+        forget_constants()
+
+
+def timing(dtype, parts, seqlens, wanted=None, compare_rows=0):
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
     forward_rows, backward_rows = [], []
     head_dims = set(kernel_head_dims(hopper_launch.KEY_BLOCK, wanted) if "fwd" in parts else ())
@@ -264,9 +283,13 @@ def timing(dtype, parts, seqlens, wanted=None):
                     backend = backward_time(run_triton)
                     gluon = with_hopper_always(lambda: backward_time(run_triton))
                     flash2 = with_hopper_off(lambda: backward_time(run_triton))
+                    other_rows = float("nan")
+                    if compare_rows and compare_rows != hopper_launch.BACKWARD_QUERY_BLOCK[head_dim]:
+                        other_rows = with_backward_query_rows(
+                            lambda: with_hopper_always(lambda: backward_time(run_triton)), head_dim, compare_rows)
                     bwd_flops = 2.5 * flops
                     backward_rows.append((head_dim, seqlen, causal, *(bwd_flops / ms / 1e9 for ms in (
-                        cudnn, backend, gluon, flash2)), cudnn / backend))
+                        cudnn, backend, gluon, flash2, other_rows)), cudnn / backend))
                     print(backward_rows[-1], flush=True)
     name = str(dtype).replace("torch.", "")
     if forward_rows:
@@ -279,12 +302,14 @@ def timing(dtype, parts, seqlens, wanted=None):
                   f"{per_tile:.0f} | {flash2:.0f} | {ratio:.2f} |")
     if backward_rows:
         print(f"\n{name} backward, TFLOP/s (same run)\n")
+        other = f" Gluon, {compare_rows} queries a step |" if compare_rows else ""
         print("| d | N | causal | sdpa-cudnn | triton backend | Gluon kernel at any length | FlashAttention-2 kernels | "
-              "triton/cuDNN |")
-        print("|---|---|---|---|---|---|---|---|")
-        for d, n, causal, cudnn, backend, gluon, flash2, ratio in backward_rows:
+              f"triton/cuDNN |{other}")
+        print("|---|---|---|---|---|---|---|---|" + ("---|" if compare_rows else ""))
+        for d, n, causal, cudnn, backend, gluon, flash2, other_rows, ratio in backward_rows:
+            other = f" {other_rows:.0f} |" if compare_rows else ""
             print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cudnn:.0f} | {backend:.0f} | {gluon:.0f} | "
-                  f"{flash2:.0f} | {ratio:.2f} |")
+                  f"{flash2:.0f} | {ratio:.2f} |{other}")
 
 
 def backward_breakdown(dtype, seqlens, wanted=None):
@@ -323,6 +348,8 @@ def main():
     parser.add_argument("--seqlen", default="1024,4096,16384", help="comma-separated sequence lengths to time")
     parser.add_argument("--head-dim", default="", help="comma-separated head dims (default: every one a kernel has)")
     parser.add_argument("--timing-only", action="store_true")
+    parser.add_argument("--compare-query-rows", type=int, default=0, metavar="ROWS",
+                        help="also time the Gluon backward with ROWS query rows a step (where its table differs)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also each kernel's GPU time in one causal backward (torch.profiler), first")
     args = parser.parse_args()
@@ -336,7 +363,7 @@ def main():
             correctness(head_dims)
         if "bwd" in parts:
             correctness_backward(head_dims)
-    timing(DTYPES[args.dtype], parts, [int(n) for n in args.seqlen.split(",")], head_dims)
+    timing(DTYPES[args.dtype], parts, [int(n) for n in args.seqlen.split(",")], head_dims, args.compare_query_rows)
 
 
 if __name__ == "__main__":

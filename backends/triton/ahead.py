@@ -43,7 +43,7 @@ def hopper_tile(head_dim: int) -> configs.KernelConfig:
 def hopper_backward_tile(head_dim: int) -> configs.KernelConfig:
     """The Hopper backward's tile: query rows per step, keys per program, the compute partition's 8 warps, the
     Q/dO slots."""
-    return configs.KernelConfig(hopper_launch.BACKWARD_QUERY_BLOCK, hopper_launch.BACKWARD_KEY_BLOCK[head_dim], 8,
+    return configs.KernelConfig(hopper_launch.BACKWARD_QUERY_BLOCK[head_dim], hopper_launch.BACKWARD_KEY_BLOCK[head_dim], 8,
                                 hopper_launch.BACKWARD_STAGES[head_dim], tma=True, warp_specialize=True)
 
 

@@ -12,7 +12,7 @@ that shares that key/value head, in a fixed order. It runs three partitions:
   those rows' lse2 and delta beside them, into a ring of NUM_STAGES slots; ready/empty barriers are kept apart
   for Q and dO (S^T can start before dO lands);
 - the compute partition (the kernel's 8 warps, two warpgroups). At head dims 64 and 128 each warpgroup owns 64
-  of the 128 keys: per step S^T = K Q^T and dP^T = V dO^T as asynchronous wgmma products, P^T and dS^T in
+  of the 128 keys, and a step is BLOCK_M query rows (128 at d = 64, 64 at d = 128): per step S^T = K Q^T and dP^T = V dO^T as asynchronous wgmma products, P^T and dS^T in
   registers, dV += P^T dO and dK += dS^T Q with P^T / dS^T as register operands, then dS^T through shared memory
   into dQ_share = dS K (the two warpgroups split its columns), stored to shared memory for the writer. At head
   dim 256 (64 keys per program) the warpgroups split every product by columns and share P^T and dS^T through
@@ -104,12 +104,15 @@ def row_values(tile, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def masked_scores_t(s2_t, keys, queries, seqlen_k, diag_offset, CAUSAL: gl.constexpr):
-    """Base-2 scores, keys by rows and queries by columns, with invisible pairs (a key past the sequence end, or
-    after the query's diagonal) at -inf."""
+def masked_scores_t(s2_t, keys, start_m, seqlen_k, diag_offset, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+                    s_layout: gl.constexpr):
+    """Base-2 scores, keys by rows and queries start_m.. by columns, with invisible pairs (a key past the sequence
+    end, or after the query's diagonal) at -inf. (The query indices are made here, only for the blocks that need
+    them: at 128 queries a step they take 32 registers a thread.)"""
     ok = gl.expand_dims(keys < seqlen_k, 1)
     if CAUSAL:
-        ok = ok & (gl.expand_dims(keys, 1) <= gl.expand_dims(queries + diag_offset, 0))
+        columns = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        ok = ok & (gl.expand_dims(keys - (start_m + diag_offset), 1) <= gl.expand_dims(columns, 0))
     return gl.where(ok, s2_t, float("-inf"))
 
 
@@ -148,14 +151,13 @@ def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_
     s_t = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
     dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    queries = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     # The step's lse2 and delta came with Q and dO (rows past Nq read 0: their Q and dO rows are 0 too, so
     # P^T dO, dS^T and dS K vanish there).
     lse2 = row_values(lse2_smem.index(slot), BLOCK_M, s_layout)
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))
     s2_t = s_t * qk_scale2
     if (start_n + BLOCK_N > seqlen_k) or (CAUSAL and start_m + diag_offset < start_n + BLOCK_N - 1):
-        s2_t = masked_scores_t(s2_t, keys, queries, seqlen_k, diag_offset, CAUSAL)
+        s2_t = masked_scores_t(s2_t, keys, start_m, seqlen_k, diag_offset, BLOCK_M, CAUSAL, s_layout)
     return gl.exp2(s2_t - gl.expand_dims(lse2, 0)), dp_t
 
 
@@ -187,10 +189,17 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
         p_t, dp_t = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase,
                                        start_n, start_m, keys, s_zero, seqlen_k, diag_offset, qk_scale2, BLOCK_M,
                                        BLOCK_N, CAUSAL, s_layout)
-        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), operand_layout), do_tile, dv, is_async=True)
+        # At 64 queries a step dV's product starts while dP^T is still on the tensor cores. At 128, P^T and dP^T in
+        # float32, P^T's 16-bit copy and dK, dV (64 + 64 + 32 + 64 registers a thread) leave no room for dS^T: there
+        # dV waits for dP^T, and P^T's float32 registers die before dS^T's copy is made.
+        EARLY_DV: gl.constexpr = BLOCK_M == 64
+        if EARLY_DV:
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), operand_layout), do_tile, dv, is_async=True)
         delta = row_values(delta_smem.index(slot), BLOCK_M, s_layout)
-        dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+        dp_t = warpgroup_mma_wait(1 if EARLY_DV else 0, deps=(dp_t, ))
         ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+        if not EARLY_DV:
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), operand_layout), do_tile, dv, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(ds_t, operand_layout), q_tile, dk, is_async=True)
 
         # dS^T to shared memory (two buffers: step s + 1 writes the other while step s's dQ product may still
