@@ -16,7 +16,8 @@ on an sm_90 GPU:
    Backward (``torch.autograd.grad`` of the forward's output): the Triton backend as it chooses, with
    ``MHATTN_TRITON_HOPPER=always`` (the Gluon backward below hopper_launch.BACKWARD_MIN_KEYS too) and with
    ``MHATTN_TRITON_HOPPER=0``. The tables are printed last. ``--breakdown`` first prints each kernel's GPU time
-   in one causal backward of each length.
+   in one causal backward of each length; ``--compare-query-rows ROWS`` adds the Gluon backward with ROWS query
+   rows a step; ``--repeat N`` runs the backend's backward N times at 1k keys per head dim and compares the runs.
 """
 
 import argparse
@@ -70,9 +71,9 @@ def device_schedule(schedule_args, device):
     return schedule, table
 
 
-def launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset):
+def launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset, convert_in_kernel=True):
     """The backward kernel alone (lse2 and delta made here as backward.py's preprocess makes them): (dq, dk, dv),
-    dk and dv poisoned with NaN before the launch."""
+    poisoned with NaN before the launch; dQ's float32 sums converted into dq by the kernel or after it."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     # Rows padded to 16 bytes, as the backend allocates them (the kernel reads them through tensor maps).
@@ -80,16 +81,19 @@ def launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset):
     lse2, delta = padded[:, :, 0, :seqlen_q], padded[:, :, 1, :seqlen_q]
     lse2.copy_(torch.where(lse == float("-inf"), float("inf"), lse * LOG2E))
     delta.copy_((out.float() * grad_out.float()).sum(-1))
-    dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    counters = torch.zeros(batch * heads_kv, dtype=torch.int32, device=q.device)
     num_n_blocks = triton.cdiv(seqlen_k, hopper_launch.BACKWARD_KEY_BLOCK[head_dim])
     scale = 1 / math.sqrt(head_dim)
     hopper_backward.hopper_backward_kernel[(batch * heads_kv * num_n_blocks,)](
-        *hopper_launch.backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, head_dim), dk, dv,
-        *dk.stride()[:3], *dv.stride()[:3], heads_kv, heads_q // heads_kv, seqlen_q, seqlen_k, num_n_blocks,
-        scale * LOG2E, scale, diag_offset, **hopper_launch.backward_compile_time_args(head_dim, causal), num_warps=8,
-        **COMPILE_OPTIONS)
-    return dq_acc, dk, dv
+        *hopper_launch.backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, head_dim), dk, dv, dq, dq_acc, counters,
+        *dk.stride()[:3], *dv.stride()[:3], *dq.stride()[:3], heads_kv, heads_q // heads_kv, seqlen_q, seqlen_k,
+        num_n_blocks, scale * LOG2E, scale, diag_offset, int(convert_in_kernel),
+        **hopper_launch.backward_compile_time_args(head_dim, causal), num_warps=8, **COMPILE_OPTIONS)
+    if not convert_in_kernel:
+        dq.copy_(dq_acc)
+    return dq, dk, dv
 
 
 def reference(q, k, v, causal, diag_offset):
@@ -164,15 +168,41 @@ def correctness_backward(wanted=None) -> int:
         low_out, _ = reference(*low, causal, diag_offset)
         low_grads = torch.autograd.grad(low_out, low, grad_out)
         out, lse = ref_out.detach().to(dtype), ref_lse.detach().float()
-        got = launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset)
-        for name, g, want, base in zip("qkv", got, ref_grads, low_grads):
-            err, base_err = max_error(g, want), max_error(base, want)
-            if torch.isnan(g).any() or err > 4 * base_err + 1e-2:
-                failures += 1
-                print(f"FAIL backward d{name} {dtype} d={q.shape[-1]} q{tuple(q.shape)} k{tuple(k.shape)} "
-                      f"causal={causal} diag={diag_offset}: err {err:.3g} vs {base_err:.3g} in {dtype} "
-                      f"(nan: {bool(torch.isnan(g).any())})", flush=True)
+        for convert_in_kernel in (True, False):  # dQ converted by the kernel or after it (the backend's two ways)
+            got = launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset, convert_in_kernel)
+            for name, g, want, base in zip("qkv", got, ref_grads, low_grads):
+                err, base_err = max_error(g, want), max_error(base, want)
+                if torch.isnan(g).any() or err > 4 * base_err + 1e-2:
+                    failures += 1
+                    print(f"FAIL backward d{name} {dtype} d={q.shape[-1]} q{tuple(q.shape)} k{tuple(k.shape)} "
+                          f"causal={causal} diag={diag_offset} convert_in_kernel={convert_in_kernel}: err {err:.3g} "
+                          f"vs {base_err:.3g} in {dtype} (nan: {bool(torch.isnan(g).any())})", flush=True)
     print(f"backward correctness: {failures} failures", flush=True)
+    return failures
+
+
+def repeated_backward(head_dims, repeats: int, dtype=torch.bfloat16) -> int:
+    """The backend's Gluon backward ``repeats`` times on one protocol shape per head dim (1k keys, causal and not):
+    each dQ, dK, dV against the first run's (the float32 additions' order varies, so within 1% of the largest
+    magnitude). A race in the conversion of dQ by the kernel (a head converted before its last addition landed)
+    shows as a run far off the others."""
+    failures = 0
+    for head_dim in head_dims:
+        for causal in (False, True):
+            batch, heads, seqlen = 16, 2048 // head_dim, 1024
+            leaves = [torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+                      for _ in range(3)]
+            out = mhattn.attention(*leaves, is_causal=causal, backend="triton")
+            grad_out = torch.randn_like(out)
+            first = torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+            worst = 0.0
+            for _ in range(repeats):
+                grads = torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+                for got, want in zip(grads, first):
+                    worst = max(worst, ((got.float() - want.float()).abs().max() / want.float().abs().max()).item())
+            failures += worst > 1e-2
+            print(f"repeated backward d={head_dim} causal={causal}: {repeats} runs, largest difference to the first "
+                  f"{worst:.2e} of the largest magnitude{' FAIL' if worst > 1e-2 else ''}", flush=True)
     return failures
 
 
@@ -303,8 +333,8 @@ def timing(dtype, parts, seqlens, wanted=None, compare_rows=0):
     if backward_rows:
         print(f"\n{name} backward, TFLOP/s (same run)\n")
         other = f" Gluon, {compare_rows} queries a step |" if compare_rows else ""
-        print("| d | N | causal | sdpa-cudnn | triton backend | Gluon kernel at any length | FlashAttention-2 kernels | "
-              f"triton/cuDNN |{other}")
+        print("| d | N | causal | sdpa-cudnn | triton backend | Gluon kernel at any length | FlashAttention-2 kernels "
+              f"| triton/cuDNN |{other}")
         print("|---|---|---|---|---|---|---|---|" + ("---|" if compare_rows else ""))
         for d, n, causal, cudnn, backend, gluon, flash2, other_rows, ratio in backward_rows:
             other = f" {other_rows:.0f} |" if compare_rows else ""
@@ -350,6 +380,8 @@ def main():
     parser.add_argument("--timing-only", action="store_true")
     parser.add_argument("--compare-query-rows", type=int, default=0, metavar="ROWS",
                         help="also time the Gluon backward with ROWS query rows a step (where its table differs)")
+    parser.add_argument("--repeat", type=int, default=0, metavar="N",
+                        help="also run the backend's backward N times per head dim and compare the runs")
     parser.add_argument("--breakdown", action="store_true",
                         help="also each kernel's GPU time in one causal backward (torch.profiler), first")
     args = parser.parse_args()
@@ -363,6 +395,8 @@ def main():
             correctness(head_dims)
         if "bwd" in parts:
             correctness_backward(head_dims)
+    if args.repeat:
+        repeated_backward(kernel_head_dims(hopper_launch.BACKWARD_MIN_KEYS, head_dims), args.repeat)
     timing(DTYPES[args.dtype], parts, [int(n) for n in args.seqlen.split(",")], head_dims, args.compare_query_rows)
 
 

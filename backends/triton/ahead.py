@@ -24,8 +24,9 @@ POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", 
 FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "dQacc", "OutSplit", "LseSplit"}
 # int32 pointers: the dropout seed words read from the device (see forward.attention_forward_kernel); the
 # cu_seqlens of packed sequences, key bounds of key padding masks (varlen_launch.py, key_padding.py), a KV
-# cache's lengths and block table (decode.py), the Gluon forward's tile table (hopper_launch.balanced_tiles).
-INT32_POINTERS = {"Seed", "CuSeqlensQ", "CuSeqlensK", "Seqlens", "BlockTable", "TileTable"}
+# cache's lengths and block table (decode.py), the Gluon forward's tile table (hopper_launch.balanced_tiles), the Gluon
+# backward's dQ counters (hopper_backward.hopper_backward_kernel).
+INT32_POINTERS = {"Seed", "CuSeqlensQ", "CuSeqlensK", "Seqlens", "BlockTable", "TileTable", "DqCounters"}
 FLOATS = {"qk_scale2", "softcap_in2", "softcap_out2", "dropout_scale", "sm_scale"}
 KINDS = ("fwd", "dkdv", "dq", "hopper_fwd", "hopper_bwd")
 GLUON_KINDS = ("hopper_fwd", "hopper_bwd")
@@ -43,8 +44,9 @@ def hopper_tile(head_dim: int) -> configs.KernelConfig:
 def hopper_backward_tile(head_dim: int) -> configs.KernelConfig:
     """The Hopper backward's tile: query rows per step, keys per program, the compute partition's 8 warps, the
     Q/dO slots."""
-    return configs.KernelConfig(hopper_launch.BACKWARD_QUERY_BLOCK[head_dim], hopper_launch.BACKWARD_KEY_BLOCK[head_dim], 8,
-                                hopper_launch.BACKWARD_STAGES[head_dim], tma=True, warp_specialize=True)
+    return configs.KernelConfig(hopper_launch.BACKWARD_QUERY_BLOCK[head_dim],
+                                hopper_launch.BACKWARD_KEY_BLOCK[head_dim], 8, hopper_launch.BACKWARD_STAGES[head_dim],
+                                tma=True, warp_specialize=True)
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,19 @@ that shares that key/value head, in a fixed order. It runs three partitions:
   those rows' lse2 and delta beside them, into a ring of NUM_STAGES slots; ready/empty barriers are kept apart
   for Q and dO (S^T can start before dO lands);
 - the compute partition (the kernel's 8 warps, two warpgroups). At head dims 64 and 128 each warpgroup owns 64
-  of the 128 keys, and a step is BLOCK_M query rows (128 at d = 64, 64 at d = 128): per step S^T = K Q^T and dP^T = V dO^T as asynchronous wgmma products, P^T and dS^T in
-  registers, dV += P^T dO and dK += dS^T Q with P^T / dS^T as register operands, then dS^T through shared memory
-  into dQ_share = dS K (the two warpgroups split its columns), stored to shared memory for the writer. At head
-  dim 256 (64 keys per program) the warpgroups split every product by columns and share P^T and dS^T through
-  shared memory (wide_compute_partition);
+  of the 128 keys, and a step is BLOCK_M query rows (128 at d = 64, 64 at d = 128): per step S^T = K Q^T and
+  dP^T = V dO^T as asynchronous wgmma products, P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q with
+  P^T / dS^T as register operands, then dS^T through shared memory into dQ_share = dS K (the two warpgroups
+  split its columns), stored to shared memory for the writer. At head dim 256 (64 keys per program) the
+  warpgroups split every product by columns and share P^T and dS^T through shared memory
+  (wide_compute_partition);
 - a dQ writer warp: adds each step's share (in chunks of at most 128 columns) into a float32 dQ buffer with the
   copy engine's bulk reduce-add, so the compute warps never wait on global atomics (two chunk buffers, each handed
   back once read).
+
+Where a (batch, key/value head)'s float32 dQ is small (hopper_launch.CONVERT_IN_KERNEL_MAX_BYTES), the program whose
+additions to it come last (a counter per head) converts it into dQ after its partitions have finished, while other
+programs still compute, instead of a pass over the whole buffer after the kernel.
 
 The key-major layout keeps dK and dV in registers for the whole walk; dQ needs no second kernel and no second
 computation of S and dP (5 products per tile instead of 7), at the price of an order of float32 additions that
@@ -117,11 +122,12 @@ def masked_scores_t(s2_t, keys, start_m, seqlen_k, diag_offset, BLOCK_M: gl.cons
 
 
 @gluon.jit
-def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, batch, first_head, first_m, m_blocks, steps,
+def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, dq_added, batch, first_head, first_m, m_blocks, steps,
                         BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr, DQ_CHUNKS: gl.constexpr):
     """The dQ writer warp: each step's dQ share (DQ_CHUNKS column chunks of DQ_COLS), once the compute warps have
     put a chunk in shared memory, added into the float32 buffer by the copy engine's bulk reduce-add (rows past Nq
-    are clipped); chunk i goes through buffer i % 2, handed back as soon as the copy engine has read it."""
+    are clipped); chunk i goes through buffer i % 2, handed back as soon as the copy engine has read it. At the
+    end, once every addition has reached global memory, it arrives on dq_added."""
     for index in range(steps * DQ_CHUNKS):
         step = index // DQ_CHUNKS
         buf = index % 2
@@ -130,6 +136,44 @@ def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, batch, first_head,
                                  (index % DQ_CHUNKS) * DQ_COLS], dq_smem.index(buf))
         tma.store_wait(0)
         mbarrier.arrive(dq_empty.index(buf), count=1)
+    bulk_writes_done()
+    mbarrier.arrive(dq_added, count=1)
+
+
+@gluon.jit
+def bulk_writes_done():
+    """Waits until this thread's bulk copies have completed in global memory (tma.store_wait only waits until the
+    copy engine has read shared memory), then orders them, made by the async proxy, before this thread's later
+    ordinary memory operations (the proxy fence), so a release after it publishes them."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r",
+                              [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@triton.constexpr_function
+def rows_layout(head_dim, warps):
+    """A blocked layout for (rows, head_dim) tiles read and written row by row, four columns a thread."""
+    col_threads = min(32, head_dim // 4)
+    return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // col_threads, col_threads],
+                            warps_per_cta=[warps, 1], order=[1, 0])
+
+
+@gluon.jit
+def convert_dq(dq_acc, dq_base, stride_dqh, stride_dqn, heads, seqlen_q, HEAD_DIM: gl.constexpr):
+    """dQ's float32 rows of ``heads`` query heads (Nq rows each, contiguous from dq_acc) into dq_base (the first of
+    those heads in dQ, with its head and row strides) in dQ's dtype. Read past L1: other programs' copies summed
+    the rows in L2."""
+    ROWS: gl.constexpr = 64
+    layout: gl.constexpr = rows_layout(HEAD_DIM, COMPUTE_WARPS)
+    cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout)), 0)
+    for head in range(heads):
+        source = dq_acc + head.to(gl.int64) * seqlen_q * HEAD_DIM
+        target = dq_base + head.to(gl.int64) * stride_dqh
+        for first in range(0, seqlen_q, ROWS):
+            row = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+            keep = gl.expand_dims(row < seqlen_q, 1)
+            values = gl.load(source + gl.expand_dims(row * HEAD_DIM, 1) + cols, mask=keep, cache_modifier=".cg")
+            gl.store(target + gl.expand_dims(row.to(gl.int64) * stride_dqn, 1) + cols,
+                     values.to(target.dtype.element_ty), mask=keep)
 
 
 @gluon.jit
@@ -327,10 +371,11 @@ def store_dk_dv(dk, dv, dk_base, dv_base, stride_dkn, stride_dvn, start_n, seqle
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset"])
 def hopper_backward_kernel(
-    q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, dq_desc, dK, dV,
+    q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, dq_desc, dK, dV, dQ, dQacc, DqCounters,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset,
+    stride_dqb, stride_dqh, stride_dqn,
+    heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset, convert_in_kernel,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr,
 ):
@@ -338,8 +383,11 @@ def hopper_backward_kernel(
     (1, 1, BLOCK_M, D); k_desc, v_desc of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D); lse2_desc,
     delta_desc of backward.py's preprocess outputs (B, Hq, Nq) fp32 in blocks of (1, 1, BLOCK_M); dq_desc of the
     zeroed float32 dQ buffer (B, Hq, Nq, D) in blocks of (1, 1, BLOCK_M, min(D, 128)), which receives
-    scale * dS K. dK, dV (B, Hkv, Nk, D) in the input dtype, last dim contiguous. Query head h reads key/value
-    head h // kv_group; causal: query row i sees keys j <= i + diag_offset.
+    scale * dS K; dQacc is that buffer (contiguous) and DqCounters B * Hkv zeroed int32 counters. dK, dV (B, Hkv,
+    Nk, D) and dQ (B, Hq, Nq, D) in the input dtype, last dim contiguous. With convert_in_kernel (1) the program
+    that adds last to a (batch, key/value head)'s dQ rows converts them into dQ (convert_dq); with 0 the caller
+    converts the buffer. Query head h reads key/value head h // kv_group; causal: query row i sees keys
+    j <= i + diag_offset.
     Grid (B * Hkv * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
     pid = gl.program_id(0)
     # Head-major: the key blocks of one head run side by side and share its Q and dO in L2 (a longest-first order
@@ -378,9 +426,11 @@ def hopper_backward_kernel(
         mbarrier.init(q_empty.index(slot), count=1)
         mbarrier.init(do_ready.index(slot), count=1)
         mbarrier.init(do_empty.index(slot), count=1)
+    dq_added = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for buf in gl.static_range(2):
         mbarrier.init(dq_ready.index(buf), count=1)
         mbarrier.init(dq_empty.index(buf), count=1)
+    mbarrier.init(dq_added, count=1)
 
     first_m, m_blocks = visible_query_blocks(start_n, seqlen_q, diag_offset, BLOCK_M, CAUSAL)
     steps = kv_group * m_blocks
@@ -394,6 +444,17 @@ def hopper_backward_kernel(
         (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_tile, v_tile, q_smem, do_smem,
                           lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv,
                           first_head, start_n, first_m, m_blocks, steps, BLOCK_M, NUM_STAGES)),
-        (dq_writer_partition, (dq_desc, dq_smem, dq_ready, dq_empty, batch, first_head, first_m, m_blocks, steps,
-                               BLOCK_M, DQ_COLS, HEAD_DIM // DQ_COLS)),
+        (dq_writer_partition, (dq_desc, dq_smem, dq_ready, dq_empty, dq_added, batch, first_head, first_m, m_blocks,
+                               steps, BLOCK_M, DQ_COLS, HEAD_DIM // DQ_COLS)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])
+
+    # The (batch, key/value head)'s dQ is complete once each of its num_n_blocks programs has added its share: the
+    # program that counts last converts it, while other programs still compute (no pass over the buffer after the
+    # kernel). The count is a release of this program's additions and an acquire of the others'.
+    if convert_in_kernel:
+        mbarrier.wait(dq_added, 0)
+        added_before = gl.atomic_add(DqCounters + batch_head_kv, 1, sem="acq_rel", scope="gpu")
+        if added_before == num_n_blocks - 1:
+            convert_dq(dQacc + batch_head_kv.to(gl.int64) * kv_group * seqlen_q * HEAD_DIM,
+                       dQ + batch.to(gl.int64) * stride_dqb + first_head.to(gl.int64) * stride_dqh, stride_dqh,
+                       stride_dqn, kv_group, seqlen_q, HEAD_DIM)

@@ -352,9 +352,9 @@ def backward_compile_time_args(head_dim: int, causal: bool) -> dict:
 
 def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int) -> None:
     """Launch the Hopper backward into dq, dk, dv (allocated by the caller); lse2 and delta from backward.py's
-    preprocess, rows padded to a 16-byte stride. dQ is summed in float32 and converted into dq at the end; to bound
-    that buffer, large problems run as several launches over slices of the batch or of the key/value heads
-    (:func:`backward_slices`)."""
+    preprocess, rows padded to a 16-byte stride. dQ is summed in float32 and each (batch, key/value head)'s sums are
+    converted into dq by the kernel's program that adds last; to bound that buffer, large problems run as several
+    launches over slices of the batch or of the key/value heads (:func:`backward_slices`)."""
     if not _backward_launcher:
         from mhattn.backends.triton import hopper_backward
 
@@ -370,18 +370,25 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
                                                       * head_dim * 4, num_n_blocks, _sm_count(device_index))
     batches, heads = plan.hopper_backward_slices
     group = plan.kv_group
-    accumulator = torch.empty(batches * heads * group * plan.seqlen_q * head_dim, dtype=torch.float32,
+    # The float32 dQ sums of a launch, then its counters (one int32 word per (batch, key/value head)), zeroed in one
+    # pass; the kernel converts each head's sums into dq itself where they are small enough.
+    accumulator = torch.empty(batches * heads * (group * plan.seqlen_q * head_dim + 1), dtype=torch.float32,
                               device=q.device)
 
+    convert_in_kernel = group * plan.seqlen_q * head_dim * 4 <= CONVERT_IN_KERNEL_MAX_BYTES
+
     def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s):
-        dq_acc = accumulator[:q_s.numel()].view(q_s.shape).zero_()
+        sums = q_s.numel()
+        zeroed = accumulator[:sums + k_s.shape[0] * k_s.shape[1]].zero_()
+        dq_acc = zeroed[:sums].view(q_s.shape)
         launcher.launch((k_s.shape[0] * k_s.shape[1] * num_n_blocks,), (
             *backward_maps(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_acc, head_dim),
-            dk_s, dv_s, *dk.stride()[:3], *dv.stride()[:3],
-            k_s.shape[1], group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2, run.sm_scale,
-            run.diag_offset,
+            dk_s, dv_s, dq_s, dq_acc, zeroed[sums:].view(torch.int32), *dk.stride()[:3], *dv.stride()[:3],
+            *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2,
+            run.sm_scale, run.diag_offset, int(convert_in_kernel),
         ), constexprs, device_index)
-        dq_s.copy_(dq_acc)
+        if not convert_in_kernel:
+            dq_s.copy_(dq_acc)
 
     if batches == plan.batch and heads == plan.heads_kv:  # one launch over the whole tensors: no slicing views
         launch(q, k, v, grad_out, lse2, delta, dq, dk, dv)
@@ -394,6 +401,10 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
                    dv[b, h])
 
 
+# The last program to add to a (batch, key/value head)'s dQ converts that head's float32 sums into dQ when they take at
+# most this many bytes (NOTES version 15: +1-3% at 1k keys; at 16k, where one program converting 8 MB is the tail of
+# the kernel, 0-3% slower than the separate pass, which is kept there).
+CONVERT_IN_KERNEL_MAX_BYTES = 1 << 20
 # The float32 dQ buffer: one launch when the whole buffer takes at most SINGLE_LAUNCH_BYTES (the protocol's shapes
 # up to 16k keys; slicing them cost up to 5% on the H100); above, slices whose buffers stay under ACCUMULATOR_BYTES,
 # unless a slice would then hold fewer than MIN_WAVES waves of programs (each launch's last wave leaves SMs idle).
