@@ -927,6 +927,68 @@ def test_hopper_backward_slices_bound_the_dq_buffer():
     assert backward_slices(7, 4, ACCUMULATOR_BYTES // 8, 1000, 132) == (2, 4)  # 8 heads fit: slices of 2, 2, 2, 1
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("seqlen_q, slices", [(200, False), (2500, False), (200, True)])
+def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_head_is_small(monkeypatch, seqlen_q,
+                                                                                             slices):
+    """hopper_launch.backward's arguments, by the kernel's own parameter names, with a launcher that records them:
+    dQ's float32 sums zeroed and followed by one zeroed int32 counter per (batch, key/value head) in the same buffer;
+    the kernel converts dQ itself (convert_in_kernel 1, dq not written on the host) where a head's sums take at
+    most CONVERT_IN_KERNEL_MAX_BYTES, else the host copies the sums into dq after the launch; one launch per slice
+    with its own sums and counters."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from types import SimpleNamespace
+
+    from mhattn.backends.triton import hopper_backward, hopper_launch
+
+    batch, heads_q, heads_kv, head_dim = 2, 4, 2, 128
+    q = torch.randn(batch, heads_q, seqlen_q, head_dim, dtype=torch.bfloat16)
+    k = torch.randn(batch, heads_kv, 300, head_dim, dtype=torch.bfloat16)
+    rows = torch.zeros(batch, heads_q, seqlen_q, dtype=torch.float32)
+    dq = torch.full_like(q, float("nan"))
+    dk, dv = torch.empty_like(k), torch.empty_like(k)
+    names = hopper_backward.hopper_backward_kernel.arg_names
+    calls = []
+
+    class RecordingLauncher:
+        def constexprs(self, *args, **kwargs):
+            return kwargs
+
+        def launch(self, grid, args, constexprs, device_index):
+            named = dict(zip(names, args))
+            calls.append((grid, named, named["dQacc"].clone(), named["DqCounters"].clone()))  # as the kernel finds them
+            named["dQacc"].fill_(len(calls))  # what the kernel adds: a value per launch, so a host copy shows in dq
+
+    monkeypatch.setattr(hopper_launch, "_backward_launcher", [RecordingLauncher()])
+    monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
+    if slices:  # a launch per batch entry
+        monkeypatch.setattr(hopper_launch, "SINGLE_LAUNCH_BYTES", 1)
+        monkeypatch.setattr(hopper_launch, "ACCUMULATOR_BYTES", heads_kv * 2 * seqlen_q * head_dim * 4)
+        monkeypatch.setattr(hopper_launch, "MIN_WAVES", 0)
+    plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=300, batch=batch, heads_kv=heads_kv,
+                           kv_group=heads_q // heads_kv, has_right=False, hopper_backward_constexprs=None,
+                           hopper_backward_slices=None)
+    run = SimpleNamespace(qk_scale2=1.0, sm_scale=1.0, diag_offset=0)
+    hopper_launch.backward(q, k, k, q, rows, rows, dq, dk, dv, run, plan, None)
+
+    small = (heads_q // heads_kv) * seqlen_q * head_dim * 4 <= hopper_launch.CONVERT_IN_KERNEL_MAX_BYTES
+    assert len(calls) == (batch if slices else 1)
+    entries = 1 if slices else batch
+    for grid, named, sums, counters in calls:
+        assert named["dQ"].shape == (entries, heads_q, seqlen_q, head_dim) and named["dQ"].dtype == q.dtype
+        assert sums.shape == named["dQ"].shape and sums.dtype == torch.float32 and not sums.any()
+        assert counters.dtype == torch.int32 and counters.tolist() == [0] * (entries * heads_kv)
+        assert named["DqCounters"].data_ptr() == named["dQacc"].data_ptr() + sums.numel() * 4  # right after the sums
+        assert named["convert_in_kernel"] == int(small)
+        assert (named["stride_dqb"], named["stride_dqh"], named["stride_dqn"]) == dq.stride()[:3]
+        assert grid[0] == entries * heads_kv * -(-300 // hopper_launch.BACKWARD_KEY_BLOCK[head_dim])
+    if small:
+        assert torch.isnan(dq).all()  # left to the kernel
+    else:
+        launch_values = torch.arange(1.0, len(calls) + 1).repeat_interleave(batch // len(calls))
+        assert torch.equal(dq, launch_values.view(batch, 1, 1, 1).expand_as(q).to(q.dtype))
+
+
 def test_key_bounds_of_key_padding_masks():
     """Per-batch key bounds for masks shared by heads and rows (no Triton needed); None for other masks."""
     from mhattn.backends.triton.key_padding import key_bounds
