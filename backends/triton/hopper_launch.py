@@ -352,9 +352,10 @@ def backward_compile_time_args(head_dim: int, causal: bool) -> dict:
 
 def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int) -> None:
     """Launch the Hopper backward into dq, dk, dv (allocated by the caller); lse2 and delta from backward.py's
-    preprocess, rows padded to a 16-byte stride. dQ is summed in float32 and each (batch, key/value head)'s sums are
-    converted into dq by the kernel's program that adds last; to bound that buffer, large problems run as several
-    launches over slices of the batch or of the key/value heads (:func:`backward_slices`)."""
+    preprocess, rows padded to a 16-byte stride. dQ is summed in float32; where a (batch, key/value head)'s sums take
+    at most CONVERT_IN_KERNEL_MAX_BYTES the kernel's program that adds last converts them into dq, else they are
+    copied into dq after the launch. To bound that buffer, large problems run as several launches over slices of the
+    batch or of the key/value heads (:func:`backward_slices`)."""
     if not _backward_launcher:
         from mhattn.backends.triton import hopper_backward
 
@@ -374,7 +375,6 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     # pass; the kernel converts each head's sums into dq itself where they are small enough.
     accumulator = torch.empty(batches * heads * (group * plan.seqlen_q * head_dim + 1), dtype=torch.float32,
                               device=q.device)
-
     convert_in_kernel = group * plan.seqlen_q * head_dim * 4 <= CONVERT_IN_KERNEL_MAX_BYTES
 
     def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s):
