@@ -441,9 +441,12 @@ def test_hopper_tensor_maps_describe_the_tensors_as_the_kernels_read_them():
     assert list(o_map.strides) == list(q.stride()) and o_map.block_shape == q_map.block_shape
     assert o_map.layout == q_map.layout
     rows = torch.zeros(3, 8, 2, 200, dtype=torch.float32)[:, :, 0]
-    maps = hopper_launch.backward_maps(q, k, k, q, rows, rows, torch.zeros(q.shape), 128)
+    dk = torch.empty_like(k)
+    maps = hopper_launch.backward_maps(q, k, k, q, rows, rows, torch.zeros(q.shape), dk, dk, 128)
     assert maps[4].layout.swizzle_byte_width == 0 and list(maps[4].block_shape) == [1, 1, 64]
     assert list(maps[6].block_shape) == [1, 1, 64, 128] and maps[6].base.dtype == torch.float32
+    # dK and dV are staged in K's and V's tiles for the copy engine: the same blocks in the same layout.
+    assert maps[7].base is dk and maps[7].block_shape == maps[1].block_shape and maps[7].layout == maps[1].layout
 
 
 def test_config_parsing_and_pinning():
@@ -804,7 +807,8 @@ def test_gpu_over_2_31_elements_and_huge_batch_heads():
 def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
     """Every table entry that uses the Hopper switches compiles for sm_90a through Triton's compiler, and the
     copy-engine switch really gives bulk tensor copies in the PTX. The Gluon kernels fit an H100's shared memory per
-    block (227 KB), and the forward with two Q buffers writes its output through the copy engine (from Q's slot)."""
+    block (227 KB), the forward with two Q buffers writes its output through the copy engine (from Q's slot), and the
+    backward its dK and dV where BACKWARD_STAGED_DK_DV says (from K's and V's tiles)."""
     from mhattn.backends.triton import ahead, hopper_launch
 
     tasks = ahead.table_tasks("sm_90a")
@@ -817,8 +821,10 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
             assert "cp.async.bulk.tensor" in ptx, task.label
         if task.kind in ahead.GLUON_KINDS:
             assert kernel.metadata.shared <= 227 * 1024, (task.label, kernel.metadata.shared)
-        if task.kind == "hopper_bwd":  # dQ's shares summed by the copy engine
+        if task.kind == "hopper_bwd":  # dQ's shares summed by the copy engine; dK and dV stored by it where staged
             assert "cp.reduce.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx, task.label
+            staged = "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
+            assert staged == hopper_launch.BACKWARD_STAGED_DK_DV[task.head_dim], task.label
         if task.kind == "hopper_fwd":
             staged = "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
             assert staged == (hopper_launch.Q_BUFFERS[task.head_dim] == 2), task.label
@@ -860,7 +866,7 @@ def test_hopper_tensor_maps_equal_gluons_checked_descriptors():
         rows = torch.empty(2, 256, heads, head_dim, dtype=torch.bfloat16).transpose(1, 2)
         per_row = torch.empty(2, heads, 256, dtype=torch.float32)
         maps = hopper_launch.forward_maps(rows, rows, rows, rows, head_dim) + hopper_launch.backward_maps(
-            rows, rows, rows, rows, per_row, per_row, rows.float(), head_dim)
+            rows, rows, rows, rows, per_row, per_row, rows.float(), rows, rows, head_dim)
         for made in maps:
             checked = TensorDescriptor(made.base, made.shape, made.strides, made.block_shape, made.layout)
             assert type(made) is TensorDescriptor and made == checked
@@ -974,13 +980,17 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
     small = (heads_q // heads_kv) * seqlen_q * head_dim * 4 <= hopper_launch.CONVERT_IN_KERNEL_MAX_BYTES
     assert len(calls) == (batch if slices else 1)
     entries = 1 if slices else batch
-    for grid, named, sums, counters in calls:
+    for launch_index, (grid, named, sums, counters) in enumerate(calls):
         assert named["dQ"].shape == (entries, heads_q, seqlen_q, head_dim) and named["dQ"].dtype == q.dtype
         assert sums.shape == named["dQ"].shape and sums.dtype == torch.float32 and not sums.any()
         assert counters.dtype == torch.int32 and counters.tolist() == [0] * (entries * heads_kv)
         assert named["DqCounters"].data_ptr() == named["dQacc"].data_ptr() + sums.numel() * 4  # right after the sums
         assert named["convert_in_kernel"] == int(small)
         assert (named["stride_dqb"], named["stride_dqh"], named["stride_dqn"]) == dq.stride()[:3]
+        for name, grad in (("dk_desc", dk), ("dv_desc", dv)):  # written through the copy engine, in K's blocks
+            assert named[name].base.data_ptr() == grad[launch_index * entries:].data_ptr()
+            assert named[name].shape == [entries, heads_kv, 300, head_dim] and named[name].block_shape == [
+                1, 1, hopper_launch.BACKWARD_KEY_BLOCK[head_dim], head_dim]
         assert grid[0] == entries * heads_kv * -(-300 // hopper_launch.BACKWARD_KEY_BLOCK[head_dim])
     if small:
         assert torch.isnan(dq).all()  # left to the kernel

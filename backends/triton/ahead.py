@@ -162,8 +162,8 @@ def _tensor_map_types(task: KernelTask) -> dict:
         maps = hopper_launch.forward_maps(rows, rows, rows, rows, d)
         return dict(zip(("q_desc", "k_desc", "v_desc", "o_desc"), map(mangle_type, maps)))
     per_row = torch.empty(1, 1, 256, dtype=torch.float32)
-    maps = hopper_launch.backward_maps(rows, rows, rows, rows, per_row, per_row, rows.float(), d)
-    names = ("q_desc", "k_desc", "v_desc", "do_desc", "lse2_desc", "delta_desc", "dq_desc")
+    maps = hopper_launch.backward_maps(rows, rows, rows, rows, per_row, per_row, rows.float(), rows, rows, d)
+    names = ("q_desc", "k_desc", "v_desc", "do_desc", "lse2_desc", "delta_desc", "dq_desc", "dk_desc", "dv_desc")
     return dict(zip(names, map(mangle_type, maps)))
 
 

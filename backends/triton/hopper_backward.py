@@ -22,6 +22,9 @@ that shares that key/value head, in a fixed order. It runs three partitions:
   copy engine's bulk reduce-add, so the compute warps never wait on global atomics (two chunk buffers, each handed
   back once read).
 
+At the end the compute warps write dK and dV: at head dims 128 and 256 through K's and V's shared tiles by the copy
+engine (hopper_launch.BACKWARD_STAGED_DK_DV), at 64 from registers.
+
 Where a (batch, key/value head)'s float32 dQ is small (hopper_launch.CONVERT_IN_KERNEL_MAX_BYTES), the program whose
 additions to it come last (a counter per head) converts it into dQ after its partitions have finished, while other
 programs still compute, instead of a pass over the whole buffer after the kernel.
@@ -41,7 +44,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from mhattn.backends.triton.hopper_forward import LOAD_REGS, thread_barrier, tile_layout, tma_load, wgmma_layout
+from mhattn.backends.triton.hopper_forward import (LOAD_REGS, thread_barrier, tile_layout, tma_load, tma_store,
+                                                   wgmma_layout)
 
 
 def _tma_reduce_add_builtin():
@@ -208,10 +212,10 @@ def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_
 @gluon.jit
 def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
                              kv_ready, q_ready, q_empty, do_ready, do_empty,
-                             lse2_smem, delta_smem, dk_base, dv_base, stride_dkn, stride_dvn,
+                             lse2_smem, delta_smem, dkv_out,
                              start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale,
                              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                             NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                             NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr):
     """Head dims 64 and 128, each warpgroup owning 64 of the keys: every step of the key block, then dK and dV.
     Per step: S^T, dP^T; P^T, dS^T; dV, dK; dQ's share."""
     s_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS, 1, BLOCK_M)         # S^T, dP^T: (BLOCK_N, BLOCK_M)
@@ -259,39 +263,40 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
         dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
         hand_dq_chunk(dq * sm_scale, dq_smem, dq_ready, dq_empty, step, BLOCK_M, HEAD_DIM)
 
-    store_dk_dv(dk, dv, dk_base, dv_base, stride_dkn, stride_dvn, start_n, seqlen_k, sm_scale, BLOCK_N, HEAD_DIM,
-                kv_layout)
+    store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BLOCK_N, HEAD_DIM, kv_layout,
+                STAGED_DK_DV)
 
 
 @gluon.jit
 def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
                       kv_ready, q_ready, q_empty, do_ready, do_empty,
-                      lse2_smem, delta_smem, dk_base, dv_base, stride_dkn, stride_dvn,
+                      lse2_smem, delta_smem, dkv_out,
                       start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_COLS: gl.constexpr):
+                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_COLS: gl.constexpr,
+                      STAGED_DK_DV: gl.constexpr):
     """The kernel's 8 warps: the narrow schedule (warpgroups split the keys) up to head dim 128, the wide one
     (warpgroups split the columns) above."""
     if HEAD_DIM > 128:
         wide_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
-                               q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dk_base, dv_base,
-                               stride_dkn, stride_dvn, start_n, first_m, m_blocks, steps, seqlen_k,
-                               diag_offset, qk_scale2, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                               DQ_COLS)
+                               q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
+                               first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale, HEAD_DIM,
+                               BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ_COLS, STAGED_DK_DV)
     else:
         narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
-                                 q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dk_base, dv_base,
-                                 stride_dkn, stride_dvn, start_n, first_m, m_blocks, steps, seqlen_k,
-                                 diag_offset, qk_scale2, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)
+                                 q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
+                                 first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale, HEAD_DIM,
+                                 BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, STAGED_DK_DV)
 
 
 @gluon.jit
 def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, dq_ready, dq_empty,
                            kv_ready, q_ready, q_empty, do_ready, do_empty,
-                           lse2_smem, delta_smem, dk_base, dv_base, stride_dkn, stride_dvn,
+                           lse2_smem, delta_smem, dkv_out,
                            start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_COLS: gl.constexpr):
+                           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_COLS: gl.constexpr,
+                           STAGED_DK_DV: gl.constexpr):
     """The compute partition at head dim 256. dK and dV of 64 keys by 256 columns take all of both warpgroups'
     accumulator registers, so BLOCK_N is 64 and the warpgroups split every product by columns instead of keys:
     S^T and dP^T by query (BLOCK_M / 2 each), dV and dK by head-dim column (HEAD_DIM / 2 each), and dQ = dS K in
@@ -340,8 +345,8 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
         hand_dq_chunk(dq_low * sm_scale, dq_smem, dq_ready, dq_empty, 2 * step, BLOCK_M, DQ_COLS)
         hand_dq_chunk(dq_high * sm_scale, dq_smem, dq_ready, dq_empty, 2 * step + 1, BLOCK_M, DQ_COLS)
 
-    store_dk_dv(dk, dv, dk_base, dv_base, stride_dkn, stride_dvn, start_n, seqlen_k, sm_scale, BLOCK_N, HEAD_DIM,
-                kv_layout)
+    store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BLOCK_N, HEAD_DIM, kv_layout,
+                STAGED_DK_DV)
 
 
 @gluon.jit
@@ -357,37 +362,52 @@ def hand_dq_chunk(share, dq_smem, dq_ready, dq_empty, index, BLOCK_M: gl.constex
 
 
 @gluon.jit
-def store_dk_dv(dk, dv, dk_base, dv_base, stride_dkn, stride_dvn, start_n, seqlen_k, sm_scale, BLOCK_N: gl.constexpr,
-                HEAD_DIM: gl.constexpr, kv_layout: gl.constexpr):
-    """The key block's dK (scaled) and dV rows, in the input dtype, up to the last key."""
-    dtype: gl.constexpr = dk_base.dtype.element_ty
-    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    keep = gl.expand_dims(keys < seqlen_k, 1)
-    rows = gl.expand_dims(keys.to(gl.int64), 1)
-    gl.store(dk_base + rows * stride_dkn + gl.expand_dims(cols, 0), (dk * sm_scale).to(dtype), mask=keep)
-    gl.store(dv_base + rows * stride_dvn + gl.expand_dims(cols, 0), dv.to(dtype), mask=keep)
+def store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, kv_layout: gl.constexpr, STAGED: gl.constexpr):
+    """The key block's dK (scaled) and dV rows in the input dtype, up to the last key. dkv_out: (dk_desc, dv_desc,
+    batch, head_kv, dk_base, dv_base, stride_dkn, stride_dvn). STAGED: in K's and V's tiles, written by the copy
+    engine (which clips rows past Nk): two bulk copies instead of a thread's 32-128 scattered 4-byte stores. Those
+    tiles are free: every warp waited for its last products before the last dQ hand-over's barrier. Else from
+    registers, through dk_base and dv_base."""
+    dtype: gl.constexpr = k_smem.dtype
+    if STAGED:
+        k_smem.store((dk * sm_scale).to(dtype))
+        v_smem.store(dv.to(dtype))
+        fence_async_shared()
+        thread_barrier()
+        coord = [dkv_out[2], dkv_out[3], start_n, 0]
+        tma_store(dkv_out[0], coord, k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        tma_store(dkv_out[1], coord, v_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        tma.store_wait(0)
+    else:
+        keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+        keep = gl.expand_dims(keys < seqlen_k, 1)
+        rows = gl.expand_dims(keys.to(gl.int64), 1)
+        gl.store(dkv_out[4] + rows * dkv_out[6] + gl.expand_dims(cols, 0), (dk * sm_scale).to(dtype), mask=keep)
+        gl.store(dkv_out[5] + rows * dkv_out[7] + gl.expand_dims(cols, 0), dv.to(dtype), mask=keep)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset"])
 def hopper_backward_kernel(
-    q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, dq_desc, dK, dV, dQ, dQacc, DqCounters,
+    q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, dq_desc, dk_desc, dv_desc, dK, dV, dQ, dQacc, DqCounters,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
     heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset, convert_in_kernel,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr,
+    CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr,
 ):
     """Host tensor maps (hopper_launch.tensor_map): q_desc, do_desc of Q, dOut (B, Hq, Nq, D) in blocks of
     (1, 1, BLOCK_M, D); k_desc, v_desc of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D); lse2_desc,
     delta_desc of backward.py's preprocess outputs (B, Hq, Nq) fp32 in blocks of (1, 1, BLOCK_M); dq_desc of the
     zeroed float32 dQ buffer (B, Hq, Nq, D) in blocks of (1, 1, BLOCK_M, min(D, 128)), which receives
-    scale * dS K; dQacc is that buffer (contiguous) and DqCounters B * Hkv zeroed int32 counters. dK, dV (B, Hkv,
-    Nk, D) and dQ (B, Hq, Nq, D) in the input dtype, last dim contiguous. With convert_in_kernel (1) the program
-    that adds last to a (batch, key/value head)'s dQ rows converts them into dQ (convert_dq); with 0 the caller
-    converts the buffer. Query head h reads key/value head h // kv_group; causal: query row i sees keys
-    j <= i + diag_offset.
+    scale * dS K; dk_desc, dv_desc of dK, dV (B, Hkv, Nk, D) in the input dtype, in K's blocks, written through them
+    with STAGED_DK_DV, else through the pointers dK, dV and their strides. dQacc is the float32 buffer (contiguous)
+    and DqCounters B * Hkv zeroed int32 counters; dQ (B, Hq, Nq, D) in the input dtype, last dim contiguous. With
+    convert_in_kernel (1) the program that adds last to a (batch, key/value head)'s dQ rows converts them into dQ
+    (convert_dq); with 0 the caller converts the buffer. Query head h reads key/value head h // kv_group; causal:
+    query row i sees keys j <= i + diag_offset.
     Grid (B * Hkv * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
     pid = gl.program_id(0)
     # Head-major: the key blocks of one head run side by side and share its Q and dO in L2 (a longest-first order
@@ -434,13 +454,14 @@ def hopper_backward_kernel(
 
     first_m, m_blocks = visible_query_blocks(start_n, seqlen_q, diag_offset, BLOCK_M, CAUSAL)
     steps = kv_group * m_blocks
-    dk_base = dK + batch.to(gl.int64) * stride_dkb + head_kv.to(gl.int64) * stride_dkh
-    dv_base = dV + batch.to(gl.int64) * stride_dvb + head_kv.to(gl.int64) * stride_dvh
+    dkv_out = (dk_desc, dv_desc, batch, head_kv,
+               dK + batch.to(gl.int64) * stride_dkb + head_kv.to(gl.int64) * stride_dkh,
+               dV + batch.to(gl.int64) * stride_dvb + head_kv.to(gl.int64) * stride_dvh, stride_dkn, stride_dvn)
     gl.warp_specialize([
         (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready,
-                             q_empty, do_ready, do_empty, lse2_smem, delta_smem, dk_base, dv_base, stride_dkn,
-                             stride_dvn, start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2,
-                             sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ_COLS)),
+                             q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n, first_m,
+                             m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale, HEAD_DIM, BLOCK_M,
+                             BLOCK_N, NUM_STAGES, CAUSAL, DQ_COLS, STAGED_DK_DV)),
         (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_tile, v_tile, q_smem, do_smem,
                           lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv,
                           first_head, start_n, first_m, m_blocks, steps, BLOCK_M, NUM_STAGES)),

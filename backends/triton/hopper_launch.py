@@ -55,6 +55,9 @@ BACKWARD_STAGES = {64: 2, 128: 2, 256: 1}
 # dQ hand-over (0.80x-0.89x of cuDNN); 128 rows measured +16-26% (NOTES version 14) and fill shared memory (231.9 of
 # 232.4 KB). d = 128 and 256 have no registers for a taller step (dK and dV take 64 or 128 a thread).
 BACKWARD_QUERY_BLOCK = {64: 128, 128: 64, 256: 64}
+# dK and dV written through shared memory by the copy engine (NOTES version 16: +1-7% at d = 128 and 256); at d = 64
+# the kernel's loop compiled 3-5% slower with it, so there each thread stores its rows itself.
+BACKWARD_STAGED_DK_DV = {64: False, 128: True, 256: True}
 ENV_SWITCH = "MHATTN_TRITON_HOPPER"
 # The forward's grid: persistent (one program per SM walking the tiles, the next tile's loads under this one's last
 # products and output) without a causal mask up to PERSISTENT_MAX_KEYS keys, one program per tile otherwise (NOTES
@@ -306,15 +309,17 @@ def forward_maps(q, k, v, out, head_dim: int) -> tuple:
             tensor_map(out, query_block))
 
 
-def backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, head_dim: int) -> tuple:
-    """The backward kernel's tensor maps of q, k, v, grad_out, lse2, delta and the float32 dQ buffer."""
+def backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, head_dim: int) -> tuple:
+    """The backward kernel's tensor maps of q, k, v, grad_out, lse2, delta, the float32 dQ buffer, dk and dv (written
+    in K's blocks)."""
     query_rows = BACKWARD_QUERY_BLOCK[head_dim]
     query_block = (1, 1, query_rows, head_dim)
     key_block = (1, 1, BACKWARD_KEY_BLOCK[head_dim], head_dim)
     rows_block = (1, 1, query_rows)
     return (tensor_map(q, query_block), tensor_map(k, key_block), tensor_map(v, key_block),
             tensor_map(grad_out, query_block), tensor_map(lse2, rows_block), tensor_map(delta, rows_block),
-            tensor_map(dq_acc, (1, 1, query_rows, min(head_dim, 128))))
+            tensor_map(dq_acc, (1, 1, query_rows, min(head_dim, 128))), tensor_map(dk, key_block),
+            tensor_map(dv, key_block))
 
 
 def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
@@ -347,7 +352,7 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
 def backward_compile_time_args(head_dim: int, causal: bool) -> dict:
     """The backward kernel's compile-time arguments (launch, `mhattn build`, the GPU check script)."""
     return dict(HEAD_DIM=head_dim, BLOCK_M=BACKWARD_QUERY_BLOCK[head_dim], BLOCK_N=BACKWARD_KEY_BLOCK[head_dim],
-                NUM_STAGES=BACKWARD_STAGES[head_dim], CAUSAL=causal)
+                NUM_STAGES=BACKWARD_STAGES[head_dim], CAUSAL=causal, STAGED_DK_DV=BACKWARD_STAGED_DK_DV[head_dim])
 
 
 def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int) -> None:
@@ -382,7 +387,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
         zeroed = accumulator[:sums + k_s.shape[0] * k_s.shape[1]].zero_()
         dq_acc = zeroed[:sums].view(q_s.shape)
         launcher.launch((k_s.shape[0] * k_s.shape[1] * num_n_blocks,), (
-            *backward_maps(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_acc, head_dim),
+            *backward_maps(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_acc, dk_s, dv_s, head_dim),
             dk_s, dv_s, dq_s, dq_acc, zeroed[sums:].view(torch.int32), *dk.stride()[:3], *dv.stride()[:3],
             *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2,
             run.sm_scale, run.diag_offset, int(convert_in_kernel),
