@@ -17,7 +17,8 @@ on an sm_90 GPU:
    ``MHATTN_TRITON_HOPPER=always`` (the Gluon backward below hopper_launch.BACKWARD_MIN_KEYS too) and with
    ``MHATTN_TRITON_HOPPER=0``. The tables are printed last. ``--breakdown`` first prints each kernel's GPU time
    in one causal backward of each length; ``--compare-query-rows ROWS`` adds the Gluon backward with ROWS query
-   rows a step; ``--repeat N`` runs the backend's backward N times at 1k keys per head dim and compares the runs.
+   rows a step; ``--repeat N`` runs the backend's backward N times at 1k keys per head dim and compares the runs;
+   ``--backend-only`` times sdpa-cudnn and the backend as it chooses, nothing else (quicker A/B runs).
 """
 
 import argparse
@@ -87,9 +88,9 @@ def launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset, convert_in
     num_n_blocks = triton.cdiv(seqlen_k, hopper_launch.BACKWARD_KEY_BLOCK[head_dim])
     scale = 1 / math.sqrt(head_dim)
     hopper_backward.hopper_backward_kernel[(batch * heads_kv * num_n_blocks,)](
-        *hopper_launch.backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, head_dim), dk, dv, dq, dq_acc, counters,
-        *dk.stride()[:3], *dv.stride()[:3], *dq.stride()[:3], heads_kv, heads_q // heads_kv, seqlen_q, seqlen_k,
-        num_n_blocks, scale * LOG2E, scale, diag_offset, int(convert_in_kernel),
+        *hopper_launch.backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, head_dim), dk, dv, dq, dq_acc,
+        counters, *dk.stride()[:3], *dv.stride()[:3], *dq.stride()[:3], heads_kv, heads_q // heads_kv, seqlen_q,
+        seqlen_k, num_n_blocks, scale * LOG2E, scale, diag_offset, int(convert_in_kernel),
         **hopper_launch.backward_compile_time_args(head_dim, causal), num_warps=8, **COMPILE_OPTIONS)
     if not convert_in_kernel:
         dq.copy_(dq_acc)
@@ -276,7 +277,7 @@ def with_backward_query_rows(fn, head_dim: int, rows: int):
         forget_constants()
 
 
-def timing(dtype, parts, seqlens, wanted=None, compare_rows=0):
+def timing(dtype, parts, seqlens, wanted=None, compare_rows=0, backend_only=False):
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
     forward_rows, backward_rows = [], []
     head_dims = set(kernel_head_dims(hopper_launch.KEY_BLOCK, wanted) if "fwd" in parts else ())
@@ -293,9 +294,11 @@ def timing(dtype, parts, seqlens, wanted=None, compare_rows=0):
                         cudnn = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
                     run_triton = lambda: mhattn.attention(q, k, v, is_causal=causal, backend="triton")  # noqa: E731
                     backend = bench(run_triton)
-                    persistent = with_persistent(lambda: bench(run_triton), True)
-                    per_tile = with_persistent(lambda: bench(run_triton), False)
-                    flash2 = with_hopper_off(lambda: bench(run_triton))
+                    persistent = per_tile = flash2 = float("inf")
+                    if not backend_only:
+                        persistent = with_persistent(lambda: bench(run_triton), True)
+                        per_tile = with_persistent(lambda: bench(run_triton), False)
+                        flash2 = with_hopper_off(lambda: bench(run_triton))
                     forward_rows.append((head_dim, seqlen, causal, *(flops / ms / 1e9 for ms in (
                         cudnn, backend, persistent, per_tile, flash2)), cudnn / backend))
                     print(forward_rows[-1], flush=True)
@@ -311,8 +314,10 @@ def timing(dtype, parts, seqlens, wanted=None, compare_rows=0):
                         cudnn = backward_time(lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal))
                     run_triton = lambda: mhattn.attention(*leaves, is_causal=causal, backend="triton")  # noqa: E731
                     backend = backward_time(run_triton)
-                    gluon = with_hopper_always(lambda: backward_time(run_triton))
-                    flash2 = with_hopper_off(lambda: backward_time(run_triton))
+                    gluon = flash2 = float("inf")
+                    if not backend_only:
+                        gluon = with_hopper_always(lambda: backward_time(run_triton))
+                        flash2 = with_hopper_off(lambda: backward_time(run_triton))
                     other_rows = float("nan")
                     if compare_rows and compare_rows != hopper_launch.BACKWARD_QUERY_BLOCK[head_dim]:
                         other_rows = with_backward_query_rows(
@@ -382,6 +387,8 @@ def main():
                         help="also time the Gluon backward with ROWS query rows a step (where its table differs)")
     parser.add_argument("--repeat", type=int, default=0, metavar="N",
                         help="also run the backend's backward N times per head dim and compare the runs")
+    parser.add_argument("--backend-only", action="store_true",
+                        help="time sdpa-cudnn and the backend as it chooses only (the other columns read 0)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also each kernel's GPU time in one causal backward (torch.profiler), first")
     args = parser.parse_args()
@@ -397,7 +404,8 @@ def main():
             correctness_backward(head_dims)
     if args.repeat:
         repeated_backward(kernel_head_dims(hopper_launch.BACKWARD_MIN_KEYS, head_dims), args.repeat)
-    timing(DTYPES[args.dtype], parts, [int(n) for n in args.seqlen.split(",")], head_dims, args.compare_query_rows)
+    timing(DTYPES[args.dtype], parts, [int(n) for n in args.seqlen.split(",")], head_dims, args.compare_query_rows,
+           args.backend_only)
 
 
 if __name__ == "__main__":
