@@ -257,7 +257,7 @@ def tensor_map(tensor, block_shape):
 
 def _unchecked_descriptor(base, shape, strides, block_shape, layout):
     """Gluon's ``TensorDescriptor(base, shape, strides, block_shape, layout)`` without its constructor's checks, which
-    took 60% of the host time of making the maps (the backward makes seven per launch): what they check (rank, 16-byte
+    took 60% of the host time of making the maps (the backward makes nine per launch): what they check (rank, 16-byte
     aligned base and strides, a contiguous last dim, the layout's type and width) holds by construction here or was
     checked before the launch (why_not). tests/test_triton_backend.py holds these equal to the checked ones."""
     if not _descriptor_type:
