@@ -14,10 +14,11 @@ import torch
 from mhattn import dispatch
 from mhattn.arguments import (check_heads, check_index_tensor, check_same, check_softcap, check_tensor,
                               check_values_once, host_checks_allowed, scale_or_default)
+from mhattn.backends import layouts
 from mhattn.backends.base import KVCache, cache_capacity
 from mhattn.caches import put_bounded
 from mhattn.errors import InputError
-from mhattn.functional import _causal_right, _params, _window
+from mhattn.functional import _backend_argument, _causal_right, _params, _window
 from mhattn.problem import Problem
 
 
@@ -61,7 +62,21 @@ def attention_with_kvcache(
     Returns:
         out (B, Hq, Nq, Dv) in q's dtype; with ``return_lse`` a tuple (out, lse). Hq must be a multiple of Hkv
         (grouped-query attention needs no flag here and never copies K/V). A row that sees no key gives 0.
+
+    Under ``torch.compile`` the call is one custom op (``mhattn::attention_with_kvcache``) that writes the cache in
+    place: no graph break, and the backend request is read when the compiled code runs.
     """
+    if torch.compiler.is_compiling():
+        out, lse = _compiled_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window,
+                                  softcap, backend)
+    else:
+        out, lse = _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap,
+                           backend)
+    return (out, lse) if return_lse else out
+
+
+def _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend):
+    """The eager call: (out, lse), the cache appended to in place."""
     key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend)
     known = _known_calls.get(key) if key is not None else None
     if known is None:  # every check, then the selection; a repeated signature skips both (see _call_key)
@@ -74,8 +89,7 @@ def attention_with_kvcache(
     cache = _cache_of_call(q, k_cache, v_cache, k, cache_seqlens, block_table)
     if k is not None:
         _append(cache, k, v, cache_seqlens)
-    out, lse = chosen.forward_kvcache(q, cache, params)
-    return (out, lse) if return_lse else out
+    return chosen.forward_kvcache(q, cache, params)
 
 
 # Calls whose arguments passed _prepare's checks and whose backend was selected, by _call_key: (params, backend).
@@ -120,6 +134,45 @@ def _cache_of_call(q, k_cache, v_cache, k, cache_seqlens, block_table) -> KVCach
                           lambda: _check_lengths(before, seqlens, block_table, k_cache.shape[0], k_cache.shape[2],
                                                  capacity))
     return KVCache(k_cache, v_cache, seqlens.to(torch.int32), block_table)
+
+
+# ---- under torch.compile: one custom op --------------------------------------------------------------------------
+
+
+def _compiled_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend):
+    """The call as the custom op takes it: the window split into its bounds, the backend request checked now but
+    resolved when the compiled code runs (as mhattn.attention's op does)."""
+    if is_causal not in (True, False):
+        raise InputError(f"is_causal must be a bool, got {is_causal!r}")
+    left, right = (None, None) if window is None else _window(window)
+    request = "" if backend is None else _backend_argument(backend)
+    return torch.ops.mhattn.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, bool(is_causal), None if scale is None else float(scale),
+        left, right, None if softcap is None else float(softcap), request)
+
+
+@torch.library.custom_op("mhattn::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def _attention_with_kvcache_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+    v: Optional[torch.Tensor], cache_seqlens: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+    is_causal: bool, scale: Optional[float], window_left: Optional[int], window_right: Optional[int],
+    softcap: Optional[float], backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    window = None if window_left is None and window_right is None else (window_left, window_right)
+    out, lse = _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap,
+                       backend or None)
+    # Compiled graphs assume the layouts the fake implementation promises (a backend's other layout is copied).
+    return (layouts.placed(out, layouts.rows_major_strides(*out.shape)),
+            layouts.placed(lse, layouts.contiguous_strides(lse.shape)))
+
+
+@_attention_with_kvcache_op.register_fake
+def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window_left, window_right, softcap,
+      backend):
+    # Every check that needs no tensor's values raises here, at trace time, as the eager call would.
+    _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, (window_left, window_right),
+             softcap)
+    return layouts.output_buffer(q, v_cache), layouts.lse_buffer(q)
 
 
 def explain(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, *, is_causal=True,

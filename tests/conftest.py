@@ -31,14 +31,26 @@ class Recording(ReferenceBackend):
         self.calls = []
         self.seeds = []
 
-    def forward(self, q, k, v, params):
+    def forward(self, q, k, v, params, **kwargs):
         self.calls.append("forward")
         self.seeds.append(params.seed)
-        return super().forward(q, k, v, params)
+        return super().forward(q, k, v, params, **kwargs)
 
     def backward(self, *args, **kwargs):
         self.calls.append("backward")
         return super().backward(*args, **kwargs)
+
+    def forward_kvcache(self, q, cache, params):
+        self.calls.append("kvcache")
+        return super().forward_kvcache(q, cache, params)
+
+    def forward_varlen(self, q, k, v, packing, params):
+        self.calls.append("varlen_forward")
+        return super().forward_varlen(q, k, v, packing, params)
+
+    def backward_varlen(self, *args, **kwargs):
+        self.calls.append("varlen_backward")
+        return super().backward_varlen(*args, **kwargs)
 
 
 @pytest.fixture

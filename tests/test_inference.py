@@ -30,6 +30,11 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 # ---- inputs ---------------------------------------------------------------------------------------------
 
 
+def _compiled(fn):
+    """fn through torch.compile as one graph (aot_eager: the graph runs op by op, so values match eager's)."""
+    return torch.compile(fn, fullgraph=True, backend="aot_eager")
+
+
 def make_cache(dtype, device, batch, heads_q, heads_kv, seqlen_q, head_dim, cached, capacity, block_size, append,
                generator, head_dim_v=None):
     """q, the cache (contiguous, or a shuffled paged pool with its block table), the new k/v (or None), and
@@ -99,18 +104,19 @@ def _params_for(scale, is_causal, window, softcap, dropout_p=0.0, seed=(0, 0)):
 
 def check_kvcache(backend="triton", dtype="float16", device="cpu", batch=2, heads_q=4, heads_kv=2, seqlen_q=1,
                   head_dim=32, head_dim_v=None, cached=(37, 90), capacity=100, block_size=None, append=True,
-                  is_causal=True, window=None, softcap=None, seed=0):
+                  is_causal=True, window=None, softcap=None, seed=0, compiled=False):
     """attention_with_kvcache on ``backend`` against the float64 gold (CONFORMANCE.md's rule), and the cache
-    holding the appended tokens afterwards."""
+    holding the appended tokens afterwards; ``compiled``: called through torch.compile (its custom op)."""
     dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(100 + seed)
     q, k_cache, v_cache, new_k, new_v, seqlens, table = make_cache(
         dt, device, batch, heads_q, heads_kv, seqlen_q, head_dim, list(cached), capacity, block_size, append, gen,
         head_dim_v)
     lengths = [c + (seqlen_q if append else 0) for c in cached]
+    call = _compiled(mhattn.attention_with_kvcache) if compiled else mhattn.attention_with_kvcache
     with poisoned_allocations():
-        out, lse = mhattn.attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, seqlens, table, is_causal=is_causal,
-                                                 window=window, softcap=softcap, return_lse=True, backend=backend)
+        out, lse = call(q, k_cache, v_cache, new_k, new_v, seqlens, table, is_causal=is_causal, window=window,
+                        softcap=softcap, return_lse=True, backend=backend)
     assert out.shape == (batch, heads_q, seqlen_q, v_cache.shape[-1]) and out.dtype == dt
     assert lse.shape == (batch, heads_q, seqlen_q) and lse.dtype in (torch.float32, torch.float64)
     assert seqlens.tolist() == list(cached), "cache_seqlens must not change"
@@ -171,8 +177,9 @@ def varlen_gold(q, k, v, lengths_q, lengths_k, params, dtype, grad_out, grad_lse
 
 def check_varlen(backend="triton", dtype="float16", device="cpu", lengths_q=(5, 0, 35, 1), lengths_k=(9, 3, 38, 0),
                  heads_q=4, heads_kv=2, head_dim=32, is_causal=False, window=None, softcap=None, dropout_p=0.0,
-                 grad_lse=False, seed=0):
-    """varlen_attention forward and backward on ``backend`` against the float64 gold."""
+                 grad_lse=False, seed=0, compiled=False):
+    """varlen_attention forward and backward on ``backend`` against the float64 gold; ``compiled``: called
+    through torch.compile (its custom ops)."""
     dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(200 + seed)
     q, k, v, cu_q, cu_k = make_packed(dt, device, lengths_q, lengths_k, heads_q, heads_kv, head_dim, gen)
@@ -182,10 +189,11 @@ def check_varlen(backend="triton", dtype="float16", device="cpu", lengths_q=(5, 
     torch.manual_seed(5 + seed)  # the dropout seed varlen_attention draws
     seed_words = words_of(draw_seed(q.device)) if dropout_p else (0, 0)
     torch.manual_seed(5 + seed)
+    call = _compiled(mhattn.varlen_attention) if compiled else mhattn.varlen_attention
     with poisoned_allocations():
-        out, lse = mhattn.varlen_attention(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), dropout_p=dropout_p,
-                                           is_causal=is_causal, enable_gqa=heads_q != heads_kv, window=window,
-                                           softcap=softcap, return_lse=True, backend=backend)
+        out, lse = call(*leaves, cu_q, cu_k, max(lengths_q), max(lengths_k), dropout_p=dropout_p, is_causal=is_causal,
+                        enable_gqa=heads_q != heads_kv, window=window, softcap=softcap, return_lse=True,
+                        backend=backend)
         loss = (out * grad_out).float().sum()
         if grad_lse:
             loss = loss + (torch.where(torch.isinf(lse), 0, lse) * glse).sum()
@@ -452,6 +460,93 @@ def test_varlen_input_errors(bad, match):
         bad(*_varlen_inputs())
 
 
+# ---- under torch.compile -----------------------------------------------------------------------------------
+
+
+def _operations(recording):
+    """The KV-cache and varlen entry points a recording backend ran (the reference's varlen runs its forward per
+    sequence, recorded too)."""
+    return [call for call in recording.calls if call.startswith(("kvcache", "varlen"))]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_compiled_kvcache_step_is_one_graph_writing_the_cache_in_place(paged):
+    torch.manual_seed(0)
+    q, kc, vc, table = _kv_inputs(paged)
+    new_k, new_v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+
+    def step(q, kc, vc, k, v, seqlens, table):
+        return mhattn.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table, window=(2, -1),
+                                             softcap=4.0, return_lse=True)
+
+    assert torch._dynamo.explain(step)(q, kc.clone(), vc.clone(), new_k, new_v, seqlens, table).graph_break_count == 0
+    want_k, want_v, got_k, got_v = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    want = step(q, want_k, want_v, new_k, new_v, seqlens, table)
+    got = _compiled(step)(q, got_k, got_v, new_k, new_v, seqlens, table)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v) and not torch.equal(got_k, kc)  # appended
+
+
+def test_compiled_kvcache_checks_its_arguments():
+    q, kc, vc, _ = _kv_inputs()
+    new_k, new_v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
+    step = _compiled(lambda q, kc, vc, k, v, n: mhattn.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=n))
+    with pytest.raises(mhattn.InputError, match="cache holds Nmax = 10"):  # a value: checked when the step runs
+        step(q, kc, vc, new_k, new_v, torch.tensor([3, 10], dtype=torch.int32))
+    with pytest.raises(Exception, match="multiple of k/v's heads"):  # a shape: checked at trace time
+        step(q[:, :3], kc, vc, new_k, new_v, torch.tensor([3, 5], dtype=torch.int32))
+
+
+def test_compiled_kvcache_and_varlen_read_the_request_when_they_run(recorders):
+    a, b = recorders
+    q, kc, vc, _ = _kv_inputs()
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+    decode = _compiled(lambda q, kc, vc, n: mhattn.attention_with_kvcache(q, kc, vc, cache_seqlens=n))
+    varlen_q, varlen_k, varlen_v, cq, ck = _varlen_inputs()
+    varlen = _compiled(lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k, v, cq, ck, 6, 7))
+    for backend in (a, b):
+        with mhattn.use_backend(backend.name):
+            decode(q, kc, vc, seqlens)
+            varlen(varlen_q, varlen_k, varlen_v, cq, ck)
+    assert _operations(a) == _operations(b) == ["kvcache", "varlen_forward"]
+
+
+def test_compiled_varlen_gives_the_eager_values_and_gradients_on_the_forwards_backend(recorders):
+    a, b = recorders
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(20, heads, 16, dtype=torch.float64, requires_grad=True) for heads in (4, 2, 2))
+    cu = torch.tensor([0, 5, 12, 12, 20], dtype=torch.int32)
+
+    def loss(q, k, v):
+        out, lse = mhattn.varlen_attention(q, k, v, cu, cu, 8, 8, is_causal=True, enable_gqa=True, window=(3, -1),
+                                           return_lse=True)
+        return out.square().sum() + lse.nan_to_num(neginf=0.0).sum()
+
+    assert torch._dynamo.explain(loss)(q, k, v).graph_break_count == 0
+    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    with mhattn.use_backend("rec_a"):
+        value = _compiled(loss)(q, k, v)
+    with mhattn.use_backend("rec_b"):  # the request in force at the backward does not matter
+        got = torch.autograd.grad(value, (q, k, v))
+    assert _operations(a) == ["varlen_forward", "varlen_backward"] and b.calls == []
+    assert torch.allclose(value, loss(q, k, v), rtol=0, atol=1e-12)
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= 1e-12
+
+
+def test_compiled_varlen_checks_its_arguments():
+    q, k, v, cq, ck = _varlen_inputs()
+    with pytest.raises(mhattn.InputError, match="end at the number of packed tokens"):  # a value: when it runs
+        _compiled(lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k, v, cq, ck, 6, 7))(
+            q, k, v, cq, torch.tensor([0, 5, 11], dtype=torch.int32))
+    with pytest.raises(Exception, match="max_seqlen_k must be an int"):  # a Python argument: before the op
+        _compiled(lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k, v, cq, ck, 6, 7.0))(q, k, v, cq, ck)
+    with pytest.raises(Exception, match="enable_gqa"):  # a shape: checked at trace time
+        _compiled(lambda q, k, v, cq, ck: mhattn.varlen_attention(q, k, v, cq, ck, 6, 7))(
+            q, k[:, :1], v[:, :1], cq, ck)
+
+
 def test_dispatcher_reasons_for_the_new_operations():
     """Backends declare the operations as data; one that lacks one says so, and a forced one raises."""
     from mhattn.backends.base import OPERATIONS
@@ -542,6 +637,14 @@ def test_interpreter_varlen(interpreter, case):
 
 
 @pytest.mark.interpret
+def test_interpreter_compiled_kvcache_and_varlen(interpreter):
+    """The Triton kernels through the torch.compile custom ops: a paged decoding step and a varlen forward and
+    backward, against the float64 gold."""
+    interpreter.run("check_kvcache", block_size=16, seqlen_q=2, compiled=True)
+    interpreter.run("check_varlen", is_causal=True, compiled=True)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("case", ["uneven", "causal_q_ne_k"])
 def test_interpreter_varlen_through_descriptors(interpreter, case):
     interpreter.run("check_varlen_through_descriptors", **VARLEN_CASES[case])
@@ -608,6 +711,19 @@ def test_gpu_decode_steps_on_a_side_stream_and_in_a_cuda_graph(monkeypatch, depe
 def test_gpu_varlen(dtype, is_causal):
     check_varlen(dtype=dtype, device="cuda", lengths_q=(100, 0, 1000, 257, 1), lengths_k=(100, 5, 1000, 300, 64),
                  heads_q=8, heads_kv=2, head_dim=128, is_causal=is_causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cupy"])
+def test_gpu_compiled_kvcache_and_varlen(backend):
+    """The custom ops under torch.compile on the GPU: a paged decoding step and a varlen forward and backward."""
+    if mhattn.registry.get_backend(backend).unavailable():
+        pytest.skip(f"{backend} is unavailable here")
+    check_kvcache(backend=backend, dtype="bfloat16", device="cuda", batch=3, heads_q=32, heads_kv=8, head_dim=128,
+                  cached=(0, 1000, 5000), capacity=6144, block_size=256, compiled=True)
+    check_varlen(backend=backend, dtype="bfloat16", device="cuda", lengths_q=(100, 0, 1000, 257, 1),
+                 lengths_k=(100, 5, 1000, 300, 64), heads_q=8, heads_kv=2, head_dim=128, is_causal=True,
+                 compiled=True)
 
 
 def test_decode_tiles_fit_shared_memory_for_every_width():
