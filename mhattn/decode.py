@@ -139,9 +139,17 @@ def _cache_of_call(q, k_cache, v_cache, k, cache_seqlens, block_table) -> KVCach
 # ---- under torch.compile: one custom op --------------------------------------------------------------------------
 
 
+def _check_forward_only(q, k, v) -> None:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v)):
+        raise InputError("attention_with_kvcache is forward only (no autograd): call it under torch.no_grad() "
+                         "or pass tensors that do not require grad")
+
+
 def _compiled_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend):
     """The call as the custom op takes it: the window split into its bounds, the backend request checked now but
-    resolved when the compiled code runs (as mhattn.attention's op does)."""
+    resolved when the compiled code runs (as mhattn.attention's op does). The op has no autograd: inputs that
+    require grad are refused here, at trace time."""
+    _check_forward_only(q, k, v)
     if is_causal not in (True, False):
         raise InputError(f"is_causal must be a bool, got {is_causal!r}")
     left, right = (None, None) if window is None else _window(window)
@@ -198,9 +206,7 @@ def _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
     check_tensor("k_cache", k_cache, 4, cache_shape)
     check_tensor("v_cache", v_cache, 4, cache_shape.replace("D)", "Dv)"))
     check_same(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v)):
-        raise InputError("attention_with_kvcache is forward only (no autograd): call it under torch.no_grad() "
-                         "or pass tensors that do not require grad")
+    _check_forward_only(q, k, v)
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv = k_cache.shape[1]
     if k_cache.shape[:3] != v_cache.shape[:3]:

@@ -496,6 +496,8 @@ def test_compiled_kvcache_checks_its_arguments():
         step(q, kc, vc, new_k, new_v, torch.tensor([3, 10], dtype=torch.int32))
     with pytest.raises(Exception, match="multiple of k/v's heads"):  # a shape: checked at trace time
         step(q[:, :3], kc, vc, new_k, new_v, torch.tensor([3, 5], dtype=torch.int32))
+    with pytest.raises(Exception, match="forward only"):  # the op has no autograd
+        step(q.requires_grad_(True), kc, vc, new_k, new_v, torch.tensor([3, 5], dtype=torch.int32))
 
 
 def test_compiled_kvcache_and_varlen_read_the_request_when_they_run(recorders):
