@@ -29,6 +29,11 @@ Causal attention per step (the global mask, seen from one (query shard, key shar
   of the keys only; keys of a later rank s: chunk s and 2W - 1 - s both lie between the query chunks, so
   the second half of the queries sees all keys and the first half sees none. Every step but the diagonal
   is then a non-causal call of C x 2C or 2C x C: balanced, and no offset mask is needed.
+
+With a sliding window (:func:`window_blocks`) a step makes one call per pair of a query chunk and a key chunk
+that the band of global positions reaches: unmasked where the whole pair lies inside the band, else with the
+window's bounds and the pair's offset in global positions (diag_offset), so the local call applies the global
+band exactly. Pairs out of the band's reach compute nothing.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import torch.distributed as dist
 from mhattn import dispatch
 from mhattn.backends.base import AttentionParams
 from mhattn.errors import InputError
-from mhattn.functional import _prepare
+from mhattn.functional import _prepare, _uses_window
 from mhattn.problem import Problem
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -162,11 +167,21 @@ def gather_sequence(x_local: torch.Tensor, *, group=None, layout: str = "contigu
 @dataclass(frozen=True)
 class Block:
     """One local attention call of a ring step: rows of the local queries against rows of the visiting
-    key/value shard, causal (top-left aligned within the two slices) or not."""
+    key/value shard, causal (top-left aligned within the two slices) or not. A block of a windowed call
+    (window_blocks) also has the window's bounds and diag_offset, the global position of its first query row
+    minus that of its first key row: key row j is visible from query row i when j - i - diag_offset lies in
+    [-window_left, window_right] (None: unbounded), causal already folded into window_right."""
 
     q_rows: slice
     kv_rows: slice
     causal: bool
+    diag_offset: int = 0
+    window_left: Optional[int] = None
+    window_right: Optional[int] = None
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_left is not None or self.window_right is not None
 
 
 def step_blocks(layout: str, rank: int, source: int, n_local: int, is_causal: bool) -> tuple:
@@ -183,6 +198,28 @@ def step_blocks(layout: str, rank: int, source: int, n_local: int, is_causal: bo
     if source < rank:  # chunk `source` precedes both query chunks, chunk 2W-1-source follows both
         return (Block(every, slice(0, half), False),)
     return (Block(slice(half, n_local), every, False),)  # both key chunks lie between the query chunks
+
+
+def window_blocks(layout: str, rank: int, source: int, world: int, n_local: int, is_causal: bool,
+                  window_left: Optional[int], window_right: Optional[int]) -> tuple:
+    """The :class:`Block` calls of a windowed ring step: one per pair of a query chunk of rank ``rank`` and a
+    key chunk of rank ``source`` that the band of global positions (key - query in [-window_left, right], right
+    = min(window_right, 0) when causal) reaches; a pair wholly inside the band is a plain block (no mask)."""
+    right = (0 if window_right is None else min(window_right, 0)) if is_causal else window_right
+    query_chunks, key_chunks = _chunks_of_rank(layout, rank, world), _chunks_of_rank(layout, source, world)
+    size = n_local // len(query_chunks)
+    blocks = []
+    for qi, q_chunk in enumerate(query_chunks):
+        for ki, k_chunk in enumerate(key_chunks):
+            offset = (q_chunk - k_chunk) * size  # global first query row minus global first key row
+            lowest, highest = -offset - (size - 1), -offset + (size - 1)  # key - query over the pair
+            if (window_left is not None and highest < -window_left) or (right is not None and lowest > right):
+                continue  # no pair of the two chunks is in the band
+            rows, cols = slice(qi * size, (qi + 1) * size), slice(ki * size, (ki + 1) * size)
+            inside = (window_left is None or lowest >= -window_left) and (right is None or highest <= right)
+            blocks.append(Block(rows, cols, False) if inside else
+                          Block(rows, cols, is_causal, offset, window_left, right))
+    return tuple(blocks)
 
 
 # ---- the ring ----------------------------------------------------------------------------------------
@@ -283,11 +320,16 @@ def _unpack(flat: torch.Tensor, shapes) -> list:
 # ---- local attention calls ---------------------------------------------------------------------------
 
 
-def _block_call(block: Block, q, k, v, scale: float, request):
+def _block_call(block: Block, q, k, v, scale: float, softcap: Optional[float], request):
     """(backend, params, q rows, k rows, v rows) of one block."""
     q_b, k_b, v_b = q[:, :, block.q_rows], k[:, :, block.kv_rows], v[:, :, block.kv_rows]
-    params = AttentionParams(scale=scale, window_right=0 if block.causal else None)
-    problem = Problem.from_tensors(q_b, k_b, v_b, params, causal=block.causal, window=False)
+    if block.windowed:
+        params = AttentionParams(scale=scale, diag_offset=block.diag_offset, window_left=block.window_left,
+                                 window_right=block.window_right, softcap=softcap)
+    else:
+        params = AttentionParams(scale=scale, window_right=0 if block.causal else None, softcap=softcap)
+    problem = Problem.from_tensors(q_b, k_b, v_b, params, causal=block.causal,
+                                   window=_uses_window(block.window_left, block.window_right, block.causal))
     backend = dispatch.select(problem, *request)
     return backend, params, q_b, k_b, v_b
 
@@ -314,7 +356,7 @@ class _RingAttention(torch.autograd.Function):
     Returns out (B, Hq, n, Dv) in q's dtype and lse (B, Hq, n) float32 (float64 for float64 inputs)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, steps, scale, request):
+    def forward(ctx, q, k, v, ring, steps, scale, softcap, request):
         acc = _accumulate_dtype(q.dtype)
         out_acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
         lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
@@ -326,7 +368,7 @@ class _RingAttention(torch.autograd.Function):
                 kv.pass_on()  # the next step's shard moves while this step computes
             k_s, v_s = _unpack(kv.current, shapes)
             for block in blocks:
-                backend, params, q_b, k_b, v_b = _block_call(block, q, k_s, v_s, scale, request)
+                backend, params, q_b, k_b, v_b = _block_call(block, q, k_s, v_s, scale, softcap, request)
                 out_b, lse_b = backend.forward(q_b, k_b, v_b, params)
                 _merge(out_acc[:, :, block.q_rows], lse_acc[:, :, block.q_rows], out_b, lse_b)
             if not last:
@@ -334,7 +376,7 @@ class _RingAttention(torch.autograd.Function):
         out = out_acc.to(q.dtype)
         lse = lse_acc.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         ctx.set_materialize_grads(False)  # an unused lse (the usual case) sends no gradient
-        ctx.ring, ctx.steps, ctx.scale, ctx.request = ring, steps, scale, request
+        ctx.ring, ctx.steps, ctx.scale, ctx.softcap, ctx.request = ring, steps, scale, softcap, request
         ctx.save_for_backward(q, k, v, out, lse)
         return out, lse
 
@@ -358,7 +400,8 @@ class _RingAttention(torch.autograd.Function):
             k_s, v_s = _unpack(kv.current, shapes)
             grads = []
             for block in blocks:
-                backend, params, q_b, k_b, v_b = _block_call(block, q, k_s, v_s, ctx.scale, ctx.request)
+                backend, params, q_b, k_b, v_b = _block_call(block, q, k_s, v_s, ctx.scale, ctx.softcap,
+                                                             ctx.request)
                 rows = block.q_rows
                 dq_b, dk_b, dv_b, _ = backend.backward(
                     grad_out[:, :, rows], q_b, k_b, v_b, out[:, :, rows], lse[:, :, rows], params,
@@ -375,7 +418,7 @@ class _RingAttention(torch.autograd.Function):
             if not last:
                 kv.arrive()
         dk, dv = _unpack(dkv.arrive(), shapes)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(
@@ -388,6 +431,8 @@ def ring_attention(
     scale: Optional[float] = None,
     enable_gqa: bool = False,
     layout: str = "contiguous",
+    window=None,
+    softcap: Optional[float] = None,
     return_lse: bool = False,
     backend: Optional[str] = None,
 ):
@@ -409,6 +454,10 @@ def ring_attention(
         scale: score scale; default 1 / sqrt(D).
         enable_gqa: allow Hq to be a multiple of Hkv (K and V are never repeated).
         layout: "contiguous" or "zigzag" (see :func:`shard_sequence`); zigzag needs an even N_local.
+        window: (left, right) around each token's global position, as in :func:`mhattn.attention` (-1/None
+            unbounded; with ``is_causal`` the right bound is at most 0). Steps whose keys lie wholly outside
+            the window compute nothing (their shards still pass through).
+        softcap: scores become softcap * tanh(scores / softcap), as in :func:`mhattn.attention`.
         return_lse: also return the log-sum-exp over the whole sequence (..., Hq, N_local), float32 (float64
             for float64 inputs); its gradient is supported.
         backend: the mhattn backend that runs the local attention (as ``mhattn.attention``'s argument).
@@ -420,8 +469,9 @@ def ring_attention(
     if not isinstance(is_causal, bool):
         raise InputError(f"is_causal must be a bool, got {is_causal!r}")
     # The canonical call of mhattn.attention's argument handling: (q, k, v, mask, scale, ..., out_shape).
-    call = _prepare(q, k, v, None, 0.0, False, scale, enable_gqa, None, None)
+    call = _prepare(q, k, v, None, 0.0, False, scale, enable_gqa, window, softcap)
     q, k, v, scale, out_shape = call[0], call[1], call[2], call[4], call[-1]
+    window_left, window_right, softcap = call[8], call[9], call[10]
     if q.shape[-2] != k.shape[-2]:
         raise InputError(f"q and k must hold the same tokens of the sequence: N_local {q.shape[-2]} for q, "
                          f"{k.shape[-2]} for k")
@@ -434,17 +484,21 @@ def ring_attention(
         raise InputError(f"group uses NCCL, which moves CUDA tensors only; q is on {q.device}")
     request = dispatch.requested(backend)
     ring = PeerRing(group, q.device)
-    out, lse = _run_ring(q, k, v, ring, layout, is_causal, scale, request)
+    out, lse = _run_ring(q, k, v, ring, layout, is_causal, scale, request, (window_left, window_right), softcap)
     out = out.reshape(out_shape)
     if return_lse:
         return out, lse.reshape(out_shape[:-1])
     return out
 
 
-def _run_ring(q, k, v, ring, layout, is_causal, scale, request):
+def _run_ring(q, k, v, ring, layout, is_causal, scale, request, window=(None, None), softcap=None):
     """The ring on canonical 4-D tensors with a given ring object (``PeerRing``, or a stand-in with the
     same ``rank``, ``size`` and ``start(send, recv)`` for timing the computation alone)."""
     n_local = q.shape[-2]
-    steps = [step_blocks(layout, ring.rank, (ring.rank - s) % ring.size, n_local, is_causal)
-             for s in range(ring.size)]
-    return _RingAttention.apply(q, k, v, ring, steps, scale, request)
+    sources = [(ring.rank - s) % ring.size for s in range(ring.size)]
+    if window == (None, None):
+        steps = [step_blocks(layout, ring.rank, source, n_local, is_causal) for source in sources]
+    else:
+        steps = [window_blocks(layout, ring.rank, source, ring.size, n_local, is_causal, *window)
+                 for source in sources]
+    return _RingAttention.apply(q, k, v, ring, steps, scale, softcap, request)

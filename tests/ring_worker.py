@@ -20,7 +20,7 @@ import mhattn
 from mhattn.conformance.tolerance import compare
 from mhattn.distributed import gather_sequence, ring_attention, shard_sequence
 
-# (layout, is_causal, Hq, Hkv, D, Dv, with an lse gradient, leading batch dims)
+# (layout, is_causal, Hq, Hkv, D, Dv, with an lse gradient, leading batch dims[, window and softcap])
 CASES = [
     ("contiguous", False, 4, 4, 8, 8, False, (2,)),
     ("contiguous", True, 4, 4, 8, 8, False, (2,)),
@@ -30,13 +30,20 @@ CASES = [
     ("zigzag", True, 4, 4, 8, 8, False, (2,)),
     ("zigzag", True, 6, 2, 8, 8, True, (1, 2)),
     ("zigzag", True, 4, 1, 8, 5, False, (2,)),
+    # Windows around the global positions that cross shard boundaries (6 tokens a rank), with softcap.
+    ("contiguous", True, 4, 2, 8, 8, True, (2,), dict(window=(4, -1), softcap=3.0)),
+    ("contiguous", False, 4, 4, 8, 8, False, (2,), dict(window=(2, 5))),
+    ("zigzag", True, 6, 2, 8, 8, True, (1, 2), dict(window=(7, 0), softcap=2.0)),
+    ("zigzag", False, 4, 4, 8, 5, False, (2,), dict(window=(3, 3))),
+    ("zigzag", False, 4, 4, 8, 8, False, (2,), dict(softcap=1.5)),
 ]
 
 
 # The cases run through the kernels on the CPU (Triton's interpreter, the CUDA kernels' emulator): slow, so
 # few and small; head dim 32 (the CUDA kernels' smallest).
 KERNEL_CASES = [("contiguous", True, 4, 4, 32, 32, False, (2,)), ("zigzag", False, 4, 4, 32, 32, True, (2,)),
-                ("zigzag", True, 6, 2, 32, 32, True, (1, 2))]
+                ("zigzag", True, 6, 2, 32, 32, True, (1, 2)),
+                ("zigzag", True, 4, 2, 32, 32, False, (2,), dict(window=(11, 0), softcap=4.0))]
 
 
 def register_emulated_cupy():
@@ -57,7 +64,8 @@ def register_emulated_cupy():
 
 
 def check_case(case, world: int, chunk: int, dtype=torch.float64, backend: str = "reference") -> list:
-    layout, causal, heads_q, heads_kv, dim, dim_v, lse_grad, batch = case
+    layout, causal, heads_q, heads_kv, dim, dim_v, lse_grad, batch, *rest = case
+    features = rest[0] if rest else {}  # window, softcap
     n = 2 * world * chunk
     gen = torch.Generator().manual_seed(1234)
     q = torch.randn(*batch, heads_q, n, dim, generator=gen, dtype=torch.float64)
@@ -68,7 +76,8 @@ def check_case(case, world: int, chunk: int, dtype=torch.float64, backend: str =
     gqa = heads_q != heads_kv
 
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out, lse = mhattn.attention(*full, is_causal=causal, enable_gqa=gqa, return_lse=True, backend="reference")
+    out, lse = mhattn.attention(*full, is_causal=causal, enable_gqa=gqa, return_lse=True, backend="reference",
+                                **features)
     _backward(out, lse, grad_out, grad_lse)
 
     def shard(t, dim=-2):
@@ -76,7 +85,7 @@ def check_case(case, world: int, chunk: int, dtype=torch.float64, backend: str =
 
     local = [shard(t).detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
     out_l, lse_l = ring_attention(*local, is_causal=causal, enable_gqa=gqa, layout=layout, return_lse=True,
-                                  backend=backend)
+                                  backend=backend, **features)
     _backward(out_l, lse_l, shard(grad_out).to(dtype), None if grad_lse is None else shard(grad_lse, -1).to(dtype))
 
     golds = [out, lse] + [t.grad for t in full]
@@ -84,7 +93,7 @@ def check_case(case, world: int, chunk: int, dtype=torch.float64, backend: str =
     if dtype in (torch.float16, torch.bfloat16):  # CONFORMANCE.md's rule: the reference in dtype sets the bar
         low = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
         low_out, low_lse = mhattn.attention(*low, is_causal=causal, enable_gqa=gqa, return_lse=True,
-                                            backend="reference")
+                                            backend="reference", **features)
         _backward(low_out, low_lse, grad_out.to(dtype), None if grad_lse is None else grad_lse.to(dtype))
         lowps = [low_out, low_lse] + [t.grad for t in low]
     results = []

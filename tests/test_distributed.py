@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import mhattn
 from mhattn.distributed import (LAYOUTS, _from_parts, _local_part, gather_sequence, ring_attention, shard_sequence,
-                                step_blocks)
+                                step_blocks, window_blocks)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "ring_worker.py")
@@ -46,6 +46,40 @@ def test_step_blocks_cover_the_global_mask_once(layout, world, causal):
                 if block.causal:
                     part = part.tril()
                 covered[block.q_rows, block.kv_rows] += part
+            assert torch.equal(covered, want.long()), (layout, world, rank, source)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [(2, None), (None, 3), (3, 1), (0, 0), (7, 2), (13, None)])
+def test_window_blocks_cover_the_global_band_once(layout, world, causal, window):
+    """With a window, the blocks of a rank cover exactly the (query, key) pairs whose global positions lie in
+    the band (causal folded in), each once; a plain block only where every pair of its chunks is in it."""
+    n_local, (left, right) = 6, window
+    right = (0 if right is None else min(right, 0)) if causal else right
+    for rank in range(world):
+        rows = global_positions(layout, rank, world, n_local)
+        for source in range(world):
+            rel = global_positions(layout, source, world, n_local)[None, :] - rows[:, None]
+            want = torch.ones(n_local, n_local, dtype=torch.bool)
+            if left is not None:
+                want &= rel >= -left
+            if right is not None:
+                want &= rel <= right
+            covered = torch.zeros(n_local, n_local, dtype=torch.int64)
+            for block in window_blocks(layout, rank, source, world, n_local, causal, *window):
+                nq, nk = block.q_rows.stop - block.q_rows.start, block.kv_rows.stop - block.kv_rows.start
+                part = torch.ones(nq, nk, dtype=torch.bool)
+                if block.windowed:  # the mask mhattn.attention applies with these params
+                    block_rel = torch.arange(nk)[None, :] - torch.arange(nq)[:, None] - block.diag_offset
+                    if block.window_left is not None:
+                        part &= block_rel >= -block.window_left
+                    if block.window_right is not None:
+                        part &= block_rel <= block.window_right
+                else:
+                    assert not block.causal and bool(want[block.q_rows, block.kv_rows].all())
+                covered[block.q_rows, block.kv_rows] += part.long()
             assert torch.equal(covered, want.long()), (layout, world, rank, source)
 
 
@@ -160,31 +194,33 @@ def _run_ranks(world: int, tmp_path, backend: str = "reference", timeout_s: floa
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_matches_attention_on_gloo(world, tmp_path):
     """Forward, lse and gradients of every rank's shard equal mhattn.attention over the whole sequence
-    (float64, reference backend): both layouts, causal or not, GQA, Dv != D, an lse gradient."""
+    (float64, reference backend): both layouts, causal or not, GQA, Dv != D, an lse gradient, windows that cross
+    the shards and softcap."""
     codes, log = _run_ranks(world, tmp_path)
     assert codes == [0] * world, log
-    assert log.count(": ok") == world * 8, log
+    assert log.count(": ok") == world * 13, log
 
 
 @pytest.mark.interpret
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_ring_on_triton_kernels_on_gloo(tmp_path):
-    """The same with the Triton kernels under TRITON_INTERPRET=1 (float32, 2 ranks, 3 cases): their backward
-    takes the merged output and log-sum-exp of the whole sequence and views of the shards."""
-    codes, log = _run_ranks(2, tmp_path, backend="triton", timeout_s=240.0, TRITON_INTERPRET="1")
+    """The same with the Triton kernels under TRITON_INTERPRET=1 (float32, 2 ranks, 4 cases, one windowed with
+    softcap): their backward takes the merged output and log-sum-exp of the whole sequence and views of the
+    shards."""
+    codes, log = _run_ranks(2, tmp_path, backend="triton", timeout_s=300.0, TRITON_INTERPRET="1")
     assert codes == [0, 0], log
-    assert log.count(": ok") == 2 * 3, log
+    assert log.count(": ok") == 2 * 4, log
 
 
 def test_ring_on_cuda_kernels_emulated_on_gloo(tmp_path):
     """The same with the CuPy backend's CUDA kernels run by their host-side emulator (bf16, judged by the
-    conformance rule, 2 ranks, 3 cases)."""
+    conformance rule, 2 ranks, 4 cases)."""
     emulator = pytest.importorskip("mhattn.backends.cupy.emulator")  # in the source tree, not in a wheel
     if emulator.host_compiler() is None:
         pytest.skip("no host C++ compiler for the kernel emulator")
-    codes, log = _run_ranks(2, tmp_path, backend="cupy-emulated", timeout_s=300.0)
+    codes, log = _run_ranks(2, tmp_path, backend="cupy-emulated", timeout_s=360.0)
     assert codes == [0, 0], log
-    assert log.count(": ok") == 2 * 3, log
+    assert log.count(": ok") == 2 * 4, log
 
 
 @pytest.mark.parametrize("script, args, expect", [
