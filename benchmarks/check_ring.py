@@ -5,7 +5,8 @@
     torchrun --nproc-per-node 2 benchmarks/check_ring.py --seqlen 128k   # timings at 128k only
     torchrun --nproc-per-node 2 benchmarks/check_ring.py --backend cupy --seqlen ""   # the checks on cupy
 
-1. Agreement: for both layouts, causal and not (N = 8k, GQA 8/2, d = 128, bf16), every rank's shard of the ring's
+1. Agreement: for both layouts, causal and not, and causal with a sliding window of three quarters of a shard and
+   softcap (N = 8k, GQA 8/2, d = 128, bf16), every rank's shard of the ring's
    output, lse, dq, dk and dv is judged by CONFORMANCE.md's rule (mhattn.conformance.tolerance): gold =
    the reference in float32 over the whole sequence, low precision = the reference in bf16; the single-GPU
    result of the fused backend is judged the same way beside it, and the largest ring vs single-GPU
@@ -103,14 +104,16 @@ def agreement(args, device, dtype, backend) -> bool:
     ok = True
     say(f"\n== agreement: {str(dtype).replace('torch.', '')}, B={batch} Hq={heads_q} Hkv={heads_kv} N={n} "
         f"d={dim}, W={world}, local backend {backend or 'auto'}")
+    # A sliding window of three quarters of a shard (it crosses the shards' boundaries) with softcap, causal.
+    windowed = dict(window=(3 * n // (4 * world), 0), softcap=30.0)
     for layout in ("contiguous", "zigzag"):
-        for causal in (True, False):
+        for causal, features in ((True, {}), (False, {}), (True, windowed)):
             gen = torch.Generator(device=device).manual_seed(7)
             q = torch.randn(batch, heads_q, n, dim, generator=gen, device=device, dtype=dtype)
             k = torch.randn(batch, heads_kv, n, dim, generator=gen, device=device, dtype=dtype)
             v = torch.randn(batch, heads_kv, n, dim, generator=gen, device=device, dtype=dtype)
             grad = torch.randn(batch, heads_q, n, dim, generator=gen, device=device, dtype=dtype)
-            kwargs = dict(is_causal=causal, enable_gqa=True, return_lse=True)
+            kwargs = dict(is_causal=causal, enable_gqa=True, return_lse=True, **features)
 
             def full_run(inputs, name):
                 leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
@@ -141,7 +144,8 @@ def agreement(args, device, dtype, backend) -> bool:
             bad = torch.tensor([sum(not m.ok for m, _ in verdicts)], device=device)
             dist.all_reduce(bad)
             ok &= int(bad) == 0
-            say(f"{layout:<10} causal={str(causal):<5} {'ok' if int(bad) == 0 else 'FAIL'} "
+            label = f" window={features['window']} softcap={features['softcap']}" if features else ""
+            say(f"{layout:<10} causal={str(causal):<5}{label} {'ok' if int(bad) == 0 else 'FAIL'} "
                 f"(rank 0; max |ring - single GPU| = {worst:.3g})")
             for mine, theirs in verdicts:
                 say(f"    ring {mine}    | single GPU {theirs.ratio:.2f}")
