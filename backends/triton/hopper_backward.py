@@ -369,23 +369,24 @@ def store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BL
     engine (which clips rows past Nk): two bulk copies instead of a thread's 32-128 scattered 4-byte stores. Those
     tiles are free: every warp waited for its last products before the last dQ hand-over's barrier. Else from
     registers, through dk_base and dv_base."""
+    dk_desc, dv_desc, batch, head_kv, dk_base, dv_base, stride_dkn, stride_dvn = dkv_out
     dtype: gl.constexpr = k_smem.dtype
     if STAGED:
         k_smem.store((dk * sm_scale).to(dtype))
         v_smem.store(dv.to(dtype))
         fence_async_shared()
         thread_barrier()
-        coord = [dkv_out[2], dkv_out[3], start_n, 0]
-        tma_store(dkv_out[0], coord, k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
-        tma_store(dkv_out[1], coord, v_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        coord = [batch, head_kv, start_n, 0]
+        tma_store(dk_desc, coord, k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        tma_store(dv_desc, coord, v_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
         tma.store_wait(0)
     else:
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
         keep = gl.expand_dims(keys < seqlen_k, 1)
         rows = gl.expand_dims(keys.to(gl.int64), 1)
-        gl.store(dkv_out[4] + rows * dkv_out[6] + gl.expand_dims(cols, 0), (dk * sm_scale).to(dtype), mask=keep)
-        gl.store(dkv_out[5] + rows * dkv_out[7] + gl.expand_dims(cols, 0), dv.to(dtype), mask=keep)
+        gl.store(dk_base + rows * stride_dkn + gl.expand_dims(cols, 0), (dk * sm_scale).to(dtype), mask=keep)
+        gl.store(dv_base + rows * stride_dvn + gl.expand_dims(cols, 0), dv.to(dtype), mask=keep)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset"])

@@ -56,7 +56,7 @@ BACKWARD_STAGES = {64: 2, 128: 2, 256: 1}
 # 232.4 KB). d = 128 and 256 have no registers for a taller step (dK and dV take 64 or 128 a thread).
 BACKWARD_QUERY_BLOCK = {64: 128, 128: 64, 256: 64}
 # dK and dV written through shared memory by the copy engine (NOTES version 16: +1-7% at d = 128 and 256); at d = 64
-# the kernel's loop compiled 3-5% slower with it, so there each thread stores its rows itself.
+# the kernel's loop compiled 1-5% slower with it, so there each thread stores its rows itself.
 BACKWARD_STAGED_DK_DV = {64: False, 128: True, 256: True}
 ENV_SWITCH = "MHATTN_TRITON_HOPPER"
 # The forward's grid: persistent (one program per SM walking the tiles, the next tile's loads under this one's last
