@@ -152,7 +152,7 @@ def _compiled_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_cau
     _check_forward_only(q, k, v)
     if is_causal not in (True, False):
         raise InputError(f"is_causal must be a bool, got {is_causal!r}")
-    left, right = (None, None) if window is None else _window(window)
+    left, right = _window(window)
     request = "" if backend is None else _backend_argument(backend)
     return torch.ops.mhattn.attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, bool(is_causal), None if scale is None else float(scale),
@@ -166,6 +166,7 @@ def _attention_with_kvcache_op(
     is_causal: bool, scale: Optional[float], window_left: Optional[int], window_right: Optional[int],
     softcap: Optional[float], backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # No window as None: the repeated-call memo (_call_key) holds calls without a window only.
     window = None if window_left is None and window_right is None else (window_left, window_right)
     out, lse = _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap,
                        backend or None)
@@ -249,7 +250,7 @@ def _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
         raise InputError(f"is_causal must be a bool, got {is_causal!r}")
 
     capacity = cache_capacity(k_cache, block_table)
-    left, right = (None, None) if window is None else _window(window)
+    left, right = _window(window)
     params = _params(None, False, scale_or_default(scale, head_dim), bool(is_causal), 0, left,
                      _causal_right(right, bool(is_causal)), 0.0, (0, 0),
                      check_softcap(softcap))

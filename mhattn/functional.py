@@ -253,7 +253,7 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
         softcap = _number(softcap, "softcap")
         if not (softcap > 0 and math.isfinite(softcap)):
             raise InputError(f"softcap must be a positive finite float or None, got {softcap!r}")
-    window_left, window_right = (None, None) if window is None else _window(window)
+    window_left, window_right = _window(window)
 
     # Leading (batch) dims: equal in the common case, else broadcast as SDPA does (stride-0 views).
     batch_shape = q_shape[:-3]
@@ -353,7 +353,10 @@ def _causal_right(window_right, causal: bool):
     return 0 if window_right is None else min(window_right, 0)
 
 
-def _window(window):
+def _window(window) -> tuple:
+    """(left, right) of a ``window`` argument, each None where unbounded (a window of None: both)."""
+    if window is None:
+        return None, None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise InputError(f"window must be None or a pair (left, right) of ints (-1 = unbounded), got {window!r}")
     bounds = []

@@ -148,7 +148,7 @@ def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dr
         check_values_once((cu_seqlens_q, cu_seqlens_k), (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k), lambda: (
             _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
             _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)))
-    left, right = (None, None) if window is None else _window(window)
+    left, right = _window(window)
     params = _params(None, False, scale_or_default(scale, q.shape[2]), bool(is_causal), 0, left,
                      _causal_right(right, bool(is_causal)),
                      float(dropout_p), (0, 0), check_softcap(softcap))
@@ -166,7 +166,7 @@ def _compiled_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     """The call as the custom ops take it: the Python arguments checked here (at trace time), the window split into
     its bounds, the backend request checked now but resolved when the compiled code runs."""
     _check_numbers(max_seqlen_q, max_seqlen_k, dropout_p)
-    left, right = (None, None) if window is None else _window(window)
+    left, right = _window(window)
     request = "" if backend is None else _backend_argument(backend)
     return torch.ops.mhattn.varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(dropout_p), bool(is_causal),
@@ -177,9 +177,9 @@ def _compiled_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 def _op_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale,
              enable_gqa, window_left, window_right, softcap, seed, check_values=True):
     """(packing, params, problem) of a custom op's arguments."""
-    window = None if window_left is None and window_right is None else (window_left, window_right)
     packing, params, problem = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                        is_causal, scale, enable_gqa, window, softcap, check_values)
+                                        is_causal, scale, enable_gqa, (window_left, window_right), softcap,
+                                        check_values)
     return packing, (params if seed is None else params.replace(seed=seed)), problem
 
 
