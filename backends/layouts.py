@@ -34,10 +34,14 @@ def output_buffer(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return empty_rows_major(q.shape[0], q.shape[1], q.shape[2], v.shape[3], q)
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-sum-exp's dtype for inputs of ``dtype``: float32, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def lse_buffer(q: torch.Tensor) -> torch.Tensor:
     """The log-sum-exp of q (B, H, Nq, D): (B, H, Nq), float32 (float64 for float64 inputs), contiguous."""
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return torch.empty(q.shape[:3], dtype=dtype, device=q.device)
+    return torch.empty(q.shape[:3], dtype=lse_dtype(q.dtype), device=q.device)
 
 
 def grad_buffer(t: torch.Tensor, dense: Optional[bool] = None) -> torch.Tensor:

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from mhattn import dispatch
+from mhattn.backends import layouts
 from mhattn.backends.base import AttentionParams
 from mhattn.errors import InputError
 from mhattn.functional import _prepare, _uses_window
@@ -323,11 +324,10 @@ def _unpack(flat: torch.Tensor, shapes) -> list:
 def _block_call(block: Block, q, k, v, scale: float, softcap: Optional[float], request):
     """(backend, params, q rows, k rows, v rows) of one block."""
     q_b, k_b, v_b = q[:, :, block.q_rows], k[:, :, block.kv_rows], v[:, :, block.kv_rows]
-    if block.windowed:
-        params = AttentionParams(scale=scale, diag_offset=block.diag_offset, window_left=block.window_left,
-                                 window_right=block.window_right, softcap=softcap)
-    else:
-        params = AttentionParams(scale=scale, window_right=0 if block.causal else None, softcap=softcap)
+    # A causal block's diagonal is its right bound (a windowed block's right bound has causal folded in already).
+    right = 0 if block.causal and block.window_right is None else block.window_right
+    params = AttentionParams(scale=scale, diag_offset=block.diag_offset, window_left=block.window_left,
+                             window_right=right, softcap=softcap)
     problem = Problem.from_tensors(q_b, k_b, v_b, params, causal=block.causal,
                                    window=_uses_window(block.window_left, block.window_right, block.causal))
     backend = dispatch.select(problem, *request)
@@ -374,7 +374,7 @@ class _RingAttention(torch.autograd.Function):
             if not last:
                 kv.arrive()
         out = out_acc.to(q.dtype)
-        lse = lse_acc.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        lse = lse_acc.to(layouts.lse_dtype(q.dtype))
         ctx.set_materialize_grads(False)  # an unused lse (the usual case) sends no gradient
         ctx.ring, ctx.steps, ctx.scale, ctx.softcap, ctx.request = ring, steps, scale, softcap, request
         ctx.save_for_backward(q, k, v, out, lse)

@@ -212,9 +212,8 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p
     # Every check that needs no tensor's values raises here, at trace time, as the eager call would.
     _op_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal, scale, enable_gqa,
              window_left, window_right, softcap, seed, check_values=False)
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return (q.new_empty((q.shape[0], q.shape[1], v.shape[2])),
-            q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype))
+            q.new_empty((q.shape[1], q.shape[0]), dtype=layouts.lse_dtype(q.dtype)))
 
 
 @torch.library.custom_op("mhattn::varlen_backward", mutates_args=())
