@@ -8,7 +8,7 @@ on an sm_90 GPU:
    query; causal top-left and bottom-right, rows that see no key) against a float64 reference, outputs
    poisoned with NaN before the launch: prints the failures and their count;
    The forward runs on each of its schedules (SCHEDULES: one program per tile, persistent, persistent on a few
-   programs; causal persistent grids take their tiles from a table);
+   programs; causal persistent grids take their tiles from a counter);
 2. the protocol's shapes (B * N = 16384, H = 2048 / d; N 1k, 4k, 16k; causal and not), TFLOP/s from do_bench
    medians beside sdpa-cudnn in the same run. Forward: the Triton backend (``mhattn.attention(backend="triton")``)
    as it chooses, the same with the Gluon forward on a persistent grid and on one program per tile whatever the
@@ -53,23 +53,14 @@ def launch(q, k, v, causal, diag_offset, poison=True, persistent=None, sm_count=
     lse = make(q[..., 0].float(), float("nan"))
     sm_count = sm_count or torch.cuda.get_device_properties(q.device).multi_processor_count
     head_bytes = hopper_launch.forward_head_bytes(seqlen_k, head_dim, q.element_size(), heads_q // heads_kv)
-    schedule, table = device_schedule((batch, heads_q, seqlen_q, seqlen_k, causal, head_bytes, sm_count, persistent,
-                                       diag_offset, head_dim), q.device)
+    schedule = hopper_launch.forward_schedule(batch, heads_q, seqlen_q, seqlen_k, causal, head_bytes, sm_count,
+                                              persistent)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if schedule.tile_counter else lse
     hopper_forward.hopper_forward_kernel[(schedule.programs,)](
-        *hopper_launch.forward_maps(q, k, v, out, head_dim), out, lse, lse if table is None else table,
-        *out.stride()[:3], lse.stride(0), lse.stride(1), heads_q, heads_q // heads_kv, seqlen_q, seqlen_k,
+        *hopper_launch.forward_maps(q, k, v, out, head_dim), out, lse, counter, *out.stride()[:3], lse.stride(0), lse.stride(1), heads_q, heads_q // heads_kv, seqlen_q, seqlen_k,
         *schedule[1:4], LOG2E / math.sqrt(head_dim), diag_offset,
-        **hopper_launch.compile_time_args(head_dim, causal, table is not None), num_warps=4, **COMPILE_OPTIONS)
+        **hopper_launch.compile_time_args(head_dim, causal, schedule.tile_counter), num_warps=4, **COMPILE_OPTIONS)
     return out, lse
-
-
-@functools.lru_cache(maxsize=None)
-def device_schedule(schedule_args, device):
-    """hopper_launch.forward_schedule(*schedule_args) and its tile table on ``device`` (None without one), made once
-    per schedule (so that timing the kernel alone times no table copy)."""
-    schedule = hopper_launch.forward_schedule(*schedule_args)
-    table = None if schedule.tile_table is None else torch.tensor(schedule.tile_table, dtype=torch.int32, device=device)
-    return schedule, table
 
 
 def launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset, convert_in_kernel=True):
@@ -236,7 +227,7 @@ def with_schedule(fn, persistent_max_keys, causal_persistent_max_keys, causal_gr
 
     def forget_schedules():
         for plan in triton_backend._plans.values():
-            plan.hopper_schedules.clear()
+            plan.hopper_schedule = None
 
     names = ("PERSISTENT_MAX_KEYS", "CAUSAL_PERSISTENT_MAX_KEYS", "CAUSAL_GROUP_BYTES")
     before = [getattr(hopper_launch, name) for name in names]

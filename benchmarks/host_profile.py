@@ -14,7 +14,8 @@ Host loops (300 calls, one synchronize at the end, best of five) at B=1 H=16 N=1
 ``--single-thread`` repeats the rows with a backward with autograd's multithreading off
 (``torch.autograd.set_multithreading_enabled(False)``: the engine runs every node on the calling thread), which
 says what the hand-off to the engine's device thread costs each path.
-``--paths`` shows, at the latency shapes, which path auto takes beside torch's SDPA (call_paths).
+``--bisect`` times the Triton forward+backward through four wrappers, from a bare autograd Function to
+mhattn.attention, on autograd's device thread and on the calling thread. ``--paths`` shows, at the latency shapes, which path auto takes beside torch's SDPA (call_paths).
 ``--device-thread`` times pieces of host work inside a backward (autograd's device thread) beside the same on the
 main thread. ``--profile triton-fwd`` prints cProfile's top entries of mhattn.attention's forward on the Triton backend;
 ``--profile triton-bwd`` prints cProfile's top entries of the Triton backward where autograd runs it (its
@@ -68,6 +69,41 @@ def _backend_function(backend, params):
             return backend.backward(grad, q, k, v, out, lse, params)[:3]
 
     return Direct
+
+
+def _two_output_function(backend, params):
+    """As _backend_function, but returning (out, lse) with lse unused and its gradient not materialised, and saving
+    them as outputs: the shape of mhattn's own autograd Function (functional._EagerAttention) without the front end."""
+
+    class TwoOutputs(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = backend.forward(q, k, v, params)
+            ctx.set_materialize_grads(False)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, grad, grad_lse):
+            q, k, v, out, lse = ctx.saved_tensors
+            return backend.backward(grad, q, k, v, out, lse, params)[:3]
+
+    return TwoOutputs
+
+
+def bisect_rows(q, k, v, dout):
+    """Forward+backward on the Triton backend through four wrappers, from the bare Function to mhattn.attention, so
+    that a cost the device thread adds to one of them shows where it comes from."""
+    triton = mhattn.registry.get_backend("triton")
+    params = AttentionParams(scale=SHAPE[-1] ** -0.5)
+    direct, two = _backend_function(triton, params), _two_output_function(triton, params)
+    eager = functional._EagerAttention
+    return [
+        ("Function, one output", lambda: direct.apply(q, k, v).backward(dout)),
+        ("Function, two outputs (out, lse)", lambda: two.apply(q, k, v)[0].backward(dout)),
+        ("functional._EagerAttention.apply", lambda: eager.apply(q, k, v, None, params, triton)[0].backward(dout)),
+        ("mhattn.attention(backend='triton')", lambda: mhattn.attention(q, k, v, backend="triton").backward(dout)),
+    ]
 
 
 def _triton_launch_rows(q, k, v, params):
@@ -309,6 +345,8 @@ def main():
                         help="only the call paths of auto beside torch's SDPA at the latency shapes (call_paths)")
     parser.add_argument("--single-thread", action="store_true",
                         help="also the rows with a backward with autograd's multithreading off")
+    parser.add_argument("--bisect", action="store_true",
+                        help="only the Triton forward+backward through four wrappers (bisect_rows), both threading modes")
     parser.add_argument("--device-thread", action="store_true",
                         help="also time pieces of host work on autograd's device thread and the main thread")
     args = parser.parse_args()
@@ -316,6 +354,17 @@ def main():
         raise SystemExit("host_profile.py needs a CUDA GPU (benchmarks/host_cost.py is the CPU counterpart)")
     if args.paths:
         call_paths()
+        return
+    if args.bisect:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, dout = (torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+        rows = bisect_rows(*(t.requires_grad_() for t in (q, k, v)), dout)
+        print(f"{'forward+backward host loop, us (B=1 H=16 N=128 d=64 bf16)':<52} {'device thread':>14} {'1 thread':>9}")
+        for label, fn in rows + rows:  # twice: the host drifts
+            multi = host_loop_us(fn)
+            with torch.autograd.set_multithreading_enabled(False):
+                single = host_loop_us(fn)
+            print(f"{label:<52} {multi:14.1f} {single:9.1f}", flush=True)
         return
     table, tensors = rows()
     results = [(label, host_loop_us(fn)) for label, fn in table]

@@ -828,6 +828,8 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
         if task.kind == "hopper_fwd":
             staged = "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
             assert staged == (hopper_launch.Q_BUFFERS[task.head_dim] == 2), task.label
+            # A causal persistent grid's programs take their tiles from a counter (one atomic add per tile).
+            assert ("atom.global" in ptx) == dict(task.flags).get("TILE_COUNTER", False), task.label
     assert {task.kind for task in tasks} >= {"hopper_fwd", "hopper_bwd"}
     with pytest.raises(ValueError, match="unknown architecture"):
         ahead.table_tasks("sm_91x")
@@ -1101,7 +1103,7 @@ def test_explain_names_the_kernel_families(monkeypatch):
 
 def test_gluon_forward_schedule(monkeypatch):
     """hopper_launch.forward_schedule: one program per SM (at most one per tile) without a causal mask up to
-    PERSISTENT_MAX_KEYS keys, with one up to CAUSAL_PERSISTENT_MAX_KEYS (then from a tile table), one program per
+    PERSISTENT_MAX_KEYS keys, with one up to CAUSAL_PERSISTENT_MAX_KEYS (then tiles from a counter), one program per
     tile otherwise or when asked; causal tiles in groups of heads whose K/V take CAUSAL_GROUP_BYTES (at least one
     head, at most all)."""
     from mhattn.backends.triton import hopper_launch
@@ -1110,48 +1112,20 @@ def test_gluon_forward_schedule(monkeypatch):
     head = hopper_launch.forward_head_bytes(1024, 128, 2, 1)  # K and V of 1k keys at d = 128 in bf16: 512 KiB
     assert head == 512 << 10 and hopper_launch.forward_head_bytes(1024, 128, 2, 4) == 128 << 10
     groups = hopper_launch.CAUSAL_GROUP_BYTES // head
-    assert hopper_launch.forward_schedule(16, 16, 1024, limit, False, head, 132) == (132, 8, 2048, 1, None)
+    assert hopper_launch.forward_schedule(16, 16, 1024, limit, False, head, 132) == (132, 8, 2048, 1, False)
     assert hopper_launch.forward_schedule(16, 16, 1024, 1024, True, head, 132)[:4] == (132, 8, 2048, groups)
     assert hopper_launch.forward_schedule(16, 16, 1024, 1024, True, head, 132, persistent=False) == (
-        2048, 8, 2048, groups, None)
+        2048, 8, 2048, groups, False)
     assert hopper_launch.forward_schedule(1, 2, 1024, limit, True, head, 132)[3] == 2             # all the heads
     assert hopper_launch.forward_schedule(1, 2, 1024, limit, True, 1 << 40, 132)[3] == 1          # one head
-    assert hopper_launch.forward_schedule(1, 16, 1024, 2 * limit, False, head, 132) == (128, 8, 128, 1, None)
-    assert hopper_launch.forward_schedule(1, 1, 300, 300, False, head, 132) == (3, 3, 3, 1, None)
+    assert hopper_launch.forward_schedule(1, 16, 1024, 2 * limit, False, head, 132) == (128, 8, 128, 1, False)
+    assert hopper_launch.forward_schedule(1, 1, 300, 300, False, head, 132) == (3, 3, 3, 1, False)
     assert hopper_launch.forward_schedule(16, 16, 1024, 1024, False, head, 132, persistent=False)[0] == 2048
     causal = hopper_launch.forward_schedule(16, 16, 1024, 1024, True, head, 132, persistent=True)
-    assert causal.programs == 132 and len(causal.tile_table) == 133 + 2048
+    assert causal.programs == 132 and causal.tile_counter                       # causal tiles from the counter
+    assert not hopper_launch.forward_schedule(16, 16, 1024, 1024, False, head, 132, persistent=True).tile_counter
     monkeypatch.setattr(hopper_launch, "CAUSAL_PERSISTENT_MAX_KEYS", 512)
     assert hopper_launch.forward_schedule(16, 16, 512, 512, True, head, 132).programs == 132      # up to the limit
     assert hopper_launch.forward_schedule(16, 16, 1024, 1024, True, head, 132).programs == 2048   # above it
-    assert hopper_launch.forward_schedule(1, 1, 256, 256, True, head, 132, persistent=True).tile_table is None
-
-
-@pytest.mark.parametrize("num_m_blocks, num_heads, group_heads, programs, diag_offset", [
-    (8, 256, 32, 132, 0), (128, 16, 2, 132, 0), (3, 5, 2, 4, 0), (4, 3, 3, 7, 0), (2, 4, 4, 3, 1000)])
-def test_gluon_forward_tile_table_balances_causal_work(num_m_blocks, num_heads, group_heads, programs, diag_offset):
-    """hopper_launch.balanced_tiles: every tile exactly once; each program's tiles in tile_rows' order (so groups run
-    one after another); the most-loaded program within one tile's work of the least-loaded (work by the key blocks
-    a tile's rows see, plus its start)."""
-    from mhattn.backends.triton import hopper_launch
-
-    rows, key_block = 2 * hopper_launch.QUERY_ROWS_PER_CONSUMER, 128
-    seqlen_k = num_m_blocks * rows + diag_offset
-    table = hopper_launch.balanced_tiles(num_m_blocks, num_heads, group_heads, programs, seqlen_k, diag_offset,
-                                         key_block)
-    offsets, tiles = table[:programs + 1], table[programs + 1:]
-    num_tiles = num_m_blocks * num_heads
-    assert offsets[0] == 0 and offsets[-1] == num_tiles == len(tiles) and sorted(tiles) == list(range(num_tiles))
-
-    def work(tile):  # tile_rows' order: within a group of heads, m blocks from the last, heads inner
-        group, within = divmod(tile, group_heads * num_m_blocks)
-        heads_here = min(group_heads, num_heads - group * group_heads)
-        m_block = num_m_blocks - 1 - within // heads_here
-        return -(-min((m_block + 1) * rows + diag_offset, seqlen_k) // key_block) + hopper_launch.TILE_START_BLOCKS
-
-    loads = []
-    for program in range(programs):
-        mine = tiles[offsets[program]:offsets[program + 1]]
-        assert mine == sorted(mine)
-        loads.append(sum(work(tile) for tile in mine))
-    assert max(loads) - min(loads) <= max(work(tile) for tile in range(num_tiles))
+    # Fewer tiles than SMs: one program each, no counter.
+    assert not hopper_launch.forward_schedule(1, 1, 256, 256, True, head, 132, persistent=True).tile_counter

@@ -24,9 +24,9 @@ POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", 
 FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "dQacc", "OutSplit", "LseSplit"}
 # int32 pointers: the dropout seed words read from the device (see forward.attention_forward_kernel); the
 # cu_seqlens of packed sequences, key bounds of key padding masks (varlen_launch.py, key_padding.py), a KV
-# cache's lengths and block table (decode.py), the Gluon forward's tile table (hopper_launch.balanced_tiles), the Gluon
+# cache's lengths and block table (decode.py), the Gluon forward's tile counter (hopper_launch), the Gluon
 # backward's dQ counters (hopper_backward.hopper_backward_kernel).
-INT32_POINTERS = {"Seed", "CuSeqlensQ", "CuSeqlensK", "Seqlens", "BlockTable", "TileTable", "DqCounters"}
+INT32_POINTERS = {"Seed", "CuSeqlensQ", "CuSeqlensK", "Seqlens", "BlockTable", "TileCounter", "DqCounters"}
 FLOATS = {"qk_scale2", "softcap_in2", "softcap_out2", "dropout_scale", "sm_scale"}
 KINDS = ("fwd", "dkdv", "dq", "hopper_fwd", "hopper_bwd")
 GLUON_KINDS = ("hopper_fwd", "hopper_bwd")
@@ -204,9 +204,9 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                 tasks.append(KernelTask(kind, head_dim, causal, tile, dq_mode if kind == "dkdv" else 0))
             if cc == 90 and head_dim in hopper_launch.KEY_BLOCK:  # the Gluon kernels (sm_90 only)
                 tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim)))
-                if causal:  # the persistent grid's causal tiles come from a tile table
+                if causal:  # the persistent grid's programs take causal tiles from a counter
                     tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
-                                            flags=(("TILE_TABLE", True),)))
+                                            flags=(("TILE_COUNTER", True),)))
             if cc == 90 and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
                 tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim)))
         if not hopper_only:

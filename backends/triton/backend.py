@@ -122,7 +122,7 @@ class _Plan:
         cc = device_capability(q.device)
         # The Gluon Hopper forward (hopper_forward.py) is sm_90 code: wgmma and setmaxnreg.
         self.sm90 = not INTERPRET and cc == (9, 0)
-        self.hopper_schedules = {}     # its launch set per causal alignment (hopper_launch.forward), made on first use
+        self.hopper_schedule = None    # its schedule and launch set (hopper_launch.forward), made on first use
         self.hopper_backward_constexprs = None  # the same for the Gluon Hopper backward (hopper_backward.py)
         self.hopper_backward_slices = None  # its launches' (batches, key/value heads) (hopper_launch.backward_slices)
         self.hopper_reasons = {}  # hopper_launch.why_not's plan part, per setting

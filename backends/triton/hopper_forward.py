@@ -103,69 +103,101 @@ def tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M: gl.c
 
 
 @gluon.jit
-def program_entries(TileTable, num_tiles, TILE_TABLE: gl.constexpr):
-    """(first, last, step): the entries of this program's tile loop. Without a table, tiles p, p + G, p + 2G, ...
-    of a grid of G programs; with one (hopper_launch.balanced_tiles: G + 1 offsets, then tile numbers), entries
-    TileTable[p] .. TileTable[p + 1] - 1 of its tile list."""
-    if TILE_TABLE:
-        first = gl.load(TileTable + gl.program_id(0))
-        last = gl.load(TileTable + gl.program_id(0) + 1)
-        step = 1
-    else:
-        first = gl.program_id(0)
-        last = num_tiles
-        step = gl.num_programs(0)
-    return first, last, step
-
-
-@gluon.jit
-def entry_tile(TileTable, entry, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, diag_offset,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, TILE_TABLE: gl.constexpr):
-    """(batch, head, start_m, cta_blocks) of the tile at a loop entry of program_entries, as every partition walks
-    it: its rows (tile_rows) and the key blocks the program moves for it, those the upper consumer's rows see."""
-    tile = entry
-    if TILE_TABLE:
-        tile = gl.load(TileTable + gl.num_programs(0) + 1 + entry)
+def tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, diag_offset, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(batch, head, start_m, cta_blocks) of tile number ``tile``, as every partition walks it: its rows (tile_rows)
+    and the key blocks the program moves for it, those the upper consumer's rows see."""
     batch, head, start_m = tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M, CAUSAL)
     cta_blocks, _ = visible_key_blocks(start_m + BLOCK_M, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
     return batch, head, start_m, cta_blocks
 
 
 @gluon.jit
+def next_counted_tile(TileCounter):
+    """TILE_COUNTER: the next tile no program has taken yet. The counter is 0 at the launch and each program's
+    first tile is its own number, so the tiles taken are G, G + 1, ... in the order the programs ask (whichever is
+    free first takes the next, heaviest first as tile_rows orders them)."""
+    return gl.atomic_add(TileCounter, 1) + gl.num_programs(0)
+
+
+@gluon.jit
+def hand_tile(tile_slots, tile_full, tile_empty, n, tile, layout: gl.constexpr):
+    """The load warp hands its n-th tile number to both consumers through shared-memory slot n % 2 (num_tiles:
+    the program has no more)."""
+    slot = n % 2
+    mbarrier.wait(tile_empty.index(slot), ((n // 2) & 1) ^ 1)
+    tile_slots.index(slot).store(gl.full([1], tile, gl.int32, layout))
+    thread_barrier()
+    mbarrier.arrive(tile_full.index(slot), count=1)
+
+
+@gluon.jit
+def take_tile(tile_slots, tile_full, tile_empty, n, layout: gl.constexpr):
+    """A consumer's n-th tile number from the load warp (hand_tile); the slot goes back once every thread has read
+    it."""
+    slot = n % 2
+    mbarrier.wait(tile_full.index(slot), (n // 2) & 1)
+    tile = gl.max(tile_slots.index(slot).load(layout), 0)
+    thread_barrier()
+    mbarrier.arrive(tile_empty.index(slot), count=1)
+    return tile
+
+
+@gluon.jit
+def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+              batch, head, start_m, cta_blocks, kv_group, step, rounds, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr):
+    """The load warp on the program's ``rounds``-th tile: both consumers' Q tiles into Q buffer rounds % Q_BUFFERS
+    once both consumers have released it (see consume_tile), then K_j and V_j into ring slots from ``step`` on, each
+    as soon as both consumers have released the slot's previous block (cta_blocks: the upper consumer's rows see the
+    most keys; the load warp fetches what it needs)."""
+    head_kv = head // kv_group
+    # A fresh barrier counts as having completed the phase before its first: round 0 waits for nothing.
+    buf = rounds % Q_BUFFERS
+    mbarrier.wait(q_empty.index(buf), ((rounds // Q_BUFFERS) & 1) ^ 1)
+    mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)
+    tma_load(q_desc, [batch, head, start_m, 0], q_ready.index(buf), q_smem.index(2 * buf))
+    tma_load(q_desc, [batch, head, start_m + BLOCK_M, 0], q_ready.index(buf), q_smem.index(2 * buf + 1))
+    for j in range(cta_blocks):
+        slot = (step + j) % NUM_STAGES
+        free_phase = (((step + j) // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), free_phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma_load(k_desc, [batch, head_kv, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free_phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma_load(v_desc, [batch, head_kv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
 def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                   v_empty, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, kv_group, seqlen_k, diag_offset,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                   CAUSAL: gl.constexpr, TILE_TABLE: gl.constexpr):
-    """The load warp, for each of the program's tiles: both consumers' Q tiles into Q buffer ``rounds %
-    Q_BUFFERS`` once both consumers have released it (see consume_tile), then K_j and V_j into ring slots as soon as
-    both consumers have released a slot's previous block. ``step`` counts the blocks the program has moved, across
-    its tiles, so ring slots and barrier phases run on from one tile to the next."""
+                   v_empty, tile_slots, tile_full, tile_empty, TileCounter, num_tiles, num_m_blocks,
+                   group_heads, heads_q, kv_group, seqlen_k, diag_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
+                   TILE_COUNTER: gl.constexpr):
+    """The load warp: load_tile for each of the program's tiles (tiles p, p + G, p + 2G, ... of a grid of G programs;
+    with TILE_COUNTER, p and then whichever next_counted_tile gives, each handed to the consumers by hand_tile).
+    ``step`` counts the blocks the program has moved, across its tiles, so ring slots and barrier phases run on from
+    one tile to the next."""
     step = 0
     rounds = 0
-    first, last, entry_step = program_entries(TileTable, num_tiles, TILE_TABLE)
-    for entry in range(first, last, entry_step):
-        # (cta_blocks: the upper consumer's rows see the most keys; the load warp fetches what it needs.)
-        batch, head, start_m, cta_blocks = entry_tile(TileTable, entry, num_tiles, num_m_blocks, group_heads,
-                                                      heads_q, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL,
-                                                      TILE_TABLE)
-        head_kv = head // kv_group
-        # A fresh barrier counts as having completed the phase before its first: round 0 waits for nothing.
-        buf = rounds % Q_BUFFERS
-        mbarrier.wait(q_empty.index(buf), ((rounds // Q_BUFFERS) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)
-        tma_load(q_desc, [batch, head, start_m, 0], q_ready.index(buf), q_smem.index(2 * buf))
-        tma_load(q_desc, [batch, head, start_m + BLOCK_M, 0], q_ready.index(buf), q_smem.index(2 * buf + 1))
-        for j in range(cta_blocks):
-            slot = (step + j) % NUM_STAGES
-            free_phase = (((step + j) // NUM_STAGES) & 1) ^ 1
-            mbarrier.wait(k_empty.index(slot), free_phase)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, [batch, head_kv, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-            mbarrier.wait(v_empty.index(slot), free_phase)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma_load(v_desc, [batch, head_kv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+    slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    tile = gl.program_id(0)
+    while tile < num_tiles:
+        if TILE_COUNTER:
+            hand_tile(tile_slots, tile_full, tile_empty, rounds, tile, slot_layout)
+        batch, head, start_m, cta_blocks = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k,
+                                                   diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+        load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                  batch, head, start_m, cta_blocks, kv_group, step, rounds, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS)
         step += cta_blocks
         rounds += 1
+        if TILE_COUNTER:
+            tile = next_counted_tile(TileCounter)
+        else:
+            tile += gl.num_programs(0)
+    if TILE_COUNTER:
+        hand_tile(tile_slots, tile_full, tile_empty, rounds, num_tiles, slot_layout)
 
 
 @gluon.jit
@@ -322,28 +354,50 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
 
 
 @gluon.jit
+def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
+                         stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile, rounds, step, num_tiles,
+                         num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
+                         HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
+    """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took."""
+    batch, head, tile_m, cta_blocks = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k,
+                                              diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
+    lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+    consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
+                 o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_blocks, seqlen_q,
+                 seqlen_k, diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL)
+    return cta_blocks
+
+
+@gluon.jit
 def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
-                       Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, TileTable, num_tiles,
-                       num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
-                       HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                       TILE_TABLE: gl.constexpr):
+                       Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
+                       tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
+                       diag_offset, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
+                       TILE_COUNTER: gl.constexpr):
     """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
-    load warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds)."""
+    load warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds): round-robin, or with TILE_COUNTER
+    the tile numbers the load warp hands over (take_tile)."""
     step = 0
     rounds = 0
-    first, last, entry_step = program_entries(TileTable, num_tiles, TILE_TABLE)
-    for entry in range(first, last, entry_step):
-        batch, head, tile_m, cta_blocks = entry_tile(TileTable, entry, num_tiles, num_m_blocks, group_heads,
-                                                     heads_q, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL,
-                                                     TILE_TABLE)
-        out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
-        lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
-        consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
-                     o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_blocks, seqlen_q,
-                     seqlen_k, diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL)
-        step += cta_blocks
+    slot_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    if TILE_COUNTER:
+        tile = take_tile(tile_slots, tile_full, tile_empty, 0, slot_layout)
+    else:
+        tile = gl.program_id(0)
+    while tile < num_tiles:
+        step += consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                                     o_desc, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile,
+                                     rounds, step, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
+                                     diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
+                                     CAUSAL)
         rounds += 1
+        if TILE_COUNTER:
+            tile = take_tile(tile_slots, tile_full, tile_empty, rounds, slot_layout)
+        else:
+            tile += gl.num_programs(0)
     # The last tile's staged output must be read before the program's shared memory goes.
     tma.store_wait(0)
 
@@ -351,12 +405,12 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "num_tiles", "group_heads", "diag_offset",
                               "stride_lb", "stride_lh"])
 def hopper_forward_kernel(
-    q_desc, k_desc, v_desc, o_desc, Out, Lse, TileTable,
+    q_desc, k_desc, v_desc, o_desc, Out, Lse, TileCounter,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_TABLE: gl.constexpr,
+    Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
     blocks of (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine
@@ -368,9 +422,10 @@ def hopper_forward_kernel(
     Tiles of 2 * BLOCK_M query rows: num_m_blocks = cdiv(Nq, 2 * BLOCK_M) per (batch, head), num_tiles =
     B * Hq * num_m_blocks, in tile_rows' order (group_heads: its causal groups). Program p takes tiles p, p + G,
     p + 2G, ... of a grid of G programs: G = num_tiles is one tile per program, a smaller G a persistent grid,
-    whose next tile's loads run under this tile's last products and output. TILE_TABLE: program p takes the tiles
-    TileTable lists for it instead (int32, hopper_launch.balanced_tiles: causal tiles differ in work, and a table
-    made on the host evens it out); without it TileTable is not read. Q_BUFFERS (1 or 2): Q buffers, so that the
+    whose next tile's loads run under this tile's last products and output. TILE_COUNTER: after its first, program p
+    takes the next tile no program has taken yet from TileCounter (int32, zeroed before the launch: causal tiles
+    differ in work, and whichever program is free first takes the next); without it TileCounter is not read.
+    Q_BUFFERS (1 or 2): Q buffers, so that the
     next tile's Q loads during this one (consume_tile). Launched with 4 warps (the first consumer) plus the
     partitions' own."""
     dtype: gl.constexpr = q_desc.dtype
@@ -386,6 +441,13 @@ def hopper_forward_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # TILE_COUNTER: the tile numbers the load warp hands the consumers (hand_tile), in two slots.
+    tile_slots = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tile_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(2):
+        mbarrier.init(tile_full.index(slot), count=1)
+        mbarrier.init(tile_empty.index(slot), count=2)  # one arrival per consumer
     for buf in gl.static_range(Q_BUFFERS):
         mbarrier.init(q_ready.index(buf), count=1)
         mbarrier.init(q_empty.index(buf), count=2)  # one arrival per consumer
@@ -397,14 +459,17 @@ def hopper_forward_kernel(
 
     gl.warp_specialize([
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
-                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, TileTable, num_tiles,
-                              num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2, 0,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_TABLE)),
+                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
+                              tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
+                              diag_offset, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
+                              CAUSAL, TILE_COUNTER)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
-                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, TileTable, num_tiles,
-                              num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2, 1,
-                              HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_TABLE)),
+                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
+                              tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
+                              diag_offset, qk_scale2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
+                              CAUSAL, TILE_COUNTER)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                          v_empty, TileTable, num_tiles, num_m_blocks, group_heads, heads_q, kv_group, seqlen_k,
-                          diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_TABLE)),
+                          v_empty, tile_slots, tile_full, tile_empty, TileCounter, num_tiles, num_m_blocks,
+                          group_heads, heads_q, kv_group, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES,
+                          Q_BUFFERS, CAUSAL, TILE_COUNTER)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

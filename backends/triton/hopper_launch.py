@@ -20,7 +20,6 @@ compare the two; ``MHATTN_TRITON_HOPPER=always`` runs them at any key count (e.g
 from __future__ import annotations
 
 import functools
-import heapq
 import importlib.util
 from typing import NamedTuple, Optional
 
@@ -63,13 +62,12 @@ ENV_SWITCH = "MHATTN_TRITON_HOPPER"
 # products and output) without a causal mask up to PERSISTENT_MAX_KEYS keys, one program per tile otherwise (NOTES
 # version 9: +2-14% at 1k-4k without a mask, mixed at 8k).
 PERSISTENT_MAX_KEYS = 4096
-# With a causal mask, persistent up to CAUSAL_PERSISTENT_MAX_KEYS keys (every key count), each program's tiles from a
-# table made on the host (balanced_tiles; a static round-robin order balanced causal tiles badly, NOTES version 9):
-# NOTES version 10, +9-15% at d = 128 1k-2k, +5-7% at d = 256, +1-5% from 4k keys.
+# With a causal mask, persistent up to CAUSAL_PERSISTENT_MAX_KEYS keys (every key count), each program taking the next
+# tile not yet taken from a counter zeroed per launch (NOTES version 10: +9-15% over one program per tile at d = 128
+# 1k-2k, +5-7% at d = 256, +1-5% from 4k keys, with tiles from a table made on the host; version 17: the counter
+# reads level with that table, and needs no host work per shape; a static round-robin balanced causal tiles badly,
+# version 9).
 CAUSAL_PERSISTENT_MAX_KEYS = 1 << 31
-# A tile's start (its Q load, the first K block's wait) and end (the output's write), in key blocks of work, for
-# balanced_tiles.
-TILE_START_BLOCKS = 1
 # Causal tiles go longest first across groups of heads whose K/V take about CAUSAL_GROUP_BYTES (they stay in L2
 # while the group runs; hopper_forward.tile_rows); 0 orders each head's tiles alone, heaviest first.
 CAUSAL_GROUP_BYTES = 16 << 20
@@ -169,32 +167,30 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
     return None
 
 
-def compile_time_args(head_dim: int, causal: bool, tile_table: bool = False) -> dict:
-    """The kernel's compile-time arguments for a head dim, causal or not, and a tile table or not (the launch,
-    `mhattn build` and the GPU check script use the same)."""
+def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False) -> dict:
+    """The kernel's compile-time arguments for a head dim, causal or not, and tiles from a counter or round-robin
+    (the launch, `mhattn build` and the GPU check script use the same)."""
     return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
-                NUM_STAGES=NUM_STAGES, Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal, TILE_TABLE=tile_table)
+                NUM_STAGES=NUM_STAGES, Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal, TILE_COUNTER=tile_counter)
 
 
 class ForwardSchedule(NamedTuple):
     """The forward's grid and tile order (see hopper_forward_kernel): ``programs`` programs over ``num_tiles`` tiles
-    of ``num_m_blocks`` per head, causal groups of ``group_heads`` heads; ``tile_table`` None (round-robin) or
-    balanced_tiles' list."""
+    of ``num_m_blocks`` per head, causal groups of ``group_heads`` heads; ``tile_counter``: the programs take their
+    tiles from a counter (else round-robin)."""
 
     programs: int
     num_m_blocks: int
     num_tiles: int
     group_heads: int
-    tile_table: Optional[list]
+    tile_counter: bool
 
 
 def forward_schedule(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, causal: bool, head_bytes: int,
-                     sm_count: int, persistent: Optional[bool] = None, diag_offset: int = 0,
-                     head_dim: int = 128) -> ForwardSchedule:
+                     sm_count: int, persistent: Optional[bool] = None) -> ForwardSchedule:
     """The forward's schedule: a persistent grid (``persistent`` None: the rules above) has one program per SM, or
-    fewer when there are fewer tiles; causal, its tiles come from balanced_tiles' table. head_bytes: the bytes of K
-    and V one query head reads (its share of its key/value head's), which size the causal groups; diag_offset and
-    head_dim (its key block) size the causal tiles' work for the table."""
+    fewer when there are fewer tiles; causal, its programs take their tiles from a counter. head_bytes: the bytes of
+    K and V one query head reads (its share of its key/value head's), which size the causal groups."""
     num_m_blocks = -(-seqlen_q // (2 * QUERY_ROWS_PER_CONSUMER))
     num_heads = batch * heads_q
     num_tiles = num_heads * num_m_blocks
@@ -202,38 +198,7 @@ def forward_schedule(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, cau
         persistent = seqlen_k <= (CAUSAL_PERSISTENT_MAX_KEYS if causal else PERSISTENT_MAX_KEYS)
     group_heads = max(1, min(num_heads, CAUSAL_GROUP_BYTES // max(1, head_bytes))) if causal else 1
     programs = min(num_tiles, sm_count) if persistent else num_tiles
-    table = None
-    if causal and programs < num_tiles:
-        table = balanced_tiles(num_m_blocks, num_heads, group_heads, programs, seqlen_k, diag_offset,
-                               KEY_BLOCK.get(head_dim, 128))
-    return ForwardSchedule(programs, num_m_blocks, num_tiles, group_heads, table)
-
-
-def balanced_tiles(num_m_blocks: int, num_heads: int, group_heads: int, programs: int, seqlen_k: int,
-                   diag_offset: int, key_block: int) -> list:
-    """The tile table of a causal persistent grid: programs + 1 offsets, then tile numbers (tile_rows' order), program
-    p's at entries offsets[p] .. offsets[p + 1] - 1 after the offsets. Each tile, in tile_rows' order (groups of heads,
-    heaviest first within each), goes to the program with the least work so far (longest processing time first), a
-    tile's work being the key blocks its rows see plus TILE_START_BLOCKS: programs finish within about a tile of each
-    other, and each runs its tiles in that order, so the groups still run roughly one after another."""
-    rows = 2 * QUERY_ROWS_PER_CONSUMER
-    loads = [(0, program) for program in range(programs)]
-    assigned = [[] for _ in range(programs)]
-    tile = 0
-    for first_head in range(0, num_heads, group_heads):
-        heads_here = min(group_heads, num_heads - first_head)
-        for m_block in range(num_m_blocks - 1, -1, -1):
-            keys_seen = min(max((m_block + 1) * rows + diag_offset, 0), seqlen_k)
-            work = -(-keys_seen // key_block) + TILE_START_BLOCKS
-            for _ in range(heads_here):
-                load, program = heapq.heappop(loads)
-                assigned[program].append(tile)
-                heapq.heappush(loads, (load + work, program))
-                tile += 1
-    offsets = [0]
-    for tiles in assigned:
-        offsets.append(offsets[-1] + len(tiles))
-    return offsets + [tile for tiles in assigned for tile in tiles]
+    return ForwardSchedule(programs, num_m_blocks, num_tiles, group_heads, causal and programs < num_tiles)
 
 
 def forward_head_bytes(seqlen_k: int, head_dim: int, element_size: int, kv_group: int) -> int:
@@ -329,22 +294,19 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
 
         _launcher.append(CompiledLauncher(hopper_forward.hopper_forward_kernel))
     launcher = _launcher[0]
-    # Per causal alignment (the tile table's work depends on it): (programs, tile table tensor or None, the
-    # schedule's numbers, the compile-time set).
-    found = plan.hopper_schedules.get(run.diag_offset)
+    # (the schedule, the compile-time set), made once per plan.
+    found = plan.hopper_schedule
     if found is None:
         head_bytes = forward_head_bytes(plan.seqlen_k, plan.head_dim, q.element_size(), plan.kv_group)
         schedule = forward_schedule(plan.batch, plan.heads_q, plan.seqlen_q, plan.seqlen_k, plan.has_right, head_bytes,
-                                    _sm_count(device_index), diag_offset=run.diag_offset, head_dim=plan.head_dim)
-        table = None
-        if schedule.tile_table is not None:
-            table = torch.tensor(schedule.tile_table, dtype=torch.int32, device=q.device)
-        constexprs = launcher.constexprs(4, 1, **compile_time_args(plan.head_dim, plan.has_right, table is not None))
-        found = plan.hopper_schedules[run.diag_offset] = (schedule.programs, table, schedule[1:4], constexprs)
-    programs, table, numbers, constexprs = found
-    launcher.launch((programs,), (
-        *forward_maps(q, k, v, out, plan.head_dim), out, lse, lse if table is None else table, *out.stride()[:3],
-        lse.stride(0), lse.stride(1), plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, *numbers,
+                                    _sm_count(device_index))
+        found = plan.hopper_schedule = (schedule, launcher.constexprs(
+            4, 1, **compile_time_args(plan.head_dim, plan.has_right, schedule.tile_counter)))
+    schedule, constexprs = found
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if schedule.tile_counter else lse
+    launcher.launch((schedule.programs,), (
+        *forward_maps(q, k, v, out, plan.head_dim), out, lse, counter, *out.stride()[:3],
+        lse.stride(0), lse.stride(1), plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, *schedule[1:4],
         run.qk_scale2, run.diag_offset,
     ), constexprs, device_index)
 
