@@ -18,7 +18,8 @@ on an sm_90 GPU:
    ``MHATTN_TRITON_HOPPER=0``. The tables are printed last. ``--breakdown`` first prints each kernel's GPU time
    in one causal backward of each length; ``--compare-query-rows ROWS`` adds the Gluon backward with ROWS query
    rows a step; ``--repeat N`` runs the backend's backward N times at 1k keys per head dim and compares the runs;
-   ``--backend-only`` times sdpa-cudnn and the backend as it chooses, nothing else (quicker A/B runs).
+   ``--backend-only`` times sdpa-cudnn and the backend as it chooses, nothing else (quicker A/B runs);
+   ``--sweep`` times only the forward under the settings of SWEEP beside the shipped ones.
 """
 
 import argparse
@@ -223,23 +224,87 @@ def with_hopper_switch(fn, value: str):
 
 def with_schedule(fn, persistent_max_keys, causal_persistent_max_keys, causal_group_bytes):
     """fn() with the Gluon forward's schedule rules set to these (hopper_launch's constants of those names)."""
+    return with_forward_settings(fn, {"PERSISTENT_MAX_KEYS": persistent_max_keys,
+                                      "CAUSAL_PERSISTENT_MAX_KEYS": causal_persistent_max_keys,
+                                      "CAUSAL_GROUP_BYTES": causal_group_bytes})
+
+
+def with_forward_settings(fn, settings: dict):
+    """fn() with hopper_launch's forward settings replaced: ``settings`` maps a constant's name to its value, or for a
+    per-head-dim table ("FORWARD_STAGES") to a {head dim: value} update; every plan's forward schedule is made again
+    before and after."""
     from mhattn.backends.triton import backend as triton_backend
 
     def forget_schedules():
         for plan in triton_backend._plans.values():
             plan.hopper_schedule = None
 
-    names = ("PERSISTENT_MAX_KEYS", "CAUSAL_PERSISTENT_MAX_KEYS", "CAUSAL_GROUP_BYTES")
-    before = [getattr(hopper_launch, name) for name in names]
-    for name, value in zip(names, (persistent_max_keys, causal_persistent_max_keys, causal_group_bytes)):
-        setattr(hopper_launch, name, value)
+    before = {}
+    for name, value in settings.items():
+        current = getattr(hopper_launch, name)
+        if isinstance(current, dict):
+            before[name] = dict(current)
+            current.update(value)
+        else:
+            before[name] = current
+            setattr(hopper_launch, name, value)
     forget_schedules()
     try:
         return fn()
     finally:
-        for name, value in zip(names, before):
-            setattr(hopper_launch, name, value)
+        for name, value in before.items():
+            current = getattr(hopper_launch, name)
+            if isinstance(current, dict):
+                current.clear()
+                current.update(value)
+            else:
+                setattr(hopper_launch, name, value)
         forget_schedules()
+
+
+# Forward settings the sweep times beside the shipped ones: (label, applies to (head_dim, causal), settings).
+SWEEP = (
+    ("causal tiles head by head", lambda d, causal: causal, {"CAUSAL_GROUP_BYTES": 0}),
+    ("causal tiles over all heads", lambda d, causal: causal, {"CAUSAL_GROUP_BYTES": 1 << 40}),
+    ("3 K/V slots", lambda d, causal: d == 64, {"FORWARD_STAGES": {64: 3}}),
+    ("4 K/V slots", lambda d, causal: d == 64, {"FORWARD_STAGES": {64: 4}}),
+)
+
+
+def forward_sweep(dtype, seqlens, wanted=None):
+    """The backend's forward (as mhattn.attention runs it) under each SWEEP setting that applies to a cell, beside
+    the shipped settings and sdpa-cudnn, timed in turn; prints TFLOP/s (blank where a setting does not apply).
+    Settings that change the kernel's build (FORWARD_STAGES) first run the correctness pass at their head dims."""
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
+    for label, _, settings in SWEEP:
+        if "FORWARD_STAGES" in settings:
+            print(f"correctness with {label}:", flush=True)
+            with_forward_settings(lambda: correctness(set(settings["FORWARD_STAGES"])), settings)
+    rows = []
+    for head_dim in kernel_head_dims(hopper_launch.KEY_BLOCK, wanted):
+        for seqlen in seqlens:
+            for causal in (False, True):
+                if not any(applies(head_dim, causal) for _, applies, _ in SWEEP):
+                    continue
+                batch, heads = 16384 // seqlen, 2048 // head_dim
+                q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+                flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+                run = lambda: mhattn.attention(q, k, v, is_causal=causal, backend="triton")  # noqa: E731
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    times = [bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))]
+                times.append(bench(run))
+                times += [with_forward_settings(lambda: bench(run), settings) if applies(head_dim, causal) else None
+                          for _, applies, settings in SWEEP]
+                times.append(bench(run))  # the shipped settings again: the spread between two timings
+                rows.append((head_dim, seqlen, causal, [None if t is None else flops / t / 1e9 for t in times]))
+                print(rows[-1], flush=True)
+    labels = ["sdpa-cudnn", "shipped"] + [label for label, _, _ in SWEEP] + ["shipped again"]
+    print(f"\n{str(dtype).replace('torch.', '')} forward sweep, TFLOP/s (same run)\n")
+    print("| d | N | causal | " + " | ".join(labels) + " |")
+    print("|---" * (3 + len(labels)) + "|")
+    for d, n, causal, values in rows:
+        cells = " | ".join("" if x is None else f"{x:.0f}" for x in values)
+        print(f"| {d} | {n} | {'yes' if causal else 'no'} | {cells} |")
 
 
 def with_persistent(fn, on: bool):
@@ -380,12 +445,17 @@ def main():
                         help="also run the backend's backward N times per head dim and compare the runs")
     parser.add_argument("--backend-only", action="store_true",
                         help="time sdpa-cudnn and the backend as it chooses only (the other columns read 0)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="only the forward under the settings of SWEEP beside the shipped ones (no correctness)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also each kernel's GPU time in one causal backward (torch.profiler), first")
     args = parser.parse_args()
     head_dims = {int(d) for d in args.head_dim.split(",")} if args.head_dim else None
     parts = set(args.part.split(","))
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
+    if args.sweep:
+        forward_sweep(DTYPES[args.dtype], [int(n) for n in args.seqlen.split(",")], head_dims)
+        return
     if args.breakdown:
         backward_breakdown(DTYPES[args.dtype], [int(n) for n in args.seqlen.split(",")], head_dims)
     if not args.timing_only:

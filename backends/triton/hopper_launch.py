@@ -33,7 +33,8 @@ from mhattn.backends.triton.launcher import CompiledLauncher
 # Head dim -> key block: the largest whose K/V ring, both Q tiles and the register budget fit.
 KEY_BLOCK = {64: 128, 128: 128, 256: 64}
 QUERY_ROWS_PER_CONSUMER = 64   # one wgmma row block per consumer warpgroup
-NUM_STAGES = 2
+# Head dim -> K/V ring slots of the forward (two fill shared memory at d = 128 and 256).
+FORWARD_STAGES = {64: 2, 128: 2, 256: 2}
 # Head dim -> Q buffers of the forward: two where shared memory has room (d = 64: 48 + 64 KB; d = 128: 64 + 128 KB of
 # Q and the K/V ring), so the next tile's Q loads during this one and this one's output is staged in its Q slot for
 # the copy engine (hopper_forward.consume_tile); one at d = 256 (its Q and ring take 192 KB).
@@ -171,7 +172,8 @@ def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False) -
     """The kernel's compile-time arguments for a head dim, causal or not, and tiles from a counter or round-robin
     (the launch, `mhattn build` and the GPU check script use the same)."""
     return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
-                NUM_STAGES=NUM_STAGES, Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal, TILE_COUNTER=tile_counter)
+                NUM_STAGES=FORWARD_STAGES[head_dim], Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal,
+                TILE_COUNTER=tile_counter)
 
 
 class ForwardSchedule(NamedTuple):
