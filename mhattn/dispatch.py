@@ -246,16 +246,19 @@ def _bucket_range(n: int) -> tuple:
     return (n, n) if n <= 2 else (size_bucket(n) // 2 + 1, size_bucket(n))
 
 
-def backend_for(q, k, v, features: int, name: str, source: str, diag_offset: int = 0):
+def backend_for(q, k, v, features: int, name: str, source: str, diag_offset: int = 0,
+                needs_grad: Optional[bool] = None):
     """The backend object that runs attention of q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) with
     the features ``features`` (an int of :data:`mhattn.problem.FEATURE_BITS`) and the causal/window diagonal
-    at ``diag_offset``, for the request ``(name, source)`` of :func:`requested`. The hot path: one tuple of
-    primitives, one dict look-up; a :class:`Problem` is built only on a miss. Raises
-    :class:`BackendUnavailableError` with every reason when nothing can run it."""
+    at ``diag_offset``, for the request ``(name, source)`` of :func:`requested`. ``needs_grad``: whether the call
+    will be differentiated (automatic selection then weighs forward+backward time); None reads it from q, k and v's
+    requires_grad. The hot path: one tuple of primitives, one dict look-up; a :class:`Problem` is built only on a
+    miss. Raises :class:`BackendUnavailableError` with every reason when nothing can run it."""
     device = q.device
     batch, heads_q, seqlen_q, head_dim = q.shape
     seqlen_k = k.shape[2]
-    needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    if needs_grad is None:
+        needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
     # The diagonal as the backends see it: top-left, bottom-right, and whether it hides any key.
     key = (name, source, device.type, device.index, q.dtype, heads_q, k.shape[1], head_dim, v.shape[3], features,
            diag_offset == 0, diag_offset == seqlen_k - seqlen_q, diag_offset < seqlen_k - 1, needs_grad,
@@ -275,18 +278,19 @@ def backend_for(q, k, v, features: int, name: str, source: str, diag_offset: int
 
 
 def backend_for_call(q, k, v, mask, mask_requires_grad: bool, dropout_p: float, softcap, causal: bool,
-                     window: bool, name: str, source: str, diag_offset: int = 0):
+                     window: bool, name: str, source: str, diag_offset: int = 0, needs_grad: Optional[bool] = None):
     """:func:`backend_for` of a call's own arguments (q, k, v as there; mask None or a tensor; ``causal``,
-    ``window``: whether the call uses those features), memoised by their exact sizes and flags: a repeated
-    call builds neither the feature bits nor the size buckets. The memo holds only what backend_for answered,
-    and is cleared with its cache."""
+    ``window``: whether the call uses those features; ``needs_grad`` as there), memoised by their exact sizes and
+    flags: a repeated call builds neither the feature bits nor the size buckets. The memo holds only what
+    backend_for answered, and is cleared with its cache."""
+    if needs_grad is None:
+        needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
     key = (name, source, q.device, q.dtype, q.shape, k.shape, v.shape[3], None if mask is None else mask.dtype,
-           mask_requires_grad, dropout_p > 0.0, softcap is not None, causal, window, diag_offset,
-           q.requires_grad or k.requires_grad or v.requires_grad)
+           mask_requires_grad, dropout_p > 0.0, softcap is not None, causal, window, diag_offset, needs_grad)
     backend = _by_call.get(key)
     if backend is None:
         features = feature_bits(q, k, v, mask, mask_requires_grad, dropout_p, softcap, causal, window)
-        backend = backend_for(q, k, v, features, name, source, diag_offset)
+        backend = backend_for(q, k, v, features, name, source, diag_offset, needs_grad)
         _remember(_by_call, key, backend)
     return backend
 

@@ -19,6 +19,7 @@ the first trace is honoured as in eager mode.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from typing import Optional
@@ -110,15 +111,17 @@ def _attention_in_full(query, key, value, attn_mask, dropout_p, is_causal, scale
 
     grad = torch.is_grad_enabled()
     mask_grad = grad and mask is not None and mask.requires_grad and mask.dtype != torch.bool
+    # Whether autograd differentiates this call: automatic selection then weighs forward+backward time. Read here,
+    # outside the custom op, whose inputs never require grad (torch.compile guards on what it reads).
+    tracked = grad and (q.requires_grad or k.requires_grad or v.requires_grad or mask_grad)
     seed = dropout_rng.draw_seed(q.device) if dropout_p > 0.0 else None
     args = (q, k, v, mask, seed, backend or "", scale, causal, diag_offset, window_left, window_right, dropout_p,
-            softcap, mask_grad)
+            softcap, mask_grad, tracked)
     if torch.compiler.is_compiling():  # (a call with a key is made outside compiled code: _call_key gives none here)
         out, lse = torch.ops.mhattn.attention_forward(*args)
         return _returned(out, lse, out_shape, return_lse)
     chosen = _resolve(*args)
     params = _params(mask, mask_grad, scale, causal, diag_offset, window_left, window_right, dropout_p, seed, softcap)
-    tracked = grad and (q.requires_grad or k.requires_grad or v.requires_grad or mask_grad)
     plan = _CallPlan(chosen, _prepared_native(chosen, q, k, v, params), params, tracked,
                      q is query and k is key and v is value, out_shape)
     if call_key is not None and query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:  # (see _known_calls)
@@ -208,6 +211,8 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     name, source = dispatch.requested(backend)
     params = _params(mask, False, scale, causal, diag_offset, window_left, window_right, dropout_p, (0, 0), softcap)
     problem = Problem.from_tensors(q, k, v, params, causal=causal, window=_uses_window(window_left, window_right, causal))
+    if problem.needs_grad and not torch.is_grad_enabled():  # attention() would not be differentiated: forward time
+        problem = dataclasses.replace(problem, needs_grad=False)
     return dispatch.decide(problem, name, source)
 
 
@@ -447,13 +452,15 @@ def _front_end_answers(q, k, v) -> bool:
 
 
 def _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
-             softcap, mask_requires_grad):
-    """The backend object for this call's request (None where the front end answers the problem itself)."""
+             softcap, mask_requires_grad, needs_grad):
+    """The backend object for this call's request (None where the front end answers the problem itself);
+    needs_grad: whether autograd differentiates the call (automatic selection then weighs forward+backward time)."""
     if _front_end_answers(q, k, v):
         return None
     name, source = dispatch.requested(backend or None)
     return dispatch.backend_for_call(q, k, v, mask, mask_requires_grad, dropout_p, softcap, is_causal,
-                                     _uses_window(window_left, window_right, is_causal), name, source, diag_offset)
+                                     _uses_window(window_left, window_right, is_causal), name, source, diag_offset,
+                                     needs_grad)
 
 
 def _prepared_native(chosen, q, k, v, params):
@@ -463,13 +470,13 @@ def _prepared_native(chosen, q, k, v, params):
 
 
 def _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
-                 softcap, mask_requires_grad):
+                 softcap, mask_requires_grad, needs_grad):
     """The custom op's forward: resolves the request, runs the backend's forward. Returns (backend or None, out,
     lse); None for a problem the front end answers itself (empty sizes, D = 0, meta tensors)."""
     params = _params(mask, mask_requires_grad, scale, is_causal, diag_offset, window_left, window_right, dropout_p,
                      seed, softcap)
     chosen = _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right,
-                      dropout_p, softcap, mask_requires_grad)
+                      dropout_p, softcap, mask_requires_grad, needs_grad)
     out, lse = _forward_on(chosen, q, k, v, params)
     return chosen, out, lse
 
@@ -569,9 +576,10 @@ def _attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], seed: Optional[torch.Tensor],
     backend: str, scale: float, is_causal: bool, diag_offset: int, window_left: Optional[int],
     window_right: Optional[int], dropout_p: float, softcap: Optional[float], mask_requires_grad: bool,
+    needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     chosen, out, lse = _run_forward(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left,
-                                    window_right, dropout_p, softcap, mask_requires_grad)
+                                    window_right, dropout_p, softcap, mask_requires_grad, needs_grad)
     # Compiled graphs assume the layouts the fake implementation promises: every built-in backend writes
     # them (no copy); a third-party backend's other layout is copied into place.
     out = layouts.placed(out, _out_strides(q, v))
@@ -582,7 +590,7 @@ def _attention_forward(
 
 @_attention_forward.register_fake
 def _(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap,
-      mask_requires_grad):
+      mask_requires_grad, needs_grad):
     return layouts.output_buffer(q, v), layouts.lse_buffer(q)
 
 
@@ -598,7 +606,7 @@ def _attention_backward(
     chosen = _forward_backends.get(lse.data_ptr()) if lse.numel() else None
     if chosen is None:  # not recorded (evicted, or a forward recomputed elsewhere): the request as it stands now
         chosen = _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right,
-                          dropout_p, softcap, mask_requires_grad)
+                          dropout_p, softcap, mask_requires_grad, True)
     dq, dk, dv, dmask = _run_backward(chosen, params, grad_out, q, k, v, out, lse, grad_lse)
     dmask = q.new_empty(0) if dmask is None else layouts.placed(dmask, layouts.contiguous_strides(dmask.shape))
     return (layouts.placed(dq, layouts.grad_strides(q)), layouts.placed(dk, layouts.grad_strides(k)),
@@ -615,7 +623,7 @@ def _(grad_out, grad_lse, q, k, v, out, lse, mask, seed, backend, scale, is_caus
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window_left, window_right, dropout_p, softcap,
-     mask_requires_grad) = inputs
+     mask_requires_grad, _needs_grad) = inputs
     out, lse = output
     ctx.mask_requires_grad = mask_requires_grad
     ctx.save_for_backward(q, k, v, out, lse, mask, seed)
@@ -628,7 +636,7 @@ def _backward(ctx, grad_out, grad_lse):
         grad_out, grad_lse, q, k, v, out, lse, mask, seed, *ctx.args, ctx.mask_requires_grad
     )
     dmask = dmask if ctx.mask_requires_grad else None
-    return (dq, dk, dv, dmask) + (None,) * 10
+    return (dq, dk, dv, dmask) + (None,) * 11
 
 
 _attention_forward.register_autograd(_backward, setup_context=_setup_context)

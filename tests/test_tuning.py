@@ -178,6 +178,67 @@ def test_automatic_selection_uses_the_table_and_falls_back_to_the_priority_list(
             mhattn.unregister_backend(name)
 
 
+def test_a_differentiated_call_is_chosen_by_forward_backward_time_in_eager_and_compiled_code(monkeypatch):
+    """Automatic selection weighs forward+backward time only where autograd will differentiate the call: the same
+    inputs with requires_grad get the backend fastest forward+backward, under no_grad (or detached) the one fastest
+    forward, in eager code, in code compiled with torch.compile (whose custom op never sees requires_grad itself),
+    and in explain()."""
+    from mhattn.reference import ReferenceBackend
+
+    ran = []
+
+    class Counted(ReferenceBackend):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def forward(self, q, k, v, params):
+            ran.append(self.name)
+            return super().forward(q, k, v, params)
+
+        def backward(self, *args, **kwargs):
+            ran.append(self.name + " backward")
+            return super().backward(*args, **kwargs)
+
+    cpu = {"device": "test cpu", "compute_capability": None}
+    monkeypatch.setattr(table, "device_identity", lambda *_: dict(cpu))
+    saved = list(dispatch.PRIORITY)
+    for name in ("fast_forward", "fast_training"):
+        mhattn.register_backend(Counted(name))
+    try:
+        mhattn.set_priority("cpu", ["fast_forward", "fast_training"])
+        tuned = make_table([cell({"fast_forward": 1.0, "fast_training": 2.0}, {"fast_forward": 9.0, "fast_training": 3.0},
+                                 dtype="fp32", batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64, head_dim=16)],
+                           key=cpu)
+        monkeypatch.setattr(table, "active_table", lambda *_: tuned)
+        dispatch.clear_cache()
+        q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
+
+        def backend_of(fn, *tensors):
+            ran.clear()
+            fn(*tensors)
+            return ran[-1]
+
+        eager = lambda q, k, v: mhattn.attention(q, k, v)  # noqa: E731
+        compiled = torch.compile(eager, backend="aot_eager", fullgraph=True)
+        for fn in (eager, compiled):
+            assert backend_of(fn, q, k, v) == "fast_training"
+            assert backend_of(fn, q.detach(), k.detach(), v.detach()) == "fast_forward"
+            with torch.no_grad():
+                assert backend_of(fn, q, k, v) == "fast_forward"
+        assert mhattn.explain(q, k, v).chosen == "fast_training"
+        with torch.no_grad():
+            assert mhattn.explain(q, k, v).chosen == "fast_forward"
+        ran.clear()
+        compiled(q, k, v).sum().backward()  # the compiled backward runs where its forward ran
+        assert ran == ["fast_training", "fast_training backward"] and q.grad is not None
+    finally:
+        dispatch.PRIORITY[:] = saved
+        for name in ("fast_forward", "fast_training"):
+            mhattn.unregister_backend(name)
+        dispatch.clear_cache()
+
+
 # ---- `mhattn tune` on the CPU -----------------------------------------------------------------------------------
 
 
