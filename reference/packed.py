@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from mhattn.backends import layouts
 from mhattn.backends.base import AttentionParams, KVCache, Packing
 
 
@@ -39,9 +40,8 @@ def kvcache_forward(backend, q, cache: KVCache, params: AttentionParams):
     position L_b - Nq + i. Returns (out (B, Hq, Nq, Dv), lse (B, Hq, Nq) float32)."""
     batch, heads_q, seqlen_q, _ = q.shape
     dim_v = cache.v.shape[-1]
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = q.new_empty(batch, heads_q, seqlen_q, dim_v)
-    lse = torch.empty(batch, heads_q, seqlen_q, dtype=lse_dtype, device=q.device)
+    lse = torch.empty(batch, heads_q, seqlen_q, dtype=layouts.lse_dtype(q.dtype), device=q.device)
     for b, length in enumerate(cache.seqlens.tolist()):
         if length == 0:
             _empty_rows(out[b], lse[b])
@@ -79,9 +79,8 @@ def varlen_forward(backend, q, k, v, packing: Packing, params: AttentionParams):
     """q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv). Returns (out (total_q, Hq, Dv),
     lse (Hq, total_q) float32)."""
     total_q, heads_q, _ = q.shape
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = q.new_empty(total_q, heads_q, v.shape[-1])
-    lse = torch.empty(heads_q, total_q, dtype=lse_dtype, device=q.device)
+    lse = torch.empty(heads_q, total_q, dtype=layouts.lse_dtype(q.dtype), device=q.device)
     keep = _keep(params, packing, heads_q, q.device)
     for b, qs, qe, ks, ke in _sequences(packing):
         if qe == qs:

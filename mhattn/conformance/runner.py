@@ -22,8 +22,10 @@ import time
 import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
+
 import torch
 
+from mhattn.backends import layouts
 from mhattn.conformance import packed, tolerance
 from mhattn.conformance.cases import Case, parse_spec
 from mhattn.conformance.inputs import CaseInputs, make_inputs
@@ -259,7 +261,7 @@ def _judge(backend, case: Case, inputs: CaseInputs) -> list:
         checks.append(_keep_rate_check(keep, params.dropout_p))
 
     originals = [t.detach().clone() for t in (q, k, v, inputs.grad_out)]
-    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    lse_dtype = layouts.lse_dtype(dtype)
     out_shape, lse_shape = (b, hq, nq, case.value_dim), (b, hq, nq)
     grad_shapes = [(tuple(q.shape), dtype), (tuple(k.shape), dtype), (tuple(v.shape), dtype)]
     if params.mask_requires_grad:
