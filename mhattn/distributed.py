@@ -14,7 +14,9 @@ while the kernels compute.
 
 Layouts (how the global sequence of N = W * N_local tokens maps to ranks), see :func:`shard_sequence`:
 
-- ``"contiguous"``: rank r holds tokens [r * N_local, (r + 1) * N_local).
+- ``"contiguous"``: rank r holds tokens [r * N_local, (r + 1) * N_local); or, with ``lengths`` (every rank's
+  token count, for a sequence that does not split evenly), tokens [sum(lengths[:r]), sum(lengths[:r + 1])).
+  The exchange then moves shards of different sizes (prefixes of buffers of the longest one's size).
 - ``"zigzag"``: the sequence is cut into 2W equal chunks and rank r holds chunks r and 2W - 1 - r, in
   that order. With causal attention every rank then does the same work; with "contiguous" the last rank
   does 2W - 1 times the work of the first.
@@ -77,6 +79,31 @@ def _chunk_count(layout: str, world: int) -> int:
     return world if layout == "contiguous" else 2 * world
 
 
+def _check_lengths(lengths, layout: str, world: int) -> Optional[tuple]:
+    """``lengths`` (every rank's token count, in rank order) as a tuple of ints, or None for equal shards."""
+    if lengths is None:
+        return None
+    if layout != "contiguous":
+        raise InputError(f"lengths: shards of different lengths need layout 'contiguous', got {layout!r}")
+    try:
+        lengths = tuple(lengths)
+    except TypeError:
+        raise InputError(f"lengths must be a sequence of {world} ints (one per rank), got {lengths!r}") from None
+    if len(lengths) != world or not all(type(n) is int and n >= 1 for n in lengths):
+        raise InputError(f"lengths must be {world} ints >= 1 (each rank's token count, in rank order), got "
+                         f"{lengths!r}")
+    return lengths
+
+
+def _starts(lengths) -> list:
+    """The global position of each shard's first token."""
+    starts, total = [], 0
+    for n in lengths:
+        starts.append(total)
+        total += n
+    return starts
+
+
 def _group_rank_and_size(group):
     if not dist.is_available() or not dist.is_initialized():
         raise InputError("group: torch.distributed is not initialised (call torch.distributed.init_process_group "
@@ -114,24 +141,33 @@ def _from_parts(parts, dim: int, layout: str) -> torch.Tensor:
     return torch.cat(pieces, dim)
 
 
-def shard_sequence(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int = -2) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int = -2,
+                   lengths=None) -> torch.Tensor:
     """This rank's shard of the full sequence ``x`` (every rank passes the same full tensor).
 
     Args:
         x: any shape and dtype; the sequence runs along ``dim`` (default -2, as in (B, H, N, D)). Its
-            length N must be a multiple of W (the group size) for "contiguous" and of 2W for "zigzag".
+            length N must be a multiple of W (the group size) for "contiguous" and of 2W for "zigzag", unless
+            ``lengths`` gives the shards' lengths.
         group: the process group (default: the world group).
         layout: "contiguous" (rank r holds tokens [r * N / W, (r + 1) * N / W)) or "zigzag" (N cut into
             2W chunks, rank r holds chunks r and 2W - 1 - r, concatenated in that order).
         dim: the sequence dim.
+        lengths: "contiguous" only: every rank's token count in rank order (W ints >= 1 summing to N), for
+            shards of different lengths; rank r then holds tokens [sum(lengths[:r]), sum(lengths[:r + 1])).
 
     Returns:
-        x's shape with N / W along ``dim``, x's dtype and device: a view for "contiguous", a new tensor for
-        "zigzag". Differentiable (it is indexing).
+        x's shape with N / W (or lengths[rank]) along ``dim``, x's dtype and device: a view for "contiguous", a
+        new tensor for "zigzag". Differentiable (it is indexing).
     """
     layout = _check_layout(layout)
     dim = _seq_dim(x, dim, "x")
     rank, world = _group_rank_and_size(group)
+    lengths = _check_lengths(lengths, layout, world)
+    if lengths is not None:
+        if sum(lengths) != x.shape[dim]:
+            raise InputError(f"lengths sum to {sum(lengths)} tokens, but x has {x.shape[dim]} along dim {dim}")
+        return x.narrow(dim, _starts(lengths)[rank], lengths[rank])
     parts = _chunk_count(layout, world)
     if x.shape[dim] % parts:
         raise InputError(f"x has {x.shape[dim]} tokens along dim {dim}: layout {layout!r} over {world} ranks needs "
@@ -139,20 +175,34 @@ def shard_sequence(x: torch.Tensor, *, group=None, layout: str = "contiguous", d
     return _local_part(x, dim, layout, rank, world)
 
 
-def gather_sequence(x_local: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int = -2) -> torch.Tensor:
+def gather_sequence(x_local: torch.Tensor, *, group=None, layout: str = "contiguous", dim: int = -2,
+                    lengths=None) -> torch.Tensor:
     """The full sequence from every rank's shard: the inverse of :func:`shard_sequence` (an all-gather).
 
     Args:
-        x_local: this rank's shard; the same shape, dtype and device on every rank of ``group``.
-        group, layout, dim: as for :func:`shard_sequence`.
+        x_local: this rank's shard; the same shape, dtype and device on every rank of ``group`` (but for its
+            length along ``dim`` where ``lengths`` is given).
+        group, layout, dim, lengths: as for :func:`shard_sequence`.
 
     Returns:
-        x_local's shape with W times its length along ``dim``, on every rank. Not differentiable (for
-        results and checks; gradients of a sharded model stay sharded).
+        x_local's shape with W times its length (or sum(lengths)) along ``dim``, on every rank. Not
+        differentiable (for results and checks; gradients of a sharded model stay sharded).
     """
     layout = _check_layout(layout)
     dim = _seq_dim(x_local, dim, "x_local")
     rank, world = _group_rank_and_size(group)
+    lengths = _check_lengths(lengths, layout, world)
+    if lengths is not None:
+        if x_local.shape[dim] != lengths[rank]:
+            raise InputError(f"x_local has {x_local.shape[dim]} tokens along dim {dim}, but lengths gives rank "
+                             f"{rank} {lengths[rank]}")
+        # all_gather moves equal sizes: every shard padded to the longest, then cut back.
+        padded = torch.zeros(*x_local.shape[:dim], max(lengths), *x_local.shape[dim + 1:], dtype=x_local.dtype,
+                             device=x_local.device)
+        padded.narrow(dim, 0, lengths[rank]).copy_(x_local.detach())
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, lengths)], dim)
     if layout == "zigzag" and x_local.shape[dim] % 2:
         raise InputError(f"x_local has {x_local.shape[dim]} tokens along dim {dim}: layout 'zigzag' needs an even "
                          "local length (two equal chunks)")
@@ -185,41 +235,53 @@ class Block:
         return self.window_left is not None or self.window_right is not None
 
 
-def step_blocks(layout: str, rank: int, source: int, n_local: int, is_causal: bool) -> tuple:
+def step_blocks(layout: str, rank: int, source: int, n_local: int, is_causal: bool, n_kv: Optional[int] = None) -> tuple:
     """The :class:`Block` calls of rank ``rank`` at the step where it holds the keys of rank ``source``
-    (the module docstring derives them). An empty tuple: nothing to compute at this step."""
-    every = slice(0, n_local)
+    (the module docstring derives them); n_kv: the visiting shard's length where shards differ ("contiguous"
+    only; default n_local). An empty tuple: nothing to compute at this step."""
+    every, every_kv = slice(0, n_local), slice(0, n_local if n_kv is None else n_kv)
     if not is_causal:
-        return (Block(every, every, False),)
+        return (Block(every, every_kv, False),)
     if source == rank:
         return (Block(every, every, True),)
     if layout == "contiguous":
-        return (Block(every, every, False),) if source < rank else ()
+        return (Block(every, every_kv, False),) if source < rank else ()
     half = n_local // 2
     if source < rank:  # chunk `source` precedes both query chunks, chunk 2W-1-source follows both
         return (Block(every, slice(0, half), False),)
     return (Block(slice(half, n_local), every, False),)  # both key chunks lie between the query chunks
 
 
+def _spans(layout: str, rank: int, world: int, n_local: int, lengths: Optional[tuple]) -> list:
+    """(global first position, size) of each chunk rank ``rank`` holds, in its local order."""
+    if lengths is not None:
+        return [(_starts(lengths)[rank], lengths[rank])]
+    chunks = _chunks_of_rank(layout, rank, world)
+    size = n_local // len(chunks)
+    return [(chunk * size, size) for chunk in chunks]
+
+
 def window_blocks(layout: str, rank: int, source: int, world: int, n_local: int, is_causal: bool,
-                  window_left: Optional[int], window_right: Optional[int]) -> tuple:
+                  window_left: Optional[int], window_right: Optional[int], lengths: Optional[tuple] = None) -> tuple:
     """The :class:`Block` calls of a windowed ring step: one per pair of a query chunk of rank ``rank`` and a
     key chunk of rank ``source`` that the band of global positions (key - query in [-window_left, right], right
-    = min(window_right, 0) when causal) reaches; a pair wholly inside the band is a plain block (no mask)."""
+    = min(window_right, 0) when causal) reaches; a pair wholly inside the band is a plain block (no mask).
+    lengths: every rank's token count where shards differ ("contiguous"; n_local is then lengths[rank])."""
     right = (0 if window_right is None else min(window_right, 0)) if is_causal else window_right
-    query_chunks, key_chunks = _chunks_of_rank(layout, rank, world), _chunks_of_rank(layout, source, world)
-    size = n_local // len(query_chunks)
-    blocks = []
-    for qi, q_chunk in enumerate(query_chunks):
-        for ki, k_chunk in enumerate(key_chunks):
-            offset = (q_chunk - k_chunk) * size  # global first query row minus global first key row
-            lowest, highest = -offset - (size - 1), -offset + (size - 1)  # key - query over the pair
+    blocks, q_row = [], 0
+    for q_start, q_size in _spans(layout, rank, world, n_local, lengths):
+        k_row = 0
+        for k_start, k_size in _spans(layout, source, world, n_local, lengths):
+            offset = q_start - k_start  # global first query row minus global first key row
+            lowest, highest = -offset - (q_size - 1), -offset + (k_size - 1)  # key - query over the pair
+            rows, cols = slice(q_row, q_row + q_size), slice(k_row, k_row + k_size)
+            k_row += k_size
             if (window_left is not None and highest < -window_left) or (right is not None and lowest > right):
                 continue  # no pair of the two chunks is in the band
-            rows, cols = slice(qi * size, (qi + 1) * size), slice(ki * size, (ki + 1) * size)
             inside = (window_left is None or lowest >= -window_left) and (right is None or highest <= right)
             blocks.append(Block(rows, cols, False) if inside else
                           Block(rows, cols, is_causal, offset, window_left, right))
+        q_row += q_size
     return tuple(blocks)
 
 
@@ -280,30 +342,50 @@ class _Pending:
 
 
 class _Travelling:
-    """A buffer that moves one rank along the ring per step: ``current`` is what this rank holds now;
-    ``pass_on()`` starts sending it to the next rank while receiving the previous rank's into a spare
-    buffer, ``arrive()`` waits for that exchange and makes the received buffer ``current``."""
+    """A buffer that moves one rank along the ring per step: ``current`` (``size`` elements at first) is what this
+    rank holds now; ``pass_on(size)`` starts sending it to the next rank while receiving the previous rank's
+    (``size`` elements) into the other buffer, ``arrive()`` waits for that exchange and makes the received buffer
+    ``current``. Shards of different lengths travel as prefixes of two buffers of the longest's size
+    (``capacity``)."""
 
-    def __init__(self, ring, current: torch.Tensor):
-        self.ring, self.current, self.spare, self.pending = ring, current, None, None
+    def __init__(self, ring, size: int, capacity: int, dtype, device):
+        self.ring, self.pending, self.dtype, self.device = ring, None, dtype, device
+        self.buffers = [torch.empty(capacity, dtype=dtype, device=device), None]
+        self.held = 0  # which buffer holds current
+        self.current = self.buffers[0][:size]
 
-    def pass_on(self) -> None:
-        if self.spare is None:
-            self.spare = torch.empty_like(self.current)
-        self.pending = self.ring.start(self.current, self.spare)
+    def pass_on(self, size: int) -> None:
+        other = 1 - self.held
+        if self.buffers[other] is None:
+            self.buffers[other] = torch.empty_like(self.buffers[self.held])
+        self.received = self.buffers[other][:size]
+        self.pending = self.ring.start(self.current, self.received)
 
     def arrive(self) -> torch.Tensor:
         self.pending.wait()
         self.pending = None
-        self.current, self.spare = self.spare, self.current
+        self.held, self.current = 1 - self.held, self.received
         return self.current
 
 
 # ---- packing K and V into one buffer (one message per step) ------------------------------------------
 
 
-def _pack(tensors, dtype=None) -> torch.Tensor:
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype or tensors[0].dtype, device=tensors[0].device)
+class _Shards:
+    """The K/V shards of the ring: their lengths (every rank's, in rank order) and the shapes of K and V with
+    each, so that a step unpacks the visiting shard and sizes the next exchange."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, lengths):
+        self.lengths = lengths
+        self.shapes = [((*k.shape[:2], n, k.shape[3]), (*v.shape[:2], n, v.shape[3])) for n in lengths]
+        self.sizes = [sum(torch.Size(shape).numel() for shape in pair) for pair in self.shapes]
+
+    @property
+    def capacity(self) -> int:
+        return max(self.sizes)
+
+
+def _pack_into(flat: torch.Tensor, tensors) -> torch.Tensor:
     for view, t in zip(_unpack(flat, [t.shape for t in tensors]), tensors):
         view.copy_(t)
     return flat
@@ -352,21 +434,23 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _RingAttention(torch.autograd.Function):
     """q (B, Hq, n, D), k (B, Hkv, n, D), v (B, Hkv, n, Dv): this rank's shard (4-D, last dim contiguous).
-    ``steps[s]``: the blocks of step s, where the ring holds the shard of rank (rank - s) mod W.
-    Returns out (B, Hq, n, Dv) in q's dtype and lse (B, Hq, n) float32 (float64 for float64 inputs)."""
+    ``steps[s]``: the blocks of step s, where the ring holds the shard of rank (rank - s) mod W; ``shards``: every
+    rank's K/V shard shapes (_Shards). Returns out (B, Hq, n, Dv) in q's dtype and lse (B, Hq, n) float32
+    (float64 for float64 inputs)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, steps, scale, softcap, request):
+    def forward(ctx, q, k, v, ring, steps, shards, scale, softcap, request):
         acc = _accumulate_dtype(q.dtype)
         out_acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
         lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-        shapes = (k.shape, v.shape)
-        kv = _Travelling(ring, _pack((k, v)))
+        sources = _sources(ring)
+        kv = _Travelling(ring, shards.sizes[ring.rank], shards.capacity, k.dtype, k.device)
+        _pack_into(kv.current, (k, v))
         for step, blocks in enumerate(steps):
             last = step + 1 == len(steps)
             if not last:
-                kv.pass_on()  # the next step's shard moves while this step computes
-            k_s, v_s = _unpack(kv.current, shapes)
+                kv.pass_on(shards.sizes[sources[step + 1]])  # the next step's shard moves while this step computes
+            k_s, v_s = _unpack(kv.current, shards.shapes[sources[step]])
             for block in blocks:
                 backend, params, q_b, k_b, v_b = _block_call(block, q, k_s, v_s, scale, softcap, request)
                 out_b, lse_b = backend.forward(q_b, k_b, v_b, params)
@@ -376,27 +460,31 @@ class _RingAttention(torch.autograd.Function):
         out = out_acc.to(q.dtype)
         lse = lse_acc.to(layouts.lse_dtype(q.dtype))
         ctx.set_materialize_grads(False)  # an unused lse (the usual case) sends no gradient
-        ctx.ring, ctx.steps, ctx.scale, ctx.softcap, ctx.request = ring, steps, scale, softcap, request
+        ctx.ring, ctx.steps, ctx.shards, ctx.scale, ctx.softcap, ctx.request = (ring, steps, shards, scale, softcap,
+                                                                                 request)
         ctx.save_for_backward(q, k, v, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, steps = ctx.ring, ctx.steps
+        ring, steps, shards = ctx.ring, ctx.steps, ctx.shards
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         acc = _accumulate_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        shapes = (k.shape, v.shape)
-        kv = _Travelling(ring, _pack((k, v)))
+        sources = _sources(ring) + [ring.rank]  # after the last step the accumulators go home
+        kv = _Travelling(ring, shards.sizes[ring.rank], shards.capacity, k.dtype, k.device)
+        _pack_into(kv.current, (k, v))
         # The dK/dV accumulator of the visiting shard: it travels with the shard, one step behind, and
         # reaches its owner after the last step. Summed in float32 (float64) as it goes.
-        dkv = _Travelling(ring, torch.zeros(kv.current.numel(), dtype=acc, device=q.device))
+        dkv = _Travelling(ring, shards.sizes[ring.rank], shards.capacity, acc, q.device)
+        dkv.current.zero_()
         for step, blocks in enumerate(steps):
             last = step + 1 == len(steps)
             if not last:
-                kv.pass_on()
+                kv.pass_on(shards.sizes[sources[step + 1]])
+            shapes = shards.shapes[sources[step]]
             k_s, v_s = _unpack(kv.current, shapes)
             grads = []
             for block in blocks:
@@ -414,11 +502,16 @@ class _RingAttention(torch.autograd.Function):
             for kv_rows, dk_b, dv_b in grads:
                 dk_acc[:, :, kv_rows] += dk_b
                 dv_acc[:, :, kv_rows] += dv_b
-            dkv.pass_on()  # after the last step this sends each accumulator to its owner
+            dkv.pass_on(shards.sizes[sources[step + 1]])  # after the last step this sends each accumulator home
             if not last:
                 kv.arrive()
-        dk, dv = _unpack(dkv.arrive(), shapes)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dk, dv = _unpack(dkv.arrive(), shards.shapes[ring.rank])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def _sources(ring) -> list:
+    """The rank whose shard this rank holds at each step."""
+    return [(ring.rank - s) % ring.size for s in range(ring.size)]
 
 
 def ring_attention(
@@ -435,6 +528,7 @@ def ring_attention(
     softcap: Optional[float] = None,
     return_lse: bool = False,
     backend: Optional[str] = None,
+    lengths=None,
 ):
     """Attention over a sequence sharded across the ranks of ``group``, differentiable.
 
@@ -446,8 +540,8 @@ def ring_attention(
         q: (B, Hq, N_local, D), or (..., Hq, N_local, D) with any leading dims; float16, bfloat16, float32
             or float64 (what the backend takes).
         k: (B, Hkv, N_local, D), same dtype and device. v: (B, Hkv, N_local, Dv).
-            N_local and every other dim must be the same on every rank (not checked: a mismatch fails or
-            hangs inside the exchange).
+            N_local (unless ``lengths`` is given) and every other dim must be the same on every rank (not
+            checked: a mismatch fails or hangs inside the exchange).
         group: the process group whose ranks hold the shards, in rank order (default: the world group).
             Its backend moves the shards: NCCL for CUDA tensors, gloo for CPU tensors.
         is_causal: causal over the global sequence (token i sees tokens j <= i).
@@ -461,6 +555,9 @@ def ring_attention(
         return_lse: also return the log-sum-exp over the whole sequence (..., Hq, N_local), float32 (float64
             for float64 inputs); its gradient is supported.
         backend: the mhattn backend that runs the local attention (as ``mhattn.attention``'s argument).
+        lengths: shards of different lengths ("contiguous" only): every rank's N_local in rank order, the same
+            on every rank (:func:`shard_sequence` cuts such shards); rank r holds global tokens
+            [sum(lengths[:r]), sum(lengths[:r + 1])).
 
     Returns:
         (..., Hq, N_local, Dv) in q's dtype; with ``return_lse`` a tuple ``(out, lse)``.
@@ -479,26 +576,33 @@ def ring_attention(
     if layout == "zigzag" and n_local % 2:
         raise InputError(f"layout 'zigzag' holds two equal chunks per rank: N_local must be even, got {n_local}")
     rank, world = _group_rank_and_size(group)
+    lengths = _check_lengths(lengths, layout, world)
+    if lengths is not None and lengths[rank] != n_local:
+        raise InputError(f"lengths gives rank {rank} {lengths[rank]} tokens, but its q holds N_local = {n_local}")
     comm_backend = str(dist.get_backend(group)).lower()
     if comm_backend == "nccl" and q.device.type != "cuda":
         raise InputError(f"group uses NCCL, which moves CUDA tensors only; q is on {q.device}")
     request = dispatch.requested(backend)
     ring = PeerRing(group, q.device)
-    out, lse = _run_ring(q, k, v, ring, layout, is_causal, scale, request, (window_left, window_right), softcap)
+    out, lse = _run_ring(q, k, v, ring, layout, is_causal, scale, request, (window_left, window_right), softcap,
+                         lengths)
     out = out.reshape(out_shape)
     if return_lse:
         return out, lse.reshape(out_shape[:-1])
     return out
 
 
-def _run_ring(q, k, v, ring, layout, is_causal, scale, request, window=(None, None), softcap=None):
+def _run_ring(q, k, v, ring, layout, is_causal, scale, request, window=(None, None), softcap=None, lengths=None):
     """The ring on canonical 4-D tensors with a given ring object (``PeerRing``, or a stand-in with the
-    same ``rank``, ``size`` and ``start(send, recv)`` for timing the computation alone)."""
+    same ``rank``, ``size`` and ``start(send, recv)`` for timing the computation alone); lengths: every rank's
+    shard length, or None for equal shards."""
     n_local = q.shape[-2]
-    sources = [(ring.rank - s) % ring.size for s in range(ring.size)]
+    shards = _Shards(k, v, lengths if lengths is not None else (n_local,) * ring.size)
+    sources = _sources(ring)
     if window == (None, None):
-        steps = [step_blocks(layout, ring.rank, source, n_local, is_causal) for source in sources]
-    else:
-        steps = [window_blocks(layout, ring.rank, source, ring.size, n_local, is_causal, *window)
+        steps = [step_blocks(layout, ring.rank, source, n_local, is_causal, shards.lengths[source])
                  for source in sources]
-    return _RingAttention.apply(q, k, v, ring, steps, scale, softcap, request)
+    else:
+        steps = [window_blocks(layout, ring.rank, source, ring.size, n_local, is_causal, *window, lengths)
+                 for source in sources]
+    return _RingAttention.apply(q, k, v, ring, steps, shards, scale, softcap, request)

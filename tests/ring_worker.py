@@ -4,7 +4,7 @@
 
 Joins a gloo group through INIT_FILE, then for each case compares ring_attention on this rank's shard
 with mhattn.attention over the whole sequence in float64 (reference backend): output, log-sum-exp and the
-gradients of q, k, v. Every rank draws the same full inputs from one seed. Prints one line per case and
+gradients of q, k, v, with shards of equal lengths and of different ones (UNEVEN). Every rank draws the same full inputs from one seed. Prints one line per case and
 exits 1 if any differs. BACKEND: "reference" (default; float64 inputs, every case) or "triton" (run with
 TRITON_INTERPRET=1: float32 inputs, a few cases; the kernels' backward then gets the merged output and
 log-sum-exp of the whole sequence, and views of the shards, as on a GPU).
@@ -36,14 +36,21 @@ CASES = [
     ("zigzag", True, 6, 2, 8, 8, True, (1, 2), dict(window=(7, 0), softcap=2.0)),
     ("zigzag", False, 4, 4, 8, 5, False, (2,), dict(window=(3, 3))),
     ("zigzag", False, 4, 4, 8, 8, False, (2,), dict(softcap=1.5)),
+    # Shards of different lengths (UNEVEN: every rank's token count), plain, causal, and windowed across them.
+    ("contiguous", False, 4, 2, 8, 5, True, (2,), dict(lengths="uneven")),
+    ("contiguous", True, 4, 4, 8, 8, False, (2,), dict(lengths="uneven")),
+    ("contiguous", True, 6, 2, 8, 8, True, (1, 2), dict(lengths="uneven", window=(5, 0), softcap=2.0)),
 ]
+# Shard lengths of the uneven cases, by group size.
+UNEVEN = {1: (7,), 2: (9, 4), 3: (5, 11, 3)}
 
 
 # The cases run through the kernels on the CPU (Triton's interpreter, the CUDA kernels' emulator): slow, so
 # few and small; head dim 32 (the CUDA kernels' smallest).
 KERNEL_CASES = [("contiguous", True, 4, 4, 32, 32, False, (2,)), ("zigzag", False, 4, 4, 32, 32, True, (2,)),
                 ("zigzag", True, 6, 2, 32, 32, True, (1, 2)),
-                ("zigzag", True, 4, 2, 32, 32, False, (2,), dict(window=(11, 0), softcap=4.0))]
+                ("zigzag", True, 4, 2, 32, 32, False, (2,), dict(window=(11, 0), softcap=4.0)),
+                ("contiguous", True, 4, 2, 32, 32, True, (2,), dict(lengths="uneven"))]
 
 
 def register_emulated_cupy():
@@ -65,8 +72,9 @@ def register_emulated_cupy():
 
 def check_case(case, world: int, chunk: int, dtype=torch.float64, backend: str = "reference") -> list:
     layout, causal, heads_q, heads_kv, dim, dim_v, lse_grad, batch, *rest = case
-    features = rest[0] if rest else {}  # window, softcap
-    n = 2 * world * chunk
+    features = dict(rest[0]) if rest else {}  # window, softcap, lengths
+    lengths = UNEVEN[world] if features.pop("lengths", None) else None
+    n = sum(lengths) if lengths else 2 * world * chunk
     gen = torch.Generator().manual_seed(1234)
     q = torch.randn(*batch, heads_q, n, dim, generator=gen, dtype=torch.float64)
     k = torch.randn(*batch, heads_kv, n, dim, generator=gen, dtype=torch.float64)
@@ -81,11 +89,11 @@ def check_case(case, world: int, chunk: int, dtype=torch.float64, backend: str =
     _backward(out, lse, grad_out, grad_lse)
 
     def shard(t, dim=-2):
-        return shard_sequence(t, layout=layout, dim=dim)
+        return shard_sequence(t, layout=layout, dim=dim, lengths=lengths)
 
     local = [shard(t).detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
     out_l, lse_l = ring_attention(*local, is_causal=causal, enable_gqa=gqa, layout=layout, return_lse=True,
-                                  backend=backend, **features)
+                                  backend=backend, lengths=lengths, **features)
     _backward(out_l, lse_l, shard(grad_out).to(dtype), None if grad_lse is None else shard(grad_lse, -1).to(dtype))
 
     golds = [out, lse] + [t.grad for t in full]
@@ -123,6 +131,11 @@ def check_round_trip(world: int) -> list:
             back = gather_sequence(part, layout=layout, dim=dim)
             if not torch.equal(back, x):
                 failures.append(f"gather_sequence(shard_sequence(x)) != x for layout {layout}, dim {dim}")
+    lengths = UNEVEN[world]
+    x = torch.arange(2 * sum(lengths) * 3, dtype=torch.float32).view(2, sum(lengths), 3)
+    part = shard_sequence(x, dim=1, lengths=lengths)
+    if part.shape[1] != lengths[dist.get_rank()] or not torch.equal(gather_sequence(part, dim=1, lengths=lengths), x):
+        failures.append(f"gather_sequence(shard_sequence(x)) != x for lengths {lengths}")
     return failures
 
 

@@ -83,6 +83,42 @@ def test_window_blocks_cover_the_global_band_once(layout, world, causal, window)
             assert torch.equal(covered, want.long()), (layout, world, rank, source)
 
 
+@pytest.mark.parametrize("lengths", [(5,), (4, 9), (7, 2, 5), (1, 3, 8, 2, 6)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, (2, None), (None, 3), (3, 1), (0, 0), (7, 2)])
+def test_blocks_of_uneven_shards_cover_the_global_mask_once(lengths, causal, window):
+    """Contiguous shards of different lengths: over all steps, a rank's blocks (step_blocks, or window_blocks with a
+    window) cover exactly the (query, key) pairs the global causal mask or band allows, each once."""
+    world, starts = len(lengths), [sum(lengths[:r]) for r in range(len(lengths))]
+    for rank in range(world):
+        rows = torch.arange(starts[rank], starts[rank] + lengths[rank])
+        for source in range(world):
+            rel = torch.arange(starts[source], starts[source] + lengths[source])[None, :] - rows[:, None]
+            want = torch.ones(lengths[rank], lengths[source], dtype=torch.bool)
+            left, right = window if window is not None else (None, None)
+            right = (0 if right is None else min(right, 0)) if causal else right
+            if left is not None:
+                want &= rel >= -left
+            if right is not None:
+                want &= rel <= right
+            if window is None:
+                blocks = step_blocks("contiguous", rank, source, lengths[rank], causal, lengths[source])
+            else:
+                blocks = window_blocks("contiguous", rank, source, world, lengths[rank], causal, *window, lengths)
+            covered = torch.zeros(lengths[rank], lengths[source], dtype=torch.int64)
+            for block in blocks:
+                nq, nk = block.q_rows.stop - block.q_rows.start, block.kv_rows.stop - block.kv_rows.start
+                block_rel = torch.arange(nk)[None, :] - torch.arange(nq)[:, None] - block.diag_offset
+                part = torch.ones(nq, nk, dtype=torch.bool)
+                block_right = 0 if block.causal and block.window_right is None else block.window_right
+                if block.window_left is not None:
+                    part &= block_rel >= -block.window_left
+                if block_right is not None:
+                    part &= block_rel <= block_right
+                covered[block.q_rows, block.kv_rows] += part.long()
+            assert torch.equal(covered, want.long()), (lengths, rank, source)
+
+
 def test_zigzag_balances_causal_work():
     """Every rank computes the same number of (query, key) pairs under zigzag; contiguous does not."""
     n_local, world = 8, 4
@@ -160,6 +196,18 @@ def test_input_errors(group_of_one):
         gather_sequence(q, dim=4)
     with pytest.raises(mhattn.UnknownBackendError):
         ring_attention(q, q, q, backend="nonesuch")
+    with pytest.raises(mhattn.InputError, match="lengths: shards of different lengths need layout 'contiguous'"):
+        ring_attention(q, q, q, layout="zigzag", lengths=(6,))
+    with pytest.raises(mhattn.InputError, match=r"lengths must be 1 ints >= 1"):
+        ring_attention(q, q, q, lengths=(3, 3))
+    with pytest.raises(mhattn.InputError, match=r"lengths must be 1 ints >= 1"):
+        ring_attention(q, q, q, lengths=(6.0,))
+    with pytest.raises(mhattn.InputError, match="lengths gives rank 0 5 tokens, but its q holds N_local = 6"):
+        ring_attention(q, q, q, lengths=(5,))
+    with pytest.raises(mhattn.InputError, match="lengths sum to 5 tokens"):
+        shard_sequence(q, lengths=(5,))
+    with pytest.raises(mhattn.InputError, match="x_local has 6 tokens along dim 2, but lengths gives rank 0 5"):
+        gather_sequence(q, lengths=(5,))
 
 
 def _communicate(procs, what: str, timeout_s: float) -> list:
@@ -195,32 +243,32 @@ def _run_ranks(world: int, tmp_path, backend: str = "reference", timeout_s: floa
 def test_ring_matches_attention_on_gloo(world, tmp_path):
     """Forward, lse and gradients of every rank's shard equal mhattn.attention over the whole sequence
     (float64, reference backend): both layouts, causal or not, GQA, Dv != D, an lse gradient, windows that cross
-    the shards and softcap."""
+    the shards and softcap, and contiguous shards of different lengths."""
     codes, log = _run_ranks(world, tmp_path)
     assert codes == [0] * world, log
-    assert log.count(": ok") == world * 13, log
+    assert log.count(": ok") == world * 16, log
 
 
 @pytest.mark.interpret
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_ring_on_triton_kernels_on_gloo(tmp_path):
-    """The same with the Triton kernels under TRITON_INTERPRET=1 (float32, 2 ranks, 4 cases, one windowed with
-    softcap): their backward takes the merged output and log-sum-exp of the whole sequence and views of the
+    """The same with the Triton kernels under TRITON_INTERPRET=1 (float32, 2 ranks, 5 cases, one windowed with
+    softcap, one on shards of different lengths): their backward takes the merged output and log-sum-exp of the whole sequence and views of the
     shards."""
     codes, log = _run_ranks(2, tmp_path, backend="triton", timeout_s=300.0, TRITON_INTERPRET="1")
     assert codes == [0, 0], log
-    assert log.count(": ok") == 2 * 4, log
+    assert log.count(": ok") == 2 * 5, log
 
 
 def test_ring_on_cuda_kernels_emulated_on_gloo(tmp_path):
     """The same with the CuPy backend's CUDA kernels run by their host-side emulator (bf16, judged by the
-    conformance rule, 2 ranks, 4 cases)."""
+    conformance rule, 2 ranks, 5 cases)."""
     emulator = pytest.importorskip("mhattn.backends.cupy.emulator")  # in the source tree, not in a wheel
     if emulator.host_compiler() is None:
         pytest.skip("no host C++ compiler for the kernel emulator")
     codes, log = _run_ranks(2, tmp_path, backend="cupy-emulated", timeout_s=360.0)
     assert codes == [0, 0], log
-    assert log.count(": ok") == 2 * 4, log
+    assert log.count(": ok") == 2 * 5, log
 
 
 @pytest.mark.parametrize("script, args, expect", [
