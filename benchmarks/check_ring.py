@@ -6,7 +6,8 @@
     torchrun --nproc-per-node 2 benchmarks/check_ring.py --backend cupy --seqlen ""   # the checks on cupy
 
 1. Agreement: for both layouts, causal and not, and causal with a sliding window of three quarters of a shard and
-   softcap (N = 8k, GQA 8/2, d = 128, bf16), every rank's shard of the ring's
+   softcap, and (contiguous) causal on shards of different lengths with a key-padding mask (N = 8k, GQA 8/2,
+   d = 128, bf16), every rank's shard of the ring's
    output, lse, dq, dk and dv is judged by CONFORMANCE.md's rule (mhattn.conformance.tolerance): gold =
    the reference in float32 over the whole sequence, low precision = the reference in bf16; the single-GPU
    result of the fused backend is judged the same way beside it, and the largest ring vs single-GPU
@@ -104,20 +105,37 @@ def agreement(args, device, dtype, backend) -> bool:
     ok = True
     say(f"\n== agreement: {str(dtype).replace('torch.', '')}, B={batch} Hq={heads_q} Hkv={heads_kv} N={n} "
         f"d={dim}, W={world}, local backend {backend or 'auto'}")
-    # A sliding window of three quarters of a shard (it crosses the shards' boundaries) with softcap, causal.
+    # A sliding window of three quarters of a shard (it crosses the shards' boundaries) with softcap, causal; and
+    # (contiguous) shards of different lengths with a key-padding mask, causal.
     windowed = dict(window=(3 * n // (4 * world), 0), softcap=30.0)
+    shift = n // (4 * world) if world > 1 else 0
+    uneven = tuple(n // world + (shift if r == 0 else -shift if r == world - 1 else 0) for r in range(world))
     for layout in ("contiguous", "zigzag"):
-        for causal, features in ((True, {}), (False, {}), (True, windowed)):
+        cases = [(True, {}), (False, {}), (True, windowed)] + ([(True, "uneven")] if layout == "contiguous" else [])
+        for causal, features in cases:
             gen = torch.Generator(device=device).manual_seed(7)
             q = torch.randn(batch, heads_q, n, dim, generator=gen, device=device, dtype=dtype)
             k = torch.randn(batch, heads_kv, n, dim, generator=gen, device=device, dtype=dtype)
             v = torch.randn(batch, heads_kv, n, dim, generator=gen, device=device, dtype=dtype)
             grad = torch.randn(batch, heads_q, n, dim, generator=gen, device=device, dtype=dtype)
-            kwargs = dict(is_causal=causal, enable_gqa=True, return_lse=True, **features)
+            kwargs = dict(is_causal=causal, enable_gqa=True, return_lse=True)
+            lengths = key_mask = None
+            full_kwargs, label = dict(kwargs), ""
+            if features == "uneven":  # the full run's mask: the key mask and the causal mask together
+                lengths = uneven
+                key_mask = torch.rand(batch, n, generator=gen, device=device) > 0.1
+                rows = torch.arange(n, device=device)
+                full_kwargs.update(is_causal=False,
+                                   attn_mask=key_mask[:, None, None, :] & (rows[None, :] <= rows[:, None]))
+                label = f" lengths={lengths} key_mask"
+            elif features:
+                kwargs.update(features)
+                full_kwargs.update(features)
+                label = f" window={features['window']} softcap={features['softcap']}"
 
             def full_run(inputs, name):
                 leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-                out, lse = mhattn.attention(*leaves, backend=name, **kwargs)
+                out, lse = mhattn.attention(*leaves, backend=name, **full_kwargs)
                 grads = torch.autograd.grad(out, leaves, grad.to(out.dtype))
                 return [out, lse, *grads]
 
@@ -126,10 +144,11 @@ def agreement(args, device, dtype, backend) -> bool:
             single = full_run((q, k, v), backend)
 
             def shard(t, dim=-2):
-                return shard_sequence(t, layout=layout, dim=dim)
+                return shard_sequence(t, layout=layout, dim=dim, lengths=lengths)
 
             local = [shard(t).detach().clone().requires_grad_(True) for t in (q, k, v)]
-            out, lse = ring_attention(*local, layout=layout, backend=backend, **kwargs)
+            out, lse = ring_attention(*local, layout=layout, backend=backend, lengths=lengths,
+                                      key_mask=None if key_mask is None else shard(key_mask, -1), **kwargs)
             grads = torch.autograd.grad(out, local, shard(grad))
             ring = [out, lse, *grads]
 
@@ -144,7 +163,6 @@ def agreement(args, device, dtype, backend) -> bool:
             bad = torch.tensor([sum(not m.ok for m, _ in verdicts)], device=device)
             dist.all_reduce(bad)
             ok &= int(bad) == 0
-            label = f" window={features['window']} softcap={features['softcap']}" if features else ""
             say(f"{layout:<10} causal={str(causal):<5}{label} {'ok' if int(bad) == 0 else 'FAIL'} "
                 f"(rank 0; max |ring - single GPU| = {worst:.3g})")
             for mine, theirs in verdicts:

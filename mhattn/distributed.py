@@ -32,6 +32,9 @@ Causal attention per step (the global mask, seen from one (query shard, key shar
   the second half of the queries sees all keys and the first half sees none. Every step but the diagonal
   is then a non-causal call of C x 2C or 2C x C: balanced, and no offset mask is needed.
 
+A key-padding mask (``key_mask``, one bool per key token) travels with its keys, packed into the same message as
+0 / 1 in K's dtype; each block call then masks its keys as ``mhattn.attention`` masks a bool ``attn_mask``.
+
 With a sliding window (:func:`window_blocks`) a step makes one call per pair of a query chunk and a key chunk
 that the band of global positions reaches: unmasked where the whole pair lies inside the band, else with the
 window's bounds and the pair's offset in global positions (diag_offset), so the local call applies the global
@@ -372,17 +375,20 @@ class _Travelling:
 
 
 class _Shards:
-    """The K/V shards of the ring: their lengths (every rank's, in rank order) and the shapes of K and V with
-    each, so that a step unpacks the visiting shard and sizes the next exchange."""
+    """The K/V shards of the ring: their lengths (every rank's, in rank order) and the shapes of K and V (and of the
+    key mask, where the call has one) with each, so that a step unpacks the visiting shard and sizes the next
+    exchange; ``grad_shapes`` / ``grad_sizes``: the same for the dK/dV accumulators, which travel without a mask."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, lengths):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, lengths, masked: bool = False):
         self.lengths = lengths
-        self.shapes = [((*k.shape[:2], n, k.shape[3]), (*v.shape[:2], n, v.shape[3])) for n in lengths]
-        self.sizes = [sum(torch.Size(shape).numel() for shape in pair) for pair in self.shapes]
+        self.grad_shapes = [((*k.shape[:2], n, k.shape[3]), (*v.shape[:2], n, v.shape[3])) for n in lengths]
+        self.shapes = [pair + (((k.shape[0], n),) if masked else ()) for pair, n in zip(self.grad_shapes, lengths)]
+        self.sizes = [_numel(shapes) for shapes in self.shapes]
+        self.grad_sizes = [_numel(shapes) for shapes in self.grad_shapes]
 
-    @property
-    def capacity(self) -> int:
-        return max(self.sizes)
+
+def _numel(shapes) -> int:
+    return sum(torch.Size(shape).numel() for shape in shapes)
 
 
 def _pack_into(flat: torch.Tensor, tensors) -> torch.Tensor:
@@ -403,17 +409,28 @@ def _unpack(flat: torch.Tensor, shapes) -> list:
 # ---- local attention calls ---------------------------------------------------------------------------
 
 
-def _block_call(block: Block, q, k, v, scale: float, softcap: Optional[float], request):
-    """(backend, params, q rows, k rows, v rows) of one block."""
+def _block_call(block: Block, q, k, v, key_mask, scale: float, softcap: Optional[float], request):
+    """(backend, params, q rows, k rows, v rows) of one block; key_mask: the visiting shard's (B, n) bool key
+    mask (True = attend) or None."""
     q_b, k_b, v_b = q[:, :, block.q_rows], k[:, :, block.kv_rows], v[:, :, block.kv_rows]
+    mask = None
+    if key_mask is not None:  # as mhattn.attention's canonical mask: a view broadcast to (B, Hq, Nq, Nk)
+        mask = key_mask[:, None, None, block.kv_rows].expand(q_b.shape[0], q_b.shape[1], q_b.shape[2], k_b.shape[2])
     # A causal block's diagonal is its right bound (a windowed block's right bound has causal folded in already).
     right = 0 if block.causal and block.window_right is None else block.window_right
     params = AttentionParams(scale=scale, diag_offset=block.diag_offset, window_left=block.window_left,
-                             window_right=right, softcap=softcap)
+                             window_right=right, softcap=softcap, mask=mask)
     problem = Problem.from_tensors(q_b, k_b, v_b, params, causal=block.causal,
                                    window=_uses_window(block.window_left, block.window_right, block.causal))
     backend = dispatch.select(problem, *request)
     return backend, params, q_b, k_b, v_b
+
+
+def _visiting(kv: "_Travelling", shards: _Shards, source: int) -> tuple:
+    """(k, v, key mask or None) of the shard of rank ``source`` that ``kv`` holds now (the mask travels as 0 / 1 in
+    K's dtype)."""
+    views = _unpack(kv.current, shards.shapes[source])
+    return views[0], views[1], (views[2] != 0 if len(views) == 3 else None)
 
 
 def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_block: torch.Tensor, lse_block: torch.Tensor) -> None:
@@ -433,26 +450,25 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _RingAttention(torch.autograd.Function):
-    """q (B, Hq, n, D), k (B, Hkv, n, D), v (B, Hkv, n, Dv): this rank's shard (4-D, last dim contiguous).
-    ``steps[s]``: the blocks of step s, where the ring holds the shard of rank (rank - s) mod W; ``shards``: every
+    """q (B, Hq, n, D), k (B, Hkv, n, D), v (B, Hkv, n, Dv): this rank's shard (4-D, last dim contiguous); key_mask
+    (B, n) bool (True = attend) or None, which travels with the keys. ``steps[s]``: the blocks of step s, where the ring holds the shard of rank (rank - s) mod W; ``shards``: every
     rank's K/V shard shapes (_Shards). Returns out (B, Hq, n, Dv) in q's dtype and lse (B, Hq, n) float32
     (float64 for float64 inputs)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, steps, shards, scale, softcap, request):
+    def forward(ctx, q, k, v, key_mask, ring, steps, shards, scale, softcap, request):
         acc = _accumulate_dtype(q.dtype)
         out_acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
         lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         sources = _sources(ring)
-        kv = _Travelling(ring, shards.sizes[ring.rank], shards.capacity, k.dtype, k.device)
-        _pack_into(kv.current, (k, v))
+        kv = _shards_on_the_move(ring, shards, k, v, key_mask)
         for step, blocks in enumerate(steps):
             last = step + 1 == len(steps)
             if not last:
                 kv.pass_on(shards.sizes[sources[step + 1]])  # the next step's shard moves while this step computes
-            k_s, v_s = _unpack(kv.current, shards.shapes[sources[step]])
+            k_s, v_s, mask_s = _visiting(kv, shards, sources[step])
             for block in blocks:
-                backend, params, q_b, k_b, v_b = _block_call(block, q, k_s, v_s, scale, softcap, request)
+                backend, params, q_b, k_b, v_b = _block_call(block, q, k_s, v_s, mask_s, scale, softcap, request)
                 out_b, lse_b = backend.forward(q_b, k_b, v_b, params)
                 _merge(out_acc[:, :, block.q_rows], lse_acc[:, :, block.q_rows], out_b, lse_b)
             if not last:
@@ -462,33 +478,31 @@ class _RingAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused lse (the usual case) sends no gradient
         ctx.ring, ctx.steps, ctx.shards, ctx.scale, ctx.softcap, ctx.request = (ring, steps, shards, scale, softcap,
                                                                                  request)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, key_mask, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, key_mask, out, lse = ctx.saved_tensors
         ring, steps, shards = ctx.ring, ctx.steps, ctx.shards
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         acc = _accumulate_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         sources = _sources(ring) + [ring.rank]  # after the last step the accumulators go home
-        kv = _Travelling(ring, shards.sizes[ring.rank], shards.capacity, k.dtype, k.device)
-        _pack_into(kv.current, (k, v))
+        kv = _shards_on_the_move(ring, shards, k, v, key_mask)
         # The dK/dV accumulator of the visiting shard: it travels with the shard, one step behind, and
         # reaches its owner after the last step. Summed in float32 (float64) as it goes.
-        dkv = _Travelling(ring, shards.sizes[ring.rank], shards.capacity, acc, q.device)
+        dkv = _Travelling(ring, shards.grad_sizes[ring.rank], max(shards.grad_sizes), acc, q.device)
         dkv.current.zero_()
         for step, blocks in enumerate(steps):
             last = step + 1 == len(steps)
             if not last:
                 kv.pass_on(shards.sizes[sources[step + 1]])
-            shapes = shards.shapes[sources[step]]
-            k_s, v_s = _unpack(kv.current, shapes)
+            k_s, v_s, mask_s = _visiting(kv, shards, sources[step])
             grads = []
             for block in blocks:
-                backend, params, q_b, k_b, v_b = _block_call(block, q, k_s, v_s, ctx.scale, ctx.softcap,
+                backend, params, q_b, k_b, v_b = _block_call(block, q, k_s, v_s, mask_s, ctx.scale, ctx.softcap,
                                                              ctx.request)
                 rows = block.q_rows
                 dq_b, dk_b, dv_b, _ = backend.backward(
@@ -498,15 +512,22 @@ class _RingAttention(torch.autograd.Function):
                 grads.append((block.kv_rows, dk_b, dv_b))
             if step > 0:
                 dkv.arrive()  # this shard's accumulator from the previous rank
-            dk_acc, dv_acc = _unpack(dkv.current, shapes)
+            dk_acc, dv_acc = _unpack(dkv.current, shards.grad_shapes[sources[step]])
             for kv_rows, dk_b, dv_b in grads:
                 dk_acc[:, :, kv_rows] += dk_b
                 dv_acc[:, :, kv_rows] += dv_b
-            dkv.pass_on(shards.sizes[sources[step + 1]])  # after the last step this sends each accumulator home
+            dkv.pass_on(shards.grad_sizes[sources[step + 1]])  # after the last step: each accumulator goes home
             if not last:
                 kv.arrive()
-        dk, dv = _unpack(dkv.arrive(), shards.shapes[ring.rank])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        dk, dv = _unpack(dkv.arrive(), shards.grad_shapes[ring.rank])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+
+
+def _shards_on_the_move(ring, shards: _Shards, k, v, key_mask) -> "_Travelling":
+    """This rank's K, V (and key mask, as 0 / 1 in K's dtype) packed into one buffer that travels around the ring."""
+    kv = _Travelling(ring, shards.sizes[ring.rank], max(shards.sizes), k.dtype, k.device)
+    _pack_into(kv.current, (k, v) if key_mask is None else (k, v, key_mask.to(k.dtype)))
+    return kv
 
 
 def _sources(ring) -> list:
@@ -529,6 +550,7 @@ def ring_attention(
     return_lse: bool = False,
     backend: Optional[str] = None,
     lengths=None,
+    key_mask: Optional[torch.Tensor] = None,
 ):
     """Attention over a sequence sharded across the ranks of ``group``, differentiable.
 
@@ -558,6 +580,10 @@ def ring_attention(
         lengths: shards of different lengths ("contiguous" only): every rank's N_local in rank order, the same
             on every rank (:func:`shard_sequence` cuts such shards); rank r holds global tokens
             [sum(lengths[:r]), sum(lengths[:r + 1])).
+        key_mask: bool (..., N_local) with q's leading dims: True where this rank's key (and value) token takes
+            part, False for padding, the same for every query and head (a key-padding mask, in SDPA's sense of a
+            boolean attn_mask: True = attend). It travels around the ring with its keys. A query that sees no
+            key gives 0 (and lse -inf), as in :func:`mhattn.attention`.
 
     Returns:
         (..., Hq, N_local, Dv) in q's dtype; with ``return_lse`` a tuple ``(out, lse)``.
@@ -582,22 +608,39 @@ def ring_attention(
     comm_backend = str(dist.get_backend(group)).lower()
     if comm_backend == "nccl" and q.device.type != "cuda":
         raise InputError(f"group uses NCCL, which moves CUDA tensors only; q is on {q.device}")
+    key_mask = _check_key_mask(key_mask, out_shape[:-3], n_local, q)
     request = dispatch.requested(backend)
     ring = PeerRing(group, q.device)
     out, lse = _run_ring(q, k, v, ring, layout, is_causal, scale, request, (window_left, window_right), softcap,
-                         lengths)
+                         lengths, key_mask)
     out = out.reshape(out_shape)
     if return_lse:
         return out, lse.reshape(out_shape[:-1])
     return out
 
 
-def _run_ring(q, k, v, ring, layout, is_causal, scale, request, window=(None, None), softcap=None, lengths=None):
+def _check_key_mask(key_mask, leading: tuple, n_local: int, q: torch.Tensor) -> Optional[torch.Tensor]:
+    """ring_attention's key_mask as (B, N_local) bool, B being q's leading dims collapsed, or None."""
+    if key_mask is None:
+        return None
+    if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool:
+        raise InputError(f"key_mask must be a bool tensor (True = attend), got "
+                         f"{getattr(key_mask, 'dtype', type(key_mask).__name__)}")
+    if tuple(key_mask.shape) != (*leading, n_local):
+        raise InputError(f"key_mask must have shape (..., N_local) = {(*leading, n_local)} (q's leading dims, then "
+                         f"this rank's tokens), got {tuple(key_mask.shape)}")
+    if key_mask.device != q.device:
+        raise InputError(f"key_mask must be on q's device ({q.device}), got {key_mask.device}")
+    return key_mask.reshape(q.shape[0], n_local)
+
+
+def _run_ring(q, k, v, ring, layout, is_causal, scale, request, window=(None, None), softcap=None, lengths=None,
+              key_mask=None):
     """The ring on canonical 4-D tensors with a given ring object (``PeerRing``, or a stand-in with the
     same ``rank``, ``size`` and ``start(send, recv)`` for timing the computation alone); lengths: every rank's
-    shard length, or None for equal shards."""
+    shard length, or None for equal shards; key_mask: (B, N_local) bool or None."""
     n_local = q.shape[-2]
-    shards = _Shards(k, v, lengths if lengths is not None else (n_local,) * ring.size)
+    shards = _Shards(k, v, lengths if lengths is not None else (n_local,) * ring.size, key_mask is not None)
     sources = _sources(ring)
     if window == (None, None):
         steps = [step_blocks(layout, ring.rank, source, n_local, is_causal, shards.lengths[source])
@@ -605,4 +648,4 @@ def _run_ring(q, k, v, ring, layout, is_causal, scale, request, window=(None, No
     else:
         steps = [window_blocks(layout, ring.rank, source, ring.size, n_local, is_causal, *window, lengths)
                  for source in sources]
-    return _RingAttention.apply(q, k, v, ring, steps, shards, scale, softcap, request)
+    return _RingAttention.apply(q, k, v, key_mask, ring, steps, shards, scale, softcap, request)

@@ -4,7 +4,7 @@
 
 Joins a gloo group through INIT_FILE, then for each case compares ring_attention on this rank's shard
 with mhattn.attention over the whole sequence in float64 (reference backend): output, log-sum-exp and the
-gradients of q, k, v, with shards of equal lengths and of different ones (UNEVEN). Every rank draws the same full inputs from one seed. Prints one line per case and
+gradients of q, k, v, with shards of equal lengths and of different ones (UNEVEN), and with a key-padding mask. Every rank draws the same full inputs from one seed. Prints one line per case and
 exits 1 if any differs. BACKEND: "reference" (default; float64 inputs, every case) or "triton" (run with
 TRITON_INTERPRET=1: float32 inputs, a few cases; the kernels' backward then gets the merged output and
 log-sum-exp of the whole sequence, and views of the shards, as on a GPU).
@@ -40,6 +40,10 @@ CASES = [
     ("contiguous", False, 4, 2, 8, 5, True, (2,), dict(lengths="uneven")),
     ("contiguous", True, 4, 4, 8, 8, False, (2,), dict(lengths="uneven")),
     ("contiguous", True, 6, 2, 8, 8, True, (1, 2), dict(lengths="uneven", window=(5, 0), softcap=2.0)),
+    # A key-padding mask (key_mask) that travels with its keys; one batch entry sees no key at all.
+    ("contiguous", True, 4, 2, 8, 8, True, (3,), dict(key_mask=True)),
+    ("zigzag", False, 4, 4, 8, 5, False, (3,), dict(key_mask=True, window=(4, 2))),
+    ("contiguous", False, 6, 2, 8, 8, True, (1, 3), dict(key_mask=True, lengths="uneven")),
 ]
 # Shard lengths of the uneven cases, by group size.
 UNEVEN = {1: (7,), 2: (9, 4), 3: (5, 11, 3)}
@@ -50,7 +54,8 @@ UNEVEN = {1: (7,), 2: (9, 4), 3: (5, 11, 3)}
 KERNEL_CASES = [("contiguous", True, 4, 4, 32, 32, False, (2,)), ("zigzag", False, 4, 4, 32, 32, True, (2,)),
                 ("zigzag", True, 6, 2, 32, 32, True, (1, 2)),
                 ("zigzag", True, 4, 2, 32, 32, False, (2,), dict(window=(11, 0), softcap=4.0)),
-                ("contiguous", True, 4, 2, 32, 32, True, (2,), dict(lengths="uneven"))]
+                ("contiguous", True, 4, 2, 32, 32, True, (2,), dict(lengths="uneven")),
+                ("zigzag", True, 4, 2, 32, 32, True, (3,), dict(key_mask=True))]
 
 
 def register_emulated_cupy():
@@ -72,10 +77,15 @@ def register_emulated_cupy():
 
 def check_case(case, world: int, chunk: int, dtype=torch.float64, backend: str = "reference") -> list:
     layout, causal, heads_q, heads_kv, dim, dim_v, lse_grad, batch, *rest = case
-    features = dict(rest[0]) if rest else {}  # window, softcap, lengths
+    features = dict(rest[0]) if rest else {}  # window, softcap, lengths, key_mask
     lengths = UNEVEN[world] if features.pop("lengths", None) else None
+    masked = features.pop("key_mask", False)
     n = sum(lengths) if lengths else 2 * world * chunk
     gen = torch.Generator().manual_seed(1234)
+    key_mask = None
+    if masked:  # about a quarter of the keys padded out; the first batch entry's keys all
+        key_mask = torch.rand(*batch, n, generator=gen) > 0.25
+        key_mask.view(-1, n)[0] = False
     q = torch.randn(*batch, heads_q, n, dim, generator=gen, dtype=torch.float64)
     k = torch.randn(*batch, heads_kv, n, dim, generator=gen, dtype=torch.float64)
     v = torch.randn(*batch, heads_kv, n, dim_v, generator=gen, dtype=torch.float64)
@@ -84,24 +94,32 @@ def check_case(case, world: int, chunk: int, dtype=torch.float64, backend: str =
     gqa = heads_q != heads_kv
 
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out, lse = mhattn.attention(*full, is_causal=causal, enable_gqa=gqa, return_lse=True, backend="reference",
-                                **features)
+    if key_mask is not None:  # the same mask as mhattn.attention's attn_mask, broadcast over heads and queries
+        features_full = dict(features, attn_mask=key_mask[..., None, None, :])
+        if causal:  # a causal mask object and an attn_mask do not mix: the causal part as a bool mask too
+            rows = torch.arange(n)
+            features_full["attn_mask"] = features_full["attn_mask"] & (rows[None, :] <= rows[:, None])
+    else:
+        features_full = features
+    out, lse = mhattn.attention(*full, is_causal=causal and key_mask is None, enable_gqa=gqa, return_lse=True,
+                                backend="reference", **features_full)
     _backward(out, lse, grad_out, grad_lse)
 
     def shard(t, dim=-2):
         return shard_sequence(t, layout=layout, dim=dim, lengths=lengths)
 
     local = [shard(t).detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+    local_mask = None if key_mask is None else shard(key_mask, -1)
     out_l, lse_l = ring_attention(*local, is_causal=causal, enable_gqa=gqa, layout=layout, return_lse=True,
-                                  backend=backend, lengths=lengths, **features)
+                                  backend=backend, lengths=lengths, key_mask=local_mask, **features)
     _backward(out_l, lse_l, shard(grad_out).to(dtype), None if grad_lse is None else shard(grad_lse, -1).to(dtype))
 
     golds = [out, lse] + [t.grad for t in full]
     lowps = [None] * 5
     if dtype in (torch.float16, torch.bfloat16):  # CONFORMANCE.md's rule: the reference in dtype sets the bar
         low = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
-        low_out, low_lse = mhattn.attention(*low, is_causal=causal, enable_gqa=gqa, return_lse=True,
-                                            backend="reference", **features)
+        low_out, low_lse = mhattn.attention(*low, is_causal=causal and key_mask is None, enable_gqa=gqa,
+                                            return_lse=True, backend="reference", **features_full)
         _backward(low_out, low_lse, grad_out.to(dtype), None if grad_lse is None else grad_lse.to(dtype))
         lowps = [low_out, low_lse] + [t.grad for t in low]
     results = []

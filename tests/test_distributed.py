@@ -208,6 +208,10 @@ def test_input_errors(group_of_one):
         shard_sequence(q, lengths=(5,))
     with pytest.raises(mhattn.InputError, match="x_local has 6 tokens along dim 2, but lengths gives rank 0 5"):
         gather_sequence(q, lengths=(5,))
+    with pytest.raises(mhattn.InputError, match="key_mask must be a bool tensor"):
+        ring_attention(q, q, q, key_mask=torch.ones(1, 6))
+    with pytest.raises(mhattn.InputError, match=r"key_mask must have shape \(..., N_local\) = \(1, 6\)"):
+        ring_attention(q, q, q, key_mask=torch.ones(1, 1, 6, dtype=torch.bool))
 
 
 def _communicate(procs, what: str, timeout_s: float) -> list:
@@ -243,32 +247,32 @@ def _run_ranks(world: int, tmp_path, backend: str = "reference", timeout_s: floa
 def test_ring_matches_attention_on_gloo(world, tmp_path):
     """Forward, lse and gradients of every rank's shard equal mhattn.attention over the whole sequence
     (float64, reference backend): both layouts, causal or not, GQA, Dv != D, an lse gradient, windows that cross
-    the shards and softcap, and contiguous shards of different lengths."""
+    the shards and softcap, contiguous shards of different lengths, and key-padding masks."""
     codes, log = _run_ranks(world, tmp_path)
     assert codes == [0] * world, log
-    assert log.count(": ok") == world * 16, log
+    assert log.count(": ok") == world * 19, log
 
 
 @pytest.mark.interpret
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_ring_on_triton_kernels_on_gloo(tmp_path):
-    """The same with the Triton kernels under TRITON_INTERPRET=1 (float32, 2 ranks, 5 cases, one windowed with
-    softcap, one on shards of different lengths): their backward takes the merged output and log-sum-exp of the whole sequence and views of the
+    """The same with the Triton kernels under TRITON_INTERPRET=1 (float32, 2 ranks, 6 cases, one windowed with
+    softcap, one on shards of different lengths, one with a key-padding mask): their backward takes the merged output and log-sum-exp of the whole sequence and views of the
     shards."""
     codes, log = _run_ranks(2, tmp_path, backend="triton", timeout_s=300.0, TRITON_INTERPRET="1")
     assert codes == [0, 0], log
-    assert log.count(": ok") == 2 * 5, log
+    assert log.count(": ok") == 2 * 6, log
 
 
 def test_ring_on_cuda_kernels_emulated_on_gloo(tmp_path):
     """The same with the CuPy backend's CUDA kernels run by their host-side emulator (bf16, judged by the
-    conformance rule, 2 ranks, 5 cases)."""
+    conformance rule, 2 ranks, 6 cases)."""
     emulator = pytest.importorskip("mhattn.backends.cupy.emulator")  # in the source tree, not in a wheel
     if emulator.host_compiler() is None:
         pytest.skip("no host C++ compiler for the kernel emulator")
     codes, log = _run_ranks(2, tmp_path, backend="cupy-emulated", timeout_s=360.0)
     assert codes == [0, 0], log
-    assert log.count(": ok") == 2 * 5, log
+    assert log.count(": ok") == 2 * 6, log
 
 
 @pytest.mark.parametrize("script, args, expect", [
