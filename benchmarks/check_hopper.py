@@ -58,7 +58,8 @@ def launch(q, k, v, causal, diag_offset, poison=True, persistent=None, sm_count=
                                               persistent)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if schedule.tile_counter else lse
     hopper_forward.hopper_forward_kernel[(schedule.programs,)](
-        *hopper_launch.forward_maps(q, k, v, out, head_dim), out, lse, counter, *out.stride()[:3], lse.stride(0), lse.stride(1), heads_q, heads_q // heads_kv, seqlen_q, seqlen_k,
+        *hopper_launch.forward_maps(q, k, v, out, head_dim), out, lse, counter, *out.stride()[:3], lse.stride(0),
+        lse.stride(1), heads_q, heads_q // heads_kv, seqlen_q, seqlen_k,
         *schedule[1:4], LOG2E / math.sqrt(head_dim), diag_offset,
         **hopper_launch.compile_time_args(head_dim, causal, schedule.tile_counter), num_warps=4, **COMPILE_OPTIONS)
     return out, lse

@@ -15,7 +15,8 @@ Host loops (300 calls, one synchronize at the end, best of five) at B=1 H=16 N=1
 (``torch.autograd.set_multithreading_enabled(False)``: the engine runs every node on the calling thread), which
 says what the hand-off to the engine's device thread costs each path.
 ``--bisect`` times the Triton forward+backward through four wrappers, from a bare autograd Function to
-mhattn.attention, on autograd's device thread and on the calling thread. ``--paths`` shows, at the latency shapes, which path auto takes beside torch's SDPA (call_paths).
+mhattn.attention, on autograd's device thread and on the calling thread. ``--paths`` shows, at the latency
+shapes, which path auto takes beside torch's SDPA (call_paths).
 ``--device-thread`` times pieces of host work inside a backward (autograd's device thread) beside the same on the
 main thread. ``--profile triton-fwd`` prints cProfile's top entries of mhattn.attention's forward on the Triton backend;
 ``--profile triton-bwd`` prints cProfile's top entries of the Triton backward where autograd runs it (its
@@ -346,7 +347,8 @@ def main():
     parser.add_argument("--single-thread", action="store_true",
                         help="also the rows with a backward with autograd's multithreading off")
     parser.add_argument("--bisect", action="store_true",
-                        help="only the Triton forward+backward through four wrappers (bisect_rows), both threading modes")
+                        help="only the Triton forward+backward through four wrappers (bisect_rows), both threading "
+                             "modes")
     parser.add_argument("--device-thread", action="store_true",
                         help="also time pieces of host work on autograd's device thread and the main thread")
     args = parser.parse_args()
@@ -359,7 +361,8 @@ def main():
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, dout = (torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
         rows = bisect_rows(*(t.requires_grad_() for t in (q, k, v)), dout)
-        print(f"{'forward+backward host loop, us (B=1 H=16 N=128 d=64 bf16)':<52} {'device thread':>14} {'1 thread':>9}")
+        title = "forward+backward host loop, us (B=1 H=16 N=128 d=64 bf16)"
+        print(f"{title:<52} {'device thread':>14} {'1 thread':>9}")
         for label, fn in rows + rows:  # twice: the host drifts
             multi = host_loop_us(fn)
             with torch.autograd.set_multithreading_enabled(False):

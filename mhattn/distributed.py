@@ -238,7 +238,8 @@ class Block:
         return self.window_left is not None or self.window_right is not None
 
 
-def step_blocks(layout: str, rank: int, source: int, n_local: int, is_causal: bool, n_kv: Optional[int] = None) -> tuple:
+def step_blocks(layout: str, rank: int, source: int, n_local: int, is_causal: bool,
+                n_kv: Optional[int] = None) -> tuple:
     """The :class:`Block` calls of rank ``rank`` at the step where it holds the keys of rank ``source``
     (the module docstring derives them); n_kv: the visiting shard's length where shards differ ("contiguous"
     only; default n_local). An empty tuple: nothing to compute at this step."""
@@ -352,7 +353,7 @@ class _Travelling:
     (``capacity``)."""
 
     def __init__(self, ring, size: int, capacity: int, dtype, device):
-        self.ring, self.pending, self.dtype, self.device = ring, None, dtype, device
+        self.ring, self.pending, self.received = ring, None, None
         self.buffers = [torch.empty(capacity, dtype=dtype, device=device), None]
         self.held = 0  # which buffer holds current
         self.current = self.buffers[0][:size]
@@ -451,9 +452,9 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _RingAttention(torch.autograd.Function):
     """q (B, Hq, n, D), k (B, Hkv, n, D), v (B, Hkv, n, Dv): this rank's shard (4-D, last dim contiguous); key_mask
-    (B, n) bool (True = attend) or None, which travels with the keys. ``steps[s]``: the blocks of step s, where the ring holds the shard of rank (rank - s) mod W; ``shards``: every
-    rank's K/V shard shapes (_Shards). Returns out (B, Hq, n, Dv) in q's dtype and lse (B, Hq, n) float32
-    (float64 for float64 inputs)."""
+    (B, n) bool (True = attend) or None, which travels with the keys. ``steps[s]``: the blocks of step s, where the
+    ring holds the shard of rank (rank - s) mod W; ``shards``: every rank's K/V shard shapes (_Shards). Returns out
+    (B, Hq, n, Dv) in q's dtype and lse (B, Hq, n) float32 (float64 for float64 inputs)."""
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, ring, steps, shards, scale, softcap, request):

@@ -4,8 +4,8 @@
 
 Joins a gloo group through INIT_FILE, then for each case compares ring_attention on this rank's shard
 with mhattn.attention over the whole sequence in float64 (reference backend): output, log-sum-exp and the
-gradients of q, k, v, with shards of equal lengths and of different ones (UNEVEN), and with a key-padding mask. Every rank draws the same full inputs from one seed. Prints one line per case and
-exits 1 if any differs. BACKEND: "reference" (default; float64 inputs, every case) or "triton" (run with
+gradients of q, k, v, with shards of equal lengths and of different ones (UNEVEN), and with a key-padding mask.
+Every rank draws the same full inputs from one seed. Prints one line per case and exits 1 if any differs. BACKEND: "reference" (default; float64 inputs, every case) or "triton" (run with
 TRITON_INTERPRET=1: float32 inputs, a few cases; the kernels' backward then gets the merged output and
 log-sum-exp of the whole sequence, and views of the shards, as on a GPU).
 """

@@ -257,8 +257,8 @@ def test_ring_matches_attention_on_gloo(world, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_ring_on_triton_kernels_on_gloo(tmp_path):
     """The same with the Triton kernels under TRITON_INTERPRET=1 (float32, 2 ranks, 6 cases, one windowed with
-    softcap, one on shards of different lengths, one with a key-padding mask): their backward takes the merged output and log-sum-exp of the whole sequence and views of the
-    shards."""
+    softcap, one on shards of different lengths, one with a key-padding mask): their backward takes the merged
+    output and log-sum-exp of the whole sequence and views of the shards."""
     codes, log = _run_ranks(2, tmp_path, backend="triton", timeout_s=300.0, TRITON_INTERPRET="1")
     assert codes == [0, 0], log
     assert log.count(": ok") == 2 * 6, log

@@ -207,9 +207,9 @@ def test_a_differentiated_call_is_chosen_by_forward_backward_time_in_eager_and_c
         mhattn.register_backend(Counted(name))
     try:
         mhattn.set_priority("cpu", ["fast_forward", "fast_training"])
-        tuned = make_table([cell({"fast_forward": 1.0, "fast_training": 2.0}, {"fast_forward": 9.0, "fast_training": 3.0},
-                                 dtype="fp32", batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64, head_dim=16)],
-                           key=cpu)
+        times = ({"fast_forward": 1.0, "fast_training": 2.0}, {"fast_forward": 9.0, "fast_training": 3.0})
+        tuned = make_table([cell(*times, dtype="fp32", batch=1, heads_q=2, heads_kv=2, seqlen_q=64, seqlen_k=64,
+                                 head_dim=16)], key=cpu)
         monkeypatch.setattr(table, "active_table", lambda *_: tuned)
         dispatch.clear_cache()
         q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
