@@ -1,6 +1,7 @@
 """Dispatch by measured speed, without a GPU: the grids, timing tables (save, load, which one applies), the
 nearest-shape lookup, the dispatcher's hook and its fallback, and `mhattn tune` end to end on the CPU."""
 
+import io
 import json
 
 import pytest
@@ -237,6 +238,22 @@ def test_a_differentiated_call_is_chosen_by_forward_backward_time_in_eager_and_c
         for name in ("fast_forward", "fast_training"):
             mhattn.unregister_backend(name)
         dispatch.clear_cache()
+
+
+def test_tune_compiles_the_cupy_variants_of_its_cells_ahead(monkeypatch):
+    """Before timing, `mhattn tune` compiles the CuPy variants of its cells' head dims (and those without one) in
+    parallel, the Hopper family too on sm_90, and none of the head dims it does not time."""
+    from mhattn.backends.cupy import build
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    monkeypatch.setattr(build, "run_cupy", lambda args, archs, head_dims=None: asked.append((archs, head_dims)))
+    tune_cli._compile_cupy_kernels(io.StringIO(), {128, 64})
+    assert asked == [(["sm_90", "sm_90a"], [64, 128])]
+    tasks = build.tasks_for(["sm_90", "sm_90a"], head_dims=[64, 128])
+    head_dims = {dict(variant.defines).get("HEAD_DIM") for variant, _, _ in tasks}
+    assert head_dims == {None, 64, 128} and any(variant.arch_features == "a" for variant, _, _ in tasks)
+    assert len(tasks) < len(build.tasks_for(["sm_90", "sm_90a"]))
 
 
 # ---- `mhattn tune` on the CPU -----------------------------------------------------------------------------------

@@ -46,7 +46,9 @@ def _compile_one(task):
     return variant.label, compiler.target_name(variant, cc), time.perf_counter() - start, error
 
 
-def tasks_for(archs, use_cache=True) -> list:
+def tasks_for(archs, use_cache=True, head_dims=None) -> list:
+    """(variant, cc, use_cache) for every variant a GPU of each of ``archs`` may launch; ``head_dims``: only the
+    variants of those head dims (and those without one, such as the split-KV combine)."""
     from mhattn.backends.cupy import variants
 
     tasks = []
@@ -58,6 +60,8 @@ def tasks_for(archs, use_cache=True) -> list:
             tasks.extend((variant, cc, use_cache) for variant in variants.hopper_variants())
         else:
             tasks.extend((variant, cc, use_cache) for variant in variants.all_variants(cc))
+    if head_dims is not None:
+        tasks = [task for task in tasks if dict(task[0].defines).get("HEAD_DIM") in (None, *head_dims)]
     return tasks
 
 
@@ -93,9 +97,9 @@ def run(args) -> int:
     return 1 if failed else code
 
 
-def run_cupy(args, archs) -> int:
+def run_cupy(args, archs, head_dims=None) -> int:
     try:
-        tasks = tasks_for(archs, use_cache=not args.no_cache)
+        tasks = tasks_for(archs, use_cache=not args.no_cache, head_dims=head_dims)
     except ValueError as error:
         print(f"mhattn build: {error}", file=sys.stderr)
         return 2

@@ -73,7 +73,7 @@ def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep
           f"warm-up {settings['warmup_ms']:g} ms, runs {settings['rep_ms']:g} ms per timing", file=stream, flush=True)
     started = time.time()
     if torch.device(device).type == "cuda" and "cupy" in names and not _unavailable("cupy"):
-        _compile_cupy_kernels(stream)
+        _compile_cupy_kernels(stream, {c.head_dim for c in cells})
     bar = Progress(len(tasks), enabled=progress, title="tune")
     try:
         outcome = run_tasks(tasks, device=device, isolate=isolate, progress=bar, task_timeout=task_timeout,
@@ -106,17 +106,19 @@ def _unavailable(name) -> list:
     return registry.get_backend(name).unavailable()
 
 
-def _compile_cupy_kernels(stream) -> None:
-    """Compile every CuPy kernel variant for this GPU into the kernel cache, on all CPU cores at once (about
-    146 variants): the timed cells would otherwise compile the ones they use one after another."""
+def _compile_cupy_kernels(stream, head_dims) -> None:
+    """Compile the CuPy kernel variants of the timed cells' head dims for this GPU into the kernel cache, on all CPU
+    cores at once, the Hopper family too on sm_90 (the cells' own kernels there): the timed cells would otherwise
+    compile the ones they use one after another. Variants of other head dims (half of them) are left out."""
     import argparse
 
     try:
-        from mhattn.backends.cupy import build
+        from mhattn.backends.cupy import build, variants
 
-        major, minor = torch.cuda.get_device_capability()
+        cc = torch.cuda.get_device_capability()
+        archs = [f"sm_{cc[0]}{cc[1]}"] + (["sm_90a"] if tuple(cc) == tuple(variants.HOPPER_CC) else [])
         with contextlib.redirect_stdout(stream):
-            build.run(argparse.Namespace(arch=f"sm_{major}{minor}", jobs=0, no_cache=False, list=False))
+            build.run_cupy(argparse.Namespace(jobs=0, no_cache=False, list=False), archs, sorted(head_dims))
     except Exception as error:  # the cells compile what they need, slower
         print(f"mhattn tune: compiling the CuPy kernels ahead failed ({error}); the cells will compile them", file=stream)
 
