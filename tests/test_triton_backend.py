@@ -1001,6 +1001,52 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
         assert torch.equal(dq, launch_values.view(batch, 1, 1, 1).expand_as(q).to(q.dtype))
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_forward_host_side_zeroes_a_tile_counter_per_causal_launch(monkeypatch, causal):
+    """hopper_launch.forward's arguments, by the kernel's own parameter names, with a launcher that records them: a
+    causal persistent grid (more tiles than programs) gets a fresh int32 counter at 0 at every launch, whatever the
+    kernel left in the one before, and TILE_COUNTER set; without a causal mask, a round-robin grid and no counter."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from types import SimpleNamespace
+
+    from mhattn.backends.triton import hopper_forward, hopper_launch
+
+    batch, heads, seqlen, head_dim = 4, 8, 1024, 128
+    q = torch.randn(batch, heads, seqlen, head_dim, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(batch, heads, seqlen, dtype=torch.float32)
+    names = hopper_forward.hopper_forward_kernel.arg_names
+    calls = []
+
+    class RecordingLauncher:
+        def constexprs(self, *args, **kwargs):
+            return kwargs
+
+        def launch(self, grid, args, constexprs, device_index):
+            named = dict(zip(names, args))
+            calls.append((grid, constexprs, named["TileCounter"], named["TileCounter"].clone()))
+            if constexprs["TILE_COUNTER"]:
+                named["TileCounter"].fill_(grid[0] * 7)  # what the kernel's atomic adds leave behind
+
+    monkeypatch.setattr(hopper_launch, "_launcher", [RecordingLauncher()])
+    monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
+    plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen, seqlen_k=seqlen, batch=batch, heads_q=heads, kv_group=1,
+                           has_right=causal, hopper_schedule=None)
+    run = SimpleNamespace(qk_scale2=1.0, diag_offset=0)
+    for _ in range(2):
+        hopper_launch.forward(q, q, q, out, lse, run, plan, None)
+    tiles = batch * heads * seqlen // (2 * hopper_launch.QUERY_ROWS_PER_CONSUMER)
+    assert [grid for grid, *_ in calls] == [(132,), (132,)] and tiles > 132
+    for grid, constexprs, counter, at_launch in calls:
+        assert constexprs["TILE_COUNTER"] == causal
+        if causal:
+            assert counter.dtype == torch.int32 and at_launch.tolist() == [0]
+        else:
+            assert counter is lse  # a placeholder the kernel does not read
+    if causal:
+        assert calls[0][2] is not calls[1][2]  # each launch its own counter
+
+
 def test_key_bounds_of_key_padding_masks():
     """Per-batch key bounds for masks shared by heads and rows (no Triton needed); None for other masks."""
     from mhattn.backends.triton.key_padding import key_bounds
