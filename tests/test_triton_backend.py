@@ -935,6 +935,20 @@ def test_hopper_backward_slices_bound_the_dq_buffer():
     assert backward_slices(7, 4, ACCUMULATOR_BYTES // 8, 1000, 132) == (2, 4)  # 8 heads fit: slices of 2, 2, 2, 1
 
 
+class RecordingLauncher:
+    """A stand-in for a Gluon kernel's CompiledLauncher in hopper_launch: each launch hands ``record`` its grid, its
+    arguments by the kernel's parameter names and its compile-time set (the constexprs it was given)."""
+
+    def __init__(self, kernel, record):
+        self.names, self.record = kernel.arg_names, record
+
+    def constexprs(self, *args, **kwargs):
+        return kwargs
+
+    def launch(self, grid, args, constexprs, device_index):
+        self.record(grid, dict(zip(self.names, args)), constexprs)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("seqlen_q, slices", [(200, False), (2500, False), (200, True)])
 def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_head_is_small(monkeypatch, seqlen_q,
@@ -955,19 +969,14 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
     rows = torch.zeros(batch, heads_q, seqlen_q, dtype=torch.float32)
     dq = torch.full_like(q, float("nan"))
     dk, dv = torch.empty_like(k), torch.empty_like(k)
-    names = hopper_backward.hopper_backward_kernel.arg_names
     calls = []
 
-    class RecordingLauncher:
-        def constexprs(self, *args, **kwargs):
-            return kwargs
+    def record(grid, named, constexprs):
+        calls.append((grid, named, named["dQacc"].clone(), named["DqCounters"].clone()))  # as the kernel finds them
+        named["dQacc"].fill_(len(calls))  # what the kernel adds: a value per launch, so a host copy shows in dq
 
-        def launch(self, grid, args, constexprs, device_index):
-            named = dict(zip(names, args))
-            calls.append((grid, named, named["dQacc"].clone(), named["DqCounters"].clone()))  # as the kernel finds them
-            named["dQacc"].fill_(len(calls))  # what the kernel adds: a value per launch, so a host copy shows in dq
-
-    monkeypatch.setattr(hopper_launch, "_backward_launcher", [RecordingLauncher()])
+    monkeypatch.setattr(hopper_launch, "_backward_launcher",
+                        [RecordingLauncher(hopper_backward.hopper_backward_kernel, record)])
     monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
     if slices:  # a launch per batch entry
         monkeypatch.setattr(hopper_launch, "SINGLE_LAUNCH_BYTES", 1)
@@ -1015,20 +1024,14 @@ def test_hopper_forward_host_side_zeroes_a_tile_counter_per_causal_launch(monkey
     batch, heads, seqlen, head_dim = 4, 8, 1024, 128
     q = torch.randn(batch, heads, seqlen, head_dim, dtype=torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(batch, heads, seqlen, dtype=torch.float32)
-    names = hopper_forward.hopper_forward_kernel.arg_names
     calls = []
 
-    class RecordingLauncher:
-        def constexprs(self, *args, **kwargs):
-            return kwargs
+    def record(grid, named, constexprs):
+        calls.append((grid, constexprs, named["TileCounter"], named["TileCounter"].clone()))
+        if constexprs["TILE_COUNTER"]:
+            named["TileCounter"].fill_(grid[0] * 7)  # what the kernel's atomic adds leave behind
 
-        def launch(self, grid, args, constexprs, device_index):
-            named = dict(zip(names, args))
-            calls.append((grid, constexprs, named["TileCounter"], named["TileCounter"].clone()))
-            if constexprs["TILE_COUNTER"]:
-                named["TileCounter"].fill_(grid[0] * 7)  # what the kernel's atomic adds leave behind
-
-    monkeypatch.setattr(hopper_launch, "_launcher", [RecordingLauncher()])
+    monkeypatch.setattr(hopper_launch, "_launcher", [RecordingLauncher(hopper_forward.hopper_forward_kernel, record)])
     monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
     plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen, seqlen_k=seqlen, batch=batch, heads_q=heads, kv_group=1,
                            has_right=causal, hopper_schedule=None)
