@@ -254,6 +254,9 @@ def test_tune_compiles_the_cupy_variants_of_its_cells_ahead(monkeypatch):
     head_dims = {dict(variant.defines).get("HEAD_DIM") for variant, _, _ in tasks}
     assert head_dims == {None, 64, 128} and any(variant.arch_features == "a" for variant, _, _ in tasks)
     assert len(tasks) < len(build.tasks_for(["sm_90", "sm_90a"]))
+    # A head dim between buckets takes the variants of its bucket (80 runs the d = 96 kernels).
+    assert {dict(variant.defines).get("HEAD_DIM") for variant, _, _ in build.tasks_for(["sm_90"], head_dims=[80])} == {
+        None, 96}
 
 
 # ---- `mhattn tune` on the CPU -----------------------------------------------------------------------------------

@@ -48,7 +48,8 @@ def _compile_one(task):
 
 def tasks_for(archs, use_cache=True, head_dims=None) -> list:
     """(variant, cc, use_cache) for every variant a GPU of each of ``archs`` may launch; ``head_dims``: only the
-    variants of those head dims (and those without one, such as the split-KV combine)."""
+    variants that run those head dims (their buckets, variants.head_dim_bucket) and those without one (the split-KV
+    combine)."""
     from mhattn.backends.cupy import variants
 
     tasks = []
@@ -61,7 +62,8 @@ def tasks_for(archs, use_cache=True, head_dims=None) -> list:
         else:
             tasks.extend((variant, cc, use_cache) for variant in variants.all_variants(cc))
     if head_dims is not None:
-        tasks = [task for task in tasks if dict(task[0].defines).get("HEAD_DIM") in (None, *head_dims)]
+        buckets = {None} | {variants.head_dim_bucket(d) for d in head_dims}
+        tasks = [task for task in tasks if dict(task[0].defines).get("HEAD_DIM") in buckets]
     return tasks
 
 
