@@ -23,7 +23,6 @@ on an sm_90 GPU:
 """
 
 import argparse
-import functools
 import math
 import os
 
