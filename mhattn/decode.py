@@ -145,13 +145,17 @@ def _check_forward_only(q, k, v) -> None:
                          "or pass tensors that do not require grad")
 
 
+def _check_causal(is_causal) -> None:
+    if is_causal not in (True, False):
+        raise InputError(f"is_causal must be a bool, got {is_causal!r}")
+
+
 def _compiled_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend):
     """The call as the custom op takes it: the window split into its bounds, the backend request checked now but
     resolved when the compiled code runs (as mhattn.attention's op does). The op has no autograd: inputs that
     require grad are refused here, at trace time."""
     _check_forward_only(q, k, v)
-    if is_causal not in (True, False):
-        raise InputError(f"is_causal must be a bool, got {is_causal!r}")
+    _check_causal(is_causal)  # before the op's schema makes it a bool
     left, right = _window(window)
     request = "" if backend is None else _backend_argument(backend)
     return torch.ops.mhattn.attention_with_kvcache(
@@ -246,8 +250,7 @@ def _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
         if block_table.shape[0] != batch:
             raise InputError(f"block_table must have shape (B, max_blocks) with B = {batch}, got "
                              f"{tuple(block_table.shape)}")
-    if is_causal not in (True, False):
-        raise InputError(f"is_causal must be a bool, got {is_causal!r}")
+    _check_causal(is_causal)
 
     capacity = cache_capacity(k_cache, block_table)
     left, right = _window(window)
