@@ -45,6 +45,10 @@ LN2 = gl.constexpr(0.6931471805599453)
 # Per-thread register budgets of the partitions (setmaxnreg): the load warp needs few.
 LOAD_REGS = gl.constexpr(24)
 CONSUMER_REGS = gl.constexpr(240)
+# Which key blocks of a loop softmax_step masks (masked_scores): none, every one, or those from a block number on.
+MASK_NONE = gl.constexpr(0)
+MASK_ALL = gl.constexpr(1)
+MASK_FROM = gl.constexpr(2)
 
 
 @triton.constexpr_function
@@ -219,14 +223,17 @@ def masked_scores(qk, start_m, start_n, seqlen_k, diag_offset, BLOCK_M: gl.const
 
 
 @gluon.jit
-def softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset, qk_scale2,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
-    """The online softmax of key block j: returns (p, alpha, m_new, l_new), p unnormalised in fp32, m in base-2
-    units of the scaled scores. The row maximum is taken of the unscaled scores and scaled once per row (qk_scale2 >
-    0: hopper_launch.why_not), so each exponent's argument, qk * qk_scale2 - m, is one fused multiply-add instead of
-    a multiply over the whole block and then a subtraction."""
-    if j >= full:
+def softmax_step(qk, m_i, l_i, j, mask_from, start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr):
+    """The online softmax of key block j, masked (masked_scores) as MASK says (MASK_FROM: when j >= mask_from):
+    returns (p, alpha, m_new, l_new), p unnormalised in fp32, m in base-2 units of the scaled scores. The row maximum is taken of the unscaled scores and
+    scaled once per row (qk_scale2 > 0: hopper_launch.why_not), so each exponent's argument, qk * qk_scale2 - m, is
+    one fused multiply-add instead of a multiply over the whole block and then a subtraction."""
+    if MASK == MASK_ALL:
         qk = masked_scores(qk, start_m, j * BLOCK_N, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+    elif MASK == MASK_FROM:
+        if j >= mask_from:
+            qk = masked_scores(qk, start_m, j * BLOCK_N, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale2)
     # A row that has seen no visible key keeps m = -inf; shifting by 0 keeps exp2(-inf) = 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -234,6 +241,36 @@ def softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset, qk_scale
     alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i, acc, first, end,
+                  mask_from, step, start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr):
+    """Key blocks first .. end - 1 of a tile whose ring steps start at ``step``, after block first - 1's softmax (p,
+    alpha), masked as MASK says (softmax_step): each block's S_j goes to the tensor cores first, then P_{j-1} V_{j-1}
+    behind it; while they run nothing waits, and the softmax of block j starts once S_j alone has finished. Returns
+    (p, alpha, m, l, acc) after block end - 1's softmax (its P V is the caller's)."""
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(q_smem.shape[1])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    for j in range(first, end):
+        slot = (step + j) % NUM_STAGES
+        prev = (step + j - 1) % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), ((step + j) // NUM_STAGES) & 1)
+        qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((step + j - 1) // NUM_STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), block_tile(v_smem, prev), acc,
+                            is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk, ))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, j, mask_from, start_m, seqlen_k, diag_offset, qk_scale2,
+                                          BLOCK_M, BLOCK_N, CAUSAL, MASK, s_layout)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return p, alpha, m_i, l_i, acc
 
 
 @gluon.jit
@@ -265,9 +302,11 @@ def release_previous_q_buffer(q_empty, rounds, Q_BUFFERS: gl.constexpr):
 def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
                  o_desc, out_base, stride_om, lse_base, batch, head, start_m, cta_blocks, seqlen_q, seqlen_k,
                  diag_offset, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
+                 SPLIT_MASKED: gl.constexpr):
     """One softmax warpgroup on one tile (the program's ``rounds``-th): BLOCK_M query rows from start_m, its half
     HALF of Q buffer rounds % Q_BUFFERS, every key block they see (ring slots from ``step`` on), then the output.
+    Rows all past Nq (the last tile of a head, partly filled) compute nothing and only release the ring's blocks.
 
     With two Q buffers, the output is staged in this tile's Q slot (its S products are done by then) and written by
     the copy engine, and the slot goes back to the load warp once the next tile's first product has run, so the
@@ -284,6 +323,8 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
     staged: gl.constexpr = Q_BUFFERS == 2
 
     num_blocks, full = visible_key_blocks(start_m, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    if start_m >= seqlen_q:
+        num_blocks = 0
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
@@ -298,26 +339,31 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
         mbarrier.arrive(k_empty.index(slot), count=1)
         if staged:
             release_previous_q_buffer(q_empty, rounds, Q_BUFFERS)
-        p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
-                                          BLOCK_M, BLOCK_N, CAUSAL, s_layout)
-        for j in range(1, num_blocks):
-            slot = (step + j) % NUM_STAGES
-            prev = (step + j - 1) % NUM_STAGES
-            # S_j on the tensor cores first, then P_{j-1} V_{j-1} behind it: while they run, nothing
-            # waits; the softmax of block j starts once S_j alone has finished.
-            mbarrier.wait(k_ready.index(slot), ((step + j) // NUM_STAGES) & 1)
-            qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((step + j - 1) // NUM_STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), block_tile(v_smem, prev), acc,
-                                is_async=True)
-            qk = warpgroup_mma_wait(1, deps=(qk, ))
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, j, full, start_m, seqlen_k, diag_offset,
-                                              qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        if SPLIT_MASKED:
+            # The blocks every row sees whole, then those with invisible keys (the causal diagonal, the sequence's
+            # end): two loops, so that the first carries none of the mask's work or registers.
+            if full > 0:
+                p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
+                                                  BLOCK_M, BLOCK_N, CAUSAL, MASK_NONE, s_layout)
+            else:
+                p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
+                                                  BLOCK_M, BLOCK_N, CAUSAL, MASK_ALL, s_layout)
+            unmasked_end = gl.maximum(full, 1)
+            p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
+                                                    alpha, m_i, l_i, acc, 1, unmasked_end, full, step, start_m,
+                                                    seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                                    CAUSAL, MASK_NONE)
+            p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
+                                                    alpha, m_i, l_i, acc, unmasked_end, num_blocks, full, step,
+                                                    start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N,
+                                                    NUM_STAGES, CAUSAL, MASK_ALL)
+        else:
+            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
+                                              BLOCK_M, BLOCK_N, CAUSAL, MASK_FROM, s_layout)
+            p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
+                                                    alpha, m_i, l_i, acc, 1, num_blocks, full, step, start_m,
+                                                    seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N, NUM_STAGES,
+                                                    CAUSAL, MASK_FROM)
         if not staged:
             # Every S product of this tile has finished: Q's slot may take the next tile's rows.
             mbarrier.arrive(q_empty.index(0), count=1)
@@ -358,7 +404,8 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
                          stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile, rounds, step, num_tiles,
                          num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
                          HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
+                         NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
+                         SPLIT_MASKED: gl.constexpr):
     """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took."""
     batch, head, tile_m, cta_blocks = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k,
                                               diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
@@ -366,7 +413,8 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
     lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
     consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
                  o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_blocks, seqlen_q,
-                 seqlen_k, diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL)
+                 seqlen_k, diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
+                 SPLIT_MASKED)
     return cta_blocks
 
 
@@ -376,7 +424,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                        tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                        diag_offset, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                       TILE_COUNTER: gl.constexpr):
+                       TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr):
     """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
     load warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds): round-robin, or with TILE_COUNTER
     the tile numbers the load warp hands over (take_tile)."""
@@ -392,7 +440,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                                      o_desc, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile,
                                      rounds, step, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                                      diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                                     CAUSAL)
+                                     CAUSAL, SPLIT_MASKED)
         rounds += 1
         if TILE_COUNTER:
             tile = take_tile(tile_slots, tile_full, tile_empty, rounds, slot_layout)
@@ -410,7 +458,7 @@ def hopper_forward_kernel(
     stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr,
+    Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
     blocks of (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine
@@ -426,8 +474,9 @@ def hopper_forward_kernel(
     takes the next tile no program has taken yet from TileCounter (int32, zeroed before the launch: causal tiles
     differ in work, and whichever program is free first takes the next); without it TileCounter is not read.
     Q_BUFFERS (1 or 2): Q buffers, so that the
-    next tile's Q loads during this one (consume_tile). Launched with 4 warps (the first consumer) plus the
-    partitions' own."""
+    next tile's Q loads during this one (consume_tile). SPLIT_MASKED: a tile's key blocks run as two loops, the
+    unmasked ones and then those that need the mask, instead of one loop that checks each block.
+    Launched with 4 warps (the first consumer) plus the partitions' own."""
     dtype: gl.constexpr = q_desc.dtype
 
     # Slots of (1, 1, rows, D) tiles, as the copy engine writes them (the products read them as (rows, D)); Q buffer
@@ -462,12 +511,12 @@ def hopper_forward_kernel(
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
                               tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                               diag_offset, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                              CAUSAL, TILE_COUNTER)),
+                              CAUSAL, TILE_COUNTER, SPLIT_MASKED)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
                               tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                               diag_offset, qk_scale2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                              CAUSAL, TILE_COUNTER)),
+                              CAUSAL, TILE_COUNTER, SPLIT_MASKED)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                           v_empty, tile_slots, tile_full, tile_empty, TileCounter, num_tiles, num_m_blocks,
                           group_heads, heads_q, kv_group, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES,

@@ -35,6 +35,10 @@ KEY_BLOCK = {64: 128, 128: 128, 256: 64}
 QUERY_ROWS_PER_CONSUMER = 64   # one wgmma row block per consumer warpgroup
 # Head dim -> K/V ring slots of the forward (two fill shared memory at d = 128 and 256).
 FORWARD_STAGES = {64: 2, 128: 2, 256: 2}
+# Head dim -> whether the forward runs a tile's unmasked key blocks and its masked ones (the causal diagonal, a partial
+# last block) as two loops (hopper_forward.consume_tile): +2-6% at d = 128 and level to +3% at d = 256 over one loop
+# that checks each block, but 2-6% slower at d = 64 causal (NOTES version 18).
+FORWARD_SPLIT_MASKED = {64: False, 128: True, 256: True}
 # Head dim -> Q buffers of the forward: two where shared memory has room (d = 64: 48 + 64 KB; d = 128: 64 + 128 KB of
 # Q and the K/V ring), so the next tile's Q loads during this one and this one's output is staged in its Q slot for
 # the copy engine (hopper_forward.consume_tile); one at d = 256 (its Q and ring take 192 KB).
@@ -173,7 +177,7 @@ def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False) -
     (the launch, `mhattn build` and the GPU check script use the same)."""
     return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
                 NUM_STAGES=FORWARD_STAGES[head_dim], Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal,
-                TILE_COUNTER=tile_counter)
+                TILE_COUNTER=tile_counter, SPLIT_MASKED=FORWARD_SPLIT_MASKED[head_dim])
 
 
 class ForwardSchedule(NamedTuple):
