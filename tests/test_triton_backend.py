@@ -289,6 +289,40 @@ def check_through_attention(dtype="float16"):
         assert err < 2e-2 * max(1.0, float(want.abs().max())), f"{name}: max error {err}"
 
 
+def check_preprocess_zeroes_the_hopper_sums(zero_words=5000, guard=300):
+    """The backward preprocess with ZERO_BLOCK on (what a one-launch Gluon Hopper backward asks of it): its programs
+    zero exactly zero_words words of a NaN-poisoned buffer, chunk by chunk (the last chunk partial), and leave the
+    words after them alone; delta and lse2 are the same as without it (the rows' sums of dO * O; lse in base 2, +inf
+    for a row that saw no key)."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton.backward import backward_preprocess_kernel
+
+    gen = torch.Generator().manual_seed(5)
+    batch, heads, seqlen, head_dim, block_m = 2, 3, 70, 16, 64
+    out, grad_out = (torch.randn(batch, heads, seqlen, head_dim, generator=gen) for _ in range(2))
+    lse = torch.randn(batch, heads, seqlen, generator=gen)
+    lse[0, 1, 5] = float("-inf")
+    num_blocks = -(-seqlen // block_m)
+    programs = batch * heads * num_blocks
+    chunk = -(-(-(-zero_words // programs)) // triton_backend.ZERO_BLOCK) * triton_backend.ZERO_BLOCK
+    results = []
+    for zero_block in (0, triton_backend.ZERO_BLOCK):
+        delta, lse2 = (torch.full((batch, heads, seqlen), float("nan")) for _ in range(2))
+        zero = torch.full((zero_words + guard,), float("nan"))
+        backward_preprocess_kernel[(programs,)](
+            out, grad_out, lse, lse, delta, lse2, zero, *out.stride()[:3], *grad_out.stride()[:3], *lse.stride(),
+            *lse.stride(), heads, seqlen, num_blocks, delta.stride(1), zero_words if zero_block else 0, chunk,
+            HEAD_DIM_V=head_dim, BLOCK_DV=head_dim, BLOCK_M=block_m, HAS_GRAD_LSE=False, ZERO_BLOCK=zero_block)
+        results.append((delta, lse2, zero))
+    (delta, lse2, untouched), (delta_z, lse2_z, zero) = results
+    assert torch.isnan(untouched).all()  # ZERO_BLOCK = 0 writes nothing there
+    assert torch.equal(zero[:zero_words], torch.zeros(zero_words)) and torch.isnan(zero[zero_words:]).all()
+    assert torch.equal(delta, delta_z) and torch.equal(lse2, lse2_z)
+    assert torch.allclose(delta, (out * grad_out).sum(-1), atol=1e-5)
+    want = torch.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    assert torch.allclose(lse2, want)
+
+
 # ---- running checks under the interpreter -----------------------------------------------------------------
 
 _WORKER_MAIN = r"""
@@ -551,6 +585,11 @@ def test_interpreter_dropout_bits_match_spec(interpreter):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_interpreter_dropout_keep_mask_in_attention(interpreter, dtype):
     interpreter.run("check_dropout_mask_in_attention", dtype=dtype)
+
+
+@pytest.mark.interpret
+def test_interpreter_preprocess_zeroes_the_hopper_sums(interpreter):
+    interpreter.run("check_preprocess_zeroes_the_hopper_sums")
 
 
 @pytest.mark.interpret
@@ -957,7 +996,8 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
     dQ's float32 sums zeroed and followed by one zeroed int32 counter per (batch, key/value head) in the same buffer;
     the kernel converts dQ itself (convert_in_kernel 1, dq not written on the host) where a head's sums take at
     most CONVERT_IN_KERNEL_MAX_BYTES, else the host copies the sums into dq after the launch; one launch per slice
-    with its own sums and counters."""
+    with its own sums and counters, zeroed on the host; with one launch, the caller's buffer of
+    backward_sums_words words (zeroed by the preprocess kernel)."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from types import SimpleNamespace
 
@@ -986,7 +1026,11 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
                            kv_group=heads_q // heads_kv, has_right=False, hopper_backward_constexprs=None,
                            hopper_backward_slices=None)
     run = SimpleNamespace(qk_scale2=1.0, sm_scale=1.0, diag_offset=0)
-    hopper_launch.backward(q, k, k, q, rows, rows, dq, dk, dv, run, plan, None)
+    # One launch: the caller allocates the sums and counters beside lse2 and delta, and the preprocess zeroes them.
+    words = hopper_launch.backward_sums_words(plan, None)
+    assert words == (0 if slices else batch * heads_kv * ((heads_q // heads_kv) * seqlen_q * head_dim + 1))
+    given = torch.zeros(words) if words else None
+    hopper_launch.backward(q, k, k, q, rows, rows, dq, dk, dv, run, plan, None, given)
 
     small = (heads_q // heads_kv) * seqlen_q * head_dim * 4 <= hopper_launch.CONVERT_IN_KERNEL_MAX_BYTES
     assert len(calls) == (batch if slices else 1)
@@ -996,6 +1040,8 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
         assert sums.shape == named["dQ"].shape and sums.dtype == torch.float32 and not sums.any()
         assert counters.dtype == torch.int32 and counters.tolist() == [0] * (entries * heads_kv)
         assert named["DqCounters"].data_ptr() == named["dQacc"].data_ptr() + sums.numel() * 4  # right after the sums
+        if not slices:  # the caller's buffer: the sums from its start, the counters filling the rest
+            assert named["dQacc"].data_ptr() == given.data_ptr() and words == sums.numel() + counters.numel()
         assert named["convert_in_kernel"] == int(small)
         assert (named["stride_dqb"], named["stride_dqh"], named["stride_dqn"]) == dq.stride()[:3]
         for name, grad in (("dk_desc", dk), ("dv_desc", dv)):  # written through the copy engine, in K's blocks

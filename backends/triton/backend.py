@@ -30,6 +30,8 @@ MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 # One program per (batch, head, block) on grid axis 0, whose limit is 2**31 - 1.
 MAX_GRID = 2**31 - 1
+# Words each store of the backward preprocess's zeroing writes (backward.zero_words_of_program).
+ZERO_BLOCK = 1024
 
 _kernels = None
 
@@ -161,6 +163,16 @@ class _Plan:
         layouts.output_buffer lays it out, lse (B, Hq, Nq) float32 contiguous (layouts.lse_buffer's)."""
         return (torch.empty_strided(*self.out_layout, dtype=q.dtype, device=q.device),
                 torch.empty_strided(*self.rows_layout, dtype=torch.float32, device=q.device))
+
+    def backward_scratch(self, device, sums_words: int) -> tuple:
+        """(delta, lse2, sums) of a backward from one float32 allocation: delta and lse2 in padded_rows_layout, then
+        ``sums_words`` words for the Hopper backward's dQ sums and counters (None when 0). Every part starts on a
+        16-byte boundary (the rows are padded to 4 floats), as the copy engine reads them."""
+        shape, strides = self.padded_rows_layout
+        rows = self.batch * strides[0]
+        scratch = torch.empty(2 * rows + sums_words, dtype=torch.float32, device=device)
+        return (scratch.as_strided(shape, strides, 0), scratch.as_strided(shape, strides, rows),
+                scratch[2 * rows:] if sums_words else None)
 
     def constexprs(self, launcher: CompiledLauncher, tile: configs.KernelConfig, **kwargs):
         """The launcher's compile-time argument set for ``tile`` and ``kwargs`` (with this plan's flags), made
@@ -639,11 +651,12 @@ class TritonBackend(Backend):
             dq.zero_(), dk.zero_(), dv.zero_()
             return dq, dk, dv, (dmask.to(params.mask.dtype) if dmask is not None else None)
 
-        delta = torch.empty_strided(*plan.padded_rows_layout, dtype=torch.float32, device=q.device)
-        lse2 = torch.empty_strided(*plan.padded_rows_layout, dtype=torch.float32, device=q.device)
-        # The Gluon Hopper backward (hopper_backward.py) keeps its own float32 dQ buffers (hopper_launch.backward).
         hopper = plan.sm90 and hopper_launch.why_not_backward(plan, run, _descriptor_ready(grad_out),
                                                               self._deterministic()) is None
+        # The Gluon Hopper backward's float32 dQ sums and counters, when it runs as one launch: in the same
+        # allocation as delta and lse2, zeroed by the preprocess kernel (hopper_launch.backward).
+        sums_words = hopper_launch.backward_sums_words(plan, plan.device_index) if hopper else 0
+        delta, lse2, sums = plan.backward_scratch(q.device, sums_words)
         dq_mode = 0 if hopper else self._dq_mode(run, mask_grad)
         # dQ summed inside the dK/dV kernel: a zeroed float32 buffer (B, Hq, Nq, D), converted at the end.
         dq_acc = (torch.zeros(plan.batch, plan.heads_q, plan.seqlen_q, plan.head_dim, dtype=torch.float32,
@@ -657,17 +670,22 @@ class TritonBackend(Backend):
 
             def prepare_preprocess():
                 num_pre_blocks = triton_cdiv(plan.seqlen_q, block_pre)
-                return (plan.batch * plan.heads_q * num_pre_blocks,), (
+                programs = plan.batch * plan.heads_q * num_pre_blocks
+                zero_block = ZERO_BLOCK if sums_words else 0
+                zero_chunk = triton_cdiv(triton_cdiv(sums_words, programs), ZERO_BLOCK) * ZERO_BLOCK
+                return (programs,), (
                     *_strides4(out), *_strides4(grad_out),
                     lse.stride(0), lse.stride(1), lse.stride(2),
                     grad_lse_arg.stride(0), grad_lse_arg.stride(1), grad_lse_arg.stride(2),
-                    plan.heads_q, plan.seqlen_q, num_pre_blocks, delta.stride(1),
+                    plan.heads_q, plan.seqlen_q, num_pre_blocks, delta.stride(1), sums_words, zero_chunk,
                 ), kernel.preprocess.cached_constexprs(4, 1, HEAD_DIM_V=plan.head_dim_v, BLOCK_DV=plan.block_dv,
-                                                       BLOCK_M=block_pre, HAS_GRAD_LSE=grad_lse is not None)
+                                                       BLOCK_M=block_pre, HAS_GRAD_LSE=grad_lse is not None,
+                                                       ZERO_BLOCK=zero_block)
 
             _launch_site(run.signature, (kernel.preprocess, out.stride(), grad_out_strides, lse.stride(),
-                               None if grad_lse is None else grad_lse.stride()),
-                         kernel.preprocess, (out, grad_out, lse, grad_lse_arg, delta, lse2), (), prepare_preprocess)
+                                         None if grad_lse is None else grad_lse.stride(), sums_words),
+                         kernel.preprocess, (out, grad_out, lse, grad_lse_arg, delta, lse2,
+                                             delta if sums is None else sums), (), prepare_preprocess)
 
             def launch_dkdv(tile):
                 tma = run.tma(tile, grad_out)
@@ -705,7 +723,7 @@ class TritonBackend(Backend):
 
             key = plan.shrink_key + (run.tma_ok, dq_mode)
             if hopper:
-                hopper_launch.backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, plan.device_index)
+                hopper_launch.backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, plan.device_index, sums)
             elif dq_mode:
                 _run("dkdv", plan.config.dkdv, key, launch_dkdv)
                 dq.copy_(dq_acc)

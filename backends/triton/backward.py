@@ -35,20 +35,25 @@ from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile, keep_
 from mhattn.backends.triton.scores import LOG2E, attention_scores, key_major_ranges, query_major_ranges
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "num_m_blocks", "stride_rows"])
+@triton.jit(do_not_specialize=["seqlen_q", "num_m_blocks", "stride_rows", "zero_words", "zero_chunk"])
 def backward_preprocess_kernel(
-    Out, dOut, Lse, GradLse, Delta, Lse2,
+    Out, dOut, Lse, GradLse, Delta, Lse2, Zero,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, stride_lm,
     stride_gb, stride_gh, stride_gm,
-    heads_q, seqlen_q, num_m_blocks, stride_rows,
+    heads_q, seqlen_q, num_m_blocks, stride_rows, zero_words, zero_chunk,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
+    ZERO_BLOCK: tl.constexpr,
 ):
     """Delta and Lse2 (B, Hq, Nq) fp32, rows of one (batch, head) stride_rows apart (>= Nq; padded so the copy
     engine can read them), from Out, dOut (B, Hq, Nq, Dv) and Lse, GradLse (B, Hq, Nq), all by their strides.
+    ZERO_BLOCK > 0: also zero the zero_words 32-bit words at Zero (the Hopper backward's dQ sums and counters, so
+    that they need no launch of their own), zero_chunk of them per program (a multiple of ZERO_BLOCK).
     Grid: (B * Hq * cdiv(Nq, BLOCK_M),)."""
     pid = tl.program_id(0)
+    if ZERO_BLOCK > 0:
+        zero_words_of_program(Zero, pid, zero_words, zero_chunk, ZERO_BLOCK)
     batch_head = pid // num_m_blocks
     start_m = (pid % num_m_blocks) * BLOCK_M
     batch = (batch_head // heads_q).to(tl.int64)
@@ -75,6 +80,17 @@ def backward_preprocess_kernel(
     out_offsets = batch_head.to(tl.int64) * stride_rows + offs_m
     tl.store(Delta + out_offsets, delta, mask=rows_ok)
     tl.store(Lse2 + out_offsets, lse2, mask=rows_ok)
+
+
+@triton.jit
+def zero_words_of_program(Zero, pid, zero_words, zero_chunk, ZERO_BLOCK: tl.constexpr):
+    """Program ``pid``'s chunk of the zero_words float32 words at Zero: [pid * zero_chunk, (pid + 1) * zero_chunk)."""
+    first = pid.to(tl.int64) * zero_chunk
+    end = tl.minimum(first + zero_chunk, zero_words)
+    zeros = tl.zeros([ZERO_BLOCK], tl.float32)
+    for start in range(first, end, ZERO_BLOCK):
+        offs = start + tl.arange(0, ZERO_BLOCK)
+        tl.store(Zero + offs, zeros, mask=offs < end)
 
 
 @triton.jit

@@ -323,40 +323,52 @@ def backward_compile_time_args(head_dim: int, causal: bool) -> dict:
                 NUM_STAGES=BACKWARD_STAGES[head_dim], CAUSAL=causal, STAGED_DK_DV=BACKWARD_STAGED_DK_DV[head_dim])
 
 
-def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int) -> None:
-    """Launch the Hopper backward into dq, dk, dv (allocated by the caller); lse2 and delta from backward.py's
-    preprocess, rows padded to a 16-byte stride. dQ is summed in float32; where a (batch, key/value head)'s sums take
-    at most CONVERT_IN_KERNEL_MAX_BYTES the kernel's program that adds last converts them into dq, else they are
-    copied into dq after the launch. To bound that buffer, large problems run as several launches over slices of the
-    batch or of the key/value heads (:func:`backward_slices`)."""
+def _backward_setup(plan, device_index: int) -> tuple:
+    """(launcher, compile-time set, (batches, key/value heads) per launch) of the backward, made once per plan."""
     if not _backward_launcher:
         from mhattn.backends.triton import hopper_backward
 
         _backward_launcher.append(CompiledLauncher(hopper_backward.hopper_backward_kernel))
     launcher = _backward_launcher[0]
-    head_dim, key_rows = plan.head_dim, BACKWARD_KEY_BLOCK[plan.head_dim]
-    num_n_blocks = -(-plan.seqlen_k // key_rows)
-    constexprs = plan.hopper_backward_constexprs
-    if constexprs is None:
-        constexprs = plan.hopper_backward_constexprs = launcher.constexprs(
-            8, 1, **backward_compile_time_args(head_dim, plan.has_right))
+    if plan.hopper_backward_constexprs is None:
+        num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[plan.head_dim])
         plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
-                                                      * head_dim * 4, num_n_blocks, _sm_count(device_index))
-    batches, heads = plan.hopper_backward_slices
+                                                      * plan.head_dim * 4, num_n_blocks, _sm_count(device_index))
+        plan.hopper_backward_constexprs = launcher.constexprs(
+            8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right))
+    return launcher, plan.hopper_backward_constexprs, plan.hopper_backward_slices
+
+
+def backward_sums_words(plan, device_index: int) -> int:
+    """float32 words of the dQ sums and their counters (one int32 word per (batch, key/value head)) when the backward
+    runs as one launch, which the caller allocates beside lse2 and delta and zeroes with them (backward.py's
+    preprocess); 0 when it runs in slices (:func:`backward` allocates and zeroes a slice's buffer itself)."""
+    _, _, (batches, heads) = _backward_setup(plan, device_index)
+    if batches != plan.batch or heads != plan.heads_kv:
+        return 0
+    return plan.batch * plan.heads_kv * (plan.kv_group * plan.seqlen_q * plan.head_dim + 1)
+
+
+def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int, sums=None) -> None:
+    """Launch the Hopper backward into dq, dk, dv (allocated by the caller); lse2 and delta from backward.py's
+    preprocess, rows padded to a 16-byte stride. dQ is summed in float32; where a (batch, key/value head)'s sums take
+    at most CONVERT_IN_KERNEL_MAX_BYTES the kernel's program that adds last converts them into dq, else they are
+    copied into dq after the launch. ``sums``: the zeroed buffer of :func:`backward_sums_words` words when the backward
+    runs as one launch. To bound that buffer, large problems run as several launches over slices of the batch or of
+    the key/value heads (:func:`backward_slices`), each zeroing its own."""
+    launcher, constexprs, (batches, heads) = _backward_setup(plan, device_index)
+    head_dim = plan.head_dim
+    num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[head_dim])
     group = plan.kv_group
-    # The float32 dQ sums of a launch, then its counters (one int32 word per (batch, key/value head)), zeroed in one
-    # pass; the kernel converts each head's sums into dq itself where they are small enough.
-    accumulator = torch.empty(batches * heads * (group * plan.seqlen_q * head_dim + 1), dtype=torch.float32,
-                              device=q.device)
     convert_in_kernel = group * plan.seqlen_q * head_dim * 4 <= CONVERT_IN_KERNEL_MAX_BYTES
 
-    def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s):
-        sums = q_s.numel()
-        zeroed = accumulator[:sums + k_s.shape[0] * k_s.shape[1]].zero_()
-        dq_acc = zeroed[:sums].view(q_s.shape)
+    def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed):
+        # The float32 dQ sums of a launch, then its counters.
+        sums_words = q_s.numel()
+        dq_acc = zeroed[:sums_words].view(q_s.shape)
         launcher.launch((k_s.shape[0] * k_s.shape[1] * num_n_blocks,), (
             *backward_maps(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_acc, dk_s, dv_s, head_dim),
-            dk_s, dv_s, dq_s, dq_acc, zeroed[sums:].view(torch.int32), *dk.stride()[:3], *dv.stride()[:3],
+            dk_s, dv_s, dq_s, dq_acc, zeroed[sums_words:].view(torch.int32), *dk.stride()[:3], *dv.stride()[:3],
             *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2,
             run.sm_scale, run.diag_offset, int(convert_in_kernel),
         ), constexprs, device_index)
@@ -364,14 +376,18 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
             dq_s.copy_(dq_acc)
 
     if batches == plan.batch and heads == plan.heads_kv:  # one launch over the whole tensors: no slicing views
-        launch(q, k, v, grad_out, lse2, delta, dq, dk, dv)
+        launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums)
         return
+    accumulator = torch.empty(batches * heads * (group * plan.seqlen_q * head_dim + 1), dtype=torch.float32,
+                              device=q.device)
     for b0 in range(0, plan.batch, batches):
         for h0 in range(0, plan.heads_kv, heads):
             b, h = slice(b0, b0 + batches), slice(h0, h0 + heads)
             hq = slice(h0 * group, (h0 + heads) * group)
-            launch(q[b, hq], k[b, h], v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq[b, hq], dk[b, h],
-                   dv[b, h])
+            q_s, k_s = q[b, hq], k[b, h]
+            zeroed = accumulator[:q_s.numel() + k_s.shape[0] * k_s.shape[1]].zero_()
+            launch(q_s, k_s, v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq[b, hq], dk[b, h], dv[b, h],
+                   zeroed)
 
 
 # The last program to add to a (batch, key/value head)'s dQ converts that head's float32 sums into dQ when they take at

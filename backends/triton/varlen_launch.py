@@ -101,12 +101,12 @@ def backward(grad_out, q, k, v, out, lse, packing: Packing, params: AttentionPar
         block_pre = 64
         num_pre_blocks = triton_cdiv(total_q, block_pre)
         backward_module.backward_preprocess_kernel[(heads_q * num_pre_blocks,)](
-            out, grad_out, lse, grad_lse_arg, delta, lse2,
+            out, grad_out, lse, grad_lse_arg, delta, lse2, delta,
             *_packed_strides(out), *_packed_strides(grad_out),
             0, lse.stride(0), lse.stride(1), 0, grad_lse_arg.stride(0), grad_lse_arg.stride(1),
-            heads_q, total_q, num_pre_blocks, delta.stride(0),
+            heads_q, total_q, num_pre_blocks, delta.stride(0), 0, 0,
             HEAD_DIM_V=run.plan.head_dim_v, BLOCK_DV=run.plan.block_dv, BLOCK_M=block_pre,
-            HAS_GRAD_LSE=grad_lse is not None, num_warps=4, num_stages=1, **COMPILE_OPTIONS,
+            HAS_GRAD_LSE=grad_lse is not None, ZERO_BLOCK=0, num_warps=4, num_stages=1, **COMPILE_OPTIONS,
         )
 
         def launch_dkdv(tile):
