@@ -268,18 +268,22 @@ SWEEP = (
     ("causal tiles over all heads", lambda d, causal: causal, {"CAUSAL_GROUP_BYTES": 1 << 40}),
     ("3 K/V slots", lambda d, causal: d == 64, {"FORWARD_STAGES": {64: 3}}),
     ("4 K/V slots", lambda d, causal: d == 64, {"FORWARD_STAGES": {64: 4}}),
+    ("one loop over key blocks", lambda d, causal: d in (128, 256), {"FORWARD_SPLIT_MASKED": {128: False, 256: False}}),
 )
+# Settings that change the kernel's build (its compile-time arguments): the sweep runs the correctness pass with each.
+BUILD_SETTINGS = ("FORWARD_STAGES", "FORWARD_SPLIT_MASKED")
 
 
 def forward_sweep(dtype, seqlens, wanted=None):
     """The backend's forward (as mhattn.attention runs it) under each SWEEP setting that applies to a cell, beside
     the shipped settings and sdpa-cudnn, timed in turn; prints TFLOP/s (blank where a setting does not apply).
-    Settings that change the kernel's build (FORWARD_STAGES) first run the correctness pass at their head dims."""
+    Settings that change the kernel's build (BUILD_SETTINGS) first run the correctness pass at their head dims."""
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
     for label, _, settings in SWEEP:
-        if "FORWARD_STAGES" in settings:
-            print(f"correctness with {label}:", flush=True)
-            with_forward_settings(lambda: correctness(set(settings["FORWARD_STAGES"])), settings)
+        for name in BUILD_SETTINGS:
+            if name in settings:
+                print(f"correctness with {label}:", flush=True)
+                with_forward_settings(lambda: correctness(set(settings[name])), settings)
     rows = []
     for head_dim in kernel_head_dims(hopper_launch.KEY_BLOCK, wanted):
         for seqlen in seqlens:

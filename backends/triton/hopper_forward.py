@@ -306,7 +306,6 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                  SPLIT_MASKED: gl.constexpr):
     """One softmax warpgroup on one tile (the program's ``rounds``-th): BLOCK_M query rows from start_m, its half
     HALF of Q buffer rounds % Q_BUFFERS, every key block they see (ring slots from ``step`` on), then the output.
-    Rows all past Nq (the last tile of a head, partly filled) compute nothing and only release the ring's blocks.
 
     With two Q buffers, the output is staged in this tile's Q slot (its S products are done by then) and written by
     the copy engine, and the slot goes back to the load warp once the next tile's first product has run, so the
@@ -323,8 +322,6 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
     staged: gl.constexpr = Q_BUFFERS == 2
 
     num_blocks, full = visible_key_blocks(start_m, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
-    if start_m >= seqlen_q:
-        num_blocks = 0
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
