@@ -36,8 +36,8 @@ QUERY_ROWS_PER_CONSUMER = 64   # one wgmma row block per consumer warpgroup
 # Head dim -> K/V ring slots of the forward (two fill shared memory at d = 128 and 256).
 FORWARD_STAGES = {64: 2, 128: 2, 256: 2}
 # Head dim -> whether the forward runs a tile's unmasked key blocks and its masked ones (the causal diagonal, a partial
-# last block) as two loops (hopper_forward.consume_tile): +2-6% at d = 128 and level to +3% at d = 256 over one loop
-# that checks each block, but 2-6% slower at d = 64 causal (NOTES version 18).
+# last block) as two loops (hopper_forward.consume_tile): over one loop that checks each block, +1-8% at d = 128 up to
+# 4k keys and +2-7% at d = 256 (level at 1k without a mask), but 2-6% slower at d = 64 causal (NOTES version 18).
 FORWARD_SPLIT_MASKED = {64: False, 128: True, 256: True}
 # Head dim -> Q buffers of the forward: two where shared memory has room (d = 64: 48 + 64 KB; d = 128: 64 + 128 KB of
 # Q and the K/V ring), so the next tile's Q loads during this one and this one's output is staged in its Q slot for
