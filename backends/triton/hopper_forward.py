@@ -12,6 +12,8 @@ What the FlashAttention-2 kernel (forward.py) leaves to Triton's pipeliner is sp
   shared memory (P from registers), with the online softmax between them. The product S_{j+1} = Q K_{j+1}^T
   is issued before P_j V_j, and the softmax of block j+1 runs while P_j V_j is still on the tensor cores
   (FlashAttention-3's intra-warpgroup overlap); the two consumers also interleave on the SM's schedulers;
+- where SPLIT_MASKED is set (hopper_launch.FORWARD_SPLIT_MASKED), a tile's key blocks run as two loops, those every
+  row sees whole without any mask code and then the one or two that need the mask (attend_blocks);
 - the registers move to the consumers: the load warp keeps LOAD_REGS per thread, and each consumer warpgroup
   gets up to CONSUMER_REGS (``setmaxnreg``, through warp_specialize's register budgets);
 - where shared memory has room (d = 64, 128), Q has two buffers, so the next tile's Q lands while this tile runs,
