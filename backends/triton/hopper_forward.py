@@ -472,9 +472,9 @@ def hopper_forward_kernel(
     whose next tile's loads run under this tile's last products and output. TILE_COUNTER: after its first, program p
     takes the next tile no program has taken yet from TileCounter (int32, zeroed before the launch: causal tiles
     differ in work, and whichever program is free first takes the next); without it TileCounter is not read.
-    Q_BUFFERS (1 or 2): Q buffers, so that the
-    next tile's Q loads during this one (consume_tile). SPLIT_MASKED: a tile's key blocks run as two loops, the
-    unmasked ones and then those that need the mask, instead of one loop that checks each block.
+    Q_BUFFERS (1 or 2): Q buffers, so that the next tile's Q loads during this one (consume_tile). SPLIT_MASKED: a
+    tile's key blocks run as two loops, the unmasked ones and then those that need the mask, instead of one loop that
+    checks each block.
     Launched with 4 warps (the first consumer) plus the partitions' own."""
     dtype: gl.constexpr = q_desc.dtype
 

@@ -346,7 +346,13 @@ def backward_sums_words(plan, device_index: int) -> int:
     _, _, (batches, heads) = _backward_setup(plan, device_index)
     if batches != plan.batch or heads != plan.heads_kv:
         return 0
-    return plan.batch * plan.heads_kv * (plan.kv_group * plan.seqlen_q * plan.head_dim + 1)
+    return _sums_words(plan, batches, heads)
+
+
+def _sums_words(plan, batches: int, heads: int) -> int:
+    """float32 words of one launch's dQ sums and counters over ``batches`` x ``heads`` (batch, key/value head) pairs:
+    each pair's sums for its kv_group query heads, then its int32 counter."""
+    return batches * heads * (plan.kv_group * plan.seqlen_q * plan.head_dim + 1)
 
 
 def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int, sums=None) -> None:
@@ -378,8 +384,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     if batches == plan.batch and heads == plan.heads_kv:  # one launch over the whole tensors: no slicing views
         launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums)
         return
-    accumulator = torch.empty(batches * heads * (group * plan.seqlen_q * head_dim + 1), dtype=torch.float32,
-                              device=q.device)
+    accumulator = torch.empty(_sums_words(plan, batches, heads), dtype=torch.float32, device=q.device)
     for b0 in range(0, plan.batch, batches):
         for h0 in range(0, plan.heads_kv, heads):
             b, h = slice(b0, b0 + batches), slice(h0, h0 + heads)
