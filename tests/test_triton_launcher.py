@@ -395,3 +395,190 @@ def test_the_decoding_launches_prepared_once_pass_what_a_first_call_passes(monke
     assert again == fresh == first
     assert all(call["split_kv_kernel"] for call in again) and any(call["combine_splits_kernel"] for call in again)
     assert any(entry[0] == "handle" for entry in jit["split_kv_kernel"].log)  # the repeats went through handles
+
+
+# ---- launches with host tensor maps of a fixed geometry (launcher.PreparedMapLaunch) ------------------------------
+
+# The names the direct path reads from a compiled launcher's globals, as Triton 3.6's driver module has them: the map
+# encoder and the length of the launch arguments' head. These stand-ins encode a map as a tuple saying what it maps.
+_BASE_ARGS_FORMAT_LEN = 13
+ENCODED = []
+
+
+def make_tensordesc_arg(descriptor, meta):
+    ENCODED.append(descriptor.base.data_ptr())
+    return [("encoded", descriptor.base.data_ptr(), tuple(descriptor.block_shape), meta["swizzle"]),
+            *descriptor.shape, *descriptor.strides]
+
+
+def _launch_laid_out_as_triton_3_6(c_launch, tensordesc_indices, tensordesc_meta):
+    """A compiled launcher's ``launch`` with Triton 3.6's layout: the 13 head items, then each kernel argument, a map
+    expanded by the module's encoder with its metadata, handed to the C launch function (here a recorder)."""
+    launcher = c_launch
+
+    def inner(*args):
+        expanded, maps = list(args[:_BASE_ARGS_FORMAT_LEN]), 0
+        for index, arg in enumerate(args[_BASE_ARGS_FORMAT_LEN:]):
+            if index in tensordesc_indices:
+                expanded.extend(make_tensordesc_arg(arg, tensordesc_meta[maps]))
+                maps += 1
+            else:
+                expanded.append(arg)
+        return launcher(*expanded)
+
+    return inner
+
+
+class _Triton36Run:
+    """A compiled kernel's launcher called as Triton 3.6's is: (grid, stream, function, *args) in, the C launch
+    function out with the launch flags and (absent) scratch memory after the function."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, log, launch=None):
+        self.launch = launch or _launch_laid_out_as_triton_3_6(lambda *args: log.append(("c", args)), {0}, [
+            {"swizzle": 3, "elem_size": 2, "elem_type": 1, "block_size": [64, 64], "fp4_padded": False}])
+
+    def __call__(self, grid_x, grid_y, grid_z, stream, function, *args):
+        self.launch(grid_x, grid_y, grid_z, stream, function, self.launch_cooperative_grid, self.launch_pdl, None,
+                    None, *args)
+
+
+class _Compiled36(_Compiled):
+    def __init__(self, log, number, launch=None):
+        super().__init__(log, number)
+        self.run = _Triton36Run(log, launch)
+
+
+class Recording36Kernel(RecordingKernel):
+    """A RecordingKernel whose compiled kernels' launchers are laid out as Triton 3.6's (``launch``: the factory of
+    their C-launch wrapper, default the stand-in above)."""
+
+    def __init__(self, fn, launch=None):
+        super().__init__(fn)
+        self.launch = launch
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.compiled += 1
+            self.log.append(("triton", self.compiled, grid, args, kwargs))
+            return _Compiled36(self.log, self.compiled, self.launch and self.launch(self.log))
+
+        return launch
+
+
+def _fp16_map(tensor, block=(64, 64)):
+    gluon_hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from mhattn.backends.triton.hopper_forward import tile_layout
+
+    return gluon_hopper.TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), list(block),
+                                         tile_layout(block[0], block[1], 16))
+
+
+@pytest.fixture
+def map_recording(monkeypatch):
+    monkeypatch.setattr(launcher_module, "current_stream", lambda index: 1234)
+    monkeypatch.setattr(launcher_module, "_launch_hooks_set", lambda: False)
+    ENCODED.clear()
+    return Recording36Kernel(map_kernel)
+
+
+def _expected_c_launch(kernel, number, descriptor, y, rows):
+    """What Triton 3.6's own launcher passes its C launch function for these arguments through the kept handle."""
+    compiled = _Compiled36([], number)
+    log = []
+    compiled.run = _Triton36Run(log)
+    compiled.run(3, 1, 1, 1234, compiled.function, compiled.packed_metadata, None, None, None, descriptor,
+                 y.data_ptr(), rows, 64)
+    return log[0][1]
+
+
+def test_a_prepared_map_launch_passes_the_c_launch_what_triton_s_wrapper_would(map_recording):
+    """After the first launch (Triton's path), launches with new tensors call the C launch function directly with
+    the very arguments Triton 3.6's wrapper would pass it, each map encoded once per address; another alignment of a
+    pointer argument, a map's tensor of another dtype, and launch hooks take Triton's path."""
+    kernel = map_recording
+    launcher = CompiledLauncher(kernel)
+    sets = launcher.constexprs(4, 1, BLOCK=64)
+    x1, y1 = torch.zeros(128, 64, dtype=torch.float16), torch.zeros(8)
+    site = launcher.prepare_maps((3,), (_fp16_map(x1), y1, 5), sets, 0)
+    site.launch((x1, y1, 5))
+    assert kinds(kernel) == ["triton"] and kernel.log[0][3][0].base is x1
+    for _ in range(2):
+        x2, y2 = torch.zeros(128, 64, dtype=torch.float16), torch.zeros(8)
+        encoded_before = len(ENCODED)
+        site.launch((x2, y2, 5))
+        site.launch((x2, y2, 5))
+        assert ENCODED[encoded_before:] == [x2.data_ptr()]  # one encoding for two launches over x2
+        assert kernel.log[-1] == ("c", _expected_c_launch(kernel, 1, _fp16_map(x2), y2, 5))
+        assert kernel.log[-2] == kernel.log[-1]
+    assert launcher.handle_launches == 4
+    site.launch((x2, torch.zeros(9)[1:], 5))  # Y 4 bytes past a 16-byte boundary: another specialisation
+    assert kinds(kernel)[-1] == "triton"
+    site.launch((x2.bfloat16(), y2, 5))  # a bfloat16 tensor in a float16 map's place: never the float16 handle
+    assert kinds(kernel)[-1] == "triton" and kernel.log[-1][3][0].base.dtype == torch.bfloat16
+
+
+def test_a_prepared_map_launch_leaves_hooked_launches_to_triton(map_recording, monkeypatch):
+    kernel = map_recording
+    launcher = CompiledLauncher(kernel)
+    x, y = torch.zeros(128, 64, dtype=torch.float16), torch.zeros(8)
+    site = launcher.prepare_maps((3,), (_fp16_map(x), y, 5), launcher.constexprs(4, 1, BLOCK=64), 0)
+    site.launch((x, y, 5))
+    monkeypatch.setattr(launcher_module, "_launch_hooks_set", lambda: True)
+    site.launch((x, y, 5))
+    assert kinds(kernel) == ["triton", "triton"]
+
+
+def test_a_prepared_map_launch_on_another_launcher_layout_goes_through_the_kept_handle(recording):
+    """A compiled launcher not laid out as Triton 3.6's: the kept handle gets maps of the prepared geometry over the
+    new tensors."""
+    kernel = RecordingKernel(map_kernel)
+    launcher = CompiledLauncher(kernel)
+    x1, y = torch.zeros(128, 64, dtype=torch.float16), torch.zeros(8)
+    prepared_map = _fp16_map(x1)
+    site = launcher.prepare_maps((3,), (prepared_map, y, 5), launcher.constexprs(4, 1, BLOCK=64), 0)
+    site.launch((x1, y, 5))
+    x2 = torch.zeros(128, 64, dtype=torch.float16)
+    site.launch((x2, y, 5))
+    assert kinds(kernel) == ["triton", "handle"]
+    passed = kernel.log[1][2][9]
+    assert passed.base is x2 and passed.shape == prepared_map.shape and passed.strides == prepared_map.strides
+    assert passed.block_shape == prepared_map.block_shape and passed.layout == prepared_map.layout
+    with pytest.raises(TypeError, match="no host tensor maps"):
+        launcher.prepare_maps((3,), (x1, y, 5), launcher.constexprs(4, 1, BLOCK=64), 0)
+
+
+def test_the_direct_path_reads_triton_3_6_s_own_launcher_wrapper(map_recording, monkeypatch):
+    """Where Triton 3.6 is installed: its own wrapper (driver.wrap_handle_tensordesc) and encoder, over a recording C
+    launch function and a stand-in for the driver's map encoding, are what the direct path finds and matches."""
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    if getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) != 13 or not hasattr(driver, "wrap_handle_tensordesc"):
+        pytest.skip("Triton's launcher is not laid out as 3.6's here")
+    from types import SimpleNamespace
+
+    from triton.runtime.driver import driver as driver_config
+
+    def fill_tma_descriptor(address, swizzle, elem_size, elem_type, block, shape, strides, padding):
+        return ("encoded", address, tuple(block), swizzle)
+
+    monkeypatch.setattr(driver_config, "_active", SimpleNamespace(
+        utils=SimpleNamespace(fill_tma_descriptor=fill_tma_descriptor)))
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 1, "block_size": [64, 64], "fp4_padded": False}
+    signature = {0: "tensordesc<fp16[64, 64]>", 1: "*fp32", 2: "i32", 3: "constexpr"}
+    kernel = Recording36Kernel(map_kernel, launch=lambda log: driver.wrap_handle_tensordesc(
+        lambda *args: log.append(("c", args)), signature, [meta]))
+    launcher = CompiledLauncher(kernel)
+    x1, x2, y = (torch.zeros(128, 64, dtype=torch.float16), torch.zeros(128, 64, dtype=torch.float16),
+                 torch.zeros(8))
+    site = launcher.prepare_maps((3,), (_fp16_map(x1), y, 5), launcher.constexprs(4, 1, BLOCK=64), 0)
+    site.launch((x1, y, 5))
+    site.launch((x2, y, 5))
+    assert kinds(kernel) == ["triton", "c"]
+    handle_log = []
+    compiled = _Compiled36(handle_log, 1, driver.wrap_handle_tensordesc(
+        lambda *args: handle_log.append(("c", args)), signature, [meta]))
+    compiled.run(3, 1, 1, 1234, compiled.function, compiled.packed_metadata, None, None, None, _fp16_map(x2),
+                 y.data_ptr(), 5, 64)
+    assert kernel.log[-1] == handle_log[-1]

@@ -200,6 +200,12 @@ class CompiledLauncher:
         their tensors only (same positions; every other argument equal)."""
         return PreparedLaunch(self, grid, args, constexprs, device_index)
 
+    def prepare_maps(self, grid: tuple, args: tuple, constexprs: ConstexprSet,
+                     device_index: int) -> "PreparedMapLaunch":
+        """A :class:`PreparedMapLaunch` of this kernel on ``grid``: ``args`` with host tensor maps, whose geometry
+        the later launches keep (they pass each map's tensor in its place)."""
+        return PreparedMapLaunch(self, grid, args, constexprs, device_index)
+
     def _site_id(self, static: tuple) -> int:
         """The int standing for ``static`` in kept handles' keys; ids are never reused, so an evicted entry's
         handles cannot be taken for another's."""
@@ -264,6 +270,168 @@ class PreparedLaunch:
         run(*self.run_grid, current_stream(self.device_index), function, packed_metadata, None, None, None,
             *self.with_addresses(args + addresses), *self.constexprs.values)
         launcher.handle_launches += 1
+
+
+# Encoded tensor maps a prepared map launch keeps per map argument, by base address (a training step of many layers
+# passes each site a few dozen addresses; beyond this the oldest makes room).
+ENCODED_MAPS_LIMIT = 256
+_NOT_LOOKED = object()
+
+
+class PreparedMapLaunch:
+    """A launch site of a kernel that reads tensors through host tensor maps (Gluon ``TensorDescriptor``) of a fixed
+    geometry (shape, strides, block shape, layout), with its grid, compile-time set and other non-tensor arguments
+    fixed too: ``launch(args)`` takes the runtime arguments with each map's place holding the tensor it maps (of the
+    dtype the site was prepared with, 16-byte aligned: the caller's checks).
+
+    Triton's launcher (3.6) encodes each map at every launch (the driver's ``cuTensorMapEncodeTiled``) inside a
+    Python loop over every argument: 10.8 us of a Gluon forward's host time for its four maps on the H100 host
+    (backends/triton/NOTES.md). Where a compiled kernel's launcher is laid out as Triton 3.6 lays it out
+    (:func:`_direct_launch`), this site calls Triton's C launch function itself, with the arguments Triton's wrapper
+    would pass it, each map encoded by Triton's own encoder once per base address and kept: a map holds only the
+    address and the site's fixed geometry, so a kept one is the one a fresh encoding would give. Otherwise (another
+    Triton's layout, launch hooks, a kernel that needs scratch memory) it makes the descriptors and launches through
+    :meth:`CompiledLauncher.launch`."""
+
+    __slots__ = ("launcher", "grid", "constexprs", "device_index", "descriptors", "map_positions", "bases", "tensors",
+                 "tensor_positions", "site", "direct")
+
+    def __init__(self, launcher: CompiledLauncher, grid: tuple, args: tuple, constexprs: ConstexprSet,
+                 device_index: int):
+        if launcher.interpret:
+            raise TypeError(f"{launcher.name}: host tensor maps need a GPU launch, not Triton's interpreter")
+        if len(args) != launcher.num_runtime:
+            raise TypeError(f"{launcher.name}: expected {launcher.num_runtime} runtime arguments, got {len(args)}")
+        self.launcher, self.grid, self.constexprs, self.device_index = launcher, grid, constexprs, device_index
+        full = launcher.specialization_key(device_index, args, constexprs)
+        types = full[1]
+        self.map_positions = tuple(i for i, t in enumerate(types) if t.__name__ == "TensorDescriptor")
+        if not self.map_positions:
+            raise TypeError(f"{launcher.name}: no host tensor maps (CompiledLauncher.prepare launches those)")
+        self.descriptors = tuple(args[i] for i in self.map_positions)
+        self.bases = _getter(self.map_positions)
+        self.tensor_positions = tuple(i for i, t in enumerate(types) if issubclass(t, torch.Tensor))
+        self.tensors = _getter(self.tensor_positions)
+        # What the site fixes of the specialisation key (maps typed by dtype, block shape and layout), as one int.
+        self.site = launcher._site_id(("maps", device_index, types, full[4], full[5], constexprs.key, full[7]))
+        self.direct: dict = {}  # per-call key -> its _DirectLaunch, or None where Triton's path launches
+
+    def launch(self, args: tuple) -> None:
+        if _launch_hooks_set():
+            self._through_launcher(args)
+            return
+        tensors = self.tensors(args)
+        addresses = tuple(map(_DATA_PTR, tensors))
+        bases = self.bases(args)
+        key = (self.site, tuple(map(_DTYPE, tensors)), tuple(map(_LOW_BITS, addresses)), tuple(map(_DTYPE, bases)))
+        direct = self.direct.get(key, _NOT_LOOKED)
+        if direct is _NOT_LOOKED:  # this specialisation's first launch here: Triton's path, then its handle
+            full_args = self._through_launcher(args)
+            handle = self.launcher.handles.get(self.launcher.specialization_key(self.device_index, full_args,
+                                                                                self.constexprs))
+            put_bounded(self.direct, key, None if handle is None else _DirectLaunch.of(self, handle, full_args),
+                        HANDLES_LIMIT)
+            return
+        if direct is None:
+            self._through_launcher(args)
+            return
+        direct.launch(current_stream(self.device_index), addresses, bases)
+        self.launcher.handle_launches += 1
+
+    def _through_launcher(self, args: tuple) -> tuple:
+        """Launch with the maps made from the site's geometry and ``args``' tensors (Triton's path, or the kept
+        handle through Triton's launcher wrapper); returns the arguments it launched with."""
+        full_args = list(args)
+        for position, descriptor in zip(self.map_positions, self.descriptors):
+            full_args[position] = with_base(descriptor, args[position])
+        full_args = tuple(full_args)
+        self.launcher.launch(self.grid, full_args, self.constexprs, self.device_index)
+        return full_args
+
+
+def with_base(descriptor, base):
+    """A copy of a host tensor map (Gluon ``TensorDescriptor``) over ``base`` instead of its tensor."""
+    copy = object.__new__(type(descriptor))
+    copy.__dict__.update(descriptor.__dict__)
+    copy.base = base
+    return copy
+
+
+class _DirectLaunch:
+    """One specialisation of a :class:`PreparedMapLaunch` launched through Triton 3.6's C launch function: the
+    argument list that function takes (the grid, the stream, the compiled function, the launch flags, then every
+    kernel argument with each map expanded to its encoded map, its shape and its strides, then the compile-time
+    values), with the stream, the tensors' addresses and the encoded maps filled in per call."""
+
+    __slots__ = ("c_launch", "template", "address_slots", "map_slots", "encoded", "encode", "metas", "descriptors")
+
+    @classmethod
+    def of(cls, site: PreparedMapLaunch, handle: tuple, full_args: tuple) -> Optional["_DirectLaunch"]:
+        found = _direct_launch(handle[0])
+        return None if found is None else cls(site, handle, full_args, *found)
+
+    def __init__(self, site: PreparedMapLaunch, handle: tuple, full_args: tuple, c_launch, metas, encode,
+                 cooperative: bool, dependent: bool):
+        _, function, packed_metadata = handle
+        self.c_launch, self.metas, self.encode, self.descriptors = c_launch, metas, encode, site.descriptors
+        grid = tuple(site.grid) + (1,) * (3 - len(site.grid))
+        # Triton 3.6's order: grid, stream, function, cooperative grid, programmatic dependent launch, global and
+        # profile scratch (none here), the kernel's metadata, launch metadata and the enter / exit hooks (none).
+        template = [*grid, 0, function, cooperative, dependent, None, None, packed_metadata, None, None, None]
+        address_slots, map_slots = [], []
+        map_number = {position: n for n, position in enumerate(site.map_positions)}
+        tensor_positions = set(site.tensor_positions)
+        for position, value in enumerate(full_args):
+            if position in map_number:
+                n = map_number[position]
+                map_slots.append(len(template))
+                template.extend(encode(value, metas[n]))  # the encoded map, then the shape and strides it passes
+            elif position in tensor_positions:
+                address_slots.append(len(template))
+                template.append(value.data_ptr())
+            else:
+                template.append(value)
+        template.extend(site.constexprs.values)
+        self.template, self.address_slots, self.map_slots = template, tuple(address_slots), tuple(map_slots)
+        self.encoded = tuple({} for _ in map_slots)
+
+    def launch(self, stream: int, addresses: tuple, bases: tuple) -> None:
+        arguments = self.template.copy()
+        arguments[3] = stream
+        for slot, address in zip(self.address_slots, addresses):
+            arguments[slot] = address
+        for n, (slot, encoded, base) in enumerate(zip(self.map_slots, self.encoded, bases)):
+            address = _DATA_PTR(base)
+            tensor_map = encoded.get(address)
+            if tensor_map is None:
+                tensor_map = self.encode(with_base(self.descriptors[n], base), self.metas[n])[0]
+                put_bounded(encoded, address, tensor_map, ENCODED_MAPS_LIMIT)
+            arguments[slot] = tensor_map
+        self.c_launch(*arguments)
+
+
+def _direct_launch(run) -> Optional[tuple]:
+    """(C launch function, the maps' metadata, Triton's map encoder, cooperative-grid flag, dependent-launch flag) of
+    a compiled kernel's launcher laid out as Triton 3.6 lays it out: a ``launch`` closure over the C function (the
+    wrapper that expands host tensor maps with ``make_tensordesc_arg`` and each map's metadata), behind a 13-item
+    head of launch arguments, and no scratch memory to allocate per launch. None for any other layout."""
+    launch = getattr(run, "launch", None)
+    code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+    if code is None or not closure:
+        return None
+    cells = dict(zip(code.co_freevars, closure))
+    try:
+        c_launch = cells["launcher"].cell_contents
+        metas = tuple(cells["tensordesc_meta"].cell_contents)
+        encode = launch.__globals__["make_tensordesc_arg"]
+        head = launch.__globals__.get("_BASE_ARGS_FORMAT_LEN")
+        scratch = run.global_scratch_size or run.profile_scratch_size
+        flags = bool(run.launch_cooperative_grid), bool(run.launch_pdl)
+    except (KeyError, AttributeError, ValueError, TypeError):
+        return None
+    if head != 13 or scratch or not metas or any(meta is None for meta in metas) or not callable(c_launch):
+        return None
+    return (c_launch, metas, encode, *flags)
 
 
 def _launch_hooks_set() -> bool:
