@@ -721,6 +721,79 @@ def test_gpu_gluon_forward_programs_walking_many_tiles(monkeypatch, case):
     _check_gluon_kernel(monkeypatch, "MIN_KEYS", "forward", "bfloat16", GLUON_FORWARD_CASES[case])
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+def test_gpu_gluon_launches_repeated_on_streams_and_in_a_graph(monkeypatch):
+    """Repeated calls through the backend's prepared Gluon launches (tensor maps kept per address, the causal
+    forward's counter kept per stream and left at 0 by each launch; 5 programs over 64 tiles, so the counter hands out
+    most of them): on one stream many times, on two streams at once, replayed from a CUDA graph, and with new inputs;
+    each forward bitwise equal to the first call's on its inputs, every result within CONFORMANCE.md's rule of the
+    reference (outputs poisoned before the kernels write them)."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 5)
+    monkeypatch.setattr(hopper_launch, "MIN_KEYS", dict.fromkeys(hopper_launch.MIN_KEYS, 1))
+    monkeypatch.setattr(hopper_launch, "BACKWARD_MIN_KEYS", dict.fromkeys(hopper_launch.BACKWARD_MIN_KEYS, 1))
+    monkeypatch.setattr(hopper_launch, "_tile_counters", {})
+    monkeypatch.setattr(triton_backend, "_plans", {})
+    monkeypatch.setattr(triton_backend, "_signatures", {})
+    batch, heads, seqlen, head_dim = 2, 4, 1000, 128
+    backend = _backend()
+    params = AttentionParams(scale=head_dim ** -0.5, window_right=0)
+    launches = []
+    real_forward = hopper_launch.forward
+    monkeypatch.setattr(hopper_launch, "forward", lambda *args: launches.append(1) or real_forward(*args))
+
+    def inputs():
+        return [torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+
+    def check(q, k, v, results, grad_out):
+        gold = _reference(q, k, v, params, None, False, grad_out, None, torch.float64)
+        lowp = _reference(q, k, v, params, None, False, grad_out, None, torch.bfloat16)
+        for index, (name, got) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), results)):
+            verdict = compare(name, got.cpu(), gold[index].cpu(), lowp[index].cpu(), dtype=q.dtype)
+            assert verdict.ok, str(verdict)
+
+    q, k, v = inputs()
+    with poisoned_allocations():
+        first = backend.forward(q, k, v, params)
+    check(q, k, v, first, torch.zeros_like(q))
+    for _ in range(10):
+        assert all(torch.equal(a, b) for a, b in zip(backend.forward(q, k, v, params), first))
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    results = {0: [], 1: []}
+    for _ in range(5):
+        for index, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                results[index].append(backend.forward(q, k, v, params))
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for found in results.values() for pair in found for a, b in zip(pair, first))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.forward(q, k, v, params)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = backend.forward(q, k, v, params)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(captured, first))
+        assert all(torch.equal(a, b) for a, b in zip(backend.forward(q, k, v, params), first))
+    assert len(launches) == 1  # the first call prepared the launch; every other call launched it directly
+    for _ in range(2):  # new tensors (new maps), forward and backward, each against the reference
+        q, k, v = inputs()
+        grad_out = torch.randn_like(q)
+        with poisoned_allocations():
+            out, lse = backend.forward(q, k, v, params)
+            dq, dk, dv, _ = backend.backward(grad_out, q, k, v, out, lse, params)
+        check(q, k, v, (out, lse, dq, dk, dv), grad_out)
+
+
 def _check_gluon_kernel(monkeypatch, threshold: str, launch: str, dtype, case: dict):
     """check_attention on ``case`` with hopper_launch's key threshold ``threshold`` lowered to one key, asserting
     that hopper_launch.``launch`` (the Gluon kernel's launch) ran."""
@@ -987,6 +1060,24 @@ class RecordingLauncher:
     def launch(self, grid, args, constexprs, device_index):
         self.record(grid, dict(zip(self.names, args)), constexprs)
 
+    def prepare_maps(self, grid, args, constexprs, device_index):
+        return RecordingMapSite(self, grid, args, constexprs)
+
+
+class RecordingMapSite:
+    """A stand-in for launcher.PreparedMapLaunch over a RecordingLauncher: each launch makes the maps from the
+    prepared ones' geometry and the tensors given in their places, as the site's launch through Triton does."""
+
+    def __init__(self, launcher, grid, args, constexprs):
+        self.launcher, self.grid, self.constexprs = launcher, grid, constexprs
+        self.maps = {i: a for i, a in enumerate(args) if type(a).__name__ == "TensorDescriptor"}
+
+    def launch(self, args):
+        from mhattn.backends.triton.launcher import with_base
+
+        args = tuple(with_base(self.maps[i], a) if i in self.maps else a for i, a in enumerate(args))
+        self.launcher.launch(self.grid, args, self.constexprs, None)
+
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("seqlen_q, slices", [(200, False), (2500, False), (200, True)])
@@ -1058,42 +1149,49 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_forward_host_side_zeroes_a_tile_counter_per_causal_launch(monkeypatch, causal):
+def test_hopper_forward_host_side_keeps_a_tile_counter_per_stream(monkeypatch, causal):
     """hopper_launch.forward's arguments, by the kernel's own parameter names, with a launcher that records them: a
-    causal persistent grid (more tiles than programs) gets a fresh int32 counter at 0 at every launch, whatever the
-    kernel left in the one before, and TILE_COUNTER set; without a causal mask, a round-robin grid and no counter."""
+    causal persistent grid (more tiles than programs) gets TILE_COUNTER and its stream's int32 counter, the same one at
+    every launch on the stream (the kernel leaves it at 0) and 0 when made; without a causal mask, a round-robin grid
+    and no counter. The launch is prepared once per signature, and a repeated call passes its own tensors."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from types import SimpleNamespace
 
     from mhattn.backends.triton import hopper_forward, hopper_launch
 
     batch, heads, seqlen, head_dim = 4, 8, 1024, 128
-    q = torch.randn(batch, heads, seqlen, head_dim, dtype=torch.bfloat16)
-    out, lse = torch.empty_like(q), torch.empty(batch, heads, seqlen, dtype=torch.float32)
     calls = []
 
     def record(grid, named, constexprs):
-        calls.append((grid, constexprs, named["TileCounter"], named["TileCounter"].clone()))
-        if constexprs["TILE_COUNTER"]:
-            named["TileCounter"].fill_(grid[0] * 7)  # what the kernel's atomic adds leave behind
+        calls.append((grid, constexprs, named, named["TileCounter"].clone()))
 
     monkeypatch.setattr(hopper_launch, "_launcher", [RecordingLauncher(hopper_forward.hopper_forward_kernel, record)])
     monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(hopper_launch, "_tile_counters", {})
     plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen, seqlen_k=seqlen, batch=batch, heads_q=heads, kv_group=1,
                            has_right=causal, hopper_schedule=None)
-    run = SimpleNamespace(qk_scale2=1.0, diag_offset=0)
+    run = SimpleNamespace(qk_scale2=1.0, diag_offset=0, window_right=0, signature=SimpleNamespace(hopper_forward=None))
+    tensors = []
     for _ in range(2):
-        hopper_launch.forward(q, q, q, out, lse, run, plan, None)
+        q = torch.randn(batch, heads, seqlen, head_dim, dtype=torch.bfloat16)
+        out, lse = torch.empty_like(q), torch.empty(batch, heads, seqlen, dtype=torch.float32)
+        tensors.append((q, out, lse))
+        prepared = hopper_launch.forward(q, q, q, out, lse, run, plan, None)
+        assert run.signature.hopper_forward is prepared and prepared.current(plan)
     tiles = batch * heads * seqlen // (2 * hopper_launch.QUERY_ROWS_PER_CONSUMER)
     assert [grid for grid, *_ in calls] == [(132,), (132,)] and tiles > 132
-    for grid, constexprs, counter, at_launch in calls:
+    for (grid, constexprs, named, at_launch), (q, out, lse) in zip(calls, tensors):
         assert constexprs["TILE_COUNTER"] == causal
+        assert named["q_desc"].base is q and named["o_desc"].base is out and named["Out"] is out
+        assert named["Lse"] is lse and named["num_tiles"] == tiles
         if causal:
-            assert counter.dtype == torch.int32 and at_launch.tolist() == [0]
+            assert named["TileCounter"].dtype == torch.int32 and at_launch.tolist() == [0]
         else:
-            assert counter is lse  # a placeholder the kernel does not read
+            assert named["TileCounter"] is lse  # a placeholder the kernel does not read
     if causal:
-        assert calls[0][2] is not calls[1][2]  # each launch its own counter
+        assert calls[0][2]["TileCounter"] is calls[1][2]["TileCounter"]  # one counter for the stream
+    plan.hopper_schedule = None  # the forward's settings changed: the launch is made again
+    assert not prepared.current(plan)
 
 
 def test_key_bounds_of_key_padding_masks():

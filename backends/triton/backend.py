@@ -208,6 +208,8 @@ class _Signature:
         # The FlashAttention-2 forward of a repeated call, per whether the call's addresses suit descriptors (index
         # False / True): made by the first call of a signature whose only tensors are q, k, v and the outputs.
         self.repeated_forwards = [None, None]
+        # The Gluon Hopper forward of this signature (hopper_launch.ForwardLaunch), made by its first call that ran it.
+        self.hopper_forward = None
         self.plain = mask is None and not has_dropout
         plan = self.plan = _plan_for(q, k, v, mask_kind, params.window_left is not None, params.window_right is not None,
                          params.softcap is not None, has_dropout, self.key_lengths)
@@ -577,6 +579,13 @@ class TritonBackend(Backend):
         plan = signature.plan
         # The Hopper paths need every tensor read through descriptors aligned: the plan holds the strides' half.
         tma_ok = plan.descriptor_strides_ok and _addresses_aligned(q, k, v)
+        # A repeated call that the Gluon Hopper forward takes launches what its signature's first such call prepared.
+        hopper = signature.hopper_forward
+        if (tma_ok and hopper is not None and hopper.current(plan)
+                and hopper_launch.why_not(plan, hopper) is None):
+            out, lse = plan.output_buffers(q)
+            _on_device(plan.cuda_index, hopper.launch, (q, k, v, out, lse))
+            return out, lse
         repeat = signature.repeated_forwards[tma_ok]
         # A repeated call launches what its signature's first call prepared, unless the launchers were replaced
         # since or the Gluon Hopper forward takes this call (its switch and thresholds are read at every call).

@@ -119,11 +119,19 @@ def tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, diag_
 
 
 @gluon.jit
-def next_counted_tile(TileCounter):
+def next_counted_tile(TileCounter, num_tiles):
     """TILE_COUNTER: the next tile no program has taken yet. The counter is 0 at the launch and each program's
     first tile is its own number, so the tiles taken are G, G + 1, ... in the order the programs ask (whichever is
-    free first takes the next, heaviest first as tile_rows orders them)."""
-    return gl.atomic_add(TileCounter, 1) + gl.num_programs(0)
+    free first takes the next, heaviest first as tile_rows orders them).
+
+    A launch adds exactly num_tiles to the counter: num_tiles - G adds hand out tiles, and each of the G programs
+    makes one more, past the last tile, that ends it. The add that reads num_tiles - 1 is therefore the launch's last
+    (every program has made its final one), and it sets the counter back to 0: the next launch on the stream finds
+    it zeroed, so the host keeps one counter per stream instead of zeroing one per launch."""
+    taken = gl.atomic_add(TileCounter, 1)
+    if taken == num_tiles - 1:
+        gl.atomic_xchg(TileCounter, 0)
+    return taken + gl.num_programs(0)
 
 
 @gluon.jit
@@ -199,7 +207,7 @@ def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_em
         step += cta_blocks
         rounds += 1
         if TILE_COUNTER:
-            tile = next_counted_tile(TileCounter)
+            tile = next_counted_tile(TileCounter, num_tiles)
         else:
             tile += gl.num_programs(0)
     if TILE_COUNTER:
@@ -470,8 +478,9 @@ def hopper_forward_kernel(
     B * Hq * num_m_blocks, in tile_rows' order (group_heads: its causal groups). Program p takes tiles p, p + G,
     p + 2G, ... of a grid of G programs: G = num_tiles is one tile per program, a smaller G a persistent grid,
     whose next tile's loads run under this tile's last products and output. TILE_COUNTER: after its first, program p
-    takes the next tile no program has taken yet from TileCounter (int32, zeroed before the launch: causal tiles
-    differ in work, and whichever program is free first takes the next); without it TileCounter is not read.
+    takes the next tile no program has taken yet from TileCounter (int32, 0 at the launch and left at 0 by it:
+    causal tiles differ in work, and whichever program is free first takes the next); without it TileCounter is not
+    read.
     Q_BUFFERS (1 or 2): Q buffers, so that the next tile's Q loads during this one (consume_tile). SPLIT_MASKED: a
     tile's key blocks run as two loops, the unmasked ones and then those that need the mask, instead of one loop that
     checks each block.

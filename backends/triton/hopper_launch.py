@@ -26,9 +26,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from mhattn import environment
+from mhattn.backends.streams import current_stream
 from mhattn.backends.triton import configs
 from mhattn.backends.triton.decode_launch import _sm_count
 from mhattn.backends.triton.launcher import CompiledLauncher
+from mhattn.caches import put_bounded
 
 # Head dim -> key block: the largest whose K/V ring, both Q tiles and the register budget fit.
 KEY_BLOCK = {64: 128, 128: 128, 256: 64}
@@ -293,14 +295,26 @@ def backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, head_dim: int)
             tensor_map(dv, key_block))
 
 
-def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
-    """Launch the Hopper kernel into ``out`` and ``lse`` (allocated by the caller)."""
+def forward(q, k, v, out, lse, run, plan, device_index: int) -> "ForwardLaunch":
+    """Launch the Hopper kernel into ``out`` and ``lse`` (allocated by the caller) through the call signature's
+    prepared launch (``run.signature.hopper_forward``, made here at its first call); returns it."""
+    signature = getattr(run, "signature", None)
+    prepared = None if signature is None else signature.hopper_forward
+    if prepared is None or not prepared.current(plan):
+        prepared = ForwardLaunch(q, k, v, out, lse, run, plan, device_index)
+        if signature is not None:
+            signature.hopper_forward = prepared
+    prepared.launch((q, k, v, out, lse))
+    return prepared
+
+
+def _forward_setup(plan, q, device_index: int) -> tuple:
+    """(launcher, schedule, compile-time set) of the forward, the last two made once per plan."""
     if not _launcher:
         from mhattn.backends.triton import hopper_forward
 
         _launcher.append(CompiledLauncher(hopper_forward.hopper_forward_kernel))
     launcher = _launcher[0]
-    # (the schedule, the compile-time set), made once per plan.
     found = plan.hopper_schedule
     if found is None:
         head_bytes = forward_head_bytes(plan.seqlen_k, plan.head_dim, q.element_size(), plan.kv_group)
@@ -308,13 +322,59 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> None:
                                     _sm_count(device_index))
         found = plan.hopper_schedule = (schedule, launcher.constexprs(
             4, 1, **compile_time_args(plan.head_dim, plan.has_right, schedule.tile_counter)))
-    schedule, constexprs = found
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if schedule.tile_counter else lse
-    launcher.launch((schedule.programs,), (
-        *forward_maps(q, k, v, out, plan.head_dim), out, lse, counter, *out.stride()[:3],
-        lse.stride(0), lse.stride(1), plan.heads_q, plan.kv_group, plan.seqlen_q, plan.seqlen_k, *schedule[1:4],
-        run.qk_scale2, run.diag_offset,
-    ), constexprs, device_index)
+    return (launcher, *found)
+
+
+class ForwardLaunch:
+    """The Gluon forward of one call signature, prepared at its first call: the launch site with the geometry of that
+    call's tensor maps (launcher.PreparedMapLaunch), the arguments besides the tensors, whether it takes a tile
+    counter. It holds what why_not reads of a call (window_right, tma_ok, qk_scale2), so the backend's repeated call
+    asks why_not of it and launches without making the call's state again. ``launch((q, k, v, out, lse))``."""
+
+    __slots__ = ("site", "setup", "middle", "counted", "device_index", "window_right", "tma_ok", "qk_scale2")
+
+    def __init__(self, q, k, v, out, lse, run, plan, device_index: int):
+        launcher, schedule, constexprs = _forward_setup(plan, q, device_index)
+        self.setup = plan.hopper_schedule
+        self.counted, self.device_index = schedule.tile_counter, device_index
+        self.middle = (*out.stride()[:3], lse.stride(0), lse.stride(1), plan.heads_q, plan.kv_group, plan.seqlen_q,
+                       plan.seqlen_k, *schedule[1:4], run.qk_scale2, run.diag_offset)
+        counter = tile_counter(q.device, device_index) if self.counted else lse
+        self.site = launcher.prepare_maps((schedule.programs,), (
+            *forward_maps(q, k, v, out, plan.head_dim), out, lse, counter, *self.middle), constexprs, device_index)
+        self.window_right, self.tma_ok, self.qk_scale2 = run.window_right, True, run.qk_scale2
+
+    def current(self, plan) -> bool:
+        """Whether this launch still stands for the plan's forward: made with its current schedule (remade when
+        the forward's settings change) and the forward's current launcher."""
+        return self.setup is plan.hopper_schedule and self.site.launcher is _launcher[0]
+
+    def launch(self, tensors: tuple) -> None:
+        """Launch into out and lse of ``tensors`` = (q, k, v, out, lse), of the signature's shapes and strides and
+        aligned for the copy engine (the caller's checks)."""
+        q, k, v, out, lse = tensors
+        counter = tile_counter(q.device, self.device_index) if self.counted else lse
+        self.site.launch((q, k, v, out, out, lse, counter, *self.middle))
+
+
+def tile_counter(device: torch.device, device_index: int) -> torch.Tensor:
+    """The int32 tile counter of the forward's launches on the current stream: one per (GPU, stream), zeroed when
+    made; each launch leaves it at 0 (hopper_forward.next_counted_tile), and one stream's launches run in order. A
+    launch being captured into a CUDA graph gets one of its own (zeroed in the graph): a graph may be replayed on
+    another stream while this stream's launches use theirs."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (device, current_stream(device_index) if device.type == "cuda" else 0)
+    counter = _tile_counters.get(key)
+    if counter is None:
+        counter = put_bounded(_tile_counters, key, torch.zeros(1, dtype=torch.int32, device=device), COUNTERS_LIMIT)
+    return counter
+
+
+# The forward's tile counters by (device, stream); a program with ever-new streams keeps working past this many (the
+# oldest goes; a counter freed while a launch on its stream still runs is reused only by that stream's later work).
+_tile_counters: dict = {}
+COUNTERS_LIMIT = 64
 
 
 def backward_compile_time_args(head_dim: int, causal: bool) -> dict:
@@ -368,21 +428,32 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     group = plan.kv_group
     convert_in_kernel = group * plan.seqlen_q * head_dim * 4 <= CONVERT_IN_KERNEL_MAX_BYTES
 
-    def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed):
+    def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed, sites=None):
         # The float32 dQ sums of a launch, then its counters.
         sums_words = q_s.numel()
         dq_acc = zeroed[:sums_words].view(q_s.shape)
-        launcher.launch((k_s.shape[0] * k_s.shape[1] * num_n_blocks,), (
-            *backward_maps(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_acc, dk_s, dv_s, head_dim),
-            dk_s, dv_s, dq_s, dq_acc, zeroed[sums_words:].view(torch.int32), *dk.stride()[:3], *dv.stride()[:3],
-            *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2,
-            run.sm_scale, run.diag_offset, int(convert_in_kernel),
-        ), constexprs, device_index)
+        mapped = (q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_acc, dk_s, dv_s)
+        rest = (dk_s, dv_s, dq_s, dq_acc, zeroed[sums_words:].view(torch.int32), *dk.stride()[:3], *dv.stride()[:3],
+                *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2,
+                run.sm_scale, run.diag_offset, int(convert_in_kernel))
+        grid = (k_s.shape[0] * k_s.shape[1] * num_n_blocks,)
+        if sites is None:
+            launcher.launch(grid, (*backward_maps(*mapped, head_dim), *rest), constexprs, device_index)
+        else:
+            # One launch per call over the signature's tensors: the site prepared by its first call (the maps'
+            # geometry: the signature's and the gradient's strides).
+            key = ("hopper_backward", grad_out_s.stride())
+            site = sites.get(key)
+            if site is None or site.launcher is not launcher or site.constexprs is not constexprs:
+                site = sites[key] = launcher.prepare_maps(grid, (*backward_maps(*mapped, head_dim), *rest),
+                                                          constexprs, device_index)
+            site.launch(mapped + rest)
         if not convert_in_kernel:
             dq_s.copy_(dq_acc)
 
     if batches == plan.batch and heads == plan.heads_kv:  # one launch over the whole tensors: no slicing views
-        launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums)
+        signature = getattr(run, "signature", None)
+        launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, None if signature is None else signature.sites)
         return
     accumulator = torch.empty(_sums_words(plan, batches, heads), dtype=torch.float32, device=q.device)
     for b0 in range(0, plan.batch, batches):
