@@ -17,7 +17,8 @@ says what the hand-off to the engine's device thread costs each path.
 ``--bisect`` times the Triton forward+backward through four wrappers, from a bare autograd Function to
 mhattn.attention, on autograd's device thread and on the calling thread. ``--paths`` shows, at the latency
 shapes, which path auto takes beside torch's SDPA (call_paths).
-``--device-thread`` times pieces of host work inside a backward (autograd's device thread) beside the same on the
+``--gluon`` gives the host cost per call of the Gluon Hopper paths at the protocol's short causal cells (N = 1k,
+B*N = 16k) beside their GPU time (gluon_host_costs). ``--device-thread`` times pieces of host work inside a backward (autograd's device thread) beside the same on the
 main thread. ``--profile triton-fwd`` prints cProfile's top entries of mhattn.attention's forward on the Triton backend;
 ``--profile triton-bwd`` prints cProfile's top entries of the Triton backward where autograd runs it (its
 device thread) and on the main thread. Prints the table last.
@@ -339,6 +340,51 @@ def device_thread_pieces(q, k, v, dout, calls=200):
         print(f"{name:<52} {median(device):14.1f} {median(main):12.1f}")
 
 
+def gluon_host_costs(head_dims=(64, 128, 256), seqlen=1024, queued=20, repeats=5):
+    """Host microseconds per call of the Gluon Hopper paths at the protocol's short causal cells (bf16, B*N = 16k,
+    H = 2048 / d): ``queued`` calls enqueued with no wait, best of ``repeats`` such batches (the GPU, slower than the
+    host here, keeps the host from waiting): the Triton backend's forward and backward alone, mhattn.attention's forward
+    with q, k, v requiring grad, torch's SDPA's the same, beside the Triton forward's GPU time. A cell whose host time
+    per call exceeds its GPU time runs at the host's pace."""
+    import time
+
+    from mhattn.benchmark import timing
+
+    triton = mhattn.registry.get_backend("triton")
+    print(f"{'host us per call, enqueued, bf16, causal, N=' + str(seqlen):<44} {'d=' + '  d='.join(map(str, head_dims))}")
+    rows = {}
+    for head_dim in head_dims:
+        batch, heads = 16384 // seqlen, 2048 // head_dim
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, dout = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16,
+                                     generator=gen) for _ in range(4))
+        params = AttentionParams(scale=head_dim ** -0.5, window_right=0)
+        out, lse = triton.forward(q, k, v, params)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        calls = {
+            "triton backend forward (Gluon)": lambda: triton.forward(q, k, v, params),
+            "triton backend backward (Gluon)": lambda: triton.backward(dout, q, k, v, out, lse, params),
+            "mhattn.attention forward, grad, triton": lambda: mhattn.attention(*leaves, is_causal=True,
+                                                                                backend="triton"),
+            "sdpa forward, grad": lambda: torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True),
+        }
+        for label, fn in calls.items():
+            fn()
+            torch.cuda.synchronize()
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for _ in range(queued):
+                    fn()
+                best = min(best, (time.perf_counter() - start) / queued * 1e6)
+                torch.cuda.synchronize()
+            rows.setdefault(label, []).append(best)
+        gpu_ms = timing.bench_ms(calls["triton backend forward (Gluon)"], 25.0, 100.0, "cuda")
+        rows.setdefault("triton backend forward, GPU us", []).append(gpu_ms * 1e3)
+    for label, values in rows.items():
+        print(f"{label:<44} " + "  ".join(f"{value:6.1f}" for value in values))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", choices=("triton-fwd", "triton-bwd"), default=None)
@@ -351,9 +397,15 @@ def main():
                              "modes")
     parser.add_argument("--device-thread", action="store_true",
                         help="also time pieces of host work on autograd's device thread and the main thread")
+    parser.add_argument("--gluon", action="store_true",
+                        help="only the host cost per call of the Gluon Hopper paths at the protocol's short causal "
+                             "cells (gluon_host_costs)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_profile.py needs a CUDA GPU (benchmarks/host_cost.py is the CPU counterpart)")
+    if args.gluon:
+        gluon_host_costs()
+        return
     if args.paths:
         call_paths()
         return
