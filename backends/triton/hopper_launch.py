@@ -10,8 +10,10 @@ Everything else runs forward.py.
 The Hopper backward covers the same problems (from BACKWARD_MIN_KEYS keys), except a deterministic backward (the
 copy engine's reduce-add sums dQ in an order that varies between runs): backward.py's kernels run the rest.
 
-Both kernels read their tiles through host tensor maps (:func:`tensor_map`, 4-D over batch, head, row and column),
-made per launch here (Triton's launcher encodes them at each launch).
+Both kernels read their tiles through host tensor maps (:func:`tensor_map`, 4-D over batch, head, row and column).
+A call signature's first launch prepares a site with its maps' geometry (launcher.PreparedMapLaunch: the forward's
+ForwardLaunch, the one-launch backward's site); later calls pass their tensors, and each map is encoded once per
+address.
 
 ``MHATTN_TRITON_HOPPER=0`` turns the Hopper kernels off (the FlashAttention-2 kernels everywhere), e.g. to
 compare the two; ``MHATTN_TRITON_HOPPER=always`` runs them at any key count (e.g. for a conformance run).
