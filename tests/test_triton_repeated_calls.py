@@ -144,3 +144,39 @@ def test_a_repeated_forward_answers_the_hopper_rule_as_its_call_does(monkeypatch
         assert repeated and hopper_launch.why_not(run.plan, repeated[0]) == hopper_launch.why_not(run.plan, run)
         if scale <= 0:
             assert "scale" in hopper_launch.why_not(run.plan, run)
+
+
+def test_a_repeated_gluon_forward_launches_its_prepared_launch_and_follows_the_switch(monkeypatch, fresh_signatures):
+    """On a plan marked sm_90 whose calls the Gluon forward takes: the first call prepares the signature's launch
+    (hopper_launch.ForwardLaunch, through hopper_launch.forward), a repeated call launches it directly with its own
+    tensors, and with the Gluon kernels switched off (MHATTN_TRITON_HOPPER=0) the same signature runs the
+    FlashAttention-2 forward instead."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from test_triton_backend import RecordingLauncher
+
+    from mhattn.backends.triton import hopper_forward, hopper_launch
+
+    jit, launchers = _recording_backend_launchers(monkeypatch, interpret=True)
+    gluon_launches = []
+    monkeypatch.setattr(hopper_launch, "_launcher", [RecordingLauncher(
+        hopper_forward.hopper_forward_kernel, lambda grid, named, constexprs: gluon_launches.append(named))])
+    monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
+    monkeypatch.setenv(hopper_launch.ENV_SWITCH, "always")
+    prepared_here = []
+    real_forward = hopper_launch.forward
+    monkeypatch.setattr(hopper_launch, "forward", lambda *args: prepared_here.append(1) or real_forward(*args))
+    backend = tb.TritonBackend()
+    params = AttentionParams(scale=0.125, window_right=0)
+    calls = [[torch.randn(2, 4, 128, 64, dtype=torch.bfloat16) for _ in range(3)] for _ in range(3)]
+    plan = tb._signature_for(*calls[0], params, dense=True).plan
+    monkeypatch.setattr(plan, "sm90", True)
+    monkeypatch.setattr(plan, "descriptor_strides_ok", True)
+    outputs = [backend.forward(*qkv, params) for qkv in calls]
+    assert len(prepared_here) == 1 and len(gluon_launches) == 3
+    for (q, k, v), (out, lse), named in zip(calls, outputs, gluon_launches):
+        assert named["q_desc"].base is q and named["k_desc"].base is k and named["v_desc"].base is v
+        assert named["o_desc"].base is out and named["Out"] is out and named["Lse"] is lse
+        assert named["qk_scale2"] == 0.125 * tb.LOG2E
+    monkeypatch.setenv(hopper_launch.ENV_SWITCH, "0")
+    fa2 = forward_launches(jit, launchers, lambda: backend.forward(*calls[0], params))
+    assert len(fa2) == 1 and len(gluon_launches) == 3
