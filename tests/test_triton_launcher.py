@@ -550,6 +550,28 @@ def test_a_prepared_map_launch_on_another_launcher_layout_goes_through_the_kept_
         launcher.prepare_maps((3,), (x1, y, 5), launcher.constexprs(4, 1, BLOCK=64), 0)
 
 
+def test_a_prepared_map_launch_keeps_no_call_s_tensors_alive(map_recording):
+    """A site keeps its maps' geometry, not the tensors of the call that prepared it or of later calls."""
+    import gc
+    import weakref
+
+    kernel = map_recording
+    launcher = CompiledLauncher(kernel)
+    x, y = torch.zeros(128, 64, dtype=torch.float16), torch.zeros(8)
+    site = launcher.prepare_maps((3,), (_fp16_map(x), y, 5), launcher.constexprs(4, 1, BLOCK=64), 0)
+    site.launch((x, y, 5))
+    x2 = torch.zeros(128, 64, dtype=torch.float16)
+    site.launch((x2, y, 5))
+    assert kinds(kernel) == ["triton", "c"]
+    gone = [weakref.ref(x), weakref.ref(x2)]
+    kernel.log.clear()
+    del x, x2
+    gc.collect()
+    assert all(ref() is None for ref in gone)
+    site.launch((torch.zeros(128, 64, dtype=torch.float16), y, 5))
+    assert kinds(kernel) == ["c"]
+
+
 def test_the_direct_path_reads_triton_3_6_s_own_launcher_wrapper(map_recording, monkeypatch):
     """Where Triton 3.6 is installed: its own wrapper (driver.wrap_handle_tensordesc) and encoder, over a recording C
     launch function and a stand-in for the driver's map encoding, are what the direct path finds and matches."""

@@ -308,7 +308,9 @@ class PreparedMapLaunch:
         self.map_positions = tuple(i for i, t in enumerate(types) if t.__name__ == "TensorDescriptor")
         if not self.map_positions:
             raise TypeError(f"{launcher.name}: no host tensor maps (CompiledLauncher.prepare launches those)")
-        self.descriptors = tuple(args[i] for i in self.map_positions)
+        # The maps' geometry, without the first call's tensors (a site lives as long as its call signature's cache
+        # entry, and must not keep that call's q, k, v and outputs alive).
+        self.descriptors = tuple(with_base(args[i], None) for i in self.map_positions)
         self.bases = _getter(self.map_positions)
         self.tensor_positions = tuple(i for i, t in enumerate(types) if issubclass(t, torch.Tensor))
         self.tensors = _getter(self.tensor_positions)
