@@ -133,7 +133,7 @@ def _cache_of_call(q, k_cache, v_cache, k, cache_seqlens, block_table) -> KVCach
         check_values_once(checked, (appended, capacity, k_cache.shape[0], k_cache.shape[2]),
                           lambda: _check_lengths(before, seqlens, block_table, k_cache.shape[0], k_cache.shape[2],
                                                  capacity))
-    return KVCache(k_cache, v_cache, seqlens.to(torch.int32), block_table)
+    return KVCache(k_cache, v_cache, seqlens if seqlens.dtype == torch.int32 else seqlens.to(torch.int32), block_table)
 
 
 # ---- under torch.compile: one custom op --------------------------------------------------------------------------

@@ -745,8 +745,12 @@ class TritonBackend(Backend):
 
     # ---- KV cache and packed sequences (decode_launch.py, varlen_launch.py) --------------------
     def forward_kvcache(self, q, cache, params: AttentionParams):
-        _check_inputs(q=q, k_cache=cache.k, v_cache=cache.v)
-        return decode_launch.split_kv_forward(q, cache.k, cache.v, params, cache=cache)
+        # Checked once per signature (its key holds the shapes and strides the checks read), as a dense call is.
+        signature = _signature_for(q, cache.k, cache.v, params, dense=False)
+        if not signature.checked:
+            _check_inputs(q=q, k_cache=cache.k, v_cache=cache.v)
+            signature.checked = True
+        return decode_launch.split_kv_forward(q, cache.k, cache.v, params, cache=cache, signature=signature)
 
     def forward_varlen(self, q, k, v, packing, params: AttentionParams):
         return varlen_launch.forward(q, k, v, packing, params)
