@@ -72,10 +72,10 @@ ENV_SWITCH = "MHATTN_TRITON_HOPPER"
 # version 9: +2-14% at 1k-4k without a mask, mixed at 8k).
 PERSISTENT_MAX_KEYS = 4096
 # With a causal mask, persistent up to CAUSAL_PERSISTENT_MAX_KEYS keys (every key count), each program taking the next
-# tile not yet taken from a counter zeroed per launch (NOTES version 10: +9-15% over one program per tile at d = 128
-# 1k-2k, +5-7% at d = 256, +1-5% from 4k keys, with tiles from a table made on the host; version 17: the counter
-# reads level with that table, and needs no host work per shape; a static round-robin balanced causal tiles badly,
-# version 9).
+# tile not yet taken from its stream's counter, which each launch leaves at 0 (tile_counter; NOTES version 10: +9-15%
+# over one program per tile at d = 128 1k-2k, +5-7% at d = 256, +1-5% from 4k keys, with tiles from a table made on
+# the host; version 17: the counter reads level with that table, and needs no host work per shape; a static
+# round-robin balanced causal tiles badly, version 9).
 CAUSAL_PERSISTENT_MAX_KEYS = 1 << 31
 # Causal tiles go longest first across groups of heads whose K/V take about CAUSAL_GROUP_BYTES (they stay in L2
 # while the group runs; hopper_forward.tile_rows); 0 orders each head's tiles alone, heaviest first.
