@@ -234,9 +234,10 @@ _signatures: dict = {}
 _SIGNATURES_LIMIT = 1024
 
 
-def _signature_for(q, k, v, params: AttentionParams, dense: bool) -> _Signature:
-    """The cached :class:`_Signature` of a call. ``dense``: q, k, v are a dense call's own tensors, checked with
-    :func:`_check_inputs` the first time their shapes and strides come (the key holds everything it reads)."""
+def _signature_for(q, k, v, params: AttentionParams, dense: bool, names: tuple = ("q", "k", "v")) -> _Signature:
+    """The cached :class:`_Signature` of a call. ``dense``: q, k, v are the call's own tensors (``names`` in error
+    messages), checked with :func:`_check_inputs` the first time their shapes and strides come (the key holds
+    everything it reads)."""
     mask = params.mask
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, _dot_precision(q.dtype),
            configs.pinned(), None if mask is None else (mask.dtype, mask.shape, mask.stride()), params.scale,
@@ -247,7 +248,7 @@ def _signature_for(q, k, v, params: AttentionParams, dense: bool) -> _Signature:
         found = None
     if found is None or (dense and not found.checked):
         if dense:
-            _check_inputs(q=q, k=k, v=v)
+            _check_inputs(**dict(zip(names, (q, k, v))))
         if found is None:
             found = put_bounded(_signatures, key, _Signature(q, k, v, params), _SIGNATURES_LIMIT)
         found.checked = found.checked or dense
@@ -745,11 +746,7 @@ class TritonBackend(Backend):
 
     # ---- KV cache and packed sequences (decode_launch.py, varlen_launch.py) --------------------
     def forward_kvcache(self, q, cache, params: AttentionParams):
-        # Checked once per signature (its key holds the shapes and strides the checks read), as a dense call is.
-        signature = _signature_for(q, cache.k, cache.v, params, dense=False)
-        if not signature.checked:
-            _check_inputs(q=q, k_cache=cache.k, v_cache=cache.v)
-            signature.checked = True
+        signature = _signature_for(q, cache.k, cache.v, params, dense=True, names=("q", "k_cache", "v_cache"))
         return decode_launch.split_kv_forward(q, cache.k, cache.v, params, cache=cache, signature=signature)
 
     def forward_varlen(self, q, k, v, packing, params: AttentionParams):
