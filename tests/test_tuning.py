@@ -126,6 +126,26 @@ def test_nearest_shape_takes_the_fastest_that_can_run_the_problem():
     assert table.distance(gpu_problem(seqlen_q=4096, seqlen_k=4096, batch=4), t.cells[0]) == pytest.approx(2.5)
 
 
+def test_forward_backward_times_within_the_tie_go_to_the_faster_forward():
+    fwd = {"triton": 1.5, "cupy": 1.7, "sdpa": 1.6}
+    # cupy fastest by forward+backward, triton+cupy within TIE of it with triton's faster forward
+    t = make_table([cell(fwd, {"triton": 7.0, "cupy": 6.6, "triton+cupy": 6.6 * (1 + table.TIE / 2), "sdpa": 7.0})])
+    candidates = ["triton", "cupy", "sdpa", "triton+cupy"]
+    evidence = table.nearest(t, gpu_problem(needs_grad=True), candidates)
+    assert evidence.chosen == "triton+cupy"
+    assert "triton+cupy" in str(evidence) and "within 3% of the fastest, with the faster forward" in str(evidence)
+    # without the pair, nothing else is within the tie: the fastest forward+backward
+    assert table.nearest(t, gpu_problem(needs_grad=True), ["triton", "cupy", "sdpa"]).chosen == "cupy"
+    # past the tie the forward does not matter
+    far = make_table([cell(fwd, {"triton": 7.0, "cupy": 6.6, "triton+cupy": 6.6 * (1 + 2 * table.TIE)})])
+    assert table.nearest(far, gpu_problem(needs_grad=True), candidates).chosen == "cupy"
+    # a tied backend whose forward the cell did not time leaves the fastest forward+backward
+    untimed = make_table([cell({"triton": 1.5}, {"triton": 6.7, "cupy": 6.6})])
+    assert table.nearest(untimed, gpu_problem(needs_grad=True), ["triton", "cupy"]).chosen == "cupy"
+    # without grad the forward times alone decide
+    assert table.nearest(t, gpu_problem(), candidates).chosen == "triton"
+
+
 def test_nearest_shape_needs_the_same_dtype_causal_and_mask_kind_and_a_close_cell():
     t = make_table([cell({"triton": 1.0, "sdpa": 0.5})])
     candidates = ["triton", "sdpa"]

@@ -17,7 +17,10 @@ v requires grad, else forward), the one with the smallest distance
     2 |dlog2 d| + |dlog2 Nq| + |dlog2 Nk| + 0.5 |dlog2 (B * Hq)| + |dlog2 (Hq / Hkv)|
 
 (ties: the first in the table), if that distance is at most :data:`MAX_DISTANCE`. The backend measured
-fastest there is the choice. With no such cell the priority list decides.
+fastest there is the choice; by forward+backward time, those within :data:`TIE` of the fastest are a tie (the
+spread of two timings of one kernel), which the faster forward breaks (a forward+backward pair "a+b" runs a's
+forward), so that a call with grad that is never differentiated does not pay for a difference the backward does
+not make. With no such cell the priority list decides.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import torch
 FORMAT = 1
 TABLE_ENV = "MHATTN_TABLE"
 MAX_DISTANCE = 4.0
+# Forward+backward times within this fraction of the fastest are a tie, broken by the forward's time.
+TIE = 0.03
 # Weights of the log2 distances: head dim (tiles change with it), Nq, Nk, B * Hq, the GQA group size.
 WEIGHTS = (2.0, 1.0, 1.0, 0.5, 1.0)
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tables"
@@ -198,7 +203,9 @@ class Evidence:
     def __str__(self):
         mode = "forward+backward" if self.mode == "fwd_bwd" else "forward"
         ranked = sorted(self.times.items(), key=lambda item: item[1])
-        times = ", ".join(f"{name} {ms:.4g} ms" + (" (fastest)" if name == self.chosen else "") for name, ms in ranked)
+        tied = f" (chosen: within {TIE:.0%} of the fastest, with the faster forward)"
+        times = ", ".join(f"{name} {ms:.4g} ms" + ((" (fastest)" if name == ranked[0][0] else tied)
+                                                    if name == self.chosen else "") for name, ms in ranked)
         versions = ", ".join(f"{k} {self.table.key[k]}" for k in ("torch", "triton", "cupy", "driver")
                              if self.table.key.get(k))
         stale = "" if self.table.key.get("torch") == torch.__version__ else f" (this process: torch {torch.__version__})"
@@ -224,7 +231,21 @@ def nearest(table: TimingTable, problem, candidates) -> Optional[Evidence]:
     if best is None:
         return None
     d, cell, times = best
-    return Evidence(min(times, key=times.get), mode, cell, d, times, table)
+    forward_ms = (cell.get("fwd_ms") or {}) if mode == "fwd_bwd" else None
+    return Evidence(_fastest(times, forward_ms), mode, cell, d, times, table)
+
+
+def _fastest(times: dict, forward_ms: Optional[dict]) -> str:
+    """The name with the smallest time; with ``forward_ms`` (forward+backward times), among those within TIE of
+    the smallest, the one whose forward (of "a+b": a's) is fastest, where the cell timed every tied forward."""
+    fastest = min(times, key=times.get)
+    if forward_ms is None:
+        return fastest
+    tied = [name for name, ms in times.items() if ms <= times[fastest] * (1 + TIE)]
+    forwards = {name: forward_ms.get(name.split("+")[0]) for name in tied}
+    if len(tied) < 2 or not all(forwards.values()):
+        return fastest
+    return min(tied, key=lambda name: (forwards[name], times[name]))
 
 
 def measured_choice(problem, candidates) -> Optional[Evidence]:
