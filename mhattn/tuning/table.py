@@ -236,8 +236,9 @@ def nearest(table: TimingTable, problem, candidates) -> Optional[Evidence]:
 
 
 def _fastest(times: dict, forward_ms: Optional[dict]) -> str:
-    """The name with the smallest time; with ``forward_ms`` (forward+backward times), among those within TIE of
-    the smallest, the one whose forward (of "a+b": a's) is fastest, where the cell timed every tied forward."""
+    """The name with the smallest of ``times``. Given ``forward_ms`` (``times`` are then forward+backward times and
+    ``forward_ms`` the cell's forward times): among the names within TIE of the smallest, the one whose forward (of a
+    pair "a+b", a's) is fastest, where the cell timed every tied name's forward."""
     fastest = min(times, key=times.get)
     if forward_ms is None:
         return fastest
