@@ -180,3 +180,128 @@ def test_a_repeated_gluon_forward_launches_its_prepared_launch_and_follows_the_s
     monkeypatch.setenv(hopper_launch.ENV_SWITCH, "0")
     fa2 = forward_launches(jit, launchers, lambda: backend.forward(*calls[0], params))
     assert len(fa2) == 1 and len(gluon_launches) == 3
+
+
+def backward_launches(jit, launchers, call) -> dict:
+    """The backward kernels' launches that ``call()`` made, by kernel: (grid, arguments, constexprs) each."""
+    names = ("backward_preprocess_kernel", "backward_dkdv_kernel", "backward_dq_kernel")
+    by_name = {launcher.kernel.__name__: launcher for launcher in vars(launchers).values()}
+    before = {name: len(jit[name].log) for name in names}
+    call()
+    return {name: [_recorded_launch(entry, by_name[name]) for entry in jit[name].log[before[name]:]] for name in names}
+
+
+def counting_repeats(monkeypatch) -> list:
+    """A list that gets one entry per backward that ran through a _RepeatedBackward."""
+    ran = []
+    real = tb._RepeatedBackward.launch
+
+    def launch(self, *args):
+        grads = real(self, *args)
+        ran.append(grads is not None)
+        return grads
+
+    monkeypatch.setattr(tb._RepeatedBackward, "launch", launch)
+    return ran
+
+
+@pytest.mark.parametrize("pinned", [None, "fwd=16,16,4,1;dkdv=16,16,4,1;dq=atomic"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_repeated_backward_launches_what_a_call_worked_out_in_full_launches(monkeypatch, fresh_signatures, pinned,
+                                                                             deterministic):
+    """Plain signatures (no mask, no dropout, no lse gradient): a repeated backward goes through the launches its
+    signature's first backward prepared (_RepeatedBackward) and passes the kernels what a call worked out from
+    scratch passes, with dQ from its own kernel or summed in the dK/dV kernel (dq=atomic), deterministic or not;
+    new gradient buffers every call."""
+    jit, launchers = _recording_backend_launchers(monkeypatch, interpret=False)
+    ran = counting_repeats(monkeypatch)
+    backend = tb.TritonBackend(deterministic=deterministic)
+    qkv = torch.randn(2, 40, 3, 4, 16)
+    packed = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))  # strided views
+    q, k, v = (torch.randn(2, 4, 40, 16) for _ in range(3))
+    cases = [((q, k, v), AttentionParams(scale=0.25)),
+             ((q, k, v), AttentionParams(scale=0.5, window_left=7, window_right=0)),
+             ((q, k, v), AttentionParams(scale=0.5, softcap=20.0)),
+             ((q, torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 24)), AttentionParams(scale=0.5, window_right=0)),
+             (packed, AttentionParams(scale=0.25))]
+
+    def run_case(inputs, params, fresh=False):
+        if fresh:
+            tb._signatures.clear()
+        out, lse = backend.forward(*inputs, params)
+        grad_out = torch.randn_like(out)
+        grads = []
+        launches = backward_launches(jit, launchers,
+                                     lambda: grads.extend(backend.backward(grad_out, *inputs, out, lse, params)))
+        return launches, grads
+
+    with configs.pin(pinned or "16,16,4,1"):
+        for inputs, params in cases:
+            first, _ = run_case(inputs, params)
+            assert not ran  # a first call works everything out
+            again, grads = run_case(inputs, params)
+            assert ran == [True]
+            ran.clear()
+            fresh, _ = run_case(inputs, params, fresh=True)
+            assert again == fresh
+            assert again["backward_preprocess_kernel"] and again["backward_dkdv_kernel"]
+            assert bool(again["backward_dq_kernel"]) == (deterministic or pinned is None)
+            dq, dk, dv, dmask = grads
+            assert dmask is None and dq.shape == inputs[0].shape and dk.shape == inputs[1].shape
+            assert dv.shape == inputs[2].shape
+            ran.clear()
+
+
+def test_a_repeated_backward_follows_the_deterministic_setting_and_the_lse_gradient(monkeypatch, fresh_signatures):
+    """The repeated backward is kept per deterministic setting (read at every call): with dQ summed in the dK/dV
+    kernel by default, turning torch's deterministic algorithms on brings the dQ kernel back at the next call of
+    the same signature; a call with a gradient for the lse takes the full path."""
+    jit, launchers = _recording_backend_launchers(monkeypatch, interpret=False)
+    ran = counting_repeats(monkeypatch)
+    backend = tb.TritonBackend()
+    params = AttentionParams(scale=0.25)
+    q = torch.randn(SHAPE)
+    out, lse = backend.forward(q, q, q, params)
+    grad_out = torch.randn_like(out)
+    step = lambda **kwargs: backward_launches(  # noqa: E731
+        jit, launchers, lambda: backend.backward(grad_out, q, q, q, out, lse, params, **kwargs))
+    was = torch.are_deterministic_algorithms_enabled()
+    with configs.pin("fwd=16,16,4,1;dkdv=16,16,4,1;dq=atomic"):
+        try:
+            assert not step()["backward_dq_kernel"] and not step()["backward_dq_kernel"] and ran == [True]
+            torch.use_deterministic_algorithms(True)
+            assert step()["backward_dq_kernel"] and ran == [True]  # a new key: the full path
+            assert step()["backward_dq_kernel"] and ran == [True, True]
+            torch.use_deterministic_algorithms(False)
+            assert not step()["backward_dq_kernel"] and ran == [True, True, True]
+            assert step(grad_lse=torch.randn_like(lse))["backward_dkdv_kernel"] and len(ran) == 3
+        finally:
+            torch.use_deterministic_algorithms(was)
+
+
+def test_a_repeated_backward_gives_way_to_the_gluon_backward_when_it_applies(monkeypatch, fresh_signatures):
+    """On a plan marked sm_90 below the Gluon backward's key count, a repeated backward runs the FlashAttention-2
+    launches; with the Gluon kernels at any length (MHATTN_TRITON_HOPPER=always) the same signature's next
+    backward is the Gluon one (hopper_launch.backward), whose decision the _RepeatedBackward answers as its call."""
+    from mhattn.backends.triton import hopper_launch
+
+    jit, launchers = _recording_backend_launchers(monkeypatch, interpret=False)
+    ran = counting_repeats(monkeypatch)
+    gluon = []
+    monkeypatch.setattr(hopper_launch, "backward", lambda *args: gluon.append(args))
+    monkeypatch.setattr(hopper_launch, "backward_sums_words", lambda plan, device_index: 0)
+    monkeypatch.setenv(hopper_launch.ENV_SWITCH, "1")
+    backend = tb.TritonBackend(deterministic=False)
+    params = AttentionParams(scale=0.125, window_right=0)
+    q, k, v = (torch.randn(2, 4, 128, 64, dtype=torch.bfloat16) for _ in range(3))
+    plan = tb._signature_for(q, k, v, params, dense=True).plan
+    monkeypatch.setattr(plan, "sm90", True)
+    monkeypatch.setattr(plan, "descriptor_strides_ok", True)
+    out, lse = torch.randn_like(q), torch.randn(2, 4, 128)
+    grad_out = torch.randn_like(out)
+    for _ in range(2):
+        backend.backward(grad_out, q, k, v, out, lse, params)
+    assert ran == [True] and not gluon
+    monkeypatch.setenv(hopper_launch.ENV_SWITCH, "always")
+    backend.backward(grad_out, q, k, v, out, lse, params)
+    assert ran == [True] and len(gluon) == 1

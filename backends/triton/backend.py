@@ -208,6 +208,9 @@ class _Signature:
         # The FlashAttention-2 forward of a repeated call, per whether the call's addresses suit descriptors (index
         # False / True): made by the first call of a signature whose only tensors are q, k, v and the outputs.
         self.repeated_forwards = [None, None]
+        # The FlashAttention-2 backward of a repeated call of a plain signature (_RepeatedBackward), by what its
+        # launches' other arguments come from besides the signature (see TritonBackend._backward_key).
+        self.repeated_backwards: dict = {}
         # The Gluon Hopper forward of this signature (hopper_launch.ForwardLaunch), made by its first call that ran it.
         self.hopper_forward = None
         self.plain = mask is None and not has_dropout
@@ -477,6 +480,54 @@ class _RepeatedForward:
         return True
 
 
+class _RepeatedBackward:
+    """The FlashAttention-2 backward of a plain signature (no mask, no dropout, no lse gradient) as its first call with
+    these strides and settings launched it (TritonBackend._backward_key): the prepared launches of the preprocess, the
+    dK/dV kernel and (dQ from its own kernel) the dQ kernel with the arguments between their tensors, the dQ mode, and
+    what hopper_launch.why_not reads of a call (window_right, qk_scale2, tma_ok), so that it stands for one there. A
+    repeated backward allocates its gradients and scratch and launches; a call the Gluon backward now takes (its switch
+    is read at every call), a new specialisation that runs out of resources or another current GPU take the full
+    path."""
+
+    __slots__ = ("preprocess", "dkdv", "dq", "dq_mode", "descriptors", "cuda_index", "window_right", "tma_ok",
+                 "qk_scale2")
+
+    def __init__(self, sites: tuple, dq_mode: int, descriptors: bool, plan: _Plan, run: _Launch):
+        self.preprocess, self.dkdv, self.dq = sites
+        self.dq_mode, self.descriptors, self.cuda_index = dq_mode, descriptors, plan.cuda_index
+        self.window_right, self.tma_ok, self.qk_scale2 = run.window_right, run.tma_ok, run.qk_scale2
+
+    def launch(self, grad_out, q, k, v, out, lse, plan: _Plan):
+        """(dq, dk, dv), or None where the launches could not run here (the caller takes the full path)."""
+        if self.cuda_index is not None and _CURRENT_DEVICE() != self.cuda_index:
+            return None
+        dense_q, dense_k, dense_v = plan.dense
+        dq, dk, dv = layouts.grad_buffer(q, dense_q), layouts.grad_buffer(k, dense_k), layouts.grad_buffer(v, dense_v)
+        delta, lse2, _ = plan.backward_scratch(q.device, 0)
+        dq_acc = (torch.zeros(plan.batch, plan.heads_q, plan.seqlen_q, plan.head_dim, dtype=torch.float32,
+                              device=q.device) if self.dq_mode else delta)
+        if self.descriptors:
+            _ensure_descriptor_allocator()
+        # The mask, seed, dS and key-bound places hold placeholders, as _Launch has them without a mask or dropout.
+        try:
+            prepared, middle = self.preprocess
+            prepared.launch((out, grad_out, lse, lse, delta, lse2, delta) + middle)
+            prepared, middle = self.dkdv
+            prepared.launch((q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, q, delta, delta) + middle + (q, 0))
+            if self.dq is None:
+                dq.copy_(dq_acc)
+            else:
+                prepared, middle = self.dq
+                prepared.launch((q, k, v, grad_out, lse2, delta, dq, q, delta, delta, delta) + middle + (q, 0))
+        except Exception as error:
+            from triton.runtime.errors import OutOfResources
+
+            if not isinstance(error, OutOfResources):
+                raise
+            return None
+        return dq, dk, dv
+
+
 class TritonBackend(Backend):
     """FlashAttention-2 forward and backward written in Triton (see forward.py and backward.py)."""
 
@@ -643,7 +694,31 @@ class TritonBackend(Backend):
 
     # ---- backward -----------------------------------------------------------------------------
     def backward(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
-        run = _Launch(q, k, v, params, dense=True)
+        signature = _signature_for(q, k, v, params, dense=True)
+        # A repeated backward of a plain signature launches what the first such call prepared (_RepeatedBackward).
+        if signature.plain and grad_lse is None and signature.repeated_backwards:
+            key = self._backward_key(grad_out, q, k, v, out, lse, signature.plan)
+            repeat = signature.repeated_backwards.get(key)
+            if repeat is not None and not (signature.plan.sm90 and hopper_launch.why_not_backward(
+                    signature.plan, repeat, key[-2], key[-1]) is None):
+                grads = repeat.launch(grad_out, q, k, v, out, lse, signature.plan)
+                if grads is not None:
+                    return (*grads, None)
+        return self._backward_in_full(grad_out, q, k, v, out, lse, params, grad_lse, signature)
+
+    def _backward_key(self, grad_out, q, k, v, out, lse, plan: _Plan) -> tuple:
+        """What a plain signature's backward launches read besides the signature: the strides of the output, its
+        gradient and the lse (the launches' other arguments), whether q, k, v suit descriptors, and the two per-call
+        inputs of the Hopper decision: whether the output gradient suits descriptors, a deterministic backward."""
+        return (out.stride(), grad_out.stride(), lse.stride(),
+                plan.descriptor_strides_ok and _addresses_aligned(q, k, v), _descriptor_ready(grad_out),
+                self._deterministic())
+
+    def _backward_in_full(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse, signature):
+        """The backward with every step: this call's per-call state (_Launch), the Hopper decision, the tiles (shrunk
+        where they ran out of resources); leaves a plain signature's FlashAttention-2 backward the launches its
+        repeated calls make."""
+        run = _Launch(q, k, v, params, signature=signature)
         _check_inputs(out=out)
         if grad_out.stride(-1) != 1 and grad_out.shape[-1] > 1:
             grad_out = grad_out.contiguous()  # a gradient buffer (e.g. expanded by .sum()), not a user input
@@ -692,10 +767,12 @@ class TritonBackend(Backend):
                                                        BLOCK_M=block_pre, HAS_GRAD_LSE=grad_lse is not None,
                                                        ZERO_BLOCK=zero_block)
 
-            _launch_site(run.signature, (kernel.preprocess, out.stride(), grad_out_strides, lse.stride(),
-                                         None if grad_lse is None else grad_lse.stride(), sums_words),
-                         kernel.preprocess, (out, grad_out, lse, grad_lse_arg, delta, lse2,
-                                             delta if sums is None else sums), (), prepare_preprocess)
+            preprocess_site = _launch_site(
+                run.signature, (kernel.preprocess, out.stride(), grad_out_strides, lse.stride(),
+                                None if grad_lse is None else grad_lse.stride(), sums_words),
+                kernel.preprocess, (out, grad_out, lse, grad_lse_arg, delta, lse2, delta if sums is None else sums), (),
+                prepare_preprocess)
+            ran = {}  # kernel -> (site, descriptors) of the tile that ran last
 
             def launch_dkdv(tile):
                 tma = run.tma(tile, grad_out)
@@ -712,9 +789,9 @@ class TritonBackend(Backend):
                                        WARP_SPECIALIZE=tile.warp_specialize and plan.warp_specialize_ok,
                                        DQ_MODE=dq_mode)
 
-                _launch_site(run.signature, (kernel.dkdv, tile, tma, grad_out_strides, dq_mode), kernel.dkdv,
-                             (q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run.mask, delta, key_bounds), seed,
-                             prepare)
+                ran["dkdv"] = (_launch_site(run.signature, (kernel.dkdv, tile, tma, grad_out_strides, dq_mode),
+                                            kernel.dkdv, (q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run.mask,
+                                                          delta, key_bounds), seed, prepare), tma)
 
             def launch_dq(tile):
                 def prepare():
@@ -727,9 +804,9 @@ class TritonBackend(Backend):
                         run.diag_offset, run.window_left, run.window_right,
                     ), plan.constexprs(kernel.dq, tile, MASK_GRAD=mask_grad, HEAVY_FIRST=plan.heavy_first)
 
-                _launch_site(run.signature, (kernel.dq, tile, grad_out_strides, mask_grad), kernel.dq,
-                             (q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta, delta,
-                              key_bounds), seed, prepare)
+                ran["dq"] = _launch_site(run.signature, (kernel.dq, tile, grad_out_strides, mask_grad), kernel.dq,
+                                         (q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta,
+                                          delta, key_bounds), seed, prepare)
 
             key = plan.shrink_key + (run.tma_ok, dq_mode)
             if hopper:
@@ -742,6 +819,11 @@ class TritonBackend(Backend):
                 _run("dq", plan.config.dq, key, launch_dq)
         if dmask is not None:
             dmask = dmask.to(params.mask.dtype)
+        elif signature.plain and grad_lse is None and not hopper:
+            dkdv_site, dkdv_descriptors = ran["dkdv"]
+            signature.repeated_backwards[self._backward_key(grad_out, q, k, v, out, lse, plan)] = _RepeatedBackward(
+                (preprocess_site, dkdv_site, ran.get("dq") if dq_mode == 0 else None), dq_mode,
+                dkdv_descriptors or dq_mode == 2, plan, run)
         return dq, dk, dv, dmask
 
     # ---- KV cache and packed sequences (decode_launch.py, varlen_launch.py) --------------------
