@@ -15,10 +15,10 @@ cupy-cuda13x`` with a CUDA 13 NVRTC; no CUDA toolkit or headers are needed.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from mhattn import environment
 from mhattn.backends.base import AttentionParams, Backend, Capabilities, KVCache, Packing
 from mhattn.backends.cupy import ops, packed, variants
 
@@ -29,6 +29,13 @@ __all__ = ["CupyBackend"]
 # kernel; the Hopper backward: the key blocks add dQ in a fixed order), which torch.use_deterministic_algorithms(True)
 # and CupyBackend(deterministic=True) also select.
 FAST_BACKWARD_ENV = "MHATTN_CUPY_FAST_BACKWARD"
+_fast_backward_store, _fast_backward_key = environment.raw_store(FAST_BACKWARD_ENV)
+
+
+@functools.lru_cache(maxsize=16)
+def _fast_backward_off(raw) -> bool:
+    """Whether MHATTN_CUPY_FAST_BACKWARD's raw value (environment.raw_store) turns the fast backward off."""
+    return environment.decoded(raw).strip().lower() in ("0", "false", "no", "off")
 
 
 @functools.lru_cache(maxsize=1)
@@ -169,7 +176,8 @@ class CupyBackend(Backend):
             return bool(self.deterministic)
         if torch.are_deterministic_algorithms_enabled():
             return True
-        return os.environ.get(FAST_BACKWARD_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+        raw = _fast_backward_store.get(_fast_backward_key)  # read at every backward: it may change between calls
+        return raw is not None and _fast_backward_off(raw)
 
     def backward(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
         return ops.backward(self.launcher, self._cc(q.device), grad_out, q, k, v, out, lse, params, grad_lse,
