@@ -1240,6 +1240,55 @@ def test_gpu_launches_through_kept_handles_stay_correct_as_addresses_strides_and
     assert kinds.forward.handle_launches + kinds.dkdv.handle_launches - before >= 12
 
 
+def check_repeated_backwards_match_full(device="cpu", shapes=((1, 4, 4, 40, False), (2, 4, 2, 48, True)), dim=16):
+    """A repeated backward of a signature without a mask (backend._RepeatedBackward: the launches its first
+    backward prepared) with new tensors each call, at 16-byte aligned and misaligned addresses, gives bitwise the
+    gradients of the same backward worked out from scratch (deterministic: dQ from its own kernel, a fixed order of
+    additions). shapes: (B, Hq, Hkv, N, causal)."""
+    from mhattn.backends.triton import backend as triton_backend
+
+    backend = triton_backend.TritonBackend(deterministic=True)
+    dt = torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(7)
+    with _pinned_config(device):
+        for batch, heads_q, heads_kv, seqlen, causal in shapes:
+            params = AttentionParams(scale=dim ** -0.5, window_right=0 if causal else None)
+            for step in range(4):
+                offset = step % 2  # 0 or 2 bytes past a 16-byte boundary
+                q, k, v = (torch.randn(batch, heads, seqlen, dim + 8, device=device, dtype=dt, generator=gen)
+                           [..., offset:offset + dim] for heads in (heads_q, heads_kv, heads_kv))
+                grad_out = torch.randn(batch, heads_q, seqlen, dim, device=device, dtype=dt, generator=gen)
+                with poisoned_allocations():
+                    out, lse = backend.forward(q, k, v, params)
+                    signature = triton_backend._signature_for(q, k, v, params, dense=True)
+                    # Steps 2 and 3 repeat steps 0 and 1 (each alignment's first backward prepared its launches).
+                    assert (len(signature.repeated_backwards) == 2) == (step >= 2), signature.repeated_backwards
+                    repeated = backend.backward(grad_out, q, k, v, out, lse, params)[:3]
+                kept = dict(triton_backend._signatures)
+                triton_backend._signatures.clear()  # no prepared launch: everything worked out anew
+                try:
+                    with poisoned_allocations():
+                        in_full = backend.backward(grad_out, q, k, v, out, lse, params)[:3]
+                finally:
+                    triton_backend._signatures.clear()
+                    triton_backend._signatures.update(kept)
+                for name, a, b in zip(("dq", "dk", "dv"), repeated, in_full):
+                    assert torch.equal(a, b), f"{name} differs (N {seqlen}, step {step})"
+                    assert not torch.isnan(a).any(), f"{name} has NaN (N {seqlen}, step {step})"
+
+
+def test_repeated_backwards_match_a_backward_worked_out_in_full_interpreted(interpreter):
+    interpreter.run("check_repeated_backwards_match_full")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_repeated_backwards_give_what_a_backward_worked_out_in_full_gives():
+    """check_repeated_backwards_match_full on the GPU at the latency shape and a GQA causal one below the Gluon
+    backward's key count."""
+    check_repeated_backwards_match_full("cuda", ((1, 16, 16, 128, False), (2, 8, 2, 300, True)), dim=64)
+
+
 def test_explain_names_the_kernel_families(monkeypatch):
     """explain's decision says which Triton forward and backward run and why the Gluon Hopper kernels do not, from
     the problem alone (device capability, dtype, head dims, features, key count, determinism); the split-KV kernels
