@@ -272,9 +272,14 @@ SWEEP = (
     ("64-key blocks, 4 slots, two loops", lambda d, causal: d == 64,
      {"KEY_BLOCK": {64: 64}, "FORWARD_STAGES": {64: 4}, "FORWARD_SPLIT_MASKED": {64: True}}),
     ("one loop over key blocks", lambda d, causal: d in (128, 256), {"FORWARD_SPLIT_MASKED": {128: False, 256: False}}),
+    # d = 256 with 32-key blocks: room for a second Q buffer (the next tile's Q under this one, the output through the
+    # copy engine) at the price of half-width S products.
+    ("32-key blocks, two Q buffers", lambda d, causal: d == 256, {"KEY_BLOCK": {256: 32}, "Q_BUFFERS": {256: 2}}),
+    ("32-key blocks, two Q buffers, 3 K/V slots", lambda d, causal: d == 256,
+     {"KEY_BLOCK": {256: 32}, "Q_BUFFERS": {256: 2}, "FORWARD_STAGES": {256: 3}}),
 )
 # Settings that change the kernel's build (its compile-time arguments): the sweep runs the correctness pass with each.
-BUILD_SETTINGS = ("KEY_BLOCK", "FORWARD_STAGES", "FORWARD_SPLIT_MASKED")
+BUILD_SETTINGS = ("KEY_BLOCK", "FORWARD_STAGES", "FORWARD_SPLIT_MASKED", "Q_BUFFERS")
 
 
 def forward_sweep(dtype, seqlens, wanted=None):
