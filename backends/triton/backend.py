@@ -158,6 +158,11 @@ class _Plan:
         self.dense = (layouts.is_dense(q), layouts.is_dense(k), layouts.is_dense(v))
         self._constexpr_sets: dict = {}
 
+    def descriptors_ok(self, q, k, v) -> bool:
+        """Whether this call's q, k, v can be read through descriptors (the Hopper paths): the plan's strides and
+        the call's addresses."""
+        return self.descriptor_strides_ok and _addresses_aligned(q, k, v)
+
     def output_buffers(self, q):
         """(out, lse) of a forward, uninitialised: out (B, Hq, Nq, Dv) in q's dtype rows-major as
         layouts.output_buffer lays it out, lse (B, Hq, Nq) float32 contiguous (layouts.lse_buffer's)."""
@@ -276,7 +281,7 @@ class _Launch:
         self.seed = dropout_rng.seed_tensor(params.seed, q.device).view(torch.int32) if signature.has_dropout else q
         self.band = (self.diag_offset, self.window_left, self.window_right, self.seed, self.threshold)
         # The Hopper paths (copy-engine loads) need every tensor the kernels read through descriptors aligned.
-        self.tma_ok = self.plan.descriptor_strides_ok and _addresses_aligned(q, k, v)
+        self.tma_ok = self.plan.descriptors_ok(q, k, v)
 
     def key_bounds_or(self, placeholder):
         """The key bounds tensor for the kernels' CuSeqlensK argument, or a placeholder when unused."""
@@ -447,6 +452,18 @@ def _forward_tensors(q, k, v, out, lse, mask, key_bounds) -> tuple:
     return q, k, v, out, lse, mask, lse, key_bounds
 
 
+def _dkdv_tensors(q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, mask, key_bounds) -> tuple:
+    """The dK/dV kernel's leading tensor arguments (backward.py's order; delta holds the place of the packed
+    sequences' query offsets, which a dense call does not read)."""
+    return q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, mask, delta, key_bounds
+
+
+def _dq_tensors(q, k, v, grad_out, lse2, delta, dq, mask, dmask, key_bounds) -> tuple:
+    """The dQ kernel's leading tensor arguments (backward.py's order; delta holds the place of the packed sequences'
+    query offsets, as in _dkdv_tensors)."""
+    return q, k, v, grad_out, lse2, delta, dq, mask, dmask, delta, key_bounds
+
+
 class _RepeatedForward:
     """The FlashAttention-2 forward of a plain signature (no mask, no dropout: q, k, v and the outputs are its only
     tensors) as its first call launched it: the prepared launch of the tile that ran and the arguments between the
@@ -513,12 +530,12 @@ class _RepeatedBackward:
             prepared, middle = self.preprocess
             prepared.launch((out, grad_out, lse, lse, delta, lse2, delta) + middle)
             prepared, middle = self.dkdv
-            prepared.launch((q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, q, delta, delta) + middle + (q, 0))
+            prepared.launch(_dkdv_tensors(q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, q, delta) + middle + (q, 0))
             if self.dq is None:
                 dq.copy_(dq_acc)
             else:
                 prepared, middle = self.dq
-                prepared.launch((q, k, v, grad_out, lse2, delta, dq, q, delta, delta, delta) + middle + (q, 0))
+                prepared.launch(_dq_tensors(q, k, v, grad_out, lse2, delta, dq, q, delta, delta) + middle + (q, 0))
         except Exception as error:
             from triton.runtime.errors import OutOfResources
 
@@ -630,7 +647,7 @@ class TritonBackend(Backend):
             return decode_launch.split_kv_forward(q, k, v, params, signature=signature)
         plan = signature.plan
         # The Hopper paths need every tensor read through descriptors aligned: the plan holds the strides' half.
-        tma_ok = plan.descriptor_strides_ok and _addresses_aligned(q, k, v)
+        tma_ok = plan.descriptors_ok(q, k, v)
         # A repeated call that the Gluon Hopper forward takes launches what its signature's first such call prepared.
         hopper = signature.hopper_forward
         if (tma_ok and hopper is not None and hopper.current(plan)
@@ -710,9 +727,8 @@ class TritonBackend(Backend):
         """What a plain signature's backward launches read besides the signature: the strides of the output, its
         gradient and the lse (the launches' other arguments), whether q, k, v suit descriptors, and the two per-call
         inputs of the Hopper decision: whether the output gradient suits descriptors, a deterministic backward."""
-        return (out.stride(), grad_out.stride(), lse.stride(),
-                plan.descriptor_strides_ok and _addresses_aligned(q, k, v), _descriptor_ready(grad_out),
-                self._deterministic())
+        return (out.stride(), grad_out.stride(), lse.stride(), plan.descriptors_ok(q, k, v),
+                _descriptor_ready(grad_out), self._deterministic())
 
     def _backward_in_full(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse, signature):
         """The backward with every step: this call's per-call state (_Launch), the Hopper decision, the tiles (shrunk
@@ -790,8 +806,8 @@ class TritonBackend(Backend):
                                        DQ_MODE=dq_mode)
 
                 ran["dkdv"] = (_launch_site(run.signature, (kernel.dkdv, tile, tma, grad_out_strides, dq_mode),
-                                            kernel.dkdv, (q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, run.mask,
-                                                          delta, key_bounds), seed, prepare), tma)
+                                            kernel.dkdv, _dkdv_tensors(q, k, v, grad_out, lse2, delta, dk, dv, dq_acc,
+                                                                       run.mask, key_bounds), seed, prepare), tma)
 
             def launch_dq(tile):
                 def prepare():
@@ -805,8 +821,8 @@ class TritonBackend(Backend):
                     ), plan.constexprs(kernel.dq, tile, MASK_GRAD=mask_grad, HEAVY_FIRST=plan.heavy_first)
 
                 ran["dq"] = _launch_site(run.signature, (kernel.dq, tile, grad_out_strides, mask_grad), kernel.dq,
-                                         (q, k, v, grad_out, lse2, delta, dq, run.mask, dmask if mask_grad else delta,
-                                          delta, key_bounds), seed, prepare)
+                                         _dq_tensors(q, k, v, grad_out, lse2, delta, dq, run.mask,
+                                                     dmask if mask_grad else delta, key_bounds), seed, prepare)
 
             key = plan.shrink_key + (run.tma_ok, dq_mode)
             if hopper:
