@@ -412,10 +412,10 @@ def main():
     if args.bisect:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, dout = (torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
-        rows = bisect_rows(*(t.requires_grad_() for t in (q, k, v)), dout)
+        wrappers = bisect_rows(*(t.requires_grad_() for t in (q, k, v)), dout)
         title = "forward+backward host loop, us (B=1 H=16 N=128 d=64 bf16)"
         print(f"{title:<52} {'device thread':>14} {'1 thread':>9}")
-        for label, fn in rows + rows:  # twice: the host drifts
+        for label, fn in wrappers + wrappers:  # twice: the host drifts
             multi = host_loop_us(fn)
             with torch.autograd.set_multithreading_enabled(False):
                 single = host_loop_us(fn)
