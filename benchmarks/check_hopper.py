@@ -266,18 +266,10 @@ def with_forward_settings(fn, settings: dict):
 SWEEP = (
     ("causal tiles head by head", lambda d, causal: causal, {"CAUSAL_GROUP_BYTES": 0}),
     ("causal tiles over all heads", lambda d, causal: causal, {"CAUSAL_GROUP_BYTES": 1 << 40}),
-    # d = 64 with 64-key blocks: half the causal diagonal's wasted scores, twice the steps a tile.
-    ("64-key blocks, 3 K/V slots", lambda d, causal: d == 64, {"KEY_BLOCK": {64: 64}, "FORWARD_STAGES": {64: 3}}),
-    ("64-key blocks, 4 K/V slots", lambda d, causal: d == 64, {"KEY_BLOCK": {64: 64}, "FORWARD_STAGES": {64: 4}}),
-    ("64-key blocks, 4 slots, two loops", lambda d, causal: d == 64,
-     {"KEY_BLOCK": {64: 64}, "FORWARD_STAGES": {64: 4}, "FORWARD_SPLIT_MASKED": {64: True}}),
     ("one loop over key blocks", lambda d, causal: d in (128, 256), {"FORWARD_SPLIT_MASKED": {128: False, 256: False}}),
-    # d = 256 with 32-key blocks: room for a second Q buffer (the next tile's Q under this one, the output through the
-    # copy engine) at the price of half-width S products.
-    ("32-key blocks, two Q buffers", lambda d, causal: d == 256, {"KEY_BLOCK": {256: 32}, "Q_BUFFERS": {256: 2}}),
-    ("32-key blocks, two Q buffers, 3 K/V slots", lambda d, causal: d == 256,
-     {"KEY_BLOCK": {256: 32}, "Q_BUFFERS": {256: 2}, "FORWARD_STAGES": {256: 3}}),
 )
+# Measured and dropped (backends/triton/NOTES.md): 64-key blocks at d = 64 (3 or 4 K/V slots, one or two loops),
+# 32-key blocks with two Q buffers at d = 256 (2 or 3 K/V slots); a kernel with three softmax warpgroups at d = 64.
 # Settings that change the kernel's build (its compile-time arguments): the sweep runs the correctness pass with each.
 BUILD_SETTINGS = ("KEY_BLOCK", "FORWARD_STAGES", "FORWARD_SPLIT_MASKED", "Q_BUFFERS")
 

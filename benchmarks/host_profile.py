@@ -18,10 +18,11 @@ says what the hand-off to the engine's device thread costs each path.
 mhattn.attention, on autograd's device thread and on the calling thread. ``--paths`` shows, at the latency
 shapes, which path auto takes beside torch's SDPA (call_paths).
 ``--gluon`` gives the host cost per call of the Gluon Hopper paths at the protocol's short causal cells (N = 1k,
-B*N = 16k) beside their GPU time (gluon_host_costs). ``--device-thread`` times pieces of host work inside a backward (autograd's device thread) beside the same on the
-main thread. ``--profile triton-fwd`` prints cProfile's top entries of mhattn.attention's forward on the Triton backend;
-``--profile triton-bwd`` prints cProfile's top entries of the Triton backward where autograd runs it (its
-device thread) and on the main thread. Prints the table last.
+B*N = 16k) beside their GPU time (gluon_host_costs). ``--device-thread`` times pieces of host work inside a backward
+(autograd's device thread) beside the same on the main thread. ``--profile triton-fwd`` (``cupy-fwd``) prints
+cProfile's top entries of mhattn.attention's forward on the Triton (CuPy) backend; ``--profile triton-bwd`` prints
+cProfile's top entries of the Triton backward where autograd runs it (its device thread) and on the main thread.
+Prints the table last.
 """
 
 import argparse
@@ -240,18 +241,18 @@ def call_paths():
         print(text.getvalue())
 
 
-def profile_triton_forward(q, k, v):
-    """cProfile of mhattn.attention's forward on the Triton backend (no gradient), 300 calls."""
+def profile_forward(q, k, v, backend):
+    """cProfile of mhattn.attention's forward on one backend (no gradient), 300 calls."""
     qd, kd, vd = (t.detach() for t in (q, k, v))
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(300):
-        mhattn.attention(qd, kd, vd, backend="triton")
+        mhattn.attention(qd, kd, vd, backend=backend)
     profile.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(20)
-    print(f"== mhattn.attention forward on triton x300\n{text.getvalue()}")
+    print(f"== mhattn.attention forward on {backend} x300\n{text.getvalue()}")
 
 
 def profile_triton_backward(q, k, v, dout):
@@ -387,7 +388,7 @@ def gluon_host_costs(head_dims=(64, 128, 256), seqlen=1024, queued=20, repeats=5
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profile", choices=("triton-fwd", "triton-bwd"), default=None)
+    parser.add_argument("--profile", choices=("triton-fwd", "triton-bwd", "cupy-fwd"), default=None)
     parser.add_argument("--paths", action="store_true",
                         help="only the call paths of auto beside torch's SDPA at the latency shapes (call_paths)")
     parser.add_argument("--single-thread", action="store_true",
@@ -426,8 +427,8 @@ def main():
     if args.single_thread:
         with torch.autograd.set_multithreading_enabled(False):
             results += [(f"{label} [1 thread]", host_loop_us(fn)) for label, fn in table if "backward" in label]
-    if args.profile == "triton-fwd":
-        profile_triton_forward(*tensors[:3])
+    if args.profile in ("triton-fwd", "cupy-fwd"):
+        profile_forward(*tensors[:3], backend=args.profile.split("-")[0])
     if args.profile == "triton-bwd":
         profile_triton_backward(*tensors)
     if args.device_thread:
