@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from mhattn.benchmark import decode_bench
@@ -51,6 +52,43 @@ def test_table_holds_auto_against_the_fastest_in_a_loop_too():
     line = decode_bench.decode_table([row]).splitlines()[2].split()
     assert line[-2] == "2.62"  # GPU timer: auto 42 against triton's 16
     assert line[-1] == "1.05"  # in a loop: auto max(42, 41) against sdpa's max(37, 40)
+
+
+def test_graph_table_lists_the_replayed_cells_with_their_ratios():
+    """Cells timed from a CUDA graph get a second table: triton's speed-up over cuDNN, paged over contiguous, auto
+    over the fastest of sdpa, triton and cupy, all on the replayed times; a capture that failed says why."""
+    replayed = {"dtype": "bf16", "batch": 1, "seqlen_k": 1024, "seqlen_q": 1, "kv_bytes": 4194304,
+                "us": {"sdpa": 13.0, "sdpa-cudnn": 13.0, "triton": 15.0, "auto": 13.0, "kvcache": 14.0, "paged": 17.0},
+                "status": {"sdpa": "ok", "sdpa-cudnn": "ok", "triton": "ok", "auto": "ok", "kvcache": "ok",
+                           "paged": "CUDA graph: RuntimeError: operation not permitted when stream is capturing"},
+                "loop_us": {}, "graph_us": {"sdpa": 9.0, "sdpa-cudnn": 8.0, "triton": 6.4, "auto": 9.2,
+                                            "kvcache": 6.5}}
+    long = {"dtype": "bf16", "batch": 8, "seqlen_k": 131072, "seqlen_q": 1, "kv_bytes": 1,
+            "us": {"triton": 1400.0}, "status": {"triton": "ok"}, "loop_us": {}, "graph_us": {}}
+    text = decode_bench.decode_table([replayed, long])
+    lines = text.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("host-bound cells replayed")))
+    header, row = lines[start + 1].split(), lines[start + 3].split()
+    assert len(lines[start + 1:start + 4]) == 3 and lines[start + 4] == ""  # one replayed row: the long cell has none
+    assert row[:4] == ["bf16", "1", "1k", "1"]
+    assert row[4:11] == ["9.0", "8.0", "6.4", "-", "9.2", "6.5", "-"]
+    assert row[-3] == "1.25"  # cuDNN 8.0 over triton 6.4
+    assert row[-2] == "-"  # no replayed paged time
+    assert row[-1] == f"{9.2 / 6.4:.2f}"  # auto against the fastest of sdpa, triton, cupy
+    assert "paged: CUDA graph: RuntimeError" in text
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_times_a_captured_call():
+    """The replay timer: a captured call's time per call, and a call that reads a value back to the host refused by
+    the capture."""
+    from mhattn.benchmark import timing
+
+    x = torch.randn(1 << 20, device="cuda")
+    ms = timing.graph_replay_ms(lambda: x.mul_(1.0), "cuda", calls=5, rounds=3)
+    assert 0 < ms < 10
+    with pytest.raises(Exception):
+        timing.graph_replay_ms(lambda: x.sum().item(), "cuda", calls=2, rounds=1)
 
 
 def test_host_loops_take_turns_and_report_errors(monkeypatch):

@@ -14,7 +14,9 @@ default). Every implementation reads the same K and V:
 Times are the GPU timer's medians. A call under 0.5 ms on it (``mhattn.tuning.measure.HOST_BOUND_MS``) is also timed
 as a host loop, the implementations' loops taking turns (what ``mhattn tune`` does): a decoding step runs in a loop,
 where a short call costs the larger of its GPU time and its host path. ``auto/best loop`` holds auto against the
-fastest by that cost, the measure its timing table chose by.
+fastest by that cost, the measure its timing table chose by. The same short calls are also replayed from a CUDA graph
+(``timing.graph_replay_ms``: 20 calls captured, as serving stacks run decoding steps), which times the GPU's work
+alone; a second table lists those cells (a call that cannot be captured says why under "not measured").
 
 Bandwidth is FlashAttention's measure: the bytes of K and V / time. Query rows past the first sit at the bottom-right
 diagonal (causal), as in speculative decoding.
@@ -134,7 +136,8 @@ def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) 
 
     device = torch.device(device)
     dtype = DTYPES[cell.dtype]
-    row = {"kind": "decode", **asdict(cell), "kv_bytes": cell.kv_bytes, "us": {}, "status": {}, "loop_us": {}}
+    row = {"kind": "decode", **asdict(cell), "kv_bytes": cell.kv_bytes, "us": {}, "status": {}, "loop_us": {},
+           "graph_us": {}}
     short = {}  # name -> the call, for the host loops
     generator = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(cell.batch, cell.heads_q, cell.seqlen_q, cell.head_dim, device=device, dtype=dtype,
@@ -181,6 +184,11 @@ def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) 
         row["loop_us"] = loops
         for name, error in errors.items():
             row["status"][name] = f"host loop: {timing.describe_error(error)}"
+        for name, fn in short.items():
+            try:
+                row["graph_us"][name] = 1e3 * timing.graph_replay_ms(fn, device)
+            except Exception as error:  # e.g. a host read-back inside the call: no graph, and why
+                row["status"][name] = f"CUDA graph: {timing.describe_error(error)}"
     return row
 
 
@@ -220,8 +228,32 @@ def decode_table(rows: list) -> str:
     out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
     failures = [f"{r['dtype']} B={r['batch']} Nk={r['seqlen_k']} Nq={r['seqlen_q']} {name}: {status}"
                 for r in rows for name, status in r["status"].items() if status != "ok"]
+    graphed = [r for r in rows if r.get("graph_us")]
+    if graphed:
+        out += ["", graph_table(graphed).rstrip("\n")]
     if failures:
         out += ["", "not measured:"] + [f"  {line[:300]}" for line in failures]
+    return "\n".join(out) + "\n"
+
+
+def graph_table(rows: list) -> str:
+    """The host-bound cells replayed from a CUDA graph (us per call, the GPU's work alone): triton's speed-up over
+    cuDNN, the paged cache's time over the contiguous one's, auto's time over the fastest of AUTO_PEERS."""
+    names = ("sdpa", "sdpa-cudnn", "triton", "cupy", "auto", "kvcache", "paged")
+    header = (["dtype", "B", "Nk", "Nq"] + [f"{n.replace('sdpa-', '')} graph us" for n in names]
+              + ["x cudnn", "paged/contig", "auto/best"])
+    lines = []
+    for r in rows:
+        us = r["graph_us"]
+        fastest = min((us[n] for n in AUTO_PEERS if us.get(n) is not None), default=None)
+        lines.append([r["dtype"], str(r["batch"]), _seqlen(r["seqlen_k"]), str(r["seqlen_q"])]
+                     + [_us(us.get(n)) for n in names]
+                     + [_ratio(us.get("sdpa-cudnn"), us.get("triton")), _ratio(us.get("paged"), us.get("kvcache")),
+                        _ratio(us.get("auto"), fastest)])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    out = ["host-bound cells replayed from a CUDA graph (20 calls captured; us per call):",
+           "  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
     return "\n".join(out) + "\n"
 
 
