@@ -708,6 +708,52 @@ def test_gpu_decode_steps_on_a_side_stream_and_in_a_cuda_graph(monkeypatch, depe
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_kvcache_steps_replayed_from_a_cuda_graph_follow_the_advancing_lengths(paged):
+    """A serving loop's decoding step captured once in a CUDA graph (append one token to each sequence's cache, attend
+    over it), replayed while the caller advances cache_seqlens in place and writes new q, k, v into the captured
+    buffers, gives bitwise what the same eager steps give on a copy of the cache, and leaves the same cache."""
+    import mhattn
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    batch, heads_q, heads_kv, head_dim, capacity, block = 2, 8, 2, 128, 2048, 256
+    dtype = torch.bfloat16
+    if paged:
+        pool = (batch * capacity // block, heads_kv, block, head_dim)
+        table = torch.randperm(pool[0], device="cuda", generator=gen).view(batch, -1).to(torch.int32)
+    else:
+        pool, table = (batch, heads_kv, capacity, head_dim), None
+    k_cache, v_cache = (torch.randn(pool, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    k_eager, v_eager = k_cache.clone(), v_cache.clone()
+    seqlens = torch.tensor([700, 1500], dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads_q, 1, head_dim, device="cuda", dtype=dtype, generator=gen)
+    k, v = (torch.randn(batch, heads_kv, 1, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+
+    def step(k_cache, v_cache):
+        return mhattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
+                                             backend="triton")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (it writes the same positions the first replay writes)
+        step(k_cache, v_cache)
+        step(k_eager, v_eager)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(k_cache, v_cache)
+    for _ in range(3):
+        seqlens.add_(1)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, device="cuda", dtype=dtype, generator=gen))
+        graph.replay()
+        want = step(k_eager, v_eager)
+        torch.cuda.synchronize()
+        assert torch.equal(captured, want)
+    assert torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_gpu_varlen(dtype, is_causal):
