@@ -2,12 +2,12 @@
 # GPU check of the call path (issue 11), a few minutes on an H100, from the repo root:
 #   source benchmarks/device_env.sh && bash benchmarks/check_callpath.sh
 # 1. the call-path tests (CUDA generator seeds, CUDA-graph replays drawing fresh dropout masks, every backend
-#    drawing the same mask), the GPU integration tests (torch.compile, CUDA graphs, every backend), the sdpa
-#    backend's GPU tests (its native autograd path included), the Triton launches through kept compiled
-#    handles, and the GPU dropout tests of both kernel families;
+#    drawing the same mask), decoding steps with a KV cache replayed from a CUDA graph, the GPU integration tests
+#    (torch.compile, CUDA graphs, every backend), the sdpa backend's GPU tests (its native autograd path included),
+#    the Triton launches through kept compiled handles, and the GPU dropout tests of both kernel families;
 # 2. mhattn bench --latency beside sdpa-default (per-call GPU and host-loop time, forward and
 #    forward+backward, at the four small shapes; auto = automatic selection);
-# 3. a short decoding table (host-bound short caches and a long one).
+# 3. a short decoding table (host-bound short caches and a long one; the short ones also replayed from a CUDA graph).
 # The tables are printed last. Logs under $OUT (default /tmp/mhattn_callpath): tests.log, latency.log,
 # latency.json, latency.txt, decode.txt.
 
@@ -22,6 +22,8 @@ timeout 200 python3 -m pytest -q tests/test_call_path.py tests/test_functional.p
     "tests/test_triton_backend.py::test_gpu_dropout_bits_and_keep_mask" \
     "tests/test_triton_backend.py::test_gpu_launches_through_kept_handles_stay_correct_as_addresses_strides_and_sizes_change" \
     "tests/test_triton_backend.py::test_gpu_repeated_backwards_give_what_a_backward_worked_out_in_full_gives" \
+    "tests/test_inference.py::test_gpu_kvcache_steps_replayed_from_a_cuda_graph_follow_the_advancing_lengths" \
+    tests/test_decode_bench.py \
     -k "not info_says" -rfE > "$OUT/tests.log" 2>&1
 echo "tests: exit $? ($(tail -1 "$OUT/tests.log"))"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -10
