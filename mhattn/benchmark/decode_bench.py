@@ -16,7 +16,8 @@ as a host loop, the implementations' loops taking turns (what ``mhattn tune`` do
 where a short call costs the larger of its GPU time and its host path. ``auto/best loop`` holds auto against the
 fastest by that cost, the measure its timing table chose by. The same short calls are also replayed from a CUDA graph
 (``timing.graph_replay_ms``: 20 calls captured, as serving stacks run decoding steps), which times the GPU's work
-alone; a second table lists those cells (a call that cannot be captured says why under "not measured").
+alone, back to back without flushing the L2 cache (K and V that fit in it are read from it); a second table lists
+those cells (a call that cannot be captured says why under "not measured").
 
 Bandwidth is FlashAttention's measure: the bytes of K and V / time. Query rows past the first sit at the bottom-right
 diagonal (causal), as in speculative decoding.
@@ -251,7 +252,7 @@ def graph_table(rows: list) -> str:
                      + [_ratio(us.get("sdpa-cudnn"), us.get("triton")), _ratio(us.get("paged"), us.get("kvcache")),
                         _ratio(us.get("auto"), fastest)])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
-    out = ["host-bound cells replayed from a CUDA graph (20 calls captured; us per call):",
+    out = ["host-bound cells replayed from a CUDA graph (20 calls captured, no L2 flush between them; us per call):",
            "  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
     return "\n".join(out) + "\n"

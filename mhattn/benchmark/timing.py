@@ -120,8 +120,9 @@ def graph_replay_ms(fn, device, calls: int = 20, rounds: int = 10) -> float:
     """Milliseconds per call of ``fn()`` replayed from a CUDA graph, as a serving loop runs its decoding steps: ``calls``
     calls captured once (after warm-up calls on a side stream, which capture needs), the graph replayed ``rounds``
     times between CUDA events; the median round over ``calls``. No host work is timed, so a call whose GPU time is
-    below its host path's shows its GPU time here. Raises what the capture raises (a call that reads a value back
-    to the host cannot be captured)."""
+    below its host path's shows its GPU time here. Unlike bench_ms, nothing flushes the L2 cache between the calls:
+    inputs that fit in it (50 MB on an H100) are read from it after the first call. Raises what the capture raises (a
+    call that reads a value back to the host cannot be captured)."""
     device = torch.device(device)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
