@@ -233,8 +233,10 @@ class Backend:
         giving what native_attention would; None where calls like this one have no such path. The front end asks
         once per call signature (shapes, strides, dtype, device, params but the dropout seed, the inputs'
         ``requires_grad`` and grad mode) and keeps the answer for the calls that repeat it, so anything else the
-        choice depends on must be checked inside the callable. The default: native_attention itself, where the
-        backend has one."""
+        choice depends on must be checked inside the callable. For calls that autograd does not track (the grad
+        mode and ``requires_grad`` are part of the signature), the callable need not be differentiable: it may be a
+        forward that skips what only a backward would read (the Triton backend writes such calls' lse into a kept
+        scratch buffer). The default: native_attention itself, where the backend has one."""
         has_own = type(self).native_attention is not Backend.native_attention
         return self.native_attention if has_own else None
 

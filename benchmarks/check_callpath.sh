@@ -22,6 +22,7 @@ timeout 200 python3 -m pytest -q tests/test_call_path.py tests/test_functional.p
     "tests/test_triton_backend.py::test_gpu_dropout_bits_and_keep_mask" \
     "tests/test_triton_backend.py::test_gpu_launches_through_kept_handles_stay_correct_as_addresses_strides_and_sizes_change" \
     "tests/test_triton_backend.py::test_gpu_repeated_backwards_give_what_a_backward_worked_out_in_full_gives" \
+    "tests/test_triton_backend.py::test_gpu_output_only_forward_matches_forward" \
     "tests/test_inference.py::test_gpu_kvcache_steps_replayed_from_a_cuda_graph_follow_the_advancing_lengths" \
     tests/test_decode_bench.py \
     -k "not info_says" -rfE > "$OUT/tests.log" 2>&1

@@ -1,14 +1,15 @@
 """Host cost of the call path on the CPU, no GPU needed: microseconds and Python function calls per call.
 
     python benchmarks/host_cost.py            # the table below
-    python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|triton_bwd|decode|cupy|cupy_bwd|auto   # cProfile's top
+    python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|triton_out|triton_bwd|decode|cupy|cupy_bwd|auto
 
 Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
 - mhattn.attention forward / forward+backward on a backend that does no work (``null``: allocates its
   outputs, launches nothing): the front end's own cost (checks, request, decision cache, autograd);
 - the Triton backend's host code for one forward / backward with the compiled kernels' launchers replaced by
-  no-ops (plan, scalars, grid, argument tuples, the compiled-handle look-up of launcher.py), and for one
-  split-KV decoding step (B=1, 32 query heads on 8 key/value heads, Nq=1, Nk=1k, d=128, bf16);
+  no-ops (plan, scalars, grid, argument tuples, the compiled-handle look-up of launcher.py), the same forward
+  as mhattn.attention runs it for calls that return no lse and need no gradient (its output alone, the lse written
+  into a kept scratch buffer: TritonBackend.native_call), and for one split-KV decoding step (B=1, 32 query heads on 8 key/value heads, Nq=1, Nk=1k, d=128, bf16);
 - the CuPy backend's host code for one forward / backward with a launcher that does nothing (plan look-up,
   allocations, data pointers up to the launcher), and with CuPy's launcher whose CuPy pieces do nothing (its
   stream look-up, device check and argument splice included); these take the sm_80 (mma.sync) plans, since
@@ -233,8 +234,8 @@ def rows():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "triton_bwd", "decode", "cupy", "cupy_bwd",
-                                              "auto"),
+    parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "triton_out", "triton_bwd", "decode", "cupy",
+                                              "cupy_bwd", "auto"),
                         default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)  # no intra-op thread pool in the numbers
@@ -246,14 +247,16 @@ def main():
         table[4:4] = [("cupy backend forward, launcher's CuPy stubbed", lambda: cupy.forward(qh, kh, vh, params)),
                       ("cupy backend backward, launcher's CuPy stubbed",
                        lambda: cupy.backward(out_h, qh, kh, vh, out_h, lse_h, params))]
+        output_only = triton.native_call(q, k, v, params)  # no input requires grad: the forward's output alone
         table[2:2] = [("triton backend forward, launches stubbed", lambda: triton.forward(q, k, v, params)),
+                      ("triton backend output only (lse in scratch), stubbed", lambda: output_only(q, k, v, params)),
                       ("triton backend backward, launches stubbed",
                        lambda: triton.backward(out, q, k, v, out, lse, params)),
                       ("triton backend decoding step, launches stubbed", decoding_step(triton))]
         if args.profile:
-            fn = {"fwd": table[0][1], "fwd_bwd": table[1][1], "triton": table[2][1], "triton_bwd": table[3][1],
-                  "decode": table[4][1],
-                  "cupy": table[5][1], "cupy_bwd": table[6][1], "auto": table[-1][1]}[args.profile]
+            fn = {"fwd": table[0][1], "fwd_bwd": table[1][1], "triton": table[2][1], "triton_out": table[3][1],
+                  "triton_bwd": table[4][1], "decode": table[5][1],
+                  "cupy": table[6][1], "cupy_bwd": table[7][1], "auto": table[-1][1]}[args.profile]
             for _ in range(100):  # first calls fill the caches (plans, decisions, handles): profile the steady state
                 fn()
             profile = cProfile.Profile()

@@ -1289,6 +1289,49 @@ def test_gpu_repeated_backwards_give_what_a_backward_worked_out_in_full_gives():
     check_repeated_backwards_match_full("cuda", ((1, 16, 16, 128, False), (2, 8, 2, 300, True)), dim=64)
 
 
+def check_output_only_forward_matches_forward(device="cpu", shapes=((1, 4, 4, 40, False), (2, 4, 2, 48, True)), dim=16,
+                                              dtype=torch.float16):
+    """mhattn.attention on the Triton backend for calls that need no gradient and return no lse (the backend's
+    native_call: its output alone, the lse written into a kept scratch buffer) gives bitwise the output of the
+    backend's forward, at first and repeated calls, with outputs poisoned; a call that returns its lse gets one of
+    its own, equal to the forward's. shapes: (B, Hq, Hkv, N, causal)."""
+    import mhattn
+    from mhattn.backends.triton import backend as triton_backend
+
+    backend = triton_backend.TritonBackend()
+    gen = torch.Generator(device=device).manual_seed(11)
+    with _pinned_config(device):
+        for batch, heads_q, heads_kv, seqlen, causal in shapes:
+            params = AttentionParams(scale=dim ** -0.5, window_right=0 if causal else None)
+            for step in range(3):
+                q, k, v = (torch.randn(batch, heads, seqlen, dim, device=device, dtype=dtype, generator=gen)
+                           for heads in (heads_q, heads_kv, heads_kv))
+                with poisoned_allocations():
+                    want, want_lse = backend.forward(q, k, v, params)
+                    got = mhattn.attention(q, k, v, is_causal=causal, enable_gqa=heads_q != heads_kv,
+                                           backend="triton")
+                    got_out, got_lse = mhattn.attention(q, k, v, is_causal=causal, enable_gqa=heads_q != heads_kv,
+                                                        backend="triton", return_lse=True)
+                plan = triton_backend._signature_for(q, k, v, params, dense=True).plan
+                assert plan.lse_scratch is not None, "the output-only path did not run"
+                assert torch.equal(got, want), f"output differs (N {seqlen}, step {step})"
+                assert torch.equal(got_out, want) and torch.equal(got_lse, want_lse)
+                assert got_lse.data_ptr() != plan.lse_scratch.data_ptr()
+
+
+def test_output_only_forward_matches_forward_interpreted(interpreter):
+    interpreter.run("check_output_only_forward_matches_forward")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_output_only_forward_matches_forward():
+    """check_output_only_forward_matches_forward on the GPU: the latency shape (FlashAttention-2 forward) and, on
+    sm_90, a causal GQA one the Gluon forward takes."""
+    check_output_only_forward_matches_forward("cuda", ((1, 16, 16, 128, False), (2, 8, 2, 1024, True)), dim=64,
+                                              dtype=torch.bfloat16)
+
+
 def test_explain_names_the_kernel_families(monkeypatch):
     """explain's decision says which Triton forward and backward run and why the Gluon Hopper kernels do not, from
     the problem alone (device capability, dtype, head dims, features, key count, determinism); the split-KV kernels

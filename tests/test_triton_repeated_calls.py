@@ -305,3 +305,54 @@ def test_a_repeated_backward_gives_way_to_the_gluon_backward_when_it_applies(mon
     monkeypatch.setenv(hopper_launch.ENV_SWITCH, "always")
     backend.backward(grad_out, q, k, v, out, lse, params)
     assert ran == [True] and len(gluon) == 1
+
+
+def _lse_launched(entry) -> torch.Tensor:
+    """The lse tensor a recorded forward launch wrote into (argument 4 of attention_forward_kernel)."""
+    if entry[0] == "triton":
+        return entry[3][4]
+    return entry[2][9 + 4].tensor
+
+
+def test_calls_autograd_does_not_track_write_their_lse_into_one_kept_scratch(monkeypatch, fresh_signatures):
+    """native_call gives the forward's output alone for calls without a gradient (none asked for, or grad mode
+    off) and nothing for calls autograd tracks. Its launches, first or repeated, write the lse into the plan's scratch
+    view (the same tensor at every call), where the backend's forward gives each call an lse of its own; plans of one
+    device share a buffer until one needs more, and an older view stays where it was."""
+    monkeypatch.setattr(tb, "_scratch_buffers", {})
+    jit, launchers = _recording_backend_launchers(monkeypatch, interpret=True)
+    kernel = jit["attention_forward_kernel"]
+    backend = tb.TritonBackend()
+    params = AttentionParams(scale=0.25, window_right=0)
+    q, k, v = (torch.randn(SHAPE) for _ in range(3))
+    output_only = backend.native_call(q, k, v, params)
+    assert output_only is not None
+    tracked = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert backend.native_call(*tracked, params) is None
+    with torch.no_grad():
+        assert backend.native_call(*tracked, params) is not None
+    assert backend.native_call(q, k, v, params.replace(mask_requires_grad=True)) is None
+
+    plan = tb._signature_for(q, k, v, params, dense=True).plan
+    written = []
+    for _ in range(3):  # the first call worked out in full, then the repeated launch
+        before = len(kernel.log)
+        out = output_only(q, k, v, params)
+        assert out.shape == SHAPE and len(kernel.log) == before + 1
+        written.append(_lse_launched(kernel.log[-1]))
+    assert all(lse is plan.lse_scratch for lse in written)
+    assert plan.lse_scratch.shape == SHAPE[:3] and plan.lse_scratch.is_contiguous()
+    kept = [backend.forward(q, k, v, params)[1] for _ in range(2)]
+    assert [_lse_launched(entry) for entry in kernel.log[-2:]] == kept
+    assert all(lse.data_ptr() != plan.lse_scratch.data_ptr() for lse in kept)
+
+    smaller = [t[:1] for t in (q, k, v)]  # another signature, fewer rows: the same buffer
+    backend.native_call(*smaller, params)(*smaller, params)
+    smaller_plan = tb._signature_for(*smaller, params, dense=True).plan
+    assert smaller_plan.lse_scratch.data_ptr() == plan.lse_scratch.data_ptr()
+    larger = [torch.randn(4, *SHAPE[1:]) for _ in range(3)]  # more rows: a new buffer, the old view untouched
+    backend.native_call(*larger, params)(*larger, params)
+    larger_plan = tb._signature_for(*larger, params, dense=True).plan
+    buffers = tb._scratch_buffers[("cpu", None)]
+    assert len(buffers) == 2 and larger_plan.lse_scratch.data_ptr() == buffers[1].data_ptr()
+    assert plan.lse_scratch.untyped_storage().data_ptr() == buffers[0].untyped_storage().data_ptr()

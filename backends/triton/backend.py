@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -157,17 +158,23 @@ class _Plan:
         # Whether q, k, v are dense, for their gradient buffers (layouts.grad_buffer).
         self.dense = (layouts.is_dense(q), layouts.is_dense(k), layouts.is_dense(v))
         self._constexpr_sets: dict = {}
+        self.lse_scratch = None  # where forwards whose lse nobody reads write it (scratch_rows), made on first use
 
     def descriptors_ok(self, q, k, v) -> bool:
         """Whether this call's q, k, v can be read through descriptors (the Hopper paths): the plan's strides and
         the call's addresses."""
         return self.descriptor_strides_ok and _addresses_aligned(q, k, v)
 
-    def output_buffers(self, q):
+    def output_buffers(self, q, keep_lse: bool = True):
         """(out, lse) of a forward, uninitialised: out (B, Hq, Nq, Dv) in q's dtype rows-major as
-        layouts.output_buffer lays it out, lse (B, Hq, Nq) float32 contiguous (layouts.lse_buffer's)."""
-        return (torch.empty_strided(*self.out_layout, dtype=q.dtype, device=q.device),
-                torch.empty_strided(*self.rows_layout, dtype=torch.float32, device=q.device))
+        layouts.output_buffer lays it out, lse (B, Hq, Nq) float32 contiguous (layouts.lse_buffer's). keep_lse False:
+        the lse is this plan's scratch (scratch_rows), for a forward whose lse nobody reads."""
+        out = torch.empty_strided(*self.out_layout, dtype=q.dtype, device=q.device)
+        if keep_lse:
+            return out, torch.empty_strided(*self.rows_layout, dtype=torch.float32, device=q.device)
+        if self.lse_scratch is None:
+            self.lse_scratch = scratch_rows(q.device, self.rows_layout[0])
+        return out, self.lse_scratch
 
     def backward_scratch(self, device, sums_words: int) -> tuple:
         """(delta, lse2, sums) of a backward from one float32 allocation: delta and lse2 in padded_rows_layout, then
@@ -304,6 +311,25 @@ class _Launch:
 
 _plans: dict = {}
 _PLANS_LIMIT = 1024
+# Device -> the float32 buffers that forwards whose lse nobody reads write it into (see scratch_rows). Never freed:
+# a launch captured in a CUDA graph keeps writing into its buffer at every replay, whatever became of its plan.
+_scratch_buffers: dict = {}
+_scratch_lock = threading.Lock()
+
+
+def scratch_rows(device, shape) -> torch.Tensor:
+    """A contiguous float32 (B, Hq, Nq) view that a forward may write its lse into when nothing reads it (calls that
+    return no lse and that autograd does not track): one allocation fewer per call. Views of one device share the
+    largest buffer made for it so far (a larger shape makes a buffer twice the size, and the older ones stay):
+    concurrent forwards may overwrite each other's values there, which nothing reads."""
+    numel = math.prod(shape)
+    key = (device.type, device.index)
+    with _scratch_lock:
+        buffers = _scratch_buffers.setdefault(key, [])
+        if not buffers or buffers[-1].numel() < numel:
+            size = max(numel, 2 * buffers[-1].numel()) if buffers else numel
+            buffers.append(torch.empty(size, dtype=torch.float32, device=device))
+        return buffers[-1][:numel].view(shape)
 
 
 def _plan_for(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout, key_lengths=False) -> _Plan:
@@ -640,6 +666,23 @@ class TritonBackend(Backend):
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, q, k, v, params: AttentionParams):
+        return self._forward(q, k, v, params, True)
+
+    def native_call(self, q, k, v, params: AttentionParams):
+        """For calls autograd does not track (no gradient needed, or grad mode off) and that return no lse: the
+        forward's output alone (_output_only), its lse written into a kept scratch buffer instead of a new one; one
+        allocation fewer per call. None for calls that autograd tracks: their lse is kept for the backward."""
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or params.mask_requires_grad):
+            return None
+        return self._output_only
+
+    def _output_only(self, q, k, v, params: AttentionParams):
+        return self._forward(q, k, v, params, False)[0]
+
+    def _forward(self, q, k, v, params: AttentionParams, keep_lse: bool):
+        """(out, lse) of the forward; keep_lse False: lse is the plan's scratch (_Plan.output_buffers), for a caller
+        that drops it."""
         signature = _signature_for(q, k, v, params, dense=True)
         # Decoding (few query rows per key/value head): the split-KV kernels (decode.py, decode_launch.py),
         # which allocate their own outputs.
@@ -652,7 +695,7 @@ class TritonBackend(Backend):
         hopper = signature.hopper_forward
         if (tma_ok and hopper is not None and hopper.current(plan)
                 and hopper_launch.why_not(plan, hopper) is None):
-            out, lse = plan.output_buffers(q)
+            out, lse = plan.output_buffers(q, keep_lse)
             _on_device(plan.cuda_index, hopper.launch, (q, k, v, out, lse))
             return out, lse
         repeat = signature.repeated_forwards[tma_ok]
@@ -660,17 +703,17 @@ class TritonBackend(Backend):
         # since or the Gluon Hopper forward takes this call (its switch and thresholds are read at every call).
         if repeat is not None and repeat.site.launcher is launchers().forward and not (
                 plan.sm90 and hopper_launch.why_not(plan, repeat) is None):
-            out, lse = plan.output_buffers(q)
+            out, lse = plan.output_buffers(q, keep_lse)
             if repeat.launch(q, k, v, out, lse):
                 return out, lse
-        return self._forward_in_full(q, k, v, params, signature)
+        return self._forward_in_full(q, k, v, params, signature, keep_lse)
 
-    def _forward_in_full(self, q, k, v, params: AttentionParams, signature: _Signature):
+    def _forward_in_full(self, q, k, v, params: AttentionParams, signature: _Signature, keep_lse: bool = True):
         """The forward with every step: this call's per-call state (_Launch), the Hopper decision, the tile (shrunk
         where it ran out of resources); leaves a plain signature the launch its repeated calls make."""
         run = _Launch(q, k, v, params, signature=signature)
         plan = run.plan
-        out, lse = plan.output_buffers(q)
+        out, lse = plan.output_buffers(q, keep_lse)
         if out.numel() == 0 and lse.numel() == 0:
             return out, lse
         if plan.seqlen_k == 0:  # no key at all: every row is empty
