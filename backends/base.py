@@ -93,6 +93,13 @@ class AttentionParams:
         return dataclasses.replace(self, **changes)
 
 
+def tracked_by_autograd(q, k, v, params: AttentionParams) -> bool:
+    """Whether autograd differentiates a call with these inputs: grad mode on, and q, k, v or a float mask
+    requiring grad."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or params.mask_requires_grad)
+
+
 @dataclass(frozen=True)
 class KVCache:
     """The key/value cache of one ``forward_kvcache`` call, new tokens already written into it.

@@ -6,10 +6,14 @@ promise, so compiled and eager calls return the same strides with no copy.
 - lse (B, H, N): contiguous.
 - dq, dk, dv: the input's own layout when it is dense (``torch.empty_like`` keeps it), else the row-major
   heads layout of out (for views of a packed QKV projection, whose gradient buffers are not dense).
+
+And the scratch that a forward whose lse nobody reads may write it into (scratch_rows).
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from typing import Optional
 
 import torch
@@ -94,3 +98,24 @@ def placed(t: torch.Tensor, strides: tuple) -> torch.Tensor:
         return t
     out = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
     return out.copy_(t)
+
+
+# Device -> the float32 buffers that forwards whose lse nobody reads write it into (see scratch_rows). Never freed:
+# a launch captured in a CUDA graph keeps writing into its buffer at every replay, whatever became of its plan.
+_scratch_buffers: dict = {}
+_scratch_lock = threading.Lock()
+
+
+def scratch_rows(device, shape) -> torch.Tensor:
+    """A contiguous float32 (B, Hq, Nq) view that a forward may write its lse into when nothing reads it (calls that
+    return no lse and that autograd does not track): one allocation fewer per call. Views of one device share the
+    largest buffer made for it so far (a larger shape makes a buffer twice the size, and the older ones stay):
+    concurrent forwards may overwrite each other's values there, which nothing reads."""
+    numel = math.prod(shape)
+    key = (device.type, device.index)
+    with _scratch_lock:
+        buffers = _scratch_buffers.setdefault(key, [])
+        if not buffers or buffers[-1].numel() < numel:
+            size = max(numel, 2 * buffers[-1].numel()) if buffers else numel
+            buffers.append(torch.empty(size, dtype=torch.float32, device=device))
+        return buffers[-1][:numel].view(shape)

@@ -574,6 +574,32 @@ class _RecordingLauncher:
         return lambda pointers: self.calls.append((variant, grid, template.bind(pointers)))
 
 
+def test_calls_autograd_does_not_track_write_their_lse_into_one_kept_scratch(monkeypatch):
+    """native_call gives the forward's output alone for calls without a gradient and nothing for calls autograd
+    tracks; its launches write the lse into the plan's scratch view (the same at every call), where the backend's
+    forward gives each call an lse of its own."""
+    from mhattn.backends import layouts
+
+    monkeypatch.setattr(layouts, "_scratch_buffers", {})
+    launcher = _RecordingLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(8, 0))
+    q, k, v, _ = _inputs(2, 4, 2, 50, 70, 64, torch.bfloat16, "cpu")
+    params = _params(50, 70, 64, causal="bottom_right")
+    output_only = backend.native_call(q, k, v, params)
+    assert output_only is not None
+    assert backend.native_call(q.clone().requires_grad_(), k, v, params) is None
+    written = []
+    for _ in range(3):
+        out = output_only(q, k, v, params)
+        assert out.shape == (2, 4, 50, 64)
+        written.append(launcher.calls[-1][2][4])  # the forward kernel's lse pointer
+    scratch = layouts._scratch_buffers[("cpu", None)][-1]
+    assert written == [("ptr", scratch.data_ptr())] * 3
+    kept = [backend.forward(q, k, v, params)[1] for _ in range(2)]
+    assert [launcher.calls[i][2][4] for i in (-2, -1)] == [("ptr", lse.data_ptr()) for lse in kept]
+    assert all(lse.data_ptr() != scratch.data_ptr() and lse.shape == (2, 4, 50) for lse in kept)
+
+
 def test_a_repeated_call_chooses_no_variant_and_prepares_no_launch(monkeypatch):
     launcher = _RecordingLauncher()
     backend = CupyBackend(launcher=launcher, compute_capability=(9, 0), deterministic=True)
@@ -1072,6 +1098,23 @@ for _dtype in (torch.float16, torch.bfloat16):
         dict(name="everything", dtype=_dtype, shape=(2, 4, 2, 200, 230, 20), d_v=37, softcap=3.0, float_mask=True,
              mask_grad=True, dropout_p=0.17, causal="bottom_right"),
     ]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", [(1, 16, 16, 128, 128, 64), (2, 8, 2, 1024, 1024, 128)], ids=["small", "gqa-1k"])
+def test_gpu_output_only_forward_matches_forward(gpu_backend, poisoned, shape):
+    """mhattn.attention on the CuPy backend for a call that needs no gradient and returns no lse (native_call: the
+    lse in a kept scratch view) gives bitwise the backend's forward output, first and repeated calls, on the mma.sync
+    kernels and, on sm_90, the Hopper forward."""
+    import mhattn
+
+    batch, hq, hkv, nq, nk, d = shape
+    for seed in range(2):
+        q, k, v, _ = _inputs(batch, hq, hkv, nq, nk, d, torch.bfloat16, "cuda", seed=seed)
+        want, _ = gpu_backend.forward(q, k, v, _params(nq, nk, d, causal="top_left"))
+        got = mhattn.attention(q, k, v, is_causal=True, enable_gqa=hq != hkv, backend="cupy")
+        assert torch.equal(got, want), f"seed {seed}"
 
 
 @gpu

@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("triton")
 from test_triton_launcher import _recorded_launch, _recording_backend_launchers  # noqa: E402
 
+from mhattn.backends import layouts  # noqa: E402
 from mhattn.backends.base import AttentionParams  # noqa: E402
 from mhattn.backends.triton import backend as tb  # noqa: E402
 from mhattn.backends.triton import configs  # noqa: E402
@@ -319,7 +320,7 @@ def test_calls_autograd_does_not_track_write_their_lse_into_one_kept_scratch(mon
     off) and nothing for calls autograd tracks. Its launches, first or repeated, write the lse into the plan's scratch
     view (the same tensor at every call), where the backend's forward gives each call an lse of its own; plans of one
     device share a buffer until one needs more, and an older view stays where it was."""
-    monkeypatch.setattr(tb, "_scratch_buffers", {})
+    monkeypatch.setattr(layouts, "_scratch_buffers", {})
     jit, launchers = _recording_backend_launchers(monkeypatch, interpret=True)
     kernel = jit["attention_forward_kernel"]
     backend = tb.TritonBackend()
@@ -353,6 +354,6 @@ def test_calls_autograd_does_not_track_write_their_lse_into_one_kept_scratch(mon
     larger = [torch.randn(4, *SHAPE[1:]) for _ in range(3)]  # more rows: a new buffer, the old view untouched
     backend.native_call(*larger, params)(*larger, params)
     larger_plan = tb._signature_for(*larger, params, dense=True).plan
-    buffers = tb._scratch_buffers[("cpu", None)]
+    buffers = layouts._scratch_buffers[("cpu", None)]
     assert len(buffers) == 2 and larger_plan.lse_scratch.data_ptr() == buffers[1].data_ptr()
     assert plan.lse_scratch.untyped_storage().data_ptr() == buffers[0].untyped_storage().data_ptr()

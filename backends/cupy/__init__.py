@@ -19,7 +19,7 @@ import functools
 import torch
 
 from mhattn import environment
-from mhattn.backends.base import AttentionParams, Backend, Capabilities, KVCache, Packing
+from mhattn.backends.base import AttentionParams, Backend, Capabilities, KVCache, Packing, tracked_by_autograd
 from mhattn.backends.cupy import ops, packed, variants
 
 __all__ = ["CupyBackend"]
@@ -132,6 +132,17 @@ class CupyBackend(Backend):
         if packed.decodes_dense(q, k, v, params):
             return packed.forward_dense_decoding(self.launcher, self._cc(q.device), q, k, v, params)
         return ops.forward(self.launcher, self._cc(q.device), q, k, v, params)
+
+    def native_call(self, q, k, v, params: AttentionParams):
+        """The forward's output alone (_output_only: its lse in a kept scratch view, one allocation fewer a call) for
+        calls that autograd does not track and that return no lse; None for tracked calls, whose lse the backward
+        reads."""
+        return None if tracked_by_autograd(q, k, v, params) else self._output_only
+
+    def _output_only(self, q, k, v, params: AttentionParams):
+        if packed.decodes_dense(q, k, v, params):
+            return packed.forward_dense_decoding(self.launcher, self._cc(q.device), q, k, v, params)[0]
+        return ops.forward(self.launcher, self._cc(q.device), q, k, v, params, keep_lse=False)[0]
 
     def forward_path(self, problem):
         if problem.operation != "attention":

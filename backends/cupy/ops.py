@@ -226,7 +226,7 @@ def _copied(tensors, copies) -> list:
 
 class _ForwardPlan:
     __slots__ = ("d", "tiles", "out_shape", "out_stride", "lse_shape", "no_keys", "copies", "bool_mask", "dropout",
-                 "float_mask", "maps", "tile_counter", "launch")
+                 "float_mask", "maps", "tile_counter", "launch", "lse_scratch")
 
 
 def _forward_tiles(d):
@@ -359,8 +359,9 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def forward(launcher, cc, q, k, v, params: AttentionParams):
-    """Returns (out, lse) as the backend contract specifies."""
+def forward(launcher, cc, q, k, v, params: AttentionParams, keep_lse: bool = True):
+    """Returns (out, lse) as the backend contract specifies. keep_lse False: lse is the plan's scratch view
+    (layouts.scratch_rows), for a caller that drops it (one allocation fewer)."""
     device = q.device
     mask = params.mask
     key = (launcher, cc, device, q.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
@@ -370,7 +371,12 @@ def forward(launcher, cc, q, k, v, params: AttentionParams):
     if plan is None or (plan.tiles is not None and plan.tiles != _forward_tiles(plan.d)):
         plan = _forward_plans.put(key, _forward_plan(launcher, cc, q, k, v, params, device))
     out = torch.empty_strided(plan.out_shape, plan.out_stride, dtype=q.dtype, device=device)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
+    if keep_lse:
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=device)
+    else:
+        if plan.lse_scratch is None:
+            plan.lse_scratch = layouts.scratch_rows(device, plan.lse_shape)
+        lse = plan.lse_scratch
     if POISON_OUTPUTS:
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
@@ -403,7 +409,7 @@ def _forward_plan(launcher, cc, q, k, v, params: AttentionParams, device) -> _Fo
     plan = _ForwardPlan()
     out = layouts.output_buffer(q, v)
     plan.out_shape, plan.out_stride, plan.lse_shape = tuple(out.shape), out.stride(), (batch, heads_q, seqlen_q)
-    plan.d = plan.tiles = plan.launch = plan.copies = plan.maps = None
+    plan.d = plan.tiles = plan.launch = plan.copies = plan.maps = plan.lse_scratch = None
     plan.no_keys = seqlen_k == 0 and out.numel() != 0  # an empty output is returned as it is
     if out.numel() == 0 or seqlen_k == 0:
         return plan

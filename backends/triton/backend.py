@@ -12,14 +12,14 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import threading
 from typing import Optional
 
 import torch
 
 from mhattn import dropout_rng
 from mhattn.backends import layouts
-from mhattn.backends.base import FEATURES, OPERATIONS, AttentionParams, Backend, Capabilities
+from mhattn.backends.base import (FEATURES, OPERATIONS, AttentionParams, Backend, Capabilities,
+                                  tracked_by_autograd)
 from mhattn.backends.triton import configs, decode_launch, hopper_launch, key_padding, varlen_launch
 from mhattn.backends.triton.launcher import CompiledLauncher
 from mhattn.caches import put_bounded
@@ -158,7 +158,7 @@ class _Plan:
         # Whether q, k, v are dense, for their gradient buffers (layouts.grad_buffer).
         self.dense = (layouts.is_dense(q), layouts.is_dense(k), layouts.is_dense(v))
         self._constexpr_sets: dict = {}
-        self.lse_scratch = None  # where forwards whose lse nobody reads write it (scratch_rows), made on first use
+        self.lse_scratch = None  # where forwards whose lse nobody reads write it (layouts.scratch_rows), made once
 
     def descriptors_ok(self, q, k, v) -> bool:
         """Whether this call's q, k, v can be read through descriptors (the Hopper paths): the plan's strides and
@@ -168,12 +168,12 @@ class _Plan:
     def output_buffers(self, q, keep_lse: bool = True):
         """(out, lse) of a forward, uninitialised: out (B, Hq, Nq, Dv) in q's dtype rows-major as
         layouts.output_buffer lays it out, lse (B, Hq, Nq) float32 contiguous (layouts.lse_buffer's). keep_lse False:
-        the lse is this plan's scratch (scratch_rows), for a forward whose lse nobody reads."""
+        the lse is this plan's scratch (layouts.scratch_rows), for a forward whose lse nobody reads."""
         out = torch.empty_strided(*self.out_layout, dtype=q.dtype, device=q.device)
         if keep_lse:
             return out, torch.empty_strided(*self.rows_layout, dtype=torch.float32, device=q.device)
         if self.lse_scratch is None:
-            self.lse_scratch = scratch_rows(q.device, self.rows_layout[0])
+            self.lse_scratch = layouts.scratch_rows(q.device, self.rows_layout[0])
         return out, self.lse_scratch
 
     def backward_scratch(self, device, sums_words: int) -> tuple:
@@ -311,25 +311,6 @@ class _Launch:
 
 _plans: dict = {}
 _PLANS_LIMIT = 1024
-# Device -> the float32 buffers that forwards whose lse nobody reads write it into (see scratch_rows). Never freed:
-# a launch captured in a CUDA graph keeps writing into its buffer at every replay, whatever became of its plan.
-_scratch_buffers: dict = {}
-_scratch_lock = threading.Lock()
-
-
-def scratch_rows(device, shape) -> torch.Tensor:
-    """A contiguous float32 (B, Hq, Nq) view that a forward may write its lse into when nothing reads it (calls that
-    return no lse and that autograd does not track): one allocation fewer per call. Views of one device share the
-    largest buffer made for it so far (a larger shape makes a buffer twice the size, and the older ones stay):
-    concurrent forwards may overwrite each other's values there, which nothing reads."""
-    numel = math.prod(shape)
-    key = (device.type, device.index)
-    with _scratch_lock:
-        buffers = _scratch_buffers.setdefault(key, [])
-        if not buffers or buffers[-1].numel() < numel:
-            size = max(numel, 2 * buffers[-1].numel()) if buffers else numel
-            buffers.append(torch.empty(size, dtype=torch.float32, device=device))
-        return buffers[-1][:numel].view(shape)
 
 
 def _plan_for(q, k, v, mask_kind, has_left, has_right, has_softcap, has_dropout, key_lengths=False) -> _Plan:
@@ -669,13 +650,10 @@ class TritonBackend(Backend):
         return self._forward(q, k, v, params, True)
 
     def native_call(self, q, k, v, params: AttentionParams):
-        """For calls autograd does not track (no gradient needed, or grad mode off) and that return no lse: the
-        forward's output alone (_output_only), its lse written into a kept scratch buffer instead of a new one; one
-        allocation fewer per call. None for calls that autograd tracks: their lse is kept for the backward."""
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or params.mask_requires_grad):
-            return None
-        return self._output_only
+        """The forward's output alone (_output_only: its lse in a kept scratch view, one allocation fewer a call) for
+        calls that autograd does not track and that return no lse; None for tracked calls, whose lse the backward
+        reads."""
+        return None if tracked_by_autograd(q, k, v, params) else self._output_only
 
     def _output_only(self, q, k, v, params: AttentionParams):
         return self._forward(q, k, v, params, False)[0]
