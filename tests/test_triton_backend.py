@@ -1294,7 +1294,7 @@ def check_output_only_forward_matches_forward(device="cpu", shapes=((1, 4, 4, 40
     """mhattn.attention on the Triton backend for calls that need no gradient and return no lse (the backend's
     native_call: its output alone, the lse written into a kept scratch buffer) gives bitwise the output of the
     backend's forward, at first and repeated calls, with outputs poisoned; a call that returns its lse gets one of
-    its own, equal to the forward's. shapes: (B, Hq, Hkv, N, causal)."""
+    its own, equal to the forward's; and so does a decoding step. shapes: (B, Hq, Hkv, N, causal)."""
     import mhattn
     from mhattn.backends.triton import backend as triton_backend
 
@@ -1317,6 +1317,16 @@ def check_output_only_forward_matches_forward(device="cpu", shapes=((1, 4, 4, 40
                 assert torch.equal(got, want), f"output differs (N {seqlen}, step {step})"
                 assert torch.equal(got_out, want) and torch.equal(got_lse, want_lse)
                 assert got_lse.data_ptr() != plan.lse_scratch.data_ptr()
+        # A decoding step (one query row, GQA: the split-KV kernels and their combine).
+        params = AttentionParams(scale=dim ** -0.5)
+        q = torch.randn(1, 8, 1, dim, device=device, dtype=dtype, generator=gen)
+        k, v = (torch.randn(1, 2, 700, dim, device=device, dtype=dtype, generator=gen) for _ in range(2))
+        assert triton_backend._signature_for(q, k, v, params, dense=True).decode
+        with poisoned_allocations():
+            want, _ = backend.forward(q, k, v, params)
+            got = mhattn.attention(q, k, v, enable_gqa=True, backend="triton")
+        assert triton_backend._signature_for(q, k, v, params, dense=True).plan.lse_scratch is not None
+        assert torch.equal(got, want), "decoding step differs"
 
 
 def test_output_only_forward_matches_forward_interpreted(interpreter):

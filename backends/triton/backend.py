@@ -665,7 +665,7 @@ class TritonBackend(Backend):
         # Decoding (few query rows per key/value head): the split-KV kernels (decode.py, decode_launch.py),
         # which allocate their own outputs.
         if signature.decode:
-            return decode_launch.split_kv_forward(q, k, v, params, signature=signature)
+            return decode_launch.split_kv_forward(q, k, v, params, signature=signature, keep_lse=keep_lse)
         plan = signature.plan
         # The Hopper paths need every tensor read through descriptors aligned: the plan holds the strides' half.
         tma_ok = plan.descriptors_ok(q, k, v)

@@ -109,18 +109,20 @@ def _split_plan(plan, device: torch.device, keys: int, paged: bool) -> tuple:
     return found
 
 
-def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None, signature=None):
+def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None, signature=None,
+                     keep_lse: bool = True):
     """out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) fp32 of q over k, v.
 
     Dense (cache None): k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), diagonal at params.diag_offset. With a
     cache, k and v are its tensors (contiguous or the paged pool) and each sequence b attends over its
     first cache.seqlens[b] keys with its diagonal at seqlens[b] - Nq. ``signature``: the backend's _Signature
-    of these arguments when the caller has it already.
+    of these arguments when the caller has it already. keep_lse False: lse is the plan's scratch view (for a caller
+    that drops it: one allocation fewer).
     """
     backend = _backend or _import_backend()
     signature = signature or backend._signature_for(q, k, v, params, dense=False)
     plan = signature.plan
-    out, lse = plan.output_buffers(q)
+    out, lse = plan.output_buffers(q, keep_lse)
     rows = plan.batch * plan.heads_q * plan.seqlen_q
     if rows == 0:  # out and lse are empty
         return out, lse
