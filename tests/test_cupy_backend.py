@@ -668,6 +668,51 @@ def test_a_devices_shared_memory_limit_replaces_the_table(monkeypatch):
     assert variants.fwd_smem(small, 128) <= 64 * 1024 < variants.fwd_smem(big, 128)
 
 
+@pytest.mark.parametrize("field", [8, None], ids=["address word", "encoded in full"])
+def test_row_maps_keep_the_argument_made_for_each_address(monkeypatch, field):
+    """RowMaps gives, for an address it saw lately, the argument it made then (the same object), with the content an
+    encoding at that address has; past ADDRESSES_KEPT addresses the oldest is made again. A fake encoder stands in
+    for the driver's (the map's bytes: a pattern of the layout, the address in one 64-bit word)."""
+    import numpy as np
+
+    from mhattn.backends.cupy import tensor_maps
+
+    encoded = []
+
+    class FakeEncoder:
+        def __init__(self, shape, strides, element_size, dtype, box_rows):
+            self.pattern = bytes((sum(shape) + box_rows + i) % 251 for i in range(tensor_maps.MAP_BYTES))
+
+        def encode_into(self, buffer, address):
+            encoded.append(address)
+            raw = bytearray(self.pattern)
+            raw[8:16] = address.to_bytes(8, "little")
+            buffer.raw = bytes(raw)
+
+    monkeypatch.setattr(tensor_maps, "_Encoder", FakeEncoder)
+    monkeypatch.setattr(tensor_maps, "address_field", lambda: field)
+    t = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    maps = tensor_maps.RowMaps(t, 64)
+    want = FakeEncoder(tuple(t.shape), t.stride(), 2, t.dtype, 64)
+
+    def content(value, address):
+        raw = bytearray(want.pattern)
+        raw[8:16] = address.to_bytes(8, "little")
+        return np.asarray(value).tobytes() == bytes(raw)
+
+    a, b = 0x7F0000001000, 0x7F0000002000
+    first = maps(a)
+    assert content(first, a) and maps(a) is first
+    assert content(maps(b), b) and maps(b) is not first
+    made_before = len(encoded)
+    for i in range(tensor_maps.ADDRESSES_KEPT):  # pushes a out
+        maps(0x7F1000000000 + 256 * i)
+    again = maps(a)
+    assert again is not first and content(again, a)
+    if field is None:  # every argument made is an encoding; none for those found
+        assert len(encoded) == made_before + tensor_maps.ADDRESSES_KEPT + 1
+
+
 class _MapLauncher(_RecordingLauncher):
     """A recording launcher that takes tensor maps (as CupyLauncher does)."""
 
