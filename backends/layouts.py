@@ -113,7 +113,9 @@ def scratch_rows(device, shape) -> torch.Tensor:
     concurrent forwards may overwrite each other's values there, which nothing reads."""
     numel = math.prod(shape)
     key = (device.type, device.index)
-    with _scratch_lock:
+    # Ordinary tensors even when the first call runs under torch.inference_mode: an inference tensor could not be
+    # written in place by a later call outside it.
+    with _scratch_lock, torch.inference_mode(False):
         buffers = _scratch_buffers.setdefault(key, [])
         if not buffers or buffers[-1].numel() < numel:
             size = max(numel, 2 * buffers[-1].numel()) if buffers else numel

@@ -357,3 +357,16 @@ def test_calls_autograd_does_not_track_write_their_lse_into_one_kept_scratch(mon
     buffers = layouts._scratch_buffers[("cpu", None)]
     assert len(buffers) == 2 and larger_plan.lse_scratch.data_ptr() == buffers[1].data_ptr()
     assert plan.lse_scratch.untyped_storage().data_ptr() == buffers[0].untyped_storage().data_ptr()
+
+
+def test_scratch_made_under_inference_mode_is_an_ordinary_tensor(monkeypatch):
+    """A scratch view made by a first call under torch.inference_mode can still be written in place by later calls
+    outside it (an inference tensor could not)."""
+    monkeypatch.setattr(layouts, "_scratch_buffers", {})
+    with torch.inference_mode():
+        view = layouts.scratch_rows(torch.device("cpu"), (2, 3, 4))
+    assert not view.is_inference()
+    view.fill_(1.0)
+    with torch.inference_mode():
+        layouts.scratch_rows(torch.device("cpu"), (2, 3, 4)).fill_(2.0)
+    assert bool((view == 2.0).all())
