@@ -103,18 +103,23 @@ dispatch.clears_with_cache(_known_calls)
 def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend):
     """Everything _prepare checks and the selection reads, as a tuple of primitives; None where the call is not
     memoised (under torch.compile, or arguments of types the key cannot hold exactly)."""
-    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     if (type(is_causal) is not bool or not (scale is None or type(scale) is float) or window is not None
-            or not (softcap is None or type(softcap) is float) or torch.compiler.is_compiling()
-            or not all(t is None or isinstance(t, torch.Tensor) for t in tensors)):
+            or not (softcap is None or type(softcap) is float) or torch.compiler.is_compiling()):
         return None
     try:
         request = dispatch.requested(backend)
     except Exception:  # a bad request raises where the full path checks it
         return None
     grad = torch.is_grad_enabled()
-    return (request, is_causal, scale, softcap, grad) + tuple(
-        None if t is None else (t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad) for t in tensors)
+    key = [request, is_causal, scale, softcap, grad]
+    for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table):  # one pass: the type check and the key
+        if t is None:
+            key.append(None)
+        elif isinstance(t, torch.Tensor):
+            key.append((t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad))
+        else:
+            return None
+    return tuple(key)
 
 
 def _cache_of_call(q, k_cache, v_cache, k, cache_seqlens, block_table) -> KVCache:
