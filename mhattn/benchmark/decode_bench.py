@@ -215,18 +215,16 @@ def decode_table(rows: list) -> str:
         us = r["us"]
         best = min((t for t in (us.get("triton"), us.get("kvcache")) if t is not None), default=None)
         bandwidth = "-" if best is None else f"{bandwidth_gbs(r['kv_bytes'], best):.0f}"
-        fastest = min((us[n] for n in AUTO_PEERS if us.get(n) is not None), default=None)
+        fastest = _fastest_peer(us)
         looped = {n: max(t, r.get("loop_us", {}).get(n, 0.0)) for n, t in us.items() if t is not None}
-        fastest_looped = min((looped[n] for n in AUTO_PEERS if n in looped), default=None)
+        fastest_looped = _fastest_peer(looped)
         lines.append([r["dtype"], str(r["batch"]), _seqlen(r["seqlen_k"]), str(r["seqlen_q"]), _us(us.get("sdpa")),
                       _us(us.get("sdpa-cudnn")), _us(us.get("triton")), _us(us.get("cupy")), _us(us.get("auto")),
                       _us(us.get("kvcache")), _us(us.get("paged")),
                       _ratio(us.get("sdpa"), us.get("triton")), _ratio(us.get("sdpa-cudnn"), us.get("triton")),
                       bandwidth, _ratio(us.get("paged"), us.get("kvcache")), _ratio(us.get("auto"), fastest),
                       _ratio(looped.get("auto"), fastest_looped)])
-    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
-    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
+    out = _aligned(header, lines)
     failures = [f"{r['dtype']} B={r['batch']} Nk={r['seqlen_k']} Nq={r['seqlen_q']} {name}: {status}"
                 for r in rows for name, status in r["status"].items() if status != "ok"]
     graphed = [r for r in rows if r.get("graph_us")]
@@ -246,16 +244,25 @@ def graph_table(rows: list) -> str:
     lines = []
     for r in rows:
         us = r["graph_us"]
-        fastest = min((us[n] for n in AUTO_PEERS if us.get(n) is not None), default=None)
+        fastest = _fastest_peer(us)
         lines.append([r["dtype"], str(r["batch"]), _seqlen(r["seqlen_k"]), str(r["seqlen_q"])]
                      + [_us(us.get(n)) for n in names]
                      + [_ratio(us.get("sdpa-cudnn"), us.get("triton")), _ratio(us.get("paged"), us.get("kvcache")),
                         _ratio(us.get("auto"), fastest)])
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
-    out = ["host-bound cells replayed from a CUDA graph (20 calls captured, no L2 flush between them; us per call):",
-           "  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
-    return "\n".join(out) + "\n"
+    out = ["host-bound cells replayed from a CUDA graph (20 calls captured, no L2 flush between them; us per call):"]
+    return "\n".join(out + _aligned(header, lines)) + "\n"
+
+
+def _fastest_peer(us: dict):
+    """The smallest time of AUTO_PEERS in ``us`` (None where none has one)."""
+    return min((us[n] for n in AUTO_PEERS if us.get(n) is not None), default=None)
+
+
+def _aligned(header: list, lines: list) -> list:
+    """``header``, a rule and ``lines`` (lists of cells) as right-aligned text columns two spaces apart."""
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    return out + ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
 
 
 def _seqlen(n: int) -> str:
