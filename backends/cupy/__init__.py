@@ -129,9 +129,7 @@ class CupyBackend(Backend):
         return cc
 
     def forward(self, q, k, v, params: AttentionParams):
-        if packed.decodes_dense(q, k, v, params):
-            return packed.forward_dense_decoding(self.launcher, self._cc(q.device), q, k, v, params)
-        return ops.forward(self.launcher, self._cc(q.device), q, k, v, params)
+        return self._forward(q, k, v, params, True)
 
     def native_call(self, q, k, v, params: AttentionParams):
         """The forward's output alone (_output_only: its lse in a kept scratch view, one allocation fewer a call) for
@@ -140,9 +138,14 @@ class CupyBackend(Backend):
         return None if tracked_by_autograd(q, k, v, params) else self._output_only
 
     def _output_only(self, q, k, v, params: AttentionParams):
+        return self._forward(q, k, v, params, False)[0]
+
+    def _forward(self, q, k, v, params: AttentionParams, keep_lse: bool):
+        """(out, lse) of the forward; keep_lse False: lse is the plan's scratch (ops.forward), for a caller that drops
+        it (a decoding step allocates its own)."""
         if packed.decodes_dense(q, k, v, params):
-            return packed.forward_dense_decoding(self.launcher, self._cc(q.device), q, k, v, params)[0]
-        return ops.forward(self.launcher, self._cc(q.device), q, k, v, params, keep_lse=False)[0]
+            return packed.forward_dense_decoding(self.launcher, self._cc(q.device), q, k, v, params)
+        return ops.forward(self.launcher, self._cc(q.device), q, k, v, params, keep_lse=keep_lse)
 
     def forward_path(self, problem):
         if problem.operation != "attention":
