@@ -686,7 +686,7 @@ class TritonBackend(Backend):
                 return out, lse
         return self._forward_in_full(q, k, v, params, signature, keep_lse)
 
-    def _forward_in_full(self, q, k, v, params: AttentionParams, signature: _Signature, keep_lse: bool = True):
+    def _forward_in_full(self, q, k, v, params: AttentionParams, signature: _Signature, keep_lse: bool):
         """The forward with every step: this call's per-call state (_Launch), the Hopper decision, the tile (shrunk
         where it ran out of resources); leaves a plain signature the launch its repeated calls make."""
         run = _Launch(q, k, v, params, signature=signature)
