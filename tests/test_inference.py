@@ -601,6 +601,8 @@ INTERPRETER_KVCACHE = {
     "window_softcap": dict(window=(25, 0), softcap=5.0, seqlen_q=2),
     "not_causal_mqa_value_dim": dict(is_causal=False, heads_q=4, heads_kv=1, head_dim=24, head_dim_v=40),
     "paged_block_16": dict(block_size=16, seqlen_q=3),
+    # pages of two key blocks (one table entry a block), a window whose left end is not on a block's start
+    "paged_block_32_window": dict(block_size=32, window=(21, 0), seqlen_q=2, cached=(37, 90)),
     "paged_block_5_fp32": dict(block_size=5, dtype="float32", cached=(1, 93)),
     "many_rows_two_row_blocks": dict(seqlen_q=40, heads_q=4, heads_kv=1, cached=(10, 45)),  # 160 rows
 }

@@ -11,8 +11,10 @@ key/value head once per query head. Here:
 
       lse = log(sum_s exp(lse_s)),   out = sum_s exp(lse_s - lse) * out_s
 
-- a paged cache is read through the block table one key at a time (page = table[j // PAGE_SIZE], row
-  j % PAGE_SIZE), so any block size works; a contiguous cache is the same code with the batch as page.
+- a paged cache is read through the block table (page = table[j // PAGE_SIZE], row j % PAGE_SIZE): one table entry
+  per key block where the pages hold whole key blocks (PAGE_SIZE a multiple of BLOCK_N; a program's blocks start at
+  multiples of BLOCK_N), else one per key, so any block size works; a contiguous cache is the same code with the
+  batch as page.
 
 Grid of :func:`split_kv_kernel`: (B * Hkv, num_splits, row blocks). With one split the kernel writes the
 final output and LSE itself and no combine runs.
@@ -35,14 +37,21 @@ from mhattn.backends.triton.scores import LN2, LOG2E, attention_scores
 
 
 @triton.jit
-def load_key_tile(base, page_base, offs_n, ok_n, offs_d, stride_page, stride_row,
-                  DIM: tl.constexpr, BLOCK: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Rows offs_n (BLOCK_N,) of one sequence's keys (or values) as a (BLOCK_N, BLOCK) tile; rows where ok_n is
-    False and head-dim padding read as 0. ``base`` already points at the (sequence or pool, head) start;
-    ``page_base`` at the sequence's block-table row when PAGED."""
+def load_key_tile(base, page_base, start_n, offs_n, ok_n, offs_d, stride_page, stride_row,
+                  DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr):
+    """Rows offs_n = start_n + [0, BLOCK_N) of one sequence's keys (or values) as a (BLOCK_N, BLOCK) tile; rows where
+    ok_n is False and head-dim padding read as 0. ``base`` already points at the (sequence or pool, head) start;
+    ``page_base`` at the sequence's block-table row when PAGED. start_n is a multiple of BLOCK_N, so where a page
+    holds whole blocks, the block lies in one page: one table entry, and rows in a run the loads can vectorise."""
     if PAGED:
-        page = tl.load(page_base + offs_n // PAGE_SIZE, mask=ok_n, other=0).to(tl.int64)
-        rows = page * stride_page + (offs_n % PAGE_SIZE).to(tl.int64) * stride_row
+        if PAGE_SIZE % BLOCK_N == 0:
+            page = tl.load(page_base + start_n // PAGE_SIZE).to(tl.int64)
+            in_page = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
+            rows = page * stride_page + in_page.to(tl.int64) * stride_row
+        else:
+            page = tl.load(page_base + offs_n // PAGE_SIZE, mask=ok_n, other=0).to(tl.int64)
+            rows = page * stride_page + (offs_n % PAGE_SIZE).to(tl.int64) * stride_row
     else:
         rows = offs_n.to(tl.int64) * stride_row
     mask = ok_n[:, None]
@@ -111,7 +120,9 @@ def split_kv_kernel(
     lo = 0
     hi = seqlen_k
     if HAS_LEFT:
-        lo = tl.maximum(pos_min + diag_offset - window_left, 0)
+        # Down to a whole key block (load_key_tile reads blocks from multiples of BLOCK_N); the keys before the
+        # window's left end are masked like any other.
+        lo = tl.maximum(pos_min + diag_offset - window_left, 0) // BLOCK_N * BLOCK_N
     if HAS_RIGHT:
         hi = tl.minimum(hi, tl.maximum(pos_max + diag_offset + window_right + 1, 0))
     hi = tl.maximum(hi, lo)
@@ -134,8 +145,8 @@ def split_kv_kernel(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_local
         ok_n = offs_n < end
-        k = load_key_tile(k_base, page_base, offs_n, ok_n, offs_d, stride_kb, stride_kn,
-                          HEAD_DIM, BLOCK_D, PAGED, PAGE_SIZE)
+        k = load_key_tile(k_base, page_base, start_n, offs_n, ok_n, offs_d, stride_kb, stride_kn,
+                          HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         # seqlen_k = end: keys past this split's share are masked like keys past the sequence.
         s2, _ = attention_scores(qk, q_pos[:, None], offs_n[None, :], seqlen_q, end,
@@ -146,8 +157,8 @@ def split_kv_kernel(
         p = tl.exp2(s2 - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_key_tile(v_base, page_base, offs_n, ok_n, offs_dv, stride_vb, stride_vn,
-                          HEAD_DIM_V, BLOCK_DV, PAGED, PAGE_SIZE)
+        v = load_key_tile(v_base, page_base, start_n, offs_n, ok_n, offs_dv, stride_vb, stride_vn,
+                          HEAD_DIM_V, BLOCK_DV, BLOCK_N, PAGED, PAGE_SIZE)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
