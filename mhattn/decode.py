@@ -81,7 +81,7 @@ def _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, sc
     known = _known_calls.get(key) if key is not None else None
     if known is None:  # every check, then the selection; a repeated signature skips both (see _call_key)
         call = _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap)
-        name, source = dispatch.requested(backend)
+        name, source = dispatch.requested_on(backend, q.device.type)
         known = (call.params, dispatch.select(call.problem, name, source))
         if key is not None:
             put_bounded(_known_calls, key, known, _KNOWN_CALLS_LIMIT)
@@ -107,7 +107,7 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, 
             or not (softcap is None or type(softcap) is float) or torch.compiler.is_compiling()):
         return None
     try:
-        request = dispatch.requested(backend)
+        request = dispatch.requested_on(backend, q.device.type)
     except Exception:  # a bad request raises where the full path checks it
         return None
     grad = torch.is_grad_enabled()
@@ -198,7 +198,7 @@ def explain(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table
     """What :func:`attention_with_kvcache` would do: ``str()`` shows the problem, the choice and every
     backend's reasons. Nothing is written into the cache."""
     call = _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap)
-    name, source = dispatch.requested(backend)
+    name, source = dispatch.requested_on(backend, q.device.type)
     return dispatch.decide(call.problem, name, source)
 
 

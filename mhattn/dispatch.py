@@ -3,8 +3,10 @@
 Precedence: the ``backend=`` argument > ``use_backend(...)`` > ``MHATTN_BACKEND`` > automatic.
 Automatic selection takes, among the backends of the priority table below (data, not nested ifs) with
 no reason against the problem, the one a timing table (``mhattn.tuning.table``, written by ``mhattn tune``)
-measured fastest at the nearest tuned shape; with no table for this device, the first of them. A backend
-asked for by name that cannot run the problem raises :class:`BackendUnavailableError` with its reasons:
+measured fastest at the nearest tuned shape; with no table for this device, the first of them. During CUDA graph
+capture on the current stream, an automatic request reads the table's graph-replay times where it has them
+(:func:`requested_on`): a replayed call pays none of its host path, so the fastest kernel wins, not the
+cheapest call. A backend asked for by name that cannot run the problem raises :class:`BackendUnavailableError` with its reasons:
 never a silent fallback.
 """
 
@@ -17,6 +19,8 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
+
+import torch
 
 from mhattn import environment, registry
 from mhattn.backends.paired import pair_name
@@ -92,6 +96,26 @@ def requested(backend: Optional[str] = None) -> tuple:
         return override
     env = _environ.get(_ENV_KEY)
     return _AUTOMATIC if env is None else _environment_request(env)
+
+
+# Appended to an automatic request's source during CUDA graph capture (requested_on): decide() then reads the timing
+# table's graph-replay times, and the decision caches, whose keys hold the request, keep the two choices apart.
+CAPTURE_NOTE = ", during CUDA graph capture"
+
+
+def requested_on(backend: Optional[str], device_type: str) -> tuple:
+    """:func:`requested` for a call on a device of ``device_type``: an automatic request made while the current CUDA
+    stream is being captured into a graph comes back with CAPTURE_NOTE on its source. One query of the stream's
+    capture state per automatic call on a GPU; nothing more for a backend asked for by name or a call on the CPU."""
+    request = requested(backend)
+    if request[0] != AUTO or device_type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return request
+    return _during_capture(request)
+
+
+@functools.lru_cache(maxsize=16)
+def _during_capture(request: tuple) -> tuple:
+    return request[0], request[1] + CAPTURE_NOTE
 
 
 @functools.lru_cache(maxsize=64)
@@ -202,7 +226,7 @@ def clear_cache() -> None:
         _by_call.clear()
         for cache in _dependent:
             cache.clear()
-    for parsed in (_parse_name, _argument_request, _environment_request):  # names a registry change may (in)validate
+    for parsed in (_parse_name, _argument_request, _environment_request, _during_capture):  # names a registry change may (in)validate
         parsed.cache_clear()
     timing_table.clear_cache()
 
@@ -221,8 +245,8 @@ def decide(problem: Problem, name: str, source: str) -> Decision:
     chosen = runnable[0] if runnable else None
     # The fastest measured on this GPU, if a table has a close enough shape: a backend, or a pair of two where the
     # problem needs gradients (the table holds a pair's time only where mhattn tune measured it).
-    measured = timing_table.measured_choice(problem, runnable + _runnable_pairs(problem, runnable)) \
-        if name == AUTO else None
+    measured = timing_table.measured_choice(problem, runnable + _runnable_pairs(problem, runnable),
+                                            replayed=source.endswith(CAPTURE_NOTE)) if name == AUTO else None
     chosen = measured.chosen if measured is not None else chosen
     return Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else (), measured)
 

@@ -194,7 +194,7 @@ def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
                     and isinstance(value, torch.Tensor)) or torch.compiler.is_compiling()):
         return None
     try:
-        request = dispatch.requested(backend)
+        request = dispatch.requested_on(backend, query.device.type)
     except Exception:  # a bad request raises where the full path checks it (after the tensors)
         return None
     return (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(), query.dtype, key.dtype,
@@ -208,7 +208,7 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     the request and where it came from, the choice, and every backend's reasons."""
     (q, k, v, mask, scale, dropout_p, causal, diag_offset, window_left, window_right, softcap,
      _) = _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap)
-    name, source = dispatch.requested(backend)
+    name, source = dispatch.requested_on(backend, q.device.type)
     params = _params(mask, False, scale, causal, diag_offset, window_left, window_right, dropout_p, (0, 0), softcap)
     problem = Problem.from_tensors(q, k, v, params, causal=causal, window=_uses_window(window_left, window_right, causal))
     if problem.needs_grad and not torch.is_grad_enabled():  # attention() would not be differentiated: forward time
@@ -457,7 +457,7 @@ def _resolve(q, k, v, mask, seed, backend, scale, is_causal, diag_offset, window
     needs_grad: whether autograd differentiates the call (automatic selection then weighs forward+backward time)."""
     if _front_end_answers(q, k, v):
         return None
-    name, source = dispatch.requested(backend or None)
+    name, source = dispatch.requested_on(backend or None, q.device.type)
     return dispatch.backend_for_call(q, k, v, mask, mask_requires_grad, dropout_p, softcap, is_causal,
                                      _uses_window(window_left, window_right, is_causal), name, source, diag_offset,
                                      needs_grad)

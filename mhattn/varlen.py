@@ -80,7 +80,7 @@ def varlen_attention(
         return (out, lse) if return_lse else out
     packing, params, problem = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                         is_causal, scale, enable_gqa, window, softcap)
-    name, source = dispatch.requested(backend)
+    name, source = dispatch.requested_on(backend, q.device.type)
     chosen = dispatch.select(problem, name, source)
     if seed is not None:
         params = params.replace(seed=seed)
@@ -95,7 +95,7 @@ def explain(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     reasons."""
     _, _, problem = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
                              scale, enable_gqa, window, softcap)
-    name, source = dispatch.requested(backend)
+    name, source = dispatch.requested_on(backend, q.device.type)
     return dispatch.decide(problem, name, source)
 
 
@@ -184,7 +184,7 @@ def _op_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dr
 
 
 def _op_backend(problem, backend: str):
-    name, source = dispatch.requested(backend or None)
+    name, source = dispatch.requested_on(backend or None, problem.device_type)
     return dispatch.select(problem, name, source)
 
 

@@ -1,6 +1,7 @@
 """Dispatch by measured speed, without a GPU: the grids, timing tables (save, load, which one applies), the
 nearest-shape lookup, the dispatcher's hook and its fallback, and `mhattn tune` end to end on the CPU."""
 
+import contextlib
 import io
 import json
 
@@ -165,7 +166,10 @@ def test_nearest_shape_needs_the_same_dtype_causal_and_mask_kind_and_a_close_cel
 # ---- the dispatcher's hook ------------------------------------------------------------------------------------
 
 
-def test_automatic_selection_uses_the_table_and_falls_back_to_the_priority_list(monkeypatch):
+@contextlib.contextmanager
+def bf16_gpu_backends(monkeypatch, names):
+    """Backends ``names`` that can run any bf16 problem on a GPU (no kernels), first in the sm_90 priority list in
+    this order, on a device that matches the H100 tables; removed afterwards."""
     from mhattn.backends.base import Backend, Capabilities
 
     class Runs(Backend):
@@ -176,10 +180,20 @@ def test_automatic_selection_uses_the_table_and_falls_back_to_the_priority_list(
 
     monkeypatch.setattr(table, "device_identity", lambda *_: dict(H100))
     saved = list(dispatch.PRIORITY)
-    for name in ("fast_one", "slow_one"):
+    for name in names:
         mhattn.register_backend(Runs(name))
     try:
-        mhattn.set_priority("cuda", ["slow_one", "fast_one"], (9, 0))
+        mhattn.set_priority("cuda", list(names), (9, 0))
+        yield
+    finally:
+        dispatch.PRIORITY[:] = saved
+        for name in names:
+            mhattn.unregister_backend(name)
+        dispatch.clear_cache()
+
+
+def test_automatic_selection_uses_the_table_and_falls_back_to_the_priority_list(monkeypatch):
+    with bf16_gpu_backends(monkeypatch, ("slow_one", "fast_one")):
         problem = gpu_problem()
         assert dispatch.decide(problem, "auto", "test").chosen == "slow_one"          # no table: priority
         t = make_table([cell({"slow_one": 2.0, "fast_one": 1.0})])
@@ -193,10 +207,6 @@ def test_automatic_selection_uses_the_table_and_falls_back_to_the_priority_list(
         assert dispatch.decide(problem, "slow_one", "test").chosen == "slow_one"
         # far from every tuned shape: the priority list again
         assert dispatch.decide(gpu_problem(seqlen_q=64, seqlen_k=64), "auto", "test").chosen == "slow_one"
-    finally:
-        dispatch.PRIORITY[:] = saved
-        for name in ("fast_one", "slow_one"):
-            mhattn.unregister_backend(name)
 
 
 def test_a_differentiated_call_is_chosen_by_forward_backward_time_in_eager_and_compiled_code(monkeypatch):
@@ -406,3 +416,135 @@ def test_short_calls_count_their_host_loop_taking_turns(monkeypatch):
     assert [fn for fn, _, _ in loops] == ["a", "b", "broken"] + ["a", "b"] * (measure.HOST_LOOP_ROUNDS - 1)
     assert all(calls == measure.HOST_LOOP_CALLS and rounds == 1 for _, calls, rounds in loops)
     assert measure.with_host_loops(times, calls, torch.device("cpu"), {}) == times
+
+# ---- CUDA graph capture: graph-replay times decide ------------------------------------------------------------
+
+
+def decode_cell(**fields):
+    """A short decoding cell as the H100 measured it: sdpa the cheapest call in a host loop, triton the fastest
+    kernel replayed from a graph, cupy timed too long to replay."""
+    row = cell({"triton": 0.09, "sdpa": 0.075, "cupy": 0.6}, **{**dict(batch=1, heads_q=32, heads_kv=8, seqlen_q=4,
+                                                                        seqlen_k=1024, grad=False), **fields})
+    row["fwd_graph_ms"] = {"triton": 0.015, "sdpa": 0.042}
+    return row
+
+
+def test_during_capture_graph_replay_times_decide_a_forward():
+    t = make_table([decode_cell(grad=True)])
+    t.cells[0]["fwd_bwd_ms"] = {"triton": 0.5, "sdpa": 0.3}
+    problem = gpu_problem(batch=1, heads_q=32, heads_kv=8, seqlen_q=4, seqlen_k=1024)
+    candidates = ["triton", "sdpa", "cupy"]
+    eager = table.nearest(t, problem, candidates)
+    assert eager.chosen == "sdpa" and not eager.replayed and "replayed" not in str(eager)
+    captured = table.nearest(t, problem, candidates, replayed=True)
+    assert captured.chosen == "triton" and captured.replayed
+    # a backend the cell did not replay keeps its forward time
+    assert captured.times == {"triton": 0.015, "sdpa": 0.042, "cupy": 0.6}
+    assert "measured (forward, replayed from a CUDA graph)" in str(captured)
+    # without triton, the replayed sdpa beats cupy's (unreplayed) forward
+    assert table.nearest(t, problem, ["sdpa", "cupy"], replayed=True).chosen == "sdpa"
+    # a differentiated call is chosen by forward+backward time, captured or not
+    trained = table.nearest(t, gpu_problem(batch=1, heads_q=32, heads_kv=8, seqlen_q=4, seqlen_k=1024,
+                                           needs_grad=True), candidates, replayed=True)
+    assert trained.chosen == "sdpa" and trained.mode == "fwd_bwd" and not trained.replayed
+    # a table made before graph replays were timed: the forward times, as outside capture
+    old = make_table([{k: val for k, val in decode_cell().items() if k != "fwd_graph_ms"}])
+    assert table.nearest(old, problem, candidates, replayed=True).chosen == "sdpa"
+
+
+def test_an_automatic_request_on_a_gpu_is_marked_during_capture(monkeypatch):
+    capturing = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing.append(1) or True)
+    assert dispatch.requested_on(None, "cuda") == ("auto", "automatic selection" + dispatch.CAPTURE_NOTE)
+    with dispatch.use_backend("auto"):
+        assert dispatch.requested_on(None, "cuda") == ("auto", "use_backend()" + dispatch.CAPTURE_NOTE)
+    assert len(capturing) == 2
+    # a backend asked for by name, or a call on the CPU: as requested, and the capture state is not queried
+    assert dispatch.requested_on("reference", "cuda") == ("reference", "the backend= argument")
+    assert dispatch.requested_on(None, "cpu") == ("auto", "automatic selection")
+    assert len(capturing) == 2
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert dispatch.requested_on(None, "cuda") == ("auto", "automatic selection")
+
+
+def test_automatic_selection_during_capture_takes_the_fastest_replayed(monkeypatch):
+    with bf16_gpu_backends(monkeypatch, ("cheap_call", "fast_kernel")):
+        row = cell({"cheap_call": 0.07, "fast_kernel": 0.09}, batch=1, heads_q=32, heads_kv=8, seqlen_q=1,
+                   seqlen_k=8192)
+        row["fwd_graph_ms"] = {"cheap_call": 0.03, "fast_kernel": 0.012}
+        monkeypatch.setattr(table, "active_table", lambda *_: make_table([row]))
+        dispatch.clear_cache()
+        problem = gpu_problem(batch=1, heads_q=32, heads_kv=8, seqlen_q=1, seqlen_k=8192)
+        eager = dispatch.decide(problem, "auto", "automatic selection")
+        assert eager.chosen == "cheap_call"
+        captured = dispatch.decide(problem, "auto", "automatic selection" + dispatch.CAPTURE_NOTE)
+        assert captured.chosen == "fast_kernel" and captured.measured.replayed
+        assert "during CUDA graph capture" in str(captured) and "replayed from a CUDA graph" in str(captured)
+        # the cached decisions keep the two apart (the request is part of every key)
+        assert dispatch.select(problem, "auto", "automatic selection").name == "cheap_call"
+        assert dispatch.select(problem, "auto", "automatic selection" + dispatch.CAPTURE_NOTE).name == "fast_kernel"
+        assert dispatch.select(problem, "auto", "automatic selection").name == "cheap_call"
+
+
+def test_tune_replays_short_forwards_from_a_cuda_graph_where_it_can(monkeypatch):
+    from mhattn.benchmark import timing
+    from mhattn.tuning import measure
+
+    replays = []
+
+    def graph_replay_ms(fn, device):
+        replays.append(fn)
+        if fn == "uncapturable":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return {"a": 0.01, "b": 0.02}[fn]
+
+    monkeypatch.setattr(timing, "graph_replay_ms", graph_replay_ms)
+    monkeypatch.setattr(timing, "release_memory", lambda device: None)
+    calls = {"a": "a", "b": "b", "c": "uncapturable"}
+    assert measure.graph_replays(calls, torch.device("cuda")) == {"a": 0.01, "b": 0.02}
+    # the table keeps them (a worker's row becomes a table cell)
+    row = dict(decode_cell(), status="ok", kind="tune", wall_s=1.0)
+    assert tune_cli._table_row(row)["fwd_graph_ms"] == {"triton": 0.015, "sdpa": 0.042}
+    assert "kind" not in tune_cli._table_row(row)
+    assert replays == ["a", "b", "uncapturable"]
+    assert measure.graph_replays(calls, torch.device("cpu")) == {}   # nothing to replay on the CPU
+    assert replays == ["a", "b", "uncapturable"]
+
+
+@pytest.mark.gpu
+def test_gpu_a_captured_automatic_call_runs_the_fastest_replayed_backend(monkeypatch):
+    """With a table whose host-loop times favour sdpa and whose graph replays favour triton at a decoding shape,
+    auto runs sdpa eagerly and triton inside a CUDA graph capture (after the usual warm-up on a side stream, which
+    ran sdpa), and the replayed graph gives SDPA's output (outputs poisoned before the replays)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    name = torch.cuda.get_device_name()
+    capability = list(torch.cuda.get_device_capability())
+    monkeypatch.setattr(table, "device_identity", lambda *_: {"device": name, "compute_capability": capability})
+    row = decode_cell()
+    monkeypatch.setattr(table, "active_table", lambda *_: make_table([row], key={"device": name,
+                                                                                "compute_capability": capability}))
+    dispatch.clear_cache()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(1, 32, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    assert mhattn.explain(q, k, v, enable_gqa=True).chosen == "sdpa"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            mhattn.attention(q, k, v, enable_gqa=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decision = mhattn.explain(q, k, v, enable_gqa=True)
+        out = mhattn.attention(q, k, v, enable_gqa=True)
+    assert decision.chosen == "triton" and decision.source.endswith(dispatch.CAPTURE_NOTE)
+    for seed in (1, 2):
+        out.fill_(float("nan"))
+        q.copy_(torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen.manual_seed(seed)))
+        graph.replay()
+        with sdpa_kernel(SDPBackend.MATH):
+            want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+        assert (out.float() - want).abs().max().item() < 2e-2
+    assert mhattn.explain(q, k, v, enable_gqa=True).chosen == "sdpa"   # outside capture again

@@ -131,7 +131,7 @@ def _timer(device):
 
 def _table_row(row: dict) -> dict:
     """A worker's row as a table cell: the Cell fields, the times and the reasons, nothing else."""
-    keep = set(grid.Cell.__dataclass_fields__) | {"fwd_ms", "fwd_bwd_ms", "skipped"}
+    keep = set(grid.Cell.__dataclass_fields__) | {"fwd_ms", "fwd_bwd_ms", "fwd_graph_ms", "skipped"}
     cell = {k: v for k, v in row.items() if k in keep}
     if row.get("status", "ok") != "ok" and not cell.get("skipped"):
         cell["skipped"] = {"*": row["status"]}

@@ -83,7 +83,8 @@ def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None
     the GPU timer's median, or where that is under HOST_BOUND_MS and the host loop takes longer, the host loop's
     time per call (with_host_loops, after every backend's GPU timing). Where the cell times a backward and its
     fastest forward and fastest backward (forward+backward less forward) are two backends', ``fwd_bwd_ms`` also
-    holds that pair's time under its name, "<forward>+<backward>" (time_pair)."""
+    holds that pair's time under its name, "<forward>+<backward>" (time_pair). The forwards short enough for a host
+    loop are also replayed from a CUDA graph, into ``fwd_graph_ms`` (graph_replays; on a GPU only)."""
     import mhattn
 
     device = torch.device(device)
@@ -115,9 +116,14 @@ def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None
     halves = fastest_apart(row) if cell.grad else None
     if halves is not None:
         time_pair(halves, q, k, v, dout, kwargs, warmup_ms, rep_ms, device, row, timed["fwd_bwd"])
+    short_forwards = {name: timed["fwd"][name] for name, ms in row["fwd_ms"].items()
+                      if ms < HOST_BOUND_MS and name in timed["fwd"]}
     for mode, calls in timed.items():
         times = with_host_loops(row[f"{mode}_ms"], calls, device, row["skipped"])
         row[f"{mode}_ms"] = {name: round(ms, 5) for name, ms in times.items()}
+    replayed = graph_replays(short_forwards, device)
+    if replayed:
+        row["fwd_graph_ms"] = {name: round(ms, 5) for name, ms in replayed.items()}
     return row
 
 
@@ -191,6 +197,22 @@ def with_host_loops(times: dict, calls: dict, device, skipped: dict) -> dict:
         skipped[name] = timing.describe_error(error)
     return {name: max(ms, loops[name] / 1e3) if name in loops else ms for name, ms in times.items()
             if name not in errors}
+
+
+def graph_replays(calls: dict, device) -> dict:
+    """{backend: ms per call} of the forwards ``calls`` ({backend: fn}, those short enough for a host loop)
+    replayed from a CUDA graph (timing.graph_replay_ms), the calls automatic selection compares during capture
+    (mhattn.tuning.table). On a GPU only; a backend whose call cannot be captured is left out (selection then
+    reads its fwd_ms for it, as for a call too long to replay)."""
+    if torch.device(device).type != "cuda":
+        return {}
+    replayed = {}
+    for name, fn in calls.items():
+        try:
+            replayed[name] = timing.graph_replay_ms(fn, device)
+        except Exception:  # a call that cannot be captured: not timed this way, never a failed tuning run
+            timing.release_memory(device)
+    return replayed
 
 
 # Largest max-abs difference from torch's SDPA accepted for randn inputs (the benchmark's suspect limit).

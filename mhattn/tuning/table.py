@@ -21,6 +21,13 @@ fastest there is the choice; by forward+backward time, those within :data:`TIE` 
 spread of two timings of one kernel), which the faster forward breaks (a forward+backward pair "a+b" runs a's
 forward), so that a call with grad that is never differentiated does not pay for a difference the backward does
 not make. With no such cell the priority list decides.
+
+During CUDA graph capture (``replayed``: the dispatcher's request says so), a forward is chosen by the cell's
+``fwd_graph_ms`` where it has them: the time per call of calls replayed from a CUDA graph, which ``mhattn tune``
+measures for the calls it also times as host loops (under its HOST_BOUND_MS); a backend the cell did not replay
+(its calls are long enough that the host does not count) keeps its ``fwd_ms``. A replay pays none of a call's host
+path, so at short shapes the fastest kernel and the cheapest call are different backends. A differentiated call
+under capture is chosen by ``fwd_bwd_ms`` as outside it (backwards are not replayed by the tuner).
 """
 
 from __future__ import annotations
@@ -199,9 +206,12 @@ class Evidence:
     distance: float
     times: dict          # backend -> ms, for the backends that can run the problem
     table: TimingTable
+    replayed: bool = False  # the times are those of calls replayed from a CUDA graph (fwd_graph_ms) where timed
 
     def __str__(self):
         mode = "forward+backward" if self.mode == "fwd_bwd" else "forward"
+        if self.replayed:
+            mode += ", replayed from a CUDA graph"
         ranked = sorted(self.times.items(), key=lambda item: item[1])
         tied = f" (chosen: within {TIE:.0%} of the fastest, with the faster forward)"
         times = ", ".join(f"{name} {ms:.4g} ms" + ((" (fastest)" if name == ranked[0][0] else tied)
@@ -213,9 +223,11 @@ class Evidence:
                 f"{times}\n  table: {self.table.path or 'in memory'} ({self.table.key.get('device')}; {versions}){stale}")
 
 
-def nearest(table: TimingTable, problem, candidates) -> Optional[Evidence]:
+def nearest(table: TimingTable, problem, candidates, replayed: bool = False) -> Optional[Evidence]:
     """The evidence for the fastest of ``candidates`` (backend names that can run ``problem``) at the
-    nearest tuned shape, or None when the table has no cell close enough that timed one of them."""
+    nearest tuned shape, or None when the table has no cell close enough that timed one of them. ``replayed``:
+    the call is being captured into a CUDA graph, so a forward's graph-replay times decide where the cell has them
+    (see the module's docstring)."""
     mode = "fwd_bwd" if problem.needs_grad else "fwd"
     bucket = _bucket_of_problem(problem)
     best = None
@@ -232,6 +244,10 @@ def nearest(table: TimingTable, problem, candidates) -> Optional[Evidence]:
         return None
     d, cell, times = best
     forward_ms = (cell.get("fwd_ms") or {}) if mode == "fwd_bwd" else None
+    replayed_ms = cell.get("fwd_graph_ms") if replayed and mode == "fwd" else None
+    if replayed_ms and any(name in replayed_ms for name in times):
+        times = {name: replayed_ms.get(name, ms) for name, ms in times.items()}
+        return Evidence(_fastest(times, None), mode, cell, d, times, table, replayed=True)
     return Evidence(_fastest(times, forward_ms), mode, cell, d, times, table)
 
 
@@ -249,8 +265,9 @@ def _fastest(times: dict, forward_ms: Optional[dict]) -> str:
     return min(tied, key=lambda name: (forwards[name], times[name]))
 
 
-def measured_choice(problem, candidates) -> Optional[Evidence]:
-    """The dispatcher's hook: evidence for a choice among ``candidates``, or None (no table, no close cell)."""
+def measured_choice(problem, candidates, replayed: bool = False) -> Optional[Evidence]:
+    """The dispatcher's hook: evidence for a choice among ``candidates``, or None (no table, no close cell);
+    ``replayed``: the call is being captured into a CUDA graph (nearest)."""
     if len(candidates) < 2:
         return None
     try:
@@ -258,7 +275,7 @@ def measured_choice(problem, candidates) -> Optional[Evidence]:
     except Exception as error:  # a table that cannot be read must not break attention calls
         warnings.warn(f"mhattn: timing table not used: {error}")
         return None
-    return None if table is None else nearest(table, problem, candidates)
+    return None if table is None else nearest(table, problem, candidates, replayed)
 
 
 def environment_key(device) -> dict:
