@@ -193,7 +193,8 @@ class SdpaBackend(Backend):
         node: a forward+backward then costs what torch's own does on the host, where mhattn's Python autograd
         Function runs its backward on the autograd engine's device thread (several hundred microseconds on
         an H100 host at small shapes). Only where that is exactly this backend's attention: automatic kernel
-        choice, no mask, causal only top-left (``is_causal``'s alignment), no row that could see no key
+        choice, no mask, causal only top-left (``is_causal``'s alignment) or with a diagonal that hides no key
+        (a decoding step's bottom-right mask: no mask at all), no row that could see no key
         (SDPA gives NaN there, mhattn 0), and torch's choice a fused kernel (not its math path, which the
         global enable flags could leave it)."""
         call = self.native_call(q, k, v, params)
@@ -209,7 +210,11 @@ class SdpaBackend(Backend):
         if self.kernel != "auto" or params.mask is not None or (q.device.type == "cuda" and not self.cuda):
             return None
         causal = _is_causal(params)
-        if (params.window_right is not None and not causal) or (causal and params.diag_offset != 0):
+        if params.window_right is not None and not causal:
+            return None
+        # A diagonal at or past the last key (decoding with a bottom-right mask) hides nothing: not causal at all.
+        causal = causal and params.diag_offset < k.shape[2] - 1
+        if causal and params.diag_offset != 0:
             return None
         signature = (params.scale, causal, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
                      q.device, q.requires_grad or k.requires_grad or v.requires_grad, torch.is_grad_enabled())

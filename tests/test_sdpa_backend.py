@@ -327,6 +327,21 @@ def test_calls_torch_s_public_op_cannot_run_exactly_keep_mhattn_s_path(case, mon
     assert calls == [] and "EagerAttention" in type(out.grad_fn).__name__
 
 
+def test_a_decoding_step_s_bottom_right_mask_hides_nothing_and_takes_torch_s_public_op():
+    """One query row under causal_lower_right (a diagonal at the last key) sees every key: the call goes to torch's public op without a mask, with torch's own autograd, and matches the
+    reference, output and gradients."""
+    q, k, v = draw(1, 4, 2, 1, 30, 16, dtype=torch.float32)
+    out = mhattn.attention(q, k, v, attn_mask=causal_lower_right(1, 30), enable_gqa=True, backend="sdpa")
+    assert "EagerAttention" not in type(out.grad_fn).__name__
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    got = (out,) + torch.autograd.grad(out, (q, k, v), g)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = mhattn.attention(qd, kd, vd, attn_mask=causal_lower_right(1, 30), enable_gqa=True, backend="reference")
+    want = (ref,) + torch.autograd.grad(ref, (qd, kd, vd), g.double())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.allclose(a.double(), b, atol=1e-5, rtol=0), name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa"])
 def test_cuda_calls_without_lse_take_torch_s_own_autograd_and_match_the_reference(case):
@@ -392,6 +407,11 @@ def test_native_call_is_prepared_once_per_signature_and_asks_torch_again_when_it
     ]
     assert len({id(c) for c in others + [call]}) == 6
     assert backend.native_call(q, k, v, params.replace(window_right=0, diag_offset=2)) is None  # bottom-right
+    # a diagonal that hides no key (a decoding step's bottom-right mask) is the call without a mask
+    for offset in (8, 12):
+        assert backend.native_call(q, k, v, params.replace(window_right=0, diag_offset=offset)) is call
+    one_key = backend.native_call(q, k[:, :, :1], v[:, :, :1], params.replace(window_right=0))  # top-left, Nk = 1
+    assert one_key is backend.native_call(q, k[:, :, :1], v[:, :, :1], params)
 
     asked = []
     real_choice = torch._fused_sdp_choice
