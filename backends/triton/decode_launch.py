@@ -22,8 +22,10 @@ from mhattn.caches import put_bounded
 DECODE_MAX_ROWS = 16
 # Rows of one program's tile; more packed rows (e.g. a chunk of a prompt over a cache) take more programs.
 MAX_BLOCK_M = 64
-# A split gets at least this many keys: fewer would spend more on the combine than they save.
-MIN_KEYS_PER_SPLIT = 256
+# A split gets at least this many keys: fewer would spend more on the combine than they save. 128 (256 before):
+# replayed from a CUDA graph on the H100 (Hq 32, Hkv 8, d 128, Nq 1), B = 1 with 1k / 2k / 8k keys took 7.8 / 8.3 /
+# 14.1 -> 6.1 / 7.8 / 12.8 us and B = 8 with 1k 13.9 -> 13.2, level at B = 8 with 2k and B = 1 with 32k (NOTES).
+MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 128
 # Programs per SM to aim for when splitting (memory-bound work wants several in flight per SM).
 PROGRAMS_PER_SM = 2
