@@ -91,6 +91,20 @@ def test_gpu_graph_replay_times_a_captured_call():
         timing.graph_replay_ms(lambda: x.sum().item(), "cuda", calls=2, rounds=1)
 
 
+@pytest.mark.gpu
+def test_gpu_graph_replay_with_the_l2_flushed_reads_inputs_from_memory():
+    """flush_l2: a call reading 16 MB (in the H100's L2 when replayed back to back) takes longer when the L2 is
+    flushed before each call, and the flushes' own time is taken off (a positive time of the call's order)."""
+    from mhattn.benchmark import timing
+
+    x = torch.randn(4 << 20, device="cuda")
+    total = torch.empty((), device="cuda")
+    read = lambda: torch.sum(x, dim=0, out=total)  # noqa: E731
+    warm = timing.graph_replay_ms(read, "cuda", calls=10, rounds=5)
+    cold = timing.graph_replay_ms(read, "cuda", calls=10, rounds=5, flush_l2=True)
+    assert 0 < warm < cold < 20 * warm
+
+
 def test_host_loops_take_turns_and_report_errors(monkeypatch):
     from mhattn.benchmark import latency
 

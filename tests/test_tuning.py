@@ -492,7 +492,8 @@ def test_tune_replays_short_forwards_from_a_cuda_graph_where_it_can(monkeypatch)
 
     replays = []
 
-    def graph_replay_ms(fn, device):
+    def graph_replay_ms(fn, device, flush_l2):
+        assert flush_l2  # the inputs come from memory, as the GPU timer's
         replays.append(fn)
         if fn == "uncapturable":
             raise RuntimeError("operation not permitted when stream is capturing")

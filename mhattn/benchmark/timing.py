@@ -116,24 +116,46 @@ def _wall_clock_bench(fn, warmup_ms, rep_ms) -> float:
     return statistics.median(times)
 
 
-def graph_replay_ms(fn, device, calls: int = 20, rounds: int = 10) -> float:
+def graph_replay_ms(fn, device, calls: int = 20, rounds: int = 10, flush_l2: bool = False) -> float:
     """Milliseconds per call of ``fn()`` replayed from a CUDA graph, as a serving loop runs its decoding steps: ``calls``
     calls captured once (after warm-up calls on a side stream, which capture needs), the graph replayed ``rounds``
     times between CUDA events; the median round over ``calls``. No host work is timed, so a call whose GPU time is
-    below its host path's shows its GPU time here. Unlike bench_ms, nothing flushes the L2 cache between the calls:
-    inputs that fit in it (50 MB on an H100) are read from it after the first call. Raises what the capture raises (a
-    call that reads a value back to the host cannot be captured)."""
+    below its host path's shows its GPU time here. Without ``flush_l2`` nothing flushes the L2 cache between the
+    calls: inputs that fit in it (50 MB on an H100) are read from it after the first call. With it, each captured call
+    follows a write of L2_FLUSH_BYTES (as bench_ms's timer flushes before each run), and a graph of the writes alone,
+    timed the same way, is taken off: the GPU time of calls that find their inputs in memory, as the layers of a
+    captured model do. Raises what the capture raises (a call that reads a value back to the host cannot be
+    captured)."""
     device = torch.device(device)
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device) if flush_l2 else None
+
+    def step():
+        if flush is not None:
+            flush.zero_()
+        fn()
+
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(3):
-            fn()
+            step()
     torch.cuda.current_stream(device).wait_stream(side)
+    per_call = _replayed_ms(step, device, calls, rounds)
+    if flush is not None:
+        per_call = max(per_call - _replayed_ms(flush.zero_, device, calls, rounds), 0.0)
+    return per_call
+
+
+# Bytes written between two replayed calls to take their inputs out of the L2 cache (50 MB on an H100).
+L2_FLUSH_BYTES = 64 * 1024 * 1024
+
+
+def _replayed_ms(step, device, calls: int, rounds: int) -> float:
+    """The median over ``rounds`` replays of a graph of ``calls`` captured ``step()``s, in ms per step."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            fn()
+            step()
     graph.replay()
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -201,15 +201,16 @@ def with_host_loops(times: dict, calls: dict, device, skipped: dict) -> dict:
 
 def graph_replays(calls: dict, device) -> dict:
     """{backend: ms per call} of the forwards ``calls`` ({backend: fn}, those short enough for a host loop)
-    replayed from a CUDA graph (timing.graph_replay_ms), the calls automatic selection compares during capture
-    (mhattn.tuning.table). On a GPU only; a backend whose call cannot be captured is left out (selection then
-    reads its fwd_ms for it, as for a call too long to replay)."""
+    replayed from a CUDA graph with the L2 cache flushed before each (timing.graph_replay_ms): no host time, and the
+    inputs read from memory as the GPU timer reads them, so where the host does not count these agree with fwd_ms.
+    The times automatic selection compares during capture (mhattn.tuning.table). On a GPU only; a backend whose call
+    cannot be captured is left out (selection then reads its fwd_ms for it, as for a call too long to replay)."""
     if torch.device(device).type != "cuda":
         return {}
     replayed = {}
     for name, fn in calls.items():
         try:
-            replayed[name] = timing.graph_replay_ms(fn, device)
+            replayed[name] = timing.graph_replay_ms(fn, device, flush_l2=True)
         except Exception:  # a call that cannot be captured: not timed this way, never a failed tuning run
             timing.release_memory(device)
     return replayed

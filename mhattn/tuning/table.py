@@ -23,10 +23,11 @@ forward), so that a call with grad that is never differentiated does not pay for
 not make. With no such cell the priority list decides.
 
 During CUDA graph capture (``replayed``: the dispatcher's request says so), a forward is chosen by the cell's
-``fwd_graph_ms`` where it has them: the time per call of calls replayed from a CUDA graph, which ``mhattn tune``
-measures for the calls it also times as host loops (under its HOST_BOUND_MS); a backend the cell did not replay
-(its calls are long enough that the host does not count) keeps its ``fwd_ms``. A replay pays none of a call's host
-path, so at short shapes the fastest kernel and the cheapest call are different backends. A differentiated call
+``fwd_graph_ms`` where it has them: the time per call of calls replayed from a CUDA graph with the L2 cache flushed
+before each, which ``mhattn tune`` measures for the calls it also times as host loops (under its HOST_BOUND_MS); a
+backend the cell did not replay (its calls are long enough that the host does not count) keeps its ``fwd_ms``. A
+replay pays none of a call's host path, so at short shapes the fastest kernel and the cheapest call are different
+backends. A differentiated call
 under capture is chosen by ``fwd_bwd_ms`` as outside it (backwards are not replayed by the tuner).
 """
 
