@@ -97,7 +97,7 @@ def test_gpu_graph_replay_with_the_l2_flushed_reads_inputs_from_memory():
     flushed before each call, and the flushes' own time is taken off (a positive time of the call's order)."""
     from mhattn.benchmark import timing
 
-    x = torch.randn(4 << 20, device="cuda")
+    x = torch.ones(4 << 20, device="cuda")  # (not randn: a refused capture before may have left torch's CUDA RNG mid-capture)
     total = torch.empty((), device="cuda")
     read = lambda: torch.sum(x, dim=0, out=total)  # noqa: E731
     warm = timing.graph_replay_ms(read, "cuda", calls=10, rounds=5)

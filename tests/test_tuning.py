@@ -1,6 +1,7 @@
 """Dispatch by measured speed, without a GPU: the grids, timing tables (save, load, which one applies), the
 nearest-shape lookup, the dispatcher's hook and its fallback, and `mhattn tune` end to end on the CPU."""
 
+import argparse
 import contextlib
 import io
 import json
@@ -450,6 +451,15 @@ def test_during_capture_graph_replay_times_decide_a_forward():
     # a table made before graph replays were timed: the forward times, as outside capture
     old = make_table([{k: val for k, val in decode_cell().items() if k != "fwd_graph_ms"}])
     assert table.nearest(old, problem, candidates, replayed=True).chosen == "sdpa"
+    # calls that are not host-bound (forward time within REPLAY_MARGIN of the replay) keep their forward times
+    gpu_bound = cell({"triton": 0.40, "sdpa": 0.42}, grad=False)
+    gpu_bound["fwd_graph_ms"] = {"triton": 0.41, "sdpa": 0.36}
+    evidence = table.nearest(make_table([gpu_bound]), gpu_problem(), ["triton", "sdpa"], replayed=True)
+    assert evidence.chosen == "triton" and not evidence.replayed and evidence.times == {"triton": 0.40, "sdpa": 0.42}
+    # one host-bound backend among GPU-bound ones: its replay alone counts
+    gpu_bound["fwd_ms"]["sdpa"] = 0.5
+    evidence = table.nearest(make_table([gpu_bound]), gpu_problem(), ["triton", "sdpa"], replayed=True)
+    assert evidence.chosen == "sdpa" and evidence.times == {"triton": 0.40, "sdpa": 0.36}
 
 
 def test_an_automatic_request_on_a_gpu_is_marked_during_capture(monkeypatch):
@@ -549,3 +559,34 @@ def test_gpu_a_captured_automatic_call_runs_the_fastest_replayed_backend(monkeyp
             want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
         assert (out.float() - want).abs().max().item() < 2e-2
     assert mhattn.explain(q, k, v, enable_gqa=True).chosen == "sdpa"   # outside capture again
+
+
+def test_merged_tables_keep_each_time_s_smallest_and_the_first_table_s_replays(tmp_path, capsys):
+    a = make_table([decode_cell(), cell({"triton": 1.0, "sdpa": 2.0}, {"triton": 4.0})], date="a")
+    b_decode = decode_cell()
+    b_decode["fwd_ms"] = {"triton": 0.05, "sdpa": 0.08, "cupy": 0.7}
+    b_decode["fwd_graph_ms"] = {"triton": 0.001}
+    b = make_table([b_decode, cell({"triton": 1.5, "sdpa": 1.0}, {"triton": 3.0, "sdpa": 5.0}),
+                    cell({"triton": 9.0}, seqlen_q=8192, seqlen_k=8192)], date="b")
+    m = table.merged([a, b])
+    assert m.made["merged"] == ["b"] and len(m.cells) == 3
+    assert m.cells[0]["fwd_ms"] == {"triton": 0.05, "sdpa": 0.075, "cupy": 0.6}
+    assert m.cells[0]["fwd_graph_ms"] == {"triton": 0.015, "sdpa": 0.042}   # the first table's replays
+    assert m.cells[1]["fwd_ms"] == {"triton": 1.0, "sdpa": 1.0}
+    assert m.cells[1]["fwd_bwd_ms"] == {"triton": 3.0, "sdpa": 5.0}
+    assert m.cells[2]["seqlen_q"] == 8192 and "fwd_graph_ms" not in m.cells[2]
+    assert a.cells[0]["fwd_ms"]["triton"] == 0.09                           # the inputs are not changed
+    # a cell only a later table has comes without its replays (they are the first table's alone)
+    later_only = table.merged([make_table([cell({"triton": 1.0})]), a]).cells
+    assert later_only[1]["seqlen_q"] == 4 and "fwd_graph_ms" not in later_only[1]
+    other = make_table([decode_cell()], key={"device": "NVIDIA A100", "compute_capability": [8, 0]})
+    with pytest.raises(ValueError, match="cannot merge"):
+        table.merged([a, other])
+    # on the command line
+    paths = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    a.save(paths[0])
+    b.save(paths[1])
+    out = tmp_path / "m.json"
+    assert tune_cli.run(argparse.Namespace(merge=paths, output=str(out))) == 0
+    assert table.TimingTable.load(out).cells[1]["fwd_ms"] == {"triton": 1.0, "sdpa": 1.0}
+    assert "3 cells, the smallest time of 2 tables" in capsys.readouterr().out

@@ -3,6 +3,7 @@
     mhattn tune --quick          # 47 shapes, a few minutes on an H100 (compiling kernels included)
     mhattn tune                  # the full grid (238 shapes)
     mhattn tune --quick --output mhattn/tables/h100.json   # the table shipped in the package
+    mhattn tune --merge a.json b.json --output c.json      # per time, the smaller of two runs' (table.merged)
 
 The cells run in a worker process (the benchmark engine's supervisor): a kernel that crashes, hangs or
 breaks its CUDA context loses its own cell, not the run. The table goes to ``$MHATTN_CACHE_DIR/tables``
@@ -40,9 +41,14 @@ def add_arguments(parser) -> None:
                         help="a shape running longer is stopped and reported (default 300)")
     parser.add_argument("--no-isolate", action="store_true", help="run the shapes in this process")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--merge", nargs="+", metavar="TABLE",
+                        help="time nothing: write the merge of these tables of one device (each time the smallest "
+                             "of theirs, graph replays from the first) to --output")
 
 
 def run(args) -> int:
+    if args.merge:
+        return merge(args.merge, args.output)
     return tune(quick=args.quick, device=args.device, backends=_names(args.backend), max_n=args.max_n,
                 warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, output=args.output, time_limit=args.time_limit,
                 task_timeout=args.task_timeout, isolate=not args.no_isolate, progress=not args.no_progress)
@@ -97,6 +103,19 @@ def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep
     path = result.save(output or table.cache_tables_dir() / table.table_file_name(key))
     table.clear_cache()
     print(f"wrote {path} ({len(measured)}/{len(rows)} shapes timed, {wall:.0f} s)", file=stream)
+    return 0
+
+
+def merge(paths, output, stream=None) -> int:
+    """``mhattn tune --merge``: table.merged of the tables at ``paths``, written to ``output``."""
+    stream = stream or sys.stdout
+    if not output:
+        print("mhattn tune --merge needs --output FILE", file=stream)
+        return 2
+    result = table.merged([table.TimingTable.load(p) for p in paths])
+    result.save(output)
+    table.clear_cache()
+    print(f"wrote {output}: {len(result.cells)} cells, the smallest time of {len(paths)} tables each", file=stream)
     return 0
 
 

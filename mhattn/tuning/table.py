@@ -22,12 +22,13 @@ spread of two timings of one kernel), which the faster forward breaks (a forward
 forward), so that a call with grad that is never differentiated does not pay for a difference the backward does
 not make. With no such cell the priority list decides.
 
-During CUDA graph capture (``replayed``: the dispatcher's request says so), a forward is chosen by the cell's
-``fwd_graph_ms`` where it has them: the time per call of calls replayed from a CUDA graph with the L2 cache flushed
-before each, which ``mhattn tune`` measures for the calls it also times as host loops (under its HOST_BOUND_MS); a
-backend the cell did not replay (its calls are long enough that the host does not count) keeps its ``fwd_ms``. A
-replay pays none of a call's host path, so at short shapes the fastest kernel and the cheapest call are different
-backends. A differentiated call
+During CUDA graph capture (``replayed``: the dispatcher's request says so), a forward is chosen with the cell's
+``fwd_graph_ms`` for the backends whose calls there are host-bound: the time per call of calls replayed from a CUDA
+graph with the L2 cache flushed before each, which ``mhattn tune`` measures for the calls it also times as host loops
+(under its HOST_BOUND_MS). A call is host-bound where its ``fwd_ms`` exceeds its replay by more than REPLAY_MARGIN
+(its host loop took longer than its kernels); the others keep their ``fwd_ms`` (both are GPU times then, and the
+GPU timer's is the one every cell has). A replay pays none of a call's host path, so at short shapes the fastest
+kernel and the cheapest call are different backends. A differentiated call
 under capture is chosen by ``fwd_bwd_ms`` as outside it (backwards are not replayed by the tuner).
 """
 
@@ -49,6 +50,9 @@ TABLE_ENV = "MHATTN_TABLE"
 MAX_DISTANCE = 4.0
 # Forward+backward times within this fraction of the fastest are a tie, broken by the forward's time.
 TIE = 0.03
+# During capture a backend's graph replay replaces its forward time where the forward time is more than this times
+# the replay (a host-bound call); below it the two are GPU timings that differ by their methods' spread.
+REPLAY_MARGIN = 1.2
 # Weights of the log2 distances: head dim (tiles change with it), Nq, Nk, B * Hq, the GQA group size.
 WEIGHTS = (2.0, 1.0, 1.0, 0.5, 1.0)
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tables"
@@ -108,6 +112,44 @@ class TimingTable:
             if name not in data:
                 raise ValueError(f"{path}: a timing table needs {name!r}")
         return cls(data["key"], data["cells"], data.get("made", {}), str(path))
+
+
+def merged(tables: list) -> TimingTable:
+    """One table from several ``mhattn tune`` runs on one device: each cell (the same Cell fields) with, per backend,
+    the smallest of the runs' ``fwd_ms`` and ``fwd_bwd_ms`` (a busy host only ever adds to a host loop's time, so the
+    smaller of two is the better estimate), ``fwd_graph_ms`` from the first table alone (the run whose replays to
+    keep; replays take no host time), and the reasons of the first table that timed the cell. Cells some tables lack
+    come from those that have them. The key and ``made`` are the first table's, ``made["merged"]`` naming the
+    others' dates. Raises ValueError for tables of different devices."""
+    if not tables:
+        raise ValueError("no table to merge")
+    first = tables[0]
+    for other in tables[1:]:
+        if not other.matches(device_identity_of(first.key)):
+            raise ValueError(f"cannot merge tables of {first.key.get('device')} and {other.key.get('device')}")
+    from mhattn.tuning.grid import Cell
+
+    fields = tuple(Cell.__dataclass_fields__)
+    cells: dict = {}
+    for index, t in enumerate(tables):
+        for cell in t.cells:
+            at = tuple(cell.get(f) for f in fields)
+            if at not in cells:
+                cells[at] = dict(cell, fwd_ms=dict(cell.get("fwd_ms") or {}), fwd_bwd_ms=dict(cell.get("fwd_bwd_ms") or {}))
+                if index > 0:
+                    cells[at].pop("fwd_graph_ms", None)
+                continue
+            kept = cells[at]
+            for mode in ("fwd_ms", "fwd_bwd_ms"):
+                for name, ms in (cell.get(mode) or {}).items():
+                    kept[mode][name] = min(ms, kept[mode].get(name, ms))
+    made = dict(first.made, merged=[t.made.get("date", "?") for t in tables[1:]])
+    return TimingTable(dict(first.key), list(cells.values()), made)
+
+
+def device_identity_of(key: dict) -> dict:
+    """The device identity part of a table's key (what :meth:`TimingTable.matches` compares)."""
+    return {"device": key.get("device"), "compute_capability": key.get("compute_capability")}
 
 
 def table_file_name(key: dict) -> str:
@@ -245,9 +287,11 @@ def nearest(table: TimingTable, problem, candidates, replayed: bool = False) -> 
         return None
     d, cell, times = best
     forward_ms = (cell.get("fwd_ms") or {}) if mode == "fwd_bwd" else None
-    replayed_ms = cell.get("fwd_graph_ms") if replayed and mode == "fwd" else None
-    if replayed_ms and any(name in replayed_ms for name in times):
-        times = {name: replayed_ms.get(name, ms) for name, ms in times.items()}
+    replayed_ms = (cell.get("fwd_graph_ms") or {}) if replayed and mode == "fwd" else {}
+    host_bound = {name: replayed_ms[name] for name, ms in times.items()
+                  if name in replayed_ms and ms > REPLAY_MARGIN * replayed_ms[name]}
+    if host_bound:
+        times = {**times, **host_bound}
         return Evidence(_fastest(times, None), mode, cell, d, times, table, replayed=True)
     return Evidence(_fastest(times, forward_ms), mode, cell, d, times, table)
 
