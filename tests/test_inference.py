@@ -603,6 +603,8 @@ INTERPRETER_KVCACHE = {
     "paged_block_16": dict(block_size=16, seqlen_q=3),
     # pages of two key blocks (one table entry a block), a window whose left end is not on a block's start
     "paged_block_32_window": dict(block_size=32, window=(21, 0), seqlen_q=2, cached=(37, 90)),
+    # 16 programs fill the interpreter's 16 "SMs": one split, a table entry per key
+    "paged_block_32_unsplit": dict(block_size=32, heads_q=8, heads_kv=8, cached=(37, 90)),
     "paged_block_5_fp32": dict(block_size=5, dtype="float32", cached=(1, 93)),
     "many_rows_two_row_blocks": dict(seqlen_q=40, heads_q=4, heads_kv=1, cached=(10, 45)),  # 160 rows
 }

@@ -11,9 +11,11 @@ key/value head once per query head. Here:
 
       lse = log(sum_s exp(lse_s)),   out = sum_s exp(lse_s - lse) * out_s
 
-- a paged cache is read through the block table (page = table[j // PAGE_SIZE], row j % PAGE_SIZE): one table entry
-  per key block where the pages hold whole key blocks (PAGE_SIZE a multiple of BLOCK_N; a program's blocks start at
-  multiples of BLOCK_N), else one per key, so any block size works; a contiguous cache is the same code with the
+- a paged cache is read through the block table (page = table[j // PAGE_SIZE], row j % PAGE_SIZE), one entry per
+  key, so any block size works; where the keys are split and the pages hold whole key blocks (PAGE_SIZE a multiple of
+  BLOCK_N; a program's blocks start at multiples of BLOCK_N), one entry per block (BLOCK_IN_PAGE). On the H100 that
+  took short split steps from 1.18-1.21x to 1.01-1.09x of the contiguous cache's time, but unsplit steps (B = 64)
+  from 1.01x to 1.13-1.15x, so those keep the entry per key (NOTES); a contiguous cache is the same code with the
   batch as page.
 
 Grid of :func:`split_kv_kernel`: (B * Hkv, num_splits, row blocks). With one split the kernel writes the
@@ -39,13 +41,13 @@ from mhattn.backends.triton.scores import LN2, LOG2E, attention_scores
 @triton.jit
 def load_key_tile(base, page_base, start_n, offs_n, ok_n, offs_d, stride_page, stride_row,
                   DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr):
+                  PAGE_SIZE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr):
     """Rows offs_n = start_n + [0, BLOCK_N) of one sequence's keys (or values) as a (BLOCK_N, BLOCK) tile; rows where
     ok_n is False and head-dim padding read as 0. ``base`` already points at the (sequence or pool, head) start;
-    ``page_base`` at the sequence's block-table row when PAGED. start_n is a multiple of BLOCK_N, so where a page
-    holds whole blocks, the block lies in one page: one table entry, and rows in a run the loads can vectorise."""
+    ``page_base`` at the sequence's block-table row when PAGED. BLOCK_IN_PAGE (PAGE_SIZE a multiple of BLOCK_N, and
+    start_n a multiple of BLOCK_N): the block lies in one page, so one table entry gives its rows, in a run."""
     if PAGED:
-        if PAGE_SIZE % BLOCK_N == 0:
+        if BLOCK_IN_PAGE:
             page = tl.load(page_base + start_n // PAGE_SIZE).to(tl.int64)
             in_page = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
             rows = page * stride_page + in_page.to(tl.int64) * stride_row
@@ -138,6 +140,8 @@ def split_kv_kernel(
         k_base += batch.to(tl.int64) * stride_kb
         v_base += batch.to(tl.int64) * stride_vb
 
+    # One block-table entry a key block where the keys are split (see the module docstring for the measurements).
+    BLOCK_IN_PAGE: tl.constexpr = PAGED and SPLIT and PAGE_SIZE % BLOCK_N == 0
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -146,7 +150,7 @@ def split_kv_kernel(
         offs_n = start_n + offs_local
         ok_n = offs_n < end
         k = load_key_tile(k_base, page_base, start_n, offs_n, ok_n, offs_d, stride_kb, stride_kn,
-                          HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE)
+                          HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, BLOCK_IN_PAGE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         # seqlen_k = end: keys past this split's share are masked like keys past the sequence.
         s2, _ = attention_scores(qk, q_pos[:, None], offs_n[None, :], seqlen_q, end,
@@ -158,7 +162,7 @@ def split_kv_kernel(
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_key_tile(v_base, page_base, start_n, offs_n, ok_n, offs_dv, stride_vb, stride_vn,
-                          HEAD_DIM_V, BLOCK_DV, BLOCK_N, PAGED, PAGE_SIZE)
+                          HEAD_DIM_V, BLOCK_DV, BLOCK_N, PAGED, PAGE_SIZE, BLOCK_IN_PAGE)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
