@@ -4,10 +4,10 @@ Precedence: the ``backend=`` argument > ``use_backend(...)`` > ``MHATTN_BACKEND`
 Automatic selection takes, among the backends of the priority table below (data, not nested ifs) with
 no reason against the problem, the one a timing table (``mhattn.tuning.table``, written by ``mhattn tune``)
 measured fastest at the nearest tuned shape; with no table for this device, the first of them. During CUDA graph
-capture on the current stream, an automatic request reads the table's graph-replay times where it has them
-(:func:`requested_on`): a replayed call pays none of its host path, so the fastest kernel wins, not the
-cheapest call. A backend asked for by name that cannot run the problem raises :class:`BackendUnavailableError` with its reasons:
-never a silent fallback.
+capture on the current stream, an automatic request reads the table's graph-replay times for the host-bound calls
+(:func:`requested_on`, ``mhattn.tuning.table``): a replayed call pays none of its host path, so the fastest kernel
+wins, not the cheapest call. A backend asked for by name that cannot run the problem raises
+:class:`BackendUnavailableError` with its reasons: never a silent fallback.
 """
 
 from __future__ import annotations
@@ -226,7 +226,8 @@ def clear_cache() -> None:
         _by_call.clear()
         for cache in _dependent:
             cache.clear()
-    for parsed in (_parse_name, _argument_request, _environment_request, _during_capture):  # names a registry change may (in)validate
+    # names a registry change may (in)validate
+    for parsed in (_parse_name, _argument_request, _environment_request, _during_capture):
         parsed.cache_clear()
     timing_table.clear_cache()
 
