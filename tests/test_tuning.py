@@ -317,6 +317,28 @@ def test_tune_writes_a_table_that_automatic_selection_reads(isolate, capsys):
     assert "measured (forward+backward)" in str(decision)
 
 
+def test_tune_in_two_passes_keeps_each_time_s_smallest(monkeypatch, capsys):
+    """--passes 2: the grid timed twice, one pass after the other, and each backend's time the smaller of the two."""
+    from mhattn.benchmark import supervisor
+
+    times = iter([3.0, 1.0])  # the first pass's, then the second's
+
+    def run_tasks(tasks, **kwargs):
+        ms = next(times)
+        rows = [dict(t["cell"], kind="tune", status="ok", fwd_ms={"sdpa": ms, "reference": 2.0}, fwd_bwd_ms={},
+                     skipped={}) for t in tasks]
+        return supervisor.Outcome(rows, notes=[f"pass at {ms}"])
+
+    monkeypatch.setattr(supervisor, "run_tasks", run_tasks)
+    status = tune_cli.tune(quick=True, device="cpu", max_n=128, progress=False, passes=2)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    t = table.TimingTable.load(next(table.cache_tables_dir().glob("*.json")))
+    assert t.made["passes"] == 2 and t.made["complete"]
+    assert all(c["fwd_ms"] == {"sdpa": 1.0, "reference": 2.0} for c in t.cells) and len(t.cells) == 2
+    assert "note: pass at 3.0" in out and "note: pass at 1.0" in out
+
+
 def test_tune_and_conformance_tune_on_the_command_line(monkeypatch):
     calls = []
     monkeypatch.setattr(tune_cli, "tune", lambda **kwargs: calls.append(kwargs) or 0)

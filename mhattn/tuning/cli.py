@@ -3,6 +3,7 @@
     mhattn tune --quick          # 47 shapes, a few minutes on an H100 (compiling kernels included)
     mhattn tune                  # the full grid (238 shapes)
     mhattn tune --quick --output mhattn/tables/h100.json   # the table shipped in the package
+    mhattn tune --quick --passes 2 --output mhattn/tables/h100.json   # each time the smaller of two passes'
     mhattn tune --merge a.json b.json --output c.json      # per time, the smaller of two runs' (table.merged)
 
 The cells run in a worker process (the benchmark engine's supervisor): a kernel that crashes, hangs or
@@ -41,6 +42,9 @@ def add_arguments(parser) -> None:
                         help="a shape running longer is stopped and reported (default 300)")
     parser.add_argument("--no-isolate", action="store_true", help="run the shapes in this process")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--passes", type=int, default=1, metavar="N",
+                        help="time the grid N times and keep each time's smallest (a busy host only adds to a host "
+                             "loop; graph replays from the first pass)")
     parser.add_argument("--merge", nargs="+", metavar="TABLE",
                         help="time nothing: write the merge of these tables of one device (each time the smallest "
                              "of theirs, graph replays from the first) to --output")
@@ -51,7 +55,8 @@ def run(args) -> int:
         return merge(args.merge, args.output)
     return tune(quick=args.quick, device=args.device, backends=_names(args.backend), max_n=args.max_n,
                 warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, output=args.output, time_limit=args.time_limit,
-                task_timeout=args.task_timeout, isolate=not args.no_isolate, progress=not args.no_progress)
+                task_timeout=args.task_timeout, isolate=not args.no_isolate, progress=not args.no_progress,
+                passes=args.passes)
 
 
 def _names(values):
@@ -61,8 +66,10 @@ def _names(values):
 
 
 def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep_ms=None, output=None,
-         time_limit=0.0, task_timeout=300.0, isolate=True, progress=True, stream=None) -> int:
-    """Time the grid, write the table, print a summary. Returns the exit status (0 = a table was written)."""
+         time_limit=0.0, task_timeout=300.0, isolate=True, progress=True, stream=None, passes=1) -> int:
+    """Time the grid, write the table, print a summary. Returns the exit status (0 = a table was written).
+    ``passes`` > 1: the grid is timed that many times, one pass after another, and the table keeps each time's
+    smallest (table.merged; the time limit counts from the start of the first pass)."""
     from mhattn.progress import Progress
     from mhattn.benchmark.supervisor import run_tasks
     from mhattn.tuning.measure import backends_to_time
@@ -80,17 +87,23 @@ def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep
     started = time.time()
     if torch.device(device).type == "cuda" and "cupy" in names and not _unavailable("cupy"):
         _compile_cupy_kernels(stream, {c.head_dim for c in cells})
-    bar = Progress(len(tasks), enabled=progress, title="tune")
+    bar = Progress(len(tasks) * max(1, passes), enabled=progress, title="tune")
+    runs = []
     try:
-        outcome = run_tasks(tasks, device=device, isolate=isolate, progress=bar, task_timeout=task_timeout,
-                            deadline=started + time_limit if time_limit else None)
+        for _ in range(max(1, passes)):
+            outcome = run_tasks(tasks, device=device, isolate=isolate, progress=bar, task_timeout=task_timeout,
+                                deadline=started + time_limit if time_limit else None)
+            runs.append(outcome)
+            if outcome.interrupted or outcome.deadline_reached:
+                break
     finally:
         bar.close()
-    rows = [_table_row(r) for r in outcome.results]
+    tables = [table.TimingTable({}, [_table_row(r) for r in run.results]) for run in runs]
+    rows = table.merged(tables).cells if len(tables) > 1 else tables[0].cells
     measured = [r for r in rows if r["fwd_ms"] or r["fwd_bwd_ms"]]
     wall = time.time() - started
     print(summary(rows), file=stream)
-    for note in outcome.notes:
+    for note in (note for run in runs for note in run.notes):
         print(f"note: {note}", file=stream)
     if not measured:
         print("no shape was timed: no table written", file=stream)
@@ -98,7 +111,8 @@ def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep
     key = table.environment_key(device)
     made = {"command": "mhattn tune" + (" --quick" if quick else ""), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "unix_time": time.time(), "timing": dict(settings, timer=_timer(device)), "wall_s": round(wall, 1),
-            "backends": names, "complete": not (outcome.interrupted or outcome.deadline_reached)}
+            "backends": names, "passes": len(runs),
+            "complete": not any(run.interrupted or run.deadline_reached for run in runs)}
     result = table.TimingTable(key, rows, made)
     path = result.save(output or table.cache_tables_dir() / table.table_file_name(key))
     table.clear_cache()
