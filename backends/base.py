@@ -286,6 +286,26 @@ class Backend:
         return f"<mhattn backend {self.name!r}>"
 
 
+class OutputOnlyForward(Backend):
+    """A backend whose forward can skip what only a backward reads: ``_forward(q, k, v, params, keep_lse)`` gives
+    (out, lse), and with keep_lse False its lse may be a kept scratch buffer (one allocation fewer a call).
+    :meth:`native_call` hands the front end that output-only forward for calls autograd does not track."""
+
+    def forward(self, q, k, v, params: AttentionParams):
+        return self._forward(q, k, v, params, True)
+
+    def native_call(self, q, k, v, params: AttentionParams):
+        """The forward's output alone (_output_only) for calls that autograd does not track and that return no lse;
+        None for tracked calls, whose lse the backward reads."""
+        return None if tracked_by_autograd(q, k, v, params) else self._output_only
+
+    def _output_only(self, q, k, v, params: AttentionParams):
+        return self._forward(q, k, v, params, False)[0]
+
+    def _forward(self, q, k, v, params: AttentionParams, keep_lse: bool):
+        raise NotImplementedError
+
+
 FEATURE_SENTENCES = {
     "causal": "causal masking",
     "gqa": "grouped-query attention (fewer key/value heads than query heads)",

@@ -19,7 +19,7 @@ import functools
 import torch
 
 from mhattn import environment
-from mhattn.backends.base import AttentionParams, Backend, Capabilities, KVCache, Packing, tracked_by_autograd
+from mhattn.backends.base import AttentionParams, Capabilities, KVCache, OutputOnlyForward, Packing
 from mhattn.backends.cupy import ops, packed, variants
 
 __all__ = ["CupyBackend"]
@@ -58,7 +58,7 @@ def _unavailable_reasons() -> tuple:
     return ()
 
 
-class CupyBackend(Backend):
+class CupyBackend(OutputOnlyForward):
     name = "cupy"
     description = "FlashAttention-2 in CUDA C++ (mma.sync, ldmatrix, cp.async), compiled at run time by NVRTC through CuPy"
     capabilities = Capabilities(
@@ -127,18 +127,6 @@ class CupyBackend(Backend):
                 variants.note_device_smem_limit(cc, limit)
             self._cc_cache[index] = cc
         return cc
-
-    def forward(self, q, k, v, params: AttentionParams):
-        return self._forward(q, k, v, params, True)
-
-    def native_call(self, q, k, v, params: AttentionParams):
-        """The forward's output alone (_output_only: its lse in a kept scratch view, one allocation fewer a call) for
-        calls that autograd does not track and that return no lse; None for tracked calls, whose lse the backward
-        reads."""
-        return None if tracked_by_autograd(q, k, v, params) else self._output_only
-
-    def _output_only(self, q, k, v, params: AttentionParams):
-        return self._forward(q, k, v, params, False)[0]
 
     def _forward(self, q, k, v, params: AttentionParams, keep_lse: bool):
         """(out, lse) of the forward; keep_lse False: lse is the plan's scratch (ops.forward), for a caller that drops

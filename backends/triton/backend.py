@@ -18,8 +18,7 @@ import torch
 
 from mhattn import dropout_rng
 from mhattn.backends import layouts
-from mhattn.backends.base import (FEATURES, OPERATIONS, AttentionParams, Backend, Capabilities,
-                                  tracked_by_autograd)
+from mhattn.backends.base import FEATURES, OPERATIONS, AttentionParams, Capabilities, OutputOnlyForward
 from mhattn.backends.triton import configs, decode_launch, hopper_launch, key_padding, varlen_launch
 from mhattn.backends.triton.launcher import CompiledLauncher
 from mhattn.caches import put_bounded
@@ -552,7 +551,7 @@ class _RepeatedBackward:
         return dq, dk, dv
 
 
-class TritonBackend(Backend):
+class TritonBackend(OutputOnlyForward):
     """FlashAttention-2 forward and backward written in Triton (see forward.py and backward.py)."""
 
     name = "triton"
@@ -646,18 +645,6 @@ class TritonBackend(Backend):
         return f"the FlashAttention-2 backward (backward.py): not the Gluon Hopper backward because {reason}"
 
     # ---- forward ------------------------------------------------------------------------------
-    def forward(self, q, k, v, params: AttentionParams):
-        return self._forward(q, k, v, params, True)
-
-    def native_call(self, q, k, v, params: AttentionParams):
-        """The forward's output alone (_output_only: its lse in a kept scratch view, one allocation fewer a call) for
-        calls that autograd does not track and that return no lse; None for tracked calls, whose lse the backward
-        reads."""
-        return None if tracked_by_autograd(q, k, v, params) else self._output_only
-
-    def _output_only(self, q, k, v, params: AttentionParams):
-        return self._forward(q, k, v, params, False)[0]
-
     def _forward(self, q, k, v, params: AttentionParams, keep_lse: bool):
         """(out, lse) of the forward; keep_lse False: lse is the plan's scratch (_Plan.output_buffers), for a caller
         that drops it."""
