@@ -60,7 +60,8 @@ def launch(q, k, v, causal, diag_offset, poison=True, persistent=None, sm_count=
         *hopper_launch.forward_maps(q, k, v, out, head_dim), out, lse, counter, *out.stride()[:3], lse.stride(0),
         lse.stride(1), heads_q, heads_q // heads_kv, seqlen_q, seqlen_k,
         *schedule[1:4], LOG2E / math.sqrt(head_dim), diag_offset,
-        **hopper_launch.compile_time_args(head_dim, causal, schedule.tile_counter), num_warps=4, **COMPILE_OPTIONS)
+        **hopper_launch.compile_time_args(head_dim, causal, schedule.tile_counter, seqlen_k), num_warps=4,
+        **COMPILE_OPTIONS)
     return out, lse
 
 
@@ -267,19 +268,26 @@ SWEEP = (
     ("causal tiles head by head", lambda d, causal: causal, {"CAUSAL_GROUP_BYTES": 0}),
     ("causal tiles over all heads", lambda d, causal: causal, {"CAUSAL_GROUP_BYTES": 1 << 40}),
     ("one loop over key blocks", lambda d, causal: d in (128, 256), {"FORWARD_SPLIT_MASKED": {128: False, 256: False}}),
+    ("full-width diagonal at d = 64", lambda d, causal: causal and d == 64,
+     {"FORWARD_HALF_DIAGONAL_MAX_KEYS": {64: 0}}),
+    ("half-width diagonal at d = 128", lambda d, causal: causal and d == 128,
+     {"FORWARD_HALF_DIAGONAL_MAX_KEYS": {128: 1 << 31}}),
 )
 # Measured and dropped (backends/triton/NOTES.md): 64-key blocks at d = 64 (3 or 4 K/V slots, one or two loops),
 # 32-key blocks with two Q buffers at d = 256 (2 or 3 K/V slots); a kernel with three softmax warpgroups at d = 64.
 # Settings that change the kernel's build (its compile-time arguments): the sweep runs the correctness pass with each.
-BUILD_SETTINGS = ("KEY_BLOCK", "FORWARD_STAGES", "FORWARD_SPLIT_MASKED", "Q_BUFFERS")
+BUILD_SETTINGS = ("KEY_BLOCK", "FORWARD_STAGES", "FORWARD_SPLIT_MASKED", "Q_BUFFERS",
+                  "FORWARD_HALF_DIAGONAL_MAX_KEYS")
 
 
-def forward_sweep(dtype, seqlens, wanted=None):
+def forward_sweep(dtype, seqlens, wanted=None, labels=None):
     """The backend's forward (as mhattn.attention runs it) under each SWEEP setting that applies to a cell, beside
     the shipped settings and sdpa-cudnn, timed in turn; prints TFLOP/s (blank where a setting does not apply).
-    Settings that change the kernel's build (BUILD_SETTINGS) first run the correctness pass at their head dims."""
+    Settings that change the kernel's build (BUILD_SETTINGS) first run the correctness pass at their head dims.
+    labels: the SWEEP entries to time (default every one)."""
+    sweep = [entry for entry in SWEEP if labels is None or entry[0] in labels]
     bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)  # noqa: E731
-    for label, _, settings in SWEEP:
+    for label, _, settings in sweep:
         # once per setting, at the head dims its build settings name (and the run asked for)
         build_dims = {d for name in BUILD_SETTINGS if name in settings for d in settings[name]}
         build_dims &= set(kernel_head_dims(hopper_launch.KEY_BLOCK, wanted))
@@ -290,7 +298,7 @@ def forward_sweep(dtype, seqlens, wanted=None):
     for head_dim in kernel_head_dims(hopper_launch.KEY_BLOCK, wanted):
         for seqlen in seqlens:
             for causal in (False, True):
-                if not any(applies(head_dim, causal) for _, applies, _ in SWEEP):
+                if not any(applies(head_dim, causal) for _, applies, _ in sweep):
                     continue
                 batch, heads = 16384 // seqlen, 2048 // head_dim
                 q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=dtype) for _ in range(3))
@@ -300,11 +308,11 @@ def forward_sweep(dtype, seqlens, wanted=None):
                     times = [bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))]
                 times.append(bench(run))
                 times += [with_forward_settings(lambda: bench(run), settings) if applies(head_dim, causal) else None
-                          for _, applies, settings in SWEEP]
+                          for _, applies, settings in sweep]
                 times.append(bench(run))  # the shipped settings again: the spread between two timings
                 rows.append((head_dim, seqlen, causal, [None if t is None else flops / t / 1e9 for t in times]))
                 print(rows[-1], flush=True)
-    labels = ["sdpa-cudnn", "shipped"] + [label for label, _, _ in SWEEP] + ["shipped again"]
+    labels = ["sdpa-cudnn", "shipped"] + [label for label, _, _ in sweep] + ["shipped again"]
     print(f"\n{str(dtype).replace('torch.', '')} forward sweep, TFLOP/s (same run)\n")
     print("| d | N | causal | " + " | ".join(labels) + " |")
     print("|---" * (3 + len(labels)) + "|")
@@ -453,6 +461,8 @@ def main():
                         help="time sdpa-cudnn and the backend as it chooses only (the other columns read 0)")
     parser.add_argument("--sweep", action="store_true",
                         help="only the forward under the settings of SWEEP beside the shipped ones (no correctness)")
+    parser.add_argument("--sweep-settings", default="", metavar="LABELS",
+                        help="with --sweep: comma-separated labels of the SWEEP entries to time (default all)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also each kernel's GPU time in one causal backward (torch.profiler), first")
     args = parser.parse_args()
@@ -460,7 +470,8 @@ def main():
     parts = set(args.part.split(","))
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
     if args.sweep:
-        forward_sweep(DTYPES[args.dtype], [int(n) for n in args.seqlen.split(",")], head_dims)
+        labels = set(args.sweep_settings.split(",")) if args.sweep_settings else None
+        forward_sweep(DTYPES[args.dtype], [int(n) for n in args.seqlen.split(",")], head_dims, labels)
         return
     if args.breakdown:
         backward_breakdown(DTYPES[args.dtype], [int(n) for n in args.seqlen.split(",")], head_dims)

@@ -23,6 +23,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -942,6 +943,12 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
             assert staged == (hopper_launch.Q_BUFFERS[task.head_dim] == 2), task.label
             # A causal persistent grid's programs take their tiles from a counter (one atomic add per tile).
             assert ("atom.global" in ptx) == dict(task.flags).get("TILE_COUNTER", False), task.label
+            # A half-width diagonal block (with 128-key blocks): S of 64 keys with Q from shared memory (the
+            # full-width S takes 128, and the P V products read P from registers).
+            if hopper_launch.KEY_BLOCK[task.head_dim] == 128:
+                half_scores = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd",
+                                        ptx)
+                assert bool(half_scores) == dict(task.flags).get("HALF_DIAGONAL", False), task.label
     assert {task.kind for task in tasks} >= {"hopper_fwd", "hopper_bwd"}
     with pytest.raises(ValueError, match="unknown architecture"):
         ahead.table_tasks("sm_91x")

@@ -14,6 +14,9 @@ What the FlashAttention-2 kernel (forward.py) leaves to Triton's pipeliner is sp
   (FlashAttention-3's intra-warpgroup overlap); the two consumers also interleave on the SM's schedulers;
 - where SPLIT_MASKED is set (hopper_launch.FORWARD_SPLIT_MASKED), a tile's key blocks run as two loops, those every
   row sees whole without any mask code and then the one or two that need the mask (attend_blocks);
+- where HALF_DIAGONAL is set (hopper_launch.FORWARD_HALF_DIAGONAL_MAX_KEYS), the lower consumer's causal diagonal
+  block, of which its rows see only the first half when the diagonal starts at the block's first key, runs at half
+  width (attend_half_diagonal);
 - the registers move to the consumers: the load warp keeps LOAD_REGS per thread, and each consumer warpgroup
   gets up to CONSUMER_REGS (``setmaxnreg``, through warp_specialize's register budgets);
 - where shared memory has room (d = 64, 128), Q has two buffers, so the next tile's Q lands while this tile runs,
@@ -284,6 +287,42 @@ def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
 
 
 @gluon.jit
+def attend_half_diagonal(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, m_i, l_i, acc, j, step,
+                         start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key block j (ring step step + j) of rows that see only its first BLOCK_N / 2 keys: the lower consumer's block on
+    a causal diagonal that starts at the block's first key (BLOCK_N = 2 * BLOCK_M). Its S and the softmax take half
+    the width (S_j = Q K_j[:BLOCK_N / 2]^T, masked to the triangle), with P_{j-1} V_{j-1} behind it as in
+    attend_blocks, so the half of the block that no row sees costs nothing. Returns (p, m, l, acc) after block j's
+    softmax: p is (BLOCK_M, BLOCK_N / 2), its P V (over V_j[:BLOCK_N / 2]) is the caller's; m and l in the full-width
+    block's row layout."""
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    h_layout: gl.constexpr = mma_layout(HALF_N)
+    o_layout: gl.constexpr = mma_layout(q_smem.shape[1])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    slot = (step + j) % NUM_STAGES
+    prev = (step + j - 1) % NUM_STAGES
+    mbarrier.wait(k_ready.index(slot), ((step + j) // NUM_STAGES) & 1)
+    qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).slice(0, HALF_N).permute((1, 0)),
+                       gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=h_layout), use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((step + j - 1) // NUM_STAGES) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), block_tile(v_smem, prev), acc, is_async=True)
+    qk = warpgroup_mma_wait(1, deps=(qk, ))
+    mbarrier.arrive(k_empty.index(slot), count=1)
+    # Block j of BLOCK_N keys is block 2 j of HALF_N keys (softmax_step masks from j times its block width).
+    p_half, alpha, m_half, l_half = softmax_step(qk, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
+                                                 gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)), 2 * j, 0,
+                                                 start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M, HALF_N, CAUSAL,
+                                                 MASK_ALL, h_layout)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    return (p_half, gl.convert_layout(m_half, gl.SliceLayout(1, s_layout)),
+            gl.convert_layout(l_half, gl.SliceLayout(1, s_layout)), acc)
+
+
+@gluon.jit
 def release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, first, num_blocks, NUM_STAGES: gl.constexpr):
     """Blocks [first, num_blocks) of the tile starting at ring step ``step`` that the other consumer needs and this
     one does not (a causal tile's upper rows see more keys): wait until each has landed, then release it, so slot
@@ -313,7 +352,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                  o_desc, out_base, stride_om, lse_base, batch, head, start_m, cta_blocks, seqlen_q, seqlen_k,
                  diag_offset, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                 SPLIT_MASKED: gl.constexpr):
+                 SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
     """One softmax warpgroup on one tile (the program's ``rounds``-th): BLOCK_M query rows from start_m, its half
     HALF of Q buffer rounds % Q_BUFFERS, every key block they see (ring slots from ``step`` on), then the output.
 
@@ -346,6 +385,15 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
         mbarrier.arrive(k_empty.index(slot), count=1)
         if staged:
             release_previous_q_buffer(q_empty, rounds, Q_BUFFERS)
+        # The lower consumer on a causal diagonal that starts at a key block's first key sees only that block's
+        # first half (BLOCK_N = 2 * BLOCK_M): the loops stop before it, attend_half_diagonal takes it.
+        if HALF_DIAGONAL and HALF == 0 and CAUSAL and BLOCK_N == 2 * BLOCK_M:
+            diagonal = start_m + diag_offset
+            half_diagonal = (diagonal >= BLOCK_N) & (diagonal % BLOCK_N == 0) & (diagonal == (num_blocks - 1) * BLOCK_N)
+            end = num_blocks - half_diagonal.to(gl.int32)
+        else:
+            half_diagonal = False
+            end = num_blocks
         if SPLIT_MASKED:
             # The blocks every row sees whole, then those with invisible keys (the causal diagonal, the sequence's
             # end): two loops, so that the first carries none of the mask's work or registers.
@@ -355,29 +403,41 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
             else:
                 p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
                                                   BLOCK_M, BLOCK_N, CAUSAL, MASK_ALL, s_layout)
-            unmasked_end = gl.maximum(full, 1)
+            unmasked_end = gl.maximum(full, 1)  # <= end: a half diagonal block is the one past full
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
                                                     alpha, m_i, l_i, acc, 1, unmasked_end, full, step, start_m,
                                                     seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N, NUM_STAGES,
                                                     CAUSAL, MASK_NONE)
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
-                                                    alpha, m_i, l_i, acc, unmasked_end, num_blocks, full, step,
+                                                    alpha, m_i, l_i, acc, unmasked_end, end, full, step,
                                                     start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N,
                                                     NUM_STAGES, CAUSAL, MASK_ALL)
         else:
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
                                               BLOCK_M, BLOCK_N, CAUSAL, MASK_FROM, s_layout)
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
-                                                    alpha, m_i, l_i, acc, 1, num_blocks, full, step, start_m,
+                                                    alpha, m_i, l_i, acc, 1, end, full, step, start_m,
                                                     seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N, NUM_STAGES,
                                                     CAUSAL, MASK_FROM)
-        if not staged:
-            # Every S product of this tile has finished: Q's slot may take the next tile's rows.
-            mbarrier.arrive(q_empty.index(0), count=1)
         last = (step + num_blocks - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((step + num_blocks - 1) // NUM_STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), block_tile(v_smem, last), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if half_diagonal:
+            p_half, m_i, l_i, acc = attend_half_diagonal(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                                                         p, m_i, l_i, acc, num_blocks - 1, step, start_m, seqlen_k,
+                                                         diag_offset, qk_scale2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)
+            if not staged:
+                # Every S product of this tile has finished: Q's slot may take the next tile's rows.
+                mbarrier.arrive(q_empty.index(0), count=1)
+            mbarrier.wait(v_ready.index(last), ((step + num_blocks - 1) // NUM_STAGES) & 1)
+            last_pv = warpgroup_mma(gl.convert_layout(p_half.to(dtype), p_layout),
+                                    block_tile(v_smem, last).slice(0, BLOCK_N // 2), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(last_pv, ))
+        else:
+            if not staged:
+                mbarrier.arrive(q_empty.index(0), count=1)
+            mbarrier.wait(v_ready.index(last), ((step + num_blocks - 1) // NUM_STAGES) & 1)
+            last_pv = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), block_tile(v_smem, last), acc,
+                                    is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(last_pv, ))
         mbarrier.arrive(v_empty.index(last), count=1)
     else:
         if staged:
@@ -412,7 +472,7 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
                          num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
                          HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                         SPLIT_MASKED: gl.constexpr):
+                         SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
     """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took."""
     batch, head, tile_m, cta_blocks = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k,
                                               diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
@@ -421,7 +481,7 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
     consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
                  o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_blocks, seqlen_q,
                  seqlen_k, diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
-                 SPLIT_MASKED)
+                 SPLIT_MASKED, HALF_DIAGONAL)
     return cta_blocks
 
 
@@ -431,7 +491,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                        tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                        diag_offset, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                       TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr):
+                       TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
     """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
     load warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds): round-robin, or with TILE_COUNTER
     the tile numbers the load warp hands over (take_tile)."""
@@ -447,7 +507,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                                      o_desc, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile,
                                      rounds, step, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                                      diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                                     CAUSAL, SPLIT_MASKED)
+                                     CAUSAL, SPLIT_MASKED, HALF_DIAGONAL)
         rounds += 1
         if TILE_COUNTER:
             tile = take_tile(tile_slots, tile_full, tile_empty, rounds, slot_layout)
@@ -466,6 +526,7 @@ def hopper_forward_kernel(
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr,
+    HALF_DIAGONAL: gl.constexpr = False,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
     blocks of (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine
@@ -483,7 +544,8 @@ def hopper_forward_kernel(
     read.
     Q_BUFFERS (1 or 2): Q buffers, so that the next tile's Q loads during this one (consume_tile). SPLIT_MASKED: a
     tile's key blocks run as two loops, the unmasked ones and then those that need the mask, instead of one loop that
-    checks each block.
+    checks each block. HALF_DIAGONAL: the lower consumer's causal diagonal block at half width where its rows see only
+    that half (attend_half_diagonal).
     Launched with 4 warps (the first consumer) plus the partitions' own."""
     dtype: gl.constexpr = q_desc.dtype
 
@@ -519,12 +581,12 @@ def hopper_forward_kernel(
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
                               tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                               diag_offset, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                              CAUSAL, TILE_COUNTER, SPLIT_MASKED)),
+                              CAUSAL, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
                               tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                               diag_offset, qk_scale2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                              CAUSAL, TILE_COUNTER, SPLIT_MASKED)),
+                              CAUSAL, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                           v_empty, tile_slots, tile_full, tile_empty, TileCounter, num_tiles, num_m_blocks,
                           group_heads, heads_q, kv_group, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES,

@@ -47,6 +47,11 @@ FORWARD_SPLIT_MASKED = {64: False, 128: True, 256: True}
 # Q and the K/V ring), so the next tile's Q loads during this one and this one's output is staged in its Q slot for
 # the copy engine (hopper_forward.consume_tile); one at d = 256 (its Q and ring take 192 KB).
 Q_BUFFERS = {64: 2, 128: 2, 256: 1}
+# Head dim -> the most keys at which the lower consumer of a causal tile whose diagonal starts at a key block's first
+# key runs that block at half width (hopper_forward.attend_half_diagonal: its rows see only the block's first half;
+# the kernel has it where the key block is twice a consumer's rows, d = 64 and 128). NOTES version 19, H100 bf16: at
+# d = 64 +2-3% at 1k-2k keys and +1.5% at 4k, -1.5% at 16k; at d = 128 level or slower (-2% at 4k), so not there.
+FORWARD_HALF_DIAGONAL_MAX_KEYS = {64: 4096}
 # Fewest keys at which the Hopper kernel beat forward.py on the H100 (bf16, PERFORMANCE.md's shapes), per head dim: a
 # key count, or a pair (without a causal mask, with one). NOTES version 11: at d = 64 +16% at 1k, causal or not, and
 # ahead at every longer length; at d = 128 ahead from 1k (shorter ones not timed); d = 256 ahead everywhere.
@@ -176,12 +181,15 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
     return None
 
 
-def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False) -> dict:
-    """The kernel's compile-time arguments for a head dim, causal or not, and tiles from a counter or round-robin
-    (the launch, `mhattn build` and the GPU check script use the same)."""
+def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, seqlen_k: Optional[int] = None) -> dict:
+    """The kernel's compile-time arguments for a head dim, causal or not, tiles from a counter or round-robin, and
+    ``seqlen_k`` keys (None: as many as the longest; the launch, `mhattn build` and the GPU check script use the
+    same)."""
+    half_diagonal = causal and seqlen_k is not None and seqlen_k <= FORWARD_HALF_DIAGONAL_MAX_KEYS.get(head_dim, 0)
     return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
                 NUM_STAGES=FORWARD_STAGES[head_dim], Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal,
-                TILE_COUNTER=tile_counter, SPLIT_MASKED=FORWARD_SPLIT_MASKED[head_dim])
+                TILE_COUNTER=tile_counter, SPLIT_MASKED=FORWARD_SPLIT_MASKED[head_dim],
+                HALF_DIAGONAL=half_diagonal)
 
 
 class ForwardSchedule(NamedTuple):
@@ -323,7 +331,7 @@ def _forward_setup(plan, q, device_index: int) -> tuple:
         schedule = forward_schedule(plan.batch, plan.heads_q, plan.seqlen_q, plan.seqlen_k, plan.has_right, head_bytes,
                                     _sm_count(device_index))
         found = plan.hopper_schedule = (schedule, launcher.constexprs(
-            4, 1, **compile_time_args(plan.head_dim, plan.has_right, schedule.tile_counter)))
+            4, 1, **compile_time_args(plan.head_dim, plan.has_right, schedule.tile_counter, plan.seqlen_k)))
     return (launcher, *found)
 
 
