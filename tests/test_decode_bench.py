@@ -76,6 +76,22 @@ def test_graph_table_lists_the_replayed_cells_with_their_ratios():
     assert row[-2] == "-"  # no replayed paged time
     assert row[-1] == f"{9.2 / 6.4:.2f}"  # auto against the fastest of sdpa, triton, cupy
     assert "paged: CUDA graph: RuntimeError" in text
+    assert not any("the L2 flushed" in line for line in lines)  # no flushed replays in these rows
+
+
+def test_flushed_graph_table_follows_the_warm_one():
+    """Replays with the L2 flushed before each call get their own table after the back-to-back one, with the same
+    ratios on their times."""
+    row = {"dtype": "fp16", "batch": 8, "seqlen_k": 1024, "seqlen_q": 1, "kv_bytes": 33554432,
+           "us": {"sdpa-cudnn": 30.0, "triton": 31.0}, "status": {"sdpa-cudnn": "ok", "triton": "ok"}, "loop_us": {},
+           "graph_us": {"sdpa-cudnn": 11.6, "triton": 13.2}, "graph_flushed_us": {"sdpa-cudnn": 21.5, "triton": 21.4}}
+    lines = decode_bench.decode_table([row]).splitlines()
+    warm = lines.index(next(line for line in lines if "no L2 flush between them" in line))
+    flushed = lines.index(next(line for line in lines if "the L2 flushed before each" in line))
+    assert warm < flushed
+    assert lines[warm + 3].split()[4:7] == ["-", "12", "13"] and lines[warm + 3].split()[-3] == f"{11.6 / 13.2:.2f}"
+    assert lines[flushed + 3].split()[4:7] == ["-", "22", "21"]
+    assert lines[flushed + 3].split()[-3] == f"{21.5 / 21.4:.2f}"
 
 
 @pytest.mark.gpu

@@ -16,8 +16,10 @@ as a host loop, the implementations' loops taking turns (what ``mhattn tune`` do
 where a short call costs the larger of its GPU time and its host path. ``auto/best loop`` holds auto against the
 fastest by that cost, the measure its timing table chose by. The same short calls are also replayed from a CUDA graph
 (``timing.graph_replay_ms``: 20 calls captured, as serving stacks run decoding steps), which times the GPU's work
-alone, back to back without flushing the L2 cache (K and V that fit in it are read from it); a second table lists
-those cells (a call that cannot be captured says why under "not measured").
+alone: back to back without flushing the L2 cache (K and V that fit in it, 50 MB on an H100, are read from it), and
+with the L2 flushed before each call, the flushes' own time taken off (K and V read from memory, as a model's layers
+find them: each layer's cache has left the L2 by its next step). Two more tables list those cells (a call that cannot
+be captured says why under "not measured").
 
 Bandwidth is FlashAttention's measure: the bytes of K and V / time. Query rows past the first sit at the bottom-right
 diagonal (causal), as in speculative decoding.
@@ -138,7 +140,7 @@ def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) 
     device = torch.device(device)
     dtype = DTYPES[cell.dtype]
     row = {"kind": "decode", **asdict(cell), "kv_bytes": cell.kv_bytes, "us": {}, "status": {}, "loop_us": {},
-           "graph_us": {}}
+           "graph_us": {}, "graph_flushed_us": {}}
     short = {}  # name -> the call, for the host loops
     generator = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(cell.batch, cell.heads_q, cell.seqlen_q, cell.head_dim, device=device, dtype=dtype,
@@ -188,6 +190,7 @@ def time_cell(cell: DecodeCell, impls, settings: timing.TimingSettings, device) 
         for name, fn in short.items():
             try:
                 row["graph_us"][name] = 1e3 * timing.graph_replay_ms(fn, device)
+                row["graph_flushed_us"][name] = 1e3 * timing.graph_replay_ms(fn, device, flush_l2=True)
             except Exception as error:  # e.g. a host read-back inside the call: no graph, and why
                 row["status"][name] = f"CUDA graph: {timing.describe_error(error)}"
     return row
@@ -227,29 +230,32 @@ def decode_table(rows: list) -> str:
     out = _aligned(header, lines)
     failures = [f"{r['dtype']} B={r['batch']} Nk={r['seqlen_k']} Nq={r['seqlen_q']} {name}: {status}"
                 for r in rows for name, status in r["status"].items() if status != "ok"]
-    graphed = [r for r in rows if r.get("graph_us")]
-    if graphed:
-        out += ["", graph_table(graphed).rstrip("\n")]
+    for key in ("graph_us", "graph_flushed_us"):
+        graphed = [r for r in rows if r.get(key)]
+        if graphed:
+            out += ["", graph_table(graphed, key).rstrip("\n")]
     if failures:
         out += ["", "not measured:"] + [f"  {line[:300]}" for line in failures]
     return "\n".join(out) + "\n"
 
 
-def graph_table(rows: list) -> str:
-    """The host-bound cells replayed from a CUDA graph (us per call, the GPU's work alone): triton's speed-up over
-    cuDNN, the paged cache's time over the contiguous one's, auto's time over the fastest of AUTO_PEERS."""
+def graph_table(rows: list, key: str = "graph_us") -> str:
+    """The host-bound cells replayed from a CUDA graph (us per call, the GPU's work alone; ``key`` "graph_us": back
+    to back, "graph_flushed_us": the L2 flushed before each call): triton's speed-up over cuDNN, the paged cache's
+    time over the contiguous one's, auto's time over the fastest of AUTO_PEERS."""
     names = ("sdpa", "sdpa-cudnn", "triton", "cupy", "auto", "kvcache", "paged")
     header = (["dtype", "B", "Nk", "Nq"] + [f"{n.replace('sdpa-', '')} graph us" for n in names]
               + ["x cudnn", "paged/contig", "auto/best"])
     lines = []
     for r in rows:
-        us = r["graph_us"]
+        us = r[key]
         fastest = _fastest_peer(us)
         lines.append([r["dtype"], str(r["batch"]), _seqlen(r["seqlen_k"]), str(r["seqlen_q"])]
                      + [_us(us.get(n)) for n in names]
                      + [_ratio(us.get("sdpa-cudnn"), us.get("triton")), _ratio(us.get("paged"), us.get("kvcache")),
                         _ratio(us.get("auto"), fastest)])
-    out = ["host-bound cells replayed from a CUDA graph (20 calls captured, no L2 flush between them; us per call):"]
+    flush = "the L2 flushed before each" if key == "graph_flushed_us" else "no L2 flush between them"
+    out = [f"host-bound cells replayed from a CUDA graph (20 calls captured, {flush}; us per call):"]
     return "\n".join(out + _aligned(header, lines)) + "\n"
 
 
