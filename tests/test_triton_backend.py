@@ -722,6 +722,40 @@ def test_gpu_gluon_forward_programs_walking_many_tiles(monkeypatch, case):
     _check_gluon_kernel(monkeypatch, "MIN_KEYS", "forward", "bfloat16", GLUON_FORWARD_CASES[case])
 
 
+# The lower consumer's causal diagonal block at half width (HALF_DIAGONAL): diagonals that start at a key block's first
+# key (top-left with Nq = Nk and with more queries than keys, bottom-right 256 keys past it), GQA, one that does not.
+HALF_DIAGONAL_CASES = {
+    "top_left_gqa": dict(head_dim=64, heads_q=6, heads_kv=2, seqlen_q=700, seqlen_k=700, causal="top_left"),
+    "top_left_more_queries": dict(head_dim=64, seqlen_q=517, seqlen_k=300, causal="top_left"),
+    "bottom_right_aligned": dict(head_dim=64, seqlen_q=300, seqlen_k=556, causal="bottom_right"),
+    "bottom_right_unaligned": dict(head_dim=64, seqlen_q=300, seqlen_k=517, causal="bottom_right"),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(HALF_DIAGONAL_CASES))
+def test_gpu_gluon_forward_half_width_diagonal(monkeypatch, dtype, case):
+    """Through the backend, the Gluon forward built with the half-width diagonal block (asserted from the build's
+    compile-time arguments), one program per tile and a persistent grid of 3 programs (tiles from the counter)."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import hopper_launch
+
+    built = []
+    real_args = hopper_launch.compile_time_args
+    monkeypatch.setattr(hopper_launch, "compile_time_args",
+                        lambda *args: built.append(real_args(*args)["HALF_DIAGONAL"]) or real_args(*args))
+    for programs in (None, 3):
+        monkeypatch.setattr(triton_backend, "_plans", {})  # plans keep their schedule and build
+        monkeypatch.setattr(triton_backend, "_signatures", {})
+        if programs:
+            monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: programs)
+        _check_gluon_kernel(monkeypatch, "MIN_KEYS", "forward", dtype, HALF_DIAGONAL_CASES[case])
+    assert built and all(built)
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
@@ -1401,6 +1435,20 @@ def test_explain_names_the_kernel_families(monkeypatch):
     monkeypatch.setenv(hopper_launch.ENV_SWITCH, "0")
     assert f"{hopper_launch.ENV_SWITCH}=0" in backend.forward_path(problem())
     assert f"{hopper_launch.ENV_SWITCH}=0" in backend.backward_path(problem())
+
+
+def test_gluon_forward_half_width_diagonal_up_to_its_key_count(monkeypatch):
+    """hopper_launch.compile_time_args builds the half-width diagonal block (HALF_DIAGONAL) only for causal calls at
+    a head dim FORWARD_HALF_DIAGONAL_MAX_KEYS names, up to that many keys; None keys (the longest) and every other
+    call get the full-width kernel."""
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "FORWARD_HALF_DIAGONAL_MAX_KEYS", {64: 4096})
+    half = lambda d, causal, keys: hopper_launch.compile_time_args(d, causal, True, keys)["HALF_DIAGONAL"]  # noqa: E731
+    assert half(64, True, 1024) and half(64, True, 4096)
+    assert not half(64, True, 4097) and not half(64, True, None)
+    assert not half(64, False, 1024) and not half(128, True, 1024) and not half(256, True, 1024)
+    assert hopper_launch.compile_time_args(64, True)["HALF_DIAGONAL"] is False
 
 
 def test_gluon_forward_schedule(monkeypatch):
