@@ -606,6 +606,8 @@ def test_interpreter_through_mhattn_attention(interpreter):
 # ---- GPU tests ----------------------------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+needs_sm90 = pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0),
+                                reason="needs sm_90 (wgmma)")
 
 # Head dims and (Nq, Nk) pairs of CONFORMANCE.md, spread over causal modes and head layouts.
 GPU_SHAPES = [
@@ -693,7 +695,7 @@ GLUON_FORWARD_CASES = {
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+@needs_sm90
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case", list(GLUON_FORWARD_CASES))
 def test_gpu_gluon_hopper_forward(monkeypatch, dtype, case):
@@ -702,7 +704,7 @@ def test_gpu_gluon_hopper_forward(monkeypatch, dtype, case):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+@needs_sm90
 @pytest.mark.parametrize("case", ["d64_ragged", "d128_top_left_more_queries", "d256_packed_causal_grad_lse"])
 def test_gpu_gluon_forward_programs_walking_many_tiles(monkeypatch, case):
     """Through the backend: the Gluon forward's tile loop on 3 programs (each walks many tiles, so ring slots,
@@ -734,7 +736,7 @@ HALF_DIAGONAL_CASES = {
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+@needs_sm90
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case", list(HALF_DIAGONAL_CASES))
 def test_gpu_gluon_forward_half_width_diagonal(monkeypatch, dtype, case):
@@ -758,7 +760,7 @@ def test_gpu_gluon_forward_half_width_diagonal(monkeypatch, dtype, case):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+@needs_sm90
 def test_gpu_gluon_launches_repeated_on_streams_and_in_a_graph(monkeypatch):
     """Repeated calls through the backend's prepared Gluon launches (tensor maps kept per address, the causal
     forward's counter kept per stream and left at 0 by each launch; 5 programs over 64 tiles, so the counter hands out
@@ -863,7 +865,7 @@ GLUON_BACKWARD_CASES = {
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+@needs_sm90
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("case", list(GLUON_BACKWARD_CASES))
 def test_gpu_gluon_hopper_backward(monkeypatch, dtype, case):
@@ -872,7 +874,7 @@ def test_gpu_gluon_hopper_backward(monkeypatch, dtype, case):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (wgmma)")
+@needs_sm90
 @pytest.mark.parametrize("slicing", ["heads", "batches"])
 def test_gpu_gluon_hopper_backward_in_slices(monkeypatch, slicing):
     """The backward split into launches over single key/value heads, or over batch slices of 2, 2 and 1 entries
