@@ -16,7 +16,7 @@ What the FlashAttention-2 kernel (forward.py) leaves to Triton's pipeliner is sp
   row sees whole without any mask code and then the one or two that need the mask (attend_blocks);
 - where HALF_DIAGONAL is set (hopper_launch.FORWARD_HALF_DIAGONAL_MAX_KEYS), the lower consumer's causal diagonal
   block, of which its rows see only the first half when the diagonal starts at the block's first key, runs at half
-  width (attend_half_diagonal);
+  width (attend_block on half its keys);
 - the registers move to the consumers: the load warp keeps LOAD_REGS per thread, and each consumer warpgroup
   gets up to CONSUMER_REGS (``setmaxnreg``, through warp_specialize's register budgets);
 - where shared memory has room (d = 64, 128), Q has two buffers, so the next tile's Q lands while this tile runs,
@@ -257,69 +257,62 @@ def softmax_step(qk, m_i, l_i, j, mask_from, start_m, seqlen_k, diag_offset, qk_
 
 
 @gluon.jit
-def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i, acc, first, end,
-                  mask_from, step, start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr):
-    """Key blocks first .. end - 1 of a tile whose ring steps start at ``step``, after block first - 1's softmax (p,
-    alpha), masked as MASK says (softmax_step): each block's S_j goes to the tensor cores first, then P_{j-1} V_{j-1}
-    behind it; while they run nothing waits, and the softmax of block j starts once S_j alone has finished. Returns
-    (p, alpha, m, l, acc) after block end - 1's softmax (its P V is the caller's)."""
+def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, p, m_i, l_i, acc, j, mask_from,
+                 step, start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr):
+    """Key block j (ring step step + j) after block j - 1's softmax (p): S_j goes to the tensor cores first, then
+    P_{j-1} V_{j-1} behind it; while they run nothing waits, and the softmax of block j (masked as MASK says,
+    softmax_step) starts once S_j alone has finished. KEYS < BLOCK_N: only the block's first KEYS keys are read (for
+    rows that see no more of it: the lower consumer's causal diagonal, consume_tile); S, its softmax and the p
+    returned are then KEYS wide. s_zero: S's (BLOCK_M, KEYS) initial value, made once by a caller that loops.
+    Returns (p, alpha, m, l, acc) after block j's softmax (its P V is the next step's or the caller's), m and l in the
+    full-width block's row layout."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
-    o_layout: gl.constexpr = mma_layout(q_smem.shape[1])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    for j in range(first, end):
-        slot = (step + j) % NUM_STAGES
-        prev = (step + j - 1) % NUM_STAGES
-        mbarrier.wait(k_ready.index(slot), ((step + j) // NUM_STAGES) & 1)
-        qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((step + j - 1) // NUM_STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), block_tile(v_smem, prev), acc,
-                            is_async=True)
-        qk = warpgroup_mma_wait(1, deps=(qk, ))
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, j, mask_from, start_m, seqlen_k, diag_offset, qk_scale2,
-                                          BLOCK_M, BLOCK_N, CAUSAL, MASK, s_layout)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    return p, alpha, m_i, l_i, acc
-
-
-@gluon.jit
-def attend_half_diagonal(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, m_i, l_i, acc, j, step,
-                         start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    """Key block j (ring step step + j) of rows that see only its first BLOCK_N / 2 keys: the lower consumer's block on
-    a causal diagonal that starts at the block's first key (BLOCK_N = 2 * BLOCK_M). Its S and the softmax take half
-    the width (S_j = Q K_j[:BLOCK_N / 2]^T, masked to the triangle), with P_{j-1} V_{j-1} behind it as in
-    attend_blocks, so the half of the block that no row sees costs nothing. Returns (p, m, l, acc) after block j's
-    softmax: p is (BLOCK_M, BLOCK_N / 2), its P V (over V_j[:BLOCK_N / 2]) is the caller's; m and l in the full-width
-    block's row layout."""
-    HALF_N: gl.constexpr = BLOCK_N // 2
-    s_layout: gl.constexpr = mma_layout(BLOCK_N)
-    h_layout: gl.constexpr = mma_layout(HALF_N)
+    k_layout: gl.constexpr = mma_layout(KEYS)
     o_layout: gl.constexpr = mma_layout(q_smem.shape[1])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     slot = (step + j) % NUM_STAGES
     prev = (step + j - 1) % NUM_STAGES
     mbarrier.wait(k_ready.index(slot), ((step + j) // NUM_STAGES) & 1)
-    qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).slice(0, HALF_N).permute((1, 0)),
-                       gl.zeros([BLOCK_M, HALF_N], gl.float32, layout=h_layout), use_acc=False, is_async=True)
+    if KEYS == BLOCK_N:
+        qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    else:
+        qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).slice(0, KEYS).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)
+        m_i = gl.convert_layout(m_i, gl.SliceLayout(1, k_layout))
+        l_i = gl.convert_layout(l_i, gl.SliceLayout(1, k_layout))
     mbarrier.wait(v_ready.index(prev), ((step + j - 1) // NUM_STAGES) & 1)
     acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), block_tile(v_smem, prev), acc, is_async=True)
     qk = warpgroup_mma_wait(1, deps=(qk, ))
     mbarrier.arrive(k_empty.index(slot), count=1)
-    # Block j of BLOCK_N keys is block 2 j of HALF_N keys (softmax_step masks from j times its block width).
-    p_half, alpha, m_half, l_half = softmax_step(qk, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
-                                                 gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)), 2 * j, 0,
-                                                 start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M, HALF_N, CAUSAL,
-                                                 MASK_ALL, h_layout)
+    # Block j of BLOCK_N keys is block j * BLOCK_N / KEYS of KEYS keys (softmax_step masks from j times its width).
+    block = j
+    if KEYS != BLOCK_N:
+        block = j * (BLOCK_N // KEYS)
+    p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, block, mask_from, start_m, seqlen_k, diag_offset, qk_scale2,
+                                      BLOCK_M, KEYS, CAUSAL, MASK, k_layout)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(prev), count=1)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    return (p_half, gl.convert_layout(m_half, gl.SliceLayout(1, s_layout)),
-            gl.convert_layout(l_half, gl.SliceLayout(1, s_layout)), acc)
+    if KEYS != BLOCK_N:
+        m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
+        l_i = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout))
+    return p, alpha, m_i, l_i, acc
+
+
+@gluon.jit
+def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i, acc, first, end,
+                  mask_from, step, start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr):
+    """Key blocks first .. end - 1 of a tile whose ring steps start at ``step``, after block first - 1's softmax (p,
+    alpha), each by attend_block. Returns (p, alpha, m, l, acc) after block end - 1's softmax (its P V is the
+    caller's)."""
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout(BLOCK_N))
+    for j in range(first, end):
+        p, alpha, m_i, l_i, acc = attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, p,
+                                               m_i, l_i, acc, j, mask_from, step, start_m, seqlen_k, diag_offset,
+                                               qk_scale2, BLOCK_M, BLOCK_N, BLOCK_N, NUM_STAGES, CAUSAL, MASK)
+    return p, alpha, m_i, l_i, acc
 
 
 @gluon.jit
@@ -386,7 +379,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
         if staged:
             release_previous_q_buffer(q_empty, rounds, Q_BUFFERS)
         # The lower consumer on a causal diagonal that starts at a key block's first key sees only that block's
-        # first half (BLOCK_N = 2 * BLOCK_M): the loops stop before it, attend_half_diagonal takes it.
+        # first half (BLOCK_N = 2 * BLOCK_M): the loops stop before it, attend_block takes half of it.
         if HALF_DIAGONAL and HALF == 0 and CAUSAL and BLOCK_N == 2 * BLOCK_M:
             diagonal = start_m + diag_offset
             half_diagonal = (diagonal >= BLOCK_N) & (diagonal % BLOCK_N == 0) & (diagonal == (num_blocks - 1) * BLOCK_N)
@@ -421,9 +414,11 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                                                     CAUSAL, MASK_FROM)
         last = (step + num_blocks - 1) % NUM_STAGES
         if half_diagonal:
-            p_half, m_i, l_i, acc = attend_half_diagonal(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                                                         p, m_i, l_i, acc, num_blocks - 1, step, start_m, seqlen_k,
-                                                         diag_offset, qk_scale2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)
+            half_zero = gl.zeros([BLOCK_M, BLOCK_N // 2], gl.float32, layout=mma_layout(BLOCK_N // 2))
+            p_half, _, m_i, l_i, acc = attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                                                    half_zero, p, m_i, l_i, acc, num_blocks - 1, 0, step, start_m,
+                                                    seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N, BLOCK_N // 2,
+                                                    NUM_STAGES, CAUSAL, MASK_ALL)
             if not staged:
                 # Every S product of this tile has finished: Q's slot may take the next tile's rows.
                 mbarrier.arrive(q_empty.index(0), count=1)
@@ -545,7 +540,7 @@ def hopper_forward_kernel(
     Q_BUFFERS (1 or 2): Q buffers, so that the next tile's Q loads during this one (consume_tile). SPLIT_MASKED: a
     tile's key blocks run as two loops, the unmasked ones and then those that need the mask, instead of one loop that
     checks each block. HALF_DIAGONAL: the lower consumer's causal diagonal block at half width where its rows see only
-    that half (attend_half_diagonal).
+    that half (attend_block on half its keys).
     Launched with 4 warps (the first consumer) plus the partitions' own."""
     dtype: gl.constexpr = q_desc.dtype
 

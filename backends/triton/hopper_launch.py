@@ -48,7 +48,7 @@ FORWARD_SPLIT_MASKED = {64: False, 128: True, 256: True}
 # the copy engine (hopper_forward.consume_tile); one at d = 256 (its Q and ring take 192 KB).
 Q_BUFFERS = {64: 2, 128: 2, 256: 1}
 # Head dim -> the most keys at which the lower consumer of a causal tile whose diagonal starts at a key block's first
-# key runs that block at half width (hopper_forward.attend_half_diagonal: its rows see only the block's first half;
+# key runs that block at half width (hopper_forward.attend_block on half its keys: its rows see only the first half;
 # the kernel has it where the key block is twice a consumer's rows, d = 64 and 128). NOTES version 19, H100 bf16: at
 # d = 64 +2-3% at 1k-2k keys and +1.5% at 4k, -1.5% at 16k; at d = 128 level or slower (-2% at 4k), so not there.
 FORWARD_HALF_DIAGONAL_MAX_KEYS = {64: 4096}
