@@ -95,7 +95,7 @@ def sequence_variant_sample(cc) -> list:
 def hopper_options_off_in_the_tables() -> list:
     """The Hopper variants with each option the other way from the tables (so CI compiles them too): dQ by the
     copy engine's bulk reduce-add or by atomics in the backward, two dQ buffers at d = 64, dQ in turns (reproducible)
-    where the table keeps the mma.sync dQ kernel for it; the output staged for
+    where the table keeps the mma.sync dQ kernel for it, the other step height at d = 64 (with each feature); the output staged for
     the copy engine or stored by the consumers in the forward (staged only where it fits)."""
     out = [variants.hopper_bwd_variant(dtype, d, variants.HopperBwdTiles(tiles.stages, not tiles.dq_bulk))
            for dtype in variants.DTYPE_NAMES for d, tiles in variants.HOPPER_BWD_TILES.items()]
@@ -104,6 +104,10 @@ def hopper_options_off_in_the_tables() -> list:
             for dtype in variants.DTYPE_NAMES for bulk in (False, True)]  # two dQ buffers (room at d = 64 only)
     out += [variants.hopper_bwd_variant(dtype, d, deterministic=True) for dtype in variants.DTYPE_NAMES
             for d in variants.HOPPER_BWD_TILES if d not in variants.HOPPER_BWD_DETERMINISTIC_DIMS]  # dQ in turns
+    rows_64 = 192 - variants.HOPPER_BWD_TILES[64].query_rows  # the other step height at d = 64 (64 or 128 queries)
+    out += [variants.hopper_bwd_variant(dtype, 64, variants.HopperBwdTiles(2, False, 1, rows_64), **f)
+            for dtype in variants.DTYPE_NAMES
+            for f in (dict(), dict(softcap=True), dict(bool_mask=True), dict(float_mask=True), dict(deterministic=True))]
     for dtype in variants.DTYPE_NAMES:
         for d, tiles in variants.HOPPER_FWD_TILES.items():
             other = dataclasses.replace(tiles, staged_out=not tiles.staged_out)
@@ -1017,6 +1021,36 @@ def test_hopper_backward_with_two_dq_buffers_has_their_memory_and_barriers(monke
     assert variants.HOPPER_BWD_TILES[64] == variants.HopperBwdTiles(3, True, 2)
     with pytest.raises(ValueError, match="shared memory"):
         variants.hopper_bwd_variant("bfloat16", 128, variants.HopperBwdTiles(2, True, 2))
+
+
+def test_hopper_backward_query_rows_set_the_step_its_maps_and_its_memory(recorded_maps, monkeypatch):
+    """HopperBwdTiles.query_rows: QUERY_ROWS in the variant, Q and dO maps with that many box rows (K and V keep 128),
+    the shared memory of the taller Q / dO slots, dS^T buffers and dQ tile (one tile: the warpgroups split its rows);
+    128 rows only at d = 64 (a clear error elsewhere)."""
+    def smem(rows, stages, dq_tiles):  # kernels/hopper_bwd.cu's layout at d = 64
+        return (1024 + (2 * 128 + 2 * stages * rows) * 64 * 2 + 2 * 128 * rows * 2 + 2 * stages * rows * 4
+                + dq_tiles * rows * (64 + 8) * 4 + 8 * (1 + 2 + 2 * stages))
+
+    tall = variants.HopperBwdTiles(2, False, 1, 128)
+    assert variants.hopper_bwd_variant("bfloat16", 64, tall).define("SMEM_BYTES") == smem(128, 2, 1)
+    assert variants.hopper_bwd_variant("bfloat16", 64, variants.HopperBwdTiles(2, False)).define(
+        "SMEM_BYTES") == smem(64, 2, 2)
+    with pytest.raises(ValueError, match="query_rows"):
+        variants.hopper_bwd_variant("bfloat16", 128, variants.HopperBwdTiles(2, True, 1, 128))
+    with pytest.raises(ValueError, match="shared memory"):  # three ring slots of 128 rows do not fit
+        variants.hopper_bwd_variant("bfloat16", 64, variants.HopperBwdTiles(3, False, 1, 128))
+
+    monkeypatch.setitem(variants.HOPPER_BWD_TILES, 64, tall)
+    launcher = _MapLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(9, 0), deterministic=False)
+    q, k, v, grad_out = _inputs(1, 2, 2, 300, 256, 64, torch.bfloat16, "cpu")
+    params = _params(300, 256, 64)
+    out, lse = backend.forward(q, k, v, params)
+    del recorded_maps[:]
+    backend.backward(grad_out, q, k, v, out, lse, params)
+    variant = launcher.calls[-1][0]
+    assert variant.kernel == "hopper_bwd" and variant.define("QUERY_ROWS") == 128
+    assert [rows for _, _, rows in recorded_maps] == [128, 128, 128, 128]  # q, k, v, grad_out
 
 
 def test_cupy_launcher_launches_on_torchs_stream_in_the_tensors_device(monkeypatch):

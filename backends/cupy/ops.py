@@ -646,7 +646,8 @@ def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, 
     variant = variants.hopper_bwd_variant(_DTYPE_NAMES[q.dtype], head_dim, deterministic=deterministic,
                                           softcap=params.softcap is not None, bool_mask=bool_mask,
                                           float_mask=float_mask)
-    plan.maps = _row_maps(launcher, (q, k, v, grad_out), (64, 128, 128, 64))
+    query_rows = variant.define("QUERY_ROWS")
+    plan.maps = _row_maps(launcher, (q, k, v, grad_out), (query_rows, 128, 128, query_rows))
     dk, dv = (torch.empty_strided(shape, stride, device="meta") for shape, stride in plan.grads[1:])
     m, p = _HOPPER_BWD_MAPS, _BWD
     args = [m["q"], m["k"], m["v"], m["grad_out"], p["lse_log2"], p["delta"], p["dq_accum"],
@@ -660,7 +661,8 @@ def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, 
     launches.append(_prepared(launcher, variant, (cdiv(seqlen_k, 128), heads_kv, batch), args, device, cc))
     plan.atomic_dq = True
     plan.dq_shape = (batch, heads_q, seqlen_q, head_dim)
-    plan.dq_turns = batch * heads_q * cdiv(seqlen_q, 64) if deterministic else 0  # one a (batch, head, query block)
+    # one dQ turn counter a (batch, head, query block)
+    plan.dq_turns = batch * heads_q * cdiv(seqlen_q, query_rows) if deterministic else 0
     plan.bool_mask, plan.float_mask = bool_mask, float_mask
     plan.dropout = False
     plan.launches = tuple(launches)

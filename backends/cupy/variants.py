@@ -196,13 +196,15 @@ class HopperBwdTiles:
                       # by the writer warps' 16-byte atomics
     dq_buffers: int = 1  # dQ buffers the consumers and the writers take in turn (2: a block's dQ is stored while the
                          # writers still add the one before; room for it at d = 64 only)
+    query_rows: int = 64  # queries a step (128: at d = 64 only, where the two warpgroups then split dQ's rows)
 
 
 # H100 sweeps (backends/cupy/NOTES.md, versions 5, B6 and H6).
-# The backward (kernels/hopper_bwd.cu): 128 keys a CTA in two consumer warpgroups, 64 queries a step; per head dim it
-# takes, its ring slots and how dQ reaches the accumulator (the bulk reduce-add: +2-13% at d = 128; at d = 64 a third
-# slower than the atomics, with or without the writers' sum of the two tiles, B6).
-HOPPER_BWD_TILES = {64: HopperBwdTiles(3, False), 128: HopperBwdTiles(2, True)}
+# The backward (kernels/hopper_bwd.cu): 128 keys a CTA in two consumer warpgroups; per head dim it takes, its ring
+# slots, how dQ reaches the accumulator (the bulk reduce-add: +2-13% at d = 128; at d = 64 a third slower than the
+# atomics, with or without the writers' sum of the two tiles, B6) and the queries a step (128 at d = 64: +5-17% over
+# 64 with three slots, B12; no room for it at d = 128).
+HOPPER_BWD_TILES = {64: HopperBwdTiles(2, False, 1, 128), 128: HopperBwdTiles(2, True)}
 # The head dims whose reproducible backward is the Hopper kernel with its key blocks adding dQ in turns (B8: at d = 128
 # 1.2-1.6x the mma.sync dQ kernel's backward; at d = 64 0.8-1.0x of it, which keeps d = 64).
 HOPPER_BWD_DETERMINISTIC_DIMS = (128,)
@@ -542,13 +544,14 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None, ma
     return Variant("hopper_fwd", defines, 128 * (1 + tiles.consumers), smem, arch_features="a")
 
 
-def hopper_bwd_smem(stages: int, d: int, dq_buffers: int = 1) -> int:
-    """kernels/hopper_bwd.cu's layout: K, V (128 keys), the Q and dO slots (64 queries), two dS^T buffers, the lse and
-    delta slots, float32 dQ tiles per dQ buffer (two at d = 64; rows padded by 8), the barriers, and 1024 bytes to
-    align the base."""
-    dq_tiles = 2 if d == 64 else 1
-    return (1024 + (2 * 128 + 2 * stages * 64) * d * 2 + 2 * 128 * 64 * 2 + 2 * stages * 64 * 4
-            + dq_buffers * dq_tiles * 64 * (d + 8) * 4 + 8 * (1 + 2 * dq_buffers + 2 * stages))
+def hopper_bwd_smem(stages: int, d: int, dq_buffers: int = 1, query_rows: int = 64) -> int:
+    """kernels/hopper_bwd.cu's layout: K, V (128 keys), the Q and dO slots (query_rows queries), two dS^T buffers, the
+    lse and delta slots, float32 dQ tiles per dQ buffer (two at d = 64 with 64 queries; rows padded by 8), the
+    barriers, and 1024 bytes to align the base."""
+    rows = query_rows
+    dq_tiles = 2 if d == 64 and rows == 64 else 1
+    return (1024 + (2 * 128 + 2 * stages * rows) * d * 2 + 2 * 128 * rows * 2 + 2 * stages * rows * 4
+            + dq_buffers * dq_tiles * rows * (d + 8) * 4 + 8 * (1 + 2 * dq_buffers + 2 * stages))
 
 
 def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, deterministic: bool = False,
@@ -564,9 +567,13 @@ def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, de
     if d not in HOPPER_BWD_TILES:
         raise ValueError(f"head dim: the Hopper backward takes {tuple(HOPPER_BWD_TILES)}, got {d}")
     tiles = tiles or HOPPER_BWD_TILES[d]
-    smem = hopper_bwd_smem(tiles.stages, d, tiles.dq_buffers)
+    if tiles.query_rows not in (64, 128) or (tiles.query_rows == 128 and d != 64):
+        raise ValueError(f"Hopper backward tiles: query_rows is 64, or 128 at head dim 64; got {tiles.query_rows} at "
+                         f"head dim {d}")
+    smem = hopper_bwd_smem(tiles.stages, d, tiles.dq_buffers, tiles.query_rows)
     _check_hopper_smem(tiles, d, smem)
-    defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("STAGES", tiles.stages),
+    defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("QUERY_ROWS", tiles.query_rows),
+               ("STAGES", tiles.stages),
                ("DQ_BULK", int(tiles.dq_bulk)), ("DQ_BUFFERS", tiles.dq_buffers),
                ("DETERMINISTIC", int(bool(deterministic))), ("BOOL_MASK", int(bool(bool_mask))),
                ("FLOAT_MASK", int(bool(float_mask))), ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))

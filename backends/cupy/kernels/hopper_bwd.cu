@@ -2,20 +2,21 @@
 // accumulator with atomics; TMA loads, wgmma, a producer warpgroup and two consumer warpgroups.
 //
 // A CTA owns 128 keys of one (batch, kv head): K and V are loaded once; then, for every query head of the group
-// and every block of BLOCK_M = 64 queries that can see the keys, the producer loads Q, dO, and the rows' lse (log2
-// units) and delta (kernels/bwd_preprocess.cu) into a ring of STAGES slots. Consumer warpgroup w owns keys
-// 64w..64w+63 of the block. Per query block:
+// and every block of BLOCK_M = QUERY_ROWS queries (64; or 128 at d = 64) that can see the keys, the producer loads
+// Q, dO, and the rows' lse (log2 units) and delta (kernels/bwd_preprocess.cu) into a ring of STAGES slots. Consumer
+// warpgroup w owns keys 64w..64w+63 of the block. Per query block:
 //   S^T = K Q^T, dP^T = V dO^T                       (wgmma, all operands in shared memory)
 //   P^T = 2^(S^T scale_log2 - lse), dS^T = P^T (dP^T - delta) scale     (in registers)
 //   dV += P^T dO, dK += dS^T Q                        (wgmma, P^T and dS^T from registers)
 //   dQ += dS K                                        (wgmma, dS^T through shared memory: at d = 128 warpgroup w
 //                                                      forms dQ columns 64w..64w+63 over all 128 keys; at d = 64
-//                                                      every column over its own 64 keys)
+//                                                      with 64 queries every column over its own 64 keys, with 128
+//                                                      queries query rows 64w..64w+63 over all 128 keys)
 // The consumers leave dQ in shared memory; warps 1-3 of the producer warpgroup add it to dq_accum while the
-// consumers go on with the next query block: with 16-byte float32 atomics (DQ_BULK 0; at d = 64 the two warpgroups'
-// tiles summed first), or each tile row handed to the copy engine as one bulk reduce-add (DQ_BULK 1). With
-// DQ_BUFFERS 2 the consumers and the writers take two dQ buffers in turn, so a block's dQ can be stored while the
-// writers still add the one before.
+// consumers go on with the next query block: with 16-byte float32 atomics (DQ_BULK 0; at d = 64 with 64 queries the
+// two warpgroups' tiles summed first), or each tile row handed to the copy engine as one bulk reduce-add (DQ_BULK
+// 1). With DQ_BUFFERS 2 the consumers and the writers take two dQ buffers in turn, so a block's dQ can be stored
+// while the writers still add the one before.
 // Keys past seqlen_k read as zeros (K and V), so they add nothing to dQ and their dK / dV rows are not stored;
 // query rows past seqlen_q have lse = +inf (P = 0). The causal / window band masks P per element only in the
 // blocks that cut it.
@@ -33,17 +34,19 @@
 // GPU starts CTAs in blockIdx order, so a CTA only waits for CTAs started before it: no deadlock however large the
 // grid.
 //
-// -D options: MHATTN_BF16, HEAD_DIM (64 or 128), STAGES, DQ_BULK (0 or 1), DQ_BUFFERS (1 or 2), DETERMINISTIC (0 or
-// 1), BOOL_MASK (0 or 1), FLOAT_MASK (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES (checked against the layout below).
+// -D options: MHATTN_BF16, HEAD_DIM (64 or 128), QUERY_ROWS (64, or 128 at d = 64), STAGES, DQ_BULK (0 or 1),
+// DQ_BUFFERS (1 or 2), DETERMINISTIC (0 or 1), BOOL_MASK (0 or 1), FLOAT_MASK (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES
+// (checked against the layout below).
 #define NUM_WARPS 12
 #include "common.cuh"
 #include "hopper.cuh"
 
 constexpr int BLOCK_N = 128;                   // keys per CTA (64 per consumer warpgroup)
-constexpr int BLOCK_M = 64;                    // queries per step
+constexpr int BLOCK_M = QUERY_ROWS;            // queries per step
 constexpr int D_CHUNKS = HEAD_DIM / 64;
 constexpr int ACC_REGS = HEAD_DIM / 2;         // dK or dV accumulators per thread (64 keys x HEAD_DIM)
-constexpr int SQ_REGS = BLOCK_M / 2;           // S^T or dP^T per thread (64 keys x 64 queries)
+constexpr int SQ_REGS = BLOCK_M / 2;           // S^T or dP^T per thread (64 keys x BLOCK_M queries)
+constexpr int DQ_REGS = 32;                    // a warpgroup's dQ product per thread (64 x 64)
 constexpr int Q_STEPS = BLOCK_M / 16;          // k16 steps of dV / dK (over the queries)
 constexpr u32 ROW_BYTES = 128;
 constexpr u32 SWIZZLE_ATOM = 1024;
@@ -52,7 +55,8 @@ constexpr u32 KV_BYTES = KV_CHUNK_BYTES * D_CHUNKS;
 constexpr u32 Q_CHUNK_BYTES = BLOCK_M * ROW_BYTES;
 constexpr u32 Q_BYTES = Q_CHUNK_BYTES * D_CHUNKS;
 constexpr u32 VEC_BYTES = BLOCK_M * 4;         // lse or delta of a query block
-constexpr u32 DS_BYTES = BLOCK_N * ROW_BYTES;  // dS^T: 128 keys x 64 queries, one swizzled chunk
+constexpr u32 DS_CHUNK_BYTES = BLOCK_N * ROW_BYTES;     // dS^T of 64 queries: 128 keys, one swizzled chunk
+constexpr u32 DS_BYTES = DS_CHUNK_BYTES * (BLOCK_M / 64);  // dS^T: 128 keys x BLOCK_M queries
 // Shared memory from a 1024-byte aligned base.
 constexpr u32 K_OFFSET = 0;
 constexpr u32 V_OFFSET = K_OFFSET + KV_BYTES;
@@ -62,8 +66,10 @@ constexpr u32 DS_OFFSET = DO_OFFSET + STAGES * Q_BYTES;      // two dS^T buffers
 constexpr u32 LSE_OFFSET = DS_OFFSET + 2 * DS_BYTES;         // STAGES slots of lse
 constexpr u32 DELTA_OFFSET = LSE_OFFSET + STAGES * VEC_BYTES;
 // dQ of a query block: at d = 128 the warpgroups split its 64-column chunks (over all keys, after a barrier between
-// them); at d = 64 each forms all of it over its own keys, into a tile of its own.
-constexpr bool DQ_BY_KEYS = D_CHUNKS == 1;
+// them); at d = 64 with 64 queries each forms all of it over its own keys, into a tile of its own; with 128 queries
+// they split its rows (over all keys, after the barrier).
+constexpr bool DQ_BY_QUERIES = BLOCK_M == 128;
+constexpr bool DQ_BY_KEYS = D_CHUNKS == 1 && !DQ_BY_QUERIES;
 constexpr int DQ_TILES = DQ_BY_KEYS ? 2 : 1;
 constexpr int DQ_ROW_FLOATS = HEAD_DIM + 8;                  // padded: the consumers' float2 stores hit distinct banks
 constexpr u32 DQ_TILE_BYTES = BLOCK_M * DQ_ROW_FLOATS * 4;
@@ -80,6 +86,7 @@ constexpr int CONSUMER_REGS = 232;
 constexpr int DQ_BARRIER = 1;                  // named barriers (+ w at d = 64): the dS^T dQ reads is in shared memory
 constexpr int WRITER_BARRIER = 3;              // the dQ writers' named barrier (DETERMINISTIC)
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "the Hopper backward takes head dims 64 and 128");
+static_assert(QUERY_ROWS == 64 || (QUERY_ROWS == 128 && HEAD_DIM == 64), "QUERY_ROWS is 64, or 128 at d = 64");
 static_assert(DQ_BULK == 0 || DQ_BULK == 1, "DQ_BULK is 0 (atomics) or 1 (bulk reduce-add)");
 static_assert(DQ_BUFFERS == 1 || DQ_BUFFERS == 2, "DQ_BUFFERS is 1 or 2");
 static_assert(DETERMINISTIC == 0 || DETERMINISTIC == 1, "DETERMINISTIC is 0 or 1");
@@ -183,14 +190,17 @@ MHATTN_DEVICE void issue_key_gradient(float (&acc)[ACC_REGS], const u32 (&a)[Q_S
 }
 
 // Issues warpgroup w's dq (64 queries x 64 columns) = dS K: A = dS^T in shared memory read transposed, B = K
-// (MN-major: rows are keys). At d = 128: column chunk w over the block's 128 keys; at d = 64: over keys 64w.. only.
-MHATTN_DEVICE void issue_dq(float (&dq)[SQ_REGS], u32 s_ds, u32 s_k, int w) {
+// (MN-major: rows are keys). At d = 128: column chunk w over the block's 128 keys; at d = 64 with 64 queries: over
+// keys 64w.. only; with 128 queries: queries 64w.. (dS^T's query chunk w) over the 128 keys.
+MHATTN_DEVICE void issue_dq(float (&dq)[DQ_REGS], u32 s_ds, u32 s_k, int w) {
   constexpr int KEYS = DQ_BY_KEYS ? 64 : BLOCK_N;
-  const u32 first_row = DQ_BY_KEYS ? 64 * w * ROW_BYTES : 0, chunk = DQ_BY_KEYS ? 0 : w;
-  const u32 ds_rows = warp_uniform(s_ds + first_row), k_rows = warp_uniform(s_k + chunk * KV_CHUNK_BYTES + first_row);
+  const u32 first_row = DQ_BY_KEYS ? 64 * w * ROW_BYTES : 0;
+  const u32 ds_chunk = DQ_BY_QUERIES ? w : 0, k_chunk = D_CHUNKS == 1 ? 0 : w;
+  const u32 ds_rows = warp_uniform(s_ds + ds_chunk * DS_CHUNK_BYTES + first_row);
+  const u32 k_rows = warp_uniform(s_k + k_chunk * KV_CHUNK_BYTES + first_row);
 #pragma unroll
   for (int kk = 0; kk < KEYS / 16; ++kk)
-    wgmma_ss<1, 1>(dq, smem_desc(ds_rows, kk * 16 * ROW_BYTES, DS_BYTES, SWIZZLE_ATOM),
+    wgmma_ss<1, 1>(dq, smem_desc(ds_rows, kk * 16 * ROW_BYTES, DS_CHUNK_BYTES, SWIZZLE_ATOM),
                    smem_desc(k_rows, kk * 16 * ROW_BYTES, KV_CHUNK_BYTES,
                              SWIZZLE_ATOM),
                    kk > 0);
@@ -251,23 +261,26 @@ MHATTN_DEVICE void score_gradients(float (&dpt)[SQ_REGS], const float (&pt)[SQ_R
 
 // This warp's dS^T (its 16 keys from warp_row0, packed as A fragments) into the block's dS^T tile, one stmatrix per
 // k16 step: rows are keys, 128-byte rows of 64 queries in the swizzled layout (16-byte chunk c of row r at chunk
-// c ^ (r % 8)). Fragment register j of step kk is the 8 x 8 matrix of keys + 8 (j % 2), queries 16 kk + 8 (j / 2)..
+// c ^ (r % 8)), one such tile per 64 queries. Fragment register j of step kk is the 8 x 8 matrix of keys + 8 (j % 2),
+// queries 16 kk + 8 (j / 2)..
 MHATTN_DEVICE void store_ds(u32 s_ds, const u32 (&ds)[Q_STEPS][4], int warp_row0, int lane) {
   const int matrix = lane >> 3, row = warp_row0 + 8 * (matrix & 1) + (lane & 7);
 #pragma unroll
   for (int kk = 0; kk < Q_STEPS; ++kk) {
-    const int chunk = 2 * kk + (matrix >> 1);
-    stmatrix_x4(s_ds + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4), ds[kk][0], ds[kk][1], ds[kk][2], ds[kk][3]);
+    const int chunk = 2 * kk + (matrix >> 1);  // the matrix's 16-byte chunk along the queries
+    const u32 tile = s_ds + (chunk / 8) * DS_CHUNK_BYTES;
+    stmatrix_x4(tile + row * ROW_BYTES + (((chunk % 8) ^ (row & 7)) << 4), ds[kk][0], ds[kk][1], ds[kk][2],
+                ds[kk][3]);
   }
 }
 
 // This thread's dQ (rows row_in_block, + 8; columns col0 + 8i + 2t, + 1) into the shared dQ tile.
-MHATTN_DEVICE void store_dq(float* s_dq, const float (&dq)[SQ_REGS], int row_in_block, int col0, int t) {
+MHATTN_DEVICE void store_dq(float* s_dq, const float (&dq)[DQ_REGS], int row_in_block, int col0, int t) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float* dst = s_dq + (row_in_block + 8 * r) * DQ_ROW_FLOATS + col0 + 2 * t;
 #pragma unroll
-    for (int i = 0; i < BLOCK_M / 8; ++i)
+    for (int i = 0; i < DQ_REGS / 4; ++i)
       *reinterpret_cast<float2*>(dst + 8 * i) = make_float2(dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
   }
 }
@@ -427,7 +440,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   float dk_acc[ACC_REGS], dv_acc[ACC_REGS];
 #pragma unroll
   for (int i = 0; i < ACC_REGS; ++i) dk_acc[i] = dv_acc[i] = 0.f;
-  float st[SQ_REGS], dpt[SQ_REGS], dq[SQ_REGS];
+  float st[SQ_REGS], dpt[SQ_REGS], dq[DQ_REGS];
   u32 p_frag[Q_STEPS][4], ds_frag[Q_STEPS][4];
   const float* s_vectors = reinterpret_cast<const float*>(smem + (base - smem_u32(smem)));
 
@@ -487,8 +500,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       release_slot(ring.empty(s), lane);
       // the writers are done with the dQ this buffer held (DQ_BUFFERS steps ago)
       mbar_wait(dqb.empty(DqBuffers::of(step)), DqBuffers::round(step) ^ 1);
-      store_dq(DqBuffers::tile(s_dq, step) + (DQ_BY_KEYS ? w * DQ_TILE_BYTES / 4 : 0), dq, row_in_wg,
-               DQ_BY_KEYS ? 0 : 64 * w, t);
+      store_dq(DqBuffers::tile(s_dq, step) + (DQ_BY_KEYS ? w * DQ_TILE_BYTES / 4 : 0), dq,
+               (DQ_BY_QUERIES ? 64 * w : 0) + row_in_wg, D_CHUNKS == 1 ? 0 : 64 * w, t);
       if (DQ_BULK) fence_async_shared();  // the copy engine reads the tile
       release_slot(dqb.full(DqBuffers::of(step)), lane);
     }
