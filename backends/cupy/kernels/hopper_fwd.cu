@@ -32,10 +32,15 @@
 // does. FLOAT_MASK: an additive float32 attn_mask (float_mask and its four strides) is added to them after that.
 // SOFTCAP: each block's scores become softcap * tanh(s scale / softcap) before the mask and the softmax (softcap_in2,
 // softcap_out2: common.cuh's Softcap; unused without it).
+// LAZY_RESCALE: a row's running maximum (the reference its exponents are taken from) moves only when a block's top
+// score passes it by more than RESCALE_LOG2; a warp whose rows' maxima all stay skips the rescaling of its output
+// accumulators (HEAD_DIM / 2 multiplies a thread a block). Exponents then stay below 2^RESCALE_LOG2, far inside float32
+// and the 16-bit P, and O / l and the lse are exact whichever reference the row used.
 //
 // -D options: MHATTN_BF16, HEAD_DIM (64, 128, 256: whole 64-column chunks), BLOCK_N (64 or 128), STAGES,
-// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), STAGED_OUT (0 or 1), BOOL_MASK (0 or 1), FLOAT_MASK (0 or 1),
-// SOFTCAP (0 or 1), SMEM_BYTES (dynamic shared memory the host gives; checked against the layout below).
+// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), STAGED_OUT (0 or 1), LAZY_RESCALE (0 or 1), BOOL_MASK (0 or
+// 1), FLOAT_MASK (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES (dynamic shared memory the host gives; checked against the
+// layout below).
 #define NUM_WARPS (4 * (CONSUMERS + 1))
 #include "common.cuh"
 #include "hopper.cuh"
@@ -66,6 +71,7 @@ constexpr u32 CONSUMER_WARPS = 4 * CONSUMERS;  // each releases a slot once
 constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 56 : HEAD_DIM == 256 ? 40 : 56;
 constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 152 : HEAD_DIM == 256 ? 232 : 224;  // d = 256: O is 128 a thread
 constexpr float LN2 = 0.6931471805599453f;
+constexpr float RESCALE_LOG2 = 8.f;  // LAZY_RESCALE: how far (log2 units) a block's top may pass a row's maximum
 static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be whole 64-column chunks");
 static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N must be 64 or 128 (the wgmma_ss overloads)");
 static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
@@ -74,6 +80,7 @@ static_assert(budgets_fit_launch(NUM_THREADS, PRODUCER_REGS, 128 * CONSUMERS, CO
               "register budgets exceed what the CTA gets at launch");
 static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong schedule takes two consumers");
 static_assert(STAGED_OUT == 0 || STAGED_OUT == 1, "STAGED_OUT is 0 or 1");
+static_assert(LAZY_RESCALE == 0 || LAZY_RESCALE == 1, "LAZY_RESCALE is 0 or 1");
 constexpr int STAGE_BARRIER = 3;  // named barriers 3.. (one per consumer): its output rows written to shared memory
 
 // The Q buffers and their barriers: full = the buffer's copy landed; empty = every consumer warp is done with it.
@@ -225,7 +232,8 @@ MHATTN_DEVICE void mask_scores(float (&s)[S_REGS], int row0, int n0, int t, int 
 
 // Online softmax of one block of scores (in place: raw dot products in, unnormalised probabilities out) for
 // the thread's two rows; m (log2 units, scaled) and l (this thread's partial row sums) move on, alpha gets the
-// factor the output accumulators must be scaled by.
+// factor the output accumulators must be scaled by (1 where m stays: with LAZY_RESCALE, unless the block's top passes
+// m by more than RESCALE_LOG2).
 MHATTN_DEVICE void online_softmax(float (&s)[S_REGS], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                   float scale_log2) {
 #pragma unroll
@@ -235,9 +243,10 @@ MHATTN_DEVICE void online_softmax(float (&s)[S_REGS], float (&m)[2], float (&l)[
     for (int i = 0; i < BLOCK_N / 8; ++i) top = fmaxf(top, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
     top = fmaxf(top, shfl_xor(top, 1));  // the four threads of a quad hold one row
     top = fmaxf(top, shfl_xor(top, 2));
-    const float m_new = fmaxf(m[r], top * scale_log2);
+    const float top_log2 = top * scale_log2;
+    const float m_new = LAZY_RESCALE ? (top_log2 > m[r] + RESCALE_LOG2 ? top_log2 : m[r]) : fmaxf(m[r], top_log2);
     const float base = m_new == -MHATTN_INF ? 0.f : m_new;  // a row with nothing visible yet stays at zero
-    alpha[r] = fast_exp2(m[r] - base);
+    alpha[r] = LAZY_RESCALE && m_new == m[r] ? 1.f : fast_exp2(m[r] - base);
     m[r] = m_new;
     float sum = 0.f;
 #pragma unroll
@@ -253,7 +262,9 @@ MHATTN_DEVICE void online_softmax(float (&s)[S_REGS], float (&m)[2], float (&l)[
   }
 }
 
+// O of the thread's two rows times their alpha; with LAZY_RESCALE only in a warp where some row's maximum moved.
 MHATTN_DEVICE void rescale_output(float (&o)[O_REGS], const float (&alpha)[2]) {
+  if (LAZY_RESCALE && !__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
 #pragma unroll
   for (int i = 0; i < HEAD_DIM / 8; ++i) {
     o[4 * i] *= alpha[0];
