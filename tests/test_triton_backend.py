@@ -956,8 +956,9 @@ def test_gpu_over_2_31_elements_and_huge_batch_heads():
 def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
     """Every table entry that uses the Hopper switches compiles for sm_90a through Triton's compiler, and the
     copy-engine switch really gives bulk tensor copies in the PTX. The Gluon kernels fit an H100's shared memory per
-    block (227 KB), the forward with two Q buffers writes its output through the copy engine (from Q's slot), and the
-    backward its dK and dV where BACKWARD_STAGED_DK_DV says (from K's and V's tiles)."""
+    block (227 KB), the forward with two Q buffers writes its output through the copy engine (from Q's slot) and
+    rescales its output lazily where FORWARD_LAZY_RESCALE says, and the backward its dK and dV where
+    BACKWARD_STAGED_DK_DV says (from K's and V's tiles)."""
     from mhattn.backends.triton import ahead, hopper_launch
 
     tasks = ahead.table_tasks("sm_90a")
@@ -985,6 +986,9 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
                 half_scores = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16 \{[^}]*\}, %rd",
                                         ptx)
                 assert bool(half_scores) == dict(task.flags).get("HALF_DIAGONAL", False), task.label
+            # The lazy rescaling compares each row's alpha with 1 before the warpgroup's vote (attend_block).
+            lazy = bool(re.search(r"setp\.\w+\.f32\s+%p\d+, %r\d+, 0f3F800000", ptx))
+            assert lazy == hopper_launch.FORWARD_LAZY_RESCALE[task.head_dim], task.label
     assert {task.kind for task in tasks} >= {"hopper_fwd", "hopper_bwd"}
     with pytest.raises(ValueError, match="unknown architecture"):
         ahead.table_tasks("sm_91x")

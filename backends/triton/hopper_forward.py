@@ -17,6 +17,9 @@ What the FlashAttention-2 kernel (forward.py) leaves to Triton's pipeliner is sp
 - where HALF_DIAGONAL is set (hopper_launch.FORWARD_HALF_DIAGONAL_MAX_KEYS), the lower consumer's causal diagonal
   block, of which its rows see only the first half when the diagonal starts at the block's first key, runs at half
   width (attend_block on half its keys);
+- where LAZY_RESCALE is set (hopper_launch.FORWARD_LAZY_RESCALE), a row's running maximum moves only when a block's
+  top score passes it by more than RESCALE_LOG2, and a consumer whose rows' maxima all stayed skips the rescaling
+  of its output accumulators (softmax_step, attend_block);
 - the registers move to the consumers: the load warp keeps LOAD_REGS per thread, and each consumer warpgroup
   gets up to CONSUMER_REGS (``setmaxnreg``, through warp_specialize's register budgets);
 - where shared memory has room (d = 64, 128), Q has two buffers, so the next tile's Q lands while this tile runs,
@@ -47,6 +50,8 @@ tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 LN2 = gl.constexpr(0.6931471805599453)
+# LAZY_RESCALE: how far (log2 units) a block's top score may pass a row's maximum before the maximum moves
+RESCALE_LOG2 = gl.constexpr(8.0)
 # Per-thread register budgets of the partitions (setmaxnreg): the load warp needs few.
 LOAD_REGS = gl.constexpr(24)
 CONSUMER_REGS = gl.constexpr(240)
@@ -237,21 +242,32 @@ def masked_scores(qk, start_m, start_n, seqlen_k, diag_offset, BLOCK_M: gl.const
 
 @gluon.jit
 def softmax_step(qk, m_i, l_i, j, mask_from, start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr):
+                 BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr,
+                 LAZY_RESCALE: gl.constexpr):
     """The online softmax of key block j, masked (masked_scores) as MASK says (MASK_FROM: when j >= mask_from):
     returns (p, alpha, m_new, l_new), p unnormalised in fp32, m in base-2 units of the scaled scores. The row maximum is taken of the unscaled scores and
     scaled once per row (qk_scale2 > 0: hopper_launch.why_not), so each exponent's argument, qk * qk_scale2 - m, is
-    one fused multiply-add instead of a multiply over the whole block and then a subtraction."""
+    one fused multiply-add instead of a multiply over the whole block and then a subtraction. LAZY_RESCALE: m moves
+    only where the block's top passes it by more than RESCALE_LOG2, and alpha is exactly 1 where it stays; the
+    exponentials then stay below 2^RESCALE_LOG2 (within float32 and the 16-bit P), and O / l and the lse are exact
+    whichever reference a row used."""
     if MASK == MASK_ALL:
         qk = masked_scores(qk, start_m, j * BLOCK_N, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
     elif MASK == MASK_FROM:
         if j >= mask_from:
             qk = masked_scores(qk, start_m, j * BLOCK_N, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
-    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale2)
+    top = gl.max(qk, 1) * qk_scale2
+    if LAZY_RESCALE:
+        m_new = gl.where(top > m_i + RESCALE_LOG2, top, m_i)
+    else:
+        m_new = gl.maximum(m_i, top)
     # A row that has seen no visible key keeps m = -inf; shifting by 0 keeps exp2(-inf) = 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(qk * qk_scale2 - gl.expand_dims(m_shift, 1))
-    alpha = gl.exp2(m_i - m_shift)
+    if LAZY_RESCALE:
+        alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_shift))
+    else:
+        alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
 
@@ -259,12 +275,14 @@ def softmax_step(qk, m_i, l_i, j, mask_from, start_m, seqlen_k, diag_offset, qk_
 @gluon.jit
 def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, p, m_i, l_i, acc, j, mask_from,
                  step, start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr):
+                 KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
+                 LAZY_RESCALE: gl.constexpr):
     """Key block j (ring step step + j) after block j - 1's softmax (p): S_j goes to the tensor cores first, then
     P_{j-1} V_{j-1} behind it; while they run nothing waits, and the softmax of block j (masked as MASK says,
     softmax_step) starts once S_j alone has finished. KEYS < BLOCK_N: only the block's first KEYS keys are read (for
     rows that see no more of it: the lower consumer's causal diagonal, consume_tile); S, its softmax and the p
     returned are then KEYS wide. s_zero: S's (BLOCK_M, KEYS) initial value, made once by a caller that loops.
+    LAZY_RESCALE: the output is rescaled only where some row's maximum moved (softmax_step).
     Returns (p, alpha, m, l, acc) after block j's softmax (its P V is the next step's or the caller's), m and l in the
     full-width block's row layout."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
@@ -290,10 +308,15 @@ def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_z
     if KEYS != BLOCK_N:
         block = j * (BLOCK_N // KEYS)
     p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, block, mask_from, start_m, seqlen_k, diag_offset, qk_scale2,
-                                      BLOCK_M, KEYS, CAUSAL, MASK, k_layout)
+                                      BLOCK_M, KEYS, CAUSAL, MASK, k_layout, LAZY_RESCALE)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(prev), count=1)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    alpha_rows = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+    if LAZY_RESCALE:
+        if gl.max(gl.where(alpha_rows != 1.0, 1, 0), 0) > 0:  # some row of the warpgroup moved its maximum
+            acc = acc * gl.expand_dims(alpha_rows, 1)
+    else:
+        acc = acc * gl.expand_dims(alpha_rows, 1)
     if KEYS != BLOCK_N:
         m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
         l_i = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout))
@@ -303,7 +326,8 @@ def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_z
 @gluon.jit
 def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i, acc, first, end,
                   mask_from, step, start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr):
+                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
+                  LAZY_RESCALE: gl.constexpr):
     """Key blocks first .. end - 1 of a tile whose ring steps start at ``step``, after block first - 1's softmax (p,
     alpha), each by attend_block. Returns (p, alpha, m, l, acc) after block end - 1's softmax (its P V is the
     caller's)."""
@@ -311,7 +335,8 @@ def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
     for j in range(first, end):
         p, alpha, m_i, l_i, acc = attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, p,
                                                m_i, l_i, acc, j, mask_from, step, start_m, seqlen_k, diag_offset,
-                                               qk_scale2, BLOCK_M, BLOCK_N, BLOCK_N, NUM_STAGES, CAUSAL, MASK)
+                                               qk_scale2, BLOCK_M, BLOCK_N, BLOCK_N, NUM_STAGES, CAUSAL, MASK,
+                                               LAZY_RESCALE)
     return p, alpha, m_i, l_i, acc
 
 
@@ -345,7 +370,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                  o_desc, out_base, stride_om, lse_base, batch, head, start_m, cta_blocks, seqlen_q, seqlen_k,
                  diag_offset, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                 SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
+                 SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """One softmax warpgroup on one tile (the program's ``rounds``-th): BLOCK_M query rows from start_m, its half
     HALF of Q buffer rounds % Q_BUFFERS, every key block they see (ring slots from ``step`` on), then the output.
 
@@ -392,33 +417,35 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
             # end): two loops, so that the first carries none of the mask's work or registers.
             if full > 0:
                 p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
-                                                  BLOCK_M, BLOCK_N, CAUSAL, MASK_NONE, s_layout)
+                                                  BLOCK_M, BLOCK_N, CAUSAL, MASK_NONE, s_layout,
+                                                  LAZY_RESCALE)
             else:
                 p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
-                                                  BLOCK_M, BLOCK_N, CAUSAL, MASK_ALL, s_layout)
+                                                  BLOCK_M, BLOCK_N, CAUSAL, MASK_ALL, s_layout,
+                                                  LAZY_RESCALE)
             unmasked_end = gl.maximum(full, 1)  # <= end: a half diagonal block is the one past full
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
                                                     alpha, m_i, l_i, acc, 1, unmasked_end, full, step, start_m,
                                                     seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                                    CAUSAL, MASK_NONE)
+                                                    CAUSAL, MASK_NONE, LAZY_RESCALE)
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
                                                     alpha, m_i, l_i, acc, unmasked_end, end, full, step,
                                                     start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N,
-                                                    NUM_STAGES, CAUSAL, MASK_ALL)
+                                                    NUM_STAGES, CAUSAL, MASK_ALL, LAZY_RESCALE)
         else:
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
-                                              BLOCK_M, BLOCK_N, CAUSAL, MASK_FROM, s_layout)
+                                              BLOCK_M, BLOCK_N, CAUSAL, MASK_FROM, s_layout, LAZY_RESCALE)
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
                                                     alpha, m_i, l_i, acc, 1, end, full, step, start_m,
                                                     seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                                    CAUSAL, MASK_FROM)
+                                                    CAUSAL, MASK_FROM, LAZY_RESCALE)
         last = (step + num_blocks - 1) % NUM_STAGES
         if half_diagonal:
             half_zero = gl.zeros([BLOCK_M, BLOCK_N // 2], gl.float32, layout=mma_layout(BLOCK_N // 2))
             p_half, _, m_i, l_i, acc = attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                                     half_zero, p, m_i, l_i, acc, num_blocks - 1, 0, step, start_m,
                                                     seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N, BLOCK_N // 2,
-                                                    NUM_STAGES, CAUSAL, MASK_ALL)
+                                                    NUM_STAGES, CAUSAL, MASK_ALL, LAZY_RESCALE)
             if not staged:
                 # Every S product of this tile has finished: Q's slot may take the next tile's rows.
                 mbarrier.arrive(q_empty.index(0), count=1)
@@ -467,7 +494,7 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
                          num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
                          HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                         SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
+                         SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took."""
     batch, head, tile_m, cta_blocks = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k,
                                               diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
@@ -476,7 +503,7 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
     consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
                  o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_blocks, seqlen_q,
                  seqlen_k, diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
-                 SPLIT_MASKED, HALF_DIAGONAL)
+                 SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE)
     return cta_blocks
 
 
@@ -486,7 +513,8 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                        tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                        diag_offset, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                       TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr):
+                       TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
+                       LAZY_RESCALE: gl.constexpr):
     """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
     load warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds): round-robin, or with TILE_COUNTER
     the tile numbers the load warp hands over (take_tile)."""
@@ -502,7 +530,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                                      o_desc, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile,
                                      rounds, step, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                                      diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                                     CAUSAL, SPLIT_MASKED, HALF_DIAGONAL)
+                                     CAUSAL, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE)
         rounds += 1
         if TILE_COUNTER:
             tile = take_tile(tile_slots, tile_full, tile_empty, rounds, slot_layout)
@@ -521,7 +549,7 @@ def hopper_forward_kernel(
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr,
-    HALF_DIAGONAL: gl.constexpr = False,
+    HALF_DIAGONAL: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
     blocks of (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine
@@ -540,7 +568,8 @@ def hopper_forward_kernel(
     Q_BUFFERS (1 or 2): Q buffers, so that the next tile's Q loads during this one (consume_tile). SPLIT_MASKED: a
     tile's key blocks run as two loops, the unmasked ones and then those that need the mask, instead of one loop that
     checks each block. HALF_DIAGONAL: the lower consumer's causal diagonal block at half width where its rows see only
-    that half (attend_block on half its keys).
+    that half (attend_block on half its keys). LAZY_RESCALE: a row's maximum moves only past 2^RESCALE_LOG2 growth, and
+    a consumer whose rows' maxima all stayed skips the output's rescaling (softmax_step).
     Launched with 4 warps (the first consumer) plus the partitions' own."""
     dtype: gl.constexpr = q_desc.dtype
 
@@ -576,12 +605,12 @@ def hopper_forward_kernel(
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
                               tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                               diag_offset, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                              CAUSAL, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL)),
+                              CAUSAL, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
                               tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                               diag_offset, qk_scale2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                              CAUSAL, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL)),
+                              CAUSAL, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                           v_empty, tile_slots, tile_full, tile_empty, TileCounter, num_tiles, num_m_blocks,
                           group_heads, heads_q, kv_group, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES,

@@ -52,6 +52,10 @@ Q_BUFFERS = {64: 2, 128: 2, 256: 1}
 # the kernel has it where the key block is twice a consumer's rows, d = 64 and 128). NOTES version 19, H100 bf16: at
 # d = 64 +2-3% at 1k-2k keys and +1.5% at 4k, -1.5% at 16k; at d = 128 level or slower (-2% at 4k), so not there.
 FORWARD_HALF_DIAGONAL_MAX_KEYS = {64: 4096}
+# Head dim -> whether the forward rescales its output lazily (hopper_forward.softmax_step, LAZY_RESCALE): a row's
+# maximum moves only when a block's top passes it by more than 2^8, and a consumer whose rows' maxima all stayed skips
+# the HEAD_DIM / 2 multiplies a thread of the rescaling (at the cost of a vote over the warpgroup's rows).
+FORWARD_LAZY_RESCALE = {64: False, 128: False, 256: True}
 # Fewest keys at which the Hopper kernel beat forward.py on the H100 (bf16, PERFORMANCE.md's shapes), per head dim: a
 # key count, or a pair (without a causal mask, with one). NOTES version 11: at d = 64 +16% at 1k, causal or not, and
 # ahead at every longer length; at d = 128 ahead from 1k (shorter ones not timed); d = 256 ahead everywhere.
@@ -189,7 +193,7 @@ def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, s
     return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
                 NUM_STAGES=FORWARD_STAGES[head_dim], Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal,
                 TILE_COUNTER=tile_counter, SPLIT_MASKED=FORWARD_SPLIT_MASKED[head_dim],
-                HALF_DIAGONAL=half_diagonal)
+                HALF_DIAGONAL=half_diagonal, LAZY_RESCALE=FORWARD_LAZY_RESCALE[head_dim])
 
 
 class ForwardSchedule(NamedTuple):
