@@ -184,6 +184,7 @@ class HopperFwdTiles:
     staged_out: bool = False  # two Q buffers; the output staged in the tile's and stored by the copy engine
     masked_pingpong: Optional[bool] = None  # ping-pong under a causal mask or a window (None: as ``pingpong``)
     lazy_rescale: bool = False  # a row's maximum moves only past 2^8 growth; warps whose maxima stay skip O's rescaling
+    split_masked: bool = False  # the key blocks a tile's rows see whole in a loop built without the band's masking code
 
     def pingpong_for(self, masked: bool) -> bool:
         """Whether the consumers take turns on a problem with (``masked``) or without a causal mask or window."""
@@ -543,6 +544,7 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None, ma
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("BLOCK_N", tiles.block_n),
                ("STAGES", tiles.stages), ("CONSUMERS", tiles.consumers), ("PINGPONG", int(tiles.pingpong_for(masked))),
                ("STAGED_OUT", int(tiles.staged_out)), ("LAZY_RESCALE", int(tiles.lazy_rescale)),
+               ("SPLIT_MASKED", int(tiles.split_masked)),
                ("BOOL_MASK", int(bool(bool_mask))), ("FLOAT_MASK", int(bool(float_mask))), ("SOFTCAP", int(bool(softcap))),
                ("SMEM_BYTES", smem))
     return Variant("hopper_fwd", defines, 128 * (1 + tiles.consumers), smem, arch_features="a")
