@@ -95,7 +95,8 @@ def sequence_variant_sample(cc) -> list:
 def hopper_options_off_in_the_tables() -> list:
     """The Hopper variants with each option the other way from the tables (so CI compiles them too): dQ by the
     copy engine's bulk reduce-add or by atomics in the backward, two dQ buffers at d = 64, dQ in turns (reproducible)
-    where the table keeps the mma.sync dQ kernel for it, the other step height at d = 64 (with each feature); the
+    where the table keeps the mma.sync dQ kernel for it, the other step height at d = 64 (with each feature), the whole
+    query blocks in a loop of their own or not; the
     output staged for the copy engine or stored by the consumers in the forward (staged only where it fits), and its
     output rescaled lazily or at every block and its unmasked key blocks in a loop of their own or not (each with and
     without a mask and a softcap)."""
@@ -106,6 +107,9 @@ def hopper_options_off_in_the_tables() -> list:
             for dtype in variants.DTYPE_NAMES for bulk in (False, True)]  # two dQ buffers (room at d = 64 only)
     out += [variants.hopper_bwd_variant(dtype, d, deterministic=True) for dtype in variants.DTYPE_NAMES
             for d in variants.HOPPER_BWD_TILES if d not in variants.HOPPER_BWD_DETERMINISTIC_DIMS]  # dQ in turns
+    out += [variants.hopper_bwd_variant(dtype, d, dataclasses.replace(tiles, split_masked=not tiles.split_masked), **f)
+            for dtype in variants.DTYPE_NAMES for d, tiles in variants.HOPPER_BWD_TILES.items()
+            for f in (dict(), dict(softcap=True), dict(bool_mask=True))]  # the whole query blocks' loop of its own
     rows_64 = 192 - variants.HOPPER_BWD_TILES[64].query_rows  # the other step height at d = 64 (64 or 128 queries)
     out += [variants.hopper_bwd_variant(dtype, 64, variants.HopperBwdTiles(2, False, 1, rows_64), **f)
             for dtype in variants.DTYPE_NAMES
@@ -1047,6 +1051,27 @@ def test_hopper_backward_with_two_dq_buffers_has_their_memory_and_barriers(monke
     assert variants.HOPPER_BWD_TILES[64] == variants.HopperBwdTiles(3, True, 2)
     with pytest.raises(ValueError, match="shared memory"):
         variants.hopper_bwd_variant("bfloat16", 128, variants.HopperBwdTiles(2, True, 2))
+
+
+def test_hopper_backward_split_masked_follows_the_tiles(recorded_maps, monkeypatch):
+    """HopperBwdTiles.split_masked: SPLIT_MASKED in the launched backward variant, causal or not, and nothing else of
+    the variant changed."""
+    for d in (64, 128):
+        tiles = variants.HOPPER_BWD_TILES[d]
+        for on in (False, True):
+            monkeypatch.setitem(variants.HOPPER_BWD_TILES, d, dataclasses.replace(tiles, split_masked=on))
+            launcher = _MapLauncher()
+            backend = CupyBackend(launcher=launcher, compute_capability=(9, 0), deterministic=False)
+            q, k, v, grad_out = _inputs(1, 2, 2, 200, 200, d, torch.bfloat16, "cpu")
+            for causal in (None, "top_left"):
+                params = _params(200, 200, d, causal=causal)
+                out, lse = backend.forward(q, k, v, params)
+                backend.backward(grad_out, q, k, v, out, lse, params)
+                variant = launcher.calls[-1][0]
+                assert variant.kernel == "hopper_bwd" and variant.define("SPLIT_MASKED") == int(on)
+                other = dict(variants.hopper_bwd_variant("bfloat16", d, tiles).defines)
+                assert {k: v for k, v in variant.defines if k != "SPLIT_MASKED"} == {
+                    k: v for k, v in other.items() if k != "SPLIT_MASKED"}
 
 
 def test_hopper_backward_query_rows_set_the_step_its_maps_and_its_memory(recorded_maps, monkeypatch):

@@ -199,6 +199,7 @@ class HopperBwdTiles:
     dq_buffers: int = 1  # dQ buffers the consumers and the writers take in turn (2: a block's dQ is stored while the
                          # writers still add the one before; room for it at d = 64 only)
     query_rows: int = 64  # queries a step (128: at d = 64 only, where the two warpgroups then split dQ's rows)
+    split_masked: bool = False  # the query blocks that see a CTA's keys whole in a loop built without the band's code
 
 
 # H100 sweeps (backends/cupy/NOTES.md, versions 5, B6 and H6).
@@ -581,7 +582,8 @@ def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, de
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("QUERY_ROWS", tiles.query_rows),
                ("STAGES", tiles.stages),
                ("DQ_BULK", int(tiles.dq_bulk)), ("DQ_BUFFERS", tiles.dq_buffers),
-               ("DETERMINISTIC", int(bool(deterministic))), ("BOOL_MASK", int(bool(bool_mask))),
+               ("DETERMINISTIC", int(bool(deterministic))), ("SPLIT_MASKED", int(tiles.split_masked)),
+               ("BOOL_MASK", int(bool(bool_mask))),
                ("FLOAT_MASK", int(bool(float_mask))), ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))
     return Variant("hopper_bwd", defines, 384, smem, arch_features="a")
 
