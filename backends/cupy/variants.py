@@ -545,9 +545,8 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None, ma
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("BLOCK_N", tiles.block_n),
                ("STAGES", tiles.stages), ("CONSUMERS", tiles.consumers), ("PINGPONG", int(tiles.pingpong_for(masked))),
                ("STAGED_OUT", int(tiles.staged_out)), ("LAZY_RESCALE", int(tiles.lazy_rescale)),
-               ("SPLIT_MASKED", int(tiles.split_masked)),
-               ("BOOL_MASK", int(bool(bool_mask))), ("FLOAT_MASK", int(bool(float_mask))), ("SOFTCAP", int(bool(softcap))),
-               ("SMEM_BYTES", smem))
+               ("SPLIT_MASKED", int(tiles.split_masked)), ("BOOL_MASK", int(bool(bool_mask))),
+               ("FLOAT_MASK", int(bool(float_mask))), ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))
     return Variant("hopper_fwd", defines, 128 * (1 + tiles.consumers), smem, arch_features="a")
 
 
@@ -555,10 +554,9 @@ def hopper_bwd_smem(stages: int, d: int, dq_buffers: int = 1, query_rows: int = 
     """kernels/hopper_bwd.cu's layout: K, V (128 keys), the Q and dO slots (query_rows queries), two dS^T buffers, the
     lse and delta slots, float32 dQ tiles per dQ buffer (two at d = 64 with 64 queries; rows padded by 8), the
     barriers, and 1024 bytes to align the base."""
-    rows = query_rows
-    dq_tiles = 2 if d == 64 and rows == 64 else 1
-    return (1024 + (2 * 128 + 2 * stages * rows) * d * 2 + 2 * 128 * rows * 2 + 2 * stages * rows * 4
-            + dq_buffers * dq_tiles * rows * (d + 8) * 4 + 8 * (1 + 2 * dq_buffers + 2 * stages))
+    dq_tiles = 2 if d == 64 and query_rows == 64 else 1
+    return (1024 + (2 * 128 + 2 * stages * query_rows) * d * 2 + 2 * 128 * query_rows * 2 + 2 * stages * query_rows * 4
+            + dq_buffers * dq_tiles * query_rows * (d + 8) * 4 + 8 * (1 + 2 * dq_buffers + 2 * stages))
 
 
 def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, deterministic: bool = False,

@@ -82,7 +82,6 @@ static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong schedule takes two con
 static_assert(STAGED_OUT == 0 || STAGED_OUT == 1, "STAGED_OUT is 0 or 1");
 static_assert(LAZY_RESCALE == 0 || LAZY_RESCALE == 1, "LAZY_RESCALE is 0 or 1");
 static_assert(SPLIT_MASKED == 0 || SPLIT_MASKED == 1, "SPLIT_MASKED is 0 or 1");
-
 constexpr int STAGE_BARRIER = 3;  // named barriers 3.. (one per consumer): its output rows written to shared memory
 
 // The Q buffers and their barriers: full = the buffer's copy landed; empty = every consumer warp is done with it.
