@@ -57,18 +57,15 @@ MASKINGS = ((False, None, False), (True, None, False), (True, None, True), (Fals
 # across the short tiles of a 1k-key forward; ping-pong off at d = 64 (NOTES.md H10), and at d = 128 and 256 on
 # without a mask and off under one (H12), beside it on and off for both. Under NVRTC 12.9 for sm_90a those of d = 64
 # and 128 compile without spills; d = 256's forward spills 40 bytes, the shipped one too.
-# (stages, dq_bulk[, dq_buffers, query_rows, split_masked]): the shipped tiles, with the whole query blocks in a loop of
-# their own (B13, not timed yet), the shipped again (the spread between two timings)
-SWEEP_BWD = {64: ((2, False, 1, 128), (2, False, 1, 128, True), (2, False, 1, 128)),
-             128: ((2, True), (2, True, 1, 64, True), (2, True))}
-# (block_n, stages, consumers, pingpong, persistent, staged_out, masked_pingpong, lazy_rescale, split_masked): the
-# shipped tiles, with the unmasked key blocks in a loop of their own (H17, not timed yet), the shipped again (the
-# spread between two timings). The lazy rescaling's candidates: NOTES.md, H16.
-SWEEP = {64: ((128, 3, 2, False, True, True), (128, 3, 2, False, True, True, None, False, True),
+# (stages, dq_bulk[, dq_buffers, query_rows]); the first candidate again last, for the spread between two timings
+SWEEP_BWD = {64: ((2, False, 1, 128), (3, False), (2, False, 1, 128)), 128: ((2, True), (2, False))}
+# (block_n, stages, consumers, pingpong, persistent, staged_out, masked_pingpong, lazy_rescale): the shipped tiles,
+# with the lazy rescaling the other way, the shipped again (the spread between two timings)
+SWEEP = {64: ((128, 3, 2, False, True, True), (128, 3, 2, False, True, True, None, True),
               (128, 3, 2, False, True, True)),
-         128: ((128, 2, 2, True, True, True, False), (128, 2, 2, True, True, True, False, False, True),
+         128: ((128, 2, 2, True, True, True, False), (128, 2, 2, True, True, True, False, True),
                (128, 2, 2, True, True, True, False)),
-         256: ((64, 2, 2, True, True, False, False, True), (64, 2, 2, True, True, False, False, True, True),
+         256: ((64, 2, 2, True, True, False, False, True), (64, 2, 2, True, True, False, False),
                (64, 2, 2, True, True, False, False, True))}
 
 
@@ -282,9 +279,9 @@ def sweep(dtype, head_dims, seqlens, backward=False):
                              f"{hopper:.0f}", f"{hopper / cudnn:.2f}"])
                 print(rows[-1], flush=True)
         table[head_dim] = default
-    what = ("tiles (stages, dq_bulk[, dq_buffers, query_rows, split_masked])" if backward
+    what = ("tiles (stages, dq_bulk[, dq_buffers, query_rows])" if backward
             else "tiles (block_n, stages, consumers, pingpong, persistent, staged_out[, masked_pingpong, "
-                 "lazy_rescale, split_masked])")
+                 "lazy_rescale])")
     print_table(f"{str(dtype).replace('torch.', '')} {'backward' if backward else 'forward'} sweep, TFLOP/s (same run)",
                 ["d", what, "failures", "N", "causal", "sdpa-cudnn", "cupy Hopper", "ratio"], rows)
 

@@ -95,11 +95,9 @@ def sequence_variant_sample(cc) -> list:
 def hopper_options_off_in_the_tables() -> list:
     """The Hopper variants with each option the other way from the tables (so CI compiles them too): dQ by the
     copy engine's bulk reduce-add or by atomics in the backward, two dQ buffers at d = 64, dQ in turns (reproducible)
-    where the table keeps the mma.sync dQ kernel for it, the other step height at d = 64 (with each feature), the whole
-    query blocks in a loop of their own or not; the
+    where the table keeps the mma.sync dQ kernel for it, the other step height at d = 64 (with each feature); the
     output staged for the copy engine or stored by the consumers in the forward (staged only where it fits), and its
-    output rescaled lazily or at every block and its unmasked key blocks in a loop of their own or not (each with and
-    without a mask and a softcap)."""
+    output rescaled lazily or at every block (with and without a mask and a softcap)."""
     out = [variants.hopper_bwd_variant(dtype, d, variants.HopperBwdTiles(tiles.stages, not tiles.dq_bulk))
            for dtype in variants.DTYPE_NAMES for d, tiles in variants.HOPPER_BWD_TILES.items()]
     stages_64 = variants.HOPPER_BWD_TILES[64].stages
@@ -107,9 +105,6 @@ def hopper_options_off_in_the_tables() -> list:
             for dtype in variants.DTYPE_NAMES for bulk in (False, True)]  # two dQ buffers (room at d = 64 only)
     out += [variants.hopper_bwd_variant(dtype, d, deterministic=True) for dtype in variants.DTYPE_NAMES
             for d in variants.HOPPER_BWD_TILES if d not in variants.HOPPER_BWD_DETERMINISTIC_DIMS]  # dQ in turns
-    out += [variants.hopper_bwd_variant(dtype, d, dataclasses.replace(tiles, split_masked=not tiles.split_masked), **f)
-            for dtype in variants.DTYPE_NAMES for d, tiles in variants.HOPPER_BWD_TILES.items()
-            for f in (dict(), dict(softcap=True), dict(bool_mask=True))]  # the whole query blocks' loop of its own
     rows_64 = 192 - variants.HOPPER_BWD_TILES[64].query_rows  # the other step height at d = 64 (64 or 128 queries)
     out += [variants.hopper_bwd_variant(dtype, 64, variants.HopperBwdTiles(2, False, 1, rows_64), **f)
             for dtype in variants.DTYPE_NAMES
@@ -119,10 +114,9 @@ def hopper_options_off_in_the_tables() -> list:
             other = dataclasses.replace(tiles, staged_out=not tiles.staged_out)
             if variants.hopper_fwd_smem(other, d) <= variants.smem_limit(variants.HOPPER_CC):
                 out.append(variants.hopper_fwd_variant(dtype, d, other))
-            for other in (dataclasses.replace(tiles, lazy_rescale=not tiles.lazy_rescale),
-                          dataclasses.replace(tiles, split_masked=not tiles.split_masked)):
-                out += [variants.hopper_fwd_variant(dtype, d, other, masked=masked, softcap=softcap)
-                        for masked in (False, True) for softcap in (False, True)]
+            lazy = dataclasses.replace(tiles, lazy_rescale=not tiles.lazy_rescale)
+            out += [variants.hopper_fwd_variant(dtype, d, lazy, masked=masked, softcap=softcap)
+                    for masked in (False, True) for softcap in (False, True)]
     return out
 
 
@@ -813,24 +807,23 @@ def test_hopper_forward_takes_turns_per_mask_as_the_tiles_say():
                                                                              (256, 0)}
 
 
-@pytest.mark.parametrize("field, define", [("lazy_rescale", "LAZY_RESCALE"), ("split_masked", "SPLIT_MASKED")])
-def test_hopper_forward_switches_follow_the_tiles(recorded_maps, monkeypatch, field, define):
-    """HopperFwdTiles.lazy_rescale / split_masked: LAZY_RESCALE / SPLIT_MASKED in the launched variant, with or
-    without a causal mask, and nothing else of the variant changed (its shared memory, its turns)."""
+def test_hopper_forward_rescales_lazily_where_the_tiles_say(recorded_maps, monkeypatch):
+    """HopperFwdTiles.lazy_rescale: LAZY_RESCALE in the launched variant, with or without a causal mask, and nothing
+    else of the variant changed (its shared memory, its turns)."""
     for d in (64, 128, 256):
         tiles = variants.HOPPER_FWD_TILES[d]
-        for on in (False, True):
-            monkeypatch.setitem(variants.HOPPER_FWD_TILES, d, dataclasses.replace(tiles, **{field: on}))
+        for lazy in (False, True):
+            monkeypatch.setitem(variants.HOPPER_FWD_TILES, d, dataclasses.replace(tiles, lazy_rescale=lazy))
             launcher = _MapLauncher()
             backend = CupyBackend(launcher=launcher, compute_capability=(9, 0))
             q, k, v, _ = _inputs(1, 2, 2, 200, 200, d, torch.float16, "cpu")
             for causal in (None, "top_left"):
                 backend.forward(q, k, v, _params(200, 200, d, causal=causal))
                 variant = launcher.calls[-1][0]
-                assert variant.kernel == "hopper_fwd" and variant.define(define) == int(on)
+                assert variant.kernel == "hopper_fwd" and variant.define("LAZY_RESCALE") == int(lazy)
                 other = dict(variants.hopper_fwd_variant("float16", d, tiles, masked=causal is not None).defines)
-                assert {k: v for k, v in variant.defines if k != define} == {
-                    k: v for k, v in other.items() if k != define}
+                assert {k: v for k, v in variant.defines if k != "LAZY_RESCALE"} == {
+                    k: v for k, v in other.items() if k != "LAZY_RESCALE"}
 
 
 def test_hopper_forward_with_the_output_staged_passes_the_output_s_map(recorded_maps, monkeypatch):
@@ -1051,27 +1044,6 @@ def test_hopper_backward_with_two_dq_buffers_has_their_memory_and_barriers(monke
     assert variants.HOPPER_BWD_TILES[64] == variants.HopperBwdTiles(3, True, 2)
     with pytest.raises(ValueError, match="shared memory"):
         variants.hopper_bwd_variant("bfloat16", 128, variants.HopperBwdTiles(2, True, 2))
-
-
-def test_hopper_backward_split_masked_follows_the_tiles(recorded_maps, monkeypatch):
-    """HopperBwdTiles.split_masked: SPLIT_MASKED in the launched backward variant, causal or not, and nothing else of
-    the variant changed."""
-    for d in (64, 128):
-        tiles = variants.HOPPER_BWD_TILES[d]
-        for on in (False, True):
-            monkeypatch.setitem(variants.HOPPER_BWD_TILES, d, dataclasses.replace(tiles, split_masked=on))
-            launcher = _MapLauncher()
-            backend = CupyBackend(launcher=launcher, compute_capability=(9, 0), deterministic=False)
-            q, k, v, grad_out = _inputs(1, 2, 2, 200, 200, d, torch.bfloat16, "cpu")
-            for causal in (None, "top_left"):
-                params = _params(200, 200, d, causal=causal)
-                out, lse = backend.forward(q, k, v, params)
-                backend.backward(grad_out, q, k, v, out, lse, params)
-                variant = launcher.calls[-1][0]
-                assert variant.kernel == "hopper_bwd" and variant.define("SPLIT_MASKED") == int(on)
-                other = dict(variants.hopper_bwd_variant("bfloat16", d, tiles).defines)
-                assert {k: v for k, v in variant.defines if k != "SPLIT_MASKED"} == {
-                    k: v for k, v in other.items() if k != "SPLIT_MASKED"}
 
 
 def test_hopper_backward_query_rows_set_the_step_its_maps_and_its_memory(recorded_maps, monkeypatch):

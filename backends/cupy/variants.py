@@ -184,7 +184,6 @@ class HopperFwdTiles:
     staged_out: bool = False  # two Q buffers; the output staged in the tile's and stored by the copy engine
     masked_pingpong: Optional[bool] = None  # ping-pong under a causal mask or a window (None: as ``pingpong``)
     lazy_rescale: bool = False  # a row's maximum moves only past 2^8 growth; warps whose maxima stay skip O's rescaling
-    split_masked: bool = False  # the key blocks a tile's rows see whole in a loop built without the band's masking code
 
     def pingpong_for(self, masked: bool) -> bool:
         """Whether the consumers take turns on a problem with (``masked``) or without a causal mask or window."""
@@ -199,7 +198,6 @@ class HopperBwdTiles:
     dq_buffers: int = 1  # dQ buffers the consumers and the writers take in turn (2: a block's dQ is stored while the
                          # writers still add the one before; room for it at d = 64 only)
     query_rows: int = 64  # queries a step (128: at d = 64 only, where the two warpgroups then split dQ's rows)
-    split_masked: bool = False  # the query blocks that see a CTA's keys whole in a loop built without the band's code
 
 
 # H100 sweeps (backends/cupy/NOTES.md, versions 5, B6 and H6).
@@ -545,8 +543,8 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None, ma
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("BLOCK_N", tiles.block_n),
                ("STAGES", tiles.stages), ("CONSUMERS", tiles.consumers), ("PINGPONG", int(tiles.pingpong_for(masked))),
                ("STAGED_OUT", int(tiles.staged_out)), ("LAZY_RESCALE", int(tiles.lazy_rescale)),
-               ("SPLIT_MASKED", int(tiles.split_masked)), ("BOOL_MASK", int(bool(bool_mask))),
-               ("FLOAT_MASK", int(bool(float_mask))), ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))
+               ("BOOL_MASK", int(bool(bool_mask))), ("FLOAT_MASK", int(bool(float_mask))),
+               ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))
     return Variant("hopper_fwd", defines, 128 * (1 + tiles.consumers), smem, arch_features="a")
 
 
@@ -580,8 +578,7 @@ def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, de
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("QUERY_ROWS", tiles.query_rows),
                ("STAGES", tiles.stages),
                ("DQ_BULK", int(tiles.dq_bulk)), ("DQ_BUFFERS", tiles.dq_buffers),
-               ("DETERMINISTIC", int(bool(deterministic))), ("SPLIT_MASKED", int(tiles.split_masked)),
-               ("BOOL_MASK", int(bool(bool_mask))),
+               ("DETERMINISTIC", int(bool(deterministic))), ("BOOL_MASK", int(bool(bool_mask))),
                ("FLOAT_MASK", int(bool(float_mask))), ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))
     return Variant("hopper_bwd", defines, 384, smem, arch_features="a")
 

@@ -35,8 +35,8 @@
 // grid.
 //
 // -D options: MHATTN_BF16, HEAD_DIM (64 or 128), QUERY_ROWS (64, or 128 at d = 64), STAGES, DQ_BULK (0 or 1),
-// DQ_BUFFERS (1 or 2), DETERMINISTIC (0 or 1), SPLIT_MASKED (0 or 1), BOOL_MASK (0 or 1), FLOAT_MASK (0 or 1), SOFTCAP
-// (0 or 1), SMEM_BYTES (checked against the layout below).
+// DQ_BUFFERS (1 or 2), DETERMINISTIC (0 or 1), BOOL_MASK (0 or 1), FLOAT_MASK (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES
+// (checked against the layout below).
 #define NUM_WARPS 12
 #include "common.cuh"
 #include "hopper.cuh"
@@ -90,7 +90,6 @@ static_assert(QUERY_ROWS == 64 || (QUERY_ROWS == 128 && HEAD_DIM == 64), "QUERY_
 static_assert(DQ_BULK == 0 || DQ_BULK == 1, "DQ_BULK is 0 (atomics) or 1 (bulk reduce-add)");
 static_assert(DQ_BUFFERS == 1 || DQ_BUFFERS == 2, "DQ_BUFFERS is 1 or 2");
 static_assert(DETERMINISTIC == 0 || DETERMINISTIC == 1, "DETERMINISTIC is 0 or 1");
-static_assert(SPLIT_MASKED == 0 || SPLIT_MASKED == 1, "SPLIT_MASKED is 0 or 1");
 static_assert(!(FLOAT_MASK && SOFTCAP), "the softcap's factor is found from P, which a float mask's term changes");
 // (the bulk path at d = 64 hands the engine both warpgroups' tiles, which it adds in either order)
 static_assert(!(DETERMINISTIC && DQ_BULK && DQ_TILES == 2), "a deterministic dQ at d = 64 takes the atomics");
@@ -449,16 +448,13 @@ extern "C" __global__ void __launch_bounds__(384, 1)
   int whole_lo, whole_hi;
   bounds.whole_row_blocks<BLOCK_M>(n0 + 64 * w, n0 + 64 * w + 63, whole_lo, whole_hi);
   if (n0 + 64 * w + 64 > seqlen_k) whole_hi = 0;
-  auto cuts = [&](int m0) { return m0 < whole_lo * BLOCK_M || m0 >= whole_hi * BLOCK_M; };
 
   mbar_wait(kv_full, 0);
   int step = 0;
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
     const BoolMask bool_mask{BOOL_MASK ? mask + b * m_sb + h * m_sh : nullptr, m_sq, m_sk};
     const FloatMask fmask{FLOAT_MASK ? float_mask + b * fm_sb + h * fm_sh : nullptr, fm_sq, fm_sk};
-    // Query block i (ring step `step`); may_cut: false where the caller knows the block sees these keys whole, a
-    // constant, so that its build has no band code.
-    auto attend = [&](int i, bool may_cut) {
+    for (int i = 0; i < blocks.count; ++i, ++step) {
       const int s = step % STAGES;
       const int m0 = (blocks.first + i) * BLOCK_M;
       const u32 s_q = base + Q_OFFSET + s * Q_BYTES, s_do = base + DO_OFFSET + s * Q_BYTES;
@@ -472,7 +468,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
       wgmma_wait<1>();  // S^T: the probabilities while dP^T is multiplied
       touch_registers(st);
       cap_scores(st, softcap);
-      if (may_cut && cuts(m0)) mask_scores(st, key0, m0, t, seqlen_k, bounds);
+      if (m0 < whole_lo * BLOCK_M || m0 >= whole_hi * BLOCK_M)
+        mask_scores(st, key0, m0, t, seqlen_k, bounds);
       if (BOOL_MASK) hide_forbidden<SQ_REGS, false>(st, bool_mask, key0, m0 + 2 * t, seqlen_k, seqlen_q);
       if (FLOAT_MASK)
         add_float_mask<SQ_REGS, false>(st, fmask, key0, m0 + 2 * t, seqlen_k, seqlen_q,
@@ -507,17 +504,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                (DQ_BY_QUERIES ? 64 * w : 0) + row_in_wg, D_CHUNKS == 1 ? 0 : 64 * w, t);
       if (DQ_BULK) fence_async_shared();  // the copy engine reads the tile
       release_slot(dqb.full(DqBuffers::of(step)), lane);
-      ++step;
-    };
-    int i = 0;
-    // SPLIT_MASKED: the blocks that cut the band before those that see the keys whole, those, then the rest, each in
-    // a loop of its own, so that the whole blocks' loop has no band code. (In one loop ptxas turns the per-block test
-    // into predicated code that every block issues.)
-    if (SPLIT_MASKED) {
-      for (; i < blocks.count && cuts((blocks.first + i) * BLOCK_M); ++i) attend(i, true);
-      for (; i < blocks.count && !cuts((blocks.first + i) * BLOCK_M); ++i) attend(i, false);
     }
-    for (; i < blocks.count; ++i) attend(i, true);
   }
   store_key_rows(dk + b * dk_sb + hk * dk_sh, dk_sn, dk_acc, key0, t, seqlen_k);
   store_key_rows(dv + b * dv_sb + hk * dv_sh, dv_sn, dv_acc, key0, t, seqlen_k);

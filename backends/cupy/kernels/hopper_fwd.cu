@@ -38,9 +38,9 @@
 // and the 16-bit P, and O / l and the lse are exact whichever reference the row used.
 //
 // -D options: MHATTN_BF16, HEAD_DIM (64, 128, 256: whole 64-column chunks), BLOCK_N (64 or 128), STAGES,
-// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), STAGED_OUT (0 or 1), LAZY_RESCALE (0 or 1), SPLIT_MASKED (0
-// or 1), BOOL_MASK (0 or 1), FLOAT_MASK (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES (dynamic shared memory the host gives;
-// checked against the layout below).
+// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), STAGED_OUT (0 or 1), LAZY_RESCALE (0 or 1), BOOL_MASK (0 or
+// 1), FLOAT_MASK (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES (dynamic shared memory the host gives; checked against the
+// layout below).
 #define NUM_WARPS (4 * (CONSUMERS + 1))
 #include "common.cuh"
 #include "hopper.cuh"
@@ -81,7 +81,6 @@ static_assert(budgets_fit_launch(NUM_THREADS, PRODUCER_REGS, 128 * CONSUMERS, CO
 static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong schedule takes two consumers");
 static_assert(STAGED_OUT == 0 || STAGED_OUT == 1, "STAGED_OUT is 0 or 1");
 static_assert(LAZY_RESCALE == 0 || LAZY_RESCALE == 1, "LAZY_RESCALE is 0 or 1");
-static_assert(SPLIT_MASKED == 0 || SPLIT_MASKED == 1, "SPLIT_MASKED is 0 or 1");
 constexpr int STAGE_BARRIER = 3;  // named barriers 3.. (one per consumer): its output rows written to shared memory
 
 // The Q buffers and their barriers: full = the buffer's copy landed; empty = every consumer warp is done with it.
@@ -379,11 +378,10 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
   pb.bounds.whole_blocks<BLOCK_N>(wg_row0, wg_row0 + 63, pb.seqlen_k, whole_lo, whole_hi);
   auto cuts = [&](int n0) { return n0 < whole_lo * BLOCK_N || n0 >= whole_hi * BLOCK_N; };
   // Key block n0's scores, as the tensor cores left them, made ready for the softmax: capped, masked by the band (where
-  // the block cuts it; may_cut: false where the caller knows it does not, a constant, so that its build has no band
-  // code) and by the attn_mask.
-  auto finish_scores = [&](int n0, bool may_cut) {
+  // the block cuts it) and by the attn_mask.
+  auto finish_scores = [&](int n0) {
     cap_scores(s_acc, c.softcap);
-    if (may_cut && cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
+    if (cuts(n0)) mask_scores(s_acc, row0, n0, c.t, pb.seqlen_k, pb.bounds);
     if (BOOL_MASK) hide_forbidden<S_REGS, true>(s_acc, bool_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k);
     if (FLOAT_MASK)
       add_float_mask<S_REGS, true>(s_acc, float_mask, row0, n0 + 2 * c.t, pb.seqlen_q, pb.seqlen_k, c.mask_unit);
@@ -406,12 +404,11 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
     if (STAGED_OUT && q_round > 0) release_staged_buffer(c, (q_round - 1) % Q_BUFS);  // the previous tile's
     if (!STAGED_OUT && blocks.count == 1) release_slot(c.qb.empty(buf), c.lane);  // the tile's last use of Q
     int n0 = blocks.first * BLOCK_N;
-    finish_scores(n0, true);
+    finish_scores(n0);
     online_softmax(s_acc, m, l, alpha, softmax_scale_log2(c.scale_log2));
     pack_a_fragments(p, s_acc);  // P, the A operand of P V
 
-    // Key block i after block i - 1's softmax.
-    auto attend = [&](int i, bool may_cut) {
+    for (int i = 1; i < blocks.count; ++i) {
       const int prev = s;
       const u32 prev_parity = (ring / STAGES) & 1;
       ++ring;
@@ -431,20 +428,14 @@ MHATTN_DEVICE void consume_tile(const Consumer& c, const Tile& tile, const Probl
       release_slot(c.slots.k_empty(s), c.lane);
       if (!STAGED_OUT && i == blocks.count - 1) release_slot(c.qb.empty(buf), c.lane);
       n0 = (blocks.first + i) * BLOCK_N;
-      finish_scores(n0, may_cut);
+      finish_scores(n0);
       online_softmax(s_acc, m, l, alpha, softmax_scale_log2(c.scale_log2));
       wgmma_wait<0>();
       touch_registers(o_acc);
       release_slot(c.slots.v_empty(prev), c.lane);
       rescale_output(o_acc, alpha);
       pack_a_fragments(p, s_acc);  // P, the A operand of P V
-    };
-    int i = 1;
-    // SPLIT_MASKED: first the blocks this warpgroup's rows see whole, in a loop built without the band's code, then the
-    // rest. (In one loop ptxas turns the per-block test into predicated code that every block issues.)
-    if (SPLIT_MASKED)
-      for (; i < blocks.count && !cuts((blocks.first + i) * BLOCK_N); ++i) attend(i, false);
-    for (; i < blocks.count; ++i) attend(i, true);
+    }
     // P V of the last block.
     mbar_wait(c.slots.v_full(s), (ring / STAGES) & 1);
     c.turns.take();
