@@ -59,14 +59,14 @@ MASKINGS = ((False, None, False), (True, None, False), (True, None, True), (Fals
 # and 128 compile without spills; d = 256's forward spills 40 bytes, the shipped one too.
 # (stages, dq_bulk[, dq_buffers, query_rows]); the first candidate again last, for the spread between two timings
 SWEEP_BWD = {64: ((2, False, 1, 128), (3, False), (2, False, 1, 128)), 128: ((2, True), (2, False))}
-# (block_n, stages, consumers, pingpong, persistent, staged_out, masked_pingpong, lazy_rescale): the shipped tiles,
-# with the lazy rescaling the other way, the shipped again (the spread between two timings)
-SWEEP = {64: ((128, 3, 2, False, True, True), (128, 3, 2, False, True, True, None, True),
-              (128, 3, 2, False, True, True)),
-         128: ((128, 2, 2, True, True, True, False), (128, 2, 2, True, True, True, False, True),
-               (128, 2, 2, True, True, True, False)),
-         256: ((64, 2, 2, True, True, False, False, True), (64, 2, 2, True, True, False, False),
-               (64, 2, 2, True, True, False, False, True))}
+# (block_n, stages, consumers, pingpong, persistent, staged_out, masked_pingpong, lazy_rescale, turns_across_tiles):
+# the shipped tiles, with the ping-pong turns running on across tiles, the shipped again, the turns across tiles again
+# (the spread between two timings; d = 64 takes no turns). The lazy rescaling's candidates: NOTES.md, H16.
+SWEEP = {64: ((128, 3, 2, False, True, True), (128, 3, 2, False, True, True)),
+         128: ((128, 2, 2, True, True, True, False), (128, 2, 2, True, True, True, False, False, True),
+               (128, 2, 2, True, True, True, False), (128, 2, 2, True, True, True, False, False, True)),
+         256: ((64, 2, 2, True, True, False, False, True), (64, 2, 2, True, True, False, False, True, True),
+               (64, 2, 2, True, True, False, False, True), (64, 2, 2, True, True, False, False, True, True))}
 
 
 # --softcap: the correctness cases' softcap (None: none).
@@ -281,7 +281,7 @@ def sweep(dtype, head_dims, seqlens, backward=False):
         table[head_dim] = default
     what = ("tiles (stages, dq_bulk[, dq_buffers, query_rows])" if backward
             else "tiles (block_n, stages, consumers, pingpong, persistent, staged_out[, masked_pingpong, "
-                 "lazy_rescale])")
+                 "lazy_rescale, turns_across_tiles])")
     print_table(f"{str(dtype).replace('torch.', '')} {'backward' if backward else 'forward'} sweep, TFLOP/s (same run)",
                 ["d", what, "failures", "N", "causal", "sdpa-cudnn", "cupy Hopper", "ratio"], rows)
 

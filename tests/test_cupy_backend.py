@@ -96,8 +96,9 @@ def hopper_options_off_in_the_tables() -> list:
     """The Hopper variants with each option the other way from the tables (so CI compiles them too): dQ by the
     copy engine's bulk reduce-add or by atomics in the backward, two dQ buffers at d = 64, dQ in turns (reproducible)
     where the table keeps the mma.sync dQ kernel for it, the other step height at d = 64 (with each feature); the
-    output staged for the copy engine or stored by the consumers in the forward (staged only where it fits), and its
-    output rescaled lazily or at every block (with and without a mask and a softcap)."""
+    output staged for the copy engine or stored by the consumers in the forward (staged only where it fits), its
+    output rescaled lazily or at every block (with and without a mask and a softcap), and its ping-pong turns reset
+    at every tile or running on across tiles."""
     out = [variants.hopper_bwd_variant(dtype, d, variants.HopperBwdTiles(tiles.stages, not tiles.dq_bulk))
            for dtype in variants.DTYPE_NAMES for d, tiles in variants.HOPPER_BWD_TILES.items()]
     stages_64 = variants.HOPPER_BWD_TILES[64].stages
@@ -117,6 +118,9 @@ def hopper_options_off_in_the_tables() -> list:
             lazy = dataclasses.replace(tiles, lazy_rescale=not tiles.lazy_rescale)
             out += [variants.hopper_fwd_variant(dtype, d, lazy, masked=masked, softcap=softcap)
                     for masked in (False, True) for softcap in (False, True)]
+            if tiles.pingpong:  # the turns reset at every tile or running on across tiles
+                turns = dataclasses.replace(tiles, turns_across_tiles=not tiles.turns_across_tiles)
+                out += [variants.hopper_fwd_variant(dtype, d, turns, softcap=softcap) for softcap in (False, True)]
     return out
 
 
@@ -807,23 +811,25 @@ def test_hopper_forward_takes_turns_per_mask_as_the_tiles_say():
                                                                              (256, 0)}
 
 
-def test_hopper_forward_rescales_lazily_where_the_tiles_say(recorded_maps, monkeypatch):
-    """HopperFwdTiles.lazy_rescale: LAZY_RESCALE in the launched variant, with or without a causal mask, and nothing
-    else of the variant changed (its shared memory, its turns)."""
+@pytest.mark.parametrize("field, define", [("lazy_rescale", "LAZY_RESCALE"),
+                                           ("turns_across_tiles", "TURNS_ACROSS_TILES")])
+def test_hopper_forward_switches_follow_the_tiles(recorded_maps, monkeypatch, field, define):
+    """HopperFwdTiles.lazy_rescale / turns_across_tiles: LAZY_RESCALE / TURNS_ACROSS_TILES in the launched variant,
+    with or without a causal mask, and nothing else of the variant changed (its shared memory, its turns)."""
     for d in (64, 128, 256):
         tiles = variants.HOPPER_FWD_TILES[d]
-        for lazy in (False, True):
-            monkeypatch.setitem(variants.HOPPER_FWD_TILES, d, dataclasses.replace(tiles, lazy_rescale=lazy))
+        for on in (False, True):
+            monkeypatch.setitem(variants.HOPPER_FWD_TILES, d, dataclasses.replace(tiles, **{field: on}))
             launcher = _MapLauncher()
             backend = CupyBackend(launcher=launcher, compute_capability=(9, 0))
             q, k, v, _ = _inputs(1, 2, 2, 200, 200, d, torch.float16, "cpu")
             for causal in (None, "top_left"):
                 backend.forward(q, k, v, _params(200, 200, d, causal=causal))
                 variant = launcher.calls[-1][0]
-                assert variant.kernel == "hopper_fwd" and variant.define("LAZY_RESCALE") == int(lazy)
+                assert variant.kernel == "hopper_fwd" and variant.define(define) == int(on)
                 other = dict(variants.hopper_fwd_variant("float16", d, tiles, masked=causal is not None).defines)
-                assert {k: v for k, v in variant.defines if k != "LAZY_RESCALE"} == {
-                    k: v for k, v in other.items() if k != "LAZY_RESCALE"}
+                assert {k: v for k, v in variant.defines if k != define} == {
+                    k: v for k, v in other.items() if k != define}
 
 
 def test_hopper_forward_with_the_output_staged_passes_the_output_s_map(recorded_maps, monkeypatch):

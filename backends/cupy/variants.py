@@ -184,6 +184,7 @@ class HopperFwdTiles:
     staged_out: bool = False  # two Q buffers; the output staged in the tile's and stored by the copy engine
     masked_pingpong: Optional[bool] = None  # ping-pong under a causal mask or a window (None: as ``pingpong``)
     lazy_rescale: bool = False  # a row's maximum moves only past 2^8 growth; warps whose maxima stay skip O's rescaling
+    turns_across_tiles: bool = False  # ping-pong turns run on across tiles: a tile's output under the next one's start
 
     def pingpong_for(self, masked: bool) -> bool:
         """Whether the consumers take turns on a problem with (``masked``) or without a causal mask or window."""
@@ -214,10 +215,11 @@ HOPPER_BWD_DETERMINISTIC_DIMS = (128,)
 # every cell of two sweeps; at d = 128 and 256 it holds the cells without a mask, and is off under a causal mask or a
 # window, where the same two sweeps read +3-12% at d = 128 and +1-4% at d = 256 without it (H12). The lazy rescaling
 # (H16) only at d = 256 (its 128 multiplies a thread a block): +2-6% in four of six cells there, level to -5% at d = 64
-# and 128.
+# and 128. The turns running on across tiles (H18) at d = 128: +3-4% at 1k without a mask, level to -2% at 2k-16k; at
+# d = 256 from +3% to -4%.
 HOPPER_FWD_TILES = {
     64: HopperFwdTiles(128, 3, 2, False, True, True),
-    128: HopperFwdTiles(128, 2, 2, True, True, True, masked_pingpong=False),
+    128: HopperFwdTiles(128, 2, 2, True, True, True, masked_pingpong=False, turns_across_tiles=True),
     256: HopperFwdTiles(64, 2, 2, True, True, masked_pingpong=False, lazy_rescale=True),
 }
 
@@ -543,8 +545,8 @@ def hopper_fwd_variant(dtype_name: str, d: int, tiles: HopperFwdTiles = None, ma
     defines = (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("HEAD_DIM", d), ("BLOCK_N", tiles.block_n),
                ("STAGES", tiles.stages), ("CONSUMERS", tiles.consumers), ("PINGPONG", int(tiles.pingpong_for(masked))),
                ("STAGED_OUT", int(tiles.staged_out)), ("LAZY_RESCALE", int(tiles.lazy_rescale)),
-               ("BOOL_MASK", int(bool(bool_mask))), ("FLOAT_MASK", int(bool(float_mask))),
-               ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))
+               ("TURNS_ACROSS_TILES", int(tiles.turns_across_tiles)), ("BOOL_MASK", int(bool(bool_mask))),
+               ("FLOAT_MASK", int(bool(float_mask))), ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))
     return Variant("hopper_fwd", defines, 128 * (1 + tiles.consumers), smem, arch_features="a")
 
 

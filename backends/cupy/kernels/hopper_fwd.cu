@@ -38,9 +38,9 @@
 // and the 16-bit P, and O / l and the lse are exact whichever reference the row used.
 //
 // -D options: MHATTN_BF16, HEAD_DIM (64, 128, 256: whole 64-column chunks), BLOCK_N (64 or 128), STAGES,
-// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), STAGED_OUT (0 or 1), LAZY_RESCALE (0 or 1), BOOL_MASK (0 or
-// 1), FLOAT_MASK (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES (dynamic shared memory the host gives; checked against the
-// layout below).
+// CONSUMERS (2 or 3), PINGPONG (0 or 1, with 2 consumers), STAGED_OUT (0 or 1), LAZY_RESCALE (0 or 1),
+// TURNS_ACROSS_TILES (0 or 1), BOOL_MASK (0 or 1), FLOAT_MASK (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES (dynamic shared
+// memory the host gives; checked against the layout below).
 #define NUM_WARPS (4 * (CONSUMERS + 1))
 #include "common.cuh"
 #include "hopper.cuh"
@@ -81,6 +81,7 @@ static_assert(budgets_fit_launch(NUM_THREADS, PRODUCER_REGS, 128 * CONSUMERS, CO
 static_assert(!PINGPONG || CONSUMERS == 2, "the ping-pong schedule takes two consumers");
 static_assert(STAGED_OUT == 0 || STAGED_OUT == 1, "STAGED_OUT is 0 or 1");
 static_assert(LAZY_RESCALE == 0 || LAZY_RESCALE == 1, "LAZY_RESCALE is 0 or 1");
+static_assert(TURNS_ACROSS_TILES == 0 || TURNS_ACROSS_TILES == 1, "TURNS_ACROSS_TILES is 0 or 1");
 constexpr int STAGE_BARRIER = 3;  // named barriers 3.. (one per consumer): its output rows written to shared memory
 
 // The Q buffers and their barriers: full = the buffer's copy landed; empty = every consumer warp is done with it.
@@ -184,19 +185,24 @@ MHATTN_DEVICE void produce_tile(const TensorMap* q_map, const TensorMap* k_map, 
 // ---- the consumers' steps --------------------------------------------------------------------------------
 
 // The ping-pong schedule's turns (no-ops without PINGPONG): consumer c issues its products between take() on
-// named barrier 1 + c and pass() on the other's. In every tile consumer 0 goes first (consumer 1's start() arrives
-// on barrier 1), both take the same number of turns, and consumer 1 leaves out the pass after its last turn, so no
-// arrival is left over from one tile to the next.
+// named barrier 1 + c and pass() on the other's. In every tile consumer 0 goes first and both take the same number
+// of turns. Without TURNS_ACROSS_TILES consumer 1's start() arrives on barrier 1 and it leaves out the pass after its
+// last turn, so no arrival is left over from one tile to the next; with it consumer 1 arrives once before its first
+// tile (prime()) and passes after every turn, so consumer 0 can begin the next tile while consumer 1 still writes
+// this tile's output (one arrival is left over when the CTA ends).
 struct Turns {
   int mine, other;
+  MHATTN_DEVICE void prime() const {
+    if (PINGPONG && TURNS_ACROSS_TILES && mine == 2) named_barrier_arrive(1, 256);
+  }
   MHATTN_DEVICE void start() const {
-    if (PINGPONG && mine == 2) named_barrier_arrive(1, 256);
+    if (PINGPONG && !TURNS_ACROSS_TILES && mine == 2) named_barrier_arrive(1, 256);
   }
   MHATTN_DEVICE void take() const {
     if (PINGPONG) named_barrier_sync(mine, 256);
   }
   MHATTN_DEVICE void pass(bool last = false) const {
-    if (PINGPONG && !(last && mine == 2)) named_barrier_arrive(other, 256);
+    if (PINGPONG && !(last && mine == 2 && !TURNS_ACROSS_TILES)) named_barrier_arrive(other, 256);
   }
 };
 
@@ -558,6 +564,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                           STAGED_OUT && (tid & 127) == 0, s_k, s_v, qb, slots, Turns{wg, 3 - wg}, scale_log2,
                           Softcap{softcap_in2, softcap_out2}, LOG2E / softmax_scale_log2(scale_log2)};
   int q_round = 0, ring = 0;
+  consumer.turns.prime();
   for (int n = 0;; ++n) {
     const int index = take_tile(tile_slots, n, lane);
     if (index < 0) break;
