@@ -79,14 +79,15 @@ def nvrtc_version() -> tuple:
     return tuple(_nvrtc().getVersion())
 
 
-def compile_cubin(variant: Variant, cc, ptx_only: bool = False) -> bytes:
+def compile_cubin(variant: Variant, cc, ptx_only: bool = False, ptxas_log: list = None) -> bytes:
     """Compile one variant for compute capability ``cc`` with NVRTC; raises KernelCompileError.
 
     ``ptx_only`` stops after NVRTC's code generator and returns PTX (about 3x faster: every C++ and
-    code-generation error shows, but the inline PTX is only assembled when a cubin is built)."""
+    code-generation error shows, but the inline PTX is only assembled when a cubin is built). ``ptxas_log``: a list
+    that gets the compilation's log with ptxas's report (registers, spills, its performance notes)."""
     nvrtc = _nvrtc()
     source = kernel_source(variant.source_file)
-    options = nvrtc_options(variant, cc, ptx_only)
+    options = nvrtc_options(variant, cc, ptx_only) + (("--ptxas-options=-v",) if ptxas_log is not None else ())
     program = nvrtc.createProgram(source, variant.source_file, (), ())
     try:
         try:
@@ -97,12 +98,22 @@ def compile_cubin(variant: Variant, cc, ptx_only: bool = False) -> bytes:
                 f"NVRTC {'.'.join(map(str, nvrtc_version()))} failed to compile {variant.label} for "
                 f"{target_name(variant, cc)} ({error}):\n{log}"
             ) from None
+        if ptxas_log is not None:
+            ptxas_log.append(nvrtc.getProgramLog(program))
         if ptx_only:
             ptx = nvrtc.getPTX(program)
             return ptx if isinstance(ptx, bytes) else ptx.encode()
         return nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)
+
+
+def wgmma_notes(log: str) -> list:
+    """ptxas's performance notes on a kernel's wgmma in a compilation log (compile_cubin's ``ptxas_log``), its C75xx
+    notes: every wgmma made to wait for the one before ("wgmma.mma_async instructions are serialized due to ..."), or
+    a wait injected where registers a wgmma writes are used too early. The results stay right, the speed does not (a
+    serialised Hopper forward ran at three quarters of its speed, NOTES.md)."""
+    return [line.split(":", 1)[-1].strip() for line in log.splitlines() if "(C75" in line]
 
 
 def cache_dir() -> Path:
