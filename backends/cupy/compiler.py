@@ -108,14 +108,6 @@ def compile_cubin(variant: Variant, cc, ptx_only: bool = False, ptxas_log: list 
         nvrtc.destroyProgram(program)
 
 
-def wgmma_notes(log: str) -> list:
-    """ptxas's performance notes on a kernel's wgmma in a compilation log (compile_cubin's ``ptxas_log``), its C75xx
-    notes: every wgmma made to wait for the one before ("wgmma.mma_async instructions are serialized due to ..."), or
-    a wait injected where registers a wgmma writes are used too early. The results stay right, the speed does not (a
-    serialised Hopper forward ran at three quarters of its speed, NOTES.md)."""
-    return [line.split(":", 1)[-1].strip() for line in log.splitlines() if "(C75" in line]
-
-
 def cache_dir() -> Path:
     root = os.environ.get("MHATTN_CACHE_DIR")
     if root:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mhattn.backends import ptxas_notes
 from mhattn.backends.triton import configs, hopper_launch
 from mhattn.backends.triton.launcher import COMPILE_OPTIONS
 
@@ -184,6 +185,32 @@ def resource_usage(kernel) -> dict:
         usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     return {"regs": int(found.group(1)), "stack": int(found.group(2))}
+
+
+def wgmma_notes(kernel) -> list:
+    """ptxas's notes on the wgmma of a kernel compiled for sm_90a (backends/ptxas_notes.py): its PTX assembled again
+    with ``-v`` by the ptxas Triton's build took (the one that reads its PTX version), which that build keeps quiet."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    try:  # (Triton >= 3.5: a newer ptxas for sm_90 and up beside the legacy one)
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        tool = get_ptxas(90).path
+    except (ImportError, AttributeError, TypeError):
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        report = subprocess.run([tool, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(folder, "kernel.cubin")],
+                                capture_output=True, text=True)
+    if report.returncode != 0:
+        raise RuntimeError(f"ptxas failed on the kernel's PTX: {report.stderr.strip()[:2000]}")
+    return ptxas_notes.wgmma_notes(report.stdout + report.stderr)
 
 
 def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
