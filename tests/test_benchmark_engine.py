@@ -453,9 +453,11 @@ def test_argument_lists():
     assert args.dtype == ["bf16", "fp16"] and args.mode == ["fwd", "bwd"] and args.head_dim == [64]
     selection = bench_cli.build_selection(args, protocol.implementations())
     assert selection.impls == ["triton", "sdpa-flash", "reference"]  # the table's display order
-    for bad in (["--seqlen", "x"], ["--dtype", "int8"], ["--mode", "sideways"]):
+    for bad in (["--seqlen", "x"], ["--dtype", "int8"], ["--mode", "sideways"], ["--dtype", "both,fp16"]):
         with pytest.raises(SystemExit):
             _parse(bad)
+    for both in ("both", "all", "bf16,fp16", "fp16,bf16"):  # (what --help offers for both 16-bit dtypes)
+        assert sorted(_parse(["--dtype", both]).dtype) == ["bf16", "fp16"]
 
 
 def test_quick_selection_and_short_timing():

@@ -58,7 +58,7 @@ def _int_list(text: str) -> list:
 
 def _dtype_list(text: str) -> list:
     names = [p for p in text.replace(" ", "").split(",") if p]
-    if names == ["all"]:
+    if names in (["all"], ["both"]):  # (the two 16-bit dtypes the protocol times)
         return list(protocol.DTYPES)
     try:
         values = [protocol.canonical_dtype(n) for n in names]
@@ -94,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--impl", action="extend", nargs="+", type=_name_list, default=None, metavar="NAME",
                       help="implementations (names or comma lists; default: every mhattn backend, sdpa-flash, "
                            "sdpa-cudnn, sdpa-efficient and the reference; sdpa-math on request; see --list)")
-    what.add_argument("--dtype", type=_dtype_list, default=None, help="bf16, fp16 or both (default bf16; 'all')")
+    what.add_argument("--dtype", type=_dtype_list, default=None,
+                      help="bf16, fp16, a comma list or 'both' (default bf16; 'all' = 'both')")
     what.add_argument("--head-dim", type=_int_list, default=None, help="head dims (default 64,128,256)")
     what.add_argument("--seqlen", type=_int_list, default=None, help="sequence lengths (default 512,1k,2k,4k,8k,16k)")
     what.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="causal, non-causal or both")
