@@ -60,11 +60,12 @@ MASKINGS = ((False, None, False), (True, None, False), (True, None, True), (Fals
 # (stages, dq_bulk[, dq_buffers, query_rows]); the first candidate again last, for the spread between two timings
 SWEEP_BWD = {64: ((2, False, 1, 128), (3, False), (2, False, 1, 128)), 128: ((2, True), (2, False))}
 # (block_n, stages, consumers, pingpong, persistent, staged_out, masked_pingpong, lazy_rescale, turns_across_tiles):
-# the shipped tiles, with the ping-pong turns running on across tiles, the shipped again, the turns across tiles again
-# (the spread between two timings; d = 64 takes no turns). The lazy rescaling's candidates: NOTES.md, H16.
+# the shipped tiles, with the ping-pong turns the other way (on at d = 128 since H18, off at d = 256), the shipped
+# again, the other way again (the spread between two timings; d = 64 takes no turns). The lazy rescaling's
+# candidates: NOTES.md, H16.
 SWEEP = {64: ((128, 3, 2, False, True, True), (128, 3, 2, False, True, True)),
-         128: ((128, 2, 2, True, True, True, False), (128, 2, 2, True, True, True, False, False, True),
-               (128, 2, 2, True, True, True, False), (128, 2, 2, True, True, True, False, False, True)),
+         128: ((128, 2, 2, True, True, True, False, False, True), (128, 2, 2, True, True, True, False),
+               (128, 2, 2, True, True, True, False, False, True), (128, 2, 2, True, True, True, False)),
          256: ((64, 2, 2, True, True, False, False, True), (64, 2, 2, True, True, False, False, True, True),
                (64, 2, 2, True, True, False, False, True), (64, 2, 2, True, True, False, False, True, True))}
 
