@@ -168,21 +168,27 @@ def _tensor_map_types(task: KernelTask) -> dict:
     return dict(zip(names, map(mangle_type, maps)))
 
 
+def _nvidia_tool(name: str) -> str:
+    """The path of a CUDA tool (cuobjdump, ptxas, ...) that ships with Triton's NVIDIA backend."""
+    import os
+
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
 def resource_usage(kernel) -> dict:
     """{"regs": registers per thread, "stack": stack bytes per thread (register spills)} of a compiled kernel,
     from ``cuobjdump --dump-resource-usage`` of its cubin (the tool ships with Triton's NVIDIA backend)."""
-    import os
     import re
     import subprocess
     import tempfile
 
-    import triton
-
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run([_nvidia_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                               text=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     return {"regs": int(found.group(1)), "stack": int(found.group(2))}
 
@@ -194,14 +200,12 @@ def wgmma_notes(kernel) -> list:
     import subprocess
     import tempfile
 
-    import triton
-
     try:  # (Triton >= 3.5: a newer ptxas for sm_90 and up beside the legacy one)
         from triton.backends.nvidia.compiler import get_ptxas
 
         tool = get_ptxas(90).path
     except (ImportError, AttributeError, TypeError):
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        tool = _nvidia_tool("ptxas")
     with tempfile.TemporaryDirectory() as folder:
         ptx = os.path.join(folder, "kernel.ptx")
         with open(ptx, "w") as f:
