@@ -773,6 +773,23 @@ def recorded_maps(monkeypatch):
 HOPPER_NO_MASK_OR_SOFTCAP_ARGS = [("ptr", 0)] + [("i64", 0)] * 4 + [("f32", 0.0)] * 2 + [("ptr", 0)] + [("i64", 0)] * 4
 
 
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_hopper_forward_groups_pairs_by_the_tiles_cost(recorded_maps, monkeypatch, causal):
+    """The forward's sched_pairs argument: tiles of equal cost (no causal mask or window) run in groups of the pairs
+    whose K and V fit ops.SCHED_L2_BYTES_EQUAL_TILES, tiles taken from a counter (causal) in groups of SCHED_L2_BYTES'."""
+    tiles = dataclasses.replace(variants.HOPPER_FWD_TILES[128], staged_out=False)
+    monkeypatch.setitem(variants.HOPPER_FWD_TILES, 128, tiles)
+    launcher = _MapLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(9, 0))
+    q, k, v, _ = _inputs(2, 4, 2, 300, 517, 128, torch.bfloat16, "cpu")
+    backend.forward(q, k, v, _params(300, 517, 128, causal=causal))
+    args = launcher.calls[-1][2]
+    group = ops.sched_pairs(8, 517, 128, 2, ops.SCHED_L2_BYTES if causal else ops.SCHED_L2_BYTES_EQUAL_TILES)
+    # K and V of a pair: 2 * 517 * 128 * 2 bytes, three of them in 1 MB; all 8 pairs in 16 MB
+    assert group == (8 if causal else 3)
+    assert args[9:15] == [("i32", 300), ("i32", 517), ("i32", 4), ("i32", 2), ("i32", 8), ("i32", group)]
+
+
 def test_hopper_forward_plan_launches_the_hopper_kernel_with_maps(recorded_maps, monkeypatch):
     """The forward with the output stored by the consumers (three maps; the staged output's fourth: the test
     below)."""

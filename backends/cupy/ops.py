@@ -49,6 +49,12 @@ MIN_FWD_BLOCK_M = 64
 # holds as many pairs as have K and V within this many bytes, so their K / V tiles stay in L2 (50 MB on an
 # H100) while the group's CTAs run. About what one wave of CTAs of consecutive query blocks of a pair reads.
 SCHED_L2_BYTES = 16 << 20
+# The Hopper forward's groups where every tile costs the same (no causal mask or window: the persistent CTAs take
+# the tiles at a fixed stride, so no heaviest-first order is at stake): a pair or two, whose query tiles then run
+# side by side and read each K / V tile while it is in L2. At d = 128, N = 1k (ncu, clocks locked) against 16 MB: 201
+# instead of 301 MB read from DRAM (Q, K and V once), L2 traffic 1.04 instead of 1.69 GB, 2.5% less time; causal
+# tiles (taken from a counter) kept SCHED_L2_BYTES, which read faster there (NOTES.md, H19).
+SCHED_L2_BYTES_EQUAL_TILES = 1 << 20
 # lse_log2 / delta vectors are padded to a multiple of this, the largest query tile of the backward kernels.
 VECTOR_PAD = 128
 
@@ -338,7 +344,9 @@ def _hopper_forward_plan(plan: _ForwardPlan, launcher, cc, q, k, v, out, params:
     pairs = batch * heads_q
     args = [slot(0), slot(1), slot(2)] + [slot(6)] * staged + [slot(3), slot(4), slot(5)] + _strides(out)
     args += [i32(seqlen_q), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv), i32(pairs),
-             i32(sched_pairs(pairs, seqlen_k, head_dim, q.element_size())), f32(params.scale * LOG2E)]
+             i32(sched_pairs(pairs, seqlen_k, head_dim, q.element_size(),
+                             SCHED_L2_BYTES if params.has_window else SCHED_L2_BYTES_EQUAL_TILES)),
+             f32(params.scale * LOG2E)]
     # diag_offset, window_left, window_right, the boolean mask and its strides; the softcap factors, the float mask and
     # its strides (those of float_mask_view's result, which depend only on the mask's shape, strides and dtype)
     args += _feature_args(params, _HOPPER_FWD_SLOTS)[:8] + _hopper_extra_args(
@@ -466,10 +474,11 @@ def _bwd_choice(cc, dtype, d: int, level: str, deterministic: bool, features: tu
     return variants.preprocess_variant(dtype_name, any_dims="ANY_DIMS" in features), dkdv, dq
 
 
-def sched_pairs(pairs: int, seqlen_k: int, head_dim: int, element_size: int) -> int:
-    """(batch, head) pairs per scheduling group of the forward grid (see SCHED_L2_BYTES)."""
+def sched_pairs(pairs: int, seqlen_k: int, head_dim: int, element_size: int, group_bytes: int = None) -> int:
+    """(batch, head) pairs per scheduling group of the forward grid: as many as have K and V within ``group_bytes``
+    (default SCHED_L2_BYTES), at least one."""
     kv_bytes = 2 * seqlen_k * head_dim * element_size
-    return max(1, min(pairs, SCHED_L2_BYTES // max(kv_bytes, 1)))
+    return max(1, min(pairs, (SCHED_L2_BYTES if group_bytes is None else group_bytes) // max(kv_bytes, 1)))
 
 
 class _BackwardPlan:
