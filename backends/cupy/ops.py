@@ -474,7 +474,7 @@ def _bwd_choice(cc, dtype, d: int, level: str, deterministic: bool, features: tu
     return variants.preprocess_variant(dtype_name, any_dims="ANY_DIMS" in features), dkdv, dq
 
 
-def sched_pairs(pairs: int, seqlen_k: int, head_dim: int, element_size: int, group_bytes: int = None) -> int:
+def sched_pairs(pairs: int, seqlen_k: int, head_dim: int, element_size: int, group_bytes: Optional[int] = None) -> int:
     """(batch, head) pairs per scheduling group of the forward grid: as many as have K and V within ``group_bytes``
     (default SCHED_L2_BYTES), at least one."""
     kv_bytes = 2 * seqlen_k * head_dim * element_size
