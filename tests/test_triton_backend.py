@@ -956,9 +956,9 @@ def test_gpu_over_2_31_elements_and_huge_batch_heads():
 def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
     """Every table entry that uses the Hopper switches compiles for sm_90a through Triton's compiler, and the
     copy-engine switch really gives bulk tensor copies in the PTX. The Gluon kernels fit an H100's shared memory per
-    block (227 KB) with no ptxas note on their wgmma, the forward with two Q buffers writes its output through the copy engine (from Q's slot) and
-    rescales its output lazily where FORWARD_LAZY_RESCALE says, and the backward its dK and dV where
-    BACKWARD_STAGED_DK_DV says (from K's and V's tiles)."""
+    block (227 KB) with no ptxas note on their wgmma, the forward with two Q buffers writes its output through the
+    copy engine (from Q's slot) and rescales its output lazily where FORWARD_LAZY_RESCALE says, and the backward its
+    dK and dV where BACKWARD_STAGED_DK_DV says (from K's and V's tiles)."""
     from mhattn.backends.triton import ahead, hopper_launch
 
     tasks = ahead.table_tasks("sm_90a")
@@ -973,7 +973,8 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
             assert kernel.metadata.shared <= 227 * 1024, (task.label, kernel.metadata.shared)
             # ptxas keeps every wgmma asynchronous (a serialised build keeps its results and loses about a quarter
             # of its speed).
-            assert not ahead.wgmma_notes(kernel), (task.label, ahead.wgmma_notes(kernel))
+            notes = ahead.wgmma_notes(kernel)
+            assert not notes, (task.label, notes)
         if task.kind == "hopper_bwd":  # dQ's shares summed by the copy engine; dK and dV stored by it where staged
             assert "cp.reduce.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx, task.label
             staged = "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
