@@ -70,6 +70,10 @@ constexpr u32 CONSUMER_WARPS = 4 * CONSUMERS;  // each releases a slot once
 // Register budgets (setmaxnreg), within what the CTA got at launch (budgets_fit_launch).
 constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 56 : HEAD_DIM == 256 ? 40 : 56;
 constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 152 : HEAD_DIM == 256 ? 232 : 224;  // d = 256: O is 128 a thread
+// The consumers' warpgroup index taken from lane 0 (a shuffle), so that ptxas can prove the Q operand's wgmma
+// descriptors uniform and form them in uniform registers (16 moves there a block fewer at d = 128). H100: d = 64
+// +1-3%, d = 128 level, d = 256 2-4% slower (its spills grow), so d = 256 keeps the per-thread value (NOTES, H20).
+constexpr bool UNIFORM_WARPGROUP = HEAD_DIM <= 128;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float RESCALE_LOG2 = 8.f;  // LAZY_RESCALE: how far (log2 units) a block's top may pass a row's maximum
 static_assert(HEAD_DIM % 64 == 0, "HEAD_DIM must be whole 64-column chunks");
@@ -560,7 +564,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
   claim_registers<CONSUMER_REGS>();
 
   const int lane = tid & 31, warp = (tid & 127) >> 5;
-  const Consumer consumer{lane, lane & 3, (wg - 1) * 64 + warp * 16 + (lane >> 2), (wg - 1) * 64, wg - 1,
+  const int wg_uniform = UNIFORM_WARPGROUP ? __shfl_sync(0xffffffffu, wg, 0) : wg;  // the same value, see above
+  const Consumer consumer{lane, lane & 3, (wg - 1) * 64 + warp * 16 + (lane >> 2), (wg_uniform - 1) * 64,
+                          wg_uniform - 1,
                           STAGED_OUT && (tid & 127) == 0, s_k, s_v, qb, slots, Turns{wg, 3 - wg}, scale_log2,
                           Softcap{softcap_in2, softcap_out2}, LOG2E / softmax_scale_log2(scale_log2)};
   int q_round = 0, ring = 0;
