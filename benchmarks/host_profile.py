@@ -18,7 +18,12 @@ says what the hand-off to the engine's device thread costs each path.
 mhattn.attention, on autograd's device thread and on the calling thread. ``--paths`` shows, at the latency
 shapes, which path auto takes beside torch's SDPA (call_paths).
 ``--gluon`` gives the host cost per call of the Gluon Hopper paths at the protocol's short causal cells (N = 1k,
-B*N = 16k) beside their GPU time (gluon_host_costs). ``--device-thread`` times pieces of host work inside a backward
+B*N = 16k) beside their GPU time (gluon_host_costs). ``--torch-kernels`` times, at the three bf16 latency shapes,
+torch's public SDPA beside each fused kernel called through its private op's Python binding (no per-call kernel choice;
+a differentiable op, so forward+backward keeps torch's C++ autograd node) and mhattn on auto, in turns
+(torch_kernel_rows). ``--relay`` times the Triton and CuPy backends' forward+backward through an autograd Function
+(one node, on the device thread) beside a two-node relay that runs the same backward on the calling thread
+(relay_functions). ``--device-thread`` times pieces of host work inside a backward
 (autograd's device thread) beside the same on the main thread. ``--profile triton-fwd`` (``cupy-fwd``) prints
 cProfile's top entries of mhattn.attention's forward on the Triton (CuPy) backend; ``--profile triton-bwd`` prints
 cProfile's top entries of the Triton backward where autograd runs it (its device thread) and on the main thread.
@@ -74,6 +79,15 @@ def _backend_function(backend, params):
     return Direct
 
 
+def _saved_forward(ctx, backend, params, q, k, v):
+    """(out, lse) of ``backend``'s forward inside an autograd Function's forward, with what its backward reads saved
+    (q, k, v, out, lse) and unused output gradients left as None."""
+    out, lse = backend.forward(q, k, v, params)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, out, lse)
+    return out, lse
+
+
 def _two_output_function(backend, params):
     """As _backend_function, but returning (out, lse) with lse unused and its gradient not materialised, and saving
     them as outputs: the shape of mhattn's own autograd Function (functional._EagerAttention) without the front end."""
@@ -81,10 +95,7 @@ def _two_output_function(backend, params):
     class TwoOutputs(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
-            out, lse = backend.forward(q, k, v, params)
-            ctx.set_materialize_grads(False)
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out, lse
+            return _saved_forward(ctx, backend, params, q, k, v)
 
         @staticmethod
         def backward(ctx, grad, grad_lse):
@@ -386,6 +397,145 @@ def gluon_host_costs(head_dims=(64, 128, 256), seqlen=1024, queued=20, repeats=5
         print(f"{label:<44} " + "  ".join(f"{value:6.1f}" for value in values))
 
 
+def torch_kernel_rows(shape, grad: bool) -> dict:
+    """{label: call} at ``shape`` (B, H, N, D), bf16: torch's public SDPA, each fused kernel through its private op's
+    binding (``torch._scaled_dot_product_<kernel>_attention``, what the public op runs after its choice; with
+    ``grad`` each call's output is differentiated), the public op pinned to flash, and mhattn on auto. Each is
+    checked against the public op first."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
+    dout = torch.randn_like(q)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def pinned_flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return sdpa(q, k, v)
+
+    outputs = {
+        "torch sdpa": lambda: sdpa(q, k, v),
+        "torch flash op binding": lambda: torch._scaled_dot_product_flash_attention(q, k, v)[0],
+        "torch cuDNN op binding": lambda: torch._scaled_dot_product_cudnn_attention(q, k, v, None, grad)[0],
+        "torch efficient op binding": lambda: torch._scaled_dot_product_efficient_attention(q, k, v, None, grad)[0],
+        "torch sdpa pinned to flash": pinned_flash,
+        "mhattn auto": lambda: mhattn.attention(q, k, v),
+    }
+    expected = outputs["torch sdpa"]().float()
+    for label, fn in outputs.items():
+        error = (fn().float() - expected).abs().max().item()
+        if error > 2e-2:
+            raise AssertionError(f"{label}: max error {error} against torch's sdpa")
+    if not grad:
+        return outputs
+    return {label: (lambda fn=fn: fn().backward(dout)) for label, fn in outputs.items()}
+
+
+def torch_kernels():
+    """torch_kernel_rows at each bf16 latency shape, forward and forward+backward, the calls of a shape and mode in
+    turns (seven rounds, the best of each); prints each call's host loop and its ratio to the public op's."""
+    print(f"{'shape':<22} {'mode':<8} {'call':<28} {'us':>8} {'x sdpa':>7}")
+    for shape in latency.SHAPES:
+        if shape.dtype != "bf16":
+            continue
+        dims = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
+        for grad in (False, True):
+            calls = torch_kernel_rows(dims, grad)
+            for fn in calls.values():
+                for _ in range(20):
+                    fn()
+            best, errors = latency.host_loops_in_turn(calls, 300, "cuda", 7)
+            for label, error in errors.items():
+                print(f"{label}: {type(error).__name__}: {str(error)[:120]}")
+            for label, us in best.items():
+                print(f"{str(dims):<22} {'fwd+bwd' if grad else 'fwd':<8} {label:<28} {us:8.1f} "
+                      f"{us / best['torch sdpa']:7.2f}", flush=True)
+
+
+def relay_functions(backend, params):
+    """A forward+backward of ``backend`` as two autograd nodes, so that its backward runs on the calling thread:
+    ``Work`` runs the forward and the backward and outputs only an empty CPU tensor; ``Relay`` outputs (out, lse)
+    and its backward hands their gradient to Work's node and returns none. The engine runs a node whose incoming
+    gradients are all CPU or undefined on the calling thread, and others on the device's thread, so Relay (a few
+    Python lines) runs on the device thread and Work's backward on the calling thread, at the cost of two more
+    hand-offs between the threads. Returns ``call(q, k, v) -> out``, whose ``threads`` lists the thread each of
+    Work's backwards ran on. (Work's node keeps out and lse detached, so no reference cycle runs through Relay's
+    outputs.)"""
+    import threading
+
+    threads = []
+
+    class Work(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.grad_out, ctx.outputs = None, _saved_forward(ctx, backend, params, q, k, v)
+            return torch.empty(0)
+
+        @staticmethod
+        def backward(ctx, _undefined):
+            threads.append(threading.get_ident())
+            q, k, v, out, lse = ctx.saved_tensors
+            grad_out, ctx.grad_out = ctx.grad_out, None
+            return backend.backward(grad_out, q, k, v, out, lse, params)[:3]
+
+    class Relay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, token):
+            work = ctx.work = token.grad_fn
+            ctx.set_materialize_grads(False)
+            out, lse = (t.detach() for t in work.outputs)
+            work.outputs = None
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            ctx.work.grad_out = grad_out
+            return None
+
+    def call(q, k, v):
+        return Relay.apply(Work.apply(q, k, v))[0]
+
+    call.threads = threads
+    return call
+
+
+def relay():
+    """At the three bf16 latency shapes: forward+backward host loops of torch's SDPA, and of the Triton and CuPy
+    backends through one autograd Function (_two_output_function), through the relay (relay_functions) and through
+    mhattn.attention, in turns; the relay's gradients checked against the one-node Function's first, and the thread
+    each backward ran on reported."""
+    import threading
+
+    main_thread = threading.get_ident()
+    print(f"{'shape':<22} {'call':<34} {'us':>8} {'x sdpa':>7}")
+    for shape in latency.SHAPES:
+        if shape.dtype != "bf16":
+            continue
+        dims = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
+        q, k, v = (torch.randn(*dims, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        dout = torch.randn_like(q)
+        params = AttentionParams(scale=shape.head_dim ** -0.5)
+        calls = {"torch sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v).backward(dout)}
+        for name in ("triton", "cupy"):
+            backend = mhattn.registry.get_backend(name)
+            if backend.unavailable():
+                continue
+            relayed, one_node = relay_functions(backend, params), _two_output_function(backend, params)
+            expected = torch.autograd.grad(one_node.apply(q, k, v)[0], (q, k, v), dout)
+            got = torch.autograd.grad(relayed(q, k, v), (q, k, v), dout)
+            for a, b in zip(expected, got):
+                torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)  # (the CuPy backward adds dQ in any order)
+            print(f"{name}: the relay's backward ran on the calling thread: {relayed.threads[-1] == main_thread}")
+            calls[f"{name} one node"] = lambda f=one_node: f.apply(q, k, v)[0].backward(dout)
+            calls[f"{name} relay"] = lambda f=relayed: f(q, k, v).backward(dout)
+            calls[f"mhattn.attention {name}"] = lambda name=name: mhattn.attention(q, k, v, backend=name).backward(dout)
+        for fn in calls.values():
+            for _ in range(20):
+                fn()
+        best, _ = latency.host_loops_in_turn(calls, 300, "cuda", 5)
+        for label, us in best.items():
+            print(f"{str(dims):<22} {label:<34} {us:8.1f} {us / best['torch sdpa']:7.2f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", choices=("triton-fwd", "triton-bwd", "cupy-fwd"), default=None)
@@ -401,6 +551,12 @@ def main():
     parser.add_argument("--gluon", action="store_true",
                         help="only the host cost per call of the Gluon Hopper paths at the protocol's short causal "
                              "cells (gluon_host_costs)")
+    parser.add_argument("--torch-kernels", action="store_true",
+                        help="only torch's fused kernels through their private ops' bindings beside the public op "
+                             "and mhattn on auto, at the latency shapes (torch_kernels)")
+    parser.add_argument("--relay", action="store_true",
+                        help="only the Triton and CuPy backward on the calling thread through a two-node relay, "
+                             "beside one node (relay)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_profile.py needs a CUDA GPU (benchmarks/host_cost.py is the CPU counterpart)")
@@ -409,6 +565,12 @@ def main():
         return
     if args.paths:
         call_paths()
+        return
+    if args.torch_kernels or args.relay:
+        if args.torch_kernels:
+            torch_kernels()
+        if args.relay:
+            relay()
         return
     if args.bisect:
         gen = torch.Generator(device="cuda").manual_seed(0)
