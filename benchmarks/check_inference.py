@@ -19,6 +19,9 @@ paged, beside cuDNN. ``--sweep-splits`` times contiguous decoding at d = 128 wit
 (SWEEP_SPLITS) beside the rule's own choice and cuDNN, at batches whose grid already fills the GPU unsplit.
 ``--dependent-launch`` times decoding (dense, contiguous and paged cache; bf16, d = 128, Nq = 1) with the combine as
 a programmatic dependent launch of the split kernel and after it (decode_launch.DEPENDENT_LAUNCH), beside cuDNN.
+``--kept-partials`` compares host loops of short decoding steps (dense and contiguous cache; bf16, d = 128, Nq = 1)
+with the split kernel's partials kept per stream (decode_launch.split_partials) and allocated at every step, in
+turns, beside SDPA's.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ SWEEP_CELLS = ((1, 131072), (8, 32768), (8, 131072), (64, 8192), (64, 32768))
 # --sweep-splits: forced split counts and (B, Nk) cells at Nq = 1.
 SWEEP_SPLITS = (1, 2, 3, 4, 6)
 SWEEP_SPLIT_CELLS = ((8, 32768), (8, 131072), (64, 8192), (64, 32768), (64, 131072))
+# --kept-partials: (B, Nk) cells at Nq = 1, short caches (host-bound steps).
+KEPT_PARTIALS_CELLS = ((1, 1024), (1, 8192), (8, 1024))
 # --dependent-launch: (B, Nk) cells at Nq = 1.
 DEPENDENT_CELLS = ((1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 1024), (8, 8192), (8, 32768), (64, 8192))
 VARLEN_HEADS = 16
@@ -278,6 +283,65 @@ def sweep_dependent_launch(device, settings, out_dir):
     return lines
 
 
+def kept_partials(device, out_dir, cells=KEPT_PARTIALS_CELLS):
+    """Host loops (300 steps, one synchronize; seven rounds in turns, the best of each) of dense decoding through
+    mhattn.attention and of attention_with_kvcache over a contiguous cache on the Triton backend, with the split
+    partials kept (decode_launch.split_partials) and made at each step (two allocations, as before they were kept),
+    beside SDPA's default path (bf16, Hq 32, Hkv 8, d 128, Nq 1). Outputs checked against SDPA first."""
+    import mhattn
+    import torch.nn.functional as F
+    from mhattn.backends.base import KVCache
+    from mhattn.backends.triton import decode_launch
+    from mhattn.benchmark import latency
+
+    kept = decode_launch.split_partials
+
+    def allocated(device, device_index, rows, splits, head_dim_v):
+        return (torch.empty(rows, splits, head_dim_v, dtype=torch.float32, device=device),
+                torch.empty(rows, splits, dtype=torch.float32, device=device))
+
+    def switched(partials):
+        class Switch:
+            def __enter__(self):
+                decode_launch.split_partials = partials
+
+            def __exit__(self, *exc):
+                decode_launch.split_partials = kept
+        return Switch
+
+    lines = ["== split partials kept per stream / allocated per step: host loop us per step, bf16 (the CPU: fp16), "
+             "d = 128, Nq = 1 ==",
+             f"{'B':>3} {'Nk':>6} {'sdpa':>7} {'dense kept':>11} {'dense alloc':>12} {'cache kept':>11} "
+             f"{'cache alloc':>12}"]
+    dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # (Triton's interpreter: no bfloat16)
+    for batch, seqlen_k in cells:
+        q = torch.randn(batch, 32, 1, 128, device=device, dtype=dtype)
+        k, v = (torch.randn(batch, 8, seqlen_k, 128, device=device, dtype=dtype) for _ in range(2))
+        seqlens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=device)
+        cache = KVCache(k, v, seqlens)
+        dense = lambda: mhattn.attention(q, k, v, enable_gqa=True, backend="triton")  # noqa: E731
+        cached = lambda: mhattn.attention_with_kvcache(q, cache.k, cache.v, cache_seqlens=cache.seqlens,  # noqa: E731
+                                                       backend="triton")
+        expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).float()
+        for fn in (dense, cached):
+            for partials in (kept, allocated):
+                with switched(partials)():
+                    error = (fn().float() - expected).abs().max().item()
+                if error > 2e-2:
+                    raise AssertionError(f"B={batch} Nk={seqlen_k}: max error {error} against SDPA")
+        calls = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                 "dense kept": dense, "dense alloc": dense, "cache kept": cached, "cache alloc": cached}
+        contexts = {name: switched(allocated if name.endswith("alloc") else kept) for name in calls}
+        best, errors = latency.host_loops_in_turn(calls, 300, device, 7, contexts)
+        if errors:
+            raise next(iter(errors.values()))
+        lines.append(f"{batch:>3} {seqlen_k:>6} " + " ".join(
+            f"{best[name]:{width}.1f}" for name, width in (("sdpa", 7), ("dense kept", 11), ("dense alloc", 12),
+                                                            ("cache kept", 11), ("cache alloc", 12))))
+        log(out_dir, lines[-1])
+    return lines
+
+
 def _us(value) -> str:
     return "-" if value is None else f"{value:.0f}"
 
@@ -299,6 +363,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep-splits", action="store_true", help="only the split-count sweep at d = 128")
     parser.add_argument("--dependent-launch", action="store_true",
                         help="only decoding with the combine as a dependent launch and after the splits")
+    parser.add_argument("--kept-partials", action="store_true",
+                        help="only host loops of short decoding steps with the split partials kept and allocated")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     out_dir = os.environ.get("OUT")
@@ -306,6 +372,10 @@ def main(argv=None) -> int:
         os.makedirs(out_dir, exist_ok=True)
     if args.sweep_tiles:
         for line in sweep_tiles(device, timing.TimingSettings(10.0, 40.0), out_dir):
+            log(out_dir, line)
+        return 0
+    if args.kept_partials:
+        for line in kept_partials(device, out_dir, ((1, 64), (2, 100)) if args.tiny else KEPT_PARTIALS_CELLS):
             log(out_dir, line)
         return 0
     if args.dependent_launch:

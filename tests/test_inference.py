@@ -260,6 +260,69 @@ def check_split_kv_path_taken(device="cpu"):
                                         decode_launch.INTERPRETER_MIN_KEYS_PER_SPLIT) > 1
 
 
+def check_split_partials_kept(device="cpu", streams=False):
+    """Decoding steps of one shape on one stream share the split kernel's partials (made once, decode_launch
+    .split_partials) and each step's output is its own: a step with other inputs right after gives the float64
+    reference's answer, not the one before. Another shape (other split counts) gets other partials; with
+    ``streams`` (CUDA) a step on another stream gets its own, and a step captured into a CUDA graph allocates its own
+    and replays correctly."""
+    from mhattn.backends.triton import decode_launch
+
+    given = []
+    original = decode_launch.split_partials
+
+    def spy(*args):
+        given.append(original(*args))
+        return given[-1]
+
+    def step(q, k, v):
+        return mhattn.attention(q, k, v, enable_gqa=True, backend="triton")
+
+    def expected(q, k, v):
+        return mhattn.attention(q.double(), k.double(), v.double(), enable_gqa=True, backend="reference")
+
+    def inputs(seqlen_k, seed):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        return tuple(torch.randn(1, heads, rows, 32, device=device, dtype=torch.float16, generator=gen)
+                     for heads, rows in ((8, 1), (2, seqlen_k), (2, seqlen_k)))
+
+    decode_launch.split_partials = spy
+    try:
+        # Cache lengths with different split counts (the interpreter's rule splits finer than the GPU's).
+        length, shorter_length = (300, 100) if device == "cpu" else (1000, 300)
+        first, second, shorter = inputs(length, 1), inputs(length, 2), inputs(shorter_length, 3)
+        results = [(step(*x), expected(*x)) for x in (first, second, first, shorter)]
+        assert len(given) == 4 and all(p[0] is given[0][0] and p[1] is given[0][1] for p in given[:3]), \
+            "steps of one shape on one stream must reuse the split partials"
+        assert given[3][0] is not given[0][0], "another split shape must get partials of its own"
+        for out, gold in results:
+            torch.testing.assert_close(out.double(), gold, atol=2e-3, rtol=2e-3)
+        if streams:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                on_side = step(*second)
+            torch.cuda.current_stream().wait_stream(side)
+            assert given[-1][0] is not given[0][0], "a step on another stream must not share the partials"
+            torch.testing.assert_close(on_side.double(), results[1][1], atol=2e-3, rtol=2e-3)
+            static = [x.clone() for x in first]
+            with torch.cuda.stream(side):  # warm-up on a side stream, as capture needs
+                step(*static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = step(*static)
+            assert all(given[-1][0] is not p[0] for p in decode_launch._split_partials.values()), \
+                "a captured step must allocate its own partials"
+            for x, new in zip(static, second):
+                x.copy_(new)
+            step(*first)  # an eager step on the kept partials between the capture and the replay
+            graph.replay()
+            torch.testing.assert_close(captured.double(), results[1][1], atol=2e-3, rtol=2e-3)
+    finally:
+        decode_launch.split_partials = original
+
+
 # ---- the reference on the CPU (no kernel) ---------------------------------------------------------------
 
 KVCACHE_CASES = {
@@ -636,6 +699,11 @@ def test_interpreter_split_kv_path_taken(interpreter):
 
 
 @pytest.mark.interpret
+def test_interpreter_split_partials_kept(interpreter):
+    interpreter.run("check_split_partials_kept")
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
 def test_interpreter_varlen(interpreter, case):
     dtype = "float32" if case in ("causal_q_ne_k", "dropout") else "float16"
@@ -657,6 +725,11 @@ def test_interpreter_varlen_through_descriptors(interpreter, case):
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_split_partials_kept_per_stream_and_not_captured():
+    check_split_partials_kept(device="cuda", streams=True)
 
 
 @pytest.mark.gpu

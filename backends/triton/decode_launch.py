@@ -15,6 +15,7 @@ import torch
 
 from mhattn.backends.base import AttentionParams, KVCache
 from mhattn.backends.splits import split_count
+from mhattn.backends.streams import current_stream
 from mhattn.backends.triton import configs
 from mhattn.caches import put_bounded
 
@@ -137,8 +138,7 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
     dependent = splits > 1 and DEPENDENT_LAUNCH and _dependent_launch_ok(plan)
 
     if splits > 1:
-        out_split = torch.empty(rows, splits, plan.head_dim_v, dtype=torch.float32, device=q.device)
-        lse_split = torch.empty(rows, splits, dtype=torch.float32, device=q.device)
+        out_split, lse_split = split_partials(q.device, plan.device_index, rows, splits, plan.head_dim_v)
     else:
         out_split = lse_split = lse
     seqlens = cache.seqlens if cache is not None else lse
@@ -178,6 +178,37 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
             backend._launch_site(signature, (combine, keys, dependent), combine, (out, lse, out_split, lse_split), (),
                                  prepare_combine)
     return out, lse
+
+
+# The split kernel's partial outputs and lse by (device, stream, rows, splits, value head dim), kept: one stream's
+# launches run in order, so a step's combine has read them before the next step's split kernel writes them, and a
+# decoding loop makes them once instead of allocating two tensors a step. A call being captured into a CUDA graph gets
+# its own (a graph may be replayed on another stream while this one's calls use theirs). Bounded: past this many the
+# oldest goes (freed while a launch on its stream may still read it, its memory is reused only by that stream's
+# later work).
+_split_partials: dict = {}
+SPLIT_PARTIALS_LIMIT = 64
+
+
+def split_partials(device: torch.device, device_index: int, rows: int, splits: int, head_dim_v: int) -> tuple:
+    """(out_split (rows, splits, Dv), lse_split (rows, splits)) float32 for a split launch on the current stream (see
+    _split_partials); their contents are whatever the last launch on the stream left."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _new_split_partials(device, rows, splits, head_dim_v)
+    key = (device, current_stream(device_index) if device.type == "cuda" else 0, rows, splits, head_dim_v)
+    found = _split_partials.get(key)
+    if found is None:
+        found = put_bounded(_split_partials, key, _new_split_partials(device, rows, splits, head_dim_v),
+                            SPLIT_PARTIALS_LIMIT)
+    return found
+
+
+def _new_split_partials(device, rows: int, splits: int, head_dim_v: int) -> tuple:
+    # Ordinary tensors even under torch.inference_mode: an inference tensor could not be written by a later call
+    # outside it.
+    with torch.inference_mode(False):
+        return (torch.empty(rows, splits, head_dim_v, dtype=torch.float32, device=device),
+                torch.empty(rows, splits, dtype=torch.float32, device=device))
 
 
 def combine_warps(block_dv: int) -> int:
