@@ -6,6 +6,7 @@ Each raises :class:`mhattn.InputError` naming the argument, what was expected an
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 
 import torch
@@ -95,14 +96,19 @@ _CHECKED_LIMIT = 256
 def check_values_once(tensors, context, check) -> None:
     """Run ``check()`` unless these very tensors (alive, unchanged since: torch's version counter) already
     passed it against the same ``context`` (the sizes the values were checked against)."""
-    key = tuple(id(t) for t in tensors)
+    key = tuple(map(id, tensors))
+    versions = tuple(map(_VERSION, tensors))
     entry = _checked.get(key)
-    versions = tuple(t._version for t in tensors)
-    if entry is not None:
-        refs, seen_versions, seen_context = entry
-        if seen_versions == versions and seen_context == context and all(r() is t for r, t in zip(refs, tensors)):
+    if entry is not None and entry[1] == versions and entry[2] == context:
+        for ref, tensor in zip(entry[0], tensors):
+            if ref() is not tensor:  # another tensor at a freed one's address
+                break
+        else:
             return
     check()
     if len(_checked) >= _CHECKED_LIMIT:
         _checked.clear()
-    _checked[key] = (tuple(weakref.ref(t) for t in tensors), versions, context)
+    _checked[key] = (tuple(map(weakref.ref, tensors)), versions, context)
+
+
+_VERSION = operator.attrgetter("_version")

@@ -82,19 +82,21 @@ def _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, sc
     if known is None:  # every check, then the selection; a repeated signature skips both (see _call_key)
         call = _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap)
         name, source = dispatch.requested_on(backend, q.device.type)
-        known = (call.params, dispatch.select(call.problem, name, source))
+        known = (call.params, dispatch.select(call.problem, name, source), q.shape[2] if k is not None else 0,
+                 cache_capacity(k_cache, block_table))
         if key is not None:
             put_bounded(_known_calls, key, known, _KNOWN_CALLS_LIMIT)
-    params, chosen = known
-    cache = _cache_of_call(q, k_cache, v_cache, k, cache_seqlens, block_table)
+    params, chosen, appended, capacity = known
+    cache = _cache_of_call(q, k_cache, v_cache, cache_seqlens, block_table, appended, capacity)
     if k is not None:
         _append(cache, k, v, cache_seqlens)
     return chosen.forward_kvcache(q, cache, params)
 
 
-# Calls whose arguments passed _prepare's checks and whose backend was selected, by _call_key: (params, backend).
-# A decoding loop calls with one signature per layer and step, so only the per-call part (_cache_of_call: the
-# lengths, their value checks, the KVCache) runs again. Cleared with the dispatcher's cache.
+# Calls whose arguments passed _prepare's checks and whose backend was selected, by _call_key: (params, backend, the
+# number of appended tokens, the cache's capacity). A decoding loop calls with one signature per layer and step, so
+# only the per-call part (_cache_of_call: the lengths, their value checks, the KVCache) runs again. Cleared with the
+# dispatcher's cache.
 _known_calls: dict = {}
 _KNOWN_CALLS_LIMIT = 1024
 dispatch.clears_with_cache(_known_calls)
@@ -122,23 +124,22 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, 
     return tuple(key)
 
 
-def _cache_of_call(q, k_cache, v_cache, k, cache_seqlens, block_table) -> KVCache:
-    """The per-call part of a call: each sequence's key count (cached plus appended), checked against the cache's
-    capacity and the block table's range once per index tensor value (check_values_once), and the KVCache."""
-    batch, seqlen_q = q.shape[0], q.shape[2]
-    appended = seqlen_q if k is not None else 0
-    capacity = cache_capacity(k_cache, block_table)
+def _cache_of_call(q, k_cache, v_cache, cache_seqlens, block_table, appended: int, capacity: int) -> KVCache:
+    """The per-call part of a call that appends ``appended`` tokens to a cache of ``capacity`` keys a sequence: each
+    sequence's key count (cached plus appended, int32 like cache_seqlens), checked against the capacity and the block
+    table's range once per index tensor value (check_values_once), and the KVCache."""
     if cache_seqlens is None:
-        seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+        seqlens = before = torch.full((q.shape[0],), capacity, dtype=torch.int32, device=q.device)
+        checked = () if block_table is None else (block_table,)
     else:
         seqlens = cache_seqlens + appended if appended else cache_seqlens
-    checked = tuple(t for t in (cache_seqlens, block_table) if t is not None)
+        before = cache_seqlens
+        checked = (cache_seqlens,) if block_table is None else (cache_seqlens, block_table)
     if checked and host_checks_allowed(q):
-        before = seqlens if cache_seqlens is None else cache_seqlens
-        check_values_once(checked, (appended, capacity, k_cache.shape[0], k_cache.shape[2]),
-                          lambda: _check_lengths(before, seqlens, block_table, k_cache.shape[0], k_cache.shape[2],
-                                                 capacity))
-    return KVCache(k_cache, v_cache, seqlens if seqlens.dtype == torch.int32 else seqlens.to(torch.int32), block_table)
+        pool_blocks, block_size = k_cache.shape[0], k_cache.shape[2]
+        check_values_once(checked, (appended, capacity, pool_blocks, block_size),
+                          lambda: _check_lengths(before, seqlens, block_table, pool_blocks, block_size, capacity))
+    return KVCache(k_cache, v_cache, seqlens, block_table)
 
 
 # ---- under torch.compile: one custom op --------------------------------------------------------------------------

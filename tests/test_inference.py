@@ -466,6 +466,23 @@ def test_cache_values_are_read_back_once_per_change(monkeypatch):
         _kv_call(q, kc, vc, cache_seqlens=torch.tensor([3, 11], dtype=torch.int32))  # a new tensor
 
 
+def test_values_are_checked_again_for_another_tensor_at_a_freed_ones_address():
+    """check_values_once remembers tensors by address and version: a new tensor that gets a freed one's address (and
+    so its key) is checked, not taken for the freed one (whose weak reference is dead)."""
+    import weakref
+
+    from mhattn import arguments
+
+    tensor, checks = torch.zeros(3, dtype=torch.int32), []
+    freed = weakref.ref(torch.zeros(1, dtype=torch.int32))  # its tensor is gone at once
+    assert freed() is None
+    arguments._checked[(id(tensor),)] = ((freed,), (tensor._version,), ("context",))  # as the freed one left it
+    arguments.check_values_once((tensor,), ("context",), lambda: checks.append(1))
+    assert checks == [1]
+    arguments.check_values_once((tensor,), ("context",), lambda: checks.append(1))
+    assert checks == [1]  # remembered now
+
+
 def test_repeated_kvcache_calls_skip_the_checks_but_not_the_request(monkeypatch):
     """A call with the signature of an earlier one (shapes, strides, dtypes, flags, request) skips the argument
     checks and the selection; another signature, or another request, does not."""
