@@ -27,6 +27,8 @@ turns, beside SDPA's.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -300,14 +302,13 @@ def kept_partials(device, out_dir, cells=KEPT_PARTIALS_CELLS):
         return (torch.empty(rows, splits, head_dim_v, dtype=torch.float32, device=device),
                 torch.empty(rows, splits, dtype=torch.float32, device=device))
 
+    @contextlib.contextmanager
     def switched(partials):
-        class Switch:
-            def __enter__(self):
-                decode_launch.split_partials = partials
-
-            def __exit__(self, *exc):
-                decode_launch.split_partials = kept
-        return Switch
+        decode_launch.split_partials = partials
+        try:
+            yield
+        finally:
+            decode_launch.split_partials = kept
 
     lines = ["== split partials kept per stream / allocated per step: host loop us per step, bf16 (the CPU: fp16), "
              "d = 128, Nq = 1 ==",
@@ -325,13 +326,13 @@ def kept_partials(device, out_dir, cells=KEPT_PARTIALS_CELLS):
         expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).float()
         for fn in (dense, cached):
             for partials in (kept, allocated):
-                with switched(partials)():
+                with switched(partials):
                     error = (fn().float() - expected).abs().max().item()
                 if error > 2e-2:
                     raise AssertionError(f"B={batch} Nk={seqlen_k}: max error {error} against SDPA")
         calls = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                  "dense kept": dense, "dense alloc": dense, "cache kept": cached, "cache alloc": cached}
-        contexts = {name: switched(allocated if name.endswith("alloc") else kept) for name in calls}
+        contexts = {name: functools.partial(switched, allocated if name.endswith("alloc") else kept) for name in calls}
         best, errors = latency.host_loops_in_turn(calls, 300, device, 7, contexts)
         if errors:
             raise next(iter(errors.values()))

@@ -208,6 +208,13 @@ def _fused_op_rows(q, k, v, dout):
     return rows
 
 
+def bf16_latency_shapes():
+    """(shape, (B, H, N, D)) of each bf16 shape of ``mhattn bench --latency`` (latency.SHAPES)."""
+    for shape in latency.SHAPES:
+        if shape.dtype == "bf16":
+            yield shape, (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
+
+
 def call_paths():
     """At each bf16 shape of ``mhattn bench --latency``: the kernel torch's SDPA picks (torch._fused_sdp_choice) with
     and without an explicit scale, for inputs with and without a gradient; the autograd node of mhattn.attention's
@@ -215,10 +222,7 @@ def call_paths():
     op); host loops of SDPA, SDPA with scale=, torch's private cuDNN op (what the public op runs after its per-call
     kernel choice), and mhattn on auto, forward and forward+backward; and cProfile's top entries of 300 auto
     forwards."""
-    for shape in latency.SHAPES:
-        if shape.dtype != "bf16":
-            continue
-        dims = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
+    for shape, dims in bf16_latency_shapes():
         q, k, v = (torch.randn(*dims, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         qd, kd, vd = (t.detach() for t in (q, k, v))
         dout = torch.randn_like(qd)
@@ -434,10 +438,7 @@ def torch_kernels():
     """torch_kernel_rows at each bf16 latency shape, forward and forward+backward, the calls of a shape and mode in
     turns (seven rounds, the best of each); prints each call's host loop and its ratio to the public op's."""
     print(f"{'shape':<22} {'mode':<8} {'call':<28} {'us':>8} {'x sdpa':>7}")
-    for shape in latency.SHAPES:
-        if shape.dtype != "bf16":
-            continue
-        dims = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
+    for _, dims in bf16_latency_shapes():
         for grad in (False, True):
             calls = torch_kernel_rows(dims, grad)
             for fn in calls.values():
@@ -507,10 +508,7 @@ def relay():
 
     main_thread = threading.get_ident()
     print(f"{'shape':<22} {'call':<34} {'us':>8} {'x sdpa':>7}")
-    for shape in latency.SHAPES:
-        if shape.dtype != "bf16":
-            continue
-        dims = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
+    for shape, dims in bf16_latency_shapes():
         q, k, v = (torch.randn(*dims, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         dout = torch.randn_like(q)
         params = AttentionParams(scale=shape.head_dim ** -0.5)
