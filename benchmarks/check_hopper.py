@@ -272,13 +272,15 @@ SWEEP = (
      {"FORWARD_HALF_DIAGONAL_MAX_KEYS": {64: 0}}),
     ("half-width diagonal at d = 128", lambda d, causal: causal and d == 128,
      {"FORWARD_HALF_DIAGONAL_MAX_KEYS": {128: 1 << 31}}),
+    ("two fixed Q slots at d = 256", lambda d, causal: d == 256, {"FORWARD_Q_ROTATING_MAX_KEYS": {256: 0}}),
+    ("three rotating Q slots at d = 256", lambda d, causal: d == 256, {"FORWARD_Q_ROTATING_MAX_KEYS": {256: 1 << 31}}),
 ) + tuple((f"lazy rescaling at d = {dim}", lambda d, causal, dim=dim: d == dim, {"FORWARD_LAZY_RESCALE": {dim: True}})
           for dim in (64, 128, 256))
 # Measured and dropped (backends/triton/NOTES.md): 64-key blocks at d = 64 (3 or 4 K/V slots, one or two loops),
 # 32-key blocks with two Q buffers at d = 256 (2 or 3 K/V slots); a kernel with three softmax warpgroups at d = 64.
 # Settings that change the kernel's build (its compile-time arguments): the sweep runs the correctness pass with each.
 BUILD_SETTINGS = ("KEY_BLOCK", "FORWARD_STAGES", "FORWARD_SPLIT_MASKED", "Q_BUFFERS",
-                  "FORWARD_HALF_DIAGONAL_MAX_KEYS", "FORWARD_LAZY_RESCALE")
+                  "FORWARD_HALF_DIAGONAL_MAX_KEYS", "FORWARD_LAZY_RESCALE", "FORWARD_Q_ROTATING_MAX_KEYS")
 
 
 def forward_sweep(dtype, seqlens, wanted=None, labels=None):

@@ -724,6 +724,51 @@ def test_gpu_gluon_forward_programs_walking_many_tiles(monkeypatch, case):
     _check_gluon_kernel(monkeypatch, "MIN_KEYS", "forward", "bfloat16", GLUON_FORWARD_CASES[case])
 
 
+# Three Q slots taken in turn by the two consumers (Q_ROTATING, d = 256): without a mask, both causal alignments with
+# rows that see no key, GQA, a last tile whose upper consumer has no rows.
+ROTATING_Q_CASES = {
+    "ragged_gqa": dict(head_dim=256, heads_q=6, heads_kv=2, seqlen_q=300, seqlen_k=517),
+    "top_left_more_queries": dict(head_dim=256, seqlen_q=517, seqlen_k=300, causal="top_left"),
+    "bottom_right_empty_rows": dict(head_dim=256, heads_q=4, heads_kv=1, seqlen_q=700, seqlen_k=300,
+                                    causal="bottom_right"),
+    "last_tile_lower_rows_only": dict(head_dim=256, seqlen_q=320, seqlen_k=1000, causal="bottom_right"),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(ROTATING_Q_CASES))
+def test_gpu_gluon_forward_rotating_q_slots(monkeypatch, dtype, case):
+    """Through the backend, the Gluon forward built with three rotating Q slots (asserted from the build's
+    compile-time arguments), one program per tile and a persistent grid of 3 programs, so that each program's tiles
+    take every slot in both consumers' turns."""
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "FORWARD_Q_ROTATING_MAX_KEYS", {256: 1 << 20})
+    _check_gluon_forward_build(monkeypatch, "Q_ROTATING", dtype, ROTATING_Q_CASES[case])
+
+
+def _check_gluon_forward_build(monkeypatch, flag: str, dtype, case: dict):
+    """_check_gluon_kernel's forward on ``case`` with one program per tile and then a persistent grid of 3 programs
+    (causal tiles from the counter), asserting that every build of the forward had compile-time flag ``flag`` on."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import hopper_launch
+
+    built = []
+    real_args = hopper_launch.compile_time_args
+    monkeypatch.setattr(hopper_launch, "compile_time_args",
+                        lambda *args: built.append(real_args(*args)[flag]) or real_args(*args))
+    for programs in (None, 3):
+        monkeypatch.setattr(triton_backend, "_plans", {})  # plans keep their schedule and build
+        monkeypatch.setattr(triton_backend, "_signatures", {})
+        if programs:
+            monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: programs)
+        _check_gluon_kernel(monkeypatch, "MIN_KEYS", "forward", dtype, case)
+    assert built and all(built)
+
+
 # The lower consumer's causal diagonal block at half width (HALF_DIAGONAL): diagonals that start at a key block's first
 # key (top-left with Nq = Nk and with more queries than keys, bottom-right 256 keys past it), GQA, one that does not.
 HALF_DIAGONAL_CASES = {
@@ -742,20 +787,7 @@ HALF_DIAGONAL_CASES = {
 def test_gpu_gluon_forward_half_width_diagonal(monkeypatch, dtype, case):
     """Through the backend, the Gluon forward built with the half-width diagonal block (asserted from the build's
     compile-time arguments), one program per tile and a persistent grid of 3 programs (tiles from the counter)."""
-    from mhattn.backends.triton import backend as triton_backend
-    from mhattn.backends.triton import hopper_launch
-
-    built = []
-    real_args = hopper_launch.compile_time_args
-    monkeypatch.setattr(hopper_launch, "compile_time_args",
-                        lambda *args: built.append(real_args(*args)["HALF_DIAGONAL"]) or real_args(*args))
-    for programs in (None, 3):
-        monkeypatch.setattr(triton_backend, "_plans", {})  # plans keep their schedule and build
-        monkeypatch.setattr(triton_backend, "_signatures", {})
-        if programs:
-            monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: programs)
-        _check_gluon_kernel(monkeypatch, "MIN_KEYS", "forward", dtype, HALF_DIAGONAL_CASES[case])
-    assert built and all(built)
+    _check_gluon_forward_build(monkeypatch, "HALF_DIAGONAL", dtype, HALF_DIAGONAL_CASES[case])
 
 
 @pytest.mark.gpu
@@ -956,8 +988,8 @@ def test_gpu_over_2_31_elements_and_huge_batch_heads():
 def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
     """Every table entry that uses the Hopper switches compiles for sm_90a through Triton's compiler, and the
     copy-engine switch really gives bulk tensor copies in the PTX. The Gluon kernels fit an H100's shared memory per
-    block (227 KB) with no ptxas note on their wgmma, the forward with two Q buffers writes its output through the
-    copy engine (from Q's slot) and rescales its output lazily where FORWARD_LAZY_RESCALE says, and the backward its
+    block (227 KB) with no ptxas note on their wgmma, the forward with two Q buffers or three rotating Q slots writes
+    its output through the copy engine (from Q's slot) and rescales its output lazily where FORWARD_LAZY_RESCALE says, and the backward its
     dK and dV where BACKWARD_STAGED_DK_DV says (from K's and V's tiles)."""
     from mhattn.backends.triton import ahead, hopper_launch
 
@@ -981,7 +1013,9 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
             assert staged == hopper_launch.BACKWARD_STAGED_DK_DV[task.head_dim], task.label
         if task.kind == "hopper_fwd":
             staged = "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
-            assert staged == (hopper_launch.Q_BUFFERS[task.head_dim] == 2), task.label
+            # (with three rotating Q slots the upper consumer stages its output: hopper_forward.consume_tile)
+            rotating = dict(task.flags).get("Q_ROTATING", False)
+            assert staged == (hopper_launch.Q_BUFFERS[task.head_dim] == 2 or rotating), task.label
             # A causal persistent grid's programs take their tiles from a counter (one atomic add per tile).
             assert ("atom.global" in ptx) == dict(task.flags).get("TILE_COUNTER", False), task.label
             # A half-width diagonal block (with 128-key blocks): S of 64 keys with Q from shared memory (the
@@ -1459,6 +1493,20 @@ def test_gluon_forward_half_width_diagonal_up_to_its_key_count(monkeypatch):
     assert not half(64, True, 4097) and not half(64, True, None)
     assert not half(64, False, 1024) and not half(128, True, 1024) and not half(256, True, 1024)
     assert hopper_launch.compile_time_args(64, True)["HALF_DIAGONAL"] is False
+
+
+def test_gluon_forward_rotating_q_slots_up_to_their_key_count(monkeypatch):
+    """hopper_launch.compile_time_args builds three rotating Q slots (Q_ROTATING) only where the forward has one Q
+    buffer and a head dim FORWARD_Q_ROTATING_MAX_KEYS names, up to that many keys, causal or not; None keys (the
+    longest) and the two-buffer head dims get the two fixed slots."""
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "FORWARD_Q_ROTATING_MAX_KEYS", {256: 2048, 128: 1 << 20})
+    rotating = lambda d, causal, keys: hopper_launch.compile_time_args(d, causal, causal, keys)["Q_ROTATING"]  # noqa: E731
+    assert rotating(256, False, 1024) and rotating(256, True, 2048)
+    assert not rotating(256, False, 2049) and not rotating(256, True, None)
+    assert not rotating(128, False, 1024)  # two Q buffers there: nothing to rotate
+    assert not rotating(64, True, 1024)
 
 
 def test_gluon_forward_schedule(monkeypatch):

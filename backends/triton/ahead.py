@@ -241,6 +241,9 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                 if causal and head_dim in hopper_launch.FORWARD_HALF_DIAGONAL_MAX_KEYS:  # up to that many keys
                     tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
                                             flags=(("TILE_COUNTER", True), ("HALF_DIAGONAL", True))))
+                if head_dim in hopper_launch.FORWARD_Q_ROTATING_MAX_KEYS:  # three Q slots, up to that many keys
+                    tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
+                                            flags=(("TILE_COUNTER", causal), ("Q_ROTATING", True))))
             if cc == 90 and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
                 tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim)))
         if not hopper_only:

@@ -23,8 +23,10 @@ What the FlashAttention-2 kernel (forward.py) leaves to Triton's pipeliner is sp
 - the registers move to the consumers: the load warp keeps LOAD_REGS per thread, and each consumer warpgroup
   gets up to CONSUMER_REGS (``setmaxnreg``, through warp_specialize's register budgets);
 - where shared memory has room (d = 64, 128), Q has two buffers, so the next tile's Q lands while this tile runs,
-  and each consumer stages its output in its Q slot for the copy engine to write (consume_tile); the online
-  softmax takes each row's maximum of the unscaled scores, so an exponent's argument is one fused multiply-add.
+  and each consumer stages its output in its Q slot for the copy engine to write (consume_tile); at d = 256, where
+  only three consumer tiles fit beside the ring, the two consumers may take three Q slots in turn (Q_ROTATING,
+  q_slot), so that the lower consumer's next Q lands while this tile runs; the online softmax takes each row's
+  maximum of the unscaled scores, so an exponent's argument is one fused multiply-add.
 
 The tensor maps are made on the host (hopper_launch.tensor_map), 4-D over (batch, head, row, column), so the
 copy engine zero-fills rows past each head's sequence end; making them in the kernel (a map written to global
@@ -80,6 +82,39 @@ def wgmma_layout(warps_m, warps_n, cols):
 def mma_layout(cols):
     """Accumulator layout of one warpgroup's (64k, cols) wgmma result."""
     return wgmma_layout(4, 1, cols)
+
+
+@triton.constexpr_function
+def q_slot_count(q_buffers, rotating):
+    """Q's shared-memory slots (one consumer's BLOCK_M rows each): two a buffer, or three taken in turn (Q_ROTATING)."""
+    return 3 if rotating else 2 * q_buffers
+
+
+@gluon.jit
+def q_slot(rounds, HALF: gl.constexpr, Q_BUFFERS: gl.constexpr, Q_ROTATING: gl.constexpr):
+    """(slot, barrier, phase) of consumer HALF's Q tile in the program's ``rounds``-th tile: its slot of Q's shared
+    memory, the ready/empty barrier pair it goes by, and that pair's phase for this use. Q_BUFFERS buffers of two slots
+    (one per consumer; a barrier pair per buffer, both consumers release it), or Q_ROTATING: three slots taken in
+    turn, use 2 * rounds + HALF in slot use % 3, each with a barrier pair of its own. The upper consumer's slot is then
+    next taken by the lower consumer two tiles on, the lower consumer's by the upper consumer on the next tile."""
+    if Q_ROTATING:
+        use = 2 * rounds + HALF
+        return use % 3, use % 3, (use // 3) & 1
+    else:
+        buf = rounds % Q_BUFFERS
+        return 2 * buf + HALF, buf, (rounds // Q_BUFFERS) & 1
+
+
+@gluon.jit
+def load_rotating_q(q_desc, q_smem, q_ready, q_empty, batch, head, start_m, rounds, HALF: gl.constexpr,
+                    BLOCK_M: gl.constexpr):
+    """Q_ROTATING: consumer HALF's Q tile of the program's ``rounds``-th tile into its slot (q_slot), once the
+    consumer that used the slot before has released it."""
+    slot, _, phase = q_slot(rounds, HALF, 1, True)
+    # A fresh barrier counts as having completed the phase before its first: a slot's first use waits for nothing.
+    mbarrier.wait(q_empty.index(slot), phase ^ 1)
+    mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+    tma_load(q_desc, [batch, head, start_m + HALF * BLOCK_M, 0], q_ready.index(slot), q_smem.index(slot))
 
 
 @gluon.jit
@@ -168,18 +203,23 @@ def take_tile(tile_slots, tile_full, tile_empty, n, layout: gl.constexpr):
 @gluon.jit
 def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
               batch, head, start_m, cta_blocks, kv_group, step, rounds, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr):
+              NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, Q_ROTATING: gl.constexpr):
     """The load warp on the program's ``rounds``-th tile: both consumers' Q tiles into Q buffer rounds % Q_BUFFERS
     once both consumers have released it (see consume_tile), then K_j and V_j into ring slots from ``step`` on, each
     as soon as both consumers have released the slot's previous block (cta_blocks: the upper consumer's rows see the
-    most keys; the load warp fetches what it needs)."""
+    most keys; the load warp fetches what it needs). Q_ROTATING: the lower consumer's Q first (its slot was freed a
+    tile ago), the upper consumer's after the first K and V (its slot frees when the lower consumer has finished the
+    previous tile's S products), so the lower consumer's first product need not wait for it."""
     head_kv = head // kv_group
-    # A fresh barrier counts as having completed the phase before its first: round 0 waits for nothing.
-    buf = rounds % Q_BUFFERS
-    mbarrier.wait(q_empty.index(buf), ((rounds // Q_BUFFERS) & 1) ^ 1)
-    mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)
-    tma_load(q_desc, [batch, head, start_m, 0], q_ready.index(buf), q_smem.index(2 * buf))
-    tma_load(q_desc, [batch, head, start_m + BLOCK_M, 0], q_ready.index(buf), q_smem.index(2 * buf + 1))
+    if Q_ROTATING:
+        load_rotating_q(q_desc, q_smem, q_ready, q_empty, batch, head, start_m, rounds, 0, BLOCK_M)
+    else:
+        # A fresh barrier counts as having completed the phase before its first: round 0 waits for nothing.
+        buf = rounds % Q_BUFFERS
+        mbarrier.wait(q_empty.index(buf), ((rounds // Q_BUFFERS) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)
+        tma_load(q_desc, [batch, head, start_m, 0], q_ready.index(buf), q_smem.index(2 * buf))
+        tma_load(q_desc, [batch, head, start_m + BLOCK_M, 0], q_ready.index(buf), q_smem.index(2 * buf + 1))
     for j in range(cta_blocks):
         slot = (step + j) % NUM_STAGES
         free_phase = (((step + j) // NUM_STAGES) & 1) ^ 1
@@ -189,6 +229,12 @@ def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
         mbarrier.wait(v_empty.index(slot), free_phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma_load(v_desc, [batch, head_kv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        if Q_ROTATING:
+            if j == 0:
+                load_rotating_q(q_desc, q_smem, q_ready, q_empty, batch, head, start_m, rounds, 1, BLOCK_M)
+    if Q_ROTATING:
+        if cta_blocks == 0:
+            load_rotating_q(q_desc, q_smem, q_ready, q_empty, batch, head, start_m, rounds, 1, BLOCK_M)
 
 
 @gluon.jit
@@ -196,7 +242,7 @@ def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_em
                    v_empty, tile_slots, tile_full, tile_empty, TileCounter, num_tiles, num_m_blocks,
                    group_heads, heads_q, kv_group, seqlen_k, diag_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                   TILE_COUNTER: gl.constexpr):
+                   TILE_COUNTER: gl.constexpr, Q_ROTATING: gl.constexpr):
     """The load warp: load_tile for each of the program's tiles (tiles p, p + G, p + 2G, ... of a grid of G programs;
     with TILE_COUNTER, p and then whichever next_counted_tile gives, each handed to the consumers by hand_tile).
     ``step`` counts the blocks the program has moved, across its tiles, so ring slots and barrier phases run on from
@@ -211,7 +257,8 @@ def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_em
         batch, head, start_m, cta_blocks = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k,
                                                    diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
         load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                  batch, head, start_m, cta_blocks, kv_group, step, rounds, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS)
+                  batch, head, start_m, cta_blocks, kv_group, step, rounds, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
+                  Q_ROTATING)
         step += cta_blocks
         rounds += 1
         if TILE_COUNTER:
@@ -355,14 +402,15 @@ def release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, first, num_b
 
 
 @gluon.jit
-def release_previous_q_buffer(q_empty, rounds, Q_BUFFERS: gl.constexpr):
-    """Hand the previous tile's Q buffer (if this is not the program's first tile) back to the load warp once the
-    copy engine has read the output staged in it (every thread waits at the barrier for the one that issued the
-    store)."""
+def release_previous_q_slot(q_empty, rounds, HALF: gl.constexpr, Q_BUFFERS: gl.constexpr, Q_ROTATING: gl.constexpr):
+    """Hand this consumer's Q slot of the previous tile (if this is not the program's first tile) back to the load
+    warp once the copy engine has read the output staged in it (every thread waits at the barrier for the one that
+    issued the store)."""
     if rounds > 0:
         tma.store_wait(0)
         thread_barrier()
-        mbarrier.arrive(q_empty.index((rounds - 1) % Q_BUFFERS), count=1)
+        _, barrier, _ = q_slot(rounds - 1, HALF, Q_BUFFERS, Q_ROTATING)
+        mbarrier.arrive(q_empty.index(barrier), count=1)
 
 
 @gluon.jit
@@ -370,30 +418,33 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                  o_desc, out_base, stride_om, lse_base, batch, head, start_m, cta_blocks, seqlen_q, seqlen_k,
                  diag_offset, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                 SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr):
-    """One softmax warpgroup on one tile (the program's ``rounds``-th): BLOCK_M query rows from start_m, its half
-    HALF of Q buffer rounds % Q_BUFFERS, every key block they see (ring slots from ``step`` on), then the output.
+                 SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
+                 Q_ROTATING: gl.constexpr):
+    """One softmax warpgroup on one tile (the program's ``rounds``-th): BLOCK_M query rows from start_m in its Q slot
+    (q_slot), every key block they see (ring slots from ``step`` on), then the output.
 
     With two Q buffers, the output is staged in this tile's Q slot (its S products are done by then) and written by
     the copy engine, and the slot goes back to the load warp once the next tile's first product has run, so the
     store's read of shared memory is long over. With one (d = 256: no room for a second), Q's slot is handed back as
     soon as the tile's last S product has finished, so the next tile's Q loads under this tile's last P V product,
-    and the output is stored from registers."""
+    and the output is stored from registers. With three rotating slots (Q_ROTATING), the upper consumer stages its
+    output as with two buffers (its slot is next needed two tiles on) and the lower one hands its slot back after its
+    last S product (the upper consumer's next tile takes it) and stores from registers."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_slots.dtype
-    buf = rounds % Q_BUFFERS
-    q_slot = q_slots.index(2 * buf + HALF)
-    q_smem = q_slot.reshape([BLOCK_M, HEAD_DIM])
-    staged: gl.constexpr = Q_BUFFERS == 2
+    slot_index, q_barrier, q_phase = q_slot(rounds, HALF, Q_BUFFERS, Q_ROTATING)
+    own_slot = q_slots.index(slot_index)
+    q_smem = own_slot.reshape([BLOCK_M, HEAD_DIM])
+    staged: gl.constexpr = Q_BUFFERS == 2 or (Q_ROTATING and HALF == 1)
 
     num_blocks, full = visible_key_blocks(start_m, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_ready.index(buf), (rounds // Q_BUFFERS) & 1)
+    mbarrier.wait(q_ready.index(q_barrier), q_phase)
 
     if num_blocks > 0:
         slot = step % NUM_STAGES
@@ -402,7 +453,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
         if staged:
-            release_previous_q_buffer(q_empty, rounds, Q_BUFFERS)
+            release_previous_q_slot(q_empty, rounds, HALF, Q_BUFFERS, Q_ROTATING)
         # The lower consumer on a causal diagonal that starts at a key block's first key sees only that block's
         # first half (BLOCK_N = 2 * BLOCK_M): the loops stop before it, attend_block takes half of it.
         if HALF_DIAGONAL and HALF == 0 and CAUSAL and BLOCK_N == 2 * BLOCK_M:
@@ -448,14 +499,14 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                                                     NUM_STAGES, CAUSAL, MASK_ALL, LAZY_RESCALE)
             if not staged:
                 # Every S product of this tile has finished: Q's slot may take the next tile's rows.
-                mbarrier.arrive(q_empty.index(0), count=1)
+                mbarrier.arrive(q_empty.index(q_barrier), count=1)
             mbarrier.wait(v_ready.index(last), ((step + num_blocks - 1) // NUM_STAGES) & 1)
             last_pv = warpgroup_mma(gl.convert_layout(p_half.to(dtype), p_layout),
                                     block_tile(v_smem, last).slice(0, BLOCK_N // 2), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(last_pv, ))
         else:
             if not staged:
-                mbarrier.arrive(q_empty.index(0), count=1)
+                mbarrier.arrive(q_empty.index(q_barrier), count=1)
             mbarrier.wait(v_ready.index(last), ((step + num_blocks - 1) // NUM_STAGES) & 1)
             last_pv = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), block_tile(v_smem, last), acc,
                                     is_async=True)
@@ -463,9 +514,9 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
         mbarrier.arrive(v_empty.index(last), count=1)
     else:
         if staged:
-            release_previous_q_buffer(q_empty, rounds, Q_BUFFERS)
+            release_previous_q_slot(q_empty, rounds, HALF, Q_BUFFERS, Q_ROTATING)
         else:
-            mbarrier.arrive(q_empty.index(0), count=1)
+            mbarrier.arrive(q_empty.index(q_barrier), count=1)
     release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, num_blocks, cta_blocks, NUM_STAGES)
 
     # Rows that saw no visible key have l = 0: output 0, lse -inf.
@@ -478,7 +529,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
         q_smem.store(out.to(dtype))
         fence_async_shared()
         thread_barrier()
-        tma_store(o_desc, [batch, head, start_m, 0], q_slot)
+        tma_store(o_desc, [batch, head, start_m, 0], own_slot)
     else:
         rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -494,7 +545,8 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
                          num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
                          HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                         SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+                         SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
+                         Q_ROTATING: gl.constexpr):
     """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took."""
     batch, head, tile_m, cta_blocks = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k,
                                               diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
@@ -503,7 +555,7 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
     consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
                  o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_blocks, seqlen_q,
                  seqlen_k, diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
-                 SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE)
+                 SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING)
     return cta_blocks
 
 
@@ -514,7 +566,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                        diag_offset, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
                        TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
-                       LAZY_RESCALE: gl.constexpr):
+                       LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr):
     """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
     load warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds): round-robin, or with TILE_COUNTER
     the tile numbers the load warp hands over (take_tile)."""
@@ -530,7 +582,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                                      o_desc, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile,
                                      rounds, step, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                                      diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                                     CAUSAL, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE)
+                                     CAUSAL, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING)
         rounds += 1
         if TILE_COUNTER:
             tile = take_tile(tile_slots, tile_full, tile_empty, rounds, slot_layout)
@@ -549,7 +601,7 @@ def hopper_forward_kernel(
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr,
-    HALF_DIAGONAL: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
+    HALF_DIAGONAL: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False, Q_ROTATING: gl.constexpr = False,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
     blocks of (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine
@@ -565,7 +617,9 @@ def hopper_forward_kernel(
     takes the next tile no program has taken yet from TileCounter (int32, 0 at the launch and left at 0 by it:
     causal tiles differ in work, and whichever program is free first takes the next); without it TileCounter is not
     read.
-    Q_BUFFERS (1 or 2): Q buffers, so that the next tile's Q loads during this one (consume_tile). SPLIT_MASKED: a
+    Q_BUFFERS (1 or 2): Q buffers, so that the next tile's Q loads during this one (consume_tile); Q_ROTATING (with
+    one buffer): three Q slots taken in turn instead of two, so that the lower consumer's next Q loads during this
+    tile and the upper consumer's output goes through the copy engine (q_slot, consume_tile). SPLIT_MASKED: a
     tile's key blocks run as two loops, the unmasked ones and then those that need the mask, instead of one loop that
     checks each block. HALF_DIAGONAL: the lower consumer's causal diagonal block at half width where its rows see only
     that half (attend_block on half its keys). LAZY_RESCALE: a row's maximum moves only past 2^RESCALE_LOG2 growth, and
@@ -574,12 +628,15 @@ def hopper_forward_kernel(
     dtype: gl.constexpr = q_desc.dtype
 
     # Slots of (1, 1, rows, D) tiles, as the copy engine writes them (the products read them as (rows, D)); Q buffer
-    # b holds the two consumers' tiles at slots 2b and 2b + 1.
-    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+    # b holds the two consumers' tiles at slots 2b and 2b + 1 (Q_ROTATING: see q_slot).
+    q_slots: gl.constexpr = q_slot_count(Q_BUFFERS, Q_ROTATING)
+    q_pairs: gl.constexpr = 3 if Q_ROTATING else Q_BUFFERS  # Q's ready/empty barrier pairs
+    q_users: gl.constexpr = 1 if Q_ROTATING else 2  # consumers releasing one pair's slots
+    q_smem = gl.allocate_shared_memory(dtype, [q_slots, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [q_pairs, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [q_pairs, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -591,9 +648,9 @@ def hopper_forward_kernel(
     for slot in gl.static_range(2):
         mbarrier.init(tile_full.index(slot), count=1)
         mbarrier.init(tile_empty.index(slot), count=2)  # one arrival per consumer
-    for buf in gl.static_range(Q_BUFFERS):
-        mbarrier.init(q_ready.index(buf), count=1)
-        mbarrier.init(q_empty.index(buf), count=2)  # one arrival per consumer
+    for pair in gl.static_range(q_pairs):
+        mbarrier.init(q_ready.index(pair), count=1)
+        mbarrier.init(q_empty.index(pair), count=q_users)  # one arrival per consumer using it
     for slot in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
@@ -605,14 +662,14 @@ def hopper_forward_kernel(
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
                               tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                               diag_offset, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                              CAUSAL, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE)),
+                              CAUSAL, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
                               tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                               diag_offset, qk_scale2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                              CAUSAL, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE)),
+                              CAUSAL, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                           v_empty, tile_slots, tile_full, tile_empty, TileCounter, num_tiles, num_m_blocks,
                           group_heads, heads_q, kv_group, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES,
-                          Q_BUFFERS, CAUSAL, TILE_COUNTER)),
+                          Q_BUFFERS, CAUSAL, TILE_COUNTER, Q_ROTATING)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -47,6 +47,12 @@ FORWARD_SPLIT_MASKED = {64: False, 128: True, 256: True}
 # Q and the K/V ring), so the next tile's Q loads during this one and this one's output is staged in its Q slot for
 # the copy engine (hopper_forward.consume_tile); one at d = 256 (its Q and ring take 192 KB).
 Q_BUFFERS = {64: 2, 128: 2, 256: 1}
+# Head dim -> the most keys at which a one-buffer forward takes three Q slots in turn (hopper_forward.q_slot,
+# Q_ROTATING): d = 256's Q and ring leave room for a third consumer tile (96 + 128 KB), so the lower consumer's next Q
+# loads during this tile and starts it without waiting, and the upper consumer's output goes through the copy engine.
+# NOTES version 21, H100 (three runs): +5-12% at 1k and 2k keys, +1-8% at 4k; at 16k level without a mask and 2-5%
+# slower in three of four causal readings (the upper consumer starts each tile later than the lower one).
+FORWARD_Q_ROTATING_MAX_KEYS = {256: 4096}
 # Head dim -> the most keys at which the lower consumer of a causal tile whose diagonal starts at a key block's first
 # key runs that block at half width (hopper_forward.attend_block on half its keys: its rows see only the first half;
 # the kernel has it where the key block is twice a consumer's rows, d = 64 and 128). NOTES version 19, H100 bf16: at
@@ -190,10 +196,13 @@ def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, s
     ``seqlen_k`` keys (None: as many as the longest; the launch, `mhattn build` and the GPU check script use the
     same)."""
     half_diagonal = causal and seqlen_k is not None and seqlen_k <= FORWARD_HALF_DIAGONAL_MAX_KEYS.get(head_dim, 0)
+    q_rotating = (Q_BUFFERS[head_dim] == 1 and seqlen_k is not None
+                  and seqlen_k <= FORWARD_Q_ROTATING_MAX_KEYS.get(head_dim, 0))
     return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
                 NUM_STAGES=FORWARD_STAGES[head_dim], Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal,
                 TILE_COUNTER=tile_counter, SPLIT_MASKED=FORWARD_SPLIT_MASKED[head_dim],
-                HALF_DIAGONAL=half_diagonal, LAZY_RESCALE=FORWARD_LAZY_RESCALE[head_dim])
+                HALF_DIAGONAL=half_diagonal, LAZY_RESCALE=FORWARD_LAZY_RESCALE[head_dim],
+                Q_ROTATING=q_rotating)
 
 
 class ForwardSchedule(NamedTuple):
