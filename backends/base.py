@@ -257,6 +257,15 @@ class Backend:
         """
         raise NotImplementedError
 
+    def append_kvcache(self, k_cache, v_cache, k, v, cache_seqlens, block_table) -> Optional[torch.Tensor]:
+        """A decoding step's append, before :meth:`forward_kvcache`: write the new keys k (B, Hkv, Nq, D) and values
+        v (B, Hkv, Nq, Dv) into the cache at positions cache_seqlens[b] + i of each sequence b (through block_table,
+        (B, max_blocks) int32, when the cache is paged), in place, and return the key counts after the append
+        (cache_seqlens + Nq, (B,) int32). The caller has checked the shapes, dtypes and devices, and that every
+        position and block lies inside the cache. Return None (the default) to leave the append to the front end,
+        which writes it with torch's indexing."""
+        return None
+
     def forward_varlen(self, q, k, v, packing: Packing, params: AttentionParams):
         """Attention over packed sequences: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv),
         last dims contiguous. Sequence b's queries see only its own keys, causal/window bounds aligned

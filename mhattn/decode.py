@@ -87,15 +87,13 @@ def _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, sc
         if key is not None:
             put_bounded(_known_calls, key, known, _KNOWN_CALLS_LIMIT)
     params, chosen, appended, capacity = known
-    cache = _cache_of_call(q, k_cache, v_cache, cache_seqlens, block_table, appended, capacity)
-    if k is not None:
-        _append(cache, k, v, cache_seqlens)
+    cache = _cache_of_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, appended, capacity, chosen)
     return chosen.forward_kvcache(q, cache, params)
 
 
 # Calls whose arguments passed _prepare's checks and whose backend was selected, by _call_key: (params, backend, the
 # number of appended tokens, the cache's capacity). A decoding loop calls with one signature per layer and step, so
-# only the per-call part (_cache_of_call: the lengths, their value checks, the KVCache) runs again. Cleared with the
+# only the per-call part (_cache_of_call: the value checks, the append, the KVCache) runs again. Cleared with the
 # dispatcher's cache.
 _known_calls: dict = {}
 _KNOWN_CALLS_LIMIT = 1024
@@ -124,21 +122,29 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, 
     return tuple(key)
 
 
-def _cache_of_call(q, k_cache, v_cache, cache_seqlens, block_table, appended: int, capacity: int) -> KVCache:
-    """The per-call part of a call that appends ``appended`` tokens to a cache of ``capacity`` keys a sequence: each
-    sequence's key count (cached plus appended, int32 like cache_seqlens), checked against the capacity and the block
-    table's range once per index tensor value (check_values_once), and the KVCache."""
+def _cache_of_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, appended: int, capacity: int,
+                   backend) -> KVCache:
+    """The per-call part of a call that appends ``appended`` tokens (k and v) to a cache of ``capacity`` keys a
+    sequence: the positions checked against the capacity and the block table's range once per index tensor value
+    (check_values_once), then the append (by the backend's own append_kvcache where it has one, else torch's
+    indexing), and the KVCache with each sequence's key count (cached plus appended, int32 like cache_seqlens)."""
     if cache_seqlens is None:
         seqlens = before = torch.full((q.shape[0],), capacity, dtype=torch.int32, device=q.device)
         checked = () if block_table is None else (block_table,)
     else:
-        seqlens = cache_seqlens + appended if appended else cache_seqlens
         before = cache_seqlens
         checked = (cache_seqlens,) if block_table is None else (cache_seqlens, block_table)
     if checked and host_checks_allowed(q):
         pool_blocks, block_size = k_cache.shape[0], k_cache.shape[2]
         check_values_once(checked, (appended, capacity, pool_blocks, block_size),
-                          lambda: _check_lengths(before, seqlens, block_table, pool_blocks, block_size, capacity))
+                          lambda: _check_lengths(before, appended, block_table, pool_blocks, block_size, capacity))
+    if cache_seqlens is not None:
+        if k is None:
+            seqlens = cache_seqlens
+        else:
+            seqlens = backend.append_kvcache(k_cache, v_cache, k, v, cache_seqlens, block_table)
+            if seqlens is None:
+                seqlens = _append_by_indexing(k_cache, v_cache, k, v, cache_seqlens, block_table)
     return KVCache(k_cache, v_cache, seqlens, block_table)
 
 
@@ -270,10 +276,11 @@ def _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, s
     return _Call(problem, params)
 
 
-def _check_lengths(cache_seqlens, seqlens, block_table, num_blocks, block_size, capacity) -> None:
-    """Every sequence fits its cache and every block it uses is in the pool: one read-back to the host."""
-    lengths = seqlens.tolist()
+def _check_lengths(cache_seqlens, appended: int, block_table, num_blocks, block_size, capacity) -> None:
+    """Every sequence fits its cache with ``appended`` more tokens and every block it uses is in the pool: one
+    read-back to the host."""
     before = cache_seqlens.tolist()
+    lengths = [n0 + appended for n0 in before]
     for b, (n0, n) in enumerate(zip(before, lengths)):
         if n0 < 0:
             raise InputError(f"cache_seqlens[{b}] = {n0} is negative")
@@ -283,6 +290,7 @@ def _check_lengths(cache_seqlens, seqlens, block_table, num_blocks, block_size, 
                              f"tokens) but its cache holds {where} = {capacity}")
     if block_table is None:
         return
+    seqlens = cache_seqlens + appended
     used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * block_size < seqlens[:, None]
     bad = used & ((block_table < 0) | (block_table >= num_blocks))
     if bool(bad.any()):
@@ -292,20 +300,22 @@ def _check_lengths(cache_seqlens, seqlens, block_table, num_blocks, block_size, 
                          f"{-(-lengths[b] // block_size)} blocks")
 
 
-def _append(cache: KVCache, k, v, cache_seqlens) -> None:
-    """Write k, v (B, Hkv, Nq, D) at positions cache_seqlens[b] + i of each sequence, in place."""
+def _append_by_indexing(k_cache, v_cache, k, v, cache_seqlens, block_table) -> torch.Tensor:
+    """Write k, v (B, Hkv, Nq, D) at positions cache_seqlens[b] + i of each sequence, in place, with torch's indexing
+    (for backends without an append of their own); returns the key counts after it, cache_seqlens + Nq."""
     batch, _, seqlen_q, _ = k.shape
     rows, steps = _append_ranges(k.device, batch, seqlen_q)
     positions = cache_seqlens.long()[:, None] + steps  # (B, Nq)
-    if cache.paged:
-        block_size = cache.k.shape[2]
-        blocks = cache.block_table.long()[rows, positions // block_size]
+    if block_table is not None:
+        block_size = k_cache.shape[2]
+        blocks = block_table.long()[rows, positions // block_size]
         index = (blocks, slice(None), positions % block_size)
     else:
         index = (rows, slice(None), positions)
     # Advanced indices around a slice put their (B, Nq) dims first: the values go in as (B, Nq, Hkv, D).
-    cache.k[index] = k.transpose(1, 2)
-    cache.v[index] = v.transpose(1, 2)
+    k_cache[index] = k.transpose(1, 2)
+    v_cache[index] = v.transpose(1, 2)
+    return cache_seqlens + seqlen_q
 
 
 def _append_ranges(device, batch: int, seqlen_q: int) -> tuple:

@@ -118,6 +118,20 @@ class NoisyBackward(ReferenceBackend):
         return dq, dk, dv, dmask
 
 
+class AppendOneRowLate(ReferenceBackend):
+    """An append of its own (append_kvcache) that writes each new token one position past where it belongs."""
+
+    name = "test-append-one-row-late"
+
+    def append_kvcache(self, k_cache, v_cache, k, v, cache_seqlens, block_table):
+        from mhattn.decode import _append_by_indexing
+
+        late = torch.clamp(cache_seqlens + 1, max=k_cache.shape[2] - k.shape[2]) if block_table is None else \
+            cache_seqlens + 1
+        _append_by_indexing(k_cache, v_cache, k, v, late.to(torch.int32), block_table)
+        return cache_seqlens + k.shape[2]
+
+
 class NoDropout(ReferenceBackend):
     """A correct backend that declares no dropout and no sliding window."""
 
@@ -303,6 +317,7 @@ def test_poisoned_allocations_fill_floats_with_nan_and_restore():
         (FiniteLseOnEmptyRows(), ["fully_masked"], "lse"),
         (WrongMaskGrad(), ["mask_grad"], "dmask"),
         (NoisyBackward(), ["deterministic"], "backward run 2 == run 1"),
+        (AppendOneRowLate(), ["kvcache"], "append_kvcache writes what torch's indexing writes"),
     ],
     ids=lambda x: getattr(x, "name", None) if isinstance(x, ReferenceBackend) else None,
 )

@@ -323,6 +323,105 @@ def check_split_partials_kept(device="cpu", streams=False):
         decode_launch.split_partials = original
 
 
+def check_append_kernel(paged=False, device="cpu", dtype="float16", seqlen_q=3):
+    """The Triton backend's append (decode.append_kv_kernel, one launch) against torch's indexing on the same inputs,
+    outputs poisoned: the rows it writes, the key counts it returns, nothing written past the cache or through a
+    block-table entry outside the pool (as while a CUDA graph is captured, when no host check runs first), and
+    strided inputs: cache_seqlens a strided view, the block table a transposed one, k and v with other batch and head
+    strides, the cache a view of a longer buffer."""
+    from mhattn.backends.triton import decode_launch
+    from mhattn.decode import _append_by_indexing
+
+    dt = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(7)
+    batch, heads_kv, head_dim, head_dim_v, capacity = 3, 2, 32, 24, 40
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
+
+    # k, v: (B, Hkv, Nq, D) views of (Nq, B, Hkv, D) tensors (last dim contiguous, the others not)
+    k = randn(seqlen_q, batch, heads_kv, head_dim).permute(1, 2, 0, 3)
+    v = randn(seqlen_q, batch, heads_kv, head_dim_v).permute(1, 2, 0, 3)
+    # sequence 2's last new token falls one past the cache: not written
+    cached = torch.tensor([5, 99, 0, 99, capacity - seqlen_q + 1, 99], dtype=torch.int32, device=device)[::2]
+    if paged:
+        block_size = 8
+        pool = batch * capacity // block_size + 2
+        k_cache, v_cache = randn(pool, heads_kv, block_size, head_dim), randn(pool, heads_kv, block_size, head_dim_v)
+        order = torch.randperm(pool, generator=gen)[:batch * capacity // block_size].to(torch.int32)
+        table = order.reshape(capacity // block_size, batch).to(device).t()  # (B, max_blocks), transposed strides
+        table[0, 0] = pool  # sequence 0's first block lies outside the pool: its positions 5 .. 7 are not written
+        before_k, before_v = k_cache.clone(), v_cache.clone()
+        targets = (k_cache, v_cache)
+    else:
+        table = None
+        longer_k, longer_v = randn(batch, heads_kv, capacity + 8, head_dim), randn(batch, heads_kv, capacity + 8,
+                                                                                     head_dim_v)
+        before_k, before_v = longer_k.clone(), longer_v.clone()
+        targets = (longer_k[:, :, :capacity], longer_v[:, :, :capacity])
+    sites = len(decode_launch._append_sites)
+    with poisoned_allocations():
+        seqlens = decode_launch.append_kv(*targets, k, v, cached, table)
+    assert seqlens is not None, "the kernel must take these inputs"
+    assert len(decode_launch._append_sites) == sites + 1 or sites == decode_launch.APPEND_SITES_LIMIT
+    assert seqlens.dtype == torch.int32 and seqlens.tolist() == [c + seqlen_q for c in cached.tolist()]
+
+    # What torch's indexing writes for the positions inside the cache (and, paged, inside the pool).
+    want_k, want_v = before_k.clone(), before_v.clone()
+    for b, start in enumerate(cached.tolist()):
+        for i in range(seqlen_q):
+            position = start + i
+            if position >= capacity:
+                continue
+            if paged:
+                block = int(table[b, position // block_size])
+                if not 0 <= block < want_k.shape[0]:
+                    continue
+                want_k[block, :, position % block_size] = k[b, :, i]
+                want_v[block, :, position % block_size] = v[b, :, i]
+            else:
+                want_k[b, :, position] = k[b, :, i]
+                want_v[b, :, position] = v[b, :, i]
+    got_k, got_v = (k_cache, v_cache) if paged else (longer_k, longer_v)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+    # Inside the cache the two appends agree (fresh copies, positions that all fit).
+    fitting = torch.tensor([5, 0, 7], dtype=torch.int32, device=device)
+    if paged:
+        table[0, 0] = 0
+    ours = [t.clone() for t in targets]
+    theirs = [t.clone() for t in targets]
+    counts = decode_launch.append_kv(*ours, k, v, fitting, table)
+    assert torch.equal(counts, _append_by_indexing(*theirs, k, v, fitting, table))
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def check_kvcache_appends_in_one_launch(device="cpu"):
+    """attention_with_kvcache on the Triton backend appends through the backend's kernel (torch's indexing is not
+    called), contiguous and paged, and a new key whose head dim is not contiguous goes through torch's indexing."""
+    import mhattn.decode as decode_module
+
+    calls = []
+    original = decode_module._append_by_indexing
+    decode_module._append_by_indexing = lambda *args: calls.append(1) or original(*args)
+    try:
+        check_kvcache(device=device, seqlen_q=2)
+        check_kvcache(device=device, block_size=16, seqlen_q=2)
+        assert not calls, "the Triton backend's append must not fall back to torch's indexing"
+        gen = torch.Generator().manual_seed(3)
+        q, k_cache, v_cache, new_k, new_v, seqlens, _ = make_cache(torch.float16, device, 2, 4, 2, 1, 32, [4, 9], 20,
+                                                                   None, True, gen)
+        wide = torch.zeros(*new_k.shape[:-1], 2 * new_k.shape[-1], dtype=new_k.dtype, device=device)
+        wide[..., ::2] = new_k
+        strided_k = wide[..., ::2]  # head dim not contiguous
+        mhattn.attention_with_kvcache(q, k_cache, v_cache, strided_k, new_v, seqlens, backend="triton")
+        assert calls == [1]
+        for b, c in enumerate((4, 9)):
+            assert torch.equal(k_cache[b, :, c], new_k[b, :, 0]) and torch.equal(v_cache[b, :, c], new_v[b, :, 0])
+    finally:
+        decode_module._append_by_indexing = original
+
+
 # ---- the reference on the CPU (no kernel) ---------------------------------------------------------------
 
 KVCACHE_CASES = {
@@ -708,6 +807,17 @@ INTERPRETER_DENSE_DECODE = {
 @pytest.mark.parametrize("case", list(INTERPRETER_DENSE_DECODE))
 def test_interpreter_dense_decode(interpreter, case):
     interpreter.run("check_dense_decode", **INTERPRETER_DENSE_DECODE[case])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_interpreter_append_kernel(interpreter, paged):
+    interpreter.run("check_append_kernel", paged=paged)
+
+
+@pytest.mark.interpret
+def test_interpreter_kvcache_appends_in_one_launch(interpreter):
+    interpreter.run("check_kvcache_appends_in_one_launch")
 
 
 @pytest.mark.interpret

@@ -1077,15 +1077,16 @@ def test_hopper_tensor_maps_equal_gluons_checked_descriptors():
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_split_kv_kernel_compiles_for_sm90_without_spills():
     """The split-KV decoding kernel as the d = 64, 128 and 256 decoding tiles launch it (contiguous and paged cache,
-    several splits) compiles for sm_90 with no register spills. On sm_90 the split kernel lets the combine launch
-    early (griddepcontrol.launch_dependents) and the combine, compiled as a programmatic dependent launch, waits for
-    the splits' writes before it reads them (griddepcontrol.wait); for sm_80 neither instruction is there."""
+    several splits), its combine and the KV cache's append compile for sm_90 with no register spills. On sm_90 the
+    split kernel lets the combine launch early (griddepcontrol.launch_dependents) and the combine, compiled as a
+    programmatic dependent launch, waits for the splits' writes before it reads them (griddepcontrol.wait); for sm_80
+    neither instruction is there."""
     from mhattn.backends.triton import ahead
 
     for head_dim in (64, 128, 256):
         tasks = ahead.split_kv_tasks(head_dim, 90)
-        assert [task.kind for task in tasks] == ["splitkv", "splitkv", "combine"]
-        assert [dict(task.flags)["PAGED"] for task in tasks[:2]] == [False, True]
+        assert [task.kind for task in tasks] == ["splitkv", "splitkv", "combine", "append_kv", "append_kv"]
+        assert [dict(task.flags)["PAGED"] for task in tasks if task.kind != "combine"] == [False, True, False, True]
         assert all(task in ahead.table_tasks("sm_90") for task in tasks)
         for task in tasks:
             kernel = ahead.compile_kernel(task, 90)
@@ -1093,8 +1094,10 @@ def test_split_kv_kernel_compiles_for_sm90_without_spills():
             ptx = kernel.asm["ptx"]
             if task.kind == "splitkv":
                 assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" not in ptx, task.label
-            else:
+            elif task.kind == "combine":
                 assert "griddepcontrol.wait" in ptx and kernel.metadata.launch_pdl, task.label
+            else:
+                assert "griddepcontrol" not in ptx, task.label
     for task in ahead.split_kv_tasks(128, 80):
         assert "griddepcontrol" not in ahead.compile_kernel(task, 80).asm["ptx"], task.label
 

@@ -200,7 +200,7 @@ def test_the_attention_kernels_fit_the_launcher():
 
     for module, names in (("forward", ["attention_forward_kernel"]),
                           ("backward", ["backward_preprocess_kernel", "backward_dkdv_kernel", "backward_dq_kernel"]),
-                          ("decode", ["split_kv_kernel", "combine_splits_kernel"])):
+                          ("decode", ["split_kv_kernel", "combine_splits_kernel", "append_kv_kernel"])):
         mod = importlib.import_module(f"mhattn.backends.triton.{module}")
         for name in names:
             kernel = getattr(mod, name)
@@ -286,7 +286,7 @@ def _recording_backend_launchers(monkeypatch, interpret: bool):
     jit = {name: RecordingKernel(getattr(module, name).fn) for module, name in (
         (forward, "attention_forward_kernel"), (backward, "backward_preprocess_kernel"),
         (backward, "backward_dkdv_kernel"), (backward, "backward_dq_kernel"), (decode, "split_kv_kernel"),
-        (decode, "combine_splits_kernel"))}
+        (decode, "combine_splits_kernel"), (decode, "append_kv_kernel"))}
     launchers = tb._Launchers(SimpleNamespace(**jit), SimpleNamespace(**jit), SimpleNamespace(**jit))
     for launcher in vars(launchers).values():
         launcher.interpret = False
@@ -353,15 +353,16 @@ def AttentionParamsArgs(**kwargs):
 
 
 def test_the_decoding_launches_prepared_once_pass_what_a_first_call_passes(monkeypatch):
-    """Split-KV decoding (dense, contiguous cache, paged caches with three block tables): each call run again goes
-    through the launches prepared at its first run (with the others in between) and passes the kernels what a
-    call worked out from scratch passes."""
+    """Split-KV decoding (dense, contiguous cache, paged caches with three block tables) and the KV cache's append
+    (contiguous, paged, a strided cache_seqlens): each call run again goes through the launches prepared at its first
+    run (with the others in between) and passes the kernels what a call worked out from scratch passes."""
     from mhattn.backends.base import KVCache
     from mhattn.backends.triton import backend as tb
     from mhattn.backends.triton import decode_launch
 
     jit, launchers = _recording_backend_launchers(monkeypatch, interpret=True)  # CPU tensors reach the launches
     monkeypatch.setattr(decode_launch, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(decode_launch, "_append_sites", {})  # none prepared by another test's launchers
     backend = tb.TritonBackend()
 
     q = torch.randn(2, 8, 1, 16)
@@ -371,6 +372,8 @@ def test_the_decoding_launches_prepared_once_pass_what_a_first_call_passes(monke
     # Two block tables of one capacity with other row strides, and one of twice the capacity.
     tables = [torch.arange(40, dtype=torch.int32).view(2, 20), (torch.arange(80, dtype=torch.int32) % 40).view(2, 40)[:, 20:]]
     wide_table = torch.arange(80, dtype=torch.int32).view(2, 40) % 40
+    new_k, new_v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
+    strided_seqlens = torch.tensor([1000, 0, 2500, 0], dtype=torch.int32)[::2]
     params = AttentionParamsArgs(scale=0.25, diag_offset=2999, window_right=0)
     calls = [
         lambda: backend.forward(q, k, v, params),
@@ -378,12 +381,17 @@ def test_the_decoding_launches_prepared_once_pass_what_a_first_call_passes(monke
         lambda: backend.forward_kvcache(q, KVCache(pool_k, pool_v, seqlens, tables[0]), params),
         lambda: backend.forward_kvcache(q, KVCache(pool_k, pool_v, seqlens, tables[1]), params),
         lambda: backend.forward_kvcache(q, KVCache(pool_k, pool_v, seqlens, wide_table), params),  # more capacity
+        lambda: backend.append_kvcache(k, v, new_k, new_v, seqlens, None),
+        lambda: backend.append_kvcache(pool_k, pool_v, new_k, new_v, seqlens, tables[0]),
+        lambda: backend.append_kvcache(pool_k, pool_v, new_k, new_v, seqlens, tables[1]),
+        lambda: backend.append_kvcache(k, v, new_k, new_v, strided_seqlens, None),
     ]
     launchers_by_kernel = {launcher.kernel.__name__: launcher for launcher in vars(launchers).values()}
 
     def run_call(call, fresh=False):
         if fresh:
             tb._signatures.clear()
+            decode_launch._append_sites.clear()
         before = {name: len(kernel.log) for name, kernel in jit.items()}
         call()
         return {name: [_recorded_launch(entry, launchers_by_kernel[name]) for entry in kernel.log[before[name]:]]
@@ -393,8 +401,10 @@ def test_the_decoding_launches_prepared_once_pass_what_a_first_call_passes(monke
     again = [run_call(call) for call in calls]
     fresh = [run_call(call, fresh=True) for call in calls]
     assert again == fresh == first
-    assert all(call["split_kv_kernel"] for call in again) and any(call["combine_splits_kernel"] for call in again)
+    assert all(call["split_kv_kernel"] for call in again[:5]) and any(call["combine_splits_kernel"] for call in again)
+    assert all(call["append_kv_kernel"] for call in again[5:])
     assert any(entry[0] == "handle" for entry in jit["split_kv_kernel"].log)  # the repeats went through handles
+    assert any(entry[0] == "handle" for entry in jit["append_kv_kernel"].log)
 
 
 # ---- launches with host tensor maps of a fixed geometry (launcher.PreparedMapLaunch) ------------------------------

@@ -21,13 +21,14 @@ from mhattn.backends.triton.launcher import COMPILE_OPTIONS
 
 # Kernel arguments that are pointers (float32 ones listed apart), floats; every other argument is an int32.
 POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", "dV", "dQ", "dMask", "GradLse",
-            "dQacc", "OutSplit", "LseSplit"}
+            "dQacc", "OutSplit", "LseSplit", "KCache", "VCache"}
 FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "dQacc", "OutSplit", "LseSplit"}
 # int32 pointers: the dropout seed words read from the device (see forward.attention_forward_kernel); the
 # cu_seqlens of packed sequences, key bounds of key padding masks (varlen_launch.py, key_padding.py), a KV
-# cache's lengths and block table (decode.py), the Gluon forward's tile counter (hopper_launch), the Gluon
-# backward's dQ counters (hopper_backward.hopper_backward_kernel).
-INT32_POINTERS = {"Seed", "CuSeqlensQ", "CuSeqlensK", "Seqlens", "BlockTable", "TileCounter", "DqCounters"}
+# cache's lengths before and after an append and its block table (decode.py), the Gluon forward's tile counter
+# (hopper_launch), the Gluon backward's dQ counters (hopper_backward.hopper_backward_kernel).
+INT32_POINTERS = {"Seed", "CuSeqlensQ", "CuSeqlensK", "Seqlens", "CacheSeqlens", "BlockTable", "TileCounter",
+                  "DqCounters"}
 FLOATS = {"qk_scale2", "softcap_in2", "softcap_out2", "dropout_scale", "sm_scale"}
 KINDS = ("fwd", "dkdv", "dq", "hopper_fwd", "hopper_bwd")
 GLUON_KINDS = ("hopper_fwd", "hopper_bwd")
@@ -54,7 +55,8 @@ def hopper_backward_tile(head_dim: int) -> configs.KernelConfig:
 class KernelTask:
     """One kernel to compile: which kernel, for which problem class and tile."""
 
-    kind: str            # "fwd", "dkdv", "dq", "splitkv" / "combine" (decode.py), "hopper_fwd" / "hopper_bwd" (Gluon)
+    kind: str            # "fwd", "dkdv", "dq", "splitkv" / "combine" / "append_kv" (decode.py), "hopper_fwd" /
+    #                      "hopper_bwd" (Gluon)
     head_dim: int
     causal: bool
     tile: configs.KernelConfig
@@ -82,7 +84,7 @@ def _kernel_function(kind: str):
         return hopper_backward.hopper_backward_kernel
     return {"fwd": forward.attention_forward_kernel, "dkdv": backward.backward_dkdv_kernel,
             "dq": backward.backward_dq_kernel, "splitkv": decode.split_kv_kernel,
-            "combine": decode.combine_splits_kernel}[kind]
+            "combine": decode.combine_splits_kernel, "append_kv": decode.append_kv_kernel}[kind]
 
 
 def _constexprs(task: KernelTask) -> dict:
@@ -93,6 +95,9 @@ def _constexprs(task: KernelTask) -> dict:
     padded = configs.padded_head_dim(task.head_dim)
     if task.kind == "combine":  # the split-KV combine (decode.py), 32 splits a row
         return dict(HEAD_DIM_V=task.head_dim, BLOCK_DV=padded, BLOCK_S=32, **dict(task.flags))
+    if task.kind == "append_kv":  # the KV cache's append (decode.py)
+        return {**dict(HEAD_DIM=task.head_dim, HEAD_DIM_V=task.head_dim, BLOCK_D=padded, BLOCK_DV=padded,
+                       BLOCK_M=task.tile.block_m, PAGED=False, PAGE_SIZE=1), **dict(task.flags)}
     values = dict(HEAD_DIM=task.head_dim, HEAD_DIM_V=task.head_dim, BLOCK_D=padded, BLOCK_DV=padded,
                   BLOCK_M=task.tile.block_m, BLOCK_N=task.tile.block_n, HAS_LEFT=False, HAS_RIGHT=task.causal,
                   HAS_SOFTCAP=False, MASK_KIND=0, HAS_DROPOUT=False, DOT_PRECISION="tf32")
@@ -135,7 +140,8 @@ def compile_kernel(task: KernelTask, cc: int = 90):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-            if name.startswith("stride_") and not name.endswith(("mq", "mk", "lb", "lh")):
+            # (a 1-D index tensor's stride and a block table's column stride are 1 as a rule: no hint)
+            if name.startswith("stride_") and not name.endswith(("mq", "mk", "lb", "lh", "seqlens", "table_block")):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     if task.kind in GLUON_KINDS:
         from triton.experimental.gluon._runtime import GluonASTSource
@@ -255,7 +261,7 @@ def split_kv_tasks(head_dim: int, cc: int = 80) -> list:
     """The split-KV decoding kernels (decode.py) as decoding launches them at ``head_dim`` on compute capability
     ``cc``: the split kernel with several splits, one query head group of 4 rows, over a contiguous cache and a
     paged one (blocks of 256 keys), then the combine; from sm_90 the combine as a programmatic dependent launch
-    of the split kernel (decode_launch.DEPENDENT_LAUNCH)."""
+    of the split kernel (decode_launch.DEPENDENT_LAUNCH); the KV cache's append into each kind of cache."""
     from mhattn.backends.triton import decode_launch
 
     padded = configs.padded_head_dim(head_dim)
@@ -270,6 +276,11 @@ def split_kv_tasks(head_dim: int, cc: int = 80) -> list:
     combine_tile = configs.KernelConfig(1, 1, decode_launch.combine_warps(padded), 1)
     tasks.append(KernelTask("combine", head_dim, True, combine_tile,
                             flags=(("WAIT_PRIMARY", dependent),)))
+    append_tile = configs.KernelConfig(decode_launch.APPEND_BLOCK_M, 1, decode_launch.append_warps(head_dim, head_dim),
+                                       1)
+    for paged in (False, True):
+        tasks.append(KernelTask("append_kv", head_dim, False, append_tile,
+                                flags=(("PAGED", paged), ("PAGE_SIZE", 256 if paged else 1))))
     return tasks
 
 

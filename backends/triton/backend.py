@@ -47,8 +47,8 @@ def kernels():
 
 
 class _Launchers:
-    """The dense forward and backward kernels and the split-KV decoding kernels, each behind a
-    :class:`CompiledLauncher` (launcher.py): after the first launch of a specialisation, later ones go
+    """The dense forward and backward kernels and the split-KV decoding kernels (with the KV cache's append), each
+    behind a :class:`CompiledLauncher` (launcher.py): after the first launch of a specialisation, later ones go
     straight to the compiled handle."""
 
     def __init__(self, forward_module, backward_module, decode_module):
@@ -58,6 +58,7 @@ class _Launchers:
         self.dq = CompiledLauncher(backward_module.backward_dq_kernel, INTERPRET)
         self.split_kv = CompiledLauncher(decode_module.split_kv_kernel, INTERPRET)
         self.combine_splits = CompiledLauncher(decode_module.combine_splits_kernel, INTERPRET)
+        self.append_kv = CompiledLauncher(decode_module.append_kv_kernel, INTERPRET)
 
 
 _launchers_made = None
@@ -854,6 +855,10 @@ class TritonBackend(OutputOnlyForward):
     def forward_kvcache(self, q, cache, params: AttentionParams):
         signature = _signature_for(q, cache.k, cache.v, params, dense=True, names=("q", "k_cache", "v_cache"))
         return decode_launch.split_kv_forward(q, cache.k, cache.v, params, cache=cache, signature=signature)
+
+    def append_kvcache(self, k_cache, v_cache, k, v, cache_seqlens, block_table):
+        # One launch (decode.append_kv_kernel) where torch's indexing takes five to ten.
+        return decode_launch.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
 
     def forward_varlen(self, q, k, v, packing, params: AttentionParams):
         return varlen_launch.forward(q, k, v, packing, params)

@@ -18,6 +18,9 @@ key/value head once per query head. Here:
   from 1.01x to 1.13-1.15x, so those keep the entry per key (NOTES); a contiguous cache is the same code with the
   batch as page.
 
+:func:`append_kv_kernel` writes a step's new keys and values into the cache (and the key counts after it) in one
+launch, before the split kernel reads them (mhattn.attention_with_kvcache through the backend's append_kvcache).
+
 Grid of :func:`split_kv_kernel`: (B * Hkv, num_splits, row blocks). With one split the kernel writes the
 final output and LSE itself and no combine runs.
 
@@ -218,3 +221,52 @@ def combine_splits_kernel(
     o_ptrs = Out + batch * stride_ob + head * stride_oh + q_pos * stride_om + offs_dv
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
     tl.store(Lse + row, lse)
+
+
+@triton.jit
+def append_kv_kernel(
+    K, V, KCache, VCache, CacheSeqlens, Seqlens, BlockTable,
+    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_kcb, stride_kch, stride_kcn, stride_vcb, stride_vch, stride_vcn,
+    stride_seqlens, stride_table, stride_table_block, heads_kv, seqlen_q, capacity, num_blocks,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):
+    """A decoding step's append in one launch: K (B, Hkv, Nq, D) and V (B, Hkv, Nq, Dv) written into the cache at
+    positions CacheSeqlens[b] + i of each sequence b, and Seqlens[b] = CacheSeqlens[b] + Nq (int32, B): the key
+    counts the step then attends over. KCache/VCache: contiguous (B, Hkv, Nmax, D) (stride_kcb per sequence), or with
+    PAGED a pool (num_blocks, Hkv, PAGE_SIZE, D) (stride_kcb per block) read through BlockTable (B, max_blocks) int32
+    (strides stride_table, stride_table_block). CacheSeqlens by stride_seqlens. The heads' last dims contiguous. Grid (B * Hkv, cdiv(Nq, BLOCK_M)): a program writes BLOCK_M rows of one (batch, head).
+
+    The host checks the positions against the cache and the block table against the pool before the launch
+    (mhattn.decode); a row whose position or block would still fall outside (no host check runs while a CUDA graph
+    is captured) is not written, so the step cannot write past the cache."""
+    batch_head = tl.program_id(0)
+    row_block = tl.program_id(1)
+    batch = batch_head // heads_kv
+    head = batch_head % heads_kv
+    start = tl.load(CacheSeqlens + batch * stride_seqlens)
+    tl.store(Seqlens + batch, start + seqlen_q, mask=(head == 0) & (row_block == 0))
+
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    positions = start + rows
+    ok = (rows < seqlen_q) & (positions >= 0) & (positions < capacity)
+    if PAGED:
+        page = tl.load(BlockTable + batch.to(tl.int64) * stride_table + (positions // PAGE_SIZE) * stride_table_block,
+                       mask=ok, other=0)
+        ok = ok & (page >= 0) & (page < num_blocks)
+        k_rows = page.to(tl.int64) * stride_kcb + (positions % PAGE_SIZE).to(tl.int64) * stride_kcn
+        v_rows = page.to(tl.int64) * stride_vcb + (positions % PAGE_SIZE).to(tl.int64) * stride_vcn
+    else:
+        k_rows = batch.to(tl.int64) * stride_kcb + positions.to(tl.int64) * stride_kcn
+        v_rows = batch.to(tl.int64) * stride_vcb + positions.to(tl.int64) * stride_vcn
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    v_mask = ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    new_k = K + batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh + rows.to(tl.int64)[:, None] * stride_kn
+    new_v = V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh + rows.to(tl.int64)[:, None] * stride_vn
+    tl.store(KCache + head.to(tl.int64) * stride_kch + k_rows[:, None] + offs_d[None, :],
+             tl.load(new_k + offs_d[None, :], mask=k_mask), mask=k_mask)
+    tl.store(VCache + head.to(tl.int64) * stride_vch + v_rows[:, None] + offs_dv[None, :],
+             tl.load(new_v + offs_dv[None, :], mask=v_mask), mask=v_mask)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from mhattn.backends.base import AttentionParams, KVCache
+from mhattn.backends.base import AttentionParams, KVCache, cache_capacity
 from mhattn.backends.splits import split_count
 from mhattn.backends.streams import current_stream
 from mhattn.backends.triton import configs
@@ -180,6 +180,60 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
     return out, lse
 
 
+# The KV cache's prepared append launches (decode.append_kv_kernel) by what their arguments besides the tensors come
+# from: the shapes and strides of the new and cached keys and values, of cache_seqlens and of the block table, the
+# dtype and the device. A decoding loop appends with one such signature per layer.
+_append_sites: dict = {}
+APPEND_SITES_LIMIT = 1024
+# Rows of the new keys one append program writes (a decoding step has one; speculative decoding a few).
+APPEND_BLOCK_M = 16
+
+
+def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table) -> Optional[torch.Tensor]:
+    """A decoding step's append (decode.append_kv_kernel) in one launch: k (B, Hkv, Nq, D) and v (B, Hkv, Nq, Dv)
+    written into the cache (contiguous, or paged through ``block_table``) at positions cache_seqlens[b] + i, in place;
+    returns the key counts after it, cache_seqlens + Nq (B,) int32. Where torch's indexing does it instead, a step
+    launches five to ten kernels (positions, block look-ups, one index_put for K and one for V). None where the kernel
+    does not take the call (a new key or value whose head dim is not contiguous; CPU tensors without Triton's
+    interpreter): the caller appends with torch's indexing. The caller has checked the shapes, dtypes and devices,
+    and the positions and blocks against the cache (mhattn.decode)."""
+    backend = _backend or _import_backend()
+    if (k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1):
+        return None
+    device = k.device
+    if device.type != "cuda" and not backend.INTERPRET:
+        return None
+    paged = block_table is not None
+    key = (k.shape, k.stride(), v.shape, v.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
+           cache_seqlens.stride(), None if block_table is None else (block_table.shape, block_table.stride()), k.dtype,
+           device)
+    batch, heads_kv, seqlen_q, head_dim = k.shape
+    if batch * heads_kv * seqlen_q == 0:  # nothing to write (no program would write the counts either)
+        return cache_seqlens + seqlen_q
+    seqlens = torch.empty(batch, dtype=torch.int32, device=device)
+    table = block_table if paged else cache_seqlens
+    tensors = (k, v, k_cache, v_cache, cache_seqlens, seqlens, table)
+    site = _append_sites.get(key)
+    if site is None:
+        head_dim_v = v.shape[3]
+        launcher = backend.launchers().append_kv
+        middle = (*k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+                  cache_seqlens.stride(0), *(block_table.stride() if paged else (0, 0)), heads_kv, seqlen_q,
+                  cache_capacity(k_cache, block_table), k_cache.shape[0])
+        constexprs = launcher.cached_constexprs(
+            append_warps(head_dim, head_dim_v), 1, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+            BLOCK_D=configs.padded_head_dim(head_dim), BLOCK_DV=configs.padded_head_dim(head_dim_v),
+            BLOCK_M=APPEND_BLOCK_M, PAGED=paged, PAGE_SIZE=k_cache.shape[2] if paged else 1)
+        grid = (batch * heads_kv, -(-seqlen_q // APPEND_BLOCK_M))
+        device_index = device.index if device.type == "cuda" else 0
+        site = put_bounded(_append_sites, key, (launcher.prepare(grid, tensors + middle, constexprs, device_index),
+                                                middle), APPEND_SITES_LIMIT)
+    prepared, middle = site
+    with backend._OnDevice(device):
+        prepared.launch(tensors + middle)
+    return seqlens
+
+
 # The split kernel's partial outputs and lse by (device, stream, rows, splits, value head dim), kept: one stream's
 # launches run in order, so a step's combine has read them before the next step's split kernel writes them, and a
 # decoding loop makes them once instead of allocating two tensors a step. A call being captured into a CUDA graph gets
@@ -209,6 +263,11 @@ def _new_split_partials(device, rows: int, splits: int, head_dim_v: int) -> tupl
     with torch.inference_mode(False):
         return (torch.empty(rows, splits, head_dim_v, dtype=torch.float32, device=device),
                 torch.empty(rows, splits, dtype=torch.float32, device=device))
+
+
+def append_warps(head_dim: int, head_dim_v: int) -> int:
+    """Warps of an append program (APPEND_BLOCK_M rows of K and of V) at these head dims."""
+    return 4 if max(head_dim, head_dim_v) >= 128 else 2
 
 
 def combine_warps(block_dv: int) -> int:

@@ -69,7 +69,8 @@ COLUMN_DESCRIPTIONS = {
     "overflow": "large scores: q * 5, k * 3",
     "deterministic": "backward run repeatedly, bitwise equal every time",
     "decode": "few query rows per key/value head (decoding, speculative decoding), long key sequences",
-    "kvcache": "forward_kvcache: new tokens appended to a contiguous or paged (block) cache, uneven lengths",
+    "kvcache": ("forward_kvcache: new tokens appended to a contiguous or paged (block) cache, uneven lengths; a "
+                "backend's own append_kvcache against torch's indexing"),
     "varlen": "forward_varlen / backward_varlen: packed sequences of uneven lengths, empty ones included",
 }
 

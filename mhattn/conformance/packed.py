@@ -36,7 +36,8 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 @dataclass
 class PackedInputs:
-    """kvcache: q (B, Hq, Nq, D), the cache (new tokens already written) and the new tokens' k/v;
+    """kvcache: q (B, Hq, Nq, D), the cache (new tokens already written by torch's indexing), the new tokens' k/v
+    (B, Hkv, Nq, D) and ``before_append`` (k_cache, v_cache, cache_seqlens) as they were before it;
     varlen: q (total_q, Hq, D), k/v (total_k, Hkv, D), grad_out and grad_lse (Hq, total_q) or None."""
 
     q: torch.Tensor
@@ -49,6 +50,7 @@ class PackedInputs:
     lengths: tuple = ()          # varlen: (lengths_q, lengths_k); kvcache: keys per sequence
     grad_out: Optional[torch.Tensor] = None
     grad_lse: Optional[torch.Tensor] = None
+    before_append: Optional[tuple] = None
 
 
 def _params(case: Case) -> AttentionParams:
@@ -70,7 +72,7 @@ def make_inputs(case: Case, device) -> PackedInputs:
 
 
 def _kvcache_inputs(case: Case, device, gen) -> PackedInputs:
-    from mhattn.decode import _append
+    from mhattn.decode import _append_by_indexing
 
     dtype = case.torch_dtype
     b, hq, hkv, nq, capacity, d, dv = (case.batch, case.heads_q, case.heads_kv, case.seqlen_q, case.seqlen_k,
@@ -92,13 +94,14 @@ def _kvcache_inputs(case: Case, device, gen) -> PackedInputs:
     new_k = _randn(gen, (b, hkv, nq, d), device, dtype, k_scale)
     new_v = _randn(gen, (b, hkv, nq, dv), device, dtype)
     cache_seqlens = cached.to(torch.int32).to(device)
-    cache = KVCache(k_cache, v_cache, cache_seqlens + nq, table)
-    _append(cache, new_k, new_v, cache_seqlens)
+    before_append = (k_cache.clone(), v_cache.clone(), cache_seqlens)
+    cache = KVCache(k_cache, v_cache, _append_by_indexing(k_cache, v_cache, new_k, new_v, cache_seqlens, table), table)
     params = _params(case)
     problem = Problem.from_tensors(q, k_cache, v_cache, params, causal=case.causal is not None,
                                    window=case.window is not None,
                                    operation="kvcache" if table is None else "paged_kvcache", sizes=(b, nq, capacity))
-    return PackedInputs(q, params, problem, cache=cache, lengths=tuple((cached + nq).tolist()))
+    return PackedInputs(q, params, problem, cache=cache, k=new_k, v=new_v, lengths=tuple((cached + nq).tolist()),
+                        before_append=before_append)
 
 
 def varlen_lengths(case: Case, gen) -> tuple:
@@ -188,7 +191,21 @@ def _judge_kvcache(backend, case: Case, inputs: PackedInputs) -> list:
     unchanged = torch.equal(cache_before[0], inputs.cache.k) and torch.equal(cache_before[1], inputs.cache.v)
     checks.append(Comparison("cache unchanged by forward_kvcache", unchanged, 0.0, 0.0, 0.0 if unchanged else math.inf,
                              "" if unchanged else " (the backend wrote into the cache)"))
-    return checks
+    return checks + _judge_append(backend, inputs)
+
+
+def _judge_append(backend, inputs: PackedInputs) -> list:
+    """The backend's own append (append_kvcache), where it has one, on the cache as it was before the new tokens:
+    the same cache and key counts as torch's indexing gave (nothing to compare for a backend without one)."""
+    k_cache, v_cache, cache_seqlens = (t.clone() for t in inputs.before_append)
+    with poisoned_allocations():
+        counts = backend.append_kvcache(k_cache, v_cache, inputs.k, inputs.v, cache_seqlens, inputs.cache.block_table)
+    if counts is None:
+        return []
+    same = (torch.equal(k_cache, inputs.cache.k) and torch.equal(v_cache, inputs.cache.v)
+            and torch.equal(counts, inputs.cache.seqlens))
+    return [Comparison("append_kvcache writes what torch's indexing writes", same, 0.0, 0.0, 0.0 if same else math.inf,
+                       "" if same else " (new tokens or key counts differ)")]
 
 
 def _varlen_reference(inputs: PackedInputs, dtype, keep) -> dict:
