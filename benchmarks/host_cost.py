@@ -169,7 +169,7 @@ def stubbed_triton():
         SimpleNamespace(**{name: _StubKernel(getattr(backward_module, name)) for name in (
             "backward_preprocess_kernel", "backward_dkdv_kernel", "backward_dq_kernel")}),
         SimpleNamespace(**{name: _StubKernel(getattr(decode_module, name)) for name in (
-            "split_kv_kernel", "combine_splits_kernel")}))
+            "split_kv_kernel", "combine_splits_kernel", "append_kv_kernel")}))
     for launcher in vars(stubs).values():
         launcher.interpret = False
     saved = triton_backend.launchers, launcher_module.current_stream
