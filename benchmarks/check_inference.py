@@ -21,7 +21,9 @@ paged, beside cuDNN. ``--sweep-splits`` times contiguous decoding at d = 128 wit
 a programmatic dependent launch of the split kernel and after it (decode_launch.DEPENDENT_LAUNCH), beside cuDNN.
 ``--kept-partials`` compares host loops of short decoding steps (dense and contiguous cache; bf16, d = 128, Nq = 1)
 with the split kernel's partials kept per stream (decode_launch.split_partials) and allocated at every step, in
-turns, beside SDPA's.
+turns, beside SDPA's. ``--append`` compares host loops of short decoding steps through attention_with_kvcache that
+append a token (contiguous and paged cache) with the Triton backend's append kernel (append_kvcache) and with torch's
+indexing, in turns, beside the dense step and SDPA's.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ SWEEP_SPLITS = (1, 2, 3, 4, 6)
 SWEEP_SPLIT_CELLS = ((8, 32768), (8, 131072), (64, 8192), (64, 32768), (64, 131072))
 # --kept-partials: (B, Nk) cells at Nq = 1, short caches (host-bound steps).
 KEPT_PARTIALS_CELLS = ((1, 1024), (1, 8192), (8, 1024))
+# --append: (B, Nk) cells at Nq = 1 (Nk keys after the append), short caches; the paged cache's blocks.
+APPEND_CELLS = ((1, 1024), (1, 8192), (8, 1024))
+APPEND_BLOCK = 256
 # --dependent-launch: (B, Nk) cells at Nq = 1.
 DEPENDENT_CELLS = ((1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 1024), (8, 8192), (8, 32768), (64, 8192))
 VARLEN_HEADS = 16
@@ -343,6 +348,89 @@ def kept_partials(device, out_dir, cells=KEPT_PARTIALS_CELLS):
     return lines
 
 
+def append_steps(device, out_dir, cells=APPEND_CELLS, block_size=APPEND_BLOCK, steps=300, rounds=7):
+    """Host loops (``steps`` steps, one synchronize; ``rounds`` rounds in turns, the best of each) of decoding steps
+    through attention_with_kvcache that append one token at position Nk - 1, over a contiguous cache and a paged one (a
+    shuffled pool of ``block_size``-key blocks holding the same keys), on the Triton backend with its append kernel
+    (TritonBackend.append_kvcache) and with torch's indexing (the front end's, what a backend without its own append
+    gets), beside the dense step over the same Nk keys through mhattn.attention and SDPA's default path (bf16, Hq 32,
+    Hkv 8, d 128, Nq 1). First checked: both appends leave the same caches, and the steps give SDPA's output over the
+    appended keys."""
+    import mhattn
+    import torch.nn.functional as F
+    from mhattn.backends.triton.backend import TritonBackend
+    from mhattn.benchmark import latency
+
+    own = TritonBackend.append_kvcache
+
+    @contextlib.contextmanager
+    def appending(kernel: bool):
+        TritonBackend.append_kvcache = own if kernel else (lambda self, *args: None)
+        try:
+            yield
+        finally:
+            TritonBackend.append_kvcache = own
+
+    lines = ["== the KV cache's append: one kernel / torch's indexing: host loop us per step, bf16 (the CPU: fp16), "
+             "d = 128, Nq = 1 ==",
+             f"{'B':>3} {'Nk':>6} {'sdpa':>7} {'dense':>7} {'cache kernel':>13} {'cache indexing':>15} "
+             f"{'paged kernel':>13} {'paged indexing':>15}"]
+    dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # (Triton's interpreter: no bfloat16)
+    generator = torch.Generator(device=device).manual_seed(0)
+    for batch, seqlen_k in cells:
+        def randn(*shape):
+            return torch.randn(*shape, device=device, dtype=dtype, generator=generator)
+
+        capacity = -(-seqlen_k // block_size) * block_size
+        q, new_k, new_v = randn(batch, 32, 1, 128), randn(batch, 8, 1, 128), randn(batch, 8, 1, 128)
+        k_cache, v_cache = randn(batch, 8, capacity, 128), randn(batch, 8, capacity, 128)
+        blocks = capacity // block_size
+        table = torch.randperm(batch * blocks, device=device, generator=generator).to(torch.int32).view(batch, blocks)
+        pool_k, pool_v = (torch.empty(batch * blocks, 8, block_size, 128, device=device, dtype=dtype) for _ in range(2))
+        for b in range(batch):
+            for j in range(blocks):
+                rows = slice(j * block_size, (j + 1) * block_size)
+                pool_k[int(table[b, j])], pool_v[int(table[b, j])] = k_cache[b, :, rows], v_cache[b, :, rows]
+        seqlens = torch.full((batch,), seqlen_k - 1, dtype=torch.int32, device=device)
+        k_view, v_view = k_cache[:, :, :seqlen_k], v_cache[:, :, :seqlen_k]
+        contiguous = lambda: mhattn.attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, seqlens,  # noqa: E731
+                                                           backend="triton")
+        paged = lambda: mhattn.attention_with_kvcache(q, pool_k, pool_v, new_k, new_v, seqlens, table,  # noqa: E731
+                                                      backend="triton")
+        dense = lambda: mhattn.attention(q, k_view, v_view, enable_gqa=True, backend="triton")  # noqa: E731
+        sdpa = lambda: F.scaled_dot_product_attention(q, k_view, v_view, enable_gqa=True)  # noqa: E731
+
+        caches, tensors = {}, (k_cache, v_cache, pool_k, pool_v)
+        originals = [t.clone() for t in tensors]
+        for kernel in (True, False):
+            for tensor, original in zip(tensors, originals):  # each append starts from the same caches
+                tensor.copy_(original)
+            with appending(kernel):
+                outs = [step().float() for step in (contiguous, paged)]
+            caches[kernel] = [t.clone() for t in tensors]
+            expected = sdpa().float()
+            for out in outs:
+                error = (out - expected).abs().max().item()
+                if error > 2e-2:
+                    raise AssertionError(f"B={batch} Nk={seqlen_k}: max error {error} against SDPA")
+        if not all(torch.equal(a, b) for a, b in zip(caches[True], caches[False])):
+            raise AssertionError(f"B={batch} Nk={seqlen_k}: the two appends left different caches")
+        if any(torch.equal(a, b) for a, b in zip(caches[True], originals)):
+            raise AssertionError(f"B={batch} Nk={seqlen_k}: a step left a cache as it was")
+        calls = {"sdpa": sdpa, "dense": dense, "cache kernel": contiguous, "cache indexing": contiguous,
+                 "paged kernel": paged, "paged indexing": paged}
+        contexts = {name: functools.partial(appending, not name.endswith("indexing")) for name in calls}
+        best, errors = latency.host_loops_in_turn(calls, steps, device, rounds, contexts)
+        if errors:
+            raise next(iter(errors.values()))
+        lines.append(f"{batch:>3} {seqlen_k:>6} " + " ".join(
+            f"{best[name]:{width}.1f}" for name, width in (("sdpa", 7), ("dense", 7), ("cache kernel", 13),
+                                                            ("cache indexing", 15), ("paged kernel", 13),
+                                                            ("paged indexing", 15))))
+        log(out_dir, lines[-1])
+    return lines
+
+
 def _us(value) -> str:
     return "-" if value is None else f"{value:.0f}"
 
@@ -366,6 +454,8 @@ def main(argv=None) -> int:
                         help="only decoding with the combine as a dependent launch and after the splits")
     parser.add_argument("--kept-partials", action="store_true",
                         help="only host loops of short decoding steps with the split partials kept and allocated")
+    parser.add_argument("--append", action="store_true",
+                        help="only host loops of KV-cache steps appending by the Triton kernel and by torch's indexing")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     out_dir = os.environ.get("OUT")
@@ -377,6 +467,12 @@ def main(argv=None) -> int:
         return 0
     if args.kept_partials:
         for line in kept_partials(device, out_dir, ((1, 64), (2, 100)) if args.tiny else KEPT_PARTIALS_CELLS):
+            log(out_dir, line)
+        return 0
+    if args.append:
+        cells = ((1, 64), (2, 100)) if args.tiny else APPEND_CELLS
+        shape = dict(block_size=16, steps=2, rounds=1) if args.tiny else {}
+        for line in append_steps(device, out_dir, cells, **shape):
             log(out_dir, line)
         return 0
     if args.dependent_launch:

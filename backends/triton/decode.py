@@ -236,7 +236,8 @@ def append_kv_kernel(
     positions CacheSeqlens[b] + i of each sequence b, and Seqlens[b] = CacheSeqlens[b] + Nq (int32, B): the key
     counts the step then attends over. KCache/VCache: contiguous (B, Hkv, Nmax, D) (stride_kcb per sequence), or with
     PAGED a pool (num_blocks, Hkv, PAGE_SIZE, D) (stride_kcb per block) read through BlockTable (B, max_blocks) int32
-    (strides stride_table, stride_table_block). CacheSeqlens by stride_seqlens. The heads' last dims contiguous. Grid (B * Hkv, cdiv(Nq, BLOCK_M)): a program writes BLOCK_M rows of one (batch, head).
+    (strides stride_table, stride_table_block). CacheSeqlens by stride_seqlens. The heads' last dims contiguous.
+    Grid (B * Hkv, cdiv(Nq, BLOCK_M)): a program writes BLOCK_M rows of one (batch, head).
 
     The host checks the positions against the cache and the block table against the pool before the launch
     (mhattn.decode); a row whose position or block would still fall outside (no host check runs while a CUDA graph
