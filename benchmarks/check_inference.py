@@ -307,13 +307,7 @@ def kept_partials(device, out_dir, cells=KEPT_PARTIALS_CELLS):
         return (torch.empty(rows, splits, head_dim_v, dtype=torch.float32, device=device),
                 torch.empty(rows, splits, dtype=torch.float32, device=device))
 
-    @contextlib.contextmanager
-    def switched(partials):
-        decode_launch.split_partials = partials
-        try:
-            yield
-        finally:
-            decode_launch.split_partials = kept
+    switched = functools.partial(_replaced, decode_launch, "split_partials")
 
     lines = ["== split partials kept per stream / allocated per step: host loop us per step, bf16 (the CPU: fp16), "
              "d = 128, Nq = 1 ==",
@@ -363,13 +357,8 @@ def append_steps(device, out_dir, cells=APPEND_CELLS, block_size=APPEND_BLOCK, s
 
     own = TritonBackend.append_kvcache
 
-    @contextlib.contextmanager
     def appending(kernel: bool):
-        TritonBackend.append_kvcache = own if kernel else (lambda self, *args: None)
-        try:
-            yield
-        finally:
-            TritonBackend.append_kvcache = own
+        return _replaced(TritonBackend, "append_kvcache", own if kernel else (lambda self, *args: None))
 
     lines = ["== the KV cache's append: one kernel / torch's indexing: host loop us per step, bf16 (the CPU: fp16), "
              "d = 128, Nq = 1 ==",
@@ -429,6 +418,18 @@ def append_steps(device, out_dir, cells=APPEND_CELLS, block_size=APPEND_BLOCK, s
                                                             ("paged indexing", 15))))
         log(out_dir, lines[-1])
     return lines
+
+
+@contextlib.contextmanager
+def _replaced(owner, name: str, value):
+    """``owner.name`` (a module's function, a class's method) set to ``value`` inside the block: one side of an A/B
+    timed in turns."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
 
 
 def _us(value) -> str:
