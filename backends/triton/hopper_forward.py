@@ -84,12 +84,6 @@ def mma_layout(cols):
     return wgmma_layout(4, 1, cols)
 
 
-@triton.constexpr_function
-def q_slot_count(q_buffers, rotating):
-    """Q's shared-memory slots (one consumer's BLOCK_M rows each): two a buffer, or three taken in turn (Q_ROTATING)."""
-    return 3 if rotating else 2 * q_buffers
-
-
 @gluon.jit
 def q_slot(rounds, HALF: gl.constexpr, Q_BUFFERS: gl.constexpr, Q_ROTATING: gl.constexpr):
     """(slot, barrier, phase) of consumer HALF's Q tile in the program's ``rounds``-th tile: its slot of Q's shared
@@ -629,7 +623,7 @@ def hopper_forward_kernel(
 
     # Slots of (1, 1, rows, D) tiles, as the copy engine writes them (the products read them as (rows, D)); Q buffer
     # b holds the two consumers' tiles at slots 2b and 2b + 1 (Q_ROTATING: see q_slot).
-    q_slots: gl.constexpr = q_slot_count(Q_BUFFERS, Q_ROTATING)
+    q_slots: gl.constexpr = 3 if Q_ROTATING else 2 * Q_BUFFERS  # one consumer's BLOCK_M rows each
     q_pairs: gl.constexpr = 3 if Q_ROTATING else Q_BUFFERS  # Q's ready/empty barrier pairs
     q_users: gl.constexpr = 1 if Q_ROTATING else 2  # consumers releasing one pair's slots
     q_smem = gl.allocate_shared_memory(dtype, [q_slots, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
