@@ -266,6 +266,15 @@ class Backend:
         which writes it with torch's indexing."""
         return None
 
+    def forward_kvcache_appending(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                  params: AttentionParams):
+        """A decoding step's append and attention in one: write k and v into the cache as :meth:`append_kvcache`
+        does, and return :meth:`forward_kvcache`'s ``(out, lse)`` over each sequence's cache_seqlens[b] + Nq keys
+        (cache_seqlens counts the keys before the step and is not changed). The caller has checked what it checks
+        for append_kvcache. Return None (the default) to have the front end append (append_kvcache, else torch's
+        indexing) and then call forward_kvcache."""
+        return None
+
     def forward_varlen(self, q, k, v, packing: Packing, params: AttentionParams):
         """Attention over packed sequences: q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv),
         last dims contiguous. Sequence b's queries see only its own keys, causal/window bounds aligned

@@ -87,13 +87,18 @@ def _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, sc
         if key is not None:
             put_bounded(_known_calls, key, known, _KNOWN_CALLS_LIMIT)
     params, chosen, appended, capacity = known
-    cache = _cache_of_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, appended, capacity, chosen)
+    _check_index_values(q, k_cache, cache_seqlens, block_table, appended, capacity)
+    if appended:  # the backend's step that appends as it attends, where it has one
+        step = chosen.forward_kvcache_appending(q, k_cache, v_cache, k, v, cache_seqlens, block_table, params)
+        if step is not None:
+            return step
+    cache = _cache_of_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity, chosen)
     return chosen.forward_kvcache(q, cache, params)
 
 
 # Calls whose arguments passed _prepare's checks and whose backend was selected, by _call_key: (params, backend, the
 # number of appended tokens, the cache's capacity). A decoding loop calls with one signature per layer and step, so
-# only the per-call part (_cache_of_call: the value checks, the append, the KVCache) runs again. Cleared with the
+# only the per-call part (the index values' checks, the append, the attention) runs again. Cleared with the
 # dispatcher's cache.
 _known_calls: dict = {}
 _KNOWN_CALLS_LIMIT = 1024
@@ -122,29 +127,37 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, 
     return tuple(key)
 
 
-def _cache_of_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, appended: int, capacity: int,
-                   backend) -> KVCache:
-    """The per-call part of a call that appends ``appended`` tokens (k and v) to a cache of ``capacity`` keys a
-    sequence: the positions checked against the capacity and the block table's range once per index tensor value
-    (check_values_once), then the append (by the backend's own append_kvcache where it has one, else torch's
-    indexing), and the KVCache with each sequence's key count (cached plus appended, int32 like cache_seqlens)."""
+def _check_index_values(q, k_cache, cache_seqlens, block_table, appended: int, capacity: int) -> None:
+    """The positions a call appends to and reads checked against the cache's ``capacity`` and the block table's
+    entries against the pool, once per index tensor value (check_values_once; none while a CUDA graph is captured or
+    torch.compile traces)."""
     if cache_seqlens is None:
-        seqlens = before = torch.full((q.shape[0],), capacity, dtype=torch.int32, device=q.device)
         checked = () if block_table is None else (block_table,)
     else:
-        before = cache_seqlens
         checked = (cache_seqlens,) if block_table is None else (cache_seqlens, block_table)
     if checked and host_checks_allowed(q):
+        before = cache_seqlens if cache_seqlens is not None else _full_lengths(q, capacity)
         pool_blocks, block_size = k_cache.shape[0], k_cache.shape[2]
         check_values_once(checked, (appended, capacity, pool_blocks, block_size),
                           lambda: _check_lengths(before, appended, block_table, pool_blocks, block_size, capacity))
-    if cache_seqlens is not None:
-        if k is None:
-            seqlens = cache_seqlens
-        else:
-            seqlens = backend.append_kvcache(k_cache, v_cache, k, v, cache_seqlens, block_table)
-            if seqlens is None:
-                seqlens = _append_by_indexing(k_cache, v_cache, k, v, cache_seqlens, block_table)
+
+
+def _full_lengths(q, capacity: int) -> torch.Tensor:
+    return torch.full((q.shape[0],), capacity, dtype=torch.int32, device=q.device)
+
+
+def _cache_of_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, capacity: int, backend) -> KVCache:
+    """The KVCache of a call whose index values were checked: k and v appended first where given (by the backend's
+    own append_kvcache where it has one, else torch's indexing), with each sequence's key count (cached plus
+    appended, int32 like cache_seqlens)."""
+    if cache_seqlens is None:
+        seqlens = _full_lengths(q, capacity)
+    elif k is None:
+        seqlens = cache_seqlens
+    else:
+        seqlens = backend.append_kvcache(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        if seqlens is None:
+            seqlens = _append_by_indexing(k_cache, v_cache, k, v, cache_seqlens, block_table)
     return KVCache(k_cache, v_cache, seqlens, block_table)
 
 
@@ -215,7 +228,7 @@ class _Call:
 
 
 def _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap) -> _Call:
-    """Every check of a call's arguments but the index tensors' values (_cache_of_call), then its Problem and
+    """Every check of a call's arguments but the index tensors' values (_check_index_values), then its Problem and
     params. What it reads is what _call_key holds."""
     paged = block_table is not None
     cache_shape = "(num_blocks, Hkv, block_size, D)" if paged else "(B, Hkv, Nmax, D)"

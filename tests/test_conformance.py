@@ -132,6 +132,21 @@ class AppendOneRowLate(ReferenceBackend):
         return cache_seqlens + k.shape[2]
 
 
+class AppendingStepAdvancesLengths(ReferenceBackend):
+    """A step that appends as it attends (forward_kvcache_appending) and gives the right output, but advances
+    cache_seqlens in place, which the caller owns."""
+
+    name = "test-appending-step-advances-lengths"
+
+    def forward_kvcache_appending(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, params):
+        from mhattn.backends.base import KVCache
+        from mhattn.decode import _append_by_indexing
+
+        seqlens = _append_by_indexing(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        cache_seqlens.copy_(seqlens)
+        return self.forward_kvcache(q, KVCache(k_cache, v_cache, seqlens, block_table), params)
+
+
 class NoDropout(ReferenceBackend):
     """A correct backend that declares no dropout and no sliding window."""
 
@@ -318,6 +333,7 @@ def test_poisoned_allocations_fill_floats_with_nan_and_restore():
         (WrongMaskGrad(), ["mask_grad"], "dmask"),
         (NoisyBackward(), ["deterministic"], "backward run 2 == run 1"),
         (AppendOneRowLate(), ["kvcache"], "append_kvcache writes what torch's indexing writes"),
+        (AppendingStepAdvancesLengths(), ["kvcache"], "forward_kvcache_appending writes what torch's indexing writes"),
     ],
     ids=lambda x: getattr(x, "name", None) if isinstance(x, ReferenceBackend) else None,
 )

@@ -396,18 +396,21 @@ def check_append_kernel(paged=False, device="cpu", dtype="float16", seqlen_q=3):
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
-def check_kvcache_appends_in_one_launch(device="cpu"):
-    """attention_with_kvcache on the Triton backend appends through the backend's kernel (torch's indexing is not
-    called), contiguous and paged, and a new key whose head dim is not contiguous goes through torch's indexing."""
+def check_kvcache_appends_inside_the_split_kernel(device="cpu"):
+    """attention_with_kvcache on the Triton backend appends inside the split kernel (forward_kvcache_appending): neither
+    the backend's append kernel nor torch's indexing runs, contiguous and paged; a new key whose head dim is not
+    contiguous goes through torch's indexing (neither kernel takes it)."""
     import mhattn.decode as decode_module
+    from mhattn.backends.triton.backend import TritonBackend
 
     calls = []
-    original = decode_module._append_by_indexing
-    decode_module._append_by_indexing = lambda *args: calls.append(1) or original(*args)
+    original, own_append = decode_module._append_by_indexing, TritonBackend.append_kvcache
+    decode_module._append_by_indexing = lambda *args: calls.append("indexing") or original(*args)
+    TritonBackend.append_kvcache = lambda self, *args: calls.append("append kernel") or own_append(self, *args)
     try:
         check_kvcache(device=device, seqlen_q=2)
         check_kvcache(device=device, block_size=16, seqlen_q=2)
-        assert not calls, "the Triton backend's append must not fall back to torch's indexing"
+        assert not calls, f"the Triton backend's step must append inside the split kernel, got {calls}"
         gen = torch.Generator().manual_seed(3)
         q, k_cache, v_cache, new_k, new_v, seqlens, _ = make_cache(torch.float16, device, 2, 4, 2, 1, 32, [4, 9], 20,
                                                                    None, True, gen)
@@ -415,11 +418,42 @@ def check_kvcache_appends_in_one_launch(device="cpu"):
         wide[..., ::2] = new_k
         strided_k = wide[..., ::2]  # head dim not contiguous
         mhattn.attention_with_kvcache(q, k_cache, v_cache, strided_k, new_v, seqlens, backend="triton")
-        assert calls == [1]
+        assert calls == ["append kernel", "indexing"]
         for b, c in enumerate((4, 9)):
             assert torch.equal(k_cache[b, :, c], new_k[b, :, 0]) and torch.equal(v_cache[b, :, c], new_v[b, :, 0])
     finally:
-        decode_module._append_by_indexing = original
+        decode_module._append_by_indexing, TritonBackend.append_kvcache = original, own_append
+
+
+def check_kvcache_index_strides(device="cpu"):
+    """cache_seqlens with a stride and a block table whose blocks are not adjacent in memory (a transposed view) give
+    the same steps as their contiguous copies, with and without an append, against the float64 reference."""
+    from mhattn.backends.base import AttentionParams, KVCache
+    from mhattn.conformance.packed import kvcache_reference
+    from mhattn.decode import _append_by_indexing
+
+    gen = torch.Generator().manual_seed(11)
+    batch, heads_kv, block_size, head_dim, blocks = 3, 2, 16, 16, 4
+    pool = batch * blocks + 1
+    q = torch.randn(batch, 4, 2, head_dim, generator=gen).to(device)
+    k_pool, v_pool = (torch.randn(pool, heads_kv, block_size, head_dim, generator=gen).to(device) for _ in range(2))
+    new_k, new_v = (torch.randn(batch, heads_kv, 2, head_dim, generator=gen).to(device) for _ in range(2))
+    table = torch.randperm(batch * blocks, generator=gen).to(torch.int32).view(blocks, batch).t().to(device)
+    cached = torch.tensor([5, 0, 40, 0, 61, 0], dtype=torch.int32).to(device)[::2]  # stride 2
+    assert table.stride(1) != 1 and cached.stride(0) != 1
+    for append in (False, True):
+        k_cache, v_cache = k_pool.clone(), v_pool.clone()
+        k_want, v_want = k_pool.clone(), v_pool.clone()
+        if append:
+            _append_by_indexing(k_want, v_want, new_k, new_v, cached, table)
+        args = (new_k, new_v) if append else (None, None)
+        out = mhattn.attention_with_kvcache(q, k_cache, v_cache, *args, cached, table, backend="triton")
+        assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want), f"append={append}: caches differ"
+        lengths = [int(n) + (2 if append else 0) for n in cached.tolist()]
+        gold = kvcache_reference(q.double(), KVCache(k_want.double(), v_want.double(), None, table),
+                                 AttentionParams(scale=head_dim ** -0.5, window_right=0), lengths, torch.float64)
+        error = float((out.double() - gold["out"]).abs().max())
+        assert error < 1e-4, f"append={append}: max error {error} against the float64 reference"
 
 
 # ---- the reference on the CPU (no kernel) ---------------------------------------------------------------
@@ -816,8 +850,13 @@ def test_interpreter_append_kernel(interpreter, paged):
 
 
 @pytest.mark.interpret
-def test_interpreter_kvcache_appends_in_one_launch(interpreter):
-    interpreter.run("check_kvcache_appends_in_one_launch")
+def test_interpreter_kvcache_appends_inside_the_split_kernel(interpreter):
+    interpreter.run("check_kvcache_appends_inside_the_split_kernel")
+
+
+@pytest.mark.interpret
+def test_interpreter_kvcache_index_strides(interpreter):
+    interpreter.run("check_kvcache_index_strides")
 
 
 @pytest.mark.interpret

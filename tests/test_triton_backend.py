@@ -1077,7 +1077,9 @@ def test_hopper_tensor_maps_equal_gluons_checked_descriptors():
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_split_kv_kernel_compiles_for_sm90_without_spills():
     """The split-KV decoding kernel as the d = 64, 128 and 256 decoding tiles launch it (contiguous and paged cache,
-    several splits), its combine and the KV cache's append compile for sm_90 with no register spills. On sm_90 the
+    several splits; a contiguous cache's step writing its new keys and values first, with one barrier of the
+    program's threads between those stores and the step's loads), its combine and the KV cache's append compile for
+    sm_90 with no register spills. On sm_90 the
     split kernel lets the combine launch early (griddepcontrol.launch_dependents) and the combine, compiled as a
     programmatic dependent launch, waits for the splits' writes before it reads them (griddepcontrol.wait); for sm_80
     neither instruction is there."""
@@ -1085,19 +1087,27 @@ def test_split_kv_kernel_compiles_for_sm90_without_spills():
 
     for head_dim in (64, 128, 256):
         tasks = ahead.split_kv_tasks(head_dim, 90)
-        assert [task.kind for task in tasks] == ["splitkv", "splitkv", "combine", "append_kv", "append_kv"]
-        assert [dict(task.flags)["PAGED"] for task in tasks if task.kind != "combine"] == [False, True, False, True]
+        assert [task.kind for task in tasks] == ["splitkv", "splitkv", "splitkv", "combine", "append_kv", "append_kv"]
+        assert [dict(task.flags)["PAGED"] for task in tasks if task.kind != "combine"] == [False, True, False, False,
+                                                                                            True]
+        assert [dict(task.flags).get("APPEND", False) for task in tasks] == [False, False, True, False, False, False]
         assert all(task in ahead.table_tasks("sm_90") for task in tasks)
+        split_ptx = []
         for task in tasks:
             kernel = ahead.compile_kernel(task, 90)
             assert ahead.resource_usage(kernel)["stack"] == 0, task.label
             ptx = kernel.asm["ptx"]
             if task.kind == "splitkv":
                 assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" not in ptx, task.label
+                split_ptx.append(ptx)
             elif task.kind == "combine":
                 assert "griddepcontrol.wait" in ptx and kernel.metadata.launch_pdl, task.label
             else:
                 assert "griddepcontrol" not in ptx, task.label
+        # The appending build (same tile as the first) adds the new rows' stores and a barrier before its loads.
+        plain, appending = split_ptx[0], split_ptx[2]
+        for instruction in ("st.global", "bar.sync"):
+            assert appending.count(instruction) > plain.count(instruction), (head_dim, instruction)
     for task in ahead.split_kv_tasks(128, 80):
         assert "griddepcontrol" not in ahead.compile_kernel(task, 80).asm["ptx"], task.label
 

@@ -21,7 +21,7 @@ from mhattn.backends.triton.launcher import COMPILE_OPTIONS
 
 # Kernel arguments that are pointers (float32 ones listed apart), floats; every other argument is an int32.
 POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", "dV", "dQ", "dMask", "GradLse",
-            "dQacc", "OutSplit", "LseSplit", "KCache", "VCache"}
+            "dQacc", "OutSplit", "LseSplit", "KCache", "VCache", "NewK", "NewV"}
 FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "dQacc", "OutSplit", "LseSplit"}
 # int32 pointers: the dropout seed words read from the device (see forward.attention_forward_kernel); the
 # cu_seqlens of packed sequences, key bounds of key padding masks (varlen_launch.py, key_padding.py), a KV
@@ -260,17 +260,19 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
 def split_kv_tasks(head_dim: int, cc: int = 80) -> list:
     """The split-KV decoding kernels (decode.py) as decoding launches them at ``head_dim`` on compute capability
     ``cc``: the split kernel with several splits, one query head group of 4 rows, over a contiguous cache and a
-    paged one (blocks of 256 keys), then the combine; from sm_90 the combine as a programmatic dependent launch
+    paged one (blocks of 256 keys), and over a contiguous cache appending the step's new keys and values itself,
+    then the combine; from sm_90 the combine as a programmatic dependent launch
     of the split kernel (decode_launch.DEPENDENT_LAUNCH); the KV cache's append into each kind of cache."""
     from mhattn.backends.triton import decode_launch
 
     padded = configs.padded_head_dim(head_dim)
     dependent = cc >= 90
     tasks = []
-    for paged in (False, True):
+    # A dense step, a paged step, and a contiguous cache's step with its append inside (APPEND).
+    for paged, append in ((False, False), (True, False), (False, True)):
         tile = decode_launch.decode_tile(padded, padded, 2, paged)
-        flags = (("PAGED", paged), ("HAS_SEQLENS", paged), ("PAGE_SIZE", 256 if paged else 1),
-                 ("RELEASE_DEPENDENTS", dependent))
+        flags = (("PAGED", paged), ("HAS_SEQLENS", paged or append), ("PAGE_SIZE", 256 if paged else 1),
+                 ("RELEASE_DEPENDENTS", dependent), ("APPEND", append))
         tasks.append(KernelTask("splitkv", head_dim, True, configs.KernelConfig(16, tile.block_n, tile.num_warps,
                                                                                  tile.num_stages), flags=flags))
     combine_tile = configs.KernelConfig(1, 1, decode_launch.combine_warps(padded), 1)

@@ -18,7 +18,7 @@ import torch
 
 from mhattn import dropout_rng
 from mhattn.backends import layouts
-from mhattn.backends.base import FEATURES, OPERATIONS, AttentionParams, Capabilities, OutputOnlyForward
+from mhattn.backends.base import FEATURES, OPERATIONS, AttentionParams, Capabilities, KVCache, OutputOnlyForward
 from mhattn.backends.triton import configs, decode_launch, hopper_launch, key_padding, varlen_launch
 from mhattn.backends.triton.launcher import CompiledLauncher
 from mhattn.caches import put_bounded
@@ -859,6 +859,16 @@ class TritonBackend(OutputOnlyForward):
     def append_kvcache(self, k_cache, v_cache, k, v, cache_seqlens, block_table):
         # One launch (decode.append_kv_kernel) where torch's indexing takes five to ten.
         return decode_launch.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+
+    def forward_kvcache_appending(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                  params: AttentionParams):
+        # The split kernel writes the new rows itself (decode.split_kv_kernel's APPEND): no launch for the append.
+        if (k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1):
+            return None  # (the append kernel takes these)
+        signature = _signature_for(q, k_cache, v_cache, params, dense=True, names=("q", "k_cache", "v_cache"))
+        return decode_launch.split_kv_forward(q, k_cache, v_cache, params,
+                                              cache=KVCache(k_cache, v_cache, cache_seqlens, block_table),
+                                              signature=signature, new_kv=(k, v))
 
     def forward_varlen(self, q, k, v, packing, params: AttentionParams):
         return varlen_launch.forward(q, k, v, packing, params)

@@ -18,8 +18,10 @@ key/value head once per query head. Here:
   from 1.01x to 1.13-1.15x, so those keep the entry per key (NOTES); a contiguous cache is the same code with the
   batch as page.
 
-:func:`append_kv_kernel` writes a step's new keys and values into the cache (and the key counts after it) in one
-launch, before the split kernel reads them (mhattn.attention_with_kvcache through the backend's append_kvcache).
+A decoding step through mhattn.attention_with_kvcache that appends new keys and values has the split kernel write
+them into the cache itself (APPEND, the backend's forward_kvcache_appending): each program writes the new rows of its
+share before reading it, so the step launches nothing for its append. :func:`append_kv_kernel` writes them (and the
+key counts after it) in a launch of its own, for the backend's append_kvcache.
 
 Grid of :func:`split_kv_kernel`: (B * Hkv, num_splits, row blocks). With one split the kernel writes the
 final output and LSE itself and no combine runs.
@@ -42,20 +44,21 @@ from mhattn.backends.triton.scores import LN2, LOG2E, attention_scores
 
 
 @triton.jit
-def load_key_tile(base, page_base, start_n, offs_n, ok_n, offs_d, stride_page, stride_row,
+def load_key_tile(base, page_base, stride_table_block, start_n, offs_n, ok_n, offs_d, stride_page, stride_row,
                   DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr):
     """Rows offs_n = start_n + [0, BLOCK_N) of one sequence's keys (or values) as a (BLOCK_N, BLOCK) tile; rows where
     ok_n is False and head-dim padding read as 0. ``base`` already points at the (sequence or pool, head) start;
-    ``page_base`` at the sequence's block-table row when PAGED. BLOCK_IN_PAGE (PAGE_SIZE a multiple of BLOCK_N, and
-    start_n a multiple of BLOCK_N): the block lies in one page, so one table entry gives its rows, in a run."""
+    ``page_base`` at the sequence's block-table row when PAGED (its entries ``stride_table_block`` apart).
+    BLOCK_IN_PAGE (PAGE_SIZE a multiple of BLOCK_N, and start_n a multiple of BLOCK_N): the block lies in one page, so
+    one table entry gives its rows, in a run."""
     if PAGED:
         if BLOCK_IN_PAGE:
-            page = tl.load(page_base + start_n // PAGE_SIZE).to(tl.int64)
+            page = tl.load(page_base + (start_n // PAGE_SIZE) * stride_table_block).to(tl.int64)
             in_page = start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)
             rows = page * stride_page + in_page.to(tl.int64) * stride_row
         else:
-            page = tl.load(page_base + offs_n // PAGE_SIZE, mask=ok_n, other=0).to(tl.int64)
+            page = tl.load(page_base + (offs_n // PAGE_SIZE) * stride_table_block, mask=ok_n, other=0).to(tl.int64)
             rows = page * stride_page + (offs_n % PAGE_SIZE).to(tl.int64) * stride_row
     else:
         rows = offs_n.to(tl.int64) * stride_row
@@ -65,14 +68,45 @@ def load_key_tile(base, page_base, start_n, offs_n, ok_n, offs_d, stride_page, s
     return tl.load(base + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
 
 
+@triton.jit
+def write_new_rows(NewK, NewV, stride_nk, stride_nv, k_head, v_head, page_base, stride_table_block, slot, rows,
+                   positions, ok, capacity, num_blocks, stride_kslot, stride_kn, stride_vslot, stride_vn,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Copy new rows ``rows`` of one (batch, key/value head) -- NewK / NewV rows ``stride_nk`` / ``stride_nv`` apart
+    from that head's first -- into the cache at ``positions``, where ``ok``. ``k_head`` / ``v_head`` point at the
+    cache's head; a contiguous cache's sequence is slot ``slot`` (its batch index), a paged one's rows go through
+    the block-table row at ``page_base`` (entries ``stride_table_block`` apart). A row whose position lies past the
+    cache's ``capacity``, or whose table entry lies outside the pool's ``num_blocks``, is not written: the host checks
+    both first, but not while a CUDA graph is captured."""
+    ok = ok & (positions >= 0) & (positions < capacity)
+    if PAGED:
+        slot = tl.load(page_base + (positions // PAGE_SIZE) * stride_table_block, mask=ok, other=0)
+        ok = ok & (slot >= 0) & (slot < num_blocks)
+        in_slot = positions % PAGE_SIZE
+    else:
+        in_slot = positions
+    slot = slot.to(tl.int64)
+    in_slot = in_slot.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    v_mask = ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    new_k = tl.load(NewK + rows.to(tl.int64)[:, None] * stride_nk + offs_d[None, :], mask=k_mask)
+    new_v = tl.load(NewV + rows.to(tl.int64)[:, None] * stride_nv + offs_dv[None, :], mask=v_mask)
+    tl.store(k_head + (slot * stride_kslot + in_slot * stride_kn)[:, None] + offs_d[None, :], new_k, mask=k_mask)
+    tl.store(v_head + (slot * stride_vslot + in_slot * stride_vn)[:, None] + offs_dv[None, :], new_v, mask=v_mask)
+
+
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "diag_offset", "window_left", "window_right"])
 def split_kv_kernel(
-    Q, K, V, Out, Lse, OutSplit, LseSplit, Seqlens, BlockTable,
+    Q, K, V, Out, Lse, OutSplit, LseSplit, Seqlens, BlockTable, NewK, NewV,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    stride_table,
+    stride_table, stride_table_block, stride_seqlens,
+    stride_nkb, stride_nkh, stride_nkn, stride_nvb, stride_nvh, stride_nvn, capacity, num_blocks,
     heads_q, heads_kv, kv_group, seqlen_q, seqlen_k, num_splits,
     qk_scale2, softcap_in2, softcap_out2,
     diag_offset, window_left, window_right,
@@ -81,13 +115,23 @@ def split_kv_kernel(
     HAS_SEQLENS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, RELEASE_DEPENDENTS: tl.constexpr = False,
+    APPEND: tl.constexpr = False,
 ):
     """Q (B, Hq, Nq, D) and Out (B, Hq, Nq, Dv) by strides, last dim contiguous; Lse (B, Hq, Nq) fp32
     contiguous. K/V: contiguous (B, Hkv, Nk, D) (stride_kb per sequence), or with PAGED a pool
-    (num_blocks, Hkv, PAGE_SIZE, D) (stride_kb per block) and BlockTable (B, max_blocks) int32.
-    HAS_SEQLENS: sequence b attends over its first Seqlens[b] keys with its diagonal at Seqlens[b] - Nq;
-    else over seqlen_k keys with the diagonal at diag_offset. SPLIT: write OutSplit (B*Hq*Nq, num_splits,
-    Dv) and LseSplit (B*Hq*Nq, num_splits) fp32 for :func:`combine_splits_kernel` instead of Out/Lse.
+    (num_blocks, Hkv, PAGE_SIZE, D) (stride_kb per block) and BlockTable (B, max_blocks) int32 (strides
+    stride_table, stride_table_block).
+    HAS_SEQLENS: sequence b attends over its first Seqlens[b] keys (Seqlens by stride_seqlens) with its diagonal at
+    Seqlens[b] - Nq; else over seqlen_k keys with the diagonal at diag_offset.
+    APPEND (with HAS_SEQLENS): Seqlens[b] counts the keys before this step's Nq new ones, NewK (B, Hkv, Nq, D) and
+    NewV (B, Hkv, Nq, Dv), which the kernel writes into the cache at positions Seqlens[b] .. Seqlens[b] + Nq - 1 (of
+    ``capacity`` a sequence; a paged pool has ``num_blocks`` blocks) before attending over Seqlens[b] + Nq keys: the
+    step's append without a launch of its own (append_kv_kernel). Each program first writes the new rows that fall in
+    its share of the keys (and the first split's first row block every new row, so the cache gets each row even where
+    no program attends to it), then waits at a barrier of its threads: the rows it reads it wrote itself, so no
+    program waits for another. Two programs may write one row; they write the same bytes.
+    SPLIT: write OutSplit (B*Hq*Nq, num_splits, Dv) and LseSplit (B*Hq*Nq, num_splits) fp32 for
+    :func:`combine_splits_kernel` instead of Out/Lse.
     RELEASE_DEPENDENTS (sm_90): the next kernel, launched as a programmatic dependent, may start now (it waits for
     this one's writes itself)."""
     if RELEASE_DEPENDENTS:
@@ -99,7 +143,9 @@ def split_kv_kernel(
     head_kv = batch_head_kv % heads_kv
 
     if HAS_SEQLENS:
-        seqlen_k = tl.load(Seqlens + batch)
+        seqlen_k = tl.load(Seqlens + batch * stride_seqlens)
+        if APPEND:
+            seqlen_k += seqlen_q
         diag_offset = seqlen_k - seqlen_q
 
     # Packed rows: row r is query position r % Nq of query head head_kv * kv_group + r // Nq.
@@ -143,6 +189,22 @@ def split_kv_kernel(
         k_base += batch.to(tl.int64) * stride_kb
         v_base += batch.to(tl.int64) * stride_vb
 
+    if APPEND:
+        # The first split's first row block writes every new row (a mask of the rows' shape: Triton's interpreter
+        # gives an int32 mask where a scalar is OR-ed into one).
+        writes_all = tl.zeros([BLOCK_N], dtype=tl.int32) + split + row_block == 0
+        new_k = NewK + batch.to(tl.int64) * stride_nkb + head_kv.to(tl.int64) * stride_nkh
+        new_v = NewV + batch.to(tl.int64) * stride_nvb + head_kv.to(tl.int64) * stride_nvh
+        for first_new in range(0, seqlen_q, BLOCK_N):
+            new_rows = first_new + tl.arange(0, BLOCK_N)
+            positions = diag_offset + new_rows
+            mine = ((positions >= start) & (positions < end)) | writes_all
+            write_new_rows(new_k, new_v, stride_nkn, stride_nvn, K + head_kv.to(tl.int64) * stride_kh,
+                           V + head_kv.to(tl.int64) * stride_vh, page_base, stride_table_block, batch, new_rows,
+                           positions, (new_rows < seqlen_q) & mine, capacity, num_blocks, stride_kb, stride_kn,
+                           stride_vb, stride_vn, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGED, PAGE_SIZE)
+        tl.debug_barrier()  # this program's rows are in the cache before its threads read them
+
     # One block-table entry a key block where the keys are split (see the module docstring for the measurements).
     BLOCK_IN_PAGE: tl.constexpr = PAGED and SPLIT and PAGE_SIZE % BLOCK_N == 0
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -152,7 +214,7 @@ def split_kv_kernel(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_local
         ok_n = offs_n < end
-        k = load_key_tile(k_base, page_base, start_n, offs_n, ok_n, offs_d, stride_kb, stride_kn,
+        k = load_key_tile(k_base, page_base, stride_table_block, start_n, offs_n, ok_n, offs_d, stride_kb, stride_kn,
                           HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, BLOCK_IN_PAGE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         # seqlen_k = end: keys past this split's share are masked like keys past the sequence.
@@ -164,7 +226,7 @@ def split_kv_kernel(
         p = tl.exp2(s2 - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_key_tile(v_base, page_base, start_n, offs_n, ok_n, offs_dv, stride_vb, stride_vn,
+        v = load_key_tile(v_base, page_base, stride_table_block, start_n, offs_n, ok_n, offs_dv, stride_vb, stride_vn,
                           HEAD_DIM_V, BLOCK_DV, BLOCK_N, PAGED, PAGE_SIZE, BLOCK_IN_PAGE)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -237,11 +299,8 @@ def append_kv_kernel(
     counts the step then attends over. KCache/VCache: contiguous (B, Hkv, Nmax, D) (stride_kcb per sequence), or with
     PAGED a pool (num_blocks, Hkv, PAGE_SIZE, D) (stride_kcb per block) read through BlockTable (B, max_blocks) int32
     (strides stride_table, stride_table_block). CacheSeqlens by stride_seqlens. The heads' last dims contiguous.
-    Grid (B * Hkv, cdiv(Nq, BLOCK_M)): a program writes BLOCK_M rows of one (batch, head).
-
-    The host checks the positions against the cache and the block table against the pool before the launch
-    (mhattn.decode); a row whose position or block would still fall outside (no host check runs while a CUDA graph
-    is captured) is not written, so the step cannot write past the cache."""
+    Grid (B * Hkv, cdiv(Nq, BLOCK_M)): a program writes BLOCK_M rows of one (batch, head). (The split kernel's
+    APPEND does the same inside the step's attention, one launch fewer.)"""
     batch_head = tl.program_id(0)
     row_block = tl.program_id(1)
     batch = batch_head // heads_kv
@@ -250,24 +309,9 @@ def append_kv_kernel(
     tl.store(Seqlens + batch, start + seqlen_q, mask=(head == 0) & (row_block == 0))
 
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    positions = start + rows
-    ok = (rows < seqlen_q) & (positions >= 0) & (positions < capacity)
-    if PAGED:
-        page = tl.load(BlockTable + batch.to(tl.int64) * stride_table + (positions // PAGE_SIZE) * stride_table_block,
-                       mask=ok, other=0)
-        ok = ok & (page >= 0) & (page < num_blocks)
-        k_rows = page.to(tl.int64) * stride_kcb + (positions % PAGE_SIZE).to(tl.int64) * stride_kcn
-        v_rows = page.to(tl.int64) * stride_vcb + (positions % PAGE_SIZE).to(tl.int64) * stride_vcn
-    else:
-        k_rows = batch.to(tl.int64) * stride_kcb + positions.to(tl.int64) * stride_kcn
-        v_rows = batch.to(tl.int64) * stride_vcb + positions.to(tl.int64) * stride_vcn
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    k_mask = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    v_mask = ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-    new_k = K + batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh + rows.to(tl.int64)[:, None] * stride_kn
-    new_v = V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh + rows.to(tl.int64)[:, None] * stride_vn
-    tl.store(KCache + head.to(tl.int64) * stride_kch + k_rows[:, None] + offs_d[None, :],
-             tl.load(new_k + offs_d[None, :], mask=k_mask), mask=k_mask)
-    tl.store(VCache + head.to(tl.int64) * stride_vch + v_rows[:, None] + offs_dv[None, :],
-             tl.load(new_v + offs_dv[None, :], mask=v_mask), mask=v_mask)
+    write_new_rows(K + batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh,
+                   V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh, stride_kn, stride_vn,
+                   KCache + head.to(tl.int64) * stride_kch, VCache + head.to(tl.int64) * stride_vch,
+                   BlockTable + batch.to(tl.int64) * stride_table, stride_table_block, batch, rows, start + rows,
+                   rows < seqlen_q, capacity, num_blocks, stride_kcb, stride_kcn, stride_vcb, stride_vcn,
+                   HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, PAGED, PAGE_SIZE)

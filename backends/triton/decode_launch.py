@@ -113,14 +113,17 @@ def _split_plan(plan, device: torch.device, keys: int, paged: bool) -> tuple:
 
 
 def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None, signature=None,
-                     keep_lse: bool = True):
+                     keep_lse: bool = True, new_kv: Optional[tuple] = None):
     """out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) fp32 of q over k, v.
 
     Dense (cache None): k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), diagonal at params.diag_offset. With a
     cache, k and v are its tensors (contiguous or the paged pool) and each sequence b attends over its
     first cache.seqlens[b] keys with its diagonal at seqlens[b] - Nq. ``signature``: the backend's _Signature
     of these arguments when the caller has it already. keep_lse False: lse is the plan's scratch view (for a caller
-    that drops it: one allocation fewer).
+    that drops it: one allocation fewer). ``new_kv`` (with a cache): the step's new keys and values (k_new
+    (B, Hkv, Nq, D), v_new (B, Hkv, Nq, Dv), last dims contiguous), which the split kernel writes into the cache at
+    positions cache.seqlens[b] + i before attending over cache.seqlens[b] + Nq keys (its APPEND): cache.seqlens
+    then counts the keys before the step.
     """
     backend = _backend or _import_backend()
     signature = signature or backend._signature_for(q, k, v, params, dense=False)
@@ -143,7 +146,11 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
         out_split = lse_split = lse
     seqlens = cache.seqlens if cache is not None else lse
     table = cache.block_table if paged else lse
-    table_stride = table.stride(0) if paged else 0
+    table_strides = table.stride() if paged else (0, 0)
+    seqlens_stride = seqlens.stride(0) if cache is not None else 0
+    new_k, new_v = new_kv if new_kv is not None else (lse, lse)
+    # What the append adds to the launch: the new rows' strides, the cache's capacity and the pool's size.
+    appending = () if new_kv is None else (*new_k.stride()[:3], *new_v.stride()[:3], keys, k.shape[0])
     kernel = backend.launchers()
     split_kv, combine = kernel.split_kv, kernel.combine_splits
 
@@ -152,7 +159,8 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
     def prepare_split_kv():
         run = backend._Launch(q, k, v, params, signature=signature)  # the signature's scalars
         return (plan.batch * plan.heads_kv, splits, row_blocks), (
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], table_stride,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *table_strides, seqlens_stride,
+            *(appending or (0, 0, 0, 0, 0, 0, 0, 0)),
             plan.heads_q, plan.heads_kv, plan.kv_group, plan.seqlen_q, k.shape[2], splits,
             run.qk_scale2, run.softcap_in2, run.softcap_out2,
             run.diag_offset, run.window_left, run.window_right,
@@ -163,6 +171,7 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
             HAS_SEQLENS=cache is not None, PAGED=paged, PAGE_SIZE=k.shape[2] if paged else 1,
             HAS_LEFT=plan.has_left, HAS_RIGHT=plan.has_right, HAS_SOFTCAP=plan.has_softcap,
             SPLIT=splits > 1, DOT_PRECISION=plan.dot_precision, RELEASE_DEPENDENTS=dependent,
+            APPEND=new_kv is not None,
         )
 
     def prepare_combine():
@@ -172,8 +181,10 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
                                       BLOCK_S=max(2, configs.triton_next_power_of_2(splits)), WAIT_PRIMARY=dependent)
 
     with backend._OnDevice(q.device):
-        backend._launch_site(signature, (split_kv, keys, cache is not None, paged, table_stride, dependent), split_kv,
-                             (q, k, v, out, lse, out_split, lse_split, seqlens, table), (), prepare_split_kv)
+        backend._launch_site(signature, (split_kv, keys, cache is not None, paged, table_strides, seqlens_stride,
+                                         dependent, appending), split_kv,
+                             (q, k, v, out, lse, out_split, lse_split, seqlens, table, new_k, new_v), (),
+                             prepare_split_kv)
         if splits > 1:
             backend._launch_site(signature, (combine, keys, dependent), combine, (out, lse, out_split, lse_split), (),
                                  prepare_combine)

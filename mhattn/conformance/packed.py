@@ -16,7 +16,7 @@ packed tensors).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -191,7 +191,7 @@ def _judge_kvcache(backend, case: Case, inputs: PackedInputs) -> list:
     unchanged = torch.equal(cache_before[0], inputs.cache.k) and torch.equal(cache_before[1], inputs.cache.v)
     checks.append(Comparison("cache unchanged by forward_kvcache", unchanged, 0.0, 0.0, 0.0 if unchanged else math.inf,
                              "" if unchanged else " (the backend wrote into the cache)"))
-    return checks + _judge_append(backend, inputs)
+    return checks + _judge_append(backend, inputs) + _judge_appending_step(backend, case, inputs, gold, lowp)
 
 
 def _judge_append(backend, inputs: PackedInputs) -> list:
@@ -206,6 +206,25 @@ def _judge_append(backend, inputs: PackedInputs) -> list:
             and torch.equal(counts, inputs.cache.seqlens))
     return [Comparison("append_kvcache writes what torch's indexing writes", same, 0.0, 0.0, 0.0 if same else math.inf,
                        "" if same else " (new tokens or key counts differ)")]
+
+
+def _judge_appending_step(backend, case: Case, inputs: PackedInputs, gold: dict, lowp: Optional[dict]) -> list:
+    """The backend's step that appends as it attends (forward_kvcache_appending), where it has one, on the cache as it
+    was before the new tokens: forward_kvcache's out and lse against the same gold, and the cache torch's indexing
+    gave."""
+    k_cache, v_cache, cache_seqlens = (t.clone() for t in inputs.before_append)
+    with poisoned_allocations():
+        step = backend.forward_kvcache_appending(inputs.q, k_cache, v_cache, inputs.k, inputs.v, cache_seqlens,
+                                                 inputs.cache.block_table, inputs.params)
+    if step is None:
+        return []
+    checks = [replace(check, name=f"appending step: {check.name}")
+              for check in _compare_all({"out": step[0], "lse": step[1]}, gold, lowp, case)]
+    same = (torch.equal(k_cache, inputs.cache.k) and torch.equal(v_cache, inputs.cache.v)
+            and torch.equal(cache_seqlens, inputs.before_append[2]))
+    note = "" if same else " (new tokens differ, or cache_seqlens changed)"
+    return checks + [Comparison("forward_kvcache_appending writes what torch's indexing writes", same, 0.0, 0.0,
+                                0.0 if same else math.inf, note)]
 
 
 def _varlen_reference(inputs: PackedInputs, dtype, keep) -> dict:
