@@ -22,8 +22,9 @@ a programmatic dependent launch of the split kernel and after it (decode_launch.
 ``--kept-partials`` compares host loops of short decoding steps (dense and contiguous cache; bf16, d = 128, Nq = 1)
 with the split kernel's partials kept per stream (decode_launch.split_partials) and allocated at every step, in
 turns, beside SDPA's. ``--append`` compares host loops of short decoding steps through attention_with_kvcache that
-append a token (contiguous and paged cache) with the Triton backend's append kernel (append_kvcache) and with torch's
-indexing, in turns, beside the dense step and SDPA's.
+append a token (contiguous and paged cache) three ways, in turns, beside the dense step and SDPA's: inside the split
+kernel (forward_kvcache_appending, as shipped), by the Triton backend's append kernel (append_kvcache) and by torch's
+indexing.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ SWEEP_SPLITS = (1, 2, 3, 4, 6)
 SWEEP_SPLIT_CELLS = ((8, 32768), (8, 131072), (64, 8192), (64, 32768), (64, 131072))
 # --kept-partials: (B, Nk) cells at Nq = 1, short caches (host-bound steps).
 KEPT_PARTIALS_CELLS = ((1, 1024), (1, 8192), (8, 1024))
-# --append: (B, Nk) cells at Nq = 1 (Nk keys after the append), short caches; the paged cache's blocks.
-APPEND_CELLS = ((1, 1024), (1, 8192), (8, 1024))
+# --append: (B, Nk) cells at Nq = 1 (Nk keys after the append): short caches (host-bound steps), and two long ones
+# (GPU-bound: the appends' cost on the GPU); the paged cache's blocks.
+APPEND_CELLS = ((1, 1024), (1, 8192), (8, 1024), (8, 32768), (1, 131072))
 APPEND_BLOCK = 256
 # --dependent-launch: (B, Nk) cells at Nq = 1.
 DEPENDENT_CELLS = ((1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 1024), (8, 8192), (8, 32768), (64, 8192))
@@ -345,25 +347,33 @@ def kept_partials(device, out_dir, cells=KEPT_PARTIALS_CELLS):
 def append_steps(device, out_dir, cells=APPEND_CELLS, block_size=APPEND_BLOCK, steps=300, rounds=7):
     """Host loops (``steps`` steps, one synchronize; ``rounds`` rounds in turns, the best of each) of decoding steps
     through attention_with_kvcache that append one token at position Nk - 1, over a contiguous cache and a paged one (a
-    shuffled pool of ``block_size``-key blocks holding the same keys), on the Triton backend with its append kernel
-    (TritonBackend.append_kvcache) and with torch's indexing (the front end's, what a backend without its own append
-    gets), beside the dense step over the same Nk keys through mhattn.attention and SDPA's default path (bf16, Hq 32,
-    Hkv 8, d 128, Nq 1). First checked: both appends leave the same caches, and the steps give SDPA's output over the
-    appended keys."""
+    shuffled pool of ``block_size``-key blocks holding the same keys), on the Triton backend appending three ways: inside
+    the split kernel (TritonBackend.forward_kvcache_appending, as shipped), by its append kernel (append_kvcache; the
+    step then attends through forward_kvcache) and by torch's indexing (the front end's, what a backend with neither
+    gets); beside the dense step over the same Nk keys through mhattn.attention and SDPA's default path (bf16, Hq 32,
+    Hkv 8, d 128, Nq 1). First checked: the three appends leave the same caches, and the steps give SDPA's output over
+    the appended keys."""
     import mhattn
     import torch.nn.functional as F
     from mhattn.backends.triton.backend import TritonBackend
     from mhattn.benchmark import latency
 
-    own = TritonBackend.append_kvcache
+    ways = ("split", "kernel", "indexing")
 
-    def appending(kernel: bool):
-        return _replaced(TritonBackend, "append_kvcache", own if kernel else (lambda self, *args: None))
+    @contextlib.contextmanager
+    def appending(way: str):
+        declined = lambda self, *args: None  # noqa: E731
+        with contextlib.ExitStack() as stack:
+            if way != "split":
+                stack.enter_context(_replaced(TritonBackend, "forward_kvcache_appending", declined))
+            if way == "indexing":
+                stack.enter_context(_replaced(TritonBackend, "append_kvcache", declined))
+            yield
 
-    lines = ["== the KV cache's append: one kernel / torch's indexing: host loop us per step, bf16 (the CPU: fp16), "
-             "d = 128, Nq = 1 ==",
-             f"{'B':>3} {'Nk':>6} {'sdpa':>7} {'dense':>7} {'cache kernel':>13} {'cache indexing':>15} "
-             f"{'paged kernel':>13} {'paged indexing':>15}"]
+    columns = [("sdpa", 7), ("dense", 7)] + [(f"{cache} {way}", 14) for cache in ("cache", "paged") for way in ways]
+    lines = ["== the KV cache's append: inside the split kernel / by the append kernel / by torch's indexing: host loop "
+             "us per step, bf16 (the CPU: fp16), d = 128, Nq = 1 ==",
+             f"{'B':>3} {'Nk':>6} " + " ".join(f"{name:>{width}}" for name, width in columns)]
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # (Triton's interpreter: no bfloat16)
     generator = torch.Generator(device=device).manual_seed(0)
     for batch, seqlen_k in cells:
@@ -391,31 +401,32 @@ def append_steps(device, out_dir, cells=APPEND_CELLS, block_size=APPEND_BLOCK, s
 
         caches, tensors = {}, (k_cache, v_cache, pool_k, pool_v)
         originals = [t.clone() for t in tensors]
-        for kernel in (True, False):
+        for way in ways:
             for tensor, original in zip(tensors, originals):  # each append starts from the same caches
                 tensor.copy_(original)
-            with appending(kernel):
+            with appending(way):
                 outs = [step().float() for step in (contiguous, paged)]
-            caches[kernel] = [t.clone() for t in tensors]
+            caches[way] = [t.clone() for t in tensors]
             expected = sdpa().float()
             for out in outs:
                 error = (out - expected).abs().max().item()
                 if error > 2e-2:
-                    raise AssertionError(f"B={batch} Nk={seqlen_k}: max error {error} against SDPA")
-        if not all(torch.equal(a, b) for a, b in zip(caches[True], caches[False])):
-            raise AssertionError(f"B={batch} Nk={seqlen_k}: the two appends left different caches")
-        if any(torch.equal(a, b) for a, b in zip(caches[True], originals)):
+                    raise AssertionError(f"B={batch} Nk={seqlen_k} ({way}): max error {error} against SDPA")
+        for way in ways[1:]:
+            if not all(torch.equal(a, b) for a, b in zip(caches[ways[0]], caches[way])):
+                raise AssertionError(f"B={batch} Nk={seqlen_k}: appending by {way} left other caches")
+        if any(torch.equal(a, b) for a, b in zip(caches[ways[0]], originals)):
             raise AssertionError(f"B={batch} Nk={seqlen_k}: a step left a cache as it was")
-        calls = {"sdpa": sdpa, "dense": dense, "cache kernel": contiguous, "cache indexing": contiguous,
-                 "paged kernel": paged, "paged indexing": paged}
-        contexts = {name: functools.partial(appending, not name.endswith("indexing")) for name in calls}
+        calls = {"sdpa": sdpa, "dense": dense}
+        contexts = {}
+        for way in ways:
+            for cache, step in (("cache", contiguous), ("paged", paged)):
+                calls[f"{cache} {way}"] = step
+                contexts[f"{cache} {way}"] = functools.partial(appending, way)
         best, errors = latency.host_loops_in_turn(calls, steps, device, rounds, contexts)
         if errors:
             raise next(iter(errors.values()))
-        lines.append(f"{batch:>3} {seqlen_k:>6} " + " ".join(
-            f"{best[name]:{width}.1f}" for name, width in (("sdpa", 7), ("dense", 7), ("cache kernel", 13),
-                                                            ("cache indexing", 15), ("paged kernel", 13),
-                                                            ("paged indexing", 15))))
+        lines.append(f"{batch:>3} {seqlen_k:>6} " + " ".join(f"{best[name]:{width}.1f}" for name, width in columns))
         log(out_dir, lines[-1])
     return lines
 
