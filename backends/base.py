@@ -266,6 +266,17 @@ class Backend:
         which writes it with torch's indexing."""
         return None
 
+    def kvcache_call(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, params: AttentionParams,
+                     return_lse: bool):
+        """Optional: a KV-cache step prepared for calls like this one (``attention_with_kvcache``'s arguments, k and v
+        None for a step that appends nothing), as a callable of (q, k_cache, v_cache, k, v, cache_seqlens,
+        block_table) that appends k and v (where given) and returns ``(out, lse)`` as :meth:`forward_kvcache_appending`
+        or :meth:`forward_kvcache` would; where ``return_lse`` is False the lse may be a scratch buffer a later call
+        overwrites. The front end asks once per call signature (shapes, strides, dtypes and devices of every tensor,
+        params, return_lse) after checking the arguments, keeps the answer, and before each call checks the index
+        values as for the other KV-cache methods. None (the default): each call goes through those methods."""
+        return None
+
     def forward_kvcache_appending(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                   params: AttentionParams):
         """A decoding step's append and attention in one: write k and v into the cache as :meth:`append_kvcache`

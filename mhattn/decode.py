@@ -71,23 +71,29 @@ def attention_with_kvcache(
                                   softcap, backend)
     else:
         out, lse = _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap,
-                           backend)
+                           backend, bool(return_lse))
     return (out, lse) if return_lse else out
 
 
-def _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend):
-    """The eager call: (out, lse), the cache appended to in place."""
-    key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend)
+def _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend,
+            return_lse: bool = True):
+    """The eager call: (out, lse), the cache appended to in place (lse a scratch buffer the next call may overwrite
+    where ``return_lse`` is False)."""
+    key = _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend,
+                    return_lse)
     known = _known_calls.get(key) if key is not None else None
     if known is None:  # every check, then the selection; a repeated signature skips both (see _call_key)
         call = _prepare(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap)
         name, source = dispatch.requested_on(backend, q.device.type)
-        known = (call.params, dispatch.select(call.problem, name, source), q.shape[2] if k is not None else 0,
-                 cache_capacity(k_cache, block_table))
+        chosen = dispatch.select(call.problem, name, source)
+        known = (call.params, chosen, q.shape[2] if k is not None else 0, cache_capacity(k_cache, block_table),
+                 chosen.kvcache_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table, call.params, return_lse))
         if key is not None:
             put_bounded(_known_calls, key, known, _KNOWN_CALLS_LIMIT)
-    params, chosen, appended, capacity = known
+    params, chosen, appended, capacity, prepared = known
     _check_index_values(q, k_cache, cache_seqlens, block_table, appended, capacity)
+    if prepared is not None:  # the backend's step prepared for calls like this one
+        return prepared(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     if appended:  # the backend's step that appends as it attends, where it has one
         step = chosen.forward_kvcache_appending(q, k_cache, v_cache, k, v, cache_seqlens, block_table, params)
         if step is not None:
@@ -97,17 +103,19 @@ def _attend(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, sc
 
 
 # Calls whose arguments passed _prepare's checks and whose backend was selected, by _call_key: (params, backend, the
-# number of appended tokens, the cache's capacity). A decoding loop calls with one signature per layer and step, so
-# only the per-call part (the index values' checks, the append, the attention) runs again. Cleared with the
-# dispatcher's cache.
+# number of appended tokens, the cache's capacity, the backend's step prepared for such calls or None). A decoding
+# loop calls with one signature per layer and step, so only the per-call part (the index values' checks, the append,
+# the attention) runs again. Cleared with the dispatcher's cache.
 _known_calls: dict = {}
 _KNOWN_CALLS_LIMIT = 1024
 dispatch.clears_with_cache(_known_calls)
 
 
-def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend):
-    """Everything _prepare checks and the selection reads, as a tuple of primitives; None where the call is not
-    memoised (under torch.compile, or arguments of types the key cannot hold exactly)."""
+def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, scale, window, softcap, backend,
+              return_lse: bool):
+    """Everything _prepare checks and the selection reads, and whether the lse is returned (a prepared step may write
+    it into a scratch buffer otherwise), as a tuple of primitives; None where the call is not memoised (under
+    torch.compile, or arguments of types the key cannot hold exactly)."""
     if (type(is_causal) is not bool or not (scale is None or type(scale) is float) or window is not None
             or not (softcap is None or type(softcap) is float) or torch.compiler.is_compiling()):
         return None
@@ -116,7 +124,7 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, 
     except Exception:  # a bad request raises where the full path checks it
         return None
     grad = torch.is_grad_enabled()
-    key = [request, is_causal, scale, softcap, grad]
+    key = [request, is_causal, scale, softcap, grad, return_lse]
     for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table):  # one pass: the type check and the key
         if t is None:
             key.append(None)

@@ -425,6 +425,49 @@ def check_kvcache_appends_inside_the_split_kernel(device="cpu"):
         decode_module._append_by_indexing, TritonBackend.append_kvcache = original, own_append
 
 
+def check_kvcache_prepared_steps(device="cpu"):
+    """Repeated attention_with_kvcache calls on the Triton backend run the step it prepared at their signature's first
+    call (kvcache_call, asked once per signature: return_lse is part of it), appending or not; a returned lse is
+    each call's own (the scratch lse only serves calls that return none), and the outputs are the reference's."""
+    import mhattn.decode as decode_module
+    from mhattn.backends.triton.backend import TritonBackend
+
+    asked = []
+    own = TritonBackend.kvcache_call
+    TritonBackend.kvcache_call = lambda self, *args: asked.append(args[-1]) or own(self, *args)
+    decode_module._known_calls.clear()
+    try:
+        gen = torch.Generator().manual_seed(5)
+        q, k_cache, v_cache, new_k, new_v, seqlens, _ = make_cache(torch.float32, device, 2, 4, 2, 1, 16, [7, 30], 40,
+                                                                   None, True, gen)
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        for step in range(3):
+            for return_lse in (True, False):
+                positions = seqlens + (2 * step + (0 if return_lse else 1))
+                got = mhattn.attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, positions, backend="triton",
+                                                    return_lse=return_lse)
+                want = mhattn.attention_with_kvcache(q, want_k, want_v, new_k, new_v, positions, backend="reference",
+                                                     return_lse=return_lse)
+                if return_lse:
+                    (out, lse), (want_out, want_lse) = got, want
+                    if step:
+                        assert lse.data_ptr() != last_lse.data_ptr(), "a returned lse must be the call's own"
+                    last_lse = lse
+                    torch.testing.assert_close(lse, want_lse.float(), atol=1e-5, rtol=1e-5)
+                else:
+                    out, want_out = got, want
+                    assert isinstance(got, torch.Tensor)
+                torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+                for cache, want_cache in ((k_cache, want_k), (v_cache, want_v)):  # (NaN past the keys)
+                    torch.testing.assert_close(cache, want_cache, atol=0, rtol=0, equal_nan=True)
+        mhattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, backend="triton")
+        mhattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, backend="triton")
+        assert asked == [True, False, False], asked  # once per signature
+    finally:
+        TritonBackend.kvcache_call = own
+        decode_module._known_calls.clear()
+
+
 def check_kvcache_index_strides(device="cpu"):
     """cache_seqlens with a stride and a block table whose blocks are not adjacent in memory (a transposed view) give
     the same steps as their contiguous copies, with and without an append, against the float64 reference."""
@@ -852,6 +895,11 @@ def test_interpreter_append_kernel(interpreter, paged):
 @pytest.mark.interpret
 def test_interpreter_kvcache_appends_inside_the_split_kernel(interpreter):
     interpreter.run("check_kvcache_appends_inside_the_split_kernel")
+
+
+@pytest.mark.interpret
+def test_interpreter_kvcache_prepared_steps(interpreter):
+    interpreter.run("check_kvcache_prepared_steps")
 
 
 @pytest.mark.interpret

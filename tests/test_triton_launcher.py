@@ -353,9 +353,11 @@ def AttentionParamsArgs(**kwargs):
 
 
 def test_the_decoding_launches_prepared_once_pass_what_a_first_call_passes(monkeypatch):
-    """Split-KV decoding (dense, contiguous cache, paged caches with three block tables) and the KV cache's append
-    (contiguous, paged, a strided cache_seqlens): each call run again goes through the launches prepared at its first
-    run (with the others in between) and passes the kernels what a call worked out from scratch passes."""
+    """Split-KV decoding (dense, contiguous cache, paged caches with three block tables), the KV cache's append
+    (contiguous, paged, a strided cache_seqlens), the step that appends inside the split kernel (the same, and a
+    transposed block table) and the steps prepared per call signature (kvcache_call, with and without an append and
+    an lse): each call run again goes through the launches prepared at its first run (with the others in between)
+    and passes the kernels what a call worked out from scratch passes."""
     from mhattn.backends.base import KVCache
     from mhattn.backends.triton import backend as tb
     from mhattn.backends.triton import decode_launch
@@ -385,6 +387,22 @@ def test_the_decoding_launches_prepared_once_pass_what_a_first_call_passes(monke
         lambda: backend.append_kvcache(pool_k, pool_v, new_k, new_v, seqlens, tables[0]),
         lambda: backend.append_kvcache(pool_k, pool_v, new_k, new_v, seqlens, tables[1]),
         lambda: backend.append_kvcache(k, v, new_k, new_v, strided_seqlens, None),
+        lambda: backend.forward_kvcache_appending(q, k, v, new_k, new_v, seqlens, None, params),
+        lambda: backend.forward_kvcache_appending(q, pool_k, pool_v, new_k, new_v, seqlens, tables[1], params),
+        lambda: backend.forward_kvcache_appending(q, pool_k, pool_v, new_k, new_v, strided_seqlens, wide_table.t()
+                                                  .contiguous().t(), params),
+    ]
+    prepared = {}  # kvcache_call's steps, made at a call's first run (again from scratch when fresh)
+
+    def prepared_step(number, *args, return_lse):
+        if number not in prepared:
+            prepared[number] = backend.kvcache_call(*args, params, return_lse)
+        return prepared[number](*args)
+
+    calls += [
+        lambda: prepared_step(0, q, k, v, new_k, new_v, seqlens, None, return_lse=True),
+        lambda: prepared_step(1, q, pool_k, pool_v, None, None, strided_seqlens, tables[0], return_lse=False),
+        lambda: prepared_step(2, q, pool_k, pool_v, new_k, new_v, seqlens, tables[1], return_lse=False),
     ]
     launchers_by_kernel = {launcher.kernel.__name__: launcher for launcher in vars(launchers).values()}
 
@@ -392,6 +410,7 @@ def test_the_decoding_launches_prepared_once_pass_what_a_first_call_passes(monke
         if fresh:
             tb._signatures.clear()
             decode_launch._append_sites.clear()
+            prepared.clear()
         before = {name: len(kernel.log) for name, kernel in jit.items()}
         call()
         return {name: [_recorded_launch(entry, launchers_by_kernel[name]) for entry in kernel.log[before[name]:]]
@@ -402,7 +421,8 @@ def test_the_decoding_launches_prepared_once_pass_what_a_first_call_passes(monke
     fresh = [run_call(call, fresh=True) for call in calls]
     assert again == fresh == first
     assert all(call["split_kv_kernel"] for call in again[:5]) and any(call["combine_splits_kernel"] for call in again)
-    assert all(call["append_kv_kernel"] for call in again[5:])
+    assert all(call["append_kv_kernel"] for call in again[5:9])
+    assert all(call["split_kv_kernel"] and not call["append_kv_kernel"] for call in again[9:])
     assert any(entry[0] == "handle" for entry in jit["split_kv_kernel"].log)  # the repeats went through handles
     assert any(entry[0] == "handle" for entry in jit["append_kv_kernel"].log)
 

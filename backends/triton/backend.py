@@ -860,11 +860,27 @@ class TritonBackend(OutputOnlyForward):
         # One launch (decode.append_kv_kernel) where torch's indexing takes five to ten.
         return decode_launch.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
 
+    def kvcache_call(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, params: AttentionParams,
+                     return_lse: bool):
+        # The signature worked out once, and no lse allocated for a step that does not return it.
+        appends = k is not None
+        if cache_seqlens is None or (appends and not _appends_in_split_kernel(k, v)):
+            return None
+        signature = _signature_for(q, k_cache, v_cache, params, dense=True, names=("q", "k_cache", "v_cache"))
+
+        def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+            return decode_launch.split_kv_forward(q, k_cache, v_cache, params,
+                                                  cache=KVCache(k_cache, v_cache, cache_seqlens, block_table),
+                                                  signature=signature, keep_lse=return_lse,
+                                                  new_kv=(k, v) if appends else None)
+
+        return step
+
     def forward_kvcache_appending(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                   params: AttentionParams):
         # The split kernel writes the new rows itself (decode.split_kv_kernel's APPEND): no launch for the append.
-        if (k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1):
-            return None  # (the append kernel takes these)
+        if not _appends_in_split_kernel(k, v):
+            return None
         signature = _signature_for(q, k_cache, v_cache, params, dense=True, names=("q", "k_cache", "v_cache"))
         return decode_launch.split_kv_forward(q, k_cache, v_cache, params,
                                               cache=KVCache(k_cache, v_cache, cache_seqlens, block_table),
@@ -889,6 +905,11 @@ class TritonBackend(OutputOnlyForward):
                 BLOCK_M=block_m, BLOCK_N=block_n,
             )
         return bits.to(torch.int64) & dropout_rng.MASK32
+
+
+def _appends_in_split_kernel(k, v) -> bool:
+    """Whether the split kernel can write these new keys and values (their head dims contiguous)."""
+    return (k.stride(-1) == 1 or k.shape[-1] <= 1) and (v.stride(-1) == 1 or v.shape[-1] <= 1)
 
 
 def triton_cdiv(a: int, b: int) -> int:
