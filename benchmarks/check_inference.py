@@ -21,10 +21,10 @@ paged, beside cuDNN. ``--sweep-splits`` times contiguous decoding at d = 128 wit
 a programmatic dependent launch of the split kernel and after it (decode_launch.DEPENDENT_LAUNCH), beside cuDNN.
 ``--kept-partials`` compares host loops of short decoding steps (dense and contiguous cache; bf16, d = 128, Nq = 1)
 with the split kernel's partials kept per stream (decode_launch.split_partials) and allocated at every step, in
-turns, beside SDPA's. ``--append`` compares host loops of short decoding steps through attention_with_kvcache that
-append a token (contiguous and paged cache) three ways, in turns, beside the dense step and SDPA's: inside the split
-kernel (forward_kvcache_appending, as shipped), by the Triton backend's append kernel (append_kvcache) and by torch's
-indexing.
+turns, beside SDPA's. ``--append`` compares host loops of decoding steps through attention_with_kvcache that append
+a token (contiguous and paged cache) four ways, in turns, beside the dense step and SDPA's: the step the Triton backend
+prepared for the call signature (kvcache_call, appending inside the split kernel: as shipped), the same step worked
+out at every call (forward_kvcache_appending), the backend's append kernel (append_kvcache) and torch's indexing.
 """
 
 from __future__ import annotations
@@ -347,32 +347,37 @@ def kept_partials(device, out_dir, cells=KEPT_PARTIALS_CELLS):
 def append_steps(device, out_dir, cells=APPEND_CELLS, block_size=APPEND_BLOCK, steps=300, rounds=7):
     """Host loops (``steps`` steps, one synchronize; ``rounds`` rounds in turns, the best of each) of decoding steps
     through attention_with_kvcache that append one token at position Nk - 1, over a contiguous cache and a paged one (a
-    shuffled pool of ``block_size``-key blocks holding the same keys), on the Triton backend appending three ways: inside
-    the split kernel (TritonBackend.forward_kvcache_appending, as shipped), by its append kernel (append_kvcache; the
-    step then attends through forward_kvcache) and by torch's indexing (the front end's, what a backend with neither
-    gets); beside the dense step over the same Nk keys through mhattn.attention and SDPA's default path (bf16, Hq 32,
-    Hkv 8, d 128, Nq 1). First checked: the three appends leave the same caches, and the steps give SDPA's output over
-    the appended keys."""
+    shuffled pool of ``block_size``-key blocks holding the same keys), on the Triton backend four ways: the step it
+    prepared for the call signature (TritonBackend.kvcache_call, appending inside the split kernel: as shipped), the
+    same step worked out at every call (forward_kvcache_appending), its append kernel (append_kvcache; the step then
+    attends through forward_kvcache) and torch's indexing (the front end's, what a backend with none of these gets);
+    beside the dense step over the same Nk keys through mhattn.attention and SDPA's default path (bf16, Hq 32, Hkv 8,
+    d 128, Nq 1). First checked: the four leave the same caches, and the steps give SDPA's output over the appended
+    keys."""
     import mhattn
+    import mhattn.decode as decode_module
     import torch.nn.functional as F
     from mhattn.backends.triton.backend import TritonBackend
     from mhattn.benchmark import latency
 
-    ways = ("split", "kernel", "indexing")
+    ways = ("prepared", "split", "kernel", "indexing")
+    declining = {"split": ("kvcache_call",), "kernel": ("kvcache_call", "forward_kvcache_appending"),
+                 "indexing": ("kvcache_call", "forward_kvcache_appending", "append_kvcache")}
 
     @contextlib.contextmanager
     def appending(way: str):
         declined = lambda self, *args: None  # noqa: E731
+        decode_module._known_calls.clear()  # (it keeps each signature's prepared step)
         with contextlib.ExitStack() as stack:
-            if way != "split":
-                stack.enter_context(_replaced(TritonBackend, "forward_kvcache_appending", declined))
-            if way == "indexing":
-                stack.enter_context(_replaced(TritonBackend, "append_kvcache", declined))
+            for method in declining.get(way, ()):
+                stack.enter_context(_replaced(TritonBackend, method, declined))
             yield
+        decode_module._known_calls.clear()
 
     columns = [("sdpa", 7), ("dense", 7)] + [(f"{cache} {way}", 14) for cache in ("cache", "paged") for way in ways]
-    lines = ["== the KV cache's append: inside the split kernel / by the append kernel / by torch's indexing: host loop "
-             "us per step, bf16 (the CPU: fp16), d = 128, Nq = 1 ==",
+    lines = ["== the KV cache's append: a prepared step / the same step worked out per call (both append inside the "
+             "split kernel) / the append kernel / torch's indexing: host loop us per step, bf16 (the CPU: fp16), "
+             "d = 128, Nq = 1 ==",
              f"{'B':>3} {'Nk':>6} " + " ".join(f"{name:>{width}}" for name, width in columns)]
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16  # (Triton's interpreter: no bfloat16)
     generator = torch.Generator(device=device).manual_seed(0)
