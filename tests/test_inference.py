@@ -468,6 +468,43 @@ def check_kvcache_prepared_steps(device="cpu"):
         decode_module._known_calls.clear()
 
 
+def check_kvcache_rows_across_splits(device="cuda", steps=3, dtype=torch.bfloat16):
+    """Steps that append 16 rows to each of 16 sequences (one key/value head, so 16 programs and 17 splits of the
+    keys): at the first step sequence b ends at 4096 + b keys, so the new rows of every sequence but the first straddle
+    two programs' shares, which each write and read their own part (the split kernel's APPEND). The caches equal
+    torch's indexing's and the outputs the float64 reference's at every step, the later steps through the step
+    prepared at the first."""
+    from mhattn.backends.base import AttentionParams, KVCache
+    from mhattn.backends.triton import decode_launch
+    from mhattn.conformance.packed import kvcache_reference
+    from mhattn.decode import _append_by_indexing
+
+    gen = torch.Generator(device=device).manual_seed(21)
+    batch, nq, head_dim, capacity = 16, 16, 128, 8192
+    cached = torch.arange(4096 - nq, 4096 - nq + batch, dtype=torch.int32, device=device)
+    # The shares as the split kernel cuts them (a whole number of key blocks each): a boundary inside new rows.
+    splits = decode_launch.num_splits(batch, capacity, decode_launch._sm_count(torch.device(device).index or 0))
+    block_n = decode_launch.decode_tile(head_dim, head_dim, 2, False).block_n
+    shares = [-(-(-(-(n + nq) // splits)) // block_n) * block_n for n in cached.tolist()]
+    assert any((n + nq - 1) // share != n // share for n, share in zip(cached.tolist(), shares)), (splits, shares)
+
+    k_cache, v_cache = (torch.randn(batch, 1, capacity, head_dim, device=device, dtype=dtype, generator=gen)
+                        for _ in range(2))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for step in range(steps):
+        q, new_k, new_v = (torch.randn(batch, 1, nq, head_dim, device=device, dtype=dtype, generator=gen)
+                           for _ in range(3))
+        out = mhattn.attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, cached, backend="triton")
+        _append_by_indexing(want_k, want_v, new_k, new_v, cached, None)
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), f"step {step}: caches differ"
+        lengths = [n + nq for n in cached.tolist()]
+        gold = kvcache_reference(q.double(), KVCache(want_k.double(), want_v.double(), None),
+                                 AttentionParams(scale=head_dim ** -0.5, window_right=0), lengths, torch.float64)
+        error = float((out.double() - gold["out"]).abs().max())
+        assert error < 2e-2, f"step {step}: max error {error} against the float64 reference"
+        cached += nq
+
+
 def check_kvcache_index_strides(device="cpu"):
     """cache_seqlens with a stride and a block table whose blocks are not adjacent in memory (a transposed view) give
     the same steps as their contiguous copies, with and without an append, against the float64 reference."""
@@ -939,6 +976,11 @@ def test_interpreter_varlen_through_descriptors(interpreter, case):
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_kvcache_new_rows_across_split_shares():
+    check_kvcache_rows_across_splits(device="cuda")
 
 
 @pytest.mark.gpu
