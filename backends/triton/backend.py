@@ -862,29 +862,12 @@ class TritonBackend(OutputOnlyForward):
 
     def kvcache_call(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, params: AttentionParams,
                      return_lse: bool):
-        # The signature worked out once, and no lse allocated for a step that does not return it.
-        appends = k is not None
-        if cache_seqlens is None or (appends and not _appends_in_split_kernel(k, v)):
-            return None
-        signature = _signature_for(q, k_cache, v_cache, params, dense=True, names=("q", "k_cache", "v_cache"))
-
-        def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
-            return decode_launch.split_kv_forward(q, k_cache, v_cache, params,
-                                                  cache=KVCache(k_cache, v_cache, cache_seqlens, block_table),
-                                                  signature=signature, keep_lse=return_lse,
-                                                  new_kv=(k, v) if appends else None)
-
-        return step
+        return _kvcache_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, params, return_lse)
 
     def forward_kvcache_appending(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                   params: AttentionParams):
-        # The split kernel writes the new rows itself (decode.split_kv_kernel's APPEND): no launch for the append.
-        if not _appends_in_split_kernel(k, v):
-            return None
-        signature = _signature_for(q, k_cache, v_cache, params, dense=True, names=("q", "k_cache", "v_cache"))
-        return decode_launch.split_kv_forward(q, k_cache, v_cache, params,
-                                              cache=KVCache(k_cache, v_cache, cache_seqlens, block_table),
-                                              signature=signature, new_kv=(k, v))
+        step = _kvcache_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, params, True)
+        return None if step is None else step(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
 
     def forward_varlen(self, q, k, v, packing, params: AttentionParams):
         return varlen_launch.forward(q, k, v, packing, params)
@@ -907,9 +890,23 @@ class TritonBackend(OutputOnlyForward):
         return bits.to(torch.int64) & dropout_rng.MASK32
 
 
-def _appends_in_split_kernel(k, v) -> bool:
-    """Whether the split kernel can write these new keys and values (their head dims contiguous)."""
-    return (k.stride(-1) == 1 or k.shape[-1] <= 1) and (v.stride(-1) == 1 or v.shape[-1] <= 1)
+def _kvcache_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, params: AttentionParams, return_lse: bool):
+    """A KV-cache step for calls like this one (Backend.kvcache_call): the launch signature worked out once, the new
+    keys and values (where given) written by the split kernel itself (decode.split_kv_kernel's APPEND: no launch for
+    the append), and no lse allocated for a step that does not return it. None where the split kernel does not take
+    the call (no cache_seqlens; new rows whose head dims are not contiguous)."""
+    appends = k is not None
+    if cache_seqlens is None or (appends and not decode_launch.new_rows_contiguous(k, v)):
+        return None
+    signature = _signature_for(q, k_cache, v_cache, params, dense=True, names=("q", "k_cache", "v_cache"))
+
+    def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+        return decode_launch.split_kv_forward(q, k_cache, v_cache, params,
+                                              cache=KVCache(k_cache, v_cache, cache_seqlens, block_table),
+                                              signature=signature, keep_lse=return_lse,
+                                              new_kv=(k, v) if appends else None)
+
+    return step
 
 
 def triton_cdiv(a: int, b: int) -> int:

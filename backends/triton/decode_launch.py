@@ -209,7 +209,7 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table) -> Optional[to
     interpreter): the caller appends with torch's indexing. The caller has checked the shapes, dtypes and devices,
     and the positions and blocks against the cache (mhattn.decode)."""
     backend = _backend or _import_backend()
-    if (k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1):
+    if not new_rows_contiguous(k, v):
         return None
     device = k.device
     if device.type != "cuda" and not backend.INTERPRET:
@@ -274,6 +274,12 @@ def _new_split_partials(device, rows: int, splits: int, head_dim_v: int) -> tupl
     with torch.inference_mode(False):
         return (torch.empty(rows, splits, head_dim_v, dtype=torch.float32, device=device),
                 torch.empty(rows, splits, dtype=torch.float32, device=device))
+
+
+def new_rows_contiguous(k, v) -> bool:
+    """Whether a step's new keys and values have contiguous head dims, as both kernels that write them into the cache
+    (append_kv_kernel, split_kv_kernel's APPEND) read them."""
+    return (k.stride(-1) == 1 or k.shape[-1] <= 1) and (v.stride(-1) == 1 or v.shape[-1] <= 1)
 
 
 def append_warps(head_dim: int, head_dim_v: int) -> int:
