@@ -147,6 +147,24 @@ class AppendingStepAdvancesLengths(ReferenceBackend):
         return self.forward_kvcache(q, KVCache(k_cache, v_cache, seqlens, block_table), params)
 
 
+class PreparedStepLeavesTheCache(ReferenceBackend):
+    """A step prepared per signature (kvcache_call) with the right output, which appends into a copy of the cache and
+    leaves the caller's cache without the new tokens."""
+
+    name = "test-prepared-step-leaves-the-cache"
+
+    def kvcache_call(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, params, return_lse):
+        from mhattn.backends.base import KVCache
+        from mhattn.decode import _append_by_indexing
+
+        def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+            k_copy, v_copy = k_cache.clone(), v_cache.clone()
+            seqlens = _append_by_indexing(k_copy, v_copy, k, v, cache_seqlens, block_table)
+            return self.forward_kvcache(q, KVCache(k_copy, v_copy, seqlens, block_table), params)
+
+        return step
+
+
 class NoDropout(ReferenceBackend):
     """A correct backend that declares no dropout and no sliding window."""
 
@@ -334,6 +352,7 @@ def test_poisoned_allocations_fill_floats_with_nan_and_restore():
         (NoisyBackward(), ["deterministic"], "backward run 2 == run 1"),
         (AppendOneRowLate(), ["kvcache"], "append_kvcache writes what torch's indexing writes"),
         (AppendingStepAdvancesLengths(), ["kvcache"], "forward_kvcache_appending writes what torch's indexing writes"),
+        (PreparedStepLeavesTheCache(), ["kvcache"], "kvcache_call writes what torch's indexing writes"),
     ],
     ids=lambda x: getattr(x, "name", None) if isinstance(x, ReferenceBackend) else None,
 )

@@ -70,7 +70,7 @@ COLUMN_DESCRIPTIONS = {
     "deterministic": "backward run repeatedly, bitwise equal every time",
     "decode": "few query rows per key/value head (decoding, speculative decoding), long key sequences",
     "kvcache": ("forward_kvcache: new tokens appended to a contiguous or paged (block) cache, uneven lengths; a "
-                "backend's own append_kvcache against torch's indexing"),
+                "backend's own append_kvcache, forward_kvcache_appending and kvcache_call against torch's indexing"),
     "varlen": "forward_varlen / backward_varlen: packed sequences of uneven lengths, empty ones included",
 }
 

@@ -209,22 +209,32 @@ def _judge_append(backend, inputs: PackedInputs) -> list:
 
 
 def _judge_appending_step(backend, case: Case, inputs: PackedInputs, gold: dict, lowp: Optional[dict]) -> list:
-    """The backend's step that appends as it attends (forward_kvcache_appending), where it has one, on the cache as it
-    was before the new tokens: forward_kvcache's out and lse against the same gold, and the cache torch's indexing
-    gave."""
-    k_cache, v_cache, cache_seqlens = (t.clone() for t in inputs.before_append)
-    with poisoned_allocations():
-        step = backend.forward_kvcache_appending(inputs.q, k_cache, v_cache, inputs.k, inputs.v, cache_seqlens,
-                                                 inputs.cache.block_table, inputs.params)
-    if step is None:
-        return []
-    checks = [replace(check, name=f"appending step: {check.name}")
-              for check in _compare_all({"out": step[0], "lse": step[1]}, gold, lowp, case)]
-    same = (torch.equal(k_cache, inputs.cache.k) and torch.equal(v_cache, inputs.cache.v)
-            and torch.equal(cache_seqlens, inputs.before_append[2]))
-    note = "" if same else " (new tokens differ, or cache_seqlens changed)"
-    return checks + [Comparison("forward_kvcache_appending writes what torch's indexing writes", same, 0.0, 0.0,
-                                0.0 if same else math.inf, note)]
+    """The backend's steps that append as they attend, where it has them, each on the cache as it was before the new
+    tokens: forward_kvcache_appending, and the step kvcache_call prepares (returning the lse). forward_kvcache's out
+    and lse against the same gold, and the cache torch's indexing gave."""
+    q, k, v, table, params = inputs.q, inputs.k, inputs.v, inputs.cache.block_table, inputs.params
+    prepared = backend.kvcache_call(q, *inputs.before_append[:2], k, v, inputs.before_append[2], table, params, True)
+    steps = [("forward_kvcache_appending",
+              lambda k_cache, v_cache, seqlens: backend.forward_kvcache_appending(q, k_cache, v_cache, k, v, seqlens,
+                                                                                  table, params))]
+    if prepared is not None:
+        steps.append(("kvcache_call", lambda k_cache, v_cache, seqlens: prepared(q, k_cache, v_cache, k, v, seqlens,
+                                                                                  table)))
+    checks = []
+    for name, run in steps:
+        k_cache, v_cache, cache_seqlens = (t.clone() for t in inputs.before_append)
+        with poisoned_allocations():
+            step = run(k_cache, v_cache, cache_seqlens)
+        if step is None:
+            continue
+        checks += [replace(check, name=f"{name}: {check.name}")
+                   for check in _compare_all({"out": step[0], "lse": step[1]}, gold, lowp, case)]
+        same = (torch.equal(k_cache, inputs.cache.k) and torch.equal(v_cache, inputs.cache.v)
+                and torch.equal(cache_seqlens, inputs.before_append[2]))
+        note = "" if same else " (new tokens differ, or cache_seqlens changed)"
+        checks.append(Comparison(f"{name} writes what torch's indexing writes", same, 0.0, 0.0,
+                                 0.0 if same else math.inf, note))
+    return checks
 
 
 def _varlen_reference(inputs: PackedInputs, dtype, keep) -> dict:
