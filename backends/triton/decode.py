@@ -98,7 +98,10 @@ def write_new_rows(NewK, NewV, stride_nk, stride_nv, k_head, v_head, page_base, 
     tl.store(v_head + (slot * stride_vslot + in_slot * stride_vn)[:, None] + offs_dv[None, :], new_v, mask=v_mask)
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "diag_offset", "window_left", "window_right"])
+# The cache's capacity and the pool's size only bound the append's writes: not specialised, so a cache of one
+# sequence or one block compiles no variant of its own.
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "diag_offset", "window_left", "window_right", "capacity",
+                               "num_blocks"])
 def split_kv_kernel(
     Q, K, V, Out, Lse, OutSplit, LseSplit, Seqlens, BlockTable, NewK, NewV,
     stride_qb, stride_qh, stride_qm,
@@ -285,7 +288,7 @@ def combine_splits_kernel(
     tl.store(Lse + row, lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["capacity", "num_blocks"])
 def append_kv_kernel(
     K, V, KCache, VCache, CacheSeqlens, Seqlens, BlockTable,
     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
