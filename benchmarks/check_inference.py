@@ -13,10 +13,11 @@ entry's last key) against the same mask materialised per query row (every key bl
 few outputs are checked against SDPA.
 
 ``--device cpu --tiny`` runs the same code on tiny shapes (with TRITON_INTERPRET=1) to test the script.
-``--sweep-tiles`` instead times the split-KV kernel's candidate tiles at d = 128 (decode_launch.GPU_TILES and
-CONTIGUOUS_TILES at 128: keys per step, warps, pipeline stages) on the bandwidth-bound decode cells, contiguous and
+``--sweep-tiles`` instead times the split-KV kernel's candidate tiles at d = 128 (decode_launch.GPU_TILES,
+CONTIGUOUS_TILES and HOPPER_SPLIT_TILES at 128, all set to each: keys per step, warps, pipeline stages) on the bandwidth-bound decode cells, contiguous and
 paged, beside cuDNN. ``--sweep-splits`` times contiguous decoding at d = 128 with the number of splits forced
-(SWEEP_SPLITS) beside the rule's own choice and cuDNN, at batches whose grid already fills the GPU unsplit.
+(SWEEP_SPLIT_CELLS) beside the rule's own choice and cuDNN, at one sequence and at batches whose grid nearly fills the
+GPU unsplit.
 ``--dependent-launch`` times decoding (dense, contiguous and paged cache; bf16, d = 128, Nq = 1) with the combine as
 a programmatic dependent launch of the split kernel and after it (decode_launch.DEPENDENT_LAUNCH), beside cuDNN.
 ``--kept-partials`` compares host loops of short decoding steps (dense and contiguous cache; bf16, d = 128, Nq = 1)
@@ -43,11 +44,16 @@ from mhattn.benchmark import decode_bench, timing
 
 VARLEN_LENGTHS = (8192, 4096, 2048, 1024, 512, 256, 156, 100)  # 16384 tokens
 # --sweep-tiles: (keys per step, warps, stages) of the split-KV kernel at d = 128, and (B, Nk) cells at Nq = 1.
-SWEEP_TILES = ((64, 4, 3), (64, 4, 2), (64, 4, 1), (64, 8, 3), (32, 4, 3), (32, 4, 4), (128, 4, 2), (128, 8, 2))
+SWEEP_TILES = ((64, 4, 3), (64, 4, 2), (64, 4, 1), (64, 4, 4), (64, 8, 3), (32, 4, 3), (32, 4, 4), (128, 4, 2),
+               (128, 8, 2), (128, 8, 3))
 SWEEP_CELLS = ((1, 131072), (8, 32768), (8, 131072), (64, 8192), (64, 32768))
-# --sweep-splits: forced split counts and (B, Nk) cells at Nq = 1.
-SWEEP_SPLITS = (1, 2, 3, 4, 6)
-SWEEP_SPLIT_CELLS = ((8, 32768), (8, 131072), (64, 8192), (64, 32768), (64, 131072))
+# --sweep-splits: (B, Nk) cells at Nq = 1, each with the split counts to force: few at batches whose grid nearly
+# fills the GPU unsplit, and at B = 1 (8 programs unsplit) counts around the rule's 2 programs per SM.
+FEW_SPLITS = (1, 2, 3, 4, 6)
+SINGLE_SEQUENCE_SPLITS = (17, 33, 50, 66, 99, 128)
+SWEEP_SPLIT_CELLS = ((1, 32768, SINGLE_SEQUENCE_SPLITS), (1, 131072, SINGLE_SEQUENCE_SPLITS), (8, 32768, FEW_SPLITS),
+                     (8, 131072, FEW_SPLITS), (64, 8192, FEW_SPLITS), (64, 32768, FEW_SPLITS),
+                     (64, 131072, FEW_SPLITS))
 # --kept-partials: (B, Nk) cells at Nq = 1, short caches (host-bound steps).
 KEPT_PARTIALS_CELLS = ((1, 1024), (1, 8192), (8, 1024))
 # --append: (B, Nk) cells at Nq = 1 (Nk keys after the append): short caches (host-bound steps), and two long ones
@@ -198,24 +204,28 @@ def key_padding_section(device, dtype, settings, tiny):
 
 
 def _forget_decode_plans():
-    """Drop the Triton backend's split plans and prepared launches, which hold the tile and the split count a sweep
-    changes, so the next call works them out again."""
+    """Drop the Triton backend's split plans and prepared launches, and the front ends' prepared calls (a KV-cache
+    step prepared per call signature keeps its launches), which hold the tile and the split count a sweep changes,
+    so the next call works them out again."""
+    from mhattn import dispatch
     from mhattn.backends.triton import backend as triton_backend
     from mhattn.backends.triton import decode_launch
 
     decode_launch._split_plans.clear()
     triton_backend._signatures.clear()
+    dispatch.clear_cache()
 
 
 def sweep_tiles(device, settings, out_dir):
     """Contiguous and paged decoding (bf16, Nq = 1) with each of SWEEP_TILES as the d = 128 tile, beside cuDNN."""
     from mhattn.backends.triton import decode_launch
 
-    tables = (decode_launch.GPU_TILES, decode_launch.CONTIGUOUS_TILES)  # the paged cache's, the contiguous one's
+    # the paged cache's, the contiguous one's, split grids' on Hopper (both caches)
+    tables = (decode_launch.GPU_TILES, decode_launch.CONTIGUOUS_TILES, decode_launch.HOPPER_SPLIT_TILES)
     kept = [table[128] for table in tables]
     header = f"{'B':>3} {'Nk':>6} {'cuDNN us':>9}  " + "  ".join(f"{'x'.join(map(str, t)):>13}" for t in SWEEP_TILES)
     lines = ["== split-KV tile sweep, d = 128, bf16, Nq = 1: contiguous / paged us per tile (keys x warps x stages); "
-             f"kept: paged {kept[0]}, contiguous {kept[1]} ==", header]
+             f"kept: paged {kept[0]}, contiguous {kept[1]}, split grids on Hopper {kept[2]} ==", header]
     try:
         for batch, seqlen_k in SWEEP_CELLS:
             cell = decode_bench.DecodeCell("bf16", batch, seqlen_k, 1)
@@ -237,14 +247,14 @@ def sweep_tiles(device, settings, out_dir):
 
 
 def sweep_splits(device, settings, out_dir):
-    """Contiguous decoding (bf16, Nq = 1, d = 128) with each of SWEEP_SPLITS forced, beside the split rule's own
-    count (decode_launch.num_splits) and cuDNN."""
+    """Contiguous decoding (bf16, Nq = 1, d = 128) with each cell's split counts forced (SWEEP_SPLIT_CELLS), beside
+    the split rule's own count (decode_launch.num_splits) and cuDNN."""
     from mhattn.backends.triton import decode_launch
 
     rule = decode_launch.num_splits
-    header = f"{'B':>3} {'Nk':>6} {'cuDNN us':>9} {'rule':>9}  " + "  ".join(f"{n:>5}" for n in SWEEP_SPLITS)
-    lines = ["== split-count sweep, d = 128, bf16, Nq = 1, contiguous cache: us per forced count; rule = "
-             "decode_launch.num_splits (its count in brackets) ==", header]
+    lines = ["== split-count sweep, d = 128, bf16, Nq = 1, contiguous cache: us per forced count (count:us); rule = "
+             "decode_launch.num_splits (its count in brackets) ==",
+             f"{'B':>3} {'Nk':>6} {'cuDNN us':>9} {'rule':>11}  forced"]
 
     def timed(cell, count):
         decode_launch.num_splits = rule if count is None else (lambda *args, **kwargs: count)
@@ -252,14 +262,14 @@ def sweep_splits(device, settings, out_dir):
         return decode_bench.time_cell(cell, ("kvcache",), settings, device)["us"].get("kvcache")
 
     try:
-        for batch, seqlen_k in SWEEP_SPLIT_CELLS:
+        for batch, seqlen_k, counts in SWEEP_SPLIT_CELLS:
             cell = decode_bench.DecodeCell("bf16", batch, seqlen_k, 1)
             cudnn = decode_bench.time_cell(cell, ("sdpa-cudnn",), settings, device)["us"]["sdpa-cudnn"]
             own = timed(cell, None)
             own_count = max(plan[1] for plan in decode_launch._split_plans.values())
-            times = [timed(cell, count) for count in SWEEP_SPLITS]
-            lines.append(f"{batch:>3} {seqlen_k:>6} {_us(cudnn):>9} {_us(own) + f' [{own_count}]':>9}  "
-                         + "  ".join(f"{_us(t):>5}" for t in times))
+            times = [f"{count}:{_us(timed(cell, count))}" for count in counts]
+            lines.append(f"{batch:>3} {seqlen_k:>6} {_us(cudnn):>9} {_us(own) + f' [{own_count}]':>11}  "
+                         + "  ".join(times))
             log(out_dir, lines[-1])
     finally:
         decode_launch.num_splits = rule
