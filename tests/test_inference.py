@@ -469,9 +469,9 @@ def check_kvcache_prepared_steps(device="cpu"):
 
 
 def check_kvcache_rows_across_splits(device="cuda", steps=3, dtype=torch.bfloat16):
-    """Steps that append 16 rows to each of 16 sequences (one key/value head, so 16 programs and 17 splits of the
-    keys): at the first step sequence b ends at 4096 + b keys, so the new rows of every sequence but the first straddle
-    two programs' shares, which each write and read their own part (the split kernel's APPEND). The caches equal
+    """Steps that append 16 rows to each of 16 sequences (one key/value head, so 16 programs, each sequence's keys
+    split among several): at the first step every sequence's new rows straddle two programs' shares, which each write
+    and read their own part (the split kernel's APPEND). The caches equal
     torch's indexing's and the outputs the float64 reference's at every step, the later steps through the step
     prepared at the first."""
     from mhattn.backends.base import AttentionParams, KVCache
@@ -481,12 +481,18 @@ def check_kvcache_rows_across_splits(device="cuda", steps=3, dtype=torch.bfloat1
 
     gen = torch.Generator(device=device).manual_seed(21)
     batch, nq, head_dim, capacity = 16, 16, 128, 8192
-    cached = torch.arange(4096 - nq, 4096 - nq + batch, dtype=torch.int32, device=device)
-    # The shares as the split kernel cuts them (a whole number of key blocks each): a boundary inside new rows.
-    splits = decode_launch.num_splits(batch, capacity, decode_launch._sm_count(torch.device(device).index or 0))
-    block_n = decode_launch.decode_tile(head_dim, head_dim, 2, False).block_n
-    shares = [-(-(-(-(n + nq) // splits)) // block_n) * block_n for n in cached.tolist()]
-    assert any((n + nq - 1) // share != n // share for n, share in zip(cached.tolist(), shares)), (splits, shares)
+    # The shares as the split kernel cuts them (a whole number of key blocks each): sequence lengths after the first
+    # step from 4096 up whose new rows hold a boundary between two shares, spread over the ones there are.
+    splits, tile = decode_launch.split_and_tile(torch.device(device), batch, capacity, head_dim, head_dim, 2, False)
+    assert splits > 1
+
+    def straddles(length):
+        share = -(-(-(-length // splits)) // tile.block_n) * tile.block_n
+        return (length - 1) // share != (length - nq) // share
+
+    lengths = [n for n in range(4096, capacity - 2 * nq) if straddles(n)]
+    assert len(lengths) >= batch, (splits, tile)
+    cached = torch.tensor(lengths[::len(lengths) // batch][:batch], dtype=torch.int32, device=device) - nq
 
     k_cache, v_cache = (torch.randn(batch, 1, capacity, head_dim, device=device, dtype=dtype, generator=gen)
                         for _ in range(2))
@@ -1109,7 +1115,8 @@ def test_gpu_compiled_kvcache_and_varlen(backend):
 
 def test_decode_tiles_fit_shared_memory_for_every_width():
     """The split-KV kernel's tile follows the wider head dim and the element size: K and V stages of any padded
-    dims up to 256, 16- or 32-bit, stay within 96 KiB (float32 at d = 16, dv = 256 once asked for 288 KB)."""
+    dims up to 256, 16- or 32-bit, stay within 96 KiB (float32 at d = 16, dv = 256 once asked for 288 KB), and split
+    grids on Hopper within the 227 KiB a block may hold there."""
     from mhattn.backends.triton import decode_launch
 
     for block_d in (16, 32, 64, 128, 256):
@@ -1119,6 +1126,15 @@ def test_decode_tiles_fit_shared_memory_for_every_width():
                     tile = decode_launch.decode_tile(block_d, block_dv, size, paged)
                     stages = tile.block_n * (block_d + block_dv) * size * tile.num_stages
                     assert stages <= 96 << 10, (block_d, block_dv, size, paged, tile)
-    # 16-bit, equal dims: the table's entry, the paged cache's or the contiguous one's.
+                    # split grids on Hopper: within the 227 KiB of shared memory a block may hold there
+                    tile = decode_launch.decode_tile(block_d, block_dv, size, paged, hopper_split=True)
+                    stages = tile.block_n * (block_d + block_dv) * size * tile.num_stages
+                    assert stages <= 227 << 10, (block_d, block_dv, size, paged, tile)
+    # 16-bit, equal dims: the table's entry, the paged cache's or the contiguous one's; split grids on Hopper their own.
     assert decode_launch.decode_tile(128, 128, 2, paged=True) == decode_launch.GPU_TILES[128]
     assert decode_launch.decode_tile(128, 128, 2) == decode_launch.CONTIGUOUS_TILES[128]
+    for paged in (False, True):
+        hopper = decode_launch.decode_tile(128, 128, 2, paged, hopper_split=True)
+        assert hopper == decode_launch.HOPPER_SPLIT_TILES[128] != decode_launch.decode_tile(128, 128, 2, paged)
+        narrower = decode_launch.decode_tile(64, 64, 2, paged)  # (no entry of its own: the table's)
+        assert decode_launch.decode_tile(64, 64, 2, paged, hopper_split=True) == narrower

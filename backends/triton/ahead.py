@@ -259,8 +259,8 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
 
 def split_kv_tasks(head_dim: int, cc: int = 80) -> list:
     """The split-KV decoding kernels (decode.py) as decoding launches them at ``head_dim`` on compute capability
-    ``cc``: the split kernel with several splits, one query head group of 4 rows, over a contiguous cache and a
-    paged one (blocks of 256 keys), and over a contiguous cache appending the step's new keys and values itself,
+    ``cc``: the split kernel with several splits (on sm_90 with decode_launch.HOPPER_SPLIT_TILES' tile), one query
+    head group of 4 rows, over a contiguous cache and a paged one (blocks of 256 keys), and over a contiguous cache appending the step's new keys and values itself,
     then the combine; from sm_90 the combine as a programmatic dependent launch
     of the split kernel (decode_launch.DEPENDENT_LAUNCH); the KV cache's append into each kind of cache."""
     from mhattn.backends.triton import decode_launch
@@ -270,7 +270,7 @@ def split_kv_tasks(head_dim: int, cc: int = 80) -> list:
     tasks = []
     # A dense step, a paged step, and a contiguous cache's step with its append inside (APPEND).
     for paged, append in ((False, False), (True, False), (False, True)):
-        tile = decode_launch.decode_tile(padded, padded, 2, paged)
+        tile = decode_launch.decode_tile(padded, padded, 2, paged, hopper_split=cc // 10 == 9)
         flags = (("PAGED", paged), ("HAS_SEQLENS", paged or append), ("PAGE_SIZE", 256 if paged else 1),
                  ("RELEASE_DEPENDENTS", dependent), ("APPEND", append))
         tasks.append(KernelTask("splitkv", head_dim, True, configs.KernelConfig(16, tile.block_n, tile.num_warps,

@@ -18,6 +18,7 @@ from mhattn.backends.splits import split_count
 from mhattn.backends.streams import current_stream
 from mhattn.backends.triton import configs
 from mhattn.caches import put_bounded
+from mhattn.problem import device_capability
 
 # mhattn.attention takes this path when Hq / Hkv * Nq (the rows one key/value head serves) is at most this.
 DECODE_MAX_ROWS = 16
@@ -52,14 +53,26 @@ GPU_TILES = {16: DecodeTile(128, 4, 3), 32: DecodeTile(128, 4, 3), 64: DecodeTil
 CONTIGUOUS_TILES = {**GPU_TILES, 128: DecodeTile(64, 4, 2)}
 # Beyond the table (float32 at d = 256: 512 bytes-equivalent of 16-bit columns): the K and V stages stay near 64 KiB.
 WIDEST_TILE = DecodeTile(16, 4, 2)
+# Split grids on Hopper (each sequence's keys shared by several programs, so each program streams a long run of them)
+# take 128 keys a step over two stages at d = 128, contiguous and paged cache alike: 128 KiB of K and V stages by the
+# count the tables above keep within 96 KiB (for GPUs with 99 KiB a block), within Hopper's 227 KiB. Swept on the
+# H200 (--sweep-tiles, bf16, Nq = 1): B = 1 with 128k keys 149 -> 139 us contiguous and 156 -> 139 paged; B = 8 with
+# 32k and 128k keys 266 -> 266 and 993 -> 1008 contiguous, 272 -> 263 and 1028 -> 987 paged. Unsplit grids (B = 64)
+# keep the tables: 128-key steps there took 480 -> 551 us with 8k keys.
+HOPPER_SPLIT_TILES = {128: DecodeTile(128, 4, 2)}
 
 
-def decode_tile(block_d: int, block_dv: int, element_size: int, paged: bool = False) -> DecodeTile:
+def decode_tile(block_d: int, block_dv: int, element_size: int, paged: bool = False,
+                hopper_split: bool = False) -> DecodeTile:
     """The split-KV kernel's tile for padded head dims block_d (K) and block_dv (V) of ``element_size``-byte
     inputs, over a paged cache or not: the table's entry for the wider of the two, counted in 16-bit columns (so
     that float32 at d = 16 with a value head dim of 256 does not ask for 288 KB of shared memory). Padded dims are
-    powers of two from 16, so a width the table lacks is wider than its widest."""
-    return (GPU_TILES if paged else CONTIGUOUS_TILES).get(max(block_d, block_dv) * element_size // 2, WIDEST_TILE)
+    powers of two from 16, so a width the table lacks is wider than its widest. ``hopper_split``: a split grid on
+    an sm_90 GPU, which takes HOPPER_SPLIT_TILES' entry where it has one."""
+    width = max(block_d, block_dv) * element_size // 2
+    if hopper_split and width in HOPPER_SPLIT_TILES:
+        return HOPPER_SPLIT_TILES[width]
+    return (GPU_TILES if paged else CONTIGUOUS_TILES).get(width, WIDEST_TILE)
 
 
 # The interpreter: small steps and small splits so that tiny test shapes take several of each.
@@ -80,11 +93,26 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def num_splits(programs: int, keys: int, sm_count: int, min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
+def num_splits(programs: int, keys: int, sm_count: int, min_keys: int = MIN_KEYS_PER_SPLIT,
+               within: bool = False) -> int:
     """How many programs share the keys of one (batch, key/value head, row block): enough to put
     PROGRAMS_PER_SM programs on every SM, each with at least ``min_keys`` keys (backends/splits.py). One when the
-    unsplit grid already fills the GPU."""
-    return split_count(programs, keys, sm_count, min_keys, PROGRAMS_PER_SM, MAX_SPLITS)
+    unsplit grid already fills the GPU. ``within``: no more than PROGRAMS_PER_SM programs an SM."""
+    return split_count(programs, keys, sm_count, min_keys, PROGRAMS_PER_SM, MAX_SPLITS, within)
+
+
+def split_and_tile(device: torch.device, programs: int, keys: int, block_d: int, block_dv: int, element_size: int,
+                   paged: bool) -> tuple:
+    """(splits, tile) of a split-KV grid of ``programs`` (batch x key/value heads x row blocks) over ``keys`` keys
+    (a cache's capacity) on ``device``. On Hopper a split grid takes HOPPER_SPLIT_TILES' tile and as many splits as
+    keep it within PROGRAMS_PER_SM programs an SM: swept on the H200 with that tile (--sweep-splits, bf16, Nq = 1,
+    contiguous cache), B = 8 (64 programs) with 32k and 128k keys took 272 / 1024 us in 5 splits (rounded up: 320
+    programs), 258 / 963 in 4 (256 programs), 265 / 975 in 6; B = 1 (8 programs) keeps 33 (141 us with 128k keys)."""
+    if device.type != "cuda":  # Triton's interpreter
+        return num_splits(programs, keys, INTERPRETER_SM_COUNT, INTERPRETER_MIN_KEYS_PER_SPLIT), INTERPRETER_TILE
+    hopper = device_capability(device)[0] == 9
+    splits = num_splits(programs, keys, _sm_count(device.index or torch.cuda.current_device()), within=hopper)
+    return splits, decode_tile(block_d, block_dv, element_size, paged, hopper_split=hopper and splits > 1)
 
 
 # (plan, device, keys, paged) -> (tile, splits, block_m, row_blocks): the same for every step of a decoding loop.
@@ -102,12 +130,7 @@ def _split_plan(plan, device: torch.device, keys: int, paged: bool) -> tuple:
         block_m = max(16, configs.triton_next_power_of_2(min(rows, MAX_BLOCK_M)))
         row_blocks = -(-rows // block_m)
         programs = plan.batch * plan.heads_kv * row_blocks
-        if device.type == "cuda":
-            tile = decode_tile(plan.block_d, plan.block_dv, plan.dtype.itemsize, paged)
-            splits = num_splits(programs, keys, _sm_count(device.index or torch.cuda.current_device()))
-        else:  # Triton's interpreter (CPU tensors)
-            tile = INTERPRETER_TILE
-            splits = num_splits(programs, keys, INTERPRETER_SM_COUNT, INTERPRETER_MIN_KEYS_PER_SPLIT)
+        splits, tile = split_and_tile(device, programs, keys, plan.block_d, plan.block_dv, plan.dtype.itemsize, paged)
         found = put_bounded(_split_plans, key, (tile, splits, block_m, row_blocks), _SPLIT_PLANS_LIMIT)
     return found
 
