@@ -106,6 +106,30 @@ def test_the_table_of_this_device_applies(monkeypatch, tmp_path):
     assert table.active_table("cuda", 0).key["device"] == "NVIDIA A100"      # a named file is used as it is
 
 
+def test_the_shipped_tables_load_and_each_covers_the_quick_grid_of_its_own_gpu():
+    """Every table in the package (mhattn/tables/, read when the cache holds none for the device) loads, keys one CUDA
+    GPU by name and compute capability (no two tables the same GPU), was complete, holds every cell of the grid
+    ``mhattn tune --quick`` times, and names only mhattn's backends (or pairs of them): a table that fails to load is
+    skipped with a warning, and the priority list would decide on that GPU instead."""
+    from pathlib import Path
+
+    folder = Path(table.__file__).resolve().parent.parent / "tables"
+    tables = [table.TimingTable.load(path) for path in sorted(folder.glob("*.json"))]
+    assert {Path(t.path).name for t in tables} >= {"h100.json", "h200.json"}
+    identities = [(t.key["device"], tuple(t.key["compute_capability"])) for t in tables]
+    assert len(set(identities)) == len(identities), identities
+    fields = tuple(grid.Cell.__dataclass_fields__)
+    quick = {tuple(getattr(c, f) for f in fields) for c in grid.quick_grid()}
+    for t in tables:
+        assert t.key["device"].startswith("NVIDIA ") and len(t.key["compute_capability"]) == 2, t.path
+        assert t.made.get("complete"), t.path
+        assert {tuple(c[f] for f in fields) for c in t.cells} == quick, t.path
+        for c in t.cells:
+            for mode in ("fwd_ms", "fwd_bwd_ms"):
+                for name in c.get(mode) or {}:
+                    assert set(name.split("+")) <= {"triton", "cupy", "sdpa"}, (t.path, name)
+
+
 # ---- the nearest tuned shape ----------------------------------------------------------------------------------
 
 
