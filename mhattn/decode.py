@@ -123,16 +123,24 @@ def _call_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, is_causal, 
         request = dispatch.requested_on(backend, q.device.type)
     except Exception:  # a bad request raises where the full path checks it
         return None
-    grad = torch.is_grad_enabled()
-    key = [request, is_causal, scale, softcap, grad, return_lse]
-    for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table):  # one pass: the type check and the key
-        if t is None:
-            key.append(None)
-        elif isinstance(t, torch.Tensor):
-            key.append((t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad))
-        else:
-            return None
-    return tuple(key)
+    tensor = torch.Tensor
+    if not (isinstance(q, tensor) and isinstance(k_cache, tensor) and isinstance(v_cache, tensor)
+            and (k is None or isinstance(k, tensor)) and (v is None or isinstance(v, tensor))
+            and (cache_seqlens is None or isinstance(cache_seqlens, tensor))
+            and (block_table is None or isinstance(block_table, tensor))):
+        return None
+    # What _check_forward_only reads of autograd: grad mode and whether q, k or v requires grad.
+    tracked = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)
+                                           or (v is not None and v.requires_grad))
+    return (request, is_causal, scale, softcap, tracked, return_lse,
+            q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
+            v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+            None if k is None else (k.shape, k.stride(), k.dtype, k.device),
+            None if v is None else (v.shape, v.stride(), v.dtype, v.device),
+            None if cache_seqlens is None else (cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
+                                                cache_seqlens.device),
+            None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                              block_table.device))
 
 
 def _check_index_values(q, k_cache, cache_seqlens, block_table, appended: int, capacity: int) -> None:

@@ -237,13 +237,13 @@ def check_split_kv_path_taken(device="cpu"):
     from mhattn.backends.triton import decode_launch
 
     calls = []
-    original = decode_launch.split_kv_forward
+    original = decode_launch._split_kv_launches  # (every split-KV launch, prepared step or not, goes through it)
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return original(*args, **kwargs)
 
-    decode_launch.split_kv_forward = spy
+    decode_launch._split_kv_launches = spy
     try:
         q = torch.randn(1, 8, 2, 32, device=device, dtype=torch.float16)
         k = torch.randn(1, 2, 300, 32, device=device, dtype=torch.float16)
@@ -254,7 +254,7 @@ def check_split_kv_path_taken(device="cpu"):
         mhattn.attention(q, k, k, enable_gqa=True, backend="triton")
         assert not calls, "160 rows per key/value head must take the FlashAttention-2 forward"
     finally:
-        decode_launch.split_kv_forward = original
+        decode_launch._split_kv_launches = original
     if device == "cpu":
         assert decode_launch.num_splits(2, 300, decode_launch.INTERPRETER_SM_COUNT,
                                         decode_launch.INTERPRETER_MIN_KEYS_PER_SPLIT) > 1
@@ -509,6 +509,91 @@ def check_kvcache_rows_across_splits(device="cuda", steps=3, dtype=torch.bfloat1
         error = float((out.double() - gold["out"]).abs().max())
         assert error < 2e-2, f"step {step}: max error {error} against the float64 reference"
         cached += nq
+
+
+def check_kvcache_prepared_step_takes_each_call_s_tensors(device="cpu"):
+    """A step prepared at a signature's first call (kvcache_call) launches later calls with their own tensors only
+    (decode_launch.PreparedSplitStep): calls with other q, caches, new keys and values, cache_seqlens and block table
+    of the same shapes, contiguous and paged, each equal the reference's and write their own cache, and one call's
+    output is not overwritten by the next (float32: on a GPU the split kernel's dots may round to TF32)."""
+    import mhattn.decode as decode_module
+    from mhattn.backends.triton.backend import TritonBackend
+
+    tolerance = 1e-5 if device == "cpu" else 5e-3
+
+    asked = []
+    own = TritonBackend.kvcache_call
+    TritonBackend.kvcache_call = lambda self, *args: asked.append(args) or own(self, *args)
+    decode_module._known_calls.clear()
+    try:
+        for block_size in (None, 8):
+            asked.clear()
+            earlier = None
+            for step in range(3):
+                gen = torch.Generator().manual_seed(40 + step)
+                q, k_cache, v_cache, new_k, new_v, seqlens, table = make_cache(
+                    torch.float32, device, 2, 4, 2, 1, 16, [5 + 9 * step, 30 - 7 * step], 40, block_size, True, gen)
+                want_k, want_v = k_cache.clone(), v_cache.clone()
+                out = mhattn.attention_with_kvcache(q, k_cache, v_cache, new_k, new_v, seqlens, table,
+                                                    backend="triton")
+                want = mhattn.attention_with_kvcache(q, want_k, want_v, new_k, new_v, seqlens, table,
+                                                     backend="reference")
+                torch.testing.assert_close(out, want, atol=tolerance, rtol=tolerance)
+                for cache, want_cache in ((k_cache, want_k), (v_cache, want_v)):  # (NaN past the keys)
+                    torch.testing.assert_close(cache, want_cache, atol=0, rtol=0, equal_nan=True)
+                if earlier is not None:
+                    torch.testing.assert_close(earlier[0], earlier[1], atol=0, rtol=0)
+                earlier = (out, out.clone())
+            assert len(asked) == 1, f"block size {block_size}: kvcache_call asked {len(asked)} times"
+    finally:
+        TritonBackend.kvcache_call = own
+        decode_module._known_calls.clear()
+
+
+def check_prepared_split_steps_keep_their_launches(device="cpu"):
+    """A decoding step through mhattn.attention (16-bit, untracked: TritonBackend.native_call) and a KV-cache step
+    (kvcache_call) launch every call after their signature's first through the launches that call prepared: the split
+    plan and launch arguments are worked out once (decode_launch._split_kv_launches runs once) while each call's own
+    tensors are read (outputs equal the reference's, an earlier output is left alone). A float32 KV-cache step whose
+    dot precision changes with torch's matmul setting prepares its launches again."""
+    from mhattn import dispatch
+    from mhattn.backends.triton import decode_launch
+
+    made = []
+    original = decode_launch._split_kv_launches
+
+    def counting(*args, **kwargs):
+        made.append(args[0].dtype)
+        return original(*args, **kwargs)
+
+    decode_launch._split_kv_launches = counting
+    dispatch.clear_cache()
+    precision = torch.get_float32_matmul_precision()
+    try:
+        earlier = None
+        for step in range(3):
+            gen = torch.Generator().manual_seed(60 + step)
+            q = torch.randn(2, 8, 1, 32, generator=gen).to(device, torch.float16)
+            k, v = (torch.randn(2, 2, 150, 32, generator=gen).to(device, torch.float16) for _ in range(2))
+            out = mhattn.attention(q, k, v, enable_gqa=True, backend="triton")
+            want = mhattn.attention(q.double(), k.double(), v.double(), enable_gqa=True, backend="reference")
+            torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+            if earlier is not None:
+                torch.testing.assert_close(earlier[0], earlier[1], atol=0, rtol=0)
+            earlier = (out, out.clone())
+        assert made == [torch.float16], f"the dense step's launches were prepared {len(made)} times"
+        made.clear()
+        gen = torch.Generator().manual_seed(66)
+        q, k_cache, v_cache, _, _, seqlens, _ = make_cache(torch.float32, device, 2, 4, 2, 1, 16, [7, 30], 40, None,
+                                                           False, gen)
+        for setting in ("highest", "highest", "high", "high"):
+            torch.set_float32_matmul_precision(setting)
+            mhattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, backend="triton")
+        assert len(made) == 2, f"the float32 KV-cache step prepared its launches {len(made)} times, not once a setting"
+    finally:
+        decode_launch._split_kv_launches = original
+        torch.set_float32_matmul_precision(precision)
+        dispatch.clear_cache()
 
 
 def check_kvcache_index_strides(device="cpu"):
@@ -946,6 +1031,16 @@ def test_interpreter_kvcache_prepared_steps(interpreter):
 
 
 @pytest.mark.interpret
+def test_interpreter_kvcache_prepared_step_takes_each_call_s_tensors(interpreter):
+    interpreter.run("check_kvcache_prepared_step_takes_each_call_s_tensors")
+
+
+@pytest.mark.interpret
+def test_interpreter_prepared_split_steps_keep_their_launches(interpreter):
+    interpreter.run("check_prepared_split_steps_keep_their_launches")
+
+
+@pytest.mark.interpret
 def test_interpreter_kvcache_index_strides(interpreter):
     interpreter.run("check_kvcache_index_strides")
 
@@ -987,6 +1082,16 @@ def test_interpreter_varlen_through_descriptors(interpreter, case):
 @pytest.mark.gpu
 def test_gpu_kvcache_new_rows_across_split_shares():
     check_kvcache_rows_across_splits(device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_kvcache_prepared_step_takes_each_call_s_tensors():
+    check_kvcache_prepared_step_takes_each_call_s_tensors(device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_split_steps_keep_their_launches():
+    check_prepared_split_steps_keep_their_launches(device="cuda")
 
 
 @pytest.mark.gpu

@@ -18,7 +18,8 @@ import torch
 
 from mhattn import dropout_rng
 from mhattn.backends import layouts
-from mhattn.backends.base import FEATURES, OPERATIONS, AttentionParams, Capabilities, KVCache, OutputOnlyForward
+from mhattn.backends.base import (FEATURES, OPERATIONS, AttentionParams, Capabilities, OutputOnlyForward,
+                                  tracked_by_autograd)
 from mhattn.backends.triton import configs, decode_launch, hopper_launch, key_padding, varlen_launch
 from mhattn.backends.triton.launcher import CompiledLauncher
 from mhattn.caches import put_bounded
@@ -645,6 +646,16 @@ class TritonBackend(OutputOnlyForward):
                     "16-byte aligned")
         return f"the FlashAttention-2 backward (backward.py): not the Gluon Hopper backward because {reason}"
 
+    def native_call(self, q, k, v, params: AttentionParams):
+        """For calls that autograd does not track and that return no lse (OutputOnlyForward.native_call): a decoding
+        step of 16-bit inputs (the split-KV kernels) keeps its first call's launches, so a repeated step passes only
+        its tensors (decode_launch.PreparedSplitStep); other calls, the forward's output alone."""
+        if tracked_by_autograd(q, k, v, params):
+            return None
+        if q.dtype in (torch.float16, torch.bfloat16) and k.shape[2] > 0 and decode_launch.eligible(q, k, params):
+            return decode_launch.PreparedSplitStep(params, None, False, False, cache=False).output
+        return self._output_only
+
     # ---- forward ------------------------------------------------------------------------------
     def _forward(self, q, k, v, params: AttentionParams, keep_lse: bool):
         """(out, lse) of the forward; keep_lse False: lse is the plan's scratch (_Plan.output_buffers), for a caller
@@ -899,14 +910,7 @@ def _kvcache_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, params:
     if cache_seqlens is None or (appends and not decode_launch.new_rows_contiguous(k, v)):
         return None
     signature = _signature_for(q, k_cache, v_cache, params, dense=True, names=("q", "k_cache", "v_cache"))
-
-    def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
-        return decode_launch.split_kv_forward(q, k_cache, v_cache, params,
-                                              cache=KVCache(k_cache, v_cache, cache_seqlens, block_table),
-                                              signature=signature, keep_lse=return_lse,
-                                              new_kv=(k, v) if appends else None)
-
-    return step
+    return decode_launch.PreparedSplitStep(params, signature, return_lse, appends)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -137,7 +137,14 @@ def _split_plan(plan, device: torch.device, keys: int, paged: bool) -> tuple:
 
 def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None, signature=None,
                      keep_lse: bool = True, new_kv: Optional[tuple] = None):
-    """out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) fp32 of q over k, v.
+    """out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) fp32 of q over k, v (see _split_kv_launches)."""
+    return _split_kv_launches(q, k, v, params, cache, signature, keep_lse, new_kv)[:2]
+
+
+def _split_kv_launches(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None, signature=None,
+                       keep_lse: bool = True, new_kv: Optional[tuple] = None):
+    """(out, lse, launches): out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) fp32 of q over k, v, and the _KeptLaunches that
+    ran them (None where nothing was launched).
 
     Dense (cache None): k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), diagonal at params.diag_offset. With a
     cache, k and v are its tensors (contiguous or the paged pool) and each sequence b attends over its
@@ -154,7 +161,7 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
     out, lse = plan.output_buffers(q, keep_lse)
     rows = plan.batch * plan.heads_q * plan.seqlen_q
     if rows == 0:  # out and lse are empty
-        return out, lse
+        return out, lse, None
 
     paged = cache is not None and cache.paged
     keys = k.shape[2] if cache is None else cache.capacity
@@ -204,14 +211,83 @@ def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] 
                                       BLOCK_S=max(2, configs.triton_next_power_of_2(splits)), WAIT_PRIMARY=dependent)
 
     with backend._OnDevice(q.device):
-        backend._launch_site(signature, (split_kv, keys, cache is not None, paged, table_strides, seqlens_stride,
-                                         dependent, appending), split_kv,
-                             (q, k, v, out, lse, out_split, lse_split, seqlens, table, new_k, new_v), (),
-                             prepare_split_kv)
+        split_site = backend._launch_site(signature, (split_kv, keys, cache is not None, paged, table_strides,
+                                                      seqlens_stride, dependent, appending), split_kv,
+                                          (q, k, v, out, lse, out_split, lse_split, seqlens, table, new_k, new_v), (),
+                                          prepare_split_kv)
+        combine_site = None
         if splits > 1:
-            backend._launch_site(signature, (combine, keys, dependent), combine, (out, lse, out_split, lse_split), (),
-                                 prepare_combine)
-    return out, lse
+            combine_site = backend._launch_site(signature, (combine, keys, dependent), combine,
+                                                (out, lse, out_split, lse_split), (), prepare_combine)
+    return out, lse, _KeptLaunches(plan, rows, splits, paged, split_site, combine_site)
+
+
+@dataclass(frozen=True)
+class _KeptLaunches:
+    """The launches of one split-KV call, kept by a step prepared for calls like it (PreparedSplitStep): the plan,
+    the rows, the split count, whether the cache is paged, and the split kernel's and the combine's launch sites
+    (backend._launch_site: the prepared launch and the arguments between its tensors and the end; no combine site
+    with one split)."""
+    plan: object
+    rows: int
+    splits: int
+    paged: bool
+    split_site: tuple
+    combine_site: Optional[tuple]
+
+
+class PreparedSplitStep:
+    """A split-KV step prepared for calls of one signature: a KV cache's (Backend.kvcache_call; ``cache`` True) or
+    a dense decoding step's that autograd does not track (TritonBackend.native_call; ``cache`` False, through
+    :meth:`output`). Every shape, stride, dtype and flag of its arguments is the first call's (the front ends' memo
+    keys hold them all), so the first call's split plan, grid and launch arguments hold for every later call, which
+    passes only its tensors to the launches the first one prepared. Called as ``step(q, k_cache, v_cache, k, v,
+    cache_seqlens, block_table)`` -> (out, lse); k and v None for a step that appends nothing. ``signature``: the
+    backend's _Signature of q and the cache, or None to work it out at the first call. float32 inputs' dot precision
+    follows torch's matmul setting, read at every call (the prepared launches are dropped when it changes)."""
+
+    __slots__ = ("params", "signature", "keep_lse", "appends", "cache", "kept")
+
+    def __init__(self, params: AttentionParams, signature, keep_lse: bool, appends: bool, cache: bool = True):
+        self.params, self.signature, self.keep_lse, self.appends, self.cache = (params, signature, keep_lse, appends,
+                                                                                cache)
+        self.kept: Optional[_KeptLaunches] = None
+
+    def output(self, q, k, v, params: AttentionParams):
+        """A dense step's output (no cache): what TritonBackend.native_call hands the front end."""
+        return self(q, k, v, None, None, None, None)[0]
+
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+        kept = self.kept
+        if kept is not None and q.dtype == torch.float32 and (
+                _backend._dot_precision(q.dtype) != kept.plan.dot_precision):
+            kept = self.kept = self.signature = None  # torch's matmul setting changed: another plan
+        if kept is None:  # the first call (or one whose rows were all empty): every step, keeping its launches
+            backend = _backend or _import_backend()
+            signature = self.signature = self.signature or backend._signature_for(q, k_cache, v_cache, self.params,
+                                                                                  dense=True)
+            cache = KVCache(k_cache, v_cache, cache_seqlens, block_table) if self.cache else None
+            out, lse, self.kept = _split_kv_launches(q, k_cache, v_cache, self.params, cache=cache,
+                                                     signature=signature, keep_lse=self.keep_lse,
+                                                     new_kv=(k, v) if self.appends else None)
+            return out, lse
+        plan = kept.plan
+        out, lse = plan.output_buffers(q, self.keep_lse)
+        if kept.splits > 1:
+            out_split, lse_split = split_partials(q.device, plan.device_index, kept.rows, kept.splits,
+                                                  plan.head_dim_v)
+        else:
+            out_split = lse_split = lse
+        new_k, new_v = (k, v) if self.appends else (lse, lse)
+        prepared, middle = kept.split_site
+        on_device = _backend._on_device
+        on_device(plan.cuda_index, prepared.launch, (q, k_cache, v_cache, out, lse, out_split, lse_split,
+                                                     cache_seqlens if self.cache else lse,
+                                                     block_table if kept.paged else lse, new_k, new_v) + middle)
+        if kept.combine_site is not None:
+            prepared, middle = kept.combine_site
+            on_device(plan.cuda_index, prepared.launch, (out, lse, out_split, lse_split) + middle)
+        return out, lse
 
 
 # The KV cache's prepared append launches (decode.append_kv_kernel) by what their arguments besides the tensors come
