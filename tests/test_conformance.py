@@ -165,6 +165,27 @@ class PreparedStepLeavesTheCache(ReferenceBackend):
         return step
 
 
+class PreparedStepKeepsItsFirstCache(ReferenceBackend):
+    """A step prepared per signature (kvcache_call) that keeps the cache of its first call and appends into that one
+    at every later call: right at the first call only."""
+
+    name = "test-prepared-step-keeps-its-first-cache"
+
+    def kvcache_call(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, params, return_lse):
+        from mhattn.backends.base import KVCache
+        from mhattn.decode import _append_by_indexing
+
+        first = []
+
+        def step(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+            if not first:
+                first.extend((k_cache, v_cache))
+            seqlens = _append_by_indexing(first[0], first[1], k, v, cache_seqlens, block_table)
+            return self.forward_kvcache(q, KVCache(first[0], first[1], seqlens, block_table), params)
+
+        return step
+
+
 class NoDropout(ReferenceBackend):
     """A correct backend that declares no dropout and no sliding window."""
 
@@ -353,6 +374,7 @@ def test_poisoned_allocations_fill_floats_with_nan_and_restore():
         (AppendOneRowLate(), ["kvcache"], "append_kvcache writes what torch's indexing writes"),
         (AppendingStepAdvancesLengths(), ["kvcache"], "forward_kvcache_appending writes what torch's indexing writes"),
         (PreparedStepLeavesTheCache(), ["kvcache"], "kvcache_call writes what torch's indexing writes"),
+        (PreparedStepKeepsItsFirstCache(), ["kvcache"], "kvcache_call again writes what torch's indexing writes"),
     ],
     ids=lambda x: getattr(x, "name", None) if isinstance(x, ReferenceBackend) else None,
 )

@@ -210,16 +210,19 @@ def _judge_append(backend, inputs: PackedInputs) -> list:
 
 def _judge_appending_step(backend, case: Case, inputs: PackedInputs, gold: dict, lowp: Optional[dict]) -> list:
     """The backend's steps that append as they attend, where it has them, each on the cache as it was before the new
-    tokens: forward_kvcache_appending, and the step kvcache_call prepares (returning the lse). forward_kvcache's out
-    and lse against the same gold, and the cache torch's indexing gave."""
+    tokens: forward_kvcache_appending, and the step kvcache_call prepares (returning the lse), called twice, each time
+    on a cache of its own (a prepared step serves every call of its signature, and may keep what its first call
+    worked out). forward_kvcache's out and lse against the same gold, and the cache torch's indexing gave."""
     q, k, v, table, params = inputs.q, inputs.k, inputs.v, inputs.cache.block_table, inputs.params
     prepared = backend.kvcache_call(q, *inputs.before_append[:2], k, v, inputs.before_append[2], table, params, True)
     steps = [("forward_kvcache_appending",
               lambda k_cache, v_cache, seqlens: backend.forward_kvcache_appending(q, k_cache, v_cache, k, v, seqlens,
                                                                                   table, params))]
     if prepared is not None:
-        steps.append(("kvcache_call", lambda k_cache, v_cache, seqlens: prepared(q, k_cache, v_cache, k, v, seqlens,
-                                                                                  table)))
+        def run_prepared(k_cache, v_cache, seqlens):
+            return prepared(q, k_cache, v_cache, k, v, seqlens, table)
+
+        steps += [("kvcache_call", run_prepared), ("kvcache_call again", run_prepared)]
     checks = []
     for name, run in steps:
         k_cache, v_cache, cache_seqlens = (t.clone() for t in inputs.before_append)
