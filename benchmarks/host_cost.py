@@ -1,7 +1,8 @@
 """Host cost of the call path on the CPU, no GPU needed: microseconds and Python function calls per call.
 
     python benchmarks/host_cost.py            # the table below
-    python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|triton_out|triton_bwd|decode|cupy|cupy_bwd|auto
+    python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|triton_out|triton_bwd|decode|decode_prepared|kvcache|
+                                             cupy|cupy_bwd|auto
 
 Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
 - mhattn.attention forward / forward+backward on a backend that does no work (``null``: allocates its
@@ -9,7 +10,10 @@ Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
 - the Triton backend's host code for one forward / backward with the compiled kernels' launchers replaced by
   no-ops (plan, scalars, grid, argument tuples, the compiled-handle look-up of launcher.py), the same forward
   as mhattn.attention runs it for calls that return no lse and need no gradient (its output alone, the lse written
-  into a kept scratch buffer: TritonBackend.native_call), and for one split-KV decoding step (B=1, 32 query heads on 8 key/value heads, Nq=1, Nk=1k, d=128, bf16);
+  into a kept scratch buffer: TritonBackend.native_call), and for one split-KV decoding step (B=1, 32 query heads
+  on 8 key/value heads, Nq=1, Nk=1k, d=128, bf16): the backend's forward, the step mhattn.attention runs for an
+  untracked call that returns no lse (native_call, its first call's launches kept), and attention_with_kvcache
+  appending one token to a cache of 1088 rows through the Triton backend (its prepared step; float16);
 - the CuPy backend's host code for one forward / backward with a launcher that does nothing (plan look-up,
   allocations, data pointers up to the launcher), and with CuPy's launcher whose CuPy pieces do nothing (its
   stream look-up, device check and argument splice included); these take the sm_80 (mma.sync) plans, since
@@ -22,6 +26,7 @@ The machine's other load moves these numbers: compare rows of one run, best of f
 
 import argparse
 import contextlib
+import dataclasses
 import cProfile
 import pstats
 import time
@@ -181,25 +186,46 @@ def stubbed_triton():
         triton_backend.launchers, launcher_module.current_stream = saved
 
 
-def decoding_step(triton):
-    """One split-KV decoding step on the stubbed Triton backend (CPU tensors get past the backend's device check
-    as under the interpreter; the launches themselves are the stubs)."""
+def decoding_steps(triton):
+    """Split-KV decoding steps on the stubbed Triton backend (CPU tensors get past the backend's device check as under
+    the interpreter; the launches themselves are the stubs): the backend's forward, the step mhattn.attention runs for
+    an untracked call (native_call: its first call's launches kept), and a KV-cache step through
+    attention_with_kvcache appending one token (the step kvcache_call prepares)."""
     from mhattn.backends.triton import backend as triton_backend
     from mhattn.backends.triton import decode_launch
 
     q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16)
     k = torch.randn(1, 8, 1024, 128, dtype=torch.bfloat16)
+    # The KV-cache step in float16 (the interpreter's flag refuses bfloat16 on CPU tensors) through attention_with_kvcache,
+    # on a registered Triton backend that declares CPU tensors (as the backend does under the interpreter's flag).
+    q16 = q.half()
+    k_cache, v_cache = (torch.randn(1, 8, 1088, 128, dtype=torch.float16) for _ in range(2))
+    new_k, new_v = (torch.randn(1, 8, 1, 128, dtype=torch.float16) for _ in range(2))
+    lengths = torch.tensor([1023], dtype=torch.int32)
     params = AttentionParams(scale=128 ** -0.5, diag_offset=1023, window_right=0)
+    prepared = triton.native_call(q, k, k, params)
+    class TritonOnCpu(triton_backend.TritonBackend):
+        name = "triton-on-cpu"
+        capabilities = dataclasses.replace(triton_backend.TritonBackend.capabilities,
+                                           device_types=frozenset({"cuda", "cpu"}))
 
-    def step():
-        saved = triton_backend.INTERPRET, decode_launch._sm_count
-        triton_backend.INTERPRET, decode_launch._sm_count = True, lambda index: 132
-        try:
-            return triton.forward(q, k, k, params)
-        finally:
-            triton_backend.INTERPRET, decode_launch._sm_count = saved
+    on_cpu = TritonOnCpu()
+    on_cpu._unavailable = []  # (its launches are the stubs: no GPU needed)
+    mhattn.register_backend(on_cpu, replace=True)
 
-    return step
+    def interpreted(call):
+        def step():
+            saved = triton_backend.INTERPRET, decode_launch._sm_count
+            triton_backend.INTERPRET, decode_launch._sm_count = True, lambda index: 132
+            try:
+                return call()
+            finally:
+                triton_backend.INTERPRET, decode_launch._sm_count = saved
+        return step
+
+    return (interpreted(lambda: triton.forward(q, k, k, params)), interpreted(lambda: prepared(q, k, k, params)),
+            interpreted(lambda: mhattn.attention_with_kvcache(q16, k_cache, v_cache, new_k, new_v, lengths,
+                                                              backend="triton-on-cpu")))
 
 
 def rows():
@@ -234,8 +260,8 @@ def rows():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "triton_out", "triton_bwd", "decode", "cupy",
-                                              "cupy_bwd", "auto"),
+    parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "triton_out", "triton_bwd", "decode",
+                                              "decode_prepared", "kvcache", "cupy", "cupy_bwd", "auto"),
                         default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)  # no intra-op thread pool in the numbers
@@ -252,11 +278,16 @@ def main():
                       ("triton backend output only (lse in scratch), stubbed", lambda: output_only(q, k, v, params)),
                       ("triton backend backward, launches stubbed",
                        lambda: triton.backward(out, q, k, v, out, lse, params)),
-                      ("triton backend decoding step, launches stubbed", decoding_step(triton))]
+                      ]
+        forward_step, prepared_step, kvcache_step = decoding_steps(triton)
+        table[5:5] = [("triton backend decoding step, launches stubbed", forward_step),
+                      ("  the same step prepared (native_call), stubbed", prepared_step),
+                      ("  attention_with_kvcache step, one appended, stubbed", kvcache_step)]
         if args.profile:
             fn = {"fwd": table[0][1], "fwd_bwd": table[1][1], "triton": table[2][1], "triton_out": table[3][1],
-                  "triton_bwd": table[4][1], "decode": table[5][1],
-                  "cupy": table[6][1], "cupy_bwd": table[7][1], "auto": table[-1][1]}[args.profile]
+                  "triton_bwd": table[4][1], "decode": table[5][1], "decode_prepared": table[6][1],
+                  "kvcache": table[7][1], "cupy": table[8][1], "cupy_bwd": table[9][1],
+                  "auto": table[-1][1]}[args.profile]
             for _ in range(100):  # first calls fill the caches (plans, decisions, handles): profile the steady state
                 fn()
             profile = cProfile.Profile()

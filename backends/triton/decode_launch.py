@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -222,8 +222,7 @@ def _split_kv_launches(q, k, v, params: AttentionParams, cache: Optional[KVCache
     return out, lse, _KeptLaunches(plan, rows, splits, paged, split_site, combine_site)
 
 
-@dataclass(frozen=True)
-class _KeptLaunches:
+class _KeptLaunches(NamedTuple):
     """The launches of one split-KV call, kept by a step prepared for calls like it (PreparedSplitStep): the plan,
     the rows, the split count, whether the cache is paged, and the split kernel's and the combine's launch sites
     (backend._launch_site: the prepared launch and the arguments between its tensors and the end; no combine site
