@@ -32,7 +32,7 @@ from mhattn.problem import Problem
 from mhattn.reference.naive import naive_attention
 
 ARCHS = ("sm_80", "sm_90")
-KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dkdv_2d", "bwd_dq", "kv_combine")
+KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dkdv_2d", "bwd_dq", "kv_combine", "kv_append")
 # (compile target, kernel) pairs CI compiles: every kernel for each architecture, the Hopper family for sm_90a.
 COMPILED = tuple((arch, kernel) for arch in ARCHS for kernel in KERNELS) + (("sm_90a", "hopper_fwd"),
                                                                              ("sm_90a", "hopper_bwd"))
@@ -84,11 +84,12 @@ def feature_variant_sample(cc) -> list:
 
 def sequence_variant_sample(cc) -> list:
     """The per-sequence variants CI compiles (mhattn build compiles all of them): the varlen preprocess, the split-KV
-    combine, and every varlen and KV-cache kernel (both caches, with and without KV_SPLIT) at the "bounds" level at
-    d = 64 and with every flag they take at d = 128 (the 2-D dK/dV kernel)."""
+    combine, the KV cache's append, and every varlen and KV-cache kernel (both caches, with and without KV_SPLIT) at
+    the "bounds" level at d = 64 and with every flag they take at d = 128 (the 2-D dK/dV kernel)."""
     out = [variants.preprocess_variant(dtype, any_dims=any_dims, varlen=True) for dtype in variants.DTYPE_NAMES
            for any_dims in (False, True)]
     out += [variants.combine_variant(dtype) for dtype in variants.DTYPE_NAMES]
+    out += [variants.append_variant(dtype) for dtype in variants.DTYPE_NAMES]
     flags = variants.SEQUENCE_FEATURE_SETS[-1]
     out.extend(v for v in variants.sequence_variants(cc, "float16", 64)
                if dict(v.defines)["HAS_BOUNDS"] and not dict(v.defines)["HAS_EXTRAS"])

@@ -204,6 +204,57 @@ def test_emulated_varlen_matches_reference(emulated_backend, poisoned, name):
     assert not failures, failures
 
 
+def check_append(backend, device, dtype, paged: bool, heads_kv=2, seqlen_q=3, head_dim=40, head_dim_v=24):
+    """The backend's append (kernels/kv_append.cu) against torch's indexing: new rows with strided (B, Hkv, Nq)
+    dims, a strided cache_seqlens and a block table whose blocks are not adjacent in memory (a transposed view),
+    three sequences, the last one's rows running past the cache (those are not written, and nothing else is). The
+    cache and the returned counts (cache_seqlens + Nq) equal the indexing's; returns failure messages."""
+    from mhattn.decode import _append_by_indexing
+
+    gen = torch.Generator().manual_seed(17 + paged)
+    batch, capacity, block_size = 3, 48, 16
+    if paged:
+        blocks = capacity // block_size
+        table = torch.randperm(batch * blocks + 2, generator=gen)[:batch * blocks].to(torch.int32)
+        table = table.view(blocks, batch).t().to(device)  # (B, max_blocks), columns one apart by B
+        k_cache = _randn(gen, (batch * blocks + 2, heads_kv, block_size, head_dim), dtype, device)
+        v_cache = _randn(gen, (batch * blocks + 2, heads_kv, block_size, head_dim_v), dtype, device)
+    else:
+        table = None
+        k_cache = _randn(gen, (batch, heads_kv, capacity, head_dim), dtype, device)
+        v_cache = _randn(gen, (batch, heads_kv, capacity, head_dim_v), dtype, device)
+    new_k = _randn(gen, (batch, seqlen_q, heads_kv, head_dim), dtype, device).transpose(1, 2)
+    new_v = _randn(gen, (batch, seqlen_q, heads_kv, head_dim_v), dtype, device).transpose(1, 2)
+    seqlens = torch.tensor([5, 0, 30, 0, capacity - 1, 0], dtype=torch.int32, device=device)[::2]  # stride 2
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+
+    def indexed(sequences: slice, rows: int):  # torch's indexing: the first ``rows`` new rows of ``sequences``
+        caches = (want_k, want_v) if paged else (want_k[sequences], want_v[sequences])  # (its batch: k's)
+        _append_by_indexing(*caches, new_k[sequences, :, :rows], new_v[sequences, :, :rows], seqlens[sequences],
+                            table[sequences] if paged else None)
+
+    indexed(slice(0, 2), seqlen_q)
+    indexed(slice(2, 3), 1)  # the last sequence: only its first new row lies inside the cache
+    counts = backend.append_kvcache(k_cache, v_cache, new_k, new_v, seqlens, table)
+    failures = []
+    if counts is None:
+        return ["append_kvcache declined the call"]
+    if not torch.equal(counts.cpu(), (seqlens + seqlen_q).cpu()):
+        failures.append(f"counts {counts.tolist()} != {(seqlens + seqlen_q).tolist()}")
+    for name, got, want in (("k_cache", k_cache, want_k), ("v_cache", v_cache, want_v)):
+        if not torch.equal(got, want):
+            failures.append(f"{name}: {int((got != want).any(-1).sum())} rows differ from torch's indexing")
+    return failures
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_emulated_append_matches_indexing(emulated_backend, poisoned, dtype, paged):
+    failures = check_append(emulated_backend, "cpu", dtype, paged)
+    assert not failures, failures
+
+
+DECODING_CASES = sorted(name for name, case in KVCACHE_CASES.items() if case["shape"][3] <= variants.DECODE_MAX_ROWS)
 DECODING_CASES = sorted(name for name, case in KVCACHE_CASES.items() if case["shape"][3] <= variants.DECODE_MAX_ROWS)
 
 
@@ -336,7 +387,7 @@ def test_sequence_variants_leave_the_dense_ones_alone():
     assert not any(name in ("VARLEN", "KV_CACHE") for v in dense for name, _ in v.defines)
     added = every[len(dense):]
     assert {v.kernel for v in added if not (dict(v.defines).get("VARLEN") or dict(v.defines).get("KV_CACHE"))} == {
-        "kv_combine"}
+        "kv_combine", "kv_append"}
     assert {dict(v.defines).get("KV_CACHE") for v in added if dict(v.defines).get("KV_SPLIT")} == {1, 2}
     assert not any(v.kernel.startswith("hopper") or "FLOAT_MASK" in dict(v.defines) for v in added)
     assert not any(dict(v.defines).get("DKDV_MODE") == 3 for v in added)  # varlen takes dQ from its own kernel
@@ -402,6 +453,15 @@ GPU_CASES = _gpu_cases(check_kvcache, KVCACHE_CASES, _larger_kvcache) + _gpu_cas
 @pytest.mark.parametrize("check, case", GPU_CASES)
 def test_gpu_matches_reference(gpu_backend, poisoned, check, case):
     failures = check(gpu_backend, case, "cuda")
+    assert not failures, failures
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_append_matches_indexing(gpu_backend, poisoned, dtype, paged):
+    failures = check_append(gpu_backend, "cuda", dtype, paged, heads_kv=8, seqlen_q=4, head_dim=128, head_dim_v=128)
     assert not failures, failures
 
 

@@ -188,6 +188,11 @@ class CupyBackend(OutputOnlyForward):
     def forward_kvcache(self, q, cache: KVCache, params: AttentionParams):
         return packed.forward_kvcache(self.launcher, self._cc(q.device), q, cache, params)
 
+    def append_kvcache(self, k_cache, v_cache, k, v, cache_seqlens, block_table):
+        # One launch (kernels/kv_append.cu) where torch's indexing takes several.
+        return packed.append_kvcache(self.launcher, self._cc(k.device), k_cache, v_cache, k, v, cache_seqlens,
+                                     block_table)
+
     def forward_varlen(self, q, k, v, packing: Packing, params: AttentionParams):
         return packed.forward_varlen(self.launcher, self._cc(q.device), q, k, v, packing, params)
 

@@ -241,6 +241,45 @@ def _kvcache_plan(launcher, cc, device, q, k, v, table, params: AttentionParams,
     return d, _fwd_tiles(d), launches
 
 
+# ---- the KV cache's append -------------------------------------------------------------------------------------
+
+
+def append_kvcache(launcher, cc, k_cache, v_cache, k, v, cache_seqlens, block_table):
+    """Backend.append_kvcache: kernels/kv_append.cu writes k (B, Hkv, Nq, D) and v (B, Hkv, Nq, Dv) into the cache
+    at positions cache_seqlens[b] + i (through block_table when paged), in place, and returns the key counts after the
+    append (cache_seqlens + Nq, (B,) int32): one launch where torch's indexing takes several. None where the kernel
+    does not take the call: new rows whose head dims are not contiguous (the front end's indexing writes those)."""
+    if (k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1):
+        return None
+    device = k.device
+    batch, heads_kv, seqlen_q, _ = k.shape
+    if batch * heads_kv * seqlen_q == 0:  # no row to write
+        return cache_seqlens + seqlen_q
+    paged = block_table is not None
+    key = ("append", launcher, cc, device, k.dtype, k.shape, k.stride(), v.shape, v.stride(), k_cache.shape,
+           k_cache.stride(), v_cache.shape, v_cache.stride(), cache_seqlens.stride(),
+           None if not paged else (block_table.shape, block_table.stride()))
+    launch = _plans.get(key)
+    if launch is None:
+        rows = batch * heads_kv * seqlen_q
+        capacity, block_size = cache_capacity(k_cache, block_table), k_cache.shape[2] if paged else 0
+        # pointers: k, v, k_cache, v_cache, cache_seqlens, the counts after, the block table
+        args = [slot(i) for i in range(7)] + ops._strides(k) + ops._strides(v) + ops._strides(k_cache)
+        args += ops._strides(v_cache) + [i64(cache_seqlens.stride(0))]
+        args += [i64(block_table.stride(0)), i64(block_table.stride(1))] if paged else [i64(0), i64(0)]
+        args += [i32(heads_kv), i32(seqlen_q), i32(k.shape[-1]), i32(v.shape[-1]), i32(capacity), i32(block_size),
+                 i32(k_cache.shape[0]), i64(rows)]
+        variant = variants.append_variant(ops._DTYPE_NAMES[k.dtype])
+        launch = _plans.put(key, _prepared(launcher, variant, (cdiv(rows, variants.APPEND_WARPS), 1, 1), args,
+                                           device, cc))
+    after = torch.empty(batch, dtype=torch.int32, device=device)
+    if ops.POISON_OUTPUTS:
+        after.fill_(-1)
+    launch((k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr(),
+            after.data_ptr(), block_table.data_ptr() if paged else 0))
+    return after
+
+
 # ---- dense attention of a decoding step ------------------------------------------------------------------------
 
 

@@ -340,7 +340,8 @@ def dq_tiles(cc, d: int) -> DqTiles:
 class Variant:
     """One kernel compiled with one set of -D options."""
 
-    kernel: str          # fwd | bwd_preprocess | bwd_dkdv | bwd_dkdv_2d | bwd_dq | kv_combine | hopper_fwd | hopper_bwd
+    kernel: str          # fwd | bwd_preprocess | bwd_dkdv | bwd_dkdv_2d | bwd_dq | kv_combine | kv_append | hopper_fwd |
+                         # hopper_bwd
     defines: tuple       # ((name, value), ...) in a fixed order
     num_threads: int
     smem_bytes: int      # dynamic shared memory per CTA
@@ -505,13 +506,23 @@ def sequence_variants(cc, dtype_name: str, d: int) -> list:
 
 def combine_variant(dtype_name: str) -> Variant:
     """kernels/kv_combine.cu: merges the splits of a split-KV decoding step."""
+    return _warp_a_row_variant("kv_combine", dtype_name, COMBINE_WARPS)
+
+
+def append_variant(dtype_name: str) -> Variant:
+    """kernels/kv_append.cu: writes a decoding step's new keys and values into a contiguous or paged cache."""
+    return _warp_a_row_variant("kv_append", dtype_name, APPEND_WARPS)
+
+
+def _warp_a_row_variant(kernel: str, dtype_name: str, warps: int) -> Variant:
+    """A kernel of one warp a row, ``warps`` rows a CTA, whose only compile-time choice is the dtype."""
     if dtype_name not in DTYPE_NAMES:
         raise ValueError(f"dtype: expected one of {DTYPE_NAMES}, got {dtype_name!r}")
-    return Variant("kv_combine", (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("NUM_WARPS", COMBINE_WARPS)),
-                   COMBINE_WARPS * 32, 0)
+    return Variant(kernel, (("MHATTN_BF16", int(dtype_name == "bfloat16")), ("NUM_WARPS", warps)), warps * 32, 0)
 
 
 COMBINE_WARPS = 4
+APPEND_WARPS = 4
 
 
 def hopper_fwd_smem(tiles: HopperFwdTiles, d: int) -> int:
@@ -617,6 +628,7 @@ def all_variants(cc, features: bool = True, sequences: bool = True) -> list:
         out.extend(preprocess_variant(dtype, any_dims=any_dims, varlen=True) for dtype in DTYPE_NAMES
                    for any_dims in (False, True))
         out.extend(combine_variant(dtype) for dtype in DTYPE_NAMES)
+        out.extend(append_variant(dtype) for dtype in DTYPE_NAMES)
         for dtype in DTYPE_NAMES:
             for d in HEAD_DIM_BUCKETS:
                 out.extend(sequence_variants(cc, dtype, d))
