@@ -14,10 +14,10 @@ few outputs are checked against SDPA.
 
 ``--device cpu --tiny`` runs the same code on tiny shapes (with TRITON_INTERPRET=1) to test the script.
 ``--sweep-tiles`` instead times the split-KV kernel's candidate tiles at d = 128 (decode_launch.GPU_TILES,
-CONTIGUOUS_TILES and HOPPER_SPLIT_TILES at 128, all set to each: keys per step, warps, pipeline stages) on the bandwidth-bound decode cells, contiguous and
-paged, beside cuDNN. ``--sweep-splits`` times contiguous decoding at d = 128 with the number of splits forced
-(SWEEP_SPLIT_CELLS) beside the rule's own choice and cuDNN, at one sequence and at batches whose grid nearly fills the
-GPU unsplit.
+CONTIGUOUS_TILES and HOPPER_SPLIT_TILES at 128, all set to each: keys per step, warps, pipeline stages) on the
+bandwidth-bound decode cells, contiguous and paged, beside cuDNN. ``--sweep-splits`` times contiguous decoding at
+d = 128 with the number of splits forced (SWEEP_SPLIT_CELLS) beside the rule's own choice and cuDNN, at one sequence
+and at batches whose grid nearly fills the GPU unsplit.
 ``--dependent-launch`` times decoding (dense, contiguous and paged cache; bf16, d = 128, Nq = 1) with the combine as
 a programmatic dependent launch of the split kernel and after it (decode_launch.DEPENDENT_LAUNCH), beside cuDNN.
 ``--kept-partials`` compares host loops of short decoding steps (dense and contiguous cache; bf16, d = 128, Nq = 1)

@@ -196,8 +196,8 @@ def decoding_steps(triton):
 
     q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16)
     k = torch.randn(1, 8, 1024, 128, dtype=torch.bfloat16)
-    # The KV-cache step in float16 (the interpreter's flag refuses bfloat16 on CPU tensors) through attention_with_kvcache,
-    # on a registered Triton backend that declares CPU tensors (as the backend does under the interpreter's flag).
+    # The KV-cache step in float16 (the interpreter's flag refuses bfloat16 on CPU tensors) through
+    # attention_with_kvcache, on a registered Triton backend that declares CPU tensors (as it does under that flag).
     q16 = q.half()
     k_cache, v_cache = (torch.randn(1, 8, 1088, 128, dtype=torch.float16) for _ in range(2))
     new_k, new_v = (torch.randn(1, 8, 1, 128, dtype=torch.float16) for _ in range(2))

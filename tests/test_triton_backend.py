@@ -1087,11 +1087,18 @@ def test_split_kv_kernel_compiles_for_sm90_without_spills():
 
     for head_dim in (64, 128, 256):
         tasks = ahead.split_kv_tasks(head_dim, 90)
+        hopper = tasks[6:]  # the split kernels again with the HBM3e Hopper tile, at d = 128
+        tasks = tasks[:6]
         assert [task.kind for task in tasks] == ["splitkv", "splitkv", "splitkv", "combine", "append_kv", "append_kv"]
         assert [dict(task.flags)["PAGED"] for task in tasks if task.kind != "combine"] == [False, True, False, False,
                                                                                             True]
         assert [dict(task.flags).get("APPEND", False) for task in tasks] == [False, False, True, False, False, False]
-        assert all(task in ahead.table_tasks("sm_90") for task in tasks)
+        assert [task.flags for task in hopper] == ([task.flags for task in tasks[:3]] if head_dim == 128 else [])
+        assert all(task.tile.block_n == 128 for task in hopper)
+        for task in hopper:
+            kernel = ahead.compile_kernel(task, 90)
+            assert ahead.resource_usage(kernel)["stack"] == 0 and kernel.metadata.shared <= 227 << 10, task.label
+        assert all(task in ahead.table_tasks("sm_90") for task in tasks + hopper)
         split_ptx = []
         for task in tasks:
             kernel = ahead.compile_kernel(task, 90)

@@ -340,8 +340,8 @@ def dq_tiles(cc, d: int) -> DqTiles:
 class Variant:
     """One kernel compiled with one set of -D options."""
 
-    kernel: str          # fwd | bwd_preprocess | bwd_dkdv | bwd_dkdv_2d | bwd_dq | kv_combine | kv_append | hopper_fwd |
-                         # hopper_bwd
+    # fwd | bwd_preprocess | bwd_dkdv | bwd_dkdv_2d | bwd_dq | kv_combine | kv_append | hopper_fwd | hopper_bwd
+    kernel: str
     defines: tuple       # ((name, value), ...) in a fixed order
     num_threads: int
     smem_bytes: int      # dynamic shared memory per CTA

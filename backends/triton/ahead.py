@@ -259,22 +259,22 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
 
 def split_kv_tasks(head_dim: int, cc: int = 80) -> list:
     """The split-KV decoding kernels (decode.py) as decoding launches them at ``head_dim`` on compute capability
-    ``cc``: the split kernel with several splits (on sm_90 with decode_launch.HOPPER_SPLIT_TILES' tile), one query
-    head group of 4 rows, over a contiguous cache and a paged one (blocks of 256 keys), and over a contiguous cache appending the step's new keys and values itself,
+    ``cc``: the split kernel with several splits, one query head group of 4 rows, over a contiguous cache and a
+    paged one (blocks of 256 keys), and over a contiguous cache appending the step's new keys and values itself,
     then the combine; from sm_90 the combine as a programmatic dependent launch
-    of the split kernel (decode_launch.DEPENDENT_LAUNCH); the KV cache's append into each kind of cache."""
+    of the split kernel (decode_launch.DEPENDENT_LAUNCH); the KV cache's append into each kind of cache; last, on
+    sm_90, the three split kernels again with decode_launch.HOPPER_SPLIT_TILES' tile where the head dim has one (the
+    split grids of Hopper GPUs with HBM3e)."""
     from mhattn.backends.triton import decode_launch
 
     padded = configs.padded_head_dim(head_dim)
     dependent = cc >= 90
     tasks = []
     # A dense step, a paged step, and a contiguous cache's step with its append inside (APPEND).
-    for paged, append in ((False, False), (True, False), (False, True)):
-        tile = decode_launch.decode_tile(padded, padded, 2, paged, hopper_split=cc // 10 == 9)
-        flags = (("PAGED", paged), ("HAS_SEQLENS", paged or append), ("PAGE_SIZE", 256 if paged else 1),
-                 ("RELEASE_DEPENDENTS", dependent), ("APPEND", append))
-        tasks.append(KernelTask("splitkv", head_dim, True, configs.KernelConfig(16, tile.block_n, tile.num_warps,
-                                                                                 tile.num_stages), flags=flags))
+    steps = ((False, False), (True, False), (False, True))
+    for paged, append in steps:
+        tasks.append(_split_kv_task(head_dim, decode_launch.decode_tile(padded, padded, 2, paged), paged, append,
+                                    dependent))
     combine_tile = configs.KernelConfig(1, 1, decode_launch.combine_warps(padded), 1)
     tasks.append(KernelTask("combine", head_dim, True, combine_tile,
                             flags=(("WAIT_PRIMARY", dependent),)))
@@ -283,7 +283,18 @@ def split_kv_tasks(head_dim: int, cc: int = 80) -> list:
     for paged in (False, True):
         tasks.append(KernelTask("append_kv", head_dim, False, append_tile,
                                 flags=(("PAGED", paged), ("PAGE_SIZE", 256 if paged else 1))))
+    if cc // 10 == 9 and padded in decode_launch.HOPPER_SPLIT_TILES:
+        tile = decode_launch.HOPPER_SPLIT_TILES[padded]
+        tasks += [_split_kv_task(head_dim, tile, paged, append, dependent) for paged, append in steps]
     return tasks
+
+
+def _split_kv_task(head_dim: int, tile, paged: bool, append: bool, dependent: bool) -> KernelTask:
+    """The split kernel at ``tile`` (decode_launch.DecodeTile) over a paged cache or not, appending or not."""
+    flags = (("PAGED", paged), ("HAS_SEQLENS", paged or append), ("PAGE_SIZE", 256 if paged else 1),
+             ("RELEASE_DEPENDENTS", dependent), ("APPEND", append))
+    config = configs.KernelConfig(16, tile.block_n, tile.num_warps, tile.num_stages)
+    return KernelTask("splitkv", head_dim, True, config, flags=flags)
 
 
 def _torch_dtype(name: str):

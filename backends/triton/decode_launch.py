@@ -18,7 +18,6 @@ from mhattn.backends.splits import split_count
 from mhattn.backends.streams import current_stream
 from mhattn.backends.triton import configs
 from mhattn.caches import put_bounded
-from mhattn.problem import device_capability
 
 # mhattn.attention takes this path when Hq / Hkv * Nq (the rows one key/value head serves) is at most this.
 DECODE_MAX_ROWS = 16
@@ -53,13 +52,18 @@ GPU_TILES = {16: DecodeTile(128, 4, 3), 32: DecodeTile(128, 4, 3), 64: DecodeTil
 CONTIGUOUS_TILES = {**GPU_TILES, 128: DecodeTile(64, 4, 2)}
 # Beyond the table (float32 at d = 256: 512 bytes-equivalent of 16-bit columns): the K and V stages stay near 64 KiB.
 WIDEST_TILE = DecodeTile(16, 4, 2)
-# Split grids on Hopper (each sequence's keys shared by several programs, so each program streams a long run of them)
-# take 128 keys a step over two stages at d = 128, contiguous and paged cache alike: 128 KiB of K and V stages by the
-# count the tables above keep within 96 KiB (for GPUs with 99 KiB a block), within Hopper's 227 KiB. Swept on the
-# H200 (--sweep-tiles, bf16, Nq = 1): B = 1 with 128k keys 149 -> 139 us contiguous and 156 -> 139 paged; B = 8 with
-# 32k and 128k keys 266 -> 266 and 993 -> 1008 contiguous, 272 -> 263 and 1028 -> 987 paged. Unsplit grids (B = 64)
-# keep the tables: 128-key steps there took 480 -> 551 us with 8k keys.
+# Split grids (each sequence's keys shared by several programs, so each program streams a long run of them) on a
+# Hopper GPU with HBM3e (split_and_tile: the H200) take 128 keys a step over two stages at d = 128, contiguous and paged
+# cache alike: 128 KiB of K and V stages by the count the tables above keep within 96 KiB (for GPUs with 99 KiB a
+# block), within Hopper's 227 KiB. Swept on the H200 (--sweep-tiles, bf16, Nq = 1): B = 1 with 128k keys 149 -> 139
+# us contiguous and 156 -> 139 paged; B = 8 with 32k and 128k keys 266 -> 266 and 993 -> 1008 contiguous, 272 -> 263
+# and 1028 -> 987 paged. Unsplit grids (B = 64) keep the tables: 128-key steps there took 480 -> 551 us with 8k keys.
+# On the H100 the same tile was level at B = 1 and 2-3.5% slower at B = 8 (NOTES.md, the d = 128 tile sweep), so the
+# H100 keeps the tables.
 HOPPER_SPLIT_TILES = {128: DecodeTile(128, 4, 2)}
+# A Hopper GPU with more memory than this has HBM3e (H200 141 GB at 4.8 TB/s; the H100's 80-94 GB are HBM3 at 3.35-3.9
+# TB/s): the split-KV kernel's bandwidth-bound steps were swept on such a GPU with their own tile and split count.
+HBM3E_MIN_MEMORY = 100 << 30
 
 
 def decode_tile(block_d: int, block_dv: int, element_size: int, paged: bool = False,
@@ -67,8 +71,8 @@ def decode_tile(block_d: int, block_dv: int, element_size: int, paged: bool = Fa
     """The split-KV kernel's tile for padded head dims block_d (K) and block_dv (V) of ``element_size``-byte
     inputs, over a paged cache or not: the table's entry for the wider of the two, counted in 16-bit columns (so
     that float32 at d = 16 with a value head dim of 256 does not ask for 288 KB of shared memory). Padded dims are
-    powers of two from 16, so a width the table lacks is wider than its widest. ``hopper_split``: a split grid on
-    an sm_90 GPU, which takes HOPPER_SPLIT_TILES' entry where it has one."""
+    powers of two from 16, so a width the table lacks is wider than its widest. ``hopper_split``: a split grid on a
+    Hopper GPU with HBM3e (split_and_tile), which takes HOPPER_SPLIT_TILES' entry where it has one."""
     width = max(block_d, block_dv) * element_size // 2
     if hopper_split and width in HOPPER_SPLIT_TILES:
         return HOPPER_SPLIT_TILES[width]
@@ -104,15 +108,25 @@ def num_splits(programs: int, keys: int, sm_count: int, min_keys: int = MIN_KEYS
 def split_and_tile(device: torch.device, programs: int, keys: int, block_d: int, block_dv: int, element_size: int,
                    paged: bool) -> tuple:
     """(splits, tile) of a split-KV grid of ``programs`` (batch x key/value heads x row blocks) over ``keys`` keys
-    (a cache's capacity) on ``device``. On Hopper a split grid takes HOPPER_SPLIT_TILES' tile and as many splits as
-    keep it within PROGRAMS_PER_SM programs an SM: swept on the H200 with that tile (--sweep-splits, bf16, Nq = 1,
-    contiguous cache), B = 8 (64 programs) with 32k and 128k keys took 272 / 1024 us in 5 splits (rounded up: 320
-    programs), 258 / 963 in 4 (256 programs), 265 / 975 in 6; B = 1 (8 programs) keeps 33 (141 us with 128k keys)."""
+    (a cache's capacity) on ``device``. On a Hopper GPU with HBM3e (hbm3e_hopper) a split grid takes
+    HOPPER_SPLIT_TILES' tile and as many splits as keep it within PROGRAMS_PER_SM programs an SM: swept on the H200
+    with that tile (--sweep-splits, bf16, Nq = 1, contiguous cache), B = 8 (64 programs) with 32k and 128k keys took
+    272 / 1024 us in 5 splits (rounded up: 320 programs), 258 / 963 in 4 (256 programs), 265 / 975 in 6; B = 1 (8
+    programs) keeps 33 (141 us with 128k keys)."""
     if device.type != "cuda":  # Triton's interpreter
         return num_splits(programs, keys, INTERPRETER_SM_COUNT, INTERPRETER_MIN_KEYS_PER_SPLIT), INTERPRETER_TILE
-    hopper = device_capability(device)[0] == 9
-    splits = num_splits(programs, keys, _sm_count(device.index or torch.cuda.current_device()), within=hopper)
-    return splits, decode_tile(block_d, block_dv, element_size, paged, hopper_split=hopper and splits > 1)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fast_memory = hbm3e_hopper(index)
+    splits = num_splits(programs, keys, _sm_count(index), within=fast_memory)
+    return splits, decode_tile(block_d, block_dv, element_size, paged, hopper_split=fast_memory and splits > 1)
+
+
+@functools.lru_cache(maxsize=16)
+def hbm3e_hopper(device_index: int) -> bool:
+    """Whether GPU ``device_index`` is a Hopper GPU with HBM3e (HBM3E_MIN_MEMORY), which takes the split-KV tile and
+    split count swept on the H200."""
+    properties = torch.cuda.get_device_properties(device_index)
+    return properties.major == 9 and properties.total_memory > HBM3E_MIN_MEMORY
 
 
 # (plan, device, keys, paged) -> (tile, splits, block_m, row_blocks): the same for every step of a decoding loop.
