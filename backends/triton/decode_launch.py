@@ -152,13 +152,13 @@ def _split_plan(plan, device: torch.device, keys: int, paged: bool) -> tuple:
 def split_kv_forward(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None, signature=None,
                      keep_lse: bool = True, new_kv: Optional[tuple] = None):
     """out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) fp32 of q over k, v (see _split_kv_launches)."""
-    return _split_kv_launches(q, k, v, params, cache, signature, keep_lse, new_kv)[:2]
+    return _split_kv_launches(q, k, v, params, cache, signature, keep_lse, new_kv, False)[:2]
 
 
 def _split_kv_launches(q, k, v, params: AttentionParams, cache: Optional[KVCache] = None, signature=None,
-                       keep_lse: bool = True, new_kv: Optional[tuple] = None):
-    """(out, lse, launches): out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) fp32 of q over k, v, and the _KeptLaunches that
-    ran them (None where nothing was launched).
+                       keep_lse: bool = True, new_kv: Optional[tuple] = None, keep: bool = True):
+    """(out, lse, launches): out (B, Hq, Nq, Dv) and lse (B, Hq, Nq) fp32 of q over k, v, and with ``keep`` the
+    _KeptLaunches that ran them (None where nothing was launched, or without ``keep``).
 
     Dense (cache None): k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), diagonal at params.diag_offset. With a
     cache, k and v are its tensors (contiguous or the paged pool) and each sequence b attends over its
@@ -233,7 +233,7 @@ def _split_kv_launches(q, k, v, params: AttentionParams, cache: Optional[KVCache
         if splits > 1:
             combine_site = backend._launch_site(signature, (combine, keys, dependent), combine,
                                                 (out, lse, out_split, lse_split), (), prepare_combine)
-    return out, lse, _KeptLaunches(plan, rows, splits, paged, split_site, combine_site)
+    return out, lse, _KeptLaunches(plan, rows, splits, paged, split_site, combine_site) if keep else None
 
 
 class _KeptLaunches(NamedTuple):
