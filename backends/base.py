@@ -132,6 +132,12 @@ def cache_capacity(k: torch.Tensor, block_table: Optional[torch.Tensor]) -> int:
     return k.shape[2] if block_table is None else block_table.shape[1] * k.shape[2]
 
 
+def new_rows_contiguous(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a decoding step's new keys k and values v have contiguous head dims, as the backends' append kernels
+    read them (a backend's append_kvcache or forward_kvcache_appending declines other new rows)."""
+    return (k.stride(-1) == 1 or k.shape[-1] <= 1) and (v.stride(-1) == 1 or v.shape[-1] <= 1)
+
+
 @dataclass(frozen=True)
 class Packing:
     """How a varlen batch is packed: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1

@@ -30,7 +30,7 @@ import functools
 import torch
 
 from mhattn.backends import layouts
-from mhattn.backends.base import AttentionParams, KVCache, Packing, cache_capacity
+from mhattn.backends.base import AttentionParams, KVCache, Packing, cache_capacity, new_rows_contiguous
 from mhattn.backends.splits import split_count
 from mhattn.backends.cupy import ops, variants
 from mhattn.backends.cupy.launcher import i32, i64, f32, slot
@@ -249,7 +249,7 @@ def append_kvcache(launcher, cc, k_cache, v_cache, k, v, cache_seqlens, block_ta
     at positions cache_seqlens[b] + i (through block_table when paged), in place, and returns the key counts after the
     append (cache_seqlens + Nq, (B,) int32): one launch where torch's indexing takes several. None where the kernel
     does not take the call: new rows whose head dims are not contiguous (the front end's indexing writes those)."""
-    if (k.stride(-1) != 1 and k.shape[-1] > 1) or (v.stride(-1) != 1 and v.shape[-1] > 1):
+    if not new_rows_contiguous(k, v):
         return None
     device = k.device
     batch, heads_kv, seqlen_q, _ = k.shape

@@ -19,7 +19,7 @@ import torch
 from mhattn import dropout_rng
 from mhattn.backends import layouts
 from mhattn.backends.base import (FEATURES, OPERATIONS, AttentionParams, Capabilities, OutputOnlyForward,
-                                  tracked_by_autograd)
+                                  new_rows_contiguous, tracked_by_autograd)
 from mhattn.backends.triton import configs, decode_launch, hopper_launch, key_padding, varlen_launch
 from mhattn.backends.triton.launcher import CompiledLauncher
 from mhattn.caches import put_bounded
@@ -907,7 +907,7 @@ def _kvcache_step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, params:
     the append), and no lse allocated for a step that does not return it. None where the split kernel does not take
     the call (no cache_seqlens; new rows whose head dims are not contiguous)."""
     appends = k is not None
-    if cache_seqlens is None or (appends and not decode_launch.new_rows_contiguous(k, v)):
+    if cache_seqlens is None or (appends and not new_rows_contiguous(k, v)):
         return None
     signature = _signature_for(q, k_cache, v_cache, params, dense=True, names=("q", "k_cache", "v_cache"))
     return decode_launch.PreparedSplitStep(params, signature, return_lse, appends)

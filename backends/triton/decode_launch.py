@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from mhattn.backends.base import AttentionParams, KVCache, cache_capacity
+from mhattn.backends.base import AttentionParams, KVCache, cache_capacity, new_rows_contiguous
 from mhattn.backends.splits import split_count
 from mhattn.backends.streams import current_stream
 from mhattn.backends.triton import configs
@@ -386,12 +386,6 @@ def _new_split_partials(device, rows: int, splits: int, head_dim_v: int) -> tupl
     with torch.inference_mode(False):
         return (torch.empty(rows, splits, head_dim_v, dtype=torch.float32, device=device),
                 torch.empty(rows, splits, dtype=torch.float32, device=device))
-
-
-def new_rows_contiguous(k, v) -> bool:
-    """Whether a step's new keys and values have contiguous head dims, as both kernels that write them into the cache
-    (append_kv_kernel, split_kv_kernel's APPEND) read them."""
-    return (k.stride(-1) == 1 or k.shape[-1] <= 1) and (v.stride(-1) == 1 or v.shape[-1] <= 1)
 
 
 def append_warps(head_dim: int, head_dim_v: int) -> int:
