@@ -184,15 +184,12 @@ def _split_kv_launches(q, k, v, params: AttentionParams, cache: Optional[KVCache
     tile, splits, block_m, row_blocks = _split_plan(plan, q.device, keys, paged)
     dependent = splits > 1 and DEPENDENT_LAUNCH and _dependent_launch_ok(plan)
 
-    if splits > 1:
-        out_split, lse_split = split_partials(q.device, plan.device_index, rows, splits, plan.head_dim_v)
-    else:
-        out_split = lse_split = lse
-    seqlens = cache.seqlens if cache is not None else lse
-    table = cache.block_table if paged else lse
+    out_split, lse_split = _partials(q, plan, lse, rows, splits)
+    seqlens = cache.seqlens if cache is not None else None
+    table = cache.block_table if paged else None
     table_strides = table.stride() if paged else (0, 0)
     seqlens_stride = seqlens.stride(0) if cache is not None else 0
-    new_k, new_v = new_kv if new_kv is not None else (lse, lse)
+    new_k, new_v = new_kv if new_kv is not None else (None, None)
     # What the append adds to the launch: the new rows' strides, the cache's capacity and the pool's size.
     appending = () if new_kv is None else (*new_k.stride()[:3], *new_v.stride()[:3], keys, k.shape[0])
     kernel = backend.launchers()
@@ -227,24 +224,38 @@ def _split_kv_launches(q, k, v, params: AttentionParams, cache: Optional[KVCache
     with backend._OnDevice(q.device):
         split_site = backend._launch_site(signature, (split_kv, keys, cache is not None, paged, table_strides,
                                                       seqlens_stride, dependent, appending), split_kv,
-                                          (q, k, v, out, lse, out_split, lse_split, seqlens, table, new_k, new_v), (),
+                                          _split_tensors(q, k, v, out, lse, out_split, lse_split, seqlens, table,
+                                                         new_k, new_v), (),
                                           prepare_split_kv)
         combine_site = None
         if splits > 1:
             combine_site = backend._launch_site(signature, (combine, keys, dependent), combine,
                                                 (out, lse, out_split, lse_split), (), prepare_combine)
-    return out, lse, _KeptLaunches(plan, rows, splits, paged, split_site, combine_site) if keep else None
+    return out, lse, _KeptLaunches(plan, rows, splits, split_site, combine_site) if keep else None
+
+
+def _partials(q, plan, lse, rows: int, splits: int) -> tuple:
+    """(out_split, lse_split) of a launch: the stream's kept partials (split_partials) when the keys are split, else
+    lse twice (the kernel writes its output directly; the arguments only hold their places)."""
+    if splits > 1:
+        return split_partials(q.device, plan.device_index, rows, splits, plan.head_dim_v)
+    return lse, lse
+
+
+def _split_tensors(q, k, v, out, lse, out_split, lse_split, seqlens, table, new_k, new_v) -> tuple:
+    """split_kv_kernel's leading tensor arguments in its order; lse holds the place of the key counts, the block table
+    and the new rows where a call has none (the kernel does not read them then)."""
+    return (q, k, v, out, lse, out_split, lse_split, lse if seqlens is None else seqlens,
+            lse if table is None else table, lse if new_k is None else new_k, lse if new_v is None else new_v)
 
 
 class _KeptLaunches(NamedTuple):
     """The launches of one split-KV call, kept by a step prepared for calls like it (PreparedSplitStep): the plan,
-    the rows, the split count, whether the cache is paged, and the split kernel's and the combine's launch sites
-    (backend._launch_site: the prepared launch and the arguments between its tensors and the end; no combine site
-    with one split)."""
+    the rows, the split count, and the split kernel's and the combine's launch sites (backend._launch_site: the
+    prepared launch and the arguments between its tensors and the end; no combine site with one split)."""
     plan: object
     rows: int
     splits: int
-    paged: bool
     split_site: tuple
     combine_site: Optional[tuple]
 
@@ -286,17 +297,12 @@ class PreparedSplitStep:
             return out, lse
         plan = kept.plan
         out, lse = plan.output_buffers(q, self.keep_lse)
-        if kept.splits > 1:
-            out_split, lse_split = split_partials(q.device, plan.device_index, kept.rows, kept.splits,
-                                                  plan.head_dim_v)
-        else:
-            out_split = lse_split = lse
-        new_k, new_v = (k, v) if self.appends else (lse, lse)
+        out_split, lse_split = _partials(q, plan, lse, kept.rows, kept.splits)
         prepared, middle = kept.split_site
         on_device = _backend._on_device
-        on_device(plan.cuda_index, prepared.launch, (q, k_cache, v_cache, out, lse, out_split, lse_split,
-                                                     cache_seqlens if self.cache else lse,
-                                                     block_table if kept.paged else lse, new_k, new_v) + middle)
+        on_device(plan.cuda_index, prepared.launch,
+                  _split_tensors(q, k_cache, v_cache, out, lse, out_split, lse_split, cache_seqlens, block_table, k,
+                                 v) + middle)
         if kept.combine_site is not None:
             prepared, middle = kept.combine_site
             on_device(plan.cuda_index, prepared.launch, (out, lse, out_split, lse_split) + middle)
