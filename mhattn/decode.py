@@ -152,10 +152,11 @@ def _check_index_values(q, k_cache, cache_seqlens, block_table, appended: int, c
     else:
         checked = (cache_seqlens,) if block_table is None else (cache_seqlens, block_table)
     if checked and host_checks_allowed(q):
-        before = cache_seqlens if cache_seqlens is not None else _full_lengths(q, capacity)
         pool_blocks, block_size = k_cache.shape[0], k_cache.shape[2]
+        # (a full cache's lengths made only when the check runs, not at every call)
         check_values_once(checked, (appended, capacity, pool_blocks, block_size),
-                          lambda: _check_lengths(before, appended, block_table, pool_blocks, block_size, capacity))
+                          lambda: _check_lengths(_full_lengths(q, capacity) if cache_seqlens is None else cache_seqlens,
+                                                 appended, block_table, pool_blocks, block_size, capacity))
 
 
 def _full_lengths(q, capacity: int) -> torch.Tensor:
