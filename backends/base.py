@@ -168,6 +168,11 @@ class Backend:
     name: str = ""
     capabilities: Capabilities = Capabilities()
     description: str = ""
+    # The name of the backend this one is a form of (the same kernels with one of its choices pinned, such as the
+    # sdpa backend pinned to one of torch's kernels): automatic selection weighs it wherever that backend is a
+    # candidate and a timing table measured it (mhattn.dispatch.decide), and ``mhattn tune`` times it where that
+    # backend's calls are short (mhattn.tuning.measure). None for a backend of its own.
+    variant_of: Optional[str] = None
 
     # ---- availability -------------------------------------------------------------------------
     def unavailable(self) -> list:

@@ -16,6 +16,14 @@ made by ``torch._fused_sdp_choice`` with every kernel enabled) or ``flash``, ``e
 (pinned; on the CPU only ``flash`` and ``auto`` exist). SDPA's ``math`` path is not offered: it returns
 no lse and is the same algorithm as the ``reference`` backend.
 
+The registry also holds the backend pinned to each CUDA kernel under a name of its own, ``sdpa.flash``,
+``sdpa.efficient`` and ``sdpa.cudnn`` (:func:`pinned_backends`; ``variant_of = "sdpa"``), which ``mhattn tune``
+times where calls are short and automatic selection may take where a timing table measured one fastest. Their
+calls that return no lse run the kernel's private op binding directly (``torch._scaled_dot_product_<kernel>_attention``,
+a differentiable op with torch's C++ backward node): no per-call kernel choice, a host path several microseconds
+shorter than the public op's (the memory-efficient kernel's the shortest of all, where a call is too short for
+its slower GPU time to count).
+
 What SDPA cannot do exactly as mhattn defines it is a reason in ``unsupported``: softcap, sliding
 windows, mhattn's shared counter-based dropout mask (SDPA draws its own), a value head dim different
 from the query's, the gradient of a float mask; on CUDA also attn_mask (not wired through the private
@@ -38,7 +46,7 @@ from mhattn.backends.base import FEATURE_SENTENCES, AttentionParams, Backend, Ca
 from mhattn.caches import put_bounded
 from mhattn.errors import InputError
 
-__all__ = ["SdpaBackend", "KERNEL_ENV", "KERNEL_CHOICES"]
+__all__ = ["SdpaBackend", "KERNEL_ENV", "KERNEL_CHOICES", "pinned_backends"]
 
 KERNEL_ENV = "MHATTN_SDPA_KERNEL"
 KERNEL_CHOICES = ("auto", "flash", "efficient", "cudnn")
@@ -131,8 +139,11 @@ class SdpaBackend(Backend):
         features=frozenset({"causal", "gqa", "bool_mask", "float_mask"}),
     )
 
-    def __init__(self, kernel: Optional[str] = None, cuda: Optional[bool] = None):
+    def __init__(self, kernel: Optional[str] = None, cuda: Optional[bool] = None, name: Optional[str] = None):
         self.kernel = kernel_from_env(kernel)
+        if name is not None:  # a registered kernel-pinned form (pinned_backends)
+            self.name, self.variant_of = name, SdpaBackend.name
+            self.description = f"{SdpaBackend.description}, pinned to torch's {self.kernel} kernel"
         # The CUDA path is on unless turned off (``cuda=False`` or MHATTN_SDPA_CUDA=0), e.g. to keep automatic
         # selection on mhattn's own kernels where a timing table prefers torch's.
         if cuda is None:
@@ -156,6 +167,8 @@ class SdpaBackend(Backend):
             return reasons
         kernels = self._kernels(problem.device_type)
         if not kernels:
+            if self.variant_of is not None:
+                return [f"torch's {self.kernel} kernel has no {problem.device_type} form"]
             return [f"{KERNEL_ENV}={self.kernel} names no {problem.device_type} kernel"]
         why = {k.name: k.reasons(problem) for k in kernels}
         if any(not w for w in why.values()):
@@ -207,7 +220,9 @@ class SdpaBackend(Backend):
         strides, dtype, device, inputs' ``requires_grad`` and grad mode, which is what torch's kernel choice
         reads besides the switches (those it reads at each call), so a caller that keeps those equal (the
         front end's memo of repeated calls) skips this method's checks and look-up."""
-        if self.kernel != "auto" or params.mask is not None or (q.device.type == "cuda" and not self.cuda):
+        if params.mask is not None or (q.device.type == "cuda" and not self.cuda):
+            return None
+        if self.kernel != "auto" and q.device.type != "cuda":
             return None
         causal = _is_causal(params)
         if params.window_right is not None and not causal:
@@ -216,13 +231,27 @@ class SdpaBackend(Backend):
         causal = causal and params.diag_offset < k.shape[2] - 1
         if causal and params.diag_offset != 0:
             return None
+        requires_grad, grad_mode = q.requires_grad or k.requires_grad or v.requires_grad, torch.is_grad_enabled()
         signature = (params.scale, causal, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
-                     q.device, q.requires_grad or k.requires_grad or v.requires_grad, torch.is_grad_enabled())
+                     q.device, requires_grad, grad_mode)
         call = self._native.get(signature)
         if call is None:
-            call = put_bounded(self._native, signature, _TorchSdpaCall(q, k, params.scale, causal),
+            call = put_bounded(self._native, signature,
+                               self._native_for(q, k, v, params, causal, requires_grad and grad_mode),
                                _NATIVE_CALLS_LIMIT)
         return call
+
+    def _native_for(self, q, k, v, params: AttentionParams, causal: bool, tracked: bool):
+        """native_call's callable for a new signature: torch's public op on ``auto``; the pinned kernel's private op
+        binding where that kernel runs the call exactly as top-left causal (or not causal at all), else None."""
+        if self.kernel == "auto":
+            return _TorchSdpaCall(q, k, params.scale, causal)
+        from mhattn.problem import Problem
+
+        kern = self._kernels("cuda")[0]
+        if kern.reasons(Problem.from_tensors(q, k, v, params, causal=causal, window=False)):
+            return None
+        return _PinnedKernelCall(kern.name, q.shape[-1], params.scale, causal, tracked)
 
     def forward(self, q, k, v, params: AttentionParams):
         plan = _Plan.make(q, k, params)
@@ -410,6 +439,31 @@ class _TorchSdpaCall:
         if fused is None:
             fused = self._fused[switches] = torch._fused_sdp_choice(q, k, v, **self._kwargs) not in _NOT_FUSED
         return self._sdpa(q, k, v, **self._kwargs) if fused else None
+
+
+class _PinnedKernelCall:
+    """One CUDA kernel's private op binding for one call signature (see SdpaBackend._native_for): what the public op
+    runs once it has chosen that kernel, with the lse computed only where autograd will need it."""
+
+    __slots__ = ("_op", "_args", "_kwargs")
+
+    def __init__(self, kernel: str, head_dim: int, scale: float, causal: bool, tracked: bool):
+        # (attn_bias, compute_log_sumexp, dropout_p, is_causal) for efficient and cuDNN, (dropout_p, is_causal) for flash
+        if kernel == "flash":
+            self._op, self._args = torch._scaled_dot_product_flash_attention, (0.0, causal)
+        elif kernel == "efficient":
+            self._op, self._args = torch._scaled_dot_product_efficient_attention, (None, tracked, 0.0, causal)
+        else:
+            self._op, self._args = torch._scaled_dot_product_cudnn_attention, (None, tracked, 0.0, causal)
+        self._kwargs = {} if head_dim > 0 and scale == 1.0 / math.sqrt(head_dim) else {"scale": scale}
+
+    def __call__(self, q, k, v, params):  # (params: those of the signature; the seed, the one difference, is unused)
+        return self._op(q, k, v, *self._args, **self._kwargs)[0]
+
+
+def pinned_backends() -> list:
+    """The sdpa backend pinned to each of torch's CUDA kernels, named ``sdpa.<kernel>`` (registered as built-ins)."""
+    return [SdpaBackend(kernel=name, name=f"{SdpaBackend.name}.{name}") for name in ("flash", "efficient", "cudnn")]
 
 
 def _not_fused_values() -> frozenset:

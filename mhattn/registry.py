@@ -1,7 +1,8 @@
 """The backend registry: built-ins, third-party backends registered by call or entry point.
 
 Registering a backend makes it selectable by name (``backend=``, ``use_backend``, ``MHATTN_BACKEND``);
-it takes part in automatic selection only where the priority table (``mhattn.dispatch``) names it. Two registered
+it takes part in automatic selection only where the priority table (``mhattn.dispatch``) names it, or names the
+backend it is a variant of (``Backend.variant_of``) and a timing table measured it fastest. Two registered
 backends joined by ``+`` name a pair: the forward of the first, the backward of the second
 (:mod:`mhattn.backends.paired`).
 """
@@ -24,6 +25,12 @@ _BUILTINS = (
     ("triton", "mhattn.backends.triton", "TritonBackend"),
     ("cupy", "mhattn.backends.cupy", "CupyBackend"),
     ("sdpa", "mhattn.backends.sdpa", "SdpaBackend"),
+)
+# Built-in backends made by a function of a built-in's module, registered after it: the sdpa backend pinned to each
+# of torch's CUDA kernels ("sdpa.cudnn", ...; Backend.variant_of). None where the module failed to import (its
+# backend then stands for it as a BrokenBackend).
+_BUILTIN_VARIANTS = (
+    ("mhattn.backends.sdpa", "pinned_backends"),
 )
 
 _lock = threading.RLock()
@@ -57,6 +64,13 @@ def _load():
             except Exception as error:  # an import problem must not break the other backends
                 backend = BrokenBackend(name, error)
             _backends[backend.name] = backend
+        for module_name, function_name in _BUILTIN_VARIANTS:
+            try:
+                variants = getattr(importlib.import_module(module_name), function_name)()
+            except Exception:  # the module's own backend says why, as a BrokenBackend
+                variants = []
+            for backend in variants:
+                _backends[backend.name] = backend
         _loaded = True
         _load_entry_points()
 

@@ -160,6 +160,41 @@ def test_sdpa_is_a_backend_name_and_first_on_the_cpu():
     assert torch.allclose(out, want, atol=1e-12)
 
 
+def test_the_registry_holds_sdpa_pinned_to_each_cuda_kernel_as_a_variant():
+    """sdpa.flash, sdpa.efficient and sdpa.cudnn: the sdpa backend pinned to one of torch's CUDA kernels, each
+    with that kernel's limits as its reasons, selectable by name, and a variant of sdpa (automatic selection weighs
+    them only through a timing table)."""
+    for name in ("flash", "efficient", "cudnn"):
+        backend = mhattn.get_backend(f"sdpa.{name}")
+        assert isinstance(backend, sdpa.SdpaBackend) and backend.kernel == name and backend.variant_of == "sdpa"
+        assert f"pinned to torch's {name} kernel" in backend.description
+    assert mhattn.get_backend("sdpa").variant_of is None
+    gqa = problem(heads_kv=2, features=frozenset({"gqa"}))
+    assert mhattn.get_backend("sdpa.flash").unsupported(gqa) == []
+    assert "would repeat K and V for GQA" in " ".join(mhattn.get_backend("sdpa.cudnn").unsupported(gqa))
+    assert "needs sm_90" in " ".join(mhattn.get_backend("sdpa.cudnn").unsupported(problem(compute_capability=(8, 0))))
+    cpu = problem(device_type="cpu", compute_capability=None)
+    assert mhattn.get_backend("sdpa.efficient").unsupported(cpu) == ["torch's efficient kernel has no cpu form"]
+    from mhattn import dispatch
+
+    assert not [n for n in dispatch.priority_for(problem()) if n.startswith("sdpa.")]  # never in the priority list
+
+
+@pytest.mark.parametrize("kernel, args", [("efficient", (None, True, 0.0, True)), ("cudnn", (None, True, 0.0, True)),
+                                          ("flash", (0.0, True))])
+def test_a_pinned_kernel_s_call_runs_its_private_op_binding_with_the_lse_only_where_autograd_needs_it(
+        kernel, args, monkeypatch):
+    seen = []
+    binding = f"_scaled_dot_product_{kernel}_attention"
+    monkeypatch.setattr(torch, binding, lambda *a, **kw: seen.append((a[3:], kw)) or ("out", "lse"))
+    q = torch.zeros(1, 2, 3, 16)
+    assert sdpa._PinnedKernelCall(kernel, 16, 0.25, True, True)(q, q, q, None) == "out"
+    assert seen == [(args, {})]  # 1 / sqrt(16): SDPA's default scale, not passed
+    sdpa._PinnedKernelCall(kernel, 16, 0.5, False, False)(q, q, q, None)
+    untracked = args[:1] + (False,) + args[2:3] + (False,) if kernel != "flash" else (0.0, False)
+    assert seen[1] == (untracked, {"scale": 0.5})
+
+
 # ---- GPU: each CUDA kernel against the reference --------------------------------------------------------
 
 
@@ -343,13 +378,20 @@ def test_a_decoding_step_s_bottom_right_mask_hides_nothing_and_takes_torch_s_pub
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa.flash", "sdpa.efficient", "sdpa.cudnn"])
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa"])
-def test_cuda_calls_without_lse_take_torch_s_own_autograd_and_match_the_reference(case):
+def test_cuda_calls_without_lse_take_torch_s_own_autograd_and_match_the_reference(case, backend):
+    """torch's public op (sdpa) or the pinned kernel's private op binding (sdpa.<kernel>), with torch's own autograd
+    node, against the float64 reference; a pinned kernel's output and gradients also equal the same kernel's through
+    mhattn's own path (the backend's forward and backward), which runs that kernel's private ops too."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (none visible)")
     kwargs = {"is_causal": True} if case == "causal" else {}
     q, k, v = draw(2, 4, 2 if case == "gqa" else 4, 256, 256, 64, dtype=torch.bfloat16, device="cuda")
-    out = mhattn.attention(q, k, v, backend="sdpa", enable_gqa=case == "gqa", **kwargs)
+    reasons = mhattn.explain(q, k, v, backend=backend, enable_gqa=case == "gqa", **kwargs).reasons[backend]
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    out = mhattn.attention(q, k, v, backend=backend, enable_gqa=case == "gqa", **kwargs)
     assert "EagerAttention" not in type(out.grad_fn).__name__
     g = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda",
                     dtype=torch.float32).to(out.dtype)
@@ -360,6 +402,15 @@ def test_cuda_calls_without_lse_take_torch_s_own_autograd_and_match_the_referenc
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         err = (a.double() - b).abs().max().item()
         assert err <= 0.02 * b.abs().max().item() + 0.01, (name, err)
+    if backend == "sdpa":
+        return
+    own, _ = mhattn.attention(q, k, v, backend=backend, enable_gqa=case == "gqa", return_lse=True, **kwargs)
+    assert "EagerAttention" in type(own.grad_fn).__name__
+    mine = (own,) + torch.autograd.grad(own, (q, k, v), g)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, mine):
+        # the same kernels, their inputs laid out alike or not: a few bf16 roundings apart at most
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= 2 ** -6 * b.float().abs().max().item() + 1e-3, (name, err)
 
 
 def test_backward_hands_the_kernel_its_own_output_layout_back(monkeypatch):
