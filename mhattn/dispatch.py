@@ -2,8 +2,9 @@
 
 Precedence: the ``backend=`` argument > ``use_backend(...)`` > ``MHATTN_BACKEND`` > automatic.
 Automatic selection takes, among the backends of the priority table below (data, not nested ifs) with
-no reason against the problem, the one a timing table (``mhattn.tuning.table``, written by ``mhattn tune``)
-measured fastest at the nearest tuned shape; with no table for this device, the first of them. During CUDA graph
+no reason against the problem (and their registered variants, ``Backend.variant_of``, such as ``sdpa.cudnn``), the
+one a timing table (``mhattn.tuning.table``, written by ``mhattn tune``) measured fastest at the nearest tuned shape;
+with no table for this device, the first of the priority table's. During CUDA graph
 capture on the current stream, an automatic request reads the table's graph-replay times for the host-bound calls
 (:func:`requested_on`, ``mhattn.tuning.table``): a replayed call pays none of its host path, so the fastest kernel
 wins, not the cheapest call. A backend asked for by name that cannot run the problem raises
@@ -244,12 +245,21 @@ def decide(problem: Problem, name: str, source: str) -> Decision:
     candidates = priority_for(problem) if name == AUTO else (name,)
     runnable = [n for n in candidates if n in reasons and not reasons[n]]
     chosen = runnable[0] if runnable else None
-    # The fastest measured on this GPU, if a table has a close enough shape: a backend, or a pair of two where the
-    # problem needs gradients (the table holds a pair's time only where mhattn tune measured it).
-    measured = timing_table.measured_choice(problem, runnable + _runnable_pairs(problem, runnable),
-                                            replayed=source.endswith(CAPTURE_NOTE)) if name == AUTO else None
+    # The fastest measured on this GPU, if a table has a close enough shape: a backend, a variant of one (the same
+    # kernels with a choice pinned: Backend.variant_of), or a pair of two where the problem needs gradients (the
+    # table holds a variant's or a pair's time only where mhattn tune measured it).
+    measured = None
+    if name == AUTO:
+        weighed = runnable + _runnable_variants(reasons, runnable) + _runnable_pairs(problem, runnable)
+        measured = timing_table.measured_choice(problem, weighed, replayed=source.endswith(CAPTURE_NOTE))
     chosen = measured.chosen if measured is not None else chosen
     return Decision(problem, name, source, chosen, reasons, candidates if name == AUTO else (), measured)
+
+
+def _runnable_variants(reasons: dict, runnable: list) -> list:
+    """The names of the registered variants (Backend.variant_of) of ``runnable`` backends that can run the problem
+    (``reasons``: every registered backend's reasons)."""
+    return [b.name for b in registry.all_backends() if b.variant_of in runnable and not reasons.get(b.name, [None])]
 
 
 def _runnable_pairs(problem: Problem, runnable: list) -> list:

@@ -73,6 +73,7 @@ def test_implementation_table_order_and_defaults():
         assert table[peer].family == "sdpa"
     defaults = protocol.default_implementation_names(table)
     assert "sdpa-math" not in defaults and "reference" in defaults and "sdpa-flash" in defaults
+    assert "sdpa" in defaults and "sdpa.cudnn" in table and "sdpa.cudnn" not in defaults  # variants on request
     from mhattn import registry
 
     for name in registry.names():

@@ -350,11 +350,16 @@ def with_pairs(table: dict, names) -> dict:
 
 
 def default_implementation_names(table: Optional[dict] = None) -> list:
-    """The implementations a run takes when no filter is given: every mhattn backend, the three SDPA
-    peers of PERFORMANCE.md, and the reference."""
+    """The implementations a run takes when no filter is given: every mhattn backend but the variants of another
+    (``sdpa.cudnn`` and the like: the same kernels as SDPA's peers, on request by name), the three SDPA peers of
+    PERFORMANCE.md, and the reference."""
+    from mhattn import registry
+
     table = implementations() if table is None else table
     return [name for name, impl in table.items()
-            if impl.family == "mhattn" or name in DEFAULT_SDPA_PEERS]
+            if (impl.family == "mhattn" and not (registry.is_backend_name(name)
+                                                 and registry.get_backend(name).variant_of))
+            or name in DEFAULT_SDPA_PEERS]
 
 
 def subject_names(names) -> list:
