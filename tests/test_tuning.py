@@ -109,7 +109,7 @@ def test_the_table_of_this_device_applies(monkeypatch, tmp_path):
 def test_the_shipped_tables_load_and_each_covers_the_quick_grid_of_its_own_gpu():
     """Every table in the package (mhattn/tables/, read when the cache holds none for the device) loads, keys one CUDA
     GPU by name and compute capability (no two tables the same GPU), was complete, holds every cell of the grid
-    ``mhattn tune --quick`` times, and names only mhattn's backends (or pairs of them): a table that fails to load is
+    ``mhattn tune --quick`` times, and names only mhattn's backends (their variants, or pairs of them): a table that fails to load is
     skipped with a warning, and the priority list would decide on that GPU instead."""
     from pathlib import Path
 
@@ -127,7 +127,8 @@ def test_the_shipped_tables_load_and_each_covers_the_quick_grid_of_its_own_gpu()
         for c in t.cells:
             for mode in ("fwd_ms", "fwd_bwd_ms"):
                 for name in c.get(mode) or {}:
-                    assert set(name.split("+")) <= {"triton", "cupy", "sdpa"}, (t.path, name)
+                    assert set(name.split("+")) <= {"triton", "cupy", "sdpa", "sdpa.flash", "sdpa.efficient",
+                                                    "sdpa.cudnn"}, (t.path, name)
 
 
 # ---- the nearest tuned shape ----------------------------------------------------------------------------------
@@ -636,3 +637,66 @@ def test_merged_tables_keep_each_time_s_smallest_and_the_first_table_s_replays(t
     assert tune_cli.run(argparse.Namespace(merge=paths, output=str(out))) == 0
     assert table.TimingTable.load(out).cells[1]["fwd_ms"] == {"triton": 1.0, "sdpa": 1.0}
     assert "3 cells, the smallest time of 2 tables" in capsys.readouterr().out
+
+
+# ---- variants: a backend with one choice pinned (sdpa.cudnn, ...) ------------------------------------------------
+
+
+def test_automatic_selection_weighs_a_variant_only_where_its_base_is_a_candidate_and_the_table_timed_it(monkeypatch):
+    """A registered variant (Backend.variant_of) is never in the priority list: automatic selection takes it where the
+    nearest tuned shape measured it fastest and its base backend could run the problem, never on the fallback."""
+    from mhattn.backends.base import Backend, Capabilities
+
+    class Pinned(Backend):
+        capabilities = Capabilities(device_types=frozenset({"cuda"}), dtypes=frozenset({torch.bfloat16}))
+        name, variant_of = "base_one.pinned", "base_one"
+
+    with bf16_gpu_backends(monkeypatch, ("base_one", "other_one")):
+        mhattn.register_backend(Pinned())
+        try:
+            problem = gpu_problem()
+            assert dispatch.decide(problem, "auto", "test").chosen == "base_one"  # no table: the priority list
+            t = make_table([cell({"base_one": 2.0, "other_one": 1.5, "base_one.pinned": 1.0})])
+            monkeypatch.setattr(table, "active_table", lambda *_: t)
+            dispatch.clear_cache()
+            decision = dispatch.decide(problem, "auto", "test")
+            assert decision.chosen == "base_one.pinned" and "base_one.pinned 1 ms (fastest)" in str(decision)
+            # its base cannot run the problem: neither can the variant be chosen, however fast it was measured
+            dispatch.PRIORITY.insert(0, ("cuda", (9, 0), ("other_one",)))
+            dispatch.clear_cache()
+            assert dispatch.decide(problem, "auto", "test").chosen == "other_one"
+        finally:
+            mhattn.unregister_backend("base_one.pinned")
+
+
+def test_tune_times_the_sdpa_kernels_pinned_only_where_sdpa_s_forward_is_short():
+    from mhattn.tuning import measure
+
+    names = measure.backends_to_time("cuda")
+    at = names.index("sdpa")
+    assert names[at:at + 4] == ["sdpa", "sdpa.flash", "sdpa.efficient", "sdpa.cudnn"]
+    assert not [n for n in measure.backends_to_time("cpu") if "." in n]  # on the CPU torch has one kernel
+    short = {"fwd_ms": {"sdpa": measure.HOST_BOUND_MS / 2}}
+    long = {"fwd_ms": {"sdpa": measure.HOST_BOUND_MS * 2}}
+    assert measure.variant_skipped("sdpa.efficient", short) is None
+    assert "only where sdpa's forward takes under" in measure.variant_skipped("sdpa.efficient", long)
+    assert "sdpa, which was not timed here" in measure.variant_skipped("sdpa.cudnn", {"fwd_ms": {}})
+    assert measure.variant_skipped("triton", long) is None
+    # a pair never takes a variant's half (its calls go through mhattn's autograd Function)
+    row = {"fwd_ms": {"sdpa.efficient": 0.01, "sdpa": 0.02, "triton": 0.03},
+           "fwd_bwd_ms": {"sdpa.efficient": 0.2, "sdpa": 0.3, "triton": 0.25}}
+    assert measure.fastest_apart(row) == ("sdpa", "triton")
+
+
+def test_tune_times_a_one_row_decoding_step_without_a_mask_and_longer_steps_with_the_bottom_right_one():
+    """One query row on the bottom-right diagonal sees every key: timed as users call it, with no mask (the call the
+    front end's memo serves); a four-row step keeps its causal_lower_right mask."""
+    from torch.nn.attention.bias import CausalBias
+
+    from mhattn.tuning import measure
+
+    one = grid.Cell("fp32", 1, 4, 2, 1, 64, 16, causal="bottom_right")
+    four = grid.Cell("fp32", 1, 4, 2, 4, 64, 16, causal="bottom_right")
+    assert "attn_mask" not in measure.make_inputs(one, "cpu")[4]
+    assert isinstance(measure.make_inputs(four, "cpu")[4]["attn_mask"], CausalBias)
+    assert table._bucket_of_cell(dict(one.as_dict(), mask="none"))[1] is False  # the bucket of a maskless call

@@ -49,7 +49,10 @@ def make_inputs(cell: Cell, device):
     kwargs = {"enable_gqa": cell.heads_q != cell.heads_kv}
     if cell.causal == "top_left":
         kwargs["is_causal"] = True
-    elif cell.causal == "bottom_right":
+    elif cell.causal == "bottom_right" and cell.seqlen_q > 1:
+        # (One query row on the bottom-right diagonal sees every key: a decoding step as users call it, with no mask,
+        # the call the front end's memo of repeated calls serves; with the mask object every call took the front
+        # end's full path, twice to three times the host time on the H200, which decided those cells.)
         from torch.nn.attention.bias import causal_lower_right
 
         kwargs["attn_mask"] = causal_lower_right(cell.seqlen_q, cell.seqlen_k)
@@ -65,7 +68,9 @@ def make_inputs(cell: Cell, device):
 
 
 def backends_to_time(device) -> list:
-    """Every backend of automatic selection's order on ``device`` (the reference only on the CPU)."""
+    """Every backend of automatic selection's order on ``device`` (the reference only on the CPU), and on a GPU each
+    registered variant of one of them (Backend.variant_of) right after it, which time_cell times only where its
+    base backend's forward is short."""
     from mhattn import dispatch, registry
 
     names = []
@@ -74,7 +79,28 @@ def backends_to_time(device) -> list:
             names += [n for n in row if n not in names and n in registry.names()]
     if torch.device(device).type == "cuda":
         names = [n for n in names if n != "reference"]  # never the fastest on a GPU, and O(N^2) memory
+        variants = {n: [b.name for b in registry.all_backends() if b.variant_of == n] for n in names}
+        names = [name for base in names for name in [base] + variants[base]]
     return names
+
+
+def variant_skipped(name: str, row: dict):
+    """Why the variant ``name`` (Backend.variant_of) is not timed in ``row``, or None for a backend of its own or a
+    variant whose base backend's forward took under HOST_BOUND_MS there. A variant pins one of its base's choices
+    (sdpa.cudnn: torch's cuDNN kernel, which the sdpa backend's calls reach after torch's own choice); what it can
+    win is the host time of that choice, which counts only where a call is short, so the rest of the grid is not
+    spent on it."""
+    from mhattn import registry
+
+    base = registry.get_backend(name).variant_of
+    if base is None:
+        return None
+    base_ms = row["fwd_ms"].get(base)
+    if base_ms is None:
+        return f"a variant of {base}, which was not timed here"
+    if base_ms >= HOST_BOUND_MS:
+        return f"a variant of {base}, timed only where {base}'s forward takes under {HOST_BOUND_MS} ms"
+    return None
 
 
 def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None) -> dict:
@@ -96,6 +122,10 @@ def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None
         reasons = mhattn.explain(q, k, v, backend=name, **kwargs).reasons.get(name, ["not registered"])
         if reasons:
             row["skipped"][name] = "; ".join(reasons)
+            continue
+        why_not = variant_skipped(name, row)
+        if why_not:
+            row["skipped"][name] = why_not
             continue
 
         def forward(name=name):
@@ -130,13 +160,21 @@ def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None
 def fastest_apart(row: dict):
     """(forward backend, backward backend): the backend with the fastest forward and the one with the fastest
     backward (forward+backward less forward) in ``row``, where those are two different backends; else None."""
+    from mhattn import registry
+
     forward, both = row["fwd_ms"], row["fwd_bwd_ms"]
-    timed = [name for name in both if name in forward]
+    # Not the variants (timed where calls are short, for their host path): a pair runs through mhattn's autograd
+    # Function, whose backward costs more host time at such shapes than any backend's own path.
+    timed = [name for name in both if name in forward and not _is_variant(registry, name)]
     if len(timed) < 2:
         return None
     fastest_forward = min(timed, key=forward.get)
     fastest_backward = min(timed, key=lambda name: both[name] - forward[name])
     return None if fastest_forward == fastest_backward else (fastest_forward, fastest_backward)
+
+
+def _is_variant(registry, name: str) -> bool:
+    return registry.is_backend_name(name) and registry.get_backend(name).variant_of is not None
 
 
 def time_pair(halves, q, k, v, dout, kwargs, warmup_ms, rep_ms, device, row: dict, calls: dict) -> None:
