@@ -2,7 +2,7 @@
 
     python benchmarks/host_cost.py            # the table below
     python benchmarks/host_cost.py --profile fwd|fwd_bwd|triton|triton_out|triton_bwd|decode|decode_prepared|kvcache|
-                                             cupy|cupy_bwd|auto
+                                             cupy|cupy_bwd|causal_bias|auto
 
 Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
 - mhattn.attention forward / forward+backward on a backend that does no work (``null``: allocates its
@@ -18,6 +18,8 @@ Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
   allocations, data pointers up to the launcher), and with CuPy's launcher whose CuPy pieces do nothing (its
   stream look-up, device check and argument splice included); these take the sm_80 (mma.sync) plans, since
   the Hopper plans encode tensor maps through the GPU driver;
+- mhattn.attention forward on the null backend with a ``causal_lower_right`` object for its mask (a chunked prefill,
+  a speculative decoding step): a repeated call the front end's memo serves, as it does calls without a mask;
 - torch's scaled_dot_product_attention at N = 1 (real work, but tiny), for scale, and mhattn.attention on the same
   tensors with the backend left to automatic selection (the sdpa backend hands the call to torch's public op):
   the difference of the two rows is what mhattn's front end adds to a repeated call.
@@ -32,6 +34,7 @@ import pstats
 import time
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 import mhattn
 from mhattn.backends.base import FEATURES, AttentionParams, Backend, Capabilities
@@ -251,6 +254,9 @@ def rows():
     table += [("cupy backend forward, host code only", lambda: cupy.forward(qh, kh, vh, params)),
               ("cupy backend backward, host code only",
                lambda: cupy.backward(out_h, qh, kh, vh, out_h, lse_h, params))]
+    lower_right = causal_lower_right(q.shape[2], k.shape[2])
+    table.append(("mhattn.attention forward, causal_lower_right, null", lambda: mhattn.attention(
+        q, k, v, attn_mask=lower_right, backend="null")))
     sdpa_q = q[:, :, :1]
     table.append(("torch sdpa at N = 1 (for scale)",
                   lambda: torch.nn.functional.scaled_dot_product_attention(sdpa_q, sdpa_q, sdpa_q)))
@@ -261,7 +267,7 @@ def rows():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "triton_out", "triton_bwd", "decode",
-                                              "decode_prepared", "kvcache", "cupy", "cupy_bwd", "auto"),
+                                              "decode_prepared", "kvcache", "cupy", "cupy_bwd", "causal_bias", "auto"),
                         default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)  # no intra-op thread pool in the numbers
@@ -287,7 +293,7 @@ def main():
             fn = {"fwd": table[0][1], "fwd_bwd": table[1][1], "triton": table[2][1], "triton_out": table[3][1],
                   "triton_bwd": table[4][1], "decode": table[5][1], "decode_prepared": table[6][1],
                   "kvcache": table[7][1], "cupy": table[8][1], "cupy_bwd": table[9][1],
-                  "auto": table[-1][1]}[args.profile]
+                  "causal_bias": table[-3][1], "auto": table[-1][1]}[args.profile]
             for _ in range(100):  # first calls fill the caches (plans, decisions, handles): profile the steady state
                 fn()
             profile = cProfile.Profile()

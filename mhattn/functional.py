@@ -170,7 +170,7 @@ def _returned(out, lse, out_shape, return_lse: bool):
 
 # ---- repeated calls --------------------------------------------------------------------------------------------
 
-# Calls with plain arguments (no attn_mask or window; Python floats and bools; see _call_key) whose shapes, strides,
+# Calls with plain arguments (no attn_mask tensor or window; Python floats and bools; see _call_key) whose shapes, strides,
 # dtypes, devices, values, backend request and gradient needs equal an earlier call's: that call's _CallPlan, so a
 # repeated call skips the checks and the decision. Calls whose leading dims broadcast take every step (the views
 # they need are made by _prepare). Bounded (the oldest entry makes room); cleared with the dispatcher's cache,
@@ -187,7 +187,13 @@ def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     pass the same checks, take the same layout steps and get the same backend and path. Values are typed exactly
     (a bool where a float was would compare equal but is refused by _prepare); _prepare refuses NaNs, so none is
     stored."""
-    if (attn_mask is not None or window is not None or type(dropout_p) is not float or type(is_causal) is not bool
+    if attn_mask is not None:
+        # A causal alignment object (causal_lower_right / causal_upper_left: chunked prefill, speculative decoding)
+        # is its variant and sizes, which _prepare turns into the causal flag and diagonal: those are the key.
+        if CausalBias is None or type(attn_mask) is not CausalBias:
+            return None
+        attn_mask = (attn_mask.variant, attn_mask.seq_len_q, attn_mask.seq_len_kv)
+    if (window is not None or type(dropout_p) is not float or type(is_causal) is not bool
             or type(enable_gqa) is not bool or not (scale is None or type(scale) is float)
             or not (softcap is None or type(softcap) is float)
             or not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
@@ -199,7 +205,8 @@ def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         return None
     return (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(), query.dtype, key.dtype,
             value.dtype, query.device, key.device, value.device, dropout_p, is_causal, scale, enable_gqa, softcap,
-            request, query.requires_grad or key.requires_grad or value.requires_grad, torch.is_grad_enabled())
+            request, query.requires_grad or key.requires_grad or value.requires_grad, torch.is_grad_enabled(),
+            attn_mask)
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,

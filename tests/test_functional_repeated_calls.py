@@ -133,6 +133,32 @@ def test_a_repeated_call_skips_the_checks_and_the_sdpa_backend_s_own_look_up(mon
     assert close(first, F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
 
 
+def test_a_repeated_call_with_a_causal_alignment_object_skips_the_checks_and_keeps_its_alignment(monkeypatch):
+    """causal_lower_right / causal_upper_left (a chunked prefill, a speculative decoding step) are their variant and
+    sizes: a repeated call with an equal object is served from the memo, each alignment by its own plan, and one
+    whose sizes do not match the tensors raises at every call."""
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    q, k, v = rand(1, 4, 5, 16), rand(1, 2, 12, 16), rand(1, 2, 12, 16)
+    want = {}
+    for make in (causal_lower_right, causal_upper_left):
+        got = mhattn.attention(q, k, v, attn_mask=make(5, 12), enable_gqa=True)
+        visible = make(5, 12)._materialize(torch.device("cpu"))
+        want[make] = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+        assert close(got, want[make])
+    assert not close(want[causal_lower_right], want[causal_upper_left])
+    prepared = []
+    real_prepare = functional._prepare
+    monkeypatch.setattr(functional, "_prepare", lambda *a: prepared.append(1) or real_prepare(*a))
+    for make in (causal_lower_right, causal_upper_left):
+        assert close(mhattn.attention(q, k, v, attn_mask=make(5, 12), enable_gqa=True), want[make])
+    assert prepared == []
+    for _ in range(2):
+        with pytest.raises(mhattn.InputError, match="causal bias for"):
+            mhattn.attention(q, k, v, attn_mask=causal_lower_right(5, 13), enable_gqa=True)
+    assert prepared == [1, 1]
+
+
 def test_a_plugged_in_backend_with_its_own_differentiable_path_serves_every_repeated_call():
     """A third-party backend that overrides only Backend.native_attention (the plug-in contract) has that path used
     at every call, repeated ones included (Backend.native_call's default), and its gradients reach the inputs."""
