@@ -50,9 +50,9 @@ def make_inputs(cell: Cell, device):
     if cell.causal == "top_left":
         kwargs["is_causal"] = True
     elif cell.causal == "bottom_right" and cell.seqlen_q > 1:
-        # (One query row on the bottom-right diagonal sees every key: a decoding step as users call it, with no mask,
-        # the call the front end's memo of repeated calls serves; with the mask object every call took the front
-        # end's full path, twice to three times the host time on the H200, which decided those cells.)
+        # (One query row on the bottom-right diagonal sees every key: timed as users call such a decoding step, with
+        # no mask. Where host loops decide a cell, the call's own path is what is timed: before the front end's memo
+        # of repeated calls took causal alignment objects, the mask object tripled these loops on the H200.)
         from torch.nn.attention.bias import causal_lower_right
 
         kwargs["attn_mask"] = causal_lower_right(cell.seqlen_q, cell.seqlen_k)
