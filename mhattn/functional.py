@@ -85,6 +85,10 @@ def attention(
                          backend)
     plan = _known_calls.get(call_key) if call_key is not None else None  # (no look-up for torch.compile to guard)
     if plan is not None:  # an earlier call with this key passed the checks and got its backend (see _call_key)
+        direct = plan.direct
+        if direct is not None and not return_lse:  # the backend's own path, the tensors as they come (_CallPlan)
+            out = direct(query, key, value, plan.params)
+            return out if out is not None else plan.run_forward(query, key, value, None, plan.params, False)
         if not plan.as_is:
             query, key, value = _to4d(query), _to4d(key), _to4d(value)
         params = plan.params
@@ -139,11 +143,15 @@ class _CallPlan:
     whether the tensors reach the backend as they come (4-D with a contiguous last dim: ``as_is``), and the
     output's shape. Left to each call: the layout step of other tensors, the dropout seed, the mask."""
 
-    __slots__ = ("chosen", "native", "params", "tracked", "as_is", "out_shape")
+    __slots__ = ("chosen", "native", "params", "tracked", "as_is", "out_shape", "direct")
 
     def __init__(self, chosen, native, params: Optional[AttentionParams], tracked: bool, as_is: bool, out_shape):
         self.chosen, self.native, self.params, self.tracked, self.as_is, self.out_shape = (
             chosen, native, params, tracked, as_is, out_shape)
+        # What a repeated call may hand ``native`` at once, skipping run(): the tensors reach the backend as they come
+        # and its output has the caller's shape (4-D), and no dropout seed to draw.
+        plain = as_is and len(out_shape) == 4 and (params is None or params.dropout_p == 0.0)
+        self.direct = native if plain else None
 
     def run(self, q, k, v, mask, params, return_lse: bool):
         """The call on its backend: through the backend's own path where it has one for the call and no lse is
@@ -152,6 +160,10 @@ class _CallPlan:
             out = self.native(q, k, v, params)
             if out is not None:  # (e.g. torch's SDPA with its C++ backward; None where the backend declines the call)
                 return out.reshape(self.out_shape) if out.dim() != len(self.out_shape) else out
+        return self.run_forward(q, k, v, mask, params, return_lse)
+
+    def run_forward(self, q, k, v, mask, params, return_lse: bool):
+        """The call through the backend's forward, inside _EagerAttention where a gradient is needed."""
         if self.tracked:
             # The tensors autograd tracks as arguments of their own, the rest in params (fewer for apply to scan).
             out, lse = _EagerAttention.apply(q, k, v, mask, params, self.chosen)
@@ -194,19 +206,26 @@ def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
             return None
         attn_mask = (attn_mask.variant, attn_mask.seq_len_q, attn_mask.seq_len_kv)
     if (window is not None or type(dropout_p) is not float or type(is_causal) is not bool
-            or type(enable_gqa) is not bool or not (scale is None or type(scale) is float)
-            or not (softcap is None or type(softcap) is float)
-            or not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
-                    and isinstance(value, torch.Tensor)) or torch.compiler.is_compiling()):
+            or type(enable_gqa) is not bool or (scale is not None and type(scale) is not float)
+            or (softcap is not None and type(softcap) is not float)
+            or not (isinstance(query, _Tensor) and isinstance(key, _Tensor) and isinstance(value, _Tensor))
+            or _is_compiling()):
         return None
+    device = query.device
     try:
-        request = dispatch.requested_on(backend, query.device.type)
+        request = _requested_on(backend, device.type)
     except Exception:  # a bad request raises where the full path checks it (after the tensors)
         return None
     return (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(), query.dtype, key.dtype,
-            value.dtype, query.device, key.device, value.device, dropout_p, is_causal, scale, enable_gqa, softcap,
-            request, query.requires_grad or key.requires_grad or value.requires_grad, torch.is_grad_enabled(),
-            attn_mask)
+            value.dtype, device, key.device, value.device, dropout_p, is_causal, scale, enable_gqa, softcap,
+            request, query.requires_grad or key.requires_grad or value.requires_grad, _grad_enabled(), attn_mask)
+
+
+# (module-level names for the checks of every call)
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_requested_on = dispatch.requested_on
+_grad_enabled = torch.is_grad_enabled
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,

@@ -185,3 +185,34 @@ def test_a_plugged_in_backend_with_its_own_differentiable_path_serves_every_repe
         assert all(close(g, w) for g, w in zip(grads, want))
     finally:
         mhattn.registry.unregister_backend("own-path-test")
+
+
+def test_a_backend_s_own_path_that_declines_a_repeated_call_is_asked_once_and_its_forward_runs():
+    """A repeated plain call goes to the backend's own path straight from the memo; where that path declines the call
+    (None), the backend's forward runs it, without a second ask, for 4-D and 3-D inputs alike."""
+    from mhattn.reference import ReferenceBackend
+
+    asked, forwards = [], []
+
+    class Declines(ReferenceBackend):
+        name = "declines-test"
+
+        def native_call(self, q, k, v, params):
+            return lambda *args: asked.append(1)
+
+        def forward(self, q, k, v, params):
+            forwards.append(1)
+            return super().forward(q, k, v, params)
+
+    mhattn.registry.register_backend(Declines())
+    try:
+        for shape in ((2, 3, 17, 8), (3, 17, 8)):
+            q, k, v = rand(*shape), rand(*shape), rand(*shape)
+            asked.clear()
+            forwards.clear()
+            for _ in range(3):
+                out = mhattn.attention(q, k, v, backend="declines-test")
+                assert close(out, F.scaled_dot_product_attention(q, k, v))
+            assert asked == forwards == [1, 1, 1], shape
+    finally:
+        mhattn.registry.unregister_backend("declines-test")
