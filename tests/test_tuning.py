@@ -700,3 +700,22 @@ def test_tune_times_a_one_row_decoding_step_without_a_mask_and_longer_steps_with
     assert "attn_mask" not in measure.make_inputs(one, "cpu")[4]
     assert isinstance(measure.make_inputs(four, "cpu")[4]["attn_mask"], CausalBias)
     assert table._bucket_of_cell(dict(one.as_dict(), mask="none"))[1] is False  # the bucket of a maskless call
+
+
+def test_tune_times_the_forward_untracked_and_the_forward_backward_tracked(monkeypatch):
+    """fwd_ms decides calls that autograd does not track: the forward is timed on inputs that need no gradient (no
+    autograd node, no lse kept), forward+backward on inputs that do."""
+    from mhattn.benchmark import timing
+    from mhattn.tuning import measure
+
+    timed = []
+
+    def bench_ms(fn, warmup_ms, rep_ms, device):
+        result = fn()
+        timed.append("fwd_bwd" if isinstance(result, tuple) else ("tracked" if result.requires_grad else "fwd"))
+        return 1.0
+
+    monkeypatch.setattr(timing, "bench_ms", bench_ms)
+    row = measure.time_cell(grid.Cell("fp32", 1, 2, 2, 32, 32, 16), "cpu", 0.1, 0.1, backends=["sdpa", "reference"])
+    assert set(row["fwd_ms"]) == set(row["fwd_bwd_ms"]) == {"sdpa", "reference"}
+    assert timed.count("fwd") == 2 and timed.count("tracked") == 0 and timed.count("fwd_bwd") >= 2

@@ -104,7 +104,8 @@ def variant_skipped(name: str, row: dict):
 
 
 def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None) -> dict:
-    """The table row of ``cell``: its fields, ``fwd_ms`` and ``fwd_bwd_ms`` {backend: ms}, and ``skipped``
+    """The table row of ``cell``: its fields, ``fwd_ms`` (the forward of inputs that need no gradient) and
+    ``fwd_bwd_ms`` {backend: ms}, and ``skipped``
     {backend: why} for each backend that cannot run it or failed. Never raises for a backend's failure. A time is
     the GPU timer's median, or where that is under HOST_BOUND_MS and the host loop takes longer, the host loop's
     time per call (with_host_loops, after every backend's GPU timing). Where the cell times a backward and its
@@ -117,6 +118,10 @@ def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None
     row = dict(cell.as_dict(), fwd_ms={}, fwd_bwd_ms={}, skipped={})
     timed = {"fwd": {}, "fwd_bwd": {}}  # mode -> {backend: the call timed}
     q, k, v, dout, kwargs = make_inputs(cell, device)
+    # The forward is timed as the calls it decides are made (automatic selection reads fwd_ms for calls autograd does
+    # not track): on inputs that need no gradient, so no autograd node is built (mhattn's Python Function for the
+    # Triton and CuPy backends, torch's C++ node for the sdpa backend's own path) and no lse is kept for a backward.
+    fq, fk, fv = q.detach(), k.detach(), v.detach()
     expected = _torch_output(q, k, v, kwargs)
     for name in backends if backends is not None else backends_to_time(device):
         reasons = mhattn.explain(q, k, v, backend=name, **kwargs).reasons.get(name, ["not registered"])
@@ -129,7 +134,7 @@ def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None
             continue
 
         def forward(name=name):
-            return mhattn.attention(q, k, v, backend=name, **kwargs)
+            return mhattn.attention(fq, fk, fv, backend=name, **kwargs)
 
         wrong = _differs(forward, expected, q.dtype)
         if wrong:  # a fast wrong answer must never win the table
@@ -137,7 +142,7 @@ def time_cell(cell: Cell, device, warmup_ms: float, rep_ms: float, backends=None
             continue
 
         def forward_backward(name=name):
-            return torch.autograd.grad(forward(name), (q, k, v), dout)
+            return torch.autograd.grad(mhattn.attention(q, k, v, backend=name, **kwargs), (q, k, v), dout)
 
         modes = (("fwd", forward), ("fwd_bwd", forward_backward)) if cell.grad else (("fwd", forward),)
         for mode, fn in modes:

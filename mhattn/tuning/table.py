@@ -2,7 +2,8 @@
 
 A table is a small JSON file: ``key`` (device name, compute capability, driver and library versions),
 ``cells`` (one per timed shape: the :class:`~mhattn.tuning.grid.Cell` fields, and per backend the median
-milliseconds of the forward, ``fwd_ms``, and of forward+backward, ``fwd_bwd_ms``) and how it was made.
+milliseconds of the forward on inputs that need no gradient, ``fwd_ms``, and of forward+backward, ``fwd_bwd_ms``) and
+how it was made.
 
 Which table applies: ``MHATTN_TABLE=off`` disables tables, ``MHATTN_TABLE=<file>`` uses that file;
 otherwise the tables in ``$MHATTN_CACHE_DIR/tables`` (default ``~/.cache/mhattn/tables``, where
