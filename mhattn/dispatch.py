@@ -259,7 +259,7 @@ def decide(problem: Problem, name: str, source: str) -> Decision:
 def _runnable_variants(reasons: dict, runnable: list) -> list:
     """The names of the registered variants (Backend.variant_of) of ``runnable`` backends that can run the problem
     (``reasons``: every registered backend's reasons)."""
-    return [b.name for b in registry.all_backends() if b.variant_of in runnable and not reasons.get(b.name, [None])]
+    return [name for base in runnable for name in registry.variants_of(base) if not reasons.get(name, [None])]
 
 
 def _runnable_pairs(problem: Problem, runnable: list) -> list:

@@ -163,6 +163,20 @@ def is_backend_name(name: str) -> bool:
     return name in _backends or _pair(name) is not None
 
 
+def variant_base(name: str):
+    """The backend that the registered backend ``name`` is a variant of (Backend.variant_of), or None for a backend of
+    its own, a pair, or a name that is not registered."""
+    _load()
+    backend = _backends.get(name)
+    return None if backend is None else backend.variant_of
+
+
+def variants_of(name: str) -> list:
+    """The names of the registered variants of backend ``name`` (Backend.variant_of), in registration order."""
+    _load()
+    return [backend.name for backend in list(_backends.values()) if backend.variant_of == name]
+
+
 def names() -> list:
     """Names of every registered backend, in registration order."""
     _load()

@@ -357,9 +357,7 @@ def default_implementation_names(table: Optional[dict] = None) -> list:
 
     table = implementations() if table is None else table
     return [name for name, impl in table.items()
-            if (impl.family == "mhattn" and not (registry.is_backend_name(name)
-                                                 and registry.get_backend(name).variant_of))
-            or name in DEFAULT_SDPA_PEERS]
+            if (impl.family == "mhattn" and registry.variant_base(name) is None) or name in DEFAULT_SDPA_PEERS]
 
 
 def subject_names(names) -> list:

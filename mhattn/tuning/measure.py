@@ -79,8 +79,7 @@ def backends_to_time(device) -> list:
             names += [n for n in row if n not in names and n in registry.names()]
     if torch.device(device).type == "cuda":
         names = [n for n in names if n != "reference"]  # never the fastest on a GPU, and O(N^2) memory
-        variants = {n: [b.name for b in registry.all_backends() if b.variant_of == n] for n in names}
-        names = [name for base in names for name in [base] + variants[base]]
+        names = [name for base in names for name in [base] + registry.variants_of(base)]
     return names
 
 
@@ -92,7 +91,7 @@ def variant_skipped(name: str, row: dict):
     spent on it."""
     from mhattn import registry
 
-    base = registry.get_backend(name).variant_of
+    base = registry.variant_base(name)
     if base is None:
         return None
     base_ms = row["fwd_ms"].get(base)
@@ -170,16 +169,12 @@ def fastest_apart(row: dict):
     forward, both = row["fwd_ms"], row["fwd_bwd_ms"]
     # Not the variants (timed where calls are short, for their host path): a pair runs through mhattn's autograd
     # Function, whose backward costs more host time at such shapes than any backend's own path.
-    timed = [name for name in both if name in forward and not _is_variant(registry, name)]
+    timed = [name for name in both if name in forward and registry.variant_base(name) is None]
     if len(timed) < 2:
         return None
     fastest_forward = min(timed, key=forward.get)
     fastest_backward = min(timed, key=lambda name: both[name] - forward[name])
     return None if fastest_forward == fastest_backward else (fastest_forward, fastest_backward)
-
-
-def _is_variant(registry, name: str) -> bool:
-    return registry.is_backend_name(name) and registry.get_backend(name).variant_of is not None
 
 
 def time_pair(halves, q, k, v, dout, kwargs, warmup_ms, rep_ms, device, row: dict, calls: dict) -> None:
