@@ -9,7 +9,9 @@ implementation, forward and forward+backward, two numbers in microseconds per ca
 - host-loop time: ``calls`` calls in a Python loop timed on the host, with one synchronize at the end, per
   call, the best of HOST_LOOP_ROUNDS loops: what a loop of such calls runs at (the larger of the host's and the
   GPU's cost). The implementations of one (shape, mode) take turns, one loop each per round, so a drift of the
-  host's speed (up to 1.5x between minutes on the H100 host) reaches them alike.
+  host's speed (up to 1.5x between minutes on the H100 host) reaches them alike, and each loop runs pinned to the
+  CPU that is fastest as it starts (``host_speed``: half the CPUs of the shared H200 host run at half speed at any
+  moment).
 
 Each is shown beside ``sdpa-default`` (``torch.nn.functional.scaled_dot_product_attention`` with torch's own
 kernel choice) as a ratio. Planning and reporting are plain functions of plain data, tested on the CPU.
@@ -24,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from mhattn.benchmark import protocol, timing
+from mhattn.benchmark import host_speed, protocol, timing
 from mhattn.benchmark.timing import describe_error, release_memory
 
 BASELINE = "sdpa-default"
@@ -92,8 +94,9 @@ def host_loops_in_turn(calls: dict, loop_calls: int, device, rounds: int, contex
     """Host loops of several calls taking turns (the host's speed drifts between loops, so calls timed one after
     another are compared at different speeds): ``rounds`` rounds, each one loop of ``loop_calls`` calls of each of
     ``calls`` ({name: fn}) with one synchronize at its end, inside ``contexts[name]()`` where given (entered once a
-    loop, not per call). Returns ({name: its best loop's microseconds per call}, {name: the error that stopped its
-    loops})."""
+    loop, not per call). On a GPU each loop runs pinned to the CPU that is fastest as it starts
+    (host_speed.on_fastest_cpu: on a shared host some CPUs run at half speed, and which ones changes by the
+    second). Returns ({name: its best loop's microseconds per call}, {name: the error that stopped its loops})."""
     best, errors = dict.fromkeys(calls, float("inf")), {}
     contexts = contexts or {}
     for _ in range(rounds):
@@ -101,7 +104,7 @@ def host_loops_in_turn(calls: dict, loop_calls: int, device, rounds: int, contex
             if name in errors:
                 continue
             try:
-                with contexts.get(name, contextlib.nullcontext)():
+                with host_speed.on_fastest_cpu(device), contexts.get(name, contextlib.nullcontext)():
                     best[name] = min(best[name], host_loop_us(fn, loop_calls, device, rounds=1))
             except Exception as error:  # the caller reports it
                 errors[name] = error

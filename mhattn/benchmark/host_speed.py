@@ -1,0 +1,77 @@
+"""Host loops timed at the host's full speed: the calling thread pinned, for the loops, to the CPU that runs a short
+probe fastest at that moment.
+
+On a shared machine the CPUs a process may use are not equally fast, and which ones are slow changes from second to
+second (the H200 host, 2026-11-28: at any moment about half of its 16 CPUs ran a pure-Python loop and a small CUDA
+call's host path at half the speed of the rest; a process left unpinned stayed on one kind for seconds, so the same
+call's host loop read 1.5-1.95x as long in one process as in another). A host loop measures the host path of a call,
+and the host's speed is then a draw: two processes (``mhattn tune`` and ``mhattn bench``) disagree about which of two
+calls is cheaper. Pinned to the fastest CPU for the length of one round of loops (tens of milliseconds), every round
+runs at the host's own speed.
+
+Only for CUDA devices (a call on the CPU runs on torch's thread pool, which a pinned thread would confine) and where
+the platform has ``os.sched_setaffinity``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+
+PROBE_STEPS = 2000     # iterations of the probe loop: about 0.1 ms on a fast CPU of the H200 host
+PROBE_RUNS = 2         # per CPU, the best counts (the first after a move runs on a cold cache)
+
+_device_threads_started = False
+
+
+def probe_ns() -> float:
+    """Nanoseconds per iteration of a small pure-Python loop on the calling thread's CPU."""
+    start = time.perf_counter()
+    total = 0
+    for step in range(PROBE_STEPS):
+        total += step * 3 % 7
+    return (time.perf_counter() - start) / PROBE_STEPS * 1e9
+
+
+def fastest_cpu(cpus) -> int:
+    """The CPU of ``cpus`` on which probe_ns is smallest now (the calling thread is left pinned to it)."""
+    speeds = {}
+    for cpu in sorted(cpus):
+        os.sched_setaffinity(0, {cpu})
+        speeds[cpu] = min(probe_ns() for _ in range(PROBE_RUNS))
+    best = min(speeds, key=speeds.get)
+    os.sched_setaffinity(0, {best})
+    return best
+
+
+@contextlib.contextmanager
+def on_fastest_cpu(device):
+    """The body runs with the calling thread pinned to the fastest of its CPUs (fastest_cpu), its affinity restored
+    after; a no-op on the CPU device, with one CPU, or without ``os.sched_setaffinity``."""
+    if torch.device(device).type != "cuda" or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        yield
+        return
+    _start_device_threads(device)
+    fastest_cpu(allowed)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def _start_device_threads(device) -> None:
+    """Have torch's autograd engine start its device threads (at its first backward) while this thread is unpinned:
+    a thread takes its creator's affinity, and a device thread started inside on_fastest_cpu would be confined to
+    that one CPU for the life of the process, beside the thread that feeds it."""
+    global _device_threads_started
+    if not _device_threads_started and torch.cuda.is_available():  # (no GPU: no backward of a GPU call to run)
+        leaf = torch.zeros(1, device=device, requires_grad=True)
+        (leaf * 2).sum().backward()
+        _device_threads_started = True
