@@ -13,24 +13,32 @@ needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(
 
 
 @needs_affinity
-def test_the_cpu_with_the_fastest_probe_is_taken_and_the_affinity_restored(monkeypatch):
+def test_the_cpus_with_the_fastest_probes_are_taken_and_the_affinities_restored(monkeypatch):
     allowed = os.sched_getaffinity(0)
-    slow, fast = sorted(allowed)[:2]
-    # the probe reads where the thread is pinned now: every CPU but ``fast`` is slow
-    monkeypatch.setattr(host_speed, "probe_ns", lambda: 50.0 if os.sched_getaffinity(0) == {fast} else 90.0)
+    cpus = sorted(allowed)
+    fast, second = cpus[-1], cpus[0]
+    # the probe reads where the thread is pinned now: ``fast`` is the fastest CPU, ``second`` the next
+    speed = {fast: 50.0, second: 60.0}
+    monkeypatch.setattr(host_speed, "probe_ns", lambda: speed.get(next(iter(os.sched_getaffinity(0))), 90.0)
+                        if len(os.sched_getaffinity(0)) == 1 else pytest.fail("probed unpinned"))
+    assert host_speed.cpus_by_speed(allowed)[:2] == [fast, second] and os.sched_getaffinity(0) == {fast}
+    os.sched_setaffinity(0, allowed)
+    device_thread = []
+    monkeypatch.setattr(host_speed, "pin_device_thread", lambda device, cpus: device_thread.append(set(cpus)))
     monkeypatch.setattr(host_speed, "_start_device_threads", lambda device: None)
     with host_speed.on_fastest_cpu("cuda"):
         assert os.sched_getaffinity(0) == {fast}
-    assert os.sched_getaffinity(0) == allowed
+        assert device_thread == [{second}]
+    assert os.sched_getaffinity(0) == allowed and device_thread == [{second}, allowed]
     # restored on an error too
     with pytest.raises(RuntimeError):
         with host_speed.on_fastest_cpu("cuda"):
             raise RuntimeError("in the loop")
-    assert os.sched_getaffinity(0) == allowed and slow != fast
+    assert os.sched_getaffinity(0) == allowed and device_thread[-1] == allowed
 
 
 def test_nothing_is_pinned_on_the_cpu_device(monkeypatch):
-    monkeypatch.setattr(host_speed, "fastest_cpu", lambda cpus: pytest.fail("pinned on the CPU device"))
+    monkeypatch.setattr(host_speed, "cpus_by_speed", lambda cpus: pytest.fail("pinned on the CPU device"))
     before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     with host_speed.on_fastest_cpu("cpu"):
         pass
@@ -46,17 +54,18 @@ def test_each_host_loop_on_a_gpu_runs_on_the_cpu_fastest_as_it_starts(monkeypatc
     picks = iter([cpus[1], cpus[0], cpus[1], cpus[0]])
     seen = []
 
-    def fastest_cpu(candidates):
+    def cpus_by_speed(candidates):
         assert set(candidates) == allowed
         cpu = next(picks)
         os.sched_setaffinity(0, {cpu})
-        return cpu
+        return [cpu] + [other for other in cpus if other != cpu]
 
     def host_loop_us(fn, calls, device, rounds=3):
         seen.append((fn, os.sched_getaffinity(0)))
         return 1.0
 
-    monkeypatch.setattr(host_speed, "fastest_cpu", fastest_cpu)
+    monkeypatch.setattr(host_speed, "cpus_by_speed", cpus_by_speed)
+    monkeypatch.setattr(host_speed, "pin_device_thread", lambda device, cpus: None)
     monkeypatch.setattr(host_speed, "_start_device_threads", lambda device: None)
     monkeypatch.setattr(latency, "host_loop_us", host_loop_us)
     loops, errors = latency.host_loops_in_turn({"a": "a", "b": "b"}, 10, "cuda", rounds=2)
@@ -67,3 +76,24 @@ def test_each_host_loop_on_a_gpu_runs_on_the_cpu_fastest_as_it_starts(monkeypatc
 
 def test_the_probe_times_a_loop():
     assert 0 < host_speed.probe_ns() < 1e5
+
+
+@pytest.mark.gpu
+@needs_affinity
+def test_gpu_autograd_s_device_thread_is_pinned_and_released():
+    """pin_device_thread reaches the thread that runs a GPU call's backward: a hook there reads the affinity set."""
+    allowed = os.sched_getaffinity(0)
+    one = {sorted(allowed)[-1]}
+    seen = []
+
+    def backward_reads_affinity():
+        leaf = torch.zeros(1, device="cuda", requires_grad=True)
+        product = leaf * 2
+        product.register_hook(lambda grad: seen.append(os.sched_getaffinity(0)))
+        product.sum().backward()
+
+    host_speed.pin_device_thread("cuda", one)
+    backward_reads_affinity()
+    host_speed.pin_device_thread("cuda", allowed)
+    backward_reads_affinity()
+    assert seen == [one, allowed] and os.sched_getaffinity(0) == allowed

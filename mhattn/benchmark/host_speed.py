@@ -7,7 +7,8 @@ call's host path at half the speed of the rest; a process left unpinned stayed o
 call's host loop read 1.5-1.95x as long in one process as in another). A host loop measures the host path of a call,
 and the host's speed is then a draw: two processes (``mhattn tune`` and ``mhattn bench``) disagree about which of two
 calls is cheaper. Pinned to the fastest CPU for the length of one round of loops (tens of milliseconds), every round
-runs at the host's own speed.
+runs at the host's own speed. Autograd's device thread, which runs the backward of a GPU call, is pinned beside it
+to the second fastest.
 
 Only for CUDA devices (a call on the CPU runs on torch's thread pool, which a pinned thread would confine) and where
 the platform has ``os.sched_setaffinity``.
@@ -36,21 +37,22 @@ def probe_ns() -> float:
     return (time.perf_counter() - start) / PROBE_STEPS * 1e9
 
 
-def fastest_cpu(cpus) -> int:
-    """The CPU of ``cpus`` on which probe_ns is smallest now (the calling thread is left pinned to it)."""
+def cpus_by_speed(cpus) -> list:
+    """``cpus`` ordered by probe_ns now, the fastest first (the calling thread is left pinned to the fastest)."""
     speeds = {}
     for cpu in sorted(cpus):
         os.sched_setaffinity(0, {cpu})
         speeds[cpu] = min(probe_ns() for _ in range(PROBE_RUNS))
-    best = min(speeds, key=speeds.get)
-    os.sched_setaffinity(0, {best})
-    return best
+    ranked = sorted(speeds, key=speeds.get)
+    os.sched_setaffinity(0, {ranked[0]})
+    return ranked
 
 
 @contextlib.contextmanager
 def on_fastest_cpu(device):
-    """The body runs with the calling thread pinned to the fastest of its CPUs (fastest_cpu), its affinity restored
-    after; a no-op on the CPU device, with one CPU, or without ``os.sched_setaffinity``."""
+    """The body runs with the calling thread pinned to the fastest of its CPUs (cpus_by_speed), and autograd's thread
+    for ``device`` (which runs the backward of a GPU call) to the second fastest, their affinities restored after;
+    a no-op on the CPU device, with one CPU, or without ``os.sched_setaffinity``."""
     if torch.device(device).type != "cuda" or not hasattr(os, "sched_setaffinity"):
         yield
         return
@@ -59,17 +61,30 @@ def on_fastest_cpu(device):
         yield
         return
     _start_device_threads(device)
-    fastest_cpu(allowed)
+    calling, device_thread = cpus_by_speed(allowed)[:2]
+    pin_device_thread(device, {device_thread})
     try:
         yield
     finally:
+        pin_device_thread(device, allowed)
         os.sched_setaffinity(0, allowed)
+
+
+def pin_device_thread(device, cpus) -> None:
+    """Set the affinity of autograd's thread for ``device`` to ``cpus``: from a gradient hook, which that thread runs
+    (the backward of a call on a GPU runs there, not on the thread that called backward())."""
+    if not torch.cuda.is_available():
+        return
+    leaf = torch.zeros(1, device=device, requires_grad=True)
+    product = leaf * 2
+    product.register_hook(lambda grad: os.sched_setaffinity(0, cpus))
+    product.sum().backward()
 
 
 def _start_device_threads(device) -> None:
     """Have torch's autograd engine start its device threads (at its first backward) while this thread is unpinned:
-    a thread takes its creator's affinity, and a device thread started inside on_fastest_cpu would be confined to
-    that one CPU for the life of the process, beside the thread that feeds it."""
+    a thread takes its creator's affinity, and a device thread started pinned would be confined to that one CPU
+    (pin_device_thread moves it after)."""
     global _device_threads_started
     if not _device_threads_started and torch.cuda.is_available():  # (no GPU: no backward of a GPU call to run)
         leaf = torch.zeros(1, device=device, requires_grad=True)
