@@ -74,6 +74,26 @@ def test_each_host_loop_on_a_gpu_runs_on_the_cpu_fastest_as_it_starts(monkeypatc
     assert os.sched_getaffinity(0) == allowed
 
 
+@needs_affinity
+def test_the_gpu_timer_runs_from_the_fastest_cpu(monkeypatch):
+    from mhattn.benchmark import timing
+
+    allowed = os.sched_getaffinity(0)
+    fast = sorted(allowed)[-1]
+    seen = []
+
+    def cpus_by_speed(candidates):
+        os.sched_setaffinity(0, {fast})
+        return [fast] + sorted(set(candidates) - {fast})
+
+    monkeypatch.setattr(host_speed, "cpus_by_speed", cpus_by_speed)
+    monkeypatch.setattr(host_speed, "pin_device_thread", lambda device, cpus: None)
+    monkeypatch.setattr(host_speed, "_start_device_threads", lambda device: None)
+    monkeypatch.setattr(timing, "_triton_do_bench", lambda: lambda fn, **_: seen.append(os.sched_getaffinity(0)) or 0.5)
+    assert timing.bench_ms(lambda: None, 1, 1, "cuda") == 0.5
+    assert seen == [{fast}] and os.sched_getaffinity(0) == allowed
+
+
 def test_the_probe_times_a_loop():
     assert 0 < host_speed.probe_ns() < 1e5
 

@@ -3,7 +3,8 @@
 Times come from ``triton.testing.do_bench(fn, warmup, rep, return_mode="median")``: it runs ``fn`` once,
 estimates its time from five runs, warms up for ``warmup`` ms, then times each of ``rep`` ms worth of runs
 with CUDA events, flushing the L2 cache before each, and returns the median. Without Triton the same
-procedure runs here on CUDA events. On the CPU (only to test the harness) a wall clock stands in.
+procedure runs here on CUDA events, and either runs from the fastest CPU (``host_speed``). On the CPU (only to test
+the harness) a wall clock stands in.
 
 The backward is timed as the protocol of h100_peers.json does: (forward+backward) - forward, both on
 inputs that require grad. ``bwd_method="direct"`` instead times ``torch.autograd.grad`` on a retained
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from mhattn.benchmark import protocol
+from mhattn.benchmark import host_speed, protocol
 
 BWD_METHODS = {
     "subtract": "bwd time = (fwd+bwd) - fwd",
@@ -66,13 +67,17 @@ def timer_name(device) -> str:
 
 
 def bench_ms(fn, warmup_ms: float, rep_ms: float, device) -> float:
-    """Median milliseconds of ``fn()`` after ``warmup_ms`` of warm-up, over ``rep_ms`` worth of runs."""
+    """Median milliseconds of ``fn()`` after ``warmup_ms`` of warm-up, over ``rep_ms`` worth of runs. On a GPU the
+    runs are made from the fastest CPU and the backward's from the next (host_speed.on_fastest_cpu): a call short
+    enough for its host path to show (a 1k-key backward, whose Python part runs on autograd's device thread) reads
+    the host at its own speed, not at the speed of whichever CPU of a shared host the threads landed on."""
     if torch.device(device).type != "cuda":
         return _wall_clock_bench(fn, warmup_ms, rep_ms)
     do_bench = _triton_do_bench()
-    if do_bench is None:
-        return _cuda_event_bench(fn, warmup_ms, rep_ms)
-    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    with host_speed.on_fastest_cpu(device):
+        if do_bench is None:
+            return _cuda_event_bench(fn, warmup_ms, rep_ms)
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
 def _cuda_event_bench(fn, warmup_ms, rep_ms) -> float:
