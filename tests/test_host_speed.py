@@ -94,6 +94,46 @@ def test_the_gpu_timer_runs_from_the_fastest_cpu(monkeypatch):
     assert seen == [{fast}] and os.sched_getaffinity(0) == allowed
 
 
+@needs_affinity
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_the_hook_that_pins_a_thread_runs_in_any_grad_mode(mode):
+    """On the CPU device the hook runs on the calling thread, so pinning "autograd's thread" pins this one."""
+    allowed = os.sched_getaffinity(0)
+    one = {sorted(allowed)[0]}
+    context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    try:
+        with context():
+            host_speed.pin_device_thread("cpu", one)
+            assert os.sched_getaffinity(0) == one
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+@needs_affinity
+def test_an_error_in_the_body_is_the_one_reported_and_the_affinity_restored(monkeypatch):
+    allowed = os.sched_getaffinity(0)
+    monkeypatch.setattr(host_speed, "_start_device_threads", lambda device: None)
+    monkeypatch.setattr(host_speed, "cpus_by_speed", lambda cpus: sorted(cpus))
+    restores = []
+
+    def pin_device_thread(device, cpus):
+        if cpus == allowed:
+            restores.append(cpus)
+            raise RuntimeError("the CUDA context is gone")
+
+    monkeypatch.setattr(host_speed, "pin_device_thread", pin_device_thread)
+    with pytest.raises(ValueError, match="the kernel's own error"):
+        with host_speed.on_fastest_cpu("cuda"):
+            os.sched_setaffinity(0, {sorted(allowed)[0]})
+            raise ValueError("the kernel's own error")
+    assert os.sched_getaffinity(0) == allowed and restores == [allowed]
+    # without an error in the body a failed restore is reported
+    with pytest.raises(RuntimeError, match="context is gone"):
+        with host_speed.on_fastest_cpu("cuda"):
+            pass
+    assert os.sched_getaffinity(0) == allowed
+
+
 def test_the_probe_times_a_loop():
     assert 0 < host_speed.probe_ns() < 1e5
 

@@ -65,20 +65,27 @@ def on_fastest_cpu(device):
     pin_device_thread(device, {device_thread})
     try:
         yield
-    finally:
-        pin_device_thread(device, allowed)
+    except BaseException:
         os.sched_setaffinity(0, allowed)
+        with contextlib.suppress(Exception):  # the body's error is the one to report (a broken CUDA context fails both)
+            pin_device_thread(device, allowed)
+        raise
+    os.sched_setaffinity(0, allowed)
+    pin_device_thread(device, allowed)
 
 
 def pin_device_thread(device, cpus) -> None:
     """Set the affinity of autograd's thread for ``device`` to ``cpus``: from a gradient hook, which that thread runs
-    (the backward of a call on a GPU runs there, not on the thread that called backward())."""
-    if not torch.cuda.is_available():
+    (the backward of a call on a GPU runs there, not on the thread that called backward(); on the CPU device the hook
+    runs on the calling thread). Works inside ``torch.no_grad()`` and ``torch.inference_mode()`` (a timing may be
+    made in either)."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         return
-    leaf = torch.zeros(1, device=device, requires_grad=True)
-    product = leaf * 2
-    product.register_hook(lambda grad: os.sched_setaffinity(0, cpus))
-    product.sum().backward()
+    with torch.inference_mode(False), torch.enable_grad():
+        leaf = torch.zeros(1, device=device, requires_grad=True)
+        product = leaf * 2
+        product.register_hook(lambda grad: os.sched_setaffinity(0, cpus))
+        product.sum().backward()
 
 
 def _start_device_threads(device) -> None:
@@ -87,6 +94,7 @@ def _start_device_threads(device) -> None:
     (pin_device_thread moves it after)."""
     global _device_threads_started
     if not _device_threads_started and torch.cuda.is_available():  # (no GPU: no backward of a GPU call to run)
-        leaf = torch.zeros(1, device=device, requires_grad=True)
-        (leaf * 2).sum().backward()
+        with torch.inference_mode(False), torch.enable_grad():
+            leaf = torch.zeros(1, device=device, requires_grad=True)
+            (leaf * 2).sum().backward()
         _device_threads_started = True
