@@ -1,13 +1,13 @@
-"""Host loops timed at the host's full speed: the calling thread pinned, for the loops, to the CPU that runs a short
-probe fastest at that moment.
+"""Timings made at the host's full speed: the calling thread pinned, for one host loop or one run of the GPU timer, to
+the CPU that runs a short probe fastest at that moment.
 
 On a shared machine the CPUs a process may use are not equally fast, and which ones are slow changes from second to
 second (the H200 host, 2026-11-28: at any moment about half of its 16 CPUs ran a pure-Python loop and a small CUDA
 call's host path at half the speed of the rest; a process left unpinned stayed on one kind for seconds, so the same
 call's host loop read 1.5-1.95x as long in one process as in another). A host loop measures the host path of a call,
 and the host's speed is then a draw: two processes (``mhattn tune`` and ``mhattn bench``) disagree about which of two
-calls is cheaper. Pinned to the fastest CPU for the length of one round of loops (tens of milliseconds), every round
-runs at the host's own speed. Autograd's device thread, which runs the backward of a GPU call, is pinned beside it
+calls is cheaper. Pinned to the fastest CPU for the length of one loop or timing (milliseconds to a fraction of a
+second), each runs at the host's own speed. Autograd's device thread, which runs the backward of a GPU call, is pinned beside it
 to the second fastest.
 
 Only for CUDA devices (a call on the CPU runs on torch's thread pool, which a pinned thread would confine) and where
