@@ -411,6 +411,12 @@ _torch_c = torch._C
 _priority_order = getattr(_torch_c, "_get_sdp_priority_order", list)  # (torch < 2.6 has no priority order)
 
 
+def _scale_kwargs(head_dim: int, scale: float) -> dict:
+    """The keyword arguments that pass ``scale`` to torch's ops: none where it is their default, 1 / sqrt(D) (the same
+    double either way), so the call parses one keyword less."""
+    return {} if head_dim > 0 and scale == 1.0 / math.sqrt(head_dim) else {"scale": scale}
+
+
 class _TorchSdpaCall:
     """torch's public SDPA for one call signature (see SdpaBackend.native_call): its arguments, and whether torch
     runs such a call on a fused kernel under each state of its global switches met so far."""
@@ -419,10 +425,8 @@ class _TorchSdpaCall:
 
     def __init__(self, q, k, scale: float, causal: bool):
         self._sdpa = torch.nn.functional.scaled_dot_product_attention
-        # Only the arguments that differ from SDPA's defaults (each keyword passed costs the call's parsing): the
-        # default scale is SDPA's own 1 / sqrt(D), the same double either way.
-        head_dim = q.shape[-1]
-        self._kwargs = {} if head_dim > 0 and scale == 1.0 / math.sqrt(head_dim) else {"scale": scale}
+        # Only the arguments that differ from SDPA's defaults (each keyword passed costs the call's parsing).
+        self._kwargs = _scale_kwargs(q.shape[-1], scale)
         if causal:
             self._kwargs["is_causal"] = True
         if q.shape[1] != k.shape[1]:
@@ -455,7 +459,7 @@ class _PinnedKernelCall:
             self._op, self._args = torch._scaled_dot_product_efficient_attention, (None, tracked, 0.0, causal)
         else:
             self._op, self._args = torch._scaled_dot_product_cudnn_attention, (None, tracked, 0.0, causal)
-        self._kwargs = {} if head_dim > 0 and scale == 1.0 / math.sqrt(head_dim) else {"scale": scale}
+        self._kwargs = _scale_kwargs(head_dim, scale)
 
     def __call__(self, q, k, v, params):  # (params: those of the signature; the seed, the one difference, is unused)
         return self._op(q, k, v, *self._args, **self._kwargs)[0]

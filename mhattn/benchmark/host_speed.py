@@ -7,8 +7,8 @@ call's host path at half the speed of the rest; a process left unpinned stayed o
 call's host loop read 1.5-1.95x as long in one process as in another). A host loop measures the host path of a call,
 and the host's speed is then a draw: two processes (``mhattn tune`` and ``mhattn bench``) disagree about which of two
 calls is cheaper. Pinned to the fastest CPU for the length of one loop or timing (milliseconds to a fraction of a
-second), each runs at the host's own speed. Autograd's device thread, which runs the backward of a GPU call, is pinned beside it
-to the second fastest.
+second), each runs at the host's own speed. Autograd's device thread, which runs the backward of a GPU call, is
+pinned beside it to the second fastest.
 
 Only for CUDA devices (a call on the CPU runs on torch's thread pool, which a pinned thread would confine) and where
 the platform has ``os.sched_setaffinity``.
@@ -61,7 +61,7 @@ def on_fastest_cpu(device):
         yield
         return
     _start_device_threads(device)
-    calling, device_thread = cpus_by_speed(allowed)[:2]
+    device_thread = cpus_by_speed(allowed)[1]  # (this thread is left on the fastest)
     pin_device_thread(device, {device_thread})
     try:
         yield
@@ -93,8 +93,6 @@ def _start_device_threads(device) -> None:
     a thread takes its creator's affinity, and a device thread started pinned would be confined to that one CPU
     (pin_device_thread moves it after)."""
     global _device_threads_started
-    if not _device_threads_started and torch.cuda.is_available():  # (no GPU: no backward of a GPU call to run)
-        with torch.inference_mode(False), torch.enable_grad():
-            leaf = torch.zeros(1, device=device, requires_grad=True)
-            (leaf * 2).sum().backward()
+    if not _device_threads_started:
+        pin_device_thread(device, os.sched_getaffinity(0))  # (its first backward starts them, with this affinity)
         _device_threads_started = True
