@@ -3,6 +3,7 @@ nearest-shape lookup, the dispatcher's hook and its fallback, and `mhattn tune` 
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 
@@ -303,9 +304,10 @@ def test_tune_compiles_the_cupy_variants_of_its_cells_ahead(monkeypatch):
 
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
-    monkeypatch.setattr(build, "run_cupy", lambda args, archs, head_dims=None: asked.append((archs, head_dims)))
-    tune_cli._compile_cupy_kernels(io.StringIO(), {128, 64})
-    assert asked == [(["sm_90", "sm_90a"], [64, 128])]
+    monkeypatch.setattr(build, "run_cupy", lambda args, archs, head_dims=None, leave_out=(): asked.append(
+        (archs, head_dims, leave_out)))
+    tune_cli._compile_cupy_kernels(io.StringIO(), {128, 64}, (("SOFTCAP", 1),))
+    assert asked == [(["sm_90", "sm_90a"], [64, 128], (("SOFTCAP", 1),))]
     tasks = build.tasks_for(["sm_90", "sm_90a"], head_dims=[64, 128])
     head_dims = {dict(variant.defines).get("HEAD_DIM") for variant, _, _ in tasks}
     assert head_dims == {None, 64, 128} and any(variant.arch_features == "a" for variant, _, _ in tasks)
@@ -313,6 +315,70 @@ def test_tune_compiles_the_cupy_variants_of_its_cells_ahead(monkeypatch):
     # A head dim between buckets takes the variants of its bucket (80 runs the d = 96 kernels).
     assert {dict(variant.defines).get("HEAD_DIM") for variant, _, _ in build.tasks_for(["sm_90"], head_dims=[80])} == {
         None, 96}
+
+
+def test_tune_leaves_out_of_its_ahead_compile_only_variants_no_quick_grid_cell_launches(monkeypatch):
+    """The variants `mhattn tune --quick` compiles ahead on an H100 leave out those with features no cell uses
+    (cupy_defines_left_out): every quick-grid cell, forward and (where it times one) backward, run through
+    mhattn.attention on the CuPy backend's sm_90 host code with a launcher that records what it prepares (tensor maps
+    stood in for: no driver here), launches only variants in the compiled set, and the set is well under the
+    head dims' full one."""
+    from mhattn.backends.cupy import CupyBackend, build, ops
+    from mhattn.tuning import measure
+
+    cells = grid.quick_grid()
+    left_out = tune_cli.cupy_defines_left_out(cells)
+    head_dims = sorted({c.head_dim for c in cells})
+    compiled = {variant for variant, _, _ in build.tasks_for(["sm_90", "sm_90a"], head_dims=head_dims,
+                                                              leave_out=left_out)}
+    assert len(compiled) * 3 < len(build.tasks_for(["sm_90", "sm_90a"], head_dims=head_dims))
+
+    class Maps:  # tensor_maps.RowMaps without the driver: an encoding stands in as an int
+        def __init__(self, t, box_rows, wrap=None):
+            pass
+
+        def __call__(self, address):
+            return address
+
+    class Recording:
+        tensor_maps = True
+
+        def __init__(self):
+            self.variants = set()
+
+        def prepare(self, variant, grid_, template, device, cc):
+            self.variants.add(variant)
+            return lambda pointers: None
+
+    class RecordedCupy(CupyBackend):
+        name = "cupy-recorded"
+        capabilities = dataclasses.replace(CupyBackend.capabilities, device_types=frozenset({"cpu"}))
+
+        def unavailable(self):
+            return []
+
+    monkeypatch.setattr(ops, "sm_count", lambda device: 132)
+    monkeypatch.setattr(ops.tensor_maps, "RowMaps", Maps)
+    launcher = Recording()
+    mhattn.register_backend(RecordedCupy(launcher=launcher, compute_capability=(9, 0)))
+    try:
+        for c in cells:
+            if c.dtype not in ("bf16", "fp16"):
+                continue
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[c.dtype]
+            # Uninitialised inputs of the cell's shapes (nothing reads them: the launches record and return).
+            q = torch.empty(c.batch, c.heads_q, c.seqlen_q, c.head_dim, dtype=dtype, requires_grad=c.grad)
+            k, v = (torch.empty(c.batch, c.heads_kv, c.seqlen_k, c.head_dim, dtype=dtype, requires_grad=c.grad)
+                    for _ in range(2))
+            kwargs = measure.call_kwargs(c, "cpu", lambda *shape: torch.zeros(shape, dtype=dtype))
+            out = mhattn.attention(q, k, v, backend="cupy-recorded", **kwargs)
+            if c.grad:
+                out.backward(torch.empty_like(out))
+    finally:
+        mhattn.unregister_backend("cupy-recorded")
+    launched = launcher.variants
+    assert any(v.arch_features == "a" for v in launched) and any(v.kernel == "fwd" for v in launched)
+    assert launched <= compiled, sorted(v.label for v in launched - compiled)
 
 
 # ---- `mhattn tune` on the CPU -----------------------------------------------------------------------------------

@@ -46,10 +46,11 @@ def _compile_one(task):
     return variant.label, compiler.target_name(variant, cc), time.perf_counter() - start, error
 
 
-def tasks_for(archs, use_cache=True, head_dims=None) -> list:
+def tasks_for(archs, use_cache=True, head_dims=None, leave_out=()) -> list:
     """(variant, cc, use_cache) for every variant a GPU of each of ``archs`` may launch; ``head_dims``: only the
     variants that run those head dims (their buckets, variants.head_dim_bucket) and those without one (the split-KV
-    combine)."""
+    combine); ``leave_out``: (define, value) pairs, a variant with any of them is left out (a feature the caller's
+    problems never use, e.g. ``("SOFTCAP", 1)``)."""
     from mhattn.backends.cupy import variants
 
     tasks = []
@@ -64,6 +65,9 @@ def tasks_for(archs, use_cache=True, head_dims=None) -> list:
     if head_dims is not None:
         buckets = {None} | {variants.head_dim_bucket(d) for d in head_dims}
         tasks = [task for task in tasks if dict(task[0].defines).get("HEAD_DIM") in buckets]
+    if leave_out:
+        unwanted = set(leave_out)
+        tasks = [task for task in tasks if not unwanted.intersection(task[0].defines)]
     return tasks
 
 
@@ -99,9 +103,9 @@ def run(args) -> int:
     return 1 if failed else code
 
 
-def run_cupy(args, archs, head_dims=None) -> int:
+def run_cupy(args, archs, head_dims=None, leave_out=()) -> int:
     try:
-        tasks = tasks_for(archs, use_cache=not args.no_cache, head_dims=head_dims)
+        tasks = tasks_for(archs, use_cache=not args.no_cache, head_dims=head_dims, leave_out=leave_out)
     except ValueError as error:
         print(f"mhattn build: {error}", file=sys.stderr)
         return 2

@@ -46,6 +46,13 @@ def make_inputs(cell: Cell, device):
     dout = randn(cell.batch, cell.heads_q, cell.seqlen_q, cell.head_dim)
     for t in (q, k, v):
         t.requires_grad_(cell.grad)
+    kwargs = call_kwargs(cell, device, randn)
+    return q, k, v, dout, kwargs
+
+
+def call_kwargs(cell: Cell, device, randn) -> dict:
+    """The keyword arguments of cell's ``mhattn.attention`` call (mask, causal flag, GQA); ``randn(*shape)`` draws the
+    float mask's values."""
     kwargs = {"enable_gqa": cell.heads_q != cell.heads_kv}
     if cell.causal == "top_left":
         kwargs["is_causal"] = True
@@ -62,9 +69,8 @@ def make_inputs(cell: Cell, device):
         mask[..., :keep] = True
         kwargs["attn_mask"] = mask
     elif cell.mask == "float":
-        kwargs["attn_mask"] = torch.randn(1, 1, cell.seqlen_q, cell.seqlen_k, generator=generator, device=device,
-                                          dtype=dtype)
-    return q, k, v, dout, kwargs
+        kwargs["attn_mask"] = randn(1, 1, cell.seqlen_q, cell.seqlen_k)
+    return kwargs
 
 
 def backends_to_time(device) -> list:
