@@ -25,6 +25,9 @@ from mhattn.tuning.grid import Cell
 # another, a backend could win a near-tie by the moment it ran).
 HOST_BOUND_MS = 0.5
 HOST_LOOP_CALLS = 100
+# Load (ms of back-to-back calls) before each GPU timing of a call that keeps the GPU busy (timing.settle): the cells'
+# host loops, graph captures and checks leave the GPU idle between timings, and an idle GPU starts at boost clocks.
+SETTLE_MS = 100.0
 HOST_LOOP_ROUNDS = 5
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 PADDED_FRACTION = 8   # the bool mask hides the last 1/8 of the keys of every sequence
@@ -215,7 +218,7 @@ def _time_into(name, mode, fn, warmup_ms, rep_ms, device, row: dict, calls: dict
     """Time ``fn`` (``name``'s call in ``mode``) into ``row[mode + "_ms"]`` and ``calls``; False, with why in
     ``row["skipped"]``, when it failed."""
     try:
-        ms = timing.bench_ms(fn, warmup_ms, rep_ms, device)
+        ms = timing.bench_ms(fn, warmup_ms, rep_ms, device, settle_ms=SETTLE_MS)
     except Exception as error:  # report, never stop the tuning run
         row["skipped"][name] = timing.describe_error(error)
         timing.release_memory(device)
