@@ -1,10 +1,10 @@
 """``mhattn tune``: time every backend on a grid of shapes and write the timing table automatic selection reads.
 
-    mhattn tune --quick          # 47 shapes, a few minutes on an H100 (compiling kernels included)
+    mhattn tune --quick          # 67 shapes, a few minutes on an H100 (compiling kernels included)
     mhattn tune                  # the full grid (238 shapes)
     mhattn tune --quick --output mhattn/tables/h100.json   # the table shipped in the package
-    mhattn tune --quick --passes 2 --output mhattn/tables/h100.json   # each time the smaller of two passes'
-    mhattn tune --merge a.json b.json --output c.json      # per time, the smaller of two runs' (table.merged)
+    mhattn tune --quick --passes 2 --output mhattn/tables/h100.json   # host loops: the smaller of two passes'
+    mhattn tune --merge a.json b.json --output c.json      # host loops: the smaller of two runs'; GPU times: a's
 
 The cells run in a worker process (the benchmark engine's supervisor): a kernel that crashes, hangs or
 breaks its CUDA context loses its own cell, not the run. The table goes to ``$MHATTN_CACHE_DIR/tables``
@@ -43,11 +43,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-isolate", action="store_true", help="run the shapes in this process")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--passes", type=int, default=1, metavar="N",
-                        help="time the grid N times and keep each time's smallest (a busy host only adds to a host "
-                             "loop; graph replays from the first pass)")
+                        help="time the grid N times and keep each host loop's smallest time (a busy host only adds to "
+                             "a host loop; GPU times and graph replays from the first pass: table.merged)")
     parser.add_argument("--merge", nargs="+", metavar="TABLE",
-                        help="time nothing: write the merge of these tables of one device (each time the smallest "
-                             "of theirs, graph replays from the first) to --output")
+                        help="time nothing: write the merge of these tables of one device (each host loop's smallest "
+                             "time, GPU times and graph replays from the first table: table.merged) to --output")
 
 
 def run(args) -> int:
@@ -68,8 +68,9 @@ def _names(values):
 def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep_ms=None, output=None,
          time_limit=0.0, task_timeout=300.0, isolate=True, progress=True, stream=None, passes=1) -> int:
     """Time the grid, write the table, print a summary. Returns the exit status (0 = a table was written).
-    ``passes`` > 1: the grid is timed that many times, one pass after another, and the table keeps each time's
-    smallest (table.merged; the time limit counts from the start of the first pass)."""
+    ``passes`` > 1: the grid is timed that many times, one pass after another, and the table keeps each host loop's
+    smallest time and the first pass's GPU times (table.merged; the time limit counts from the start of the first
+    pass)."""
     from mhattn.progress import Progress
     from mhattn.benchmark.supervisor import run_tasks
     from mhattn.tuning.measure import backends_to_time
@@ -129,7 +130,8 @@ def merge(paths, output, stream=None) -> int:
     result = table.merged([table.TimingTable.load(p) for p in paths])
     result.save(output)
     table.clear_cache()
-    print(f"wrote {output}: {len(result.cells)} cells, the smallest time of {len(paths)} tables each", file=stream)
+    print(f"wrote {output}: {len(result.cells)} cells from {len(paths)} tables (each host loop's smallest time, "
+          "the first table's GPU times)", file=stream)
     return 0
 
 

@@ -115,13 +115,24 @@ class TimingTable:
         return cls(data["key"], data["cells"], data.get("made", {}), str(path))
 
 
+# A time (ms) of a merged table under which it may be a host loop's (the tuner's HOST_BOUND_MS): the merge keeps the
+# smaller of two such times; longer ones are GPU timings, the first table's kept.
+HOST_LOOP_MS = 0.5
+
+
 def merged(tables: list) -> TimingTable:
     """One table from several ``mhattn tune`` runs on one device: each cell (the same Cell fields) with, per backend,
-    the smallest of the runs' ``fwd_ms`` and ``fwd_bwd_ms`` (a busy host only ever adds to a host loop's time, so the
-    smaller of two is the better estimate), ``fwd_graph_ms`` from the first table alone (the run whose replays to
-    keep; replays take no host time), and the reasons of the first table that timed the cell. Cells some tables lack
-    come from those that have them. The key and ``made`` are the first table's, ``made["merged"]`` naming the
-    others' dates. Raises ValueError for tables of different devices."""
+    the ``fwd_ms`` and ``fwd_bwd_ms`` of the first table that timed the cell, except where another table's time or its
+    own is under HOST_LOOP_MS: there the smallest (a busy host only ever adds to a host loop's time, so the smaller of
+    two is the better estimate). A longer time is the GPU's, and the smallest of several runs would favour the backend
+    whose timings vary most between runs (on the H200 cuDNN's forward+backward read 6.38 and 6.98 ms in two runs at
+    d = 128 16k causal), so the first table (the one measured as the caller trusts most) decides those: a backend it
+    did not time in the cell (a pair, a variant) takes no GPU time from another table, whose timings may not be
+    comparable (a table timed on a GPU at boost clocks, timing.settle).
+    ``fwd_graph_ms`` come from the first table alone (the run whose replays to keep; replays take no host time), and
+    the reasons from the first table that timed the cell. Cells some tables lack come from those that have them. The
+    key and ``made`` are the first table's, ``made["merged"]`` naming the others' dates. Raises ValueError for tables
+    of different devices."""
     if not tables:
         raise ValueError("no table to merge")
     first = tables[0]
@@ -143,7 +154,9 @@ def merged(tables: list) -> TimingTable:
             kept = cells[at]
             for mode in ("fwd_ms", "fwd_bwd_ms"):
                 for name, ms in (cell.get(mode) or {}).items():
-                    kept[mode][name] = min(ms, kept[mode].get(name, ms))
+                    first_ms = kept[mode].get(name)
+                    if min(ms, ms if first_ms is None else first_ms) < HOST_LOOP_MS:
+                        kept[mode][name] = ms if first_ms is None else min(ms, first_ms)
     made = dict(first.made, merged=[t.made.get("date", "?") for t in tables[1:]])
     return TimingTable(dict(first.key), list(cells.values()), made)
 
@@ -257,9 +270,14 @@ class Evidence:
         if self.replayed:
             mode += ", replayed from a CUDA graph"
         ranked = sorted(self.times.items(), key=lambda item: item[1])
-        tied = f" (chosen: within {TIE:.0%} of the fastest, with the faster forward)"
-        times = ", ".join(f"{name} {ms:.4g} ms" + ((" (fastest)" if name == ranked[0][0] else tied)
-                                                    if name == self.chosen else "") for name, ms in ranked)
+        fastest = ranked[0][0]
+        if self.chosen == fastest:
+            note = " (fastest)"
+        elif self.chosen == _variant_base(fastest):
+            note = f" (chosen: within {TIE:.0%} of its variant {fastest}, which pins one of its kernels)"
+        else:
+            note = f" (chosen: within {TIE:.0%} of the fastest, with the faster forward)"
+        times = ", ".join(f"{name} {ms:.4g} ms" + (note if name == self.chosen else "") for name, ms in ranked)
         versions = ", ".join(f"{k} {self.table.key[k]}" for k in ("torch", "triton", "cupy", "driver")
                              if self.table.key.get(k))
         stale = "" if self.table.key.get("torch") == torch.__version__ else f" (this process: torch {torch.__version__})"
@@ -300,15 +318,34 @@ def nearest(table: TimingTable, problem, candidates, replayed: bool = False) -> 
 def _fastest(times: dict, forward_ms: Optional[dict]) -> str:
     """The name with the smallest of ``times``. Given ``forward_ms`` (``times`` are then forward+backward times and
     ``forward_ms`` the cell's forward times): among the names within TIE of the smallest, the one whose forward (of a
-    pair "a+b", a's) is fastest, where the cell timed every tied name's forward."""
+    pair "a+b", a's) is fastest, where the cell timed every tied name's forward. Then a variant gives way to its base
+    within TIE (_base_if_tied)."""
     fastest = min(times, key=times.get)
     if forward_ms is None:
-        return fastest
+        return _base_if_tied(fastest, times)
     tied = [name for name, ms in times.items() if ms <= times[fastest] * (1 + TIE)]
     forwards = {name: forward_ms.get(name.split("+")[0]) for name in tied}
     if len(tied) < 2 or not all(forwards.values()):
-        return fastest
-    return min(tied, key=lambda name: (forwards[name], times[name]))
+        return _base_if_tied(fastest, times)
+    return _base_if_tied(min(tied, key=lambda name: (forwards[name], times[name])), times)
+
+
+def _variant_base(name: str):
+    from mhattn import registry
+
+    return registry.variant_base(name)
+
+
+def _base_if_tied(name: str, times: dict) -> str:
+    """``name``, or its base where ``name`` is a variant (Backend.variant_of: the sdpa backend pinned to one of torch's
+    kernels) whose base's time is within TIE of its own: there the two are most often one kernel with host paths a
+    few microseconds apart, which noise ranks, and the base (torch's public op) follows torch's own kernel choice. On
+    the H200 the ViT-B/16 forward's pinned cuDNN op, 2% ahead of the public op in the table, read 1.11x of its host
+    loop in the bench."""
+    base = _variant_base(name)
+    if base is not None and base in times and times[base] <= times[name] * (1 + TIE):
+        return base
+    return name
 
 
 def measured_choice(problem, candidates, replayed: bool = False) -> Optional[Evidence]:
