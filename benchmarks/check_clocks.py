@@ -4,7 +4,8 @@ SDPA (cuDNN) beside the Triton backend, and the GPU timer with the tuner's and t
     source benchmarks/device_env.sh && python3 benchmarks/check_clocks.py
 
 bf16, B*N = 16384, H = 2048/d (the bench's protocol) at d = 128 16k causal, d = 128 4k, d = 256 16k causal. What it
-showed on the H200 is in backends/triton/NOTES.md, "Clocks after an idle GPU" (why mhattn tune settles: timing.settle)."""
+showed on the H200 is in backends/triton/NOTES.md, "Clocks after an idle GPU" (why mhattn tune settles:
+timing.settle)."""
 import time
 
 import torch
@@ -49,8 +50,9 @@ def main():
             for name, f in fns.items():
                 time.sleep(1.0)
                 t = per_call(f, flush)
-                print(f"{name:7s} per call after 1 s idle: first 5 {[round(x, 2) for x in t[:5]]} calls 5-10 med "
-                      f"{sorted(t[5:10])[2]:.2f} 10-20 med {sorted(t[10:20])[5]:.2f} 20-40 med {sorted(t[20:40])[10]:.2f}")
+                medians = f"calls 5-10 med {sorted(t[5:10])[2]:.2f} 10-20 med {sorted(t[10:20])[5]:.2f} "
+                print(f"{name:7s} per call after 1 s idle: first 5 {[round(x, 2) for x in t[:5]]} {medians}"
+                      f"20-40 med {sorted(t[20:40])[10]:.2f}")
         for w, r in ((5, 20), (25, 100), (100, 20), (50, 50)):
             row = {}
             for name, f in fns.items():

@@ -92,8 +92,8 @@ SETTLE_MIN_MS = 0.5
 def settle(fn, settle_ms: float) -> None:
     """Run ``fn`` back to back for about ``settle_ms`` of its time where one call takes SETTLE_MIN_MS or more. On the
     H200 a forward+backward after a second idle ran its first 5-10 calls at boost clocks, then 6-10% slower from about
-    70 ms of load on (cuDNN's as much as Triton's or more): a timing of 5 ms of warm-up and 20 ms of runs measured the boost
-    and ranked cuDNN 5% ahead of Triton at d = 128 16k causal where the steady state ranks it 1.5% behind
+    70 ms of load on (cuDNN's as much as Triton's or more): a timing of 5 ms of warm-up and 20 ms of runs measured the
+    boost and ranked cuDNN 5% ahead of Triton at d = 128 16k causal where the steady state ranks it 1.5% behind
     (backends/triton/NOTES.md, "Clocks after an idle GPU"). Training runs at the steady clocks. The number of calls
     comes from one call timed alone (after a first that may compile): a host loop bounded by wall time would queue
     far more GPU work than that."""

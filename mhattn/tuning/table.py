@@ -155,8 +155,11 @@ def merged(tables: list) -> TimingTable:
             for mode in ("fwd_ms", "fwd_bwd_ms"):
                 for name, ms in (cell.get(mode) or {}).items():
                     first_ms = kept[mode].get(name)
-                    if min(ms, ms if first_ms is None else first_ms) < HOST_LOOP_MS:
-                        kept[mode][name] = ms if first_ms is None else min(ms, first_ms)
+                    if first_ms is None:
+                        if ms < HOST_LOOP_MS:
+                            kept[mode][name] = ms
+                    elif min(ms, first_ms) < HOST_LOOP_MS:
+                        kept[mode][name] = min(ms, first_ms)
     made = dict(first.made, merged=[t.made.get("date", "?") for t in tables[1:]])
     return TimingTable(dict(first.key), list(cells.values()), made)
 
@@ -339,9 +342,9 @@ def _variant_base(name: str):
 def _base_if_tied(name: str, times: dict) -> str:
     """``name``, or its base where ``name`` is a variant (Backend.variant_of: the sdpa backend pinned to one of torch's
     kernels) whose base's time is within TIE of its own: there the two are most often one kernel with host paths a
-    few microseconds apart, which noise ranks, and the base (torch's public op) follows torch's own kernel choice. On
-    the H200 the ViT-B/16 forward's pinned cuDNN op, 2% ahead of the public op in the table, read 1.11x of its host
-    loop in the bench."""
+    few microseconds apart, which noise ranks, and the base (torch's public op) follows torch's own kernel choice. (On
+    the H100 host the pinned cuDNN op's host loop at the ViT-B/16 forward read 1.08x the public op's, on the H200 the
+    table had it 2% ahead: backends/triton/NOTES.md, "torch's fused kernels through their private ops' bindings".)"""
     base = _variant_base(name)
     if base is not None and base in times and times[base] <= times[name] * (1 + TIE):
         return base
