@@ -808,6 +808,35 @@ def test_tune_times_the_forward_untracked_and_the_forward_backward_tracked(monke
     assert settles == {measure.SETTLE_MS} and measure.SETTLE_MS >= 50
 
 
+@pytest.mark.gpu
+def test_gpu_settle_keeps_the_gpu_busy_for_about_the_time_asked():
+    """On a GPU: a call of a few milliseconds (torch.cuda._sleep) is run back to back for about settle_ms of GPU time,
+    not queued without bound; a call of microseconds runs twice (a first call and the one timed alone)."""
+    import time
+
+    from mhattn.benchmark import timing
+
+    calls = []
+    cycles = [0]
+
+    def fn():
+        calls.append(1)
+        torch.cuda._sleep(cycles[0])
+
+    timing.settle(fn, 1.0)  # warms CUDA up
+    cycles[0] = 1000
+    calls.clear()
+    timing.settle(fn, 30.0)
+    assert len(calls) == 2
+    # about 3 ms a call at 1-2 GHz
+    cycles[0] = 5_000_000
+    calls.clear()
+    start = time.perf_counter()
+    timing.settle(fn, 30.0)
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    assert 4 <= len(calls) <= 40 and 30.0 <= elapsed_ms <= 150.0, (len(calls), elapsed_ms)
+
+
 @pytest.mark.parametrize("call_ms, calls", [(2.0, 2 + 10), (0.05, 2)])
 def test_settle_loads_the_gpu_for_the_time_asked_by_calls_it_counts(monkeypatch, call_ms, calls):
     """timing.settle runs a call that keeps the GPU busy (SETTLE_MIN_MS or more, timed alone after a first call) back to
