@@ -410,7 +410,7 @@ def test_tune_writes_a_table_that_automatic_selection_reads(isolate, capsys):
 
 def test_tune_in_two_passes_keeps_each_host_loop_s_smallest_time(monkeypatch, capsys):
     """--passes 2: the grid timed twice, one pass after the other; a time that may be a host loop's (under
-    table.HOST_LOOP_MS) the smaller of the two, a GPU time the first pass's (table.merged)."""
+    measure.HOST_BOUND_MS) the smaller of the two, a GPU time the first pass's (table.merged)."""
     from mhattn.benchmark import supervisor
 
     times = iter([0.3, 0.1])  # the first pass's, then the second's
@@ -676,7 +676,7 @@ def test_gpu_a_captured_automatic_call_runs_the_fastest_replayed_backend(monkeyp
 
 
 def test_merged_tables_keep_the_smallest_host_loop_time_and_the_first_table_s_gpu_times_and_replays(tmp_path, capsys):
-    """Times under HOST_LOOP_MS (perhaps host loops, which a busy host only lengthens) take the smallest of the tables';
+    """Times under the tuner's HOST_BOUND_MS (perhaps host loops, which a busy host only lengthens) take the smallest of the tables';
     longer ones (GPU timings) the first table's where it has one; replays the first table's alone."""
     a = make_table([decode_cell(), cell({"triton": 1.0, "sdpa": 2.0}, {"triton": 4.0})], date="a")
     b_decode = decode_cell()

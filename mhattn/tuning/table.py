@@ -115,16 +115,11 @@ class TimingTable:
         return cls(data["key"], data["cells"], data.get("made", {}), str(path))
 
 
-# A time (ms) of a merged table under which it may be a host loop's (the tuner's HOST_BOUND_MS): the merge keeps the
-# smaller of two such times; longer ones are GPU timings, the first table's kept.
-HOST_LOOP_MS = 0.5
-
-
 def merged(tables: list) -> TimingTable:
     """One table from several ``mhattn tune`` runs on one device: each cell (the same Cell fields) with, per backend,
     the ``fwd_ms`` and ``fwd_bwd_ms`` of the first table that timed the cell, except where another table's time or its
-    own is under HOST_LOOP_MS: there the smallest (a busy host only ever adds to a host loop's time, so the smaller of
-    two is the better estimate). A longer time is the GPU's, and the smallest of several runs would favour the backend
+    own is under the tuner's HOST_BOUND_MS (measure.py: a time it may have taken from a host loop): there the smallest
+    (a busy host only ever adds to a host loop's time, so the smaller of two is the better estimate). A longer time is the GPU's, and the smallest of several runs would favour the backend
     whose timings vary most between runs (on the H200 cuDNN's forward+backward read 6.38 and 6.98 ms in two runs at
     d = 128 16k causal), so the first table (the one measured as the caller trusts most) decides those: a backend it
     did not time in the cell (a pair, a variant) takes no GPU time from another table, whose timings may not be
@@ -133,6 +128,8 @@ def merged(tables: list) -> TimingTable:
     the reasons from the first table that timed the cell. Cells some tables lack come from those that have them. The
     key and ``made`` are the first table's, ``made["merged"]`` naming the others' dates. Raises ValueError for tables
     of different devices."""
+    from mhattn.tuning.measure import HOST_BOUND_MS
+
     if not tables:
         raise ValueError("no table to merge")
     first = tables[0]
@@ -156,9 +153,9 @@ def merged(tables: list) -> TimingTable:
                 for name, ms in (cell.get(mode) or {}).items():
                     first_ms = kept[mode].get(name)
                     if first_ms is None:
-                        if ms < HOST_LOOP_MS:
+                        if ms < HOST_BOUND_MS:
                             kept[mode][name] = ms
-                    elif min(ms, first_ms) < HOST_LOOP_MS:
+                    elif min(ms, first_ms) < HOST_BOUND_MS:
                         kept[mode][name] = min(ms, first_ms)
     made = dict(first.made, merged=[t.made.get("date", "?") for t in tables[1:]])
     return TimingTable(dict(first.key), list(cells.values()), made)
