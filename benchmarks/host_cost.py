@@ -175,7 +175,7 @@ def stubbed_triton():
     stubs = triton_backend._Launchers(
         SimpleNamespace(attention_forward_kernel=_StubKernel(forward_module.attention_forward_kernel)),
         SimpleNamespace(**{name: _StubKernel(getattr(backward_module, name)) for name in (
-            "backward_preprocess_kernel", "backward_dkdv_kernel", "backward_dq_kernel")}),
+            "backward_preprocess_kernel", "backward_dkdv_kernel", "backward_dq_kernel", "backward_short_kernel")}),
         SimpleNamespace(**{name: _StubKernel(getattr(decode_module, name)) for name in (
             "split_kv_kernel", "combine_splits_kernel", "append_kv_kernel")}))
     for launcher in vars(stubs).values():

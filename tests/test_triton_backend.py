@@ -102,6 +102,34 @@ def _deterministic_algorithms(on: bool):
         torch.use_deterministic_algorithms(previous)
 
 
+@contextlib.contextmanager
+def _launched_backward_kernels():
+    """{kernel name: launches} of the backward kernels inside the block, filled as it exits: the launches made
+    through Triton (the interpreter's, a specialisation's first) and those through a kept handle (a GPU's repeats)."""
+    from mhattn.backends.triton import backend as triton_backend
+
+    kernels = triton_backend.launchers()
+    launchers = [getattr(kernels, name) for name in ("preprocess", "dkdv", "dq", "short_backward")]
+    launched = {}
+    before = {launcher.name: launcher.handle_launches for launcher in launchers}
+    for launcher in launchers:
+        original = launcher._launch_through_triton
+
+        def recorded(*args, _original=original, _name=launcher.name, **kwargs):
+            launched[_name] = launched.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        launcher._launch_through_triton = recorded
+    try:
+        yield launched
+    finally:
+        for launcher in launchers:
+            del launcher._launch_through_triton
+            handled = launcher.handle_launches - before[launcher.name]
+            if handled:
+                launched[launcher.name] = launched.get(launcher.name, 0) + handled
+
+
 def make_inputs(dtype, device, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, head_dim_v, layout,
                 overflow, generator):
     """q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv): contiguous, or strided views of one packed
@@ -180,11 +208,13 @@ def _reference(q, k, v, params, mask, keep_grad_mask, grad_out, grad_lse, dtype)
 def check_attention(dtype="float16", device="cpu", batch=2, heads_q=2, heads_kv=None, seqlen_q=37, seqlen_k=45,
                     head_dim=32, head_dim_v=None, causal=None, window=None, mask=None, mask_grad=False,
                     dropout_p=0.0, softcap=None, layout="bhnd", overflow=False, grad_lse=False, det_runs=1,
-                    seed=0, config=None):
+                    seed=0, config=None, short=None):
     """Forward and backward of the Triton backend against the float64 reference (CONFORMANCE.md's rule:
     err <= factor * err_lowp + floor for fp16/bf16, relative 1e-4 for fp32). Raises AssertionError.
     ``config``: a configs string to pin (the Hopper paths, say); det_runs > 1 runs the backward that many
-    times under torch.use_deterministic_algorithms(True) and requires bitwise-equal gradients."""
+    times under torch.use_deterministic_algorithms(True) and requires bitwise-equal gradients.
+    ``short`` True / False: no tile pinned (the backend's own choice), and every backward must run as the short
+    backward's one launch (backward_short_kernel) / must not (the three FlashAttention-2 kernels)."""
     dt = DTYPES[dtype]
     heads_kv = heads_kv or heads_q
     head_dim_v = head_dim_v or head_dim
@@ -200,9 +230,16 @@ def check_attention(dtype="float16", device="cpu", batch=2, heads_q=2, heads_kv=
     glse = torch.randn(batch, heads_q, seqlen_q, generator=gen).to(device) if grad_lse else None
 
     backend = _backend()
-    with _pinned_config(device, config), poisoned_allocations(), _deterministic_algorithms(det_runs > 1):
+    pinned = contextlib.nullcontext() if short is not None else _pinned_config(device, config)
+    with pinned, poisoned_allocations(), _deterministic_algorithms(det_runs > 1):
         out, lse = backend.forward(q, k, v, params)
-        grads = [backend.backward(grad_out, q, k, v, out, lse, params, grad_lse=glse) for _ in range(det_runs)]
+        with _launched_backward_kernels() as launched:
+            grads = [backend.backward(grad_out, q, k, v, out, lse, params, grad_lse=glse) for _ in range(det_runs)]
+    if short is not None:
+        expected = {"backward_short_kernel": det_runs} if short else {}
+        ran_short = {name: n for name, n in launched.items() if name == "backward_short_kernel"}
+        assert ran_short == expected, f"backward kernels launched: {launched}"
+        assert not short or launched == expected, f"the short backward is one launch, got {launched}"
     dq, dk, dv, dmask = grads[0]
     assert out.dtype == dt and lse.dtype == torch.float32 and out.shape == (batch, heads_q, seqlen_q, head_dim_v)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
@@ -571,6 +608,45 @@ def test_interpreter_attention(interpreter, case):
     interpreter.run("check_attention", **CPU_CASES[case])
 
 
+# The short backward (backward_short_kernel: every key in one block, one launch) on the backend's own tiles, with
+# the features it covers; a gradient into the lse or the mask keeps the three kernels.
+SHORT_CPU_CASES = {
+    "plain_fp16": dict(short=True),
+    "causal_top_left_q_lt_k": dict(short=True, causal="top_left", seqlen_q=37, seqlen_k=61),
+    "causal_bottom_right_q_gt_k_first_rows_see_nothing": dict(short=True, causal="bottom_right", seqlen_q=53,
+                                                              seqlen_k=30, dtype="float32"),
+    "gqa_causal": dict(short=True, heads_q=6, heads_kv=2, batch=1, causal="bottom_right", seqlen_q=33, seqlen_k=40),
+    "bool_mask_empty_rows": dict(short=True, mask="bool_empty_rows", seqlen_q=30, seqlen_k=40, dtype="float32"),
+    "key_padding_right": dict(short=True, mask="key_padding", batch=3, seqlen_q=30, seqlen_k=70, heads_q=4,
+                              heads_kv=2),
+    "key_padding_holes_window_fp32": dict(short=True, mask="key_padding_holes", batch=3, seqlen_q=40, seqlen_k=57,
+                                          dtype="float32", window=(30, 10)),
+    "float_mask_neginf": dict(short=True, mask="float_neginf", seqlen_q=20, seqlen_k=52),
+    "dropout_causal_gqa_fp32": dict(short=True, dropout_p=0.17, dtype="float32", causal="top_left", heads_q=4,
+                                    heads_kv=2, batch=1, seqlen_q=30, seqlen_k=30),
+    "window": dict(short=True, window=(9, 4), seqlen_q=45, seqlen_k=50),
+    "softcap_overflow": dict(short=True, softcap=3.0, overflow=True, seqlen_q=30, seqlen_k=37),
+    "value_dim": dict(short=True, head_dim=24, head_dim_v=40, seqlen_q=22, seqlen_k=35),
+    "head_dim_3_fp32": dict(short=True, head_dim=3, seqlen_q=19, seqlen_k=28, dtype="float32"),
+    "single_query": dict(short=True, seqlen_q=1, seqlen_k=77, heads_q=4, heads_kv=2),
+    "single_query_single_key": dict(short=True, seqlen_q=1, seqlen_k=1),
+    "packed_qkv_views": dict(short=True, layout="packed", seqlen_q=40, seqlen_k=40, heads_q=3, causal="top_left"),
+    "deterministic": dict(short=True, det_runs=3, heads_q=4, heads_kv=2, batch=1, seqlen_q=40, seqlen_k=40,
+                          causal="top_left"),
+    "most_keys_at_d64": dict(short=True, head_dim=64, seqlen_q=70, seqlen_k=128, dtype="float32", batch=1),
+    "more_keys_than_one_block": dict(short=False, head_dim=64, seqlen_q=20, seqlen_k=129, dtype="float32", batch=1),
+    "grad_lse_keeps_three_kernels": dict(short=False, grad_lse=True, causal="bottom_right", seqlen_q=26,
+                                         seqlen_k=35),
+    "mask_grad_keeps_three_kernels": dict(short=False, mask="float", mask_grad=True, seqlen_q=33, seqlen_k=41),
+}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case", list(SHORT_CPU_CASES))
+def test_interpreter_short_backward(interpreter, case):
+    interpreter.run("check_attention", **SHORT_CPU_CASES[case])
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("case", list(HOPPER_CPU_CASES))
 def test_interpreter_hopper_paths(interpreter, case):
@@ -653,6 +729,31 @@ GPU_FEATURE_CASES = {
 @pytest.mark.parametrize("case", list(GPU_FEATURE_CASES))
 def test_gpu_features(dtype, case):
     check_attention(dtype=dtype, device="cuda", **{"head_dim": 64, **GPU_FEATURE_CASES[case]})
+
+
+# The short backward on the GPU: the backend's own tiles at the widest (128 keys at d = 64, 64 at d = 128) and
+# narrowest blocks, with the features it covers, and the cases that keep the three kernels.
+SHORT_GPU_CASES = {
+    "d64_128_keys_causal_gqa": dict(head_dim=64, heads_q=8, heads_kv=2, seqlen_q=128, seqlen_k=128, causal="top_left"),
+    "d64_vit_like_97_keys": dict(head_dim=64, batch=4, heads_q=12, seqlen_q=97, seqlen_k=97),
+    "d128_64_keys_bottom_right": dict(head_dim=128, seqlen_q=100, seqlen_k=64, causal="bottom_right"),
+    "d96_window_dropout": dict(head_dim=96, seqlen_q=80, seqlen_k=60, window=(20, 5), dropout_p=0.17),
+    "d32_softcap_key_padding": dict(head_dim=32, batch=3, seqlen_q=50, seqlen_k=120, softcap=20.0,
+                                    mask="key_padding"),
+    "d64_single_query_float_mask": dict(head_dim=64, seqlen_q=1, seqlen_k=77, mask="float_neginf"),
+    "d64_deterministic": dict(head_dim=64, seqlen_q=128, seqlen_k=128, det_runs=5, causal="top_left"),
+}
+SHORT_GPU_CASES = {name: dict(case, short=True) for name, case in SHORT_GPU_CASES.items()}
+SHORT_GPU_CASES["d64_129_keys_three_kernels"] = dict(head_dim=64, seqlen_q=64, seqlen_k=129, short=False)
+SHORT_GPU_CASES["d64_grad_lse_three_kernels"] = dict(head_dim=64, seqlen_q=64, seqlen_k=100, grad_lse=True, short=False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(SHORT_GPU_CASES))
+def test_gpu_short_backward(dtype, case):
+    check_attention(dtype=dtype, device="cuda", **SHORT_GPU_CASES[case])
 
 
 # The sm_90 paths pinned on whatever GPU runs the tests (the table picks them only on sm_90): descriptor loads,
@@ -1118,6 +1219,32 @@ def test_split_kv_kernel_compiles_for_sm90_without_spills():
             assert appending.count(instruction) > plain.count(instruction), (head_dim, instruction)
     for task in ahead.split_kv_tasks(128, 80):
         assert "griddepcontrol" not in ahead.compile_kernel(task, 80).asm["ptx"], task.label
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("cc", [90, 80])
+def test_short_backward_compiles_without_spills_at_every_tile_it_takes(cc):
+    """The short backward (backward_short_kernel) holds dK and dV of all its keys in registers: every tile it takes
+    (head dims 16 to 128, 16 keys up to its most: 128 at d <= 64, 64 at d = 128), causal, compiles for sm_90 and
+    sm_80 with no stack (no spills) in bf16 and, up to d = 64, in float32 (TF32 dots); d = 256, float32 at d = 128
+    and keys past the most take the three kernels. Its widest tiles are in the build's task list for both."""
+    from mhattn.backends.triton import ahead, configs
+
+    assert configs.short_backward_tile(16, 256, 256) is None and configs.short_backward_tile(16, 128, 256) is None
+    assert configs.short_backward_tile(16, 128, 128, element_size=4) is None
+    widest = {16: 128, 32: 128, 64: 128, 128: 64}
+    for head_dim, most in widest.items():
+        assert configs.short_backward_tile(most + 1, head_dim, head_dim) is None
+        tiles = {configs.short_backward_tile(keys, head_dim, head_dim) for keys in (16, 32, 64, 128) if keys <= most}
+        assert ahead.short_backward_widest_tile(head_dim).block_n == most and None not in tiles
+        for tile in sorted(tiles, key=str):
+            for dtype in ("bf16", "fp32") if head_dim <= 64 else ("bf16",):
+                task = ahead.KernelTask("short_bwd", head_dim, True, tile, dtype=dtype)
+                stack = ahead.resource_usage(ahead.compile_kernel(task, cc))["stack"]
+                assert stack == 0, f"{task.label}: {stack} B of stack per thread"
+        if head_dim in (64, 128):
+            assert ahead.KernelTask("short_bwd", head_dim, True, ahead.short_backward_widest_tile(head_dim)) in \
+                ahead.table_tasks(f"sm_{cc}")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

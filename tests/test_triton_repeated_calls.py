@@ -185,11 +185,24 @@ def test_a_repeated_gluon_forward_launches_its_prepared_launch_and_follows_the_s
 
 def backward_launches(jit, launchers, call) -> dict:
     """The backward kernels' launches that ``call()`` made, by kernel: (grid, arguments, constexprs) each."""
-    names = ("backward_preprocess_kernel", "backward_dkdv_kernel", "backward_dq_kernel")
+    names = ("backward_preprocess_kernel", "backward_dkdv_kernel", "backward_dq_kernel", "backward_short_kernel")
     by_name = {launcher.kernel.__name__: launcher for launcher in vars(launchers).values()}
     before = {name: len(jit[name].log) for name in names}
     call()
     return {name: [_recorded_launch(entry, by_name[name]) for entry in jit[name].log[before[name]:]] for name in names}
+
+
+def plain_signatures() -> list:
+    """(q, k, v), params of five plain signatures (no mask, no dropout) of 40 keys: none, a causal window, softcap,
+    GQA with a wider value head, strided views of a packed projection."""
+    qkv = torch.randn(2, 40, 3, 4, 16)
+    packed = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))  # strided views
+    q, k, v = (torch.randn(2, 4, 40, 16) for _ in range(3))
+    return [((q, k, v), AttentionParams(scale=0.25)),
+            ((q, k, v), AttentionParams(scale=0.5, window_left=7, window_right=0)),
+            ((q, k, v), AttentionParams(scale=0.5, softcap=20.0)),
+            ((q, torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 24)), AttentionParams(scale=0.5, window_right=0)),
+            (packed, AttentionParams(scale=0.25))]
 
 
 def counting_repeats(monkeypatch) -> list:
@@ -217,14 +230,7 @@ def test_a_repeated_backward_launches_what_a_call_worked_out_in_full_launches(mo
     jit, launchers = _recording_backend_launchers(monkeypatch, interpret=False)
     ran = counting_repeats(monkeypatch)
     backend = tb.TritonBackend(deterministic=deterministic)
-    qkv = torch.randn(2, 40, 3, 4, 16)
-    packed = tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))  # strided views
-    q, k, v = (torch.randn(2, 4, 40, 16) for _ in range(3))
-    cases = [((q, k, v), AttentionParams(scale=0.25)),
-             ((q, k, v), AttentionParams(scale=0.5, window_left=7, window_right=0)),
-             ((q, k, v), AttentionParams(scale=0.5, softcap=20.0)),
-             ((q, torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 24)), AttentionParams(scale=0.5, window_right=0)),
-             (packed, AttentionParams(scale=0.25))]
+    cases = plain_signatures()
 
     def run_case(inputs, params, fresh=False):
         if fresh:
@@ -251,6 +257,48 @@ def test_a_repeated_backward_launches_what_a_call_worked_out_in_full_launches(mo
             assert dmask is None and dq.shape == inputs[0].shape and dk.shape == inputs[1].shape
             assert dv.shape == inputs[2].shape
             ran.clear()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_repeated_short_backward_launches_what_a_call_worked_out_in_full_launches(monkeypatch, fresh_signatures,
+                                                                                   deterministic):
+    """Plain signatures whose keys fit one block, on the backend's own tiles: the backward is the short kernel's one
+    launch, deterministic or not; a repeated one goes through the launch its signature's first backward prepared
+    (_RepeatedShortBackward) and passes the kernel what a call worked out from scratch passes, with new gradient
+    buffers every call. A gradient into the lse takes the three kernels."""
+    jit, launchers = _recording_backend_launchers(monkeypatch, interpret=False)
+    ran = []
+    real = tb._RepeatedShortBackward.launch
+    monkeypatch.setattr(tb._RepeatedShortBackward, "launch",
+                        lambda self, *args: ran.append(1) or real(self, *args))
+    backend = tb.TritonBackend(deterministic=deterministic)
+    cases = plain_signatures()
+
+    def run_case(inputs, params, fresh=False, **kwargs):
+        if fresh:
+            tb._signatures.clear()
+        out, lse = backend.forward(*inputs, params)
+        grad_out = torch.randn_like(out)
+        grads = []
+        launches = backward_launches(
+            jit, launchers, lambda: grads.extend(backend.backward(grad_out, *inputs, out, lse, params, **kwargs)))
+        return launches, grads, lse
+
+    for inputs, params in cases:
+        first, _, _ = run_case(inputs, params)
+        assert not ran and len(first["backward_short_kernel"]) == 1
+        again, grads, _ = run_case(inputs, params)
+        assert ran == [1]
+        fresh, _, lse = run_case(inputs, params, fresh=True)
+        assert again == fresh
+        assert len(again["backward_short_kernel"]) == 1
+        assert not (again["backward_preprocess_kernel"] or again["backward_dkdv_kernel"] or again["backward_dq_kernel"])
+        dq, dk, dv, dmask = grads
+        assert dmask is None and dq.shape == inputs[0].shape and dk.shape == inputs[1].shape
+        assert dv.shape == inputs[2].shape
+        with_lse, _, _ = run_case(inputs, params, grad_lse=torch.randn_like(lse))
+        assert with_lse["backward_preprocess_kernel"] and not with_lse["backward_short_kernel"]
+        ran.clear()
 
 
 def test_a_repeated_backward_follows_the_deterministic_setting_and_the_lse_gradient(monkeypatch, fresh_signatures):
@@ -294,11 +342,12 @@ def test_a_repeated_backward_gives_way_to_the_gluon_backward_when_it_applies(mon
     monkeypatch.setenv(hopper_launch.ENV_SWITCH, "1")
     backend = tb.TritonBackend(deterministic=False)
     params = AttentionParams(scale=0.125, window_right=0)
-    q, k, v = (torch.randn(2, 4, 128, 64, dtype=torch.bfloat16) for _ in range(3))
+    # 256 keys: more than the short backward's one block at d = 64, fewer than the Gluon backward's threshold.
+    q, k, v = (torch.randn(2, 4, 256, 64, dtype=torch.bfloat16) for _ in range(3))
     plan = tb._signature_for(q, k, v, params, dense=True).plan
     monkeypatch.setattr(plan, "sm90", True)
     monkeypatch.setattr(plan, "descriptor_strides_ok", True)
-    out, lse = torch.randn_like(q), torch.randn(2, 4, 128)
+    out, lse = torch.randn_like(q), torch.randn(2, 4, 256)
     grad_out = torch.randn_like(out)
     for _ in range(2):
         backend.backward(grad_out, q, k, v, out, lse, params)

@@ -2,7 +2,8 @@
 
 ``mhattn build --arch sm_90a`` compiles, through Triton's own compiler for an explicit target, every kernel
 that the configuration table (configs.py) launches on that architecture: the forward, the dK/dV and the dQ
-kernel of each (head dim, causal) entry, with their copy-engine (TMA) and dQ-mode switches. CI runs a
+kernel of each (head dim, causal) entry, with their copy-engine (TMA) and dQ-mode switches, and the short backward
+(one launch where every key fits one block) at each head dim's largest tile. CI runs a
 sample of it so a kernel that no longer compiles for Hopper fails on a machine without a GPU. The
 development harness (benchmarks/dev_triton.py) reads registers, shared memory and spills from the same
 compiled objects.
@@ -28,9 +29,9 @@ FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "dQacc", "OutSplit"
 # cache's lengths before and after an append and its block table (decode.py), the Gluon forward's tile counter
 # (hopper_launch), the Gluon backward's dQ counters (hopper_backward.hopper_backward_kernel).
 INT32_POINTERS = {"Seed", "CuSeqlensQ", "CuSeqlensK", "Seqlens", "CacheSeqlens", "BlockTable", "TileCounter",
-                  "DqCounters"}
+                  "DqCounters", "KeyBounds"}
 FLOATS = {"qk_scale2", "softcap_in2", "softcap_out2", "dropout_scale", "sm_scale"}
-KINDS = ("fwd", "dkdv", "dq", "hopper_fwd", "hopper_bwd")
+KINDS = ("fwd", "dkdv", "dq", "short_bwd", "hopper_fwd", "hopper_bwd")
 GLUON_KINDS = ("hopper_fwd", "hopper_bwd")
 # "sm_90a" is Hopper with its architecture-specific instructions (wgmma); Triton emits those for 9.0 itself.
 ARCHS = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90, "sm_90a": 90}
@@ -55,7 +56,7 @@ def hopper_backward_tile(head_dim: int) -> configs.KernelConfig:
 class KernelTask:
     """One kernel to compile: which kernel, for which problem class and tile."""
 
-    kind: str            # "fwd", "dkdv", "dq", "splitkv" / "combine" / "append_kv" (decode.py), "hopper_fwd" /
+    kind: str            # "fwd", "dkdv", "dq", "short_bwd", "splitkv" / "combine" / "append_kv" (decode.py), "hopper_fwd" /
     #                      "hopper_bwd" (Gluon)
     head_dim: int
     causal: bool
@@ -83,7 +84,8 @@ def _kernel_function(kind: str):
 
         return hopper_backward.hopper_backward_kernel
     return {"fwd": forward.attention_forward_kernel, "dkdv": backward.backward_dkdv_kernel,
-            "dq": backward.backward_dq_kernel, "splitkv": decode.split_kv_kernel,
+            "dq": backward.backward_dq_kernel, "short_bwd": backward.backward_short_kernel,
+            "splitkv": decode.split_kv_kernel,
             "combine": decode.combine_splits_kernel, "append_kv": decode.append_kv_kernel}[kind]
 
 
@@ -253,8 +255,18 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
             if cc == 90 and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
                 tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim)))
         if not hopper_only:
+            widest = short_backward_widest_tile(head_dim)
+            tasks += [KernelTask("short_bwd", head_dim, causal, widest) for causal in (False, True) if widest]
             tasks += split_kv_tasks(head_dim, cc)
     return tasks
+
+
+def short_backward_widest_tile(head_dim: int) -> configs.KernelConfig:
+    """The short backward's tile at the most keys it takes at ``head_dim`` (the most registers it holds); None where
+    it takes none."""
+    padded = configs.padded_head_dim(head_dim)
+    keys = min(configs.SHORT_BACKWARD_MAX_KEYS, configs.SHORT_BACKWARD_ACCUMULATORS // (2 * padded))
+    return configs.short_backward_tile(keys, padded, padded)
 
 
 def split_kv_tasks(head_dim: int, cc: int = 80) -> list:

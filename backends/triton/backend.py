@@ -57,6 +57,7 @@ class _Launchers:
         self.preprocess = CompiledLauncher(backward_module.backward_preprocess_kernel, INTERPRET)
         self.dkdv = CompiledLauncher(backward_module.backward_dkdv_kernel, INTERPRET)
         self.dq = CompiledLauncher(backward_module.backward_dq_kernel, INTERPRET)
+        self.short_backward = CompiledLauncher(backward_module.backward_short_kernel, INTERPRET)
         self.split_kv = CompiledLauncher(decode_module.split_kv_kernel, INTERPRET)
         self.combine_splits = CompiledLauncher(decode_module.combine_splits_kernel, INTERPRET)
         self.append_kv = CompiledLauncher(decode_module.append_kv_kernel, INTERPRET)
@@ -160,6 +161,10 @@ class _Plan:
         self.dense = (layouts.is_dense(q), layouts.is_dense(k), layouts.is_dense(v))
         self._constexpr_sets: dict = {}
         self.lse_scratch = None  # where forwards whose lse nobody reads write it (layouts.scratch_rows), made once
+        # The short backward's tile (configs.short_backward_tile; None: the keys do not fit one block, or the tile ran
+        # out of resources here once).
+        self.short_backward_tile = configs.short_backward_tile(self.seqlen_k, self.block_d, self.block_dv,
+                                                               q.element_size(), INTERPRET)
 
     def descriptors_ok(self, q, k, v) -> bool:
         """Whether this call's q, k, v can be read through descriptors (the Hopper paths): the plan's strides and
@@ -472,6 +477,11 @@ def _dq_tensors(q, k, v, grad_out, lse2, delta, dq, mask, dmask, key_bounds) -> 
     return q, k, v, grad_out, lse2, delta, dq, mask, dmask, delta, key_bounds
 
 
+def _short_tensors(q, k, v, out, grad_out, lse, dq, dk, dv, mask, key_bounds) -> tuple:
+    """The short backward's leading tensor arguments (backward.backward_short_kernel's order)."""
+    return q, k, v, out, grad_out, lse, dq, dk, dv, mask, key_bounds
+
+
 class _RepeatedForward:
     """The FlashAttention-2 forward of a plain signature (no mask, no dropout: q, k, v and the outputs are its only
     tensors) as its first call launched it: the prepared launch of the tile that ran and the arguments between the
@@ -505,7 +515,39 @@ class _RepeatedForward:
         return True
 
 
-class _RepeatedBackward:
+class _RepeatedLaunches:
+    """A repeated backward of a plain signature: what hopper_launch.why_not reads of a call (window_right, qk_scale2,
+    tma_ok), so that it stands for one there, and the GPU its first call ran on. ``launch`` allocates the gradients
+    and hands them to the subclass's ``_launch``; None where the launches could not run here (another current GPU, a
+    new specialisation out of resources): the caller takes the full path."""
+
+    __slots__ = ("cuda_index", "window_right", "tma_ok", "qk_scale2")
+
+    def __init__(self, plan: _Plan, run: _Launch):
+        self.cuda_index = plan.cuda_index
+        self.window_right, self.tma_ok, self.qk_scale2 = run.window_right, run.tma_ok, run.qk_scale2
+
+    def launch(self, grad_out, q, k, v, out, lse, plan: _Plan):
+        """(dq, dk, dv), or None where the launches could not run here."""
+        if self.cuda_index is not None and _CURRENT_DEVICE() != self.cuda_index:
+            return None
+        dense_q, dense_k, dense_v = plan.dense
+        dq, dk, dv = layouts.grad_buffer(q, dense_q), layouts.grad_buffer(k, dense_k), layouts.grad_buffer(v, dense_v)
+        try:
+            self._launch(grad_out, q, k, v, out, lse, plan, dq, dk, dv)
+        except Exception as error:
+            from triton.runtime.errors import OutOfResources
+
+            if not isinstance(error, OutOfResources):
+                raise
+            return None
+        return dq, dk, dv
+
+    def _launch(self, grad_out, q, k, v, out, lse, plan: _Plan, dq, dk, dv) -> None:
+        raise NotImplementedError
+
+
+class _RepeatedBackward(_RepeatedLaunches):
     """The FlashAttention-2 backward of a plain signature (no mask, no dropout, no lse gradient) as its first call with
     these strides and settings launched it (TritonBackend._backward_key): the prepared launches of the preprocess, the
     dK/dV kernel and (dQ from its own kernel) the dQ kernel with the arguments between their tensors, the dQ mode, and
@@ -514,43 +556,46 @@ class _RepeatedBackward:
     is read at every call), a new specialisation that runs out of resources or another current GPU take the full
     path."""
 
-    __slots__ = ("preprocess", "dkdv", "dq", "dq_mode", "descriptors", "cuda_index", "window_right", "tma_ok",
-                 "qk_scale2")
+    __slots__ = ("preprocess", "dkdv", "dq", "dq_mode", "descriptors")
 
     def __init__(self, sites: tuple, dq_mode: int, descriptors: bool, plan: _Plan, run: _Launch):
+        super().__init__(plan, run)
         self.preprocess, self.dkdv, self.dq = sites
-        self.dq_mode, self.descriptors, self.cuda_index = dq_mode, descriptors, plan.cuda_index
-        self.window_right, self.tma_ok, self.qk_scale2 = run.window_right, run.tma_ok, run.qk_scale2
+        self.dq_mode, self.descriptors = dq_mode, descriptors
 
-    def launch(self, grad_out, q, k, v, out, lse, plan: _Plan):
-        """(dq, dk, dv), or None where the launches could not run here (the caller takes the full path)."""
-        if self.cuda_index is not None and _CURRENT_DEVICE() != self.cuda_index:
-            return None
-        dense_q, dense_k, dense_v = plan.dense
-        dq, dk, dv = layouts.grad_buffer(q, dense_q), layouts.grad_buffer(k, dense_k), layouts.grad_buffer(v, dense_v)
+    def _launch(self, grad_out, q, k, v, out, lse, plan: _Plan, dq, dk, dv) -> None:
         delta, lse2, _ = plan.backward_scratch(q.device, 0)
         dq_acc = (torch.zeros(plan.batch, plan.heads_q, plan.seqlen_q, plan.head_dim, dtype=torch.float32,
                               device=q.device) if self.dq_mode else delta)
         if self.descriptors:
             _ensure_descriptor_allocator()
         # The mask, seed, dS and key-bound places hold placeholders, as _Launch has them without a mask or dropout.
-        try:
-            prepared, middle = self.preprocess
-            prepared.launch((out, grad_out, lse, lse, delta, lse2, delta) + middle)
-            prepared, middle = self.dkdv
-            prepared.launch(_dkdv_tensors(q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, q, delta) + middle + (q, 0))
-            if self.dq is None:
-                dq.copy_(dq_acc)
-            else:
-                prepared, middle = self.dq
-                prepared.launch(_dq_tensors(q, k, v, grad_out, lse2, delta, dq, q, delta, delta) + middle + (q, 0))
-        except Exception as error:
-            from triton.runtime.errors import OutOfResources
+        prepared, middle = self.preprocess
+        prepared.launch((out, grad_out, lse, lse, delta, lse2, delta) + middle)
+        prepared, middle = self.dkdv
+        prepared.launch(_dkdv_tensors(q, k, v, grad_out, lse2, delta, dk, dv, dq_acc, q, delta) + middle + (q, 0))
+        if self.dq is None:
+            dq.copy_(dq_acc)
+        else:
+            prepared, middle = self.dq
+            prepared.launch(_dq_tensors(q, k, v, grad_out, lse2, delta, dq, q, delta, delta) + middle + (q, 0))
 
-            if not isinstance(error, OutOfResources):
-                raise
-            return None
-        return dq, dk, dv
+
+class _RepeatedShortBackward(_RepeatedLaunches):
+    """The short backward (backward.backward_short_kernel) of a plain signature as its first call launched it: the
+    prepared launch and the arguments between its tensors. A repeated backward allocates its gradients and launches
+    once."""
+
+    __slots__ = ("site",)
+
+    def __init__(self, site: tuple, plan: _Plan, run: _Launch):
+        super().__init__(plan, run)
+        self.site = site
+
+    def _launch(self, grad_out, q, k, v, out, lse, plan: _Plan, dq, dk, dv) -> None:
+        prepared, middle = self.site
+        # The mask, key-bound and seed places hold placeholders, as _Launch has them without a mask or dropout.
+        prepared.launch(_short_tensors(q, k, v, out, grad_out, lse, dq, dk, dv, q, lse) + middle + (q, 0))
 
 
 class TritonBackend(OutputOnlyForward):
@@ -644,6 +689,13 @@ class TritonBackend(OutputOnlyForward):
         if reason is None:
             return ("the Gluon Hopper backward (hopper_backward.py), when q, k, v and the output gradient rows are "
                     "16-byte aligned")
+        tile = configs.short_backward_tile(problem.seqlen_k, configs.padded_head_dim(problem.head_dim),
+                                           configs.padded_head_dim(problem.head_dim_v),
+                                           torch.empty(0, dtype=problem.dtype).element_size(), INTERPRET)
+        if tile is not None and configs.pinned() is None and "mask_grad" not in problem.features:
+            return (f"the short backward in one launch (backward.py, backward_short_kernel): all {problem.seqlen_k} "
+                    f"keys in one block of {tile.block_n}, unless the lse gets a gradient (then the three kernels of "
+                    f"the FlashAttention-2 backward); not the Gluon Hopper backward because {reason}")
         return f"the FlashAttention-2 backward (backward.py): not the Gluon Hopper backward because {reason}"
 
     def native_call(self, q, k, v, params: AttentionParams):
@@ -750,6 +802,43 @@ class TritonBackend(OutputOnlyForward):
         return (out.stride(), grad_out.stride(), lse.stride(), plan.descriptors_ok(q, k, v),
                 _descriptor_ready(grad_out), self._deterministic())
 
+    def _short_backward(self, run: _Launch, grad_out, q, k, v, out, lse, dq, dk, dv):
+        """The backward in one launch (backward.backward_short_kernel) where every key fits one block and the call
+        needs no lse or mask gradient: fills and returns (dq, dk, dv), or None where it does not apply (the
+        three-kernel path runs). A plain signature keeps the launch for its repeated calls (_RepeatedShortBackward).
+        A pinned tile configuration keeps the three kernels it names."""
+        plan, signature = run.plan, run.signature
+        tile = plan.short_backward_tile
+        if tile is None or configs.pinned() is not None or (lse.stride(2) != 1 and plan.seqlen_q > 1):
+            return None
+        kernel = launchers().short_backward
+
+        def prepare():
+            return (plan.batch * plan.heads_kv,), (
+                *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), *_strides4(grad_out),
+                *_strides4(dq), *_strides4(dk), *_strides4(dv), *run.mask_strides, lse.stride(0), lse.stride(1),
+                plan.heads_q, plan.heads_kv, plan.kv_group, plan.seqlen_q, plan.seqlen_k,
+                run.qk_scale2, run.softcap_in2, run.softcap_out2, run.dropout_scale, run.sm_scale,
+                run.diag_offset, run.window_left, run.window_right,
+            ), plan.constexprs(kernel, tile)
+
+        tensors = _short_tensors(q, k, v, out, grad_out, lse, dq, dk, dv, run.mask, run.key_bounds_or(lse))
+        try:
+            with _OnDevice(q.device):
+                site = _launch_site(signature, (kernel, tile, out.stride(), grad_out.stride(), lse.stride()), kernel,
+                                    tensors, (run.seed, run.threshold), prepare)
+        except Exception as error:
+            from triton.runtime.errors import OutOfResources
+
+            if not isinstance(error, OutOfResources):
+                raise
+            plan.short_backward_tile = None  # the three-kernel path from now on, for this plan
+            return None
+        if signature.plain:
+            signature.repeated_backwards[self._backward_key(grad_out, q, k, v, out, lse, plan)] = (
+                _RepeatedShortBackward(site, plan, run))
+        return dq, dk, dv
+
     def _backward_in_full(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse, signature):
         """The backward with every step: this call's per-call state (_Launch), the Hopper decision, the tiles (shrunk
         where they ran out of resources); leaves a plain signature's FlashAttention-2 backward the launches its
@@ -774,6 +863,10 @@ class TritonBackend(OutputOnlyForward):
 
         hopper = plan.sm90 and hopper_launch.why_not_backward(plan, run, _descriptor_ready(grad_out),
                                                               self._deterministic()) is None
+        if not hopper and grad_lse is None and not mask_grad:
+            grads = self._short_backward(run, grad_out, q, k, v, out, lse, dq, dk, dv)
+            if grads is not None:
+                return (*grads, None)
         # The Gluon Hopper backward's float32 dQ sums and counters, when it runs as one launch: in the same
         # allocation as delta and lse2, zeroed by the preprocess kernel (hopper_launch.backward).
         sums_words = hopper_launch.backward_sums_words(plan, plan.device_index) if hopper else 0

@@ -19,6 +19,12 @@ where delta = rowsum(dO * O) - grad_lse. Three launches:
 Every output element is written by exactly one program with a fixed summation order, so the
 gradients are bitwise reproducible.
 
+A short problem, whose keys all fit one block (configs.short_backward_tile), takes one launch instead:
+``backward_short_kernel``, one program per (batch, key/value head) running the dK/dV loop over every
+query block, each step forming its rows' lse2 and delta itself and storing its rows' dQ outright (the
+head's only key block gives all of it). No preprocess, no dQ kernel, no scratch: on a short call the
+host's launches and allocations are most of its time (backends/triton/NOTES.md, "The short backward").
+
 The faster mode (configs.DQ_MODES "atomic" / "tma") drops the third kernel: each step of the dK/dV
 kernel also forms its query block's share of dQ, scale * dS K, and adds it into a float32 buffer,
 element by element with atomics or as one tile with the copy engine's bulk reduce-add (sm_90). That
@@ -99,7 +105,8 @@ def add_dq_share(dq_acc, dq_desc, ds_t, k, start_m, offs_m, offs_d, seqlen_q, sm
                  DOT_PRECISION: tl.constexpr):
     """Add this step's share of dQ, scale * dS K ((BLOCK_M, BLOCK_D) fp32), into the float32 buffer:
     DQ_MODE 1 with one atomic per element (rows past Nq and padding columns skipped), 2 with one bulk
-    reduce-add of the tile through the descriptor (the copy engine clips what lies outside)."""
+    reduce-add of the tile through the descriptor (the copy engine clips what lies outside); DQ_MODE 3 stores it
+    as dQ itself (in dq_acc's dtype): the share of a head's only key block is all of it."""
     dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * sm_scale
     if DQ_MODE == 2:
         dq_desc.atomic_add([start_m, 0], dq)
@@ -108,12 +115,23 @@ def add_dq_share(dq_acc, dq_desc, ds_t, k, start_m, offs_m, offs_d, seqlen_q, sm
         inside = offs_m[:, None] < seqlen_q
         if BLOCK_D != HEAD_DIM:
             inside = inside & (offs_d[None, :] < HEAD_DIM)
-        tl.atomic_add(ptrs, dq, mask=inside, sem="relaxed")
+        if DQ_MODE == 3:
+            tl.store(ptrs, dq.to(dq_acc.dtype.element_ty), mask=inside)
+        else:
+            tl.atomic_add(ptrs, dq, mask=inside, sem="relaxed")
+
+
+@triton.jit
+def inline_lse2(lse_base, offs_m, seqlen_q):
+    """The preprocess's lse2 of rows offs_m, from the forward's natural-log lse (contiguous rows): base 2, and +inf
+    for rows that saw no key, so that exp2(s2 - lse2) is 0 there instead of NaN."""
+    lse = tl.load(lse_base + offs_m, mask=offs_m < seqlen_q, other=float("-inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
 
 
 @triton.jit
 def dkdv_query_range(dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_acc, dq_desc, lse2_base, delta_base,
-                     stride_qm, stride_dom, stride_dqm,
+                     stride_qm, stride_dom, stride_dqm, stride_om,
                      start, end, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k,
                      qk_scale2, softcap_in2, softcap_out2, dropout_scale,
                      diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
@@ -123,11 +141,14 @@ def dkdv_query_range(dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_acc, dq_
                      MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                      HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-                     DQ_MODE: tl.constexpr, sm_scale):
+                     DQ_MODE: tl.constexpr, sm_scale, ROWS_INLINE: tl.constexpr = False):
     """The dK/dV inner loop over query blocks [start, end) of one query head, in key-major tiles
     (BLOCK_N keys x BLOCK_M queries). dk (BLOCK_N, BLOCK_D), dv (BLOCK_N, BLOCK_DV) fp32, updated and
     returned; k, v the key block's tiles in the input dtype. DQ_MODE 0: dQ is left to the dQ kernel;
-    1 / 2: each step adds its share into dq_acc (see :func:`add_dq_share`)."""
+    1 / 2: each step adds its share into dq_acc (see :func:`add_dq_share`); 3: the key block is the head's only
+    one, so its share is the whole of dQ, stored into dq_acc (dQ itself, rows stride_dqm apart).
+    ROWS_INLINE (the short backward, no preprocess): lse2_base points at the forward's natural-log lse and delta_base
+    at the output O (rows stride_om apart), and each step forms its rows' lse2 and delta itself."""
     offs_local = tl.arange(0, BLOCK_M)
     # Only the unmasked middle range is long enough for warp specialisation to pay.
     for start_m in tl.range(start, end, BLOCK_M, warp_specialize=WARP_SPECIALIZE and not MASKED):
@@ -135,7 +156,9 @@ def dkdv_query_range(dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_acc, dq_
         offs_m = start_m + offs_local
         q = load_block(q_desc, q_base, start_m, offs_local, stride_qm, offs_d, seqlen_q, HEAD_DIM, BLOCK_D,
                        MASKED, TMA)
-        if MASKED:
+        if ROWS_INLINE:
+            lse2 = inline_lse2(lse2_base, offs_m, seqlen_q)
+        elif MASKED:
             lse2 = tl.load(lse2_base + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
         else:
             lse2 = tl.load(lse2_base + offs_m)
@@ -155,7 +178,11 @@ def dkdv_query_range(dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_acc, dq_
             dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         else:
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        if MASKED:
+        if ROWS_INLINE:
+            o = load_block(do_desc, delta_base, start_m, offs_local, stride_om, offs_dv, seqlen_q, HEAD_DIM_V,
+                           BLOCK_DV, True, False)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        elif MASKED:
             delta = tl.load(delta_base + offs_m, mask=offs_m < seqlen_q, other=0.0)
         else:
             delta = tl.load(delta_base + offs_m)
@@ -168,6 +195,53 @@ def dkdv_query_range(dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_acc, dq_
             add_dq_share(dq_acc, dq_desc, ds_t, k, start_m, offs_m, offs_d, seqlen_q, sm_scale, stride_dqm,
                          HEAD_DIM, BLOCK_D, DQ_MODE, DOT_PRECISION)
     return dk, dv
+
+
+@triton.jit
+def load_key_block(K, V, batch, head_kv, key_rows, offs_n, offs_d, offs_dv, seqlen_k, stride_kb, stride_kh, stride_kn,
+                   stride_vb, stride_vh, stride_vn, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """(k, v): the key block's rows key_rows of one (batch, key/value head), keys past seqlen_k read as 0."""
+    k_ptrs = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh + key_rows * stride_kn + offs_d[None, :]
+    v_ptrs = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh + key_rows * stride_vn + offs_dv[None, :]
+    k = load_rows(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = load_rows(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+    return k, v
+
+
+@triton.jit
+def dropout_seeds(Seed, threshold, HAS_DROPOUT: tl.constexpr):
+    """(seed0, seed1): the int64 seed tensor's low words (see the forward kernel); with no dropout, int32 scalars of
+    the same type that nothing reads."""
+    seed0 = threshold
+    seed1 = threshold
+    if HAS_DROPOUT:
+        seed0 = tl.load(Seed)
+        seed1 = tl.load(Seed + 2)
+    return seed0, seed1
+
+
+@triton.jit
+def store_key_block_grads(dK, dV, dk, dv, sm_scale, batch, head_kv, key_rows, offs_n, offs_d, offs_dv, stored_keys,
+                          stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_DV: tl.constexpr):
+    """dK = scale * dk and dV = dv (fp32 sums) of the key block's rows key_rows, in dK's and dV's dtype; rows from
+    stored_keys on (another batch entry's) and padding columns are not written."""
+    dk = dk * sm_scale
+    rows_ok = offs_n[:, None] < stored_keys
+    dk_ptrs = (dK + batch.to(tl.int64) * stride_dkb + head_kv.to(tl.int64) * stride_dkh
+               + key_rows * stride_dkn + offs_d[None, :])
+    dv_ptrs = (dV + batch.to(tl.int64) * stride_dvb + head_kv.to(tl.int64) * stride_dvh
+               + key_rows * stride_dvn + offs_dv[None, :])
+    if BLOCK_D != HEAD_DIM:
+        tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=rows_ok & (offs_d[None, :] < HEAD_DIM))
+    else:
+        tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=rows_ok)
+    if BLOCK_DV != HEAD_DIM_V:
+        tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=rows_ok & (offs_dv[None, :] < HEAD_DIM_V))
+    else:
+        tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=rows_ok)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left",
@@ -216,18 +290,12 @@ def backward_dkdv_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
 
     key_rows = (k_start + offs_n)[:, None].to(tl.int64)
-    k_ptrs = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh + key_rows * stride_kn + offs_d[None, :]
-    v_ptrs = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh + key_rows * stride_vn + offs_dv[None, :]
-    k = load_rows(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = load_rows(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
+    k, v = load_key_block(K, V, batch, head_kv, key_rows, offs_n, offs_d, offs_dv, seqlen_k, stride_kb, stride_kh,
+                          stride_kn, stride_vb, stride_vh, stride_vn, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     rng_cols = column_hashes(offs_n)
-    seed0 = threshold  # an int32 scalar of the same type; read only with HAS_DROPOUT
-    seed1 = threshold
-    if HAS_DROPOUT:
-        seed0 = tl.load(Seed)  # the int64 seed tensor's low words (see the forward kernel)
-        seed1 = tl.load(Seed + 2)
+    seed0, seed1 = dropout_seeds(Seed, threshold, HAS_DROPOUT)
 
     lo, full_lo, full_hi, hi = key_major_ranges(start_n, seqlen_q, seqlen_k, diag_offset, window_left,
                                                 window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -256,7 +324,7 @@ def backward_dkdv_kernel(
         if HAS_RIGHT:
             dk, dv = dkdv_query_range(
                 dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_base, dq_desc, lse2_base, delta_base,
-                stride_qm, stride_dom, HEAD_DIM, lo, full_lo,
+                stride_qm, stride_dom, HEAD_DIM, 0, lo, full_lo,
                 offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2,
                 dropout_scale, diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
                 rng_head_key, rng_cols, seed1, threshold,
@@ -264,7 +332,7 @@ def backward_dkdv_kernel(
                 HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION, TMA, WARP_SPECIALIZE, DQ_MODE, sm_scale)
         dk, dv = dkdv_query_range(
             dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_base, dq_desc, lse2_base, delta_base,
-                stride_qm, stride_dom, HEAD_DIM, full_lo, full_hi,
+                stride_qm, stride_dom, HEAD_DIM, 0, full_lo, full_hi,
             offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2,
             dropout_scale, diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
             rng_head_key, rng_cols, seed1, threshold,
@@ -273,27 +341,86 @@ def backward_dkdv_kernel(
         # The window's left edge, the ragged query end, the ragged key block: masked.
         dk, dv = dkdv_query_range(
             dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_base, dq_desc, lse2_base, delta_base,
-                stride_qm, stride_dom, HEAD_DIM, full_hi, hi,
+                stride_qm, stride_dom, HEAD_DIM, 0, full_hi, hi,
             offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2,
             dropout_scale, diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
             rng_head_key, rng_cols, seed1, threshold,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
             HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION, TMA, WARP_SPECIALIZE, DQ_MODE, sm_scale)
 
-    dk = dk * sm_scale
-    rows_ok = offs_n[:, None] < stored_keys
-    dk_ptrs = (dK + batch.to(tl.int64) * stride_dkb + head_kv.to(tl.int64) * stride_dkh
-               + key_rows * stride_dkn + offs_d[None, :])
-    dv_ptrs = (dV + batch.to(tl.int64) * stride_dvb + head_kv.to(tl.int64) * stride_dvh
-               + key_rows * stride_dvn + offs_dv[None, :])
-    if BLOCK_D != HEAD_DIM:
-        tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=rows_ok & (offs_d[None, :] < HEAD_DIM))
-    else:
-        tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=rows_ok)
-    if BLOCK_DV != HEAD_DIM_V:
-        tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=rows_ok & (offs_dv[None, :] < HEAD_DIM_V))
-    else:
-        tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=rows_ok)
+    store_key_block_grads(dK, dV, dk, dv, sm_scale, batch, head_kv, key_rows, offs_n, offs_d, offs_dv, stored_keys,
+                          stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                          HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "diag_offset", "window_left", "window_right", "threshold"])
+def backward_short_kernel(
+    Q, K, V, Out, dOut, Lse, dQ, dK, dV, Mask, KeyBounds,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_mb, stride_mh, stride_mq, stride_mk,
+    stride_lb, stride_lh,
+    heads_q, heads_kv, kv_group, seqlen_q, seqlen_k,
+    qk_scale2, softcap_in2, softcap_out2, dropout_scale, sm_scale,
+    diag_offset, window_left, window_right,
+    Seed, threshold,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, KEY_LENGTHS: tl.constexpr = False,
+):
+    """The whole backward of a short problem, all its keys in one block (Nk <= BLOCK_N), in one launch: dQ (B, Hq,
+    Nq, D), dK (B, Hkv, Nk, D) and dV (B, Hkv, Nk, Dv) in the input dtype, by their strides, from Q, K, V, the
+    output O, its gradient dO and the forward's natural-log Lse (B, Hq, Nq; rows contiguous, by (stride_lb,
+    stride_lh)). One program per (batch, key/value head) walks every query block of every query head of its group, as
+    the dK/dV kernel's program of a key block does, with two differences that the single key block allows: each step
+    forms its rows' lse2 and delta = rowsum(dO * O) itself (no preprocess launch, no scratch), and stores its rows'
+    dQ = scale * dS K outright (nothing else adds to them: no dQ kernel, no float32 buffer to zero and convert).
+    Every query block is visited and masked throughout, so rows that see no key get dQ = 0. Each gradient element
+    is written by one program in a fixed order: bitwise reproducible. Grid: (B * Hkv,)."""
+    batch_head_kv = tl.program_id(0)
+    batch = batch_head_kv // heads_kv
+    head_kv = batch_head_kv % heads_kv
+    stored_keys = seqlen_k  # the rows of dK / dV this batch entry owns, whatever the key bound
+    _, _, seqlen_q, seqlen_k = sequence_bounds(KeyBounds, KeyBounds, batch, seqlen_q, seqlen_k, False, KEY_LENGTHS)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    key_rows = offs_n[:, None].to(tl.int64)
+    k, v = load_key_block(K, V, batch, head_kv, key_rows, offs_n, offs_d, offs_dv, seqlen_k, stride_kb, stride_kh,
+                          stride_kn, stride_vb, stride_vh, stride_vn, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    rng_cols = column_hashes(offs_n)
+    seed0, seed1 = dropout_seeds(Seed, threshold, HAS_DROPOUT)
+    for group_index in range(0, kv_group):
+        head = head_kv * kv_group + group_index
+        batch_head = batch * heads_q + head
+        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+        do_base = dOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+        o_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+        dq_base = dQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+        lse_base = Lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+        mask_base = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+        dk, dv = dkdv_query_range(
+            dk, dv, k, v, q_base, do_base, q_base, do_base, dq_base, dq_base, lse_base, o_base,
+            stride_qm, stride_dom, stride_dqm, stride_om, 0, seqlen_q,
+            offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, qk_scale2, softcap_in2, softcap_out2,
+            dropout_scale, diag_offset, window_left, window_right, mask_base, stride_mq, stride_mk,
+            head_key(batch_head, seed0), rng_cols, seed1, threshold,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
+            HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, DOT_PRECISION, False, False, 3, sm_scale, True)
+
+    store_key_block_grads(dK, dV, dk, dv, sm_scale, batch, head_kv, key_rows, offs_n, offs_d, offs_dv, stored_keys,
+                          stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                          HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
 
 
 @triton.jit

@@ -148,6 +148,34 @@ SHORT_FORWARD = {
     ("sm90", "half", 128, True): _k(64, 64, 4, 3),
 }
 
+# The short backward (backward.backward_short_kernel: one launch, all keys in one block): dK and dV of BLOCK_N keys
+# stay in registers as BLOCK_N * (BLOCK_D + BLOCK_DV) float32 accumulators, at most SHORT_BACKWARD_ACCUMULATORS (64 a
+# thread over 8 warps) and BLOCK_N <= SHORT_BACKWARD_MAX_KEYS: up to 128 keys at d <= 64, 64 at d = 128. Wider heads
+# (BLOCK_D + BLOCK_DV > SHORT_BACKWARD_MAX_WIDTH) spill at every tile of 32 keys, and 256 keys at d = 32 spill in
+# float32 (compiler report, sm_90 and sm_80): those take the three kernels. 0 accumulators turn it off.
+SHORT_BACKWARD_ACCUMULATORS = 16384
+SHORT_BACKWARD_MAX_KEYS = 128
+SHORT_BACKWARD_MAX_WIDTH = 256
+
+
+def short_backward_tile(seqlen_k: int, block_d: int, block_dv: int, element_size: int = 2,
+                        interpret: bool = False) -> Optional[KernelConfig]:
+    """The short backward's tile for ``seqlen_k`` keys (BLOCK_N: all of them; BLOCK_M query rows a step), or None
+    where they do not fit one block. A step takes 32 query rows over 8 warps: with 64 rows, or 4 warps, some of these
+    tiles spill (compiler report, sm_90 and sm_80, bf16 and float32), as float32 inputs do at d = 128 (their Q and dO
+    tiles take twice the registers; ``element_size`` 4: half the width). The interpreter steps 16 rows at a time, so
+    CPU tests cross query blocks."""
+    block_n = max(16, triton_next_power_of_2(seqlen_k))
+    width = block_d + block_dv
+    max_width = SHORT_BACKWARD_MAX_WIDTH if element_size <= 2 else SHORT_BACKWARD_MAX_WIDTH // 2
+    if (seqlen_k < 1 or block_n > SHORT_BACKWARD_MAX_KEYS or width > max_width
+            or block_n * width > SHORT_BACKWARD_ACCUMULATORS):
+        return None
+    if interpret:
+        return KernelConfig(16, block_n, 4, 1)
+    return KernelConfig(32, block_n, 8, 1)
+
+
 # Small tiles for the CPU interpreter: several blocks on small shapes, so the loops' edges are exercised.
 INTERPRETER = AttentionConfig(_k(16, 16, 4, 1), _k(16, 16, 4, 1), _k(16, 16, 4, 1))
 FALLBACK = AttentionConfig(_k(64, 32, 4, 1), _k(32, 64, 4, 1), _k(64, 32, 4, 1))
