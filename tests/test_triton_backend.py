@@ -1221,6 +1221,32 @@ def test_split_kv_kernel_compiles_for_sm90_without_spills():
         assert "griddepcontrol" not in ahead.compile_kernel(task, 80).asm["ptx"], task.label
 
 
+def test_backward_path_says_when_the_short_backward_runs():
+    """explain's backward line for the Triton backend: the one-launch short backward where every key fits one block
+    (and no mask gradient), the FlashAttention-2 kernels past it or with a mask gradient, on an sm_90 problem below the
+    Gluon backward's key count and on an Ampere one."""
+    import dataclasses
+
+    from mhattn.backends.triton import configs
+    from mhattn.problem import Problem
+
+    backend = _backend()
+    base = Problem(device_type="cuda", device_index=0, compute_capability=(9, 0), dtype=torch.bfloat16, batch=1,
+                   heads_q=16, heads_kv=16, seqlen_q=128, seqlen_k=128, head_dim=64, head_dim_v=64,
+                   features=frozenset(), needs_grad=True)
+    short = backend.backward_path(base)
+    assert short.startswith("the short backward in one launch") and "all 128 keys in one block of 128" in short
+    assert "backward_short_kernel" in short
+    ampere = backend.backward_path(dataclasses.replace(base, compute_capability=(8, 0), seqlen_k=50))
+    assert "all 50 keys in one block of 64" in ampere
+    for other in (dataclasses.replace(base, seqlen_k=129), dataclasses.replace(base, head_dim=128, head_dim_v=128),
+                  dataclasses.replace(base, dtype=torch.float32, head_dim=128, head_dim_v=128),
+                  dataclasses.replace(base, features=frozenset({"float_mask", "mask_grad"}))):
+        assert backend.backward_path(other).startswith("the FlashAttention-2 backward"), other
+    with configs.pin("16,16,4,1"):
+        assert backend.backward_path(base).startswith("the FlashAttention-2 backward")
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("cc", [90, 80])
 def test_short_backward_compiles_without_spills_at_every_tile_it_takes(cc):
