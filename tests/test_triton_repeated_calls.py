@@ -98,6 +98,42 @@ def test_a_repeated_call_out_of_resources_on_a_new_specialisation_shrinks_its_ti
         assert [launch[0] for launch in again] == ["handle"]  # the smaller tile, through its kept handle
 
 
+def test_a_short_backward_out_of_resources_takes_the_three_kernels_from_then_on(monkeypatch, fresh_signatures):
+    """Where the short backward's tile runs out of resources, that backward takes the three FlashAttention-2 kernels
+    (with their gradients), and so do the plan's later backwards, first or repeated: no second try of the tile."""
+    from triton.runtime.errors import OutOfResources
+
+    jit, launchers = _recording_backend_launchers(monkeypatch, interpret=False)
+    kernel = jit["backward_short_kernel"]
+    compile_launch = type(kernel).__getitem__
+
+    def launch_or_fail(self, grid):
+        launch = compile_launch(self, grid)
+        if self is not kernel:
+            return launch
+
+        def run(*args, **kwargs):
+            raise OutOfResources(1 << 20, 1 << 16, "registers")
+
+        return run
+
+    monkeypatch.setattr(type(kernel), "__getitem__", launch_or_fail)
+    backend = tb.TritonBackend()
+    params = AttentionParams(scale=0.25)
+    q, k, v = (torch.randn(SHAPE) for _ in range(3))
+    out, lse = backend.forward(q, k, v, params)
+    grad_out = torch.randn_like(out)
+    plan = tb._signature_for(q, k, v, params, dense=True).plan
+    assert plan.short_backward_tile is not None
+    for _ in range(3):
+        grads = []
+        launches = backward_launches(jit, launchers,
+                                     lambda: grads.extend(backend.backward(grad_out, q, k, v, out, lse, params)))
+        assert launches["backward_dkdv_kernel"] and not launches["backward_short_kernel"]
+        assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape] and grads[3] is None
+        assert plan.short_backward_tile is None
+
+
 def test_launches_switch_to_the_tensors_gpu_only_when_another_is_current(monkeypatch):
     """_on_device: a launch for GPU 1 while GPU 0 is current runs inside torch.cuda.device(1); for the current GPU or
     CPU tensors (None) no device is switched."""
