@@ -1,8 +1,10 @@
 """The Triton backend's short backward (one launch: backward.backward_short_kernel) beside its three-kernel
-FlashAttention-2 backward, torch's SDPA and the CuPy backend, in one process and taking turns, at short shapes (every
-key in one block): per forward+backward, the GPU time (do_bench median, host-bound at these sizes) and the host loop
-(300 calls, one synchronize, the best of 7 rounds, each loop from the fastest CPU: latency.host_loops_in_turn). The
-three-kernel rows run with configs.SHORT_BACKWARD_ACCUMULATORS = 0 (the short backward off) and fresh signatures.
+FlashAttention-2 backward, torch's SDPA and the CuPy backend (on sm_90 its Hopper backward with dQ stored directly,
+DQ_DIRECT, and with the float32 dQ buffer), in one process and taking turns, at short shapes (every key in one block):
+per forward+backward, the GPU time (do_bench median, host-bound at these sizes) and the host loop (300 calls, one
+synchronize, the best of 7 rounds, each loop from the fastest CPU: latency.host_loops_in_turn). The three-kernel rows
+run with configs.SHORT_BACKWARD_ACCUMULATORS = 0 (the short backward off) and fresh signatures, the CuPy buffer rows
+with ops.HOPPER_BWD_DIRECT_DQ = False and fresh plans.
 
     source benchmarks/device_env.sh && cd /tmp && python3 <repo>/benchmarks/check_short_backward.py
 
@@ -14,6 +16,7 @@ import contextlib
 import torch
 
 import mhattn
+from mhattn.backends.cupy import ops as cupy_ops
 from mhattn.backends.triton import backend as triton_backend
 from mhattn.backends.triton import configs
 from mhattn.benchmark import latency, timing
@@ -47,6 +50,20 @@ def short_backward(on: bool):
         _fresh_signatures()
 
 
+@contextlib.contextmanager
+def cupy_direct_dq(on: bool):
+    """The CuPy backend's Hopper backward storing dQ directly where every key fits one CTA, or always through its
+    float32 buffer, on fresh plans."""
+    saved = cupy_ops.HOPPER_BWD_DIRECT_DQ
+    cupy_ops.HOPPER_BWD_DIRECT_DQ = on
+    cupy_ops._backward_plans.clear()
+    try:
+        yield
+    finally:
+        cupy_ops.HOPPER_BWD_DIRECT_DQ = saved
+        cupy_ops._backward_plans.clear()
+
+
 def forward_backward(shape, backend: str):
     batch, heads_q, seqlen, head_dim, causal, heads_kv = shape
     gqa = heads_kv is not None
@@ -64,8 +81,10 @@ def main():
     rows = []
     for label, shape in SHAPES:
         calls = {"sdpa": forward_backward(shape, "sdpa"), "triton short": forward_backward(shape, "triton"),
-                 "triton 3 kernels": forward_backward(shape, "triton"), "cupy": forward_backward(shape, "cupy")}
-        contexts = {"triton short": lambda: short_backward(True), "triton 3 kernels": lambda: short_backward(False)}
+                 "triton 3 kernels": forward_backward(shape, "triton"),
+                 "cupy direct dQ": forward_backward(shape, "cupy"), "cupy dQ buffer": forward_backward(shape, "cupy")}
+        contexts = {"triton short": lambda: short_backward(True), "triton 3 kernels": lambda: short_backward(False),
+                    "cupy direct dQ": lambda: cupy_direct_dq(True), "cupy dQ buffer": lambda: cupy_direct_dq(False)}
         gpu_us = {}
         for name, call in calls.items():
             with contexts.get(name, contextlib.nullcontext)():

@@ -13,7 +13,8 @@
 # The bench gets the time the earlier stages leave (it stops starting tasks at its time limit and still
 # reports, plots and saves what ran): for the complete sweep in one call, run the benchmarks alone.
 #
-# FEATURE_CHECKS=callpath,inference,tune,cupy,cupy-hopper,triton-hopper,gluon-host,clocks,short-backward runs those checks first
+# FEATURE_CHECKS=callpath,inference,tune,cupy,cupy-hopper,triton-hopper,gluon-host,clocks,short-backward runs those
+# checks first
 # (CHECK_S seconds each, default 300; INFERENCE_ARGS, TUNE_ARGS, CUPY_HOPPER_ARGS, TRITON_HOPPER_ARGS passed on).
 # Environment: OUT (default /tmp/mhattn_gpu_check), QUICK, SKIP_TESTS, SKIP_CONFORMANCE, SKIP_BENCH,
 # SKIP_PYTEST_BENCH, GPU_TESTS (the test files for `pytest -m gpu`, default tests/: the whole GPU suite takes more

@@ -951,8 +951,8 @@ def test_hopper_kernels_take_a_boolean_mask_by_pointer_and_strides(recorded_maps
     assert variant == variants.hopper_bwd_variant("bfloat16", 64, bool_mask=True)
     assert args[-12:-5] == [("ptr", mask.data_ptr())] + strides + [("f32", 0.0), ("f32", 0.0)]
     # per dtype: forward 5 tile forms x 2 softcaps x 3 masks; backward 5 feature sets (no float mask with a softcap)
-    # at d = 64 and 128, and reproducible at d = 128
-    assert len(variants.hopper_variants()) == len(set(variants.hopper_variants())) == 2 * (30 + 5 * 3)
+    # at d = 64 and 128, reproducible at d = 128, and with dQ stored directly (one key block) at d = 64 and 128
+    assert len(variants.hopper_variants()) == len(set(variants.hopper_variants())) == 2 * (30 + 5 * 3 + 5 * 2)
 
 
 def test_hopper_kernels_take_a_float_mask_as_float32_by_pointer_and_strides(recorded_maps):
@@ -1009,6 +1009,8 @@ def test_forward_path_names_the_family():
     reproducible = CupyBackend(compute_capability=(9, 0), deterministic=True)
     assert "hopper_bwd.cu" in reproducible.backward_path(_problem(head_dim=128, head_dim_v=128))
     assert "in turns: deterministic" in reproducible.backward_path(_problem(head_dim=128, head_dim_v=128))
+    assert "dQ stored directly, every key in one CTA" in backend.backward_path(_problem(seqlen_k=128))
+    assert "dQ stored directly" not in backend.backward_path(_problem(seqlen_k=129))
     assert "not the Hopper backward because a deterministic backward at head dim 64" in reproducible.backward_path(
         _problem(head_dim=64, head_dim_v=64))
     assert backend.backward_path(_problem(head_dim=256, head_dim_v=256)).startswith(
@@ -1051,6 +1053,41 @@ def test_hopper_backward_plan_launches_the_preprocess_then_the_hopper_kernel(rec
     out, lse = backend.forward(q, k, v, params)
     backend.backward(grad_out, q, k, v, out, lse, params)
     assert launcher.calls[-1][0].kernel == "bwd_dq"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_hopper_backward_of_one_key_block_stores_dq_itself(recorded_maps, monkeypatch, deterministic):
+    """Where every key fits one CTA (at most 128) and dQ is (B, Hq, Nq, D) contiguous, the Hopper backward is the
+    DQ_DIRECT variant (the writers' own stores, no turns: reproducible as it is, so also when asked for) handed dQ
+    itself in the accumulator's place: no zeroed float32 buffer is allocated and nothing is copied after the launch.
+    129 keys, or dQ laid out like strided q (a packed projection's views), take the accumulator again. (Reproducible
+    gradients at d = 64 keep the mma.sync kernels, as for any key count: HOPPER_BWD_DETERMINISTIC_DIMS.)"""
+    launcher = _MapLauncher()
+    backend = CupyBackend(launcher=launcher, compute_capability=(9, 0), deterministic=deterministic)
+    zeros, copies = [], []
+    real_zeros, real_copy = torch.zeros, torch.Tensor.copy_
+    monkeypatch.setattr(ops.torch, "zeros", lambda *a, **kw: zeros.append(a) or real_zeros(*a, **kw))
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **kw: copies.append(1) or real_copy(self, *a, **kw))
+    for d in (128,) if deterministic else (64, 128):
+        q, k, v, grad_out = _inputs(2, 4, 2, 300, 128, d, torch.bfloat16, "cpu")
+        params = _params(300, 128, d, causal="bottom_right")
+        out, lse = backend.forward(q, k, v, params)
+        del zeros[:], copies[:]
+        dq, dk, dv, _ = backend.backward(grad_out, q, k, v, out, lse, params)
+        variant, grid, args = launcher.calls[-1]
+        assert variant == variants.hopper_bwd_variant("bfloat16", d, direct_dq=True) and grid == (1, 2, 2)
+        assert variant.define("DQ_DIRECT") == 1 and variant.define("DQ_BULK") == 0
+        assert variant.define("DETERMINISTIC") == 0
+        assert args[6] == ("ptr", dq.data_ptr()) and args[7] == ("ptr", 0) and not zeros and not copies
+    for keys, strided in ((129, False), (100, True)):
+        q, k, v, grad_out = _inputs(2, 4, 4, 100, keys, 128, torch.bfloat16, "cpu", strided=strided)
+        params = _params(100, keys, 128)
+        out, lse = backend.forward(q, k, v, params)
+        del zeros[:], copies[:]
+        dq, _, _, _ = backend.backward(grad_out, q, k, v, out, lse, params)
+        variant, _, args = launcher.calls[-1]
+        assert variant == variants.hopper_bwd_variant("bfloat16", 128, deterministic=deterministic)
+        assert args[6][1] not in (0, dq.data_ptr()) and zeros and copies
 
 
 def test_hopper_backward_tiles_from_the_table_and_the_override(recorded_maps, monkeypatch):
@@ -1225,6 +1262,16 @@ for _dtype in (torch.float16, torch.bfloat16):
         dict(name="gqa_causal_d128", dtype=_dtype, shape=(2, 4, 2, 300, 333, 128), causal="top_left"),
         dict(name="d256_causal", dtype=_dtype, shape=(1, 2, 1, 300, 333, 256), causal="bottom_right"),
         dict(name="one_row", dtype=_dtype, shape=(1, 2, 2, 1, 513, 64)),
+        # every key in one CTA of the Hopper backward (dQ stored directly): rows that see no key (zeros written by
+        # the kernel), GQA, a window leaving query blocks out, a mask with hidden rows, a softcap with key padding,
+        # and strided views (dQ not contiguous: the float32 accumulator)
+        dict(name="one_key_block_br_empty_rows", dtype=_dtype, shape=(1, 4, 4, 200, 100, 64), causal="bottom_right"),
+        dict(name="one_key_block_gqa_d128", dtype=_dtype, shape=(2, 8, 2, 128, 128, 128), causal="top_left"),
+        dict(name="one_key_block_window", dtype=_dtype, shape=(1, 2, 2, 300, 120, 64), window=(20, 5)),
+        dict(name="one_key_block_bool_mask", dtype=_dtype, shape=(2, 2, 2, 77, 100, 128), bool_mask=True),
+        dict(name="one_key_block_softcap_keypad", dtype=_dtype, shape=(2, 4, 4, 96, 128, 64), keypad=True,
+             softcap=3.0),
+        dict(name="one_key_block_strided", dtype=_dtype, shape=(2, 4, 4, 100, 100, 64), strided=True),
         dict(name="overflow_scale", dtype=_dtype, shape=(1, 2, 2, 128, 128, 64), overflow=True),
         # feature variants
         dict(name="softcap_causal", dtype=_dtype, shape=(2, 4, 2, 300, 333, 128), causal="bottom_right", softcap=5.0),

@@ -640,6 +640,11 @@ def _backward_plan(launcher, cc, grad_out, q, k, v, out, lse, params: AttentionP
     return plan
 
 
+# Keys a CTA of the Hopper backward takes (kernels/hopper_bwd.cu, BLOCK_N).
+HOPPER_BWD_KEYS = 128
+# Whether the Hopper backward of a problem whose keys fit one CTA stores dQ itself (DQ_DIRECT; False: always through
+# the float32 buffer, e.g. to compare the two). Read when a call signature's plan is made (_backward_plans).
+HOPPER_BWD_DIRECT_DQ = True
 # Slots of the Hopper backward's maps in a call's pointer tuple: after BWD_POINTERS, of q, k, v, grad_out.
 _HOPPER_BWD_MAPS = {name: slot(len(BWD_POINTERS) + i) for i, name in enumerate(("q", "k", "v", "grad_out"))}
 
@@ -647,31 +652,37 @@ _HOPPER_BWD_MAPS = {name: slot(len(BWD_POINTERS) + i) for i, name in enumerate((
 def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, params: AttentionParams, launches,
                           deterministic: bool, device) -> None:
     """The plan's launches after the preprocess: kernels/hopper_bwd.cu (dK, dV; dQ into the float32 accumulator;
-    ``deterministic``: the key blocks add it in turns, with a counter per query block)."""
+    ``deterministic``: the key blocks add it in turns, with a counter per query block). Where every key fits one CTA
+    and dQ is laid out (B, Hq, Nq, D) contiguous, the kernel stores dQ itself (DQ_DIRECT): no accumulator to zero and
+    convert, and reproducible whatever ``deterministic`` says."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
     mask = params.mask
     bool_mask, float_mask = _mask_kinds(params)
-    variant = variants.hopper_bwd_variant(_DTYPE_NAMES[q.dtype], head_dim, deterministic=deterministic,
+    dq_shape, dq_stride = plan.grads[0]
+    direct = (HOPPER_BWD_DIRECT_DQ and seqlen_k <= HOPPER_BWD_KEYS
+              and dq_stride == layouts.contiguous_strides(dq_shape))
+    variant = variants.hopper_bwd_variant(_DTYPE_NAMES[q.dtype], head_dim, deterministic=deterministic and not direct,
                                           softcap=params.softcap is not None, bool_mask=bool_mask,
-                                          float_mask=float_mask)
+                                          float_mask=float_mask, direct_dq=direct)
     query_rows = variant.define("QUERY_ROWS")
     plan.maps = _row_maps(launcher, (q, k, v, grad_out), (query_rows, 128, 128, query_rows))
     dk, dv = (torch.empty_strided(shape, stride, device="meta") for shape, stride in plan.grads[1:])
     m, p = _HOPPER_BWD_MAPS, _BWD
-    args = [m["q"], m["k"], m["v"], m["grad_out"], p["lse_log2"], p["delta"], p["dq_accum"],
-            p["dq_turns"] if deterministic else _NULL, p["dk"], p["dv"]]
+    args = [m["q"], m["k"], m["v"], m["grad_out"], p["lse_log2"], p["delta"], p["dq"] if direct else p["dq_accum"],
+            p["dq_turns"] if deterministic and not direct else _NULL, p["dk"], p["dv"]]
     args += _strides(dk) + _strides(dv)
     args += [i32(seqlen_q), i32(plan.vector_shape[2]), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv),
              f32(params.scale * LOG2E), f32(params.scale)]
     # diag_offset, window_left, window_right, the boolean mask and its strides; the softcap factors, the float mask and
     # its strides
     args += _feature_args(params, p)[:8] + _hopper_extra_args(params, p, float_mask_view(mask) if float_mask else None)
-    launches.append(_prepared(launcher, variant, (cdiv(seqlen_k, 128), heads_kv, batch), args, device, cc))
-    plan.atomic_dq = True
+    launches.append(_prepared(launcher, variant, (cdiv(seqlen_k, HOPPER_BWD_KEYS), heads_kv, batch), args, device,
+                              cc))
+    plan.atomic_dq = not direct
     plan.dq_shape = (batch, heads_q, seqlen_q, head_dim)
     # one dQ turn counter a (batch, head, query block)
-    plan.dq_turns = batch * heads_q * cdiv(seqlen_q, query_rows) if deterministic else 0
+    plan.dq_turns = batch * heads_q * cdiv(seqlen_q, query_rows) if deterministic and not direct else 0
     plan.bool_mask, plan.float_mask = bool_mask, float_mask
     plan.dropout = False
     plan.launches = tuple(launches)

@@ -571,10 +571,15 @@ def hopper_bwd_smem(stages: int, d: int, dq_buffers: int = 1, query_rows: int = 
 
 
 def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, deterministic: bool = False,
-                       softcap: bool = False, bool_mask: bool = False, float_mask: bool = False) -> Variant:
+                       softcap: bool = False, bool_mask: bool = False, float_mask: bool = False,
+                       direct_dq: bool = False) -> Variant:
     """kernels/hopper_bwd.cu for one dtype and head dim; ``deterministic``: the key blocks add dQ in turns (bitwise
     reproducible gradients); ``softcap``: the scores capped by softcap * tanh(s / softcap); ``bool_mask`` /
-    ``float_mask``: a boolean / an additive float32 attn_mask read per score (a float mask not with a softcap)."""
+    ``float_mask``: a boolean / an additive float32 attn_mask read per score (a float mask not with a softcap);
+    ``direct_dq``: every key in one CTA, whose writers store dQ itself (DQ_DIRECT: no float32 buffer, no atomics,
+    reproducible as it is; their own stores, whatever the tiles say of the bulk reduce-add)."""
+    if direct_dq and deterministic:
+        raise ValueError("a direct dQ (one key block) is reproducible already: no turns to take")
     if softcap and float_mask:
         raise ValueError("the Hopper backward takes a softcap or a float mask, not both (its softcap factor is found "
                          "from P, which the mask's term changes)")
@@ -583,6 +588,8 @@ def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, de
     if d not in HOPPER_BWD_TILES:
         raise ValueError(f"head dim: the Hopper backward takes {tuple(HOPPER_BWD_TILES)}, got {d}")
     tiles = tiles or HOPPER_BWD_TILES[d]
+    if direct_dq:
+        tiles = replace(tiles, dq_bulk=False)
     if tiles.query_rows not in (64, 128) or (tiles.query_rows == 128 and d != 64):
         raise ValueError(f"Hopper backward tiles: query_rows is 64, or 128 at head dim 64; got {tiles.query_rows} at "
                          f"head dim {d}")
@@ -593,6 +600,8 @@ def hopper_bwd_variant(dtype_name: str, d: int, tiles: HopperBwdTiles = None, de
                ("DQ_BULK", int(tiles.dq_bulk)), ("DQ_BUFFERS", tiles.dq_buffers),
                ("DETERMINISTIC", int(bool(deterministic))), ("BOOL_MASK", int(bool(bool_mask))),
                ("FLOAT_MASK", int(bool(float_mask))), ("SOFTCAP", int(bool(softcap))), ("SMEM_BYTES", smem))
+    if direct_dq:
+        defines += (("DQ_DIRECT", 1),)
     return Variant("hopper_bwd", defines, 384, smem, arch_features="a")
 
 
@@ -607,7 +616,9 @@ def hopper_variants() -> list:
             + [hopper_bwd_variant(dtype, d, **f) for f in backward_features for dtype in DTYPE_NAMES
                for d in HOPPER_BWD_TILES]
             + [hopper_bwd_variant(dtype, d, deterministic=True, **f) for f in backward_features
-               for dtype in DTYPE_NAMES for d in HOPPER_BWD_DETERMINISTIC_DIMS])
+               for dtype in DTYPE_NAMES for d in HOPPER_BWD_DETERMINISTIC_DIMS]
+            + [hopper_bwd_variant(dtype, d, direct_dq=True, **f) for f in backward_features for dtype in DTYPE_NAMES
+               for d in HOPPER_BWD_TILES])
 
 
 def all_variants(cc, features: bool = True, sequences: bool = True) -> list:

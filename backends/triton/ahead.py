@@ -56,8 +56,8 @@ def hopper_backward_tile(head_dim: int) -> configs.KernelConfig:
 class KernelTask:
     """One kernel to compile: which kernel, for which problem class and tile."""
 
-    kind: str            # "fwd", "dkdv", "dq", "short_bwd", "splitkv" / "combine" / "append_kv" (decode.py), "hopper_fwd" /
-    #                      "hopper_bwd" (Gluon)
+    kind: str            # "fwd", "dkdv", "dq", "short_bwd", "splitkv" / "combine" / "append_kv" (decode.py),
+    #                      "hopper_fwd" / "hopper_bwd" (Gluon)
     head_dim: int
     causal: bool
     tile: configs.KernelConfig

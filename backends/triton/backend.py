@@ -691,7 +691,7 @@ class TritonBackend(OutputOnlyForward):
                     "16-byte aligned")
         tile = configs.short_backward_tile(problem.seqlen_k, configs.padded_head_dim(problem.head_dim),
                                            configs.padded_head_dim(problem.head_dim_v),
-                                           torch.empty(0, dtype=problem.dtype).element_size(), INTERPRET)
+                                           problem.dtype.itemsize, INTERPRET)
         if tile is not None and configs.pinned() is None and "mask_grad" not in problem.features:
             return (f"the short backward in one launch (backward.py, backward_short_kernel): all {problem.seqlen_k} "
                     f"keys in one block of {tile.block_n}, unless the lse gets a gradient (then the three kernels of "

@@ -160,8 +160,8 @@ def _compile_cupy_kernels(stream, head_dims, leave_out=()) -> None:
     """Compile the CuPy kernel variants of the timed cells' head dims for this GPU into the kernel cache, on all CPU
     cores at once, the Hopper family too on sm_90 (the cells' own kernels there): the timed cells would otherwise
     compile the ones they use one after another. Variants of other head dims (half of them), and those with the
-    ``leave_out`` defines (cupy_defines_left_out: features no cell uses; of the quick grid's 570 variants on sm_90
-    168 remain), are left out."""
+    ``leave_out`` defines (cupy_defines_left_out: features no cell uses; of the quick grid's 590 variants on sm_90
+    180 remain), are left out."""
     import argparse
 
     try:

@@ -34,12 +34,21 @@
 // GPU starts CTAs in blockIdx order, so a CTA only waits for CTAs started before it: no deadlock however large the
 // grid.
 //
+// DQ_DIRECT 1 (every key in one CTA: seqlen_k <= BLOCK_N, one key block): no other CTA adds to a query row's dQ, so
+// the writers store each dQ tile as the gradient itself (dq_accum then points at dQ, (B, Hq, Nq, D) contiguous, in the
+// input dtype) and write zeros to the rows of the query blocks that see none of the keys: no float32 buffer to zero
+// before the launch and convert after it, and the same result bit for bit at every run.
+//
 // -D options: MHATTN_BF16, HEAD_DIM (64 or 128), QUERY_ROWS (64, or 128 at d = 64), STAGES, DQ_BULK (0 or 1),
-// DQ_BUFFERS (1 or 2), DETERMINISTIC (0 or 1), BOOL_MASK (0 or 1), FLOAT_MASK (0 or 1), SOFTCAP (0 or 1), SMEM_BYTES
-// (checked against the layout below).
+// DQ_BUFFERS (1 or 2), DETERMINISTIC (0 or 1), DQ_DIRECT (0 or 1), BOOL_MASK (0 or 1), FLOAT_MASK (0 or 1), SOFTCAP
+// (0 or 1), SMEM_BYTES (checked against the layout below).
 #define NUM_WARPS 12
 #include "common.cuh"
 #include "hopper.cuh"
+
+#ifndef DQ_DIRECT
+#define DQ_DIRECT 0
+#endif
 
 constexpr int BLOCK_N = 128;                   // keys per CTA (64 per consumer warpgroup)
 constexpr int BLOCK_M = QUERY_ROWS;            // queries per step
@@ -90,6 +99,8 @@ static_assert(QUERY_ROWS == 64 || (QUERY_ROWS == 128 && HEAD_DIM == 64), "QUERY_
 static_assert(DQ_BULK == 0 || DQ_BULK == 1, "DQ_BULK is 0 (atomics) or 1 (bulk reduce-add)");
 static_assert(DQ_BUFFERS == 1 || DQ_BUFFERS == 2, "DQ_BUFFERS is 1 or 2");
 static_assert(DETERMINISTIC == 0 || DETERMINISTIC == 1, "DETERMINISTIC is 0 or 1");
+static_assert(DQ_DIRECT == 0 || (DQ_DIRECT == 1 && !DQ_BULK && !DETERMINISTIC),
+              "DQ_DIRECT is 0, or 1 with the writers' own stores (no bulk reduce-add, no turns: one key block)");
 static_assert(!(FLOAT_MASK && SOFTCAP), "the softcap's factor is found from P, which a float mask's term changes");
 // (the bulk path at d = 64 hands the engine both warpgroups' tiles, which it adds in either order)
 static_assert(!(DETERMINISTIC && DQ_BULK && DQ_TILES == 2), "a deterministic dQ at d = 64 takes the atomics");
@@ -285,20 +296,46 @@ MHATTN_DEVICE void store_dq(float* s_dq, const float (&dq)[DQ_REGS], int row_in_
   }
 }
 
+// Four floats of the shared dQ tile at (row, col), both warpgroups' tiles summed where there are two (d = 64 with 64
+// queries a step).
+MHATTN_DEVICE float4 dq_tile_quad(const float* s_dq, int row, int col) {
+  float4 v = *reinterpret_cast<const float4*>(s_dq + row * DQ_ROW_FLOATS + col);
+  if (DQ_TILES == 2) {  // the other warpgroup's share
+    const float4 u = *reinterpret_cast<const float4*>(s_dq + DQ_TILE_BYTES / 4 + row * DQ_ROW_FLOATS + col);
+    v = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
+  }
+  return v;
+}
+
 // Adds the shared dQ tile's first `rows` rows to rows m0.. of dq_head (one head's dq_accum) with 16-byte atomics,
 // `worker` 0..95 taking every 96th float4.
 MHATTN_DEVICE void add_dq_by_atomics(const float* s_dq, float* dq_head, int m0, int rows, int worker) {
   for (int x = worker; x < rows * (HEAD_DIM / 4); x += 32 * DQ_WRITER_WARPS) {
     const int row = x / (HEAD_DIM / 4), col = (x % (HEAD_DIM / 4)) * 4;
-    float4 v = *reinterpret_cast<const float4*>(s_dq + row * DQ_ROW_FLOATS + col);
-    if (DQ_TILES == 2) {  // the other warpgroup's share
-      const float4 u = *reinterpret_cast<const float4*>(s_dq + DQ_TILE_BYTES / 4 + row * DQ_ROW_FLOATS + col);
-      v = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
-    }
+    const float4 v = dq_tile_quad(s_dq, row, col);
     float* dst = dq_head + (i64)(m0 + row) * HEAD_DIM + col;
     asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
                  : "memory");
   }
+}
+
+// DQ_DIRECT: the shared dQ tile's first `rows` rows (both warpgroups' tiles summed where there are two) converted to
+// the input dtype and stored as rows m0.. of dq_head (one head's dQ), `worker` 0..95 taking every 96th group of four.
+MHATTN_DEVICE void store_dq_rows(const float* s_dq, elem_t* dq_head, int m0, int rows, int worker) {
+  for (int x = worker; x < rows * (HEAD_DIM / 4); x += 32 * DQ_WRITER_WARPS) {
+    const int row = x / (HEAD_DIM / 4), col = (x % (HEAD_DIM / 4)) * 4;
+    const float4 v = dq_tile_quad(s_dq, row, col);
+    *reinterpret_cast<uint2*>(dq_head + (i64)(m0 + row) * HEAD_DIM + col) = make_uint2(pack2(v.x, v.y),
+                                                                                        pack2(v.z, v.w));
+  }
+}
+
+// DQ_DIRECT: zeros into rows [lo, hi) of dq_head (query rows that see none of the keys), `worker` 0..95 taking every
+// 96th group of four.
+MHATTN_DEVICE void zero_dq_rows(elem_t* dq_head, int lo, int hi, int worker) {
+  elem_t* rows = dq_head + (i64)lo * HEAD_DIM;
+  for (int x = worker; x < (hi - lo) * (HEAD_DIM / 4); x += 32 * DQ_WRITER_WARPS)
+    *reinterpret_cast<uint2*>(rows + 4 * x) = make_uint2(0u, 0u);
 }
 
 // Adds the shared dQ tile's first `rows` rows to rows m0.. of dq_head by the copy engine: one bulk reduce-add per
@@ -346,8 +383,14 @@ MHATTN_DEVICE void write_dq(float* s_dq, float* dq_accum, int* dq_turns, DqBuffe
   const int m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
   int step = 0;
   for (int h = hk * group; h < (hk + 1) * group; ++h) {
-    float* dq_head = dq_accum + ((i64)b * heads_q + h) * seqlen_q * HEAD_DIM;
+    const i64 head_offset = ((i64)b * heads_q + h) * seqlen_q * HEAD_DIM;
+    float* dq_head = dq_accum + head_offset;
+    elem_t* dq_out = reinterpret_cast<elem_t*>(dq_accum) + head_offset;  // DQ_DIRECT: dQ itself
     int* turns_head = DETERMINISTIC ? dq_turns + ((i64)b * heads_q + h) * m_blocks : nullptr;
+    if (DQ_DIRECT) {  // the rows no query block of this CTA's reaches
+      zero_dq_rows(dq_out, 0, min_of(blocks.first * BLOCK_M, seqlen_q), worker);
+      zero_dq_rows(dq_out, min_of((blocks.first + blocks.count) * BLOCK_M, seqlen_q), seqlen_q, worker);
+    }
     for (int i = 0; i < blocks.count; ++i, ++step) {
       const int m = blocks.first + i, m0 = m * BLOCK_M;
       const int rows = min_of(BLOCK_M, seqlen_q - m0);
@@ -355,7 +398,9 @@ MHATTN_DEVICE void write_dq(float* s_dq, float* dq_accum, int* dq_turns, DqBuffe
       if (DETERMINISTIC)
         wait_for_turn(turns_head + m, worker == 0 ? later_key_blocks(m, n_block, n_blocks, seqlen_q, bounds) : 0,
                       worker);
-      if (DQ_BULK)
+      if (DQ_DIRECT)
+        store_dq_rows(DqBuffers::tile(s_dq, step), dq_out, m0, rows, worker);
+      else if (DQ_BULK)
         add_dq_by_bulk_reduce(DqBuffers::tile(s_dq, step), dq_head, m0, rows, worker);
       else
         add_dq_by_atomics(DqBuffers::tile(s_dq, step), dq_head, m0, rows, worker);
