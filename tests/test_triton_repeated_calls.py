@@ -400,6 +400,42 @@ def _lse_launched(entry) -> torch.Tensor:
     return entry[2][9 + 4].tensor
 
 
+def test_an_output_only_forward_keeps_its_signature_while_the_settings_stay(monkeypatch, fresh_signatures):
+    """native_call's output-only forward of a call without a mask keeps the backend's signature of that call: a
+    repeated call passes the kernel what the backend's own path passes without working out its key again. A pinned
+    tile configuration or (float32) another matmul precision since then sends the call the backend's own way, which
+    launches what that setting gives; a call with a mask gets the backend's own path from the start."""
+    jit, launchers = _recording_backend_launchers(monkeypatch, interpret=False)
+    backend = tb.TritonBackend()
+    params = AttentionParams(scale=0.25, window_right=0)
+    q, k, v = (torch.randn(SHAPE) for _ in range(3))
+    prepared = backend.native_call(q, k, v, params)
+    assert isinstance(prepared, tb._PreparedOutputOnly)
+    own = forward_launches(jit, launchers, lambda: backend._output_only(q, k, v, params))
+    looked_up = []
+    real = tb._signature_for
+    monkeypatch.setattr(tb, "_signature_for", lambda *a, **kw: looked_up.append(1) or real(*a, **kw))
+    again = forward_launches(jit, launchers, lambda: prepared(q, k, v, params))
+    assert [launch[1:] for launch in again] == [launch[1:] for launch in own] and not looked_up
+    with configs.pin("32,16,4,1"):
+        pinned = forward_launches(jit, launchers, lambda: prepared(q, k, v, params))
+    assert looked_up and pinned[0][1:] != own[0][1:]  # the pinned tile's launch
+    was = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        prepared_fp32 = backend.native_call(q, k, v, params)  # float32, full precision
+        del looked_up[:]
+        prepared_fp32(q, k, v, params)
+        assert not looked_up
+        torch.backends.cuda.matmul.allow_tf32 = True
+        prepared_fp32(q, k, v, params)
+        assert looked_up  # a TF32 signature now: the backend's own path
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+    mask = torch.ones(SHAPE[0], SHAPE[1], SHAPE[2], SHAPE[2], dtype=torch.bool)
+    assert backend.native_call(q, k, v, params.replace(mask=mask)) == backend._output_only
+
+
 def test_calls_autograd_does_not_track_write_their_lse_into_one_kept_scratch(monkeypatch, fresh_signatures):
     """native_call gives the forward's output alone for calls without a gradient (none asked for, or grad mode
     off) and nothing for calls autograd tracks. Its launches, first or repeated, write the lse into the plan's scratch

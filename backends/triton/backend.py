@@ -598,6 +598,25 @@ class _RepeatedShortBackward(_RepeatedLaunches):
         prepared.launch(_short_tensors(q, k, v, out, grad_out, lse, dq, dk, dv, q, lse) + middle + (q, 0))
 
 
+class _PreparedOutputOnly:
+    """The output-only forward (OutputOnlyForward._output_only) for the calls of one front-end call signature without a
+    mask (TritonBackend.native_call): the backend's signature of the first such call is kept, so a repeated call skips
+    working out its key, which the front end's key already fixes (shapes, strides, dtype, device, params). Two settings
+    the front end's key leaves out are checked at every call, a pinned tile configuration and (float32) torch's matmul
+    precision: where either differs from the kept signature's, the call takes the backend's own path."""
+
+    __slots__ = ("backend", "signature", "pinned", "precision")
+
+    def __init__(self, backend: "TritonBackend", signature: _Signature, dtype: torch.dtype):
+        self.backend, self.signature = backend, signature
+        self.pinned, self.precision = configs.pinned(), _dot_precision(dtype)
+
+    def __call__(self, q, k, v, params: AttentionParams):
+        if configs.pinned() is not self.pinned or _dot_precision(q.dtype) != self.precision:
+            return self.backend._output_only(q, k, v, params)
+        return self.backend._forward_signed(self.signature, q, k, v, params, False)[0]
+
+
 class TritonBackend(OutputOnlyForward):
     """FlashAttention-2 forward and backward written in Triton (see forward.py and backward.py)."""
 
@@ -706,13 +725,18 @@ class TritonBackend(OutputOnlyForward):
             return None
         if q.dtype in (torch.float16, torch.bfloat16) and k.shape[2] > 0 and decode_launch.eligible(q, k, params):
             return decode_launch.PreparedSplitStep(params, None, False, False, cache=False).output
+        if params.mask is None:
+            return _PreparedOutputOnly(self, _signature_for(q, k, v, params, dense=True), q.dtype)
         return self._output_only
 
     # ---- forward ------------------------------------------------------------------------------
     def _forward(self, q, k, v, params: AttentionParams, keep_lse: bool):
         """(out, lse) of the forward; keep_lse False: lse is the plan's scratch (_Plan.output_buffers), for a caller
         that drops it."""
-        signature = _signature_for(q, k, v, params, dense=True)
+        return self._forward_signed(_signature_for(q, k, v, params, dense=True), q, k, v, params, keep_lse)
+
+    def _forward_signed(self, signature: _Signature, q, k, v, params: AttentionParams, keep_lse: bool):
+        """_forward of a call whose signature is ``signature``."""
         # Decoding (few query rows per key/value head): the split-KV kernels (decode.py, decode_launch.py),
         # which allocate their own outputs.
         if signature.decode:
