@@ -169,7 +169,7 @@ class CupyBackend(OutputOnlyForward):
             dq = "dQ by the copy engine's bulk reduce-add" if tiles.dq_bulk else "dQ with atomics"
             if self._deterministic():
                 dq += ", the key blocks in turns: deterministic"
-            if ops.HOPPER_BWD_DIRECT_DQ and problem.seqlen_k <= ops.HOPPER_BWD_KEYS:
+            if ops.hopper_bwd_stores_dq(problem.seqlen_k):
                 dq = "dQ stored directly, every key in one CTA, where dQ is (B, Hq, Nq, D) contiguous (else " + dq + ")"
             return (f"the Hopper backward (kernels/hopper_bwd.cu: TMA, wgmma, {dq}), when q, k, v and the output "
                     "gradient rows are 16-byte aligned and no dim is broadcast")

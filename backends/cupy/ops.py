@@ -645,6 +645,14 @@ HOPPER_BWD_KEYS = 128
 # Whether the Hopper backward of a problem whose keys fit one CTA stores dQ itself (DQ_DIRECT; False: always through
 # the float32 buffer, e.g. to compare the two). Read when a call signature's plan is made (_backward_plans).
 HOPPER_BWD_DIRECT_DQ = True
+
+
+def hopper_bwd_stores_dq(seqlen_k: int) -> bool:
+    """Whether the Hopper backward of ``seqlen_k`` keys stores dQ itself (DQ_DIRECT), where dQ is (B, Hq, Nq, D)
+    contiguous: every key in one CTA, and the switch on."""
+    return HOPPER_BWD_DIRECT_DQ and seqlen_k <= HOPPER_BWD_KEYS
+
+
 # Slots of the Hopper backward's maps in a call's pointer tuple: after BWD_POINTERS, of q, k, v, grad_out.
 _HOPPER_BWD_MAPS = {name: slot(len(BWD_POINTERS) + i) for i, name in enumerate(("q", "k", "v", "grad_out"))}
 
@@ -660,8 +668,7 @@ def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, 
     mask = params.mask
     bool_mask, float_mask = _mask_kinds(params)
     dq_shape, dq_stride = plan.grads[0]
-    direct = (HOPPER_BWD_DIRECT_DQ and seqlen_k <= HOPPER_BWD_KEYS
-              and dq_stride == layouts.contiguous_strides(dq_shape))
+    direct = hopper_bwd_stores_dq(seqlen_k) and dq_stride == layouts.contiguous_strides(dq_shape)
     variant = variants.hopper_bwd_variant(_DTYPE_NAMES[q.dtype], head_dim, deterministic=deterministic and not direct,
                                           softcap=params.softcap is not None, bool_mask=bool_mask,
                                           float_mask=float_mask, direct_dq=direct)

@@ -119,11 +119,12 @@ def merged(tables: list) -> TimingTable:
     """One table from several ``mhattn tune`` runs on one device: each cell (the same Cell fields) with, per backend,
     the ``fwd_ms`` and ``fwd_bwd_ms`` of the first table that timed the cell, except where another table's time or its
     own is under the tuner's HOST_BOUND_MS (measure.py: a time it may have taken from a host loop): there the smallest
-    (a busy host only ever adds to a host loop's time, so the smaller of two is the better estimate). A longer time is the GPU's, and the smallest of several runs would favour the backend
-    whose timings vary most between runs (on the H200 cuDNN's forward+backward read 6.38 and 6.98 ms in two runs at
-    d = 128 16k causal), so the first table (the one measured as the caller trusts most) decides those: a backend it
-    did not time in the cell (a pair, a variant) takes no GPU time from another table, whose timings may not be
-    comparable (a table timed on a GPU at boost clocks, timing.settle).
+    (a busy host only ever adds to a host loop's time, so the smaller of two is the better estimate). A longer time is
+    the GPU's, and the smallest of several runs would favour the backend whose timings vary most between runs (on the
+    H200 cuDNN's forward+backward read 6.38 and 6.98 ms in two runs at d = 128 16k causal), so the first table (the one
+    measured as the caller trusts most) decides those: a backend it did not time in the cell (a pair, a variant) takes
+    no GPU time from another table, whose timings may not be comparable (a table timed on a GPU at boost clocks,
+    timing.settle).
     ``fwd_graph_ms`` come from the first table alone (the run whose replays to keep; replays take no host time), and
     the reasons from the first table that timed the cell. Cells some tables lack come from those that have them. The
     key and ``made`` are the first table's, ``made["merged"]`` naming the others' dates. Raises ValueError for tables
@@ -320,14 +321,19 @@ def _fastest(times: dict, forward_ms: Optional[dict]) -> str:
     ``forward_ms`` the cell's forward times): among the names within TIE of the smallest, the one whose forward (of a
     pair "a+b", a's) is fastest, where the cell timed every tied name's forward. Then a variant gives way to its base
     within TIE (_base_if_tied)."""
+    return _base_if_tied(_fastest_by_forward(times, forward_ms), times)
+
+
+def _fastest_by_forward(times: dict, forward_ms: Optional[dict]) -> str:
+    """_fastest before the variant rule."""
     fastest = min(times, key=times.get)
     if forward_ms is None:
-        return _base_if_tied(fastest, times)
+        return fastest
     tied = [name for name, ms in times.items() if ms <= times[fastest] * (1 + TIE)]
     forwards = {name: forward_ms.get(name.split("+")[0]) for name in tied}
     if len(tied) < 2 or not all(forwards.values()):
-        return _base_if_tied(fastest, times)
-    return _base_if_tied(min(tied, key=lambda name: (forwards[name], times[name])), times)
+        return fastest
+    return min(tied, key=lambda name: (forwards[name], times[name]))
 
 
 def _variant_base(name: str):
