@@ -191,7 +191,8 @@ def time_sdpa_flash(q, k, v, causal, kernel="FLASH_ATTENTION"):
 def default_config(head_dim, causal, seqlen):
     from mhattn.backends.triton import configs
 
-    return configs.config_for(tuple(torch.cuda.get_device_capability()), torch.bfloat16, head_dim, causal, seqlen)
+    return configs.config_for(tuple(torch.cuda.get_device_capability()), torch.bfloat16, head_dim, causal, seqlen,
+                             seqlen_k=seqlen)
 
 
 def section_sweep(args, state):

@@ -537,7 +537,13 @@ def test_config_parsing_and_pinning():
     assert configs.config_for((9, 0), torch.bfloat16, 128, False) == configs.TABLE[("sm90", "half", 128, False)]
     assert configs.config_for(None, torch.float16, 40, True) == configs.INTERPRETER
     short = configs.config_for((9, 0), torch.bfloat16, 128, True, seqlen_q=512)
-    assert short.forward == configs.SHORT_FORWARD[("sm90", "half", 128, True)]
+    assert short.forward == configs.SHORT_FORWARD[("sm90", "half", 128, True)][0][1]
+    # At d = 64 without a causal mask the short forward's tile follows the key count; long queries keep the table's.
+    short_keys = configs.config_for((9, 0), torch.bfloat16, 64, False, seqlen_q=197, seqlen_k=197).forward
+    more_keys = configs.config_for((9, 0), torch.bfloat16, 64, False, seqlen_q=197, seqlen_k=512).forward
+    assert (short_keys.block_n, more_keys.block_n, more_keys.num_warps) == (32, 64, 8)
+    assert configs.config_for((9, 0), torch.bfloat16, 64, False, seqlen_q=4096, seqlen_k=197) == \
+        configs.TABLE[("sm90", "half", 64, False)]
     assert short.dkdv == configs.TABLE[("sm90", "half", 128, True)].dkdv
     assert [configs.padded_head_dim(d) for d in (1, 16, 17, 59, 256)] == [16, 16, 32, 64, 256]
     assert configs.shrink(configs.KernelConfig(16, 16, 4, 1)) is None
@@ -1239,7 +1245,8 @@ def test_backward_path_says_when_the_short_backward_runs():
     assert "backward_short_kernel" in short
     ampere = backend.backward_path(dataclasses.replace(base, compute_capability=(8, 0), seqlen_k=50))
     assert "all 50 keys in one block of 64" in ampere
-    for other in (dataclasses.replace(base, seqlen_k=129), dataclasses.replace(base, head_dim=128, head_dim_v=128),
+    for other in (dataclasses.replace(base, seqlen_k=129), dataclasses.replace(base, head_dim=128, head_dim_v=128,
+                                                                                seqlen_k=100),
                   dataclasses.replace(base, dtype=torch.float32, head_dim=128, head_dim_v=128),
                   dataclasses.replace(base, features=frozenset({"float_mask", "mask_grad"}))):
         assert backend.backward_path(other).startswith("the FlashAttention-2 backward"), other
@@ -1271,6 +1278,23 @@ def test_short_backward_compiles_without_spills_at_every_tile_it_takes(cc):
         if head_dim in (64, 128):
             assert ahead.KernelTask("short_bwd", head_dim, True, ahead.short_backward_widest_tile(head_dim)) in \
                 ahead.table_tasks(f"sm_{cc}")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_short_forward_tiles_compile_for_sm90_without_spills():
+    """Every forward tile a short query sequence takes on sm_90 (configs.SHORT_FORWARD) is in the build's task list
+    and compiles for sm_90 in bf16 with no stack (no spills) and within a block's shared memory."""
+    from mhattn.backends.triton import ahead, configs
+
+    tasks = ahead.table_tasks("sm_90")
+    for (arch, _, head_dim, causal), entries in configs.SHORT_FORWARD.items():
+        assert arch == "sm90"
+        for _, tile in entries:
+            task = ahead.KernelTask("fwd", head_dim, causal, tile)
+            assert task in tasks, task.label
+            kernel = ahead.compile_kernel(task, 90)
+            assert ahead.resource_usage(kernel)["stack"] == 0, task.label
+            assert kernel.metadata.shared <= 227 << 10, task.label
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -1605,6 +1629,8 @@ def test_explain_names_the_kernel_families(monkeypatch):
     """explain's decision says which Triton forward and backward run and why the Gluon Hopper kernels do not, from
     the problem alone (device capability, dtype, head dims, features, key count, determinism); the split-KV kernels
     for decoding."""
+    from dataclasses import replace
+
     from mhattn.backends.triton import hopper_launch
     from mhattn.backends.triton.backend import TritonBackend
     from mhattn.problem import Problem
@@ -1617,25 +1643,37 @@ def test_explain_names_the_kernel_families(monkeypatch):
     monkeypatch.setattr(hopper_launch, "gluon_available", lambda: True)
     backend = TritonBackend()
     assert "Gluon Hopper forward (hopper_forward.py)" in backend.forward_path(problem(features=("causal",)))
-    for kwargs, reason in ((dict(seqlen_q=512, seqlen_k=512), "512 keys < 1024"), (dict(cc=(8, 0)), "not an sm_90"),
+    for kwargs, reason in ((dict(seqlen_q=256, seqlen_k=256), "256 keys < 384"), (dict(cc=(8, 0)), "not an sm_90"),
                            (dict(dtype=torch.float32), "fp16/bf16 only"), (dict(head_dim=96), "head dims 96/96"),
                            (dict(features=("softcap",)), "softcap")):
         path = backend.forward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 forward") and reason in path, (kwargs, path)
     assert "split-KV" in backend.forward_path(problem(seqlen_q=1))
-    # d = 64: the Gluon forward from 1k keys, causal or not.
+    # d = 64: the Gluon forward from 384 keys, causal or not.
     for features in ((), ("causal",)):
-        assert "Gluon Hopper forward" in backend.forward_path(problem(head_dim=64, seqlen_q=1024, seqlen_k=1024,
+        assert "Gluon Hopper forward" in backend.forward_path(problem(head_dim=64, seqlen_q=384, seqlen_k=384,
                                                                       features=features))
-        assert "512 keys < 1024" in backend.forward_path(problem(head_dim=64, seqlen_q=512, seqlen_k=512,
-                                                                 features=features))
+        assert "383 keys < 384" in backend.forward_path(problem(head_dim=64, seqlen_q=383, seqlen_k=383,
+                                                                features=features))
+    # d = 128: from 128 keys where the query tiles (128 rows of a head) are at least as many as the SMs.
+    monkeypatch.setattr(hopper_launch.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hopper_launch, "_sm_count", lambda device_index: 132)
+    full = replace(problem(seqlen_q=256, seqlen_k=256), batch=9)  # 9 x 8 heads x 2 tiles = 144 tiles
+    assert "Gluon Hopper forward" in backend.forward_path(full)
+    assert "127 keys < 128" in backend.forward_path(replace(full, seqlen_q=127, seqlen_k=127, batch=17))
+    assert "256 keys < 384" in backend.forward_path(replace(full, batch=8))  # 128 tiles
+    assert "256 keys < 384" in backend.forward_path(replace(full, head_dim=64, head_dim_v=64))  # d = 64: from 384
+    assert "Gluon Hopper backward" in backend.backward_path(replace(full, batch=1))  # the backward: from 128 keys
+    monkeypatch.undo()
+    monkeypatch.setattr(hopper_launch, "gluon_available", lambda: True)
     assert "Gluon Hopper backward (hopper_backward.py)" in backend.backward_path(problem(features=("causal",)))
-    for kwargs, reason in ((dict(head_dim=96), "head dims 96/96"), (dict(seqlen_k=512), "512 keys < 1024"),
+    assert "Gluon Hopper backward" in backend.backward_path(problem(head_dim=64, seqlen_k=192))
+    assert "191 keys < 192" in backend.backward_path(problem(head_dim=64, seqlen_k=191))
+    for kwargs, reason in ((dict(head_dim=96), "head dims 96/96"), (dict(seqlen_k=100), "100 keys < 128"),
                            (dict(features=("dropout",)), "dropout")):
         path = backend.backward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 backward") and reason in path, (kwargs, path)
     assert hopper_launch.DETERMINISTIC in TritonBackend(deterministic=True).backward_path(problem())
-    from dataclasses import replace
 
     from mhattn.dispatch import Decision
 

@@ -378,12 +378,13 @@ def test_a_repeated_backward_gives_way_to_the_gluon_backward_when_it_applies(mon
     monkeypatch.setenv(hopper_launch.ENV_SWITCH, "1")
     backend = tb.TritonBackend(deterministic=False)
     params = AttentionParams(scale=0.125, window_right=0)
-    # 256 keys: more than the short backward's one block at d = 64, fewer than the Gluon backward's threshold.
-    q, k, v = (torch.randn(2, 4, 256, 64, dtype=torch.bfloat16) for _ in range(3))
+    # 160 keys: more than the short backward's one block at d = 64, fewer than the Gluon backward's threshold.
+    assert 128 < 160 < hopper_launch.BACKWARD_MIN_KEYS[64]
+    q, k, v = (torch.randn(2, 4, 160, 64, dtype=torch.bfloat16) for _ in range(3))
     plan = tb._signature_for(q, k, v, params, dense=True).plan
     monkeypatch.setattr(plan, "sm90", True)
     monkeypatch.setattr(plan, "descriptor_strides_ok", True)
-    out, lse = torch.randn_like(q), torch.randn(2, 4, 256)
+    out, lse = torch.randn_like(q), torch.randn(2, 4, 160)
     grad_out = torch.randn_like(out)
     for _ in range(2):
         backend.backward(grad_out, q, k, v, out, lse, params)
@@ -391,6 +392,52 @@ def test_a_repeated_backward_gives_way_to_the_gluon_backward_when_it_applies(mon
     monkeypatch.setenv(hopper_launch.ENV_SWITCH, "always")
     backend.backward(grad_out, q, k, v, out, lse, params)
     assert ran == [True] and len(gluon) == 1
+
+
+def test_a_repeated_gluon_backward_launches_what_its_first_call_prepared(monkeypatch, fresh_signatures):
+    """On a plan marked sm_90 whose backward the Gluon kernel takes as one launch: the first call works it out in full
+    (hopper_launch.backward, which prepares the signature's site); a repeated call launches the preprocess and that
+    site with its own tensors (the Gluon kernel reads this call's q, k, v, output gradient and writes the gradients it
+    returns, its dQ sums in the scratch the preprocess zeroes); with the Gluon kernels switched off
+    (MHATTN_TRITON_HOPPER=0) the same signature runs the FlashAttention-2 kernels instead."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from test_triton_backend import RecordingLauncher
+
+    from mhattn.backends.triton import hopper_backward, hopper_launch
+
+    jit, launchers = _recording_backend_launchers(monkeypatch, interpret=False)
+    gluon_launches = []
+    monkeypatch.setattr(hopper_launch, "_backward_launcher", [RecordingLauncher(
+        hopper_backward.hopper_backward_kernel, lambda grid, named, constexprs: gluon_launches.append(named))])
+    monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
+    monkeypatch.setenv(hopper_launch.ENV_SWITCH, "1")
+    worked_out = []
+    real_backward = hopper_launch.backward
+    monkeypatch.setattr(hopper_launch, "backward", lambda *args: worked_out.append(1) or real_backward(*args))
+    backend = tb.TritonBackend(deterministic=False)
+    params = AttentionParams(scale=0.125, window_right=0)
+    seqlen = hopper_launch.BACKWARD_MIN_KEYS[64]
+    calls = [[torch.randn(2, 4, seqlen, 64, dtype=torch.bfloat16) for _ in range(5)] for _ in range(3)]
+    plan = tb._signature_for(*calls[0][:3], params, dense=True).plan
+    monkeypatch.setattr(plan, "sm90", True)
+    monkeypatch.setattr(plan, "descriptor_strides_ok", True)
+    lse = torch.randn(2, 4, seqlen)
+    preprocess = []
+    for q, k, v, out, grad_out in calls:
+        launched = backward_launches(jit, launchers, lambda: preprocess.append(
+            backend.backward(grad_out, q, k, v, out, lse, params)))
+        assert len(launched["backward_preprocess_kernel"]) == 1 and not launched["backward_dkdv_kernel"]
+    assert len(worked_out) == 1 and len(gluon_launches) == 3
+    for (q, k, v, out, grad_out), (dq, dk, dv, _), named in zip(calls, preprocess, gluon_launches):
+        assert named["q_desc"].base is q and named["k_desc"].base is k and named["v_desc"].base is v
+        assert named["do_desc"].base is grad_out and named["dQ"] is dq
+        assert named["dk_desc"].base is dk and named["dv_desc"].base is dv
+        assert named["dQacc"].shape == q.shape and named["dQacc"].dtype == torch.float32
+        assert named["DqCounters"].data_ptr() == named["dQacc"].data_ptr() + q.numel() * 4
+    monkeypatch.setenv(hopper_launch.ENV_SWITCH, "0")
+    q, k, v, out, grad_out = calls[0]
+    launched = backward_launches(jit, launchers, lambda: backend.backward(grad_out, q, k, v, out, lse, params))
+    assert launched["backward_dkdv_kernel"] and len(gluon_launches) == 3
 
 
 def _lse_launched(entry) -> torch.Tensor:

@@ -241,6 +241,11 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                 if hopper_only and not (tile.tma or tile.warp_specialize or (kind == "dkdv" and dq_mode)):
                     continue
                 tasks.append(KernelTask(kind, head_dim, causal, tile, dq_mode if kind == "dkdv" else 0))
+            key = (configs.arch_of((cc // 10, cc % 10)), "half", configs.padded_head_dim(head_dim), causal)
+            for _, tile in configs.SHORT_FORWARD.get(key, ()):  # the short queries' forward tiles
+                task = KernelTask("fwd", head_dim, causal, tile)
+                if tile != config.forward and task not in tasks and not (hopper_only and not tile.tma):
+                    tasks.append(task)
             if cc == 90 and head_dim in hopper_launch.KEY_BLOCK:  # the Gluon kernels (sm_90 only)
                 tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim)))
                 if causal:  # the persistent grid's programs take causal tiles from a counter

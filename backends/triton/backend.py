@@ -131,7 +131,8 @@ class _Plan:
         self.hopper_backward_constexprs = None  # the same for the Gluon Hopper backward (hopper_backward.py)
         self.hopper_backward_slices = None  # its launches' (batches, key/value heads) (hopper_launch.backward_slices)
         self.hopper_reasons = {}  # hopper_launch.why_not's plan part, per setting
-        self.config = configs.config_for(cc, q.dtype, self.head_dim, self.heavy_first, self.seqlen_q, dot_precision)
+        self.config = configs.config_for(cc, q.dtype, self.head_dim, self.heavy_first, self.seqlen_q, dot_precision,
+                                         self.seqlen_k)
         self.flags = dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
                           BLOCK_DV=self.block_dv, HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SOFTCAP=has_softcap,
                           MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, DOT_PRECISION=dot_precision,
@@ -522,6 +523,7 @@ class _RepeatedLaunches:
     new specialisation out of resources): the caller takes the full path."""
 
     __slots__ = ("cuda_index", "window_right", "tma_ok", "qk_scale2")
+    hopper = False  # whether it launches the Gluon Hopper backward
 
     def __init__(self, plan: _Plan, run: _Launch):
         self.cuda_index = plan.cuda_index
@@ -596,6 +598,27 @@ class _RepeatedShortBackward(_RepeatedLaunches):
         prepared, middle = self.site
         # The mask, key-bound and seed places hold placeholders, as _Launch has them without a mask or dropout.
         prepared.launch(_short_tensors(q, k, v, out, grad_out, lse, dq, dk, dv, q, lse) + middle + (q, 0))
+
+
+class _RepeatedHopperBackward(_RepeatedLaunches):
+    """The Gluon Hopper backward of a plain signature, run as one launch, as its first call with these strides and
+    settings launched it: the preprocess's prepared launch (which zeroes the dQ sums and counters beside delta and
+    lse2) and the backward's site (hopper_launch.BackwardSite). A repeated backward allocates its gradients and
+    scratch and launches the two."""
+
+    __slots__ = ("preprocess", "site", "sums_words")
+    hopper = True
+
+    def __init__(self, preprocess: tuple, site: hopper_launch.BackwardSite, sums_words: int, plan: _Plan,
+                 run: _Launch):
+        super().__init__(plan, run)
+        self.preprocess, self.site, self.sums_words = preprocess, site, sums_words
+
+    def _launch(self, grad_out, q, k, v, out, lse, plan: _Plan, dq, dk, dv) -> None:
+        delta, lse2, sums = plan.backward_scratch(q.device, self.sums_words)
+        prepared, middle = self.preprocess
+        prepared.launch((out, grad_out, lse, lse, delta, lse2, sums) + middle)
+        self.site.launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums)
 
 
 class _PreparedOutputOnly:
@@ -812,7 +835,9 @@ class TritonBackend(OutputOnlyForward):
         if signature.plain and grad_lse is None and signature.repeated_backwards:
             key = self._backward_key(grad_out, q, k, v, out, lse, signature.plan)
             repeat = signature.repeated_backwards.get(key)
-            if repeat is not None and not (signature.plan.sm90 and hopper_launch.why_not_backward(
+            # The Hopper decision is made again (its switch and a pinned tile may change between calls): a repeat
+            # stands for a call only where it launches the kernels this call would.
+            if repeat is not None and repeat.hopper == (signature.plan.sm90 and hopper_launch.why_not_backward(
                     signature.plan, repeat, key[-2], key[-1]) is None):
                 grads = repeat.launch(grad_out, q, k, v, out, lse, signature.plan)
                 if grads is not None:
@@ -963,7 +988,8 @@ class TritonBackend(OutputOnlyForward):
 
             key = plan.shrink_key + (run.tma_ok, dq_mode)
             if hopper:
-                hopper_launch.backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, plan.device_index, sums)
+                hopper_site = hopper_launch.backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan,
+                                                     plan.device_index, sums)
             elif dq_mode:
                 _run("dkdv", plan.config.dkdv, key, launch_dkdv)
                 dq.copy_(dq_acc)
@@ -972,7 +998,11 @@ class TritonBackend(OutputOnlyForward):
                 _run("dq", plan.config.dq, key, launch_dq)
         if dmask is not None:
             dmask = dmask.to(params.mask.dtype)
-        elif signature.plain and grad_lse is None and not hopper:
+        elif signature.plain and grad_lse is None and hopper:
+            if hopper_site is not None and sums is not None:
+                signature.repeated_backwards[self._backward_key(grad_out, q, k, v, out, lse, plan)] = \
+                    _RepeatedHopperBackward(preprocess_site, hopper_site, sums_words, plan, run)
+        elif signature.plain and grad_lse is None:
             dkdv_site, dkdv_descriptors = ran["dkdv"]
             signature.repeated_backwards[self._backward_key(grad_out, q, k, v, out, lse, plan)] = _RepeatedBackward(
                 (preprocess_site, dkdv_site, ran.get("dq") if dq_mode == 0 else None), dq_mode,

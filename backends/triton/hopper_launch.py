@@ -3,8 +3,9 @@
 The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/128/256 with equal value
 head dim, no mask, no dropout, no softcap, no sliding window (a causal mask of either alignment is fine), no
 key padding bounds, a positive scale, 16-byte aligned rows (and no broadcast batch or head). It pays once each
-program has enough key blocks to amortise its start (the first copies) and its output write; below MIN_KEYS the
-FlashAttention-2 kernel (forward.py) is faster on the H100 (backends/triton/NOTES.md, versions 5, 8 and 11).
+program has enough key blocks to amortise its start (the first copies) and its output write; below MIN_KEYS (fewer
+where the query tiles fill the GPU: FULL_GRID_MIN_KEYS) the FlashAttention-2 kernel (forward.py) is faster
+(backends/triton/NOTES.md, versions 5, 8 and 11 on the H100, "Short forward tiles" on the H200).
 Everything else runs forward.py.
 
 The Hopper backward covers the same problems (from BACKWARD_MIN_KEYS keys), except a deterministic backward (the
@@ -62,13 +63,22 @@ FORWARD_HALF_DIAGONAL_MAX_KEYS = {64: 4096}
 # maximum moves only when a block's top passes it by more than 2^8, and a consumer whose rows' maxima all stayed skips
 # the HEAD_DIM / 2 multiplies a thread of the rescaling (at the cost of a vote over the warpgroup's rows).
 FORWARD_LAZY_RESCALE = {64: False, 128: False, 256: True}
-# Fewest keys at which the Hopper kernel beat forward.py on the H100 (bf16, PERFORMANCE.md's shapes), per head dim: a
-# key count, or a pair (without a causal mask, with one). NOTES version 11: at d = 64 +16% at 1k, causal or not, and
-# ahead at every longer length; at d = 128 ahead from 1k (shorter ones not timed); d = 256 ahead everywhere.
-MIN_KEYS = {64: 1024, 128: 1024, 256: 1}
-# The backward: head dim -> fewest keys at which it beat backward.py's kernels on the H100 (bf16, NOTES version 8:
-# d = 64 +6-12% from 2k; d = 128 +12-18% from 2k, 1k causal +12%; NOTES version 13: d = 64 +1.5-1.8% at 1k).
-BACKWARD_MIN_KEYS = {64: 1024, 128: 1024, 256: 1}
+# Fewest keys at which the Hopper forward beats forward.py, per head dim: a key count, or a pair (without a causal mask,
+# with one). H100 (NOTES version 11): at d = 64 +16% at 1k, causal or not, and ahead at every longer length; d = 256
+# ahead everywhere. H200 (NOTES "Short forward tiles", bf16, CUDA-graph replay, against forward.py's short tiles): at
+# d = 64 and 128 ahead from 384 keys with 32 heads or 384, causal or not, within 4% at d = 64 causal 384.
+MIN_KEYS = {64: 384, 128: 384, 256: 1}
+# Fewer keys where the query tiles fill the GPU: head dim -> fewest keys at which the Hopper forward runs when there are
+# at least as many tiles of FORWARD_TILE_ROWS query rows as SMs. H200, d = 128: 1.2-1.5x forward.py from 128 keys with
+# 256 heads (level at 128 causal), while with 32 heads forward.py's smaller tiles give more programs and 1.3x it below
+# 384 keys. At d = 64 forward.py's 32-key tiles lead from 77 to 256 keys whatever the grid.
+FULL_GRID_MIN_KEYS = {128: 128}
+FORWARD_TILE_ROWS = 2 * QUERY_ROWS_PER_CONSUMER  # the forward's tile: two consumer warpgroups of rows
+# The backward: head dim -> fewest keys at which it beats backward.py's kernels. H100 (NOTES versions 8 and 13): d = 64
+# +1.5-12% from 1k, d = 128 +12-18% from 2k. H200 (NOTES "Short forward tiles": forward+backward with both Hopper
+# kernels less the forward): d = 64 1.0-1.15x backward.py's three kernels from 197 keys (32 and 384 heads), d = 128
+# 1.03-1.15x from 128 keys; below these the short backward (one launch, up to 128 keys at d = 64) leads.
+BACKWARD_MIN_KEYS = {64: 192, 128: 128, 256: 1}
 # Keys per program: two compute warpgroups of 64 keys, except at d = 256, where dK and dV of 64 keys fill both
 # warpgroups' registers (they split the columns); there Q and dO have one shared-memory slot (the float32 dQ
 # chunks take the second's room).
@@ -125,22 +135,27 @@ def _switch_value(raw) -> str:
 
 
 def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
-    """None when the Hopper kernel runs this call's forward (min_keys None: MIN_KEYS) or, with BACKWARD_MIN_KEYS,
-    its backward; otherwise the reason it does not. The plan's part is worked out once per plan and setting."""
+    """None when the Hopper kernel runs this call's forward (min_keys None: MIN_KEYS, and FULL_GRID_MIN_KEYS) or, with
+    BACKWARD_MIN_KEYS, its backward; otherwise the reason it does not. The plan's part is worked out once per plan and
+    setting."""
     if plan.has_right and run.window_right != 0:
         return "a right window bound other than causal"
     if run.qk_scale2 <= 0:
         return "a scale <= 0 (the Hopper forward takes each row's maximum of the unscaled scores)"
-    min_keys = MIN_KEYS if min_keys is None else min_keys
-    # Keyed by the thresholds' identity (a replaced dict is a new key); the entry holds the dict, so its id cannot
-    # be reused by another while the entry lives.
-    key = (_switch(), id(min_keys), configs.pinned() is None)
+    forward = min_keys is None
+    min_keys = MIN_KEYS if forward else min_keys
+    grid_min_keys = FULL_GRID_MIN_KEYS if forward else {}
+    # Keyed by the thresholds' identity (a replaced dict is a new key); the entry holds the dicts, so their ids cannot
+    # be reused by others while the entry lives.
+    key = (_switch(), id(min_keys), id(grid_min_keys), configs.pinned() is None)
     found = plan.hopper_reasons.get(key)
     if found is None:
-        found = plan.hopper_reasons[key] = (min_keys, _rule(
+        fills = plan.sm90 and fills_grid(plan.batch, plan.heads_q, plan.seqlen_q, plan.device_index)
+        found = plan.hopper_reasons[key] = (min_keys, grid_min_keys, _rule(
             key[0], plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k, plan.has_right,
-            plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.has_left or plan.key_lengths, min_keys))
-    reason = found[1]
+            plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.has_left or plan.key_lengths, min_keys,
+            grid_min_keys if fills else {}))
+    reason = found[2]
     if reason is None and not run.tma_ok:
         return "rows or starts not 16-byte aligned for the copy engine, or a broadcast batch or head"
     return reason
@@ -161,12 +176,23 @@ def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool) -> Op
 def why_not_problem(problem, min_keys: Optional[dict] = None) -> Optional[str]:
     """:func:`why_not` from a dispatcher Problem (no tensors: alignment is not known there)."""
     extras = problem.features & {"bool_mask", "float_mask", "dropout", "window", "softcap", "value_dim"}
-    return _rule(_switch(), problem.compute_capability == (9, 0), problem.dtype, problem.head_dim, problem.head_dim_v,
+    sm90 = problem.compute_capability == (9, 0)
+    fills = min_keys is None and sm90 and fills_grid(problem.batch, problem.heads_q, problem.seqlen_q,
+                                                       problem.device_index)
+    return _rule(_switch(), sm90, problem.dtype, problem.head_dim, problem.head_dim_v,
                  problem.seqlen_q, problem.seqlen_k, "causal" in problem.features, bool(extras),
-                 MIN_KEYS if min_keys is None else min_keys)
+                 MIN_KEYS if min_keys is None else min_keys, FULL_GRID_MIN_KEYS if fills else {})
 
 
-def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal, extras, min_keys) -> Optional[str]:
+def fills_grid(batch: int, heads_q: int, seqlen_q: int, device_index: Optional[int]) -> bool:
+    """Whether the forward's query tiles (FORWARD_TILE_ROWS rows of one head) are at least as many as the GPU's SMs."""
+    if device_index is None or not torch.cuda.is_available():  # (explain on a machine without the GPU)
+        return False
+    return batch * heads_q * -(-seqlen_q // FORWARD_TILE_ROWS) >= _sm_count(device_index)
+
+
+def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal, extras, min_keys,
+          grid_min_keys) -> Optional[str]:
     if switch in ("0", "false", "no", "off"):
         return f"{ENV_SWITCH}=0"
     if not sm90:
@@ -186,6 +212,7 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
     fewest = min_keys[head_dim]
     if isinstance(fewest, tuple):  # (without a causal mask, with one)
         fewest = fewest[bool(causal)]
+    fewest = min(fewest, grid_min_keys.get(head_dim, fewest))
     if seqlen_k < fewest and switch != "always":
         return f"{seqlen_k} keys < {fewest} (the FlashAttention-2 kernel is faster there)"
     return None
@@ -438,13 +465,15 @@ def _sums_words(plan, batches: int, heads: int) -> int:
     return batches * heads * (plan.kv_group * plan.seqlen_q * plan.head_dim + 1)
 
 
-def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int, sums=None) -> None:
+def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int,
+             sums=None) -> Optional["BackwardSite"]:
     """Launch the Hopper backward into dq, dk, dv (allocated by the caller); lse2 and delta from backward.py's
     preprocess, rows padded to a 16-byte stride. dQ is summed in float32; where a (batch, key/value head)'s sums take
     at most CONVERT_IN_KERNEL_MAX_BYTES the kernel's program that adds last converts them into dq, else they are
     copied into dq after the launch. ``sums``: the zeroed buffer of :func:`backward_sums_words` words when the backward
     runs as one launch. To bound that buffer, large problems run as several launches over slices of the batch or of
-    the key/value heads (:func:`backward_slices`), each zeroing its own."""
+    the key/value heads (:func:`backward_slices`), each zeroing its own. Returns the launch as a BackwardSite where it
+    ran as one launch through the call signature's prepared site (a repeated call may launch it again), else None."""
     launcher, constexprs, (batches, heads) = _backward_setup(plan, device_index)
     head_dim = plan.head_dim
     num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[head_dim])
@@ -452,32 +481,33 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     convert_in_kernel = group * plan.seqlen_q * head_dim * 4 <= CONVERT_IN_KERNEL_MAX_BYTES
 
     def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed, sites=None):
-        # The float32 dQ sums of a launch, then its counters.
-        sums_words = q_s.numel()
-        dq_acc = zeroed[:sums_words].view(q_s.shape)
-        mapped = (q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_acc, dk_s, dv_s)
-        rest = (dk_s, dv_s, dq_s, dq_acc, zeroed[sums_words:].view(torch.int32), *dk.stride()[:3], *dv.stride()[:3],
-                *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q, plan.seqlen_k, num_n_blocks, run.qk_scale2,
-                run.sm_scale, run.diag_offset, int(convert_in_kernel))
+        scalars = (*dk.stride()[:3], *dv.stride()[:3], *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q,
+                   plan.seqlen_k, num_n_blocks, run.qk_scale2, run.sm_scale, run.diag_offset, int(convert_in_kernel))
+        args = backward_arguments(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed) + scalars
         grid = (k_s.shape[0] * k_s.shape[1] * num_n_blocks,)
+        site = None
         if sites is None:
-            launcher.launch(grid, (*backward_maps(*mapped, head_dim), *rest), constexprs, device_index)
+            mapped = args[:BACKWARD_MAPS]
+            launcher.launch(grid, (*backward_maps(*mapped, head_dim), *args[BACKWARD_MAPS:]), constexprs,
+                            device_index)
         else:
             # One launch per call over the signature's tensors: the site prepared by its first call (the maps'
             # geometry: the signature's and the gradient's strides).
             key = ("hopper_backward", grad_out_s.stride())
             site = sites.get(key)
             if site is None or site.launcher is not launcher or site.constexprs is not constexprs:
-                site = sites[key] = launcher.prepare_maps(grid, (*backward_maps(*mapped, head_dim), *rest),
-                                                          constexprs, device_index)
-            site.launch(mapped + rest)
+                mapped = args[:BACKWARD_MAPS]
+                site = sites[key] = launcher.prepare_maps(grid, (*backward_maps(*mapped, head_dim),
+                                                                 *args[BACKWARD_MAPS:]), constexprs, device_index)
+            site.launch(args)
         if not convert_in_kernel:
-            dq_s.copy_(dq_acc)
+            dq_s.copy_(args[SUMS_ARGUMENT])
+        return None if site is None else BackwardSite(site, scalars, convert_in_kernel)
 
     if batches == plan.batch and heads == plan.heads_kv:  # one launch over the whole tensors: no slicing views
         signature = getattr(run, "signature", None)
-        launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, None if signature is None else signature.sites)
-        return
+        return launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums,
+                      None if signature is None else signature.sites)
     accumulator = torch.empty(_sums_words(plan, batches, heads), dtype=torch.float32, device=q.device)
     for b0 in range(0, plan.batch, batches):
         for h0 in range(0, plan.heads_kv, heads):
@@ -487,6 +517,35 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
             zeroed = accumulator[:q_s.numel() + k_s.shape[0] * k_s.shape[1]].zero_()
             launch(q_s, k_s, v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq[b, hq], dk[b, h], dv[b, h],
                    zeroed)
+    return None
+
+
+BACKWARD_MAPS = 9  # the backward kernel's first arguments, read through host tensor maps (backward_maps)
+SUMS_ARGUMENT = BACKWARD_MAPS + 3  # the float32 dQ sums among backward_arguments (after dk, dv and dq)
+
+
+def backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, zeroed) -> tuple:
+    """The backward kernel's tensor arguments, in its order: the BACKWARD_MAPS mapped ones (q, k, v, grad_out, lse2,
+    delta, the float32 dQ sums, dk, dv), then dk, dv, dq, the sums and the per-(batch, key/value head) counters.
+    ``zeroed``: the launch's zeroed float32 words, the sums (q's shape) and then the counters."""
+    sums_words = q.numel()
+    dq_acc = zeroed[:sums_words].view(q.shape)
+    return (q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, dk, dv, dq, dq_acc, zeroed[sums_words:].view(torch.int32))
+
+
+class BackwardSite(NamedTuple):
+    """A one-launch Hopper backward as a call signature's first call launched it: the prepared site (its maps'
+    geometry), the arguments after the tensors, and whether the kernel converts dQ itself. :meth:`launch` runs it
+    again over a repeated call's tensors."""
+    site: object                 # launcher.PreparedMapLaunch
+    scalars: tuple
+    convert_in_kernel: bool
+
+    def launch(self, q, k, v, grad_out, lse2, delta, dq, dk, dv, sums) -> None:
+        args = backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums)
+        self.site.launch(args + self.scalars)
+        if not self.convert_in_kernel:
+            dq.copy_(args[SUMS_ARGUMENT])
 
 
 # The last program to add to a (batch, key/value head)'s dQ converts that head's float32 sums into dQ when they take at
