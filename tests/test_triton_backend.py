@@ -1567,9 +1567,48 @@ def test_repeated_backwards_match_a_backward_worked_out_in_full_interpreted(inte
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_repeated_backwards_give_what_a_backward_worked_out_in_full_gives():
-    """check_repeated_backwards_match_full on the GPU at the latency shape and a GQA causal one below the Gluon
-    backward's key count."""
+    """check_repeated_backwards_match_full on the GPU at the latency shape and a GQA causal one (the
+    FlashAttention-2 kernels: a deterministic backward)."""
     check_repeated_backwards_match_full("cuda", ((1, 16, 16, 128, False), (2, 8, 2, 300, True)), dim=64)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+def test_gpu_repeated_gluon_backwards_match_the_reference(monkeypatch):
+    """A plain signature's backward that the Gluon kernel runs as shipped (GQA causal at d = 64, 300 keys; d = 128,
+    256 keys), repeated with new tensors at each call: the first call works it out in full (hopper_launch.backward),
+    the others launch what it prepared (backend._RepeatedHopperBackward), and every call's output and gradients, with
+    outputs poisoned, pass CONFORMANCE.md's rule against the float64 reference."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import hopper_launch
+
+    worked_out = []
+    real_backward = hopper_launch.backward
+    monkeypatch.setattr(hopper_launch, "backward", lambda *args: worked_out.append(1) or real_backward(*args))
+    monkeypatch.delenv(hopper_launch.ENV_SWITCH, raising=False)
+    backend = triton_backend.TritonBackend(deterministic=False)
+    gen = torch.Generator().manual_seed(5)
+    for batch, heads_q, heads_kv, seqlen, dim, causal in ((2, 8, 2, 300, 64, True), (2, 4, 4, 256, 128, False)):
+        assert seqlen >= hopper_launch.BACKWARD_MIN_KEYS[dim]
+        params = AttentionParams(scale=dim ** -0.5, window_right=0 if causal else None)
+        worked_out.clear()
+        for step in range(3):
+            q, k, v = (torch.randn(batch, heads, seqlen, dim, generator=gen).to("cuda", torch.bfloat16)
+                       for heads in (heads_q, heads_kv, heads_kv))
+            grad_out = torch.randn(batch, heads_q, seqlen, dim, generator=gen).to("cuda", torch.bfloat16)
+            with poisoned_allocations():
+                out, lse = backend.forward(q, k, v, params)
+                dq, dk, dv, _ = backend.backward(grad_out, q, k, v, out, lse, params)
+            repeats = list(triton_backend._signature_for(q, k, v, params, dense=True).repeated_backwards.values())
+            assert len(repeats) == 1 and isinstance(repeats[0], triton_backend._RepeatedHopperBackward), repeats
+            gold = _reference(q, k, v, params, None, False, grad_out, None, torch.float64)
+            lowp = _reference(q, k, v, params, None, False, grad_out, None, torch.bfloat16)
+            results = [compare(name, x.cpu(), gold[i].cpu(), lowp[i].cpu(), dtype=torch.bfloat16)
+                       for i, (name, x) in enumerate((("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)))]
+            failed = [str(r) for r in results if not r.ok]
+            assert not failed, f"d = {dim}, step {step}: " + "; ".join(failed)
+        assert worked_out == [1], "the repeated calls did not launch the first call's prepared backward"
 
 
 def check_output_only_forward_matches_forward(device="cpu", shapes=((1, 4, 4, 40, False), (2, 4, 2, 48, True)), dim=16,

@@ -409,7 +409,8 @@ def test_a_repeated_gluon_backward_launches_what_its_first_call_prepared(monkeyp
     gluon_launches = []
     monkeypatch.setattr(hopper_launch, "_backward_launcher", [RecordingLauncher(
         hopper_backward.hopper_backward_kernel, lambda grid, named, constexprs: gluon_launches.append(named))])
-    monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
+    sm_counts = []
+    monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: sm_counts.append(index) or 132)
     monkeypatch.setenv(hopper_launch.ENV_SWITCH, "1")
     worked_out = []
     real_backward = hopper_launch.backward
@@ -428,6 +429,8 @@ def test_a_repeated_gluon_backward_launches_what_its_first_call_prepared(monkeyp
             backend.backward(grad_out, q, k, v, out, lse, params)))
         assert len(launched["backward_preprocess_kernel"]) == 1 and not launched["backward_dkdv_kernel"]
     assert len(worked_out) == 1 and len(gluon_launches) == 3
+    # The Hopper decision is worked out once per plan and setting, not at every call (nor the SM count it may read).
+    assert len(plan.hopper_reasons) == 1 and len(sm_counts) == 1
     for (q, k, v, out, grad_out), (dq, dk, dv, _), named in zip(calls, preprocess, gluon_launches):
         assert named["q_desc"].base is q and named["k_desc"].base is k and named["v_desc"].base is v
         assert named["do_desc"].base is grad_out and named["dQ"] is dq

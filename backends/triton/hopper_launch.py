@@ -74,6 +74,7 @@ MIN_KEYS = {64: 384, 128: 384, 256: 1}
 # 384 keys. At d = 64 forward.py's 32-key tiles lead from 77 to 256 keys whatever the grid.
 FULL_GRID_MIN_KEYS = {128: 128}
 FORWARD_TILE_ROWS = 2 * QUERY_ROWS_PER_CONSUMER  # the forward's tile: two consumer warpgroups of rows
+_NO_GRID_MIN_KEYS: dict = {}  # the backward's (no lower threshold where the grid fills)
 # The backward: head dim -> fewest keys at which it beats backward.py's kernels. H100 (NOTES versions 8 and 13): d = 64
 # +1.5-12% from 1k, d = 128 +12-18% from 2k. H200 (NOTES "Short forward tiles": forward+backward with both Hopper
 # kernels less the forward): d = 64 1.0-1.15x backward.py's three kernels from 197 keys (32 and 384 heads), d = 128
@@ -144,13 +145,14 @@ def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
         return "a scale <= 0 (the Hopper forward takes each row's maximum of the unscaled scores)"
     forward = min_keys is None
     min_keys = MIN_KEYS if forward else min_keys
-    grid_min_keys = FULL_GRID_MIN_KEYS if forward else {}
-    # Keyed by the thresholds' identity (a replaced dict is a new key); the entry holds the dicts, so their ids cannot
-    # be reused by others while the entry lives.
+    grid_min_keys = FULL_GRID_MIN_KEYS if forward else _NO_GRID_MIN_KEYS
+    # Keyed by the thresholds' identity (a replaced dict is a new key; so the dicts must be kept ones, not made per
+    # call); the entry holds the dicts, so their ids cannot be reused by others while the entry lives.
     key = (_switch(), id(min_keys), id(grid_min_keys), configs.pinned() is None)
     found = plan.hopper_reasons.get(key)
     if found is None:
-        fills = plan.sm90 and fills_grid(plan.batch, plan.heads_q, plan.seqlen_q, plan.device_index)
+        fills = bool(grid_min_keys) and plan.sm90 and fills_grid(plan.batch, plan.heads_q, plan.seqlen_q,
+                                                                  plan.device_index)
         found = plan.hopper_reasons[key] = (min_keys, grid_min_keys, _rule(
             key[0], plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k, plan.has_right,
             plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.has_left or plan.key_lengths, min_keys,
