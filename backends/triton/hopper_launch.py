@@ -156,7 +156,7 @@ def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
         found = plan.hopper_reasons[key] = (min_keys, grid_min_keys, _rule(
             key[0], plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k, plan.has_right,
             plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.has_left or plan.key_lengths, min_keys,
-            grid_min_keys if fills else {}))
+            grid_min_keys if fills else _NO_GRID_MIN_KEYS))
     reason = found[2]
     if reason is None and not run.tma_ok:
         return "rows or starts not 16-byte aligned for the copy engine, or a broadcast batch or head"
@@ -183,7 +183,7 @@ def why_not_problem(problem, min_keys: Optional[dict] = None) -> Optional[str]:
                                                        problem.device_index)
     return _rule(_switch(), sm90, problem.dtype, problem.head_dim, problem.head_dim_v,
                  problem.seqlen_q, problem.seqlen_k, "causal" in problem.features, bool(extras),
-                 MIN_KEYS if min_keys is None else min_keys, FULL_GRID_MIN_KEYS if fills else {})
+                 MIN_KEYS if min_keys is None else min_keys, FULL_GRID_MIN_KEYS if fills else _NO_GRID_MIN_KEYS)
 
 
 def fills_grid(batch: int, heads_q: int, seqlen_q: int, device_index: Optional[int]) -> bool:
