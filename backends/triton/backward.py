@@ -36,7 +36,7 @@ tiles (Q, dO) of each step are loaded through tensor descriptors as in the forwa
 import triton
 import triton.language as tl
 
-from mhattn.backends.triton.forward import head_descriptor, load_block, load_rows, sequence_bounds
+from mhattn.backends.triton.forward import head_descriptor, head_offset, load_block, load_rows, sequence_bounds
 from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile, keep_tile_transposed, row_keys
 from mhattn.backends.triton.scores import LOG2E, attention_scores, key_major_ranges, query_major_ranges
 
@@ -202,8 +202,8 @@ def load_key_block(K, V, batch, head_kv, key_rows, offs_n, offs_d, offs_dv, seql
                    stride_vb, stride_vh, stride_vn, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """(k, v): the key block's rows key_rows of one (batch, key/value head), keys past seqlen_k read as 0."""
-    k_ptrs = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh + key_rows * stride_kn + offs_d[None, :]
-    v_ptrs = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh + key_rows * stride_vn + offs_dv[None, :]
+    k_ptrs = K + head_offset(batch, head_kv, stride_kb, stride_kh) + key_rows * stride_kn + offs_d[None, :]
+    v_ptrs = V + head_offset(batch, head_kv, stride_vb, stride_vh) + key_rows * stride_vn + offs_dv[None, :]
     k = load_rows(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, BLOCK_D, True)
     v = load_rows(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
     return k, v
@@ -230,9 +230,9 @@ def store_key_block_grads(dK, dV, dk, dv, sm_scale, batch, head_kv, key_rows, of
     stored_keys on (another batch entry's) and padding columns are not written."""
     dk = dk * sm_scale
     rows_ok = offs_n[:, None] < stored_keys
-    dk_ptrs = (dK + batch.to(tl.int64) * stride_dkb + head_kv.to(tl.int64) * stride_dkh
+    dk_ptrs = (dK + head_offset(batch, head_kv, stride_dkb, stride_dkh)
                + key_rows * stride_dkn + offs_d[None, :])
-    dv_ptrs = (dV + batch.to(tl.int64) * stride_dvb + head_kv.to(tl.int64) * stride_dvh
+    dv_ptrs = (dV + head_offset(batch, head_kv, stride_dvb, stride_dvh)
                + key_rows * stride_dvn + offs_dv[None, :])
     if BLOCK_D != HEAD_DIM:
         tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=rows_ok & (offs_d[None, :] < HEAD_DIM))
@@ -308,13 +308,13 @@ def backward_dkdv_kernel(
     for group_index in range(0, kv_group):
         head = head_kv * kv_group + group_index
         batch_head = batch * heads_q + head
-        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
-        do_base = (dOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+        q_base = Q + head_offset(batch, head, stride_qb, stride_qh) + q_start.to(tl.int64) * stride_qm
+        do_base = (dOut + head_offset(batch, head, stride_dob, stride_doh)
                    + q_start.to(tl.int64) * stride_dom)
-        row_base = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start
+        row_base = head_offset(batch, head, stride_lb, stride_lh) + q_start
         lse2_base = Lse2 + row_base
         delta_base = Delta + row_base
-        mask_base = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+        mask_base = Mask + head_offset(batch, head, stride_mb, stride_mh)
         rng_head_key = head_key(batch_head, seed0)
         q_desc = head_descriptor(q_base, seqlen_q, stride_qm, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
         do_desc = head_descriptor(do_base, seqlen_q, stride_dom, HEAD_DIM_V, BLOCK_M, BLOCK_DV, TMA)
@@ -403,12 +403,12 @@ def backward_short_kernel(
     for group_index in range(0, kv_group):
         head = head_kv * kv_group + group_index
         batch_head = batch * heads_q + head
-        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-        do_base = dOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-        o_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-        dq_base = dQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
-        lse_base = Lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
-        mask_base = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+        q_base = Q + head_offset(batch, head, stride_qb, stride_qh)
+        do_base = dOut + head_offset(batch, head, stride_dob, stride_doh)
+        o_base = Out + head_offset(batch, head, stride_ob, stride_oh)
+        dq_base = dQ + head_offset(batch, head, stride_dqb, stride_dqh)
+        lse_base = Lse + head_offset(batch, head, stride_lb, stride_lh)
+        mask_base = Mask + head_offset(batch, head, stride_mb, stride_mh)
         dk, dv = dkdv_query_range(
             dk, dv, k, v, q_base, do_base, q_base, do_base, dq_base, dq_base, lse_base, o_base,
             stride_qm, stride_dom, stride_dqm, stride_om, 0, seqlen_q,
@@ -510,18 +510,18 @@ def backward_dq_kernel(
     rows_ok = offs_m < seqlen_q
 
     query_rows = (q_start + offs_m)[:, None].to(tl.int64)
-    q_ptrs = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + query_rows * stride_qm + offs_d[None, :]
-    do_ptrs = (dOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+    q_ptrs = Q + head_offset(batch, head, stride_qb, stride_qh) + query_rows * stride_qm + offs_d[None, :]
+    do_ptrs = (dOut + head_offset(batch, head, stride_dob, stride_doh)
                + query_rows * stride_dom + offs_dv[None, :])
     q = load_rows(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
     do = load_rows(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, BLOCK_DV, True)
-    row_offsets = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start + offs_m
+    row_offsets = head_offset(batch, head, stride_lb, stride_lh) + q_start + offs_m
     lse2 = tl.load(Lse2 + row_offsets, mask=rows_ok, other=float("inf"))
     delta = tl.load(Delta + row_offsets, mask=rows_ok, other=0.0)
 
-    k_base = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
-    v_base = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
-    mask_base = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+    k_base = K + head_offset(batch, head_kv, stride_kb, stride_kh) + k_start.to(tl.int64) * stride_kn
+    v_base = V + head_offset(batch, head_kv, stride_vb, stride_vh) + k_start.to(tl.int64) * stride_vn
+    mask_base = Mask + head_offset(batch, head, stride_mb, stride_mh)
     dmask_base = dMask + batch_head.to(tl.int64) * seqlen_q * seqlen_k
     rng_rows = offs_m.to(tl.uint32)
     if HAS_DROPOUT:
@@ -551,7 +551,7 @@ def backward_dq_kernel(
                       HAS_SOFTCAP, MASK_KIND, HAS_DROPOUT, MASK_GRAD, DOT_PRECISION)
 
     dq = dq * sm_scale
-    dq_ptrs = (dQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+    dq_ptrs = (dQ + head_offset(batch, head, stride_dqb, stride_dqh)
                + query_rows * stride_dqm + offs_d[None, :])
     if BLOCK_D != HEAD_DIM:
         tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM))

@@ -40,6 +40,7 @@ try:  # programmatic dependent launch (Triton 3.3 and later)
 except ImportError:  # pragma: no cover - older Triton: decode_launch never sets the flags that reach these
     gdc_launch_dependents = gdc_wait = None
 
+from mhattn.backends.triton.forward import head_offset
 from mhattn.backends.triton.scores import LN2, LOG2E, attention_scores
 
 
@@ -159,7 +160,7 @@ def split_kv_kernel(
     head = head_kv * kv_group + rows // seqlen_q
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_rows = batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_pos.to(tl.int64) * stride_qm
+    q_rows = head_offset(batch, head, stride_qb, stride_qh) + q_pos.to(tl.int64) * stride_qm
     q_mask = row_ok[:, None]
     if BLOCK_D != HEAD_DIM:
         q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
@@ -196,8 +197,8 @@ def split_kv_kernel(
         # The first split's first row block writes every new row (a mask of the rows' shape: Triton's interpreter
         # gives an int32 mask where a scalar is OR-ed into one).
         writes_all = tl.zeros([BLOCK_N], dtype=tl.int32) + split + row_block == 0
-        new_k = NewK + batch.to(tl.int64) * stride_nkb + head_kv.to(tl.int64) * stride_nkh
-        new_v = NewV + batch.to(tl.int64) * stride_nvb + head_kv.to(tl.int64) * stride_nvh
+        new_k = NewK + head_offset(batch, head_kv, stride_nkb, stride_nkh)
+        new_v = NewV + head_offset(batch, head_kv, stride_nvb, stride_nvh)
         for first_new in range(0, seqlen_q, BLOCK_N):
             new_rows = first_new + tl.arange(0, BLOCK_N)
             positions = diag_offset + new_rows
@@ -245,7 +246,7 @@ def split_kv_kernel(
         tl.store(OutSplit + part[:, None] * HEAD_DIM_V + offs_dv[None, :], out, mask=row_ok[:, None] & dv_ok)
         tl.store(LseSplit + part, lse, mask=row_ok)
     else:
-        o_rows = batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + q_pos.to(tl.int64) * stride_om
+        o_rows = head_offset(batch, head, stride_ob, stride_oh) + q_pos.to(tl.int64) * stride_om
         o_ptrs = Out + o_rows[:, None] + offs_dv[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
         tl.store(Lse + out_row, lse, mask=row_ok)
@@ -312,8 +313,8 @@ def append_kv_kernel(
     tl.store(Seqlens + batch, start + seqlen_q, mask=(head == 0) & (row_block == 0))
 
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    write_new_rows(K + batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh,
-                   V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh, stride_kn, stride_vn,
+    write_new_rows(K + head_offset(batch, head, stride_kb, stride_kh),
+                   V + head_offset(batch, head, stride_vb, stride_vh), stride_kn, stride_vn,
                    KCache + head.to(tl.int64) * stride_kch, VCache + head.to(tl.int64) * stride_vch,
                    BlockTable + batch.to(tl.int64) * stride_table, stride_table_block, batch, rows, start + rows,
                    rows < seqlen_q, capacity, num_blocks, stride_kcb, stride_kcn, stride_vcb, stride_vcn,

@@ -30,6 +30,13 @@ from mhattn.backends.triton.scores import LN2, attention_scores, query_major_ran
 
 
 @triton.jit
+def head_offset(batch, head, stride_batch, stride_head):
+    """Elements from the start of a (B, H, ...) tensor to one (batch, head)'s rows, in 64 bits: a large tensor's
+    offsets pass 2^31 elements."""
+    return batch.to(tl.int64) * stride_batch + head.to(tl.int64) * stride_head
+
+
+@triton.jit
 def load_rows(ptrs, offs_rows, limit, offs_cols, COLS: tl.constexpr, BLOCK_COLS: tl.constexpr,
               CHECK_ROWS: tl.constexpr):
     """Load a (rows, BLOCK_COLS) tile; masks rows >= limit when CHECK_ROWS and the head-dim padding
@@ -188,10 +195,10 @@ def attention_forward_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
 
     # Batch/head base offsets in int64: tensors may exceed 2**31 elements.
-    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + q_start.to(tl.int64) * stride_qm
-    k_base = K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
-    v_base = V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
-    mask_base = Mask + batch.to(tl.int64) * stride_mb + head.to(tl.int64) * stride_mh
+    q_base = Q + head_offset(batch, head, stride_qb, stride_qh) + q_start.to(tl.int64) * stride_qm
+    k_base = K + head_offset(batch, head_kv, stride_kb, stride_kh) + k_start.to(tl.int64) * stride_kn
+    v_base = V + head_offset(batch, head_kv, stride_vb, stride_vh) + k_start.to(tl.int64) * stride_vn
+    mask_base = Mask + head_offset(batch, head, stride_mb, stride_mh)
 
     q_ptrs = q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :]
     q = load_rows(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
@@ -240,12 +247,12 @@ def attention_forward_kernel(
     out = acc * (dropout_scale / l_safe)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
 
-    o_ptrs = (Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    o_ptrs = (Out + head_offset(batch, head, stride_ob, stride_oh)
               + (q_start + offs_m)[:, None].to(tl.int64) * stride_om + offs_dv[None, :])
     if BLOCK_DV != HEAD_DIM_V:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty),
                  mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V))
     else:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_m[:, None] < seqlen_q)
-    lse_base = Lse + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_start
+    lse_base = Lse + head_offset(batch, head, stride_lb, stride_lh) + q_start
     tl.store(lse_base + offs_m, lse, mask=offs_m < seqlen_q)
