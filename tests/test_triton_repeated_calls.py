@@ -423,15 +423,18 @@ def test_a_repeated_gluon_backward_launches_what_its_first_call_prepared(monkeyp
     monkeypatch.setattr(plan, "sm90", True)
     monkeypatch.setattr(plan, "descriptor_strides_ok", True)
     lse = torch.randn(2, 4, seqlen)
-    preprocess = []
+    grads = []
+    sums_words = 2 * 4 * (seqlen * 64 + 1)  # each (batch, head)'s float32 dQ sums and its counter
     for q, k, v, out, grad_out in calls:
-        launched = backward_launches(jit, launchers, lambda: preprocess.append(
+        launched = backward_launches(jit, launchers, lambda: grads.append(
             backend.backward(grad_out, q, k, v, out, lse, params)))
         assert len(launched["backward_preprocess_kernel"]) == 1 and not launched["backward_dkdv_kernel"]
+        # The preprocess zeroes the sums and counters (its seventh tensor), laid out after delta and lse2.
+        assert launched["backward_preprocess_kernel"][0][1][6][0] == (sums_words,)
     assert len(worked_out) == 1 and len(gluon_launches) == 3
     # The Hopper decision is worked out once per plan and setting, not at every call (nor the SM count it may read).
     assert len(plan.hopper_reasons) == 1 and len(sm_counts) == 1
-    for (q, k, v, out, grad_out), (dq, dk, dv, _), named in zip(calls, preprocess, gluon_launches):
+    for (q, k, v, out, grad_out), (dq, dk, dv, _), named in zip(calls, grads, gluon_launches):
         assert named["q_desc"].base is q and named["k_desc"].base is k and named["v_desc"].base is v
         assert named["do_desc"].base is grad_out and named["dQ"] is dq
         assert named["dk_desc"].base is dk and named["dv_desc"].base is dv
