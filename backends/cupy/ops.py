@@ -669,15 +669,16 @@ def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, 
     bool_mask, float_mask = _mask_kinds(params)
     dq_shape, dq_stride = plan.grads[0]
     direct = hopper_bwd_stores_dq(seqlen_k) and dq_stride == layouts.contiguous_strides(dq_shape)
-    variant = variants.hopper_bwd_variant(_DTYPE_NAMES[q.dtype], head_dim, deterministic=deterministic and not direct,
+    turns = deterministic and not direct  # a direct dQ is reproducible as it is
+    variant = variants.hopper_bwd_variant(_DTYPE_NAMES[q.dtype], head_dim, deterministic=turns,
                                           softcap=params.softcap is not None, bool_mask=bool_mask,
                                           float_mask=float_mask, direct_dq=direct)
     query_rows = variant.define("QUERY_ROWS")
-    plan.maps = _row_maps(launcher, (q, k, v, grad_out), (query_rows, 128, 128, query_rows))
+    plan.maps = _row_maps(launcher, (q, k, v, grad_out), (query_rows, HOPPER_BWD_KEYS, HOPPER_BWD_KEYS, query_rows))
     dk, dv = (torch.empty_strided(shape, stride, device="meta") for shape, stride in plan.grads[1:])
     m, p = _HOPPER_BWD_MAPS, _BWD
     args = [m["q"], m["k"], m["v"], m["grad_out"], p["lse_log2"], p["delta"], p["dq"] if direct else p["dq_accum"],
-            p["dq_turns"] if deterministic and not direct else _NULL, p["dk"], p["dv"]]
+            p["dq_turns"] if turns else _NULL, p["dk"], p["dv"]]
     args += _strides(dk) + _strides(dv)
     args += [i32(seqlen_q), i32(plan.vector_shape[2]), i32(seqlen_k), i32(heads_q), i32(heads_q // heads_kv),
              f32(params.scale * LOG2E), f32(params.scale)]
@@ -689,7 +690,7 @@ def _hopper_backward_plan(plan: _BackwardPlan, launcher, cc, q, k, v, grad_out, 
     plan.atomic_dq = not direct
     plan.dq_shape = (batch, heads_q, seqlen_q, head_dim)
     # one dQ turn counter a (batch, head, query block)
-    plan.dq_turns = batch * heads_q * cdiv(seqlen_q, query_rows) if deterministic and not direct else 0
+    plan.dq_turns = batch * heads_q * cdiv(seqlen_q, query_rows) if turns else 0
     plan.bool_mask, plan.float_mask = bool_mask, float_mask
     plan.dropout = False
     plan.launches = tuple(launches)

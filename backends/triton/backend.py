@@ -999,7 +999,7 @@ class TritonBackend(OutputOnlyForward):
         if dmask is not None:
             dmask = dmask.to(params.mask.dtype)
         elif signature.plain and grad_lse is None and hopper:
-            if hopper_site is not None and sums is not None:
+            if hopper_site is not None:  # (one launch over the whole tensors, so with the sums beside delta and lse2)
                 signature.repeated_backwards[self._backward_key(grad_out, q, k, v, out, lse, plan)] = \
                     _RepeatedHopperBackward(preprocess_site, hopper_site, sums_words, plan, run)
         elif signature.plain and grad_lse is None:
