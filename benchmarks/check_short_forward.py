@@ -10,10 +10,15 @@ forward+backward at HOST_SHAPES (300 calls, one synchronize, best of 7 rounds ta
 latency.host_loops_in_turn), where the GPU time is short enough for the host path to decide.
 
     source benchmarks/device_env.sh && cd /tmp && python3 <repo>/benchmarks/check_short_forward.py
+    ... python3 <repo>/benchmarks/check_short_forward.py --tiles   # forward.py's tiles for masked and other calls
 
-Prints a line per shape as it goes and the table last.
+Prints a line per shape as it goes and the table last. ``--tiles`` (tile_sweep) instead times forward.py's forward
+under each of TILE_CANDIDATES, put in configs.SHORT_FORWARD for the case's head dim without a causal mask, beside the
+tile as shipped, at TILE_CASES: key counts the Gluon forward leaves to forward.py without a mask, and the calls it
+leaves to it at any key count (a key-padding mask, dropout, a window, softcap).
 """
 
+import argparse
 import contextlib
 
 import torch
@@ -150,6 +155,61 @@ def main():
         print(f"{f'B={batch} H={heads} N={seqlen} d={head_dim}':30s} " + " ".join(f"{c:>22s}" for c in cells))
 
 
+TILE_CANDIDATES = {"128x64 8w3s": configs.KernelConfig(128, 64, 8, 3), "64x32 4w3s": configs.KernelConfig(64, 32, 4, 3),
+                   "128x32 4w3s": configs.KernelConfig(128, 32, 4, 3), "64x64 4w3s": configs.KernelConfig(64, 64, 4, 3)}
+# (label, head dim, N (= Nq = Nk), mask, dropout_p, other arguments of mhattn.attention); B=32 H=12 at d = 64, B=16
+# H=16 at d = 128
+TILE_CASES = ([(f"d64 N={n}", 64, n, None, 0.0, {}) for n in (288, 320, 352, 383)]
+              + [(f"d{d} N={n} key padding", d, n, "key_padding", 0.0, {}) for d in (64, 128) for n in (197, 512)]
+              + [("d64 N=1024 key padding", 64, 1024, "key_padding", 0.0, {})]
+              + [(f"d64 N={n} dropout", 64, n, None, 0.1, {}) for n in (197, 512, 1024)]
+              + [("d64 N=700 window", 64, 700, None, 0.0, {"window": (100, 30)}),
+                 ("d64 N=768 softcap", 64, 768, None, 0.0, {"softcap": 20.0})])
+
+
+def tile_sweep():
+    """GPU us per forward (CUDA-graph replay, L2 flushed) of the Triton backend at TILE_CASES, as shipped and with
+    each of TILE_CANDIDATES as forward.py's short tile; the largest difference to SDPA's output where SDPA computes
+    the same (no dropout, window or softcap)."""
+    shipped = dict(configs.SHORT_FORWARD)
+    rows = []
+    for label, head_dim, seqlen, mask_kind, dropout_p, extra in TILE_CASES:
+        batch, heads = (32, 12) if head_dim == 64 else (16, 16)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for _ in range(3))
+        mask = None
+        if mask_kind == "key_padding":  # each sequence's keys a prefix of at least half of them
+            lengths = torch.randint(seqlen // 2, seqlen + 1, (batch,), device="cuda", generator=gen)
+            mask = (torch.arange(seqlen, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
+        run = lambda: mhattn.attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, backend="triton",  # noqa: E731
+                                       **extra)
+        want = (torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                if dropout_p == 0 and not extra else None)
+        times, worst = {}, 0.0
+        for name, tile in [("as shipped", None)] + list(TILE_CANDIDATES.items()):
+            configs.SHORT_FORWARD = dict(shipped)
+            if tile is not None:
+                configs.SHORT_FORWARD[("sm90", "half", head_dim, False)] = ((None, tile),)
+            fresh()
+            try:
+                out = run()
+                if want is not None:
+                    worst = max(worst, (out.float() - want.float()).abs().max().item())
+                times[name] = timing.graph_replay_ms(run, "cuda", flush_l2=True) * 1e3
+            finally:
+                configs.SHORT_FORWARD = dict(shipped)
+                fresh()
+        rows.append((label, times, worst))
+        print(label, {name: round(us, 1) for name, us in times.items()}, f"max diff {worst:.4f}", flush=True)
+    names = ["as shipped"] + list(TILE_CANDIDATES)
+    print()
+    print("forward GPU us per call (CUDA-graph replay, L2 flushed), bf16; max |diff| to SDPA where it computes the same")
+    print(f"{'case':26s} " + " ".join(f"{name:>12s}" for name in names) + f" {'max diff':>9s}")
+    for label, times, worst in rows:
+        print(f"{label:26s} " + " ".join(f"{times[name]:12.1f}" for name in names) + f" {worst:9.4f}")
+
+
 @contextlib.contextmanager
 def fresh_context():
     fresh()
@@ -157,4 +217,10 @@ def fresh_context():
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiles", action="store_true", help="only forward.py's short tiles for masked and other calls "
+                                                             "(tile_sweep)")
+    if parser.parse_args().tiles:
+        tile_sweep()
+    else:
+        main()

@@ -541,7 +541,7 @@ def test_config_parsing_and_pinning():
     # At d = 64 without a causal mask the short forward's tile follows the key count; long queries keep the table's.
     short_keys = configs.config_for((9, 0), torch.bfloat16, 64, False, seqlen_q=197, seqlen_k=197).forward
     more_keys = configs.config_for((9, 0), torch.bfloat16, 64, False, seqlen_q=197, seqlen_k=512).forward
-    assert (short_keys.block_n, more_keys.block_n, more_keys.num_warps) == (32, 64, 8)
+    assert (short_keys.block_m, short_keys.block_n, more_keys.block_m, more_keys.block_n) == (128, 32, 64, 32)
     assert configs.config_for((9, 0), torch.bfloat16, 64, False, seqlen_q=4096, seqlen_k=197) == \
         configs.TABLE[("sm90", "half", 64, False)]
     assert short.dkdv == configs.TABLE[("sm90", "half", 128, True)].dkdv

@@ -143,12 +143,17 @@ _fill_defaults()
 # Short sequences (Nq <= SHORT_SEQLEN): the forward's tile by key count, the first entry whose key bound (None: any)
 # holds. More programs, and less of a short key set's last block wasted. Measured on an H200 (bf16, B=32 H=12 at d = 64,
 # B=16 H=16 at d = 128, CUDA-graph replay; backends/triton/NOTES.md "Short forward tiles"), as the table tile's time
-# over this one's: at d = 64 without a causal mask 32-key steps up to 256 keys (1.05-1.42x at 77-256 keys) and 8 warps
-# above (1.02-1.06x); with a causal mask 64-row tiles (1.05-1.39x at 77-1000 keys); at d = 128 64 x 32 tiles,
-# causal or not (1.00-1.12x at 128-1000 keys; the 64 x 64 tile they replace keeps 32 B a thread on the stack).
+# over this one's: at d = 64 without a causal mask 128 x 32 tiles up to 256 keys (1.05-1.42x at 77-256 keys) and 64 x 32
+# above; with a causal mask 64-row tiles (1.05-1.39x at 77-1000 keys); at d = 128 64 x 32 tiles, causal or not
+# (1.00-1.12x at 128-1000 keys; the 64 x 64 tile they replace keeps 32 B a thread on the stack). Above 256 keys at
+# d = 64 the Gluon forward takes plain calls from hopper_launch.MIN_KEYS, so this tile runs 257-383 keys without a mask
+# and masked, dropout, window and softcap calls: 64 x 32 with 4 warps (at most 248 registers a thread with a mask, two
+# programs an SM) against 128 x 64 with 8 warps (220 with a mask, one program an SM): 1.44-1.47x at 512-1024 keys with
+# a key-padding mask, 1.13-1.18x with dropout, 1.95x with a window, 1.05-1.26x at 288-352 keys without a mask, 0.98x
+# at 383 (NOTES "forward.py's short tile above 256 keys").
 SHORT_SEQLEN = 1024
 SHORT_FORWARD = {
-    ("sm90", "half", 64, False): ((256, _k(128, 32, 4, 3)), (None, _k(128, 64, 8, 3))),
+    ("sm90", "half", 64, False): ((256, _k(128, 32, 4, 3)), (None, _k(64, 32, 4, 3))),
     ("sm90", "half", 64, True): ((None, _k(64, 64, 4, 2)),),
     ("sm90", "half", 128, False): ((None, _k(64, 32, 4, 3)),),
     ("sm90", "half", 128, True): ((None, _k(64, 32, 4, 3)),),
