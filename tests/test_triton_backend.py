@@ -542,6 +542,10 @@ def test_config_parsing_and_pinning():
     short_keys = configs.config_for((9, 0), torch.bfloat16, 64, False, seqlen_q=197, seqlen_k=197).forward
     more_keys = configs.config_for((9, 0), torch.bfloat16, 64, False, seqlen_q=197, seqlen_k=512).forward
     assert (short_keys.block_m, short_keys.block_n, more_keys.block_m, more_keys.block_n) == (128, 32, 64, 32)
+    masked = configs.config_for((9, 0), torch.bfloat16, 64, False, seqlen_q=197, seqlen_k=197, masked=True).forward
+    assert (masked.block_m, masked.block_n) == (64, 32)  # 128 x 32 spills with a mask
+    assert configs.config_for((9, 0), torch.bfloat16, 64, False, seqlen_q=4096, seqlen_k=197, masked=True) == \
+        configs.TABLE[("sm90", "half", 64, False)]  # long query sequences keep the table
     assert configs.config_for((9, 0), torch.bfloat16, 64, False, seqlen_q=4096, seqlen_k=197) == \
         configs.TABLE[("sm90", "half", 64, False)]
     assert short.dkdv == configs.TABLE[("sm90", "half", 128, True)].dkdv
@@ -1282,19 +1286,30 @@ def test_short_backward_compiles_without_spills_at_every_tile_it_takes(cc):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_short_forward_tiles_compile_for_sm90_without_spills():
-    """Every forward tile a short query sequence takes on sm_90 (configs.SHORT_FORWARD) is in the build's task list
-    and compiles for sm_90 in bf16 with no stack (no spills) and within a block's shared memory."""
+    """Every forward tile a short query sequence takes on sm_90 (configs.SHORT_FORWARD, and SHORT_FORWARD_MASKED for
+    calls that read a mask) is in the build's task list and compiles for sm_90 in bf16 with no stack (no spills) and
+    within a block's shared memory: without a mask, and with a boolean mask (with key bounds, as a key-padding mask
+    runs) and a float mask for the tiles masked calls take (config_for with ``masked``)."""
     from mhattn.backends.triton import ahead, configs
 
     tasks = ahead.table_tasks("sm_90")
-    for (arch, _, head_dim, causal), entries in configs.SHORT_FORWARD.items():
+    for key in set(configs.SHORT_FORWARD) | set(configs.SHORT_FORWARD_MASKED):
+        arch, _, head_dim, causal = key
         assert arch == "sm90"
-        for _, tile in entries:
-            task = ahead.KernelTask("fwd", head_dim, causal, tile)
-            assert task in tasks, task.label
-            kernel = ahead.compile_kernel(task, 90)
-            assert ahead.resource_usage(kernel)["stack"] == 0, task.label
-            assert kernel.metadata.shared <= 227 << 10, task.label
+        plain = configs.SHORT_FORWARD.get(key, ())
+        masked = configs.SHORT_FORWARD_MASKED.get(key, plain)
+        for mask_kind, entries in ((0, plain), (1, masked), (2, masked)):
+            for most_keys, tile in entries:
+                seqlen_k = most_keys or configs.SHORT_SEQLEN
+                chosen = configs.config_for((9, 0), torch.bfloat16, head_dim, causal, seqlen_q=128, seqlen_k=seqlen_k,
+                                            masked=mask_kind != 0).forward
+                assert chosen == tile, (key, mask_kind, most_keys)
+                task = ahead.KernelTask("fwd", head_dim, causal, tile)
+                assert task in tasks, task.label
+                flags = {0: (), 1: (("MASK_KIND", 1), ("KEY_LENGTHS", True)), 2: (("MASK_KIND", 2),)}[mask_kind]
+                kernel = ahead.compile_kernel(ahead.KernelTask("fwd", head_dim, causal, tile, flags=flags), 90)
+                assert ahead.resource_usage(kernel)["stack"] == 0, f"{task.label} mask kind {mask_kind}"
+                assert kernel.metadata.shared <= 227 << 10, task.label
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

@@ -242,7 +242,8 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                     continue
                 tasks.append(KernelTask(kind, head_dim, causal, tile, dq_mode if kind == "dkdv" else 0))
             key = (configs.arch_of((cc // 10, cc % 10)), "half", configs.padded_head_dim(head_dim), causal)
-            for _, tile in configs.SHORT_FORWARD.get(key, ()):  # the short queries' forward tiles
+            short_tiles = configs.SHORT_FORWARD.get(key, ()) + configs.SHORT_FORWARD_MASKED.get(key, ())
+            for _, tile in short_tiles:  # the short queries' forward tiles (without and with a mask)
                 task = KernelTask("fwd", head_dim, causal, tile)
                 if tile != config.forward and task not in tasks and not (hopper_only and not tile.tma):
                     tasks.append(task)

@@ -132,7 +132,7 @@ class _Plan:
         self.hopper_backward_slices = None  # its launches' (batches, key/value heads) (hopper_launch.backward_slices)
         self.hopper_reasons = {}  # hopper_launch.why_not's plan part, per setting
         self.config = configs.config_for(cc, q.dtype, self.head_dim, self.heavy_first, self.seqlen_q, dot_precision,
-                                         self.seqlen_k)
+                                         self.seqlen_k, masked=mask_kind != 0)
         self.flags = dict(HEAD_DIM=self.head_dim, HEAD_DIM_V=self.head_dim_v, BLOCK_D=self.block_d,
                           BLOCK_DV=self.block_dv, HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_SOFTCAP=has_softcap,
                           MASK_KIND=mask_kind, HAS_DROPOUT=has_dropout, DOT_PRECISION=dot_precision,

@@ -158,11 +158,20 @@ SHORT_FORWARD = {
     ("sm90", "half", 128, False): ((None, _k(64, 32, 4, 3)),),
     ("sm90", "half", 128, True): ((None, _k(64, 32, 4, 3)),),
 }
+# Calls that read a mask (boolean or float), where SHORT_FORWARD's tile would spill: 128 x 32 with 4 warps at d = 64
+# keeps 192 B (boolean) and 264 B (float) of stack a thread with a mask (255 registers, compiler report, sm_90, bf16);
+# 64 x 32 with 4 warps keeps none (248 registers). On the H200 at 197 keys with a key-padding mask the two read 48.8
+# and 48.0 us (B=32 H=12; backends/triton/NOTES.md "forward.py's short tile above 256 keys").
+SHORT_FORWARD_MASKED = {
+    ("sm90", "half", 64, False): ((None, _k(64, 32, 4, 3)),),
+}
 
 
-def short_forward_tile(key: tuple, seqlen_k: int) -> Optional[KernelConfig]:
-    """SHORT_FORWARD's tile for a table key and ``seqlen_k`` keys; None where the table's own tile runs."""
-    for most_keys, tile in SHORT_FORWARD.get(key, ()):
+def short_forward_tile(key: tuple, seqlen_k: int, masked: bool = False) -> Optional[KernelConfig]:
+    """SHORT_FORWARD's tile (SHORT_FORWARD_MASKED's first where it has the key and the call reads a mask) for a table
+    key and ``seqlen_k`` keys; None where the table's own tile runs."""
+    entries = (masked and SHORT_FORWARD_MASKED.get(key)) or SHORT_FORWARD.get(key, ())
+    for most_keys, tile in entries:
         if most_keys is None or seqlen_k <= most_keys:
             return tile
     return None
@@ -287,10 +296,10 @@ def triton_next_power_of_2(n: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def table_config(compute_capability, dtype: torch.dtype, head_dim: int, causal: bool, short: bool = False,
-                 precision: str = "tf32", seqlen_k: int = 1 << 30) -> AttentionConfig:
+                 precision: str = "tf32", seqlen_k: int = 1 << 30, masked: bool = False) -> AttentionConfig:
     """The table's entry; ``short``: the query sequence has at most SHORT_SEQLEN rows (the forward's tile then
-    comes from SHORT_FORWARD by ``seqlen_k``); ``precision``: the kernels' float32 dot precision ("ieee" has
-    entries of its own where the TF32 tiles spill)."""
+    comes from SHORT_FORWARD by ``seqlen_k``, or SHORT_FORWARD_MASKED where ``masked``: the call reads a mask);
+    ``precision``: the kernels' float32 dot precision ("ieee" has entries of its own where the TF32 tiles spill)."""
     arch = arch_of(compute_capability)
     if arch == "interpreter":
         return INTERPRETER
@@ -299,19 +308,20 @@ def table_config(compute_capability, dtype: torch.dtype, head_dim: int, causal: 
     if key not in TABLE and dtype_class == "fp32-ieee":
         key = (arch, "fp32", key[2], causal)
     config = TABLE.get(key, FALLBACK)
-    tile = short_forward_tile(key, seqlen_k) if short else None
+    tile = short_forward_tile(key, seqlen_k, masked) if short else None
     if tile is not None:
         config = replace(config, forward=tile)
     return config
 
 
 def config_for(compute_capability, dtype: torch.dtype, head_dim: int, causal: bool, seqlen_q: int = 1 << 30,
-               precision: str = "tf32", seqlen_k: int = 1 << 30) -> AttentionConfig:
-    """The configuration a call runs with (pinned > table > fallback)."""
+               precision: str = "tf32", seqlen_k: int = 1 << 30, masked: bool = False) -> AttentionConfig:
+    """The configuration a call runs with (pinned > table > fallback); ``masked``: the call reads a mask."""
     if _pinned is not None:
         return _pinned
     short = seqlen_q <= SHORT_SEQLEN
-    return table_config(compute_capability, dtype, head_dim, causal, short, precision, seqlen_k if short else 1 << 30)
+    return table_config(compute_capability, dtype, head_dim, causal, short, precision, seqlen_k if short else 1 << 30,
+                        short and masked)
 
 
 def shrink(config: KernelConfig) -> Optional[KernelConfig]:
