@@ -13,8 +13,8 @@ latency.host_loops_in_turn), where the GPU time is short enough for the host pat
     ... python3 <repo>/benchmarks/check_short_forward.py --tiles   # forward.py's tiles for masked and other calls
 
 Prints a line per shape as it goes and the table last. ``--tiles`` (tile_sweep) instead times forward.py's forward
-under each of TILE_CANDIDATES, put in configs.SHORT_FORWARD for the case's head dim without a causal mask, beside the
-tile as shipped, at TILE_CASES: key counts the Gluon forward leaves to forward.py without a mask, and the calls it
+under each of TILE_CANDIDATES, put in configs.SHORT_FORWARD and SHORT_FORWARD_MASKED for the case's head dim without a
+causal mask, beside the tiles as shipped, at TILE_CASES: key counts the Gluon forward leaves to forward.py without a mask, and the calls it
 leaves to it at any key count (a key-padding mask, dropout, a window, softcap).
 """
 
@@ -171,7 +171,7 @@ def tile_sweep():
     """GPU us per forward (CUDA-graph replay, L2 flushed) of the Triton backend at TILE_CASES, as shipped and with
     each of TILE_CANDIDATES as forward.py's short tile; the largest difference to SDPA's output where SDPA computes
     the same (no dropout, window or softcap)."""
-    shipped = dict(configs.SHORT_FORWARD)
+    shipped = dict(configs.SHORT_FORWARD), dict(configs.SHORT_FORWARD_MASKED)
     rows = []
     for label, head_dim, seqlen, mask_kind, dropout_p, extra in TILE_CASES:
         batch, heads = (32, 12) if head_dim == 64 else (16, 16)
@@ -188,9 +188,10 @@ def tile_sweep():
                 if dropout_p == 0 and not extra else None)
         times, worst = {}, 0.0
         for name, tile in [("as shipped", None)] + list(TILE_CANDIDATES.items()):
-            configs.SHORT_FORWARD = dict(shipped)
+            configs.SHORT_FORWARD, configs.SHORT_FORWARD_MASKED = dict(shipped[0]), dict(shipped[1])
             if tile is not None:
-                configs.SHORT_FORWARD[("sm90", "half", head_dim, False)] = ((None, tile),)
+                for table in (configs.SHORT_FORWARD, configs.SHORT_FORWARD_MASKED):
+                    table[("sm90", "half", head_dim, False)] = ((None, tile),)
             fresh()
             try:
                 out = run()
@@ -198,7 +199,7 @@ def tile_sweep():
                     worst = max(worst, (out.float() - want.float()).abs().max().item())
                 times[name] = timing.graph_replay_ms(run, "cuda", flush_l2=True) * 1e3
             finally:
-                configs.SHORT_FORWARD = dict(shipped)
+                configs.SHORT_FORWARD, configs.SHORT_FORWARD_MASKED = dict(shipped[0]), dict(shipped[1])
                 fresh()
         rows.append((label, times, worst))
         print(label, {name: round(us, 1) for name, us in times.items()}, f"max diff {worst:.4f}", flush=True)
