@@ -16,7 +16,9 @@ Sections (run in the order given, each skipped once the time budget --budget is 
 - ``d256``: the same at d = 256 for a few N (it must work; no target).
 - ``memory``: peak extra memory of forward+backward, causal, B = 1, H = 16, d = 128, N = 8k and 32k.
 - ``resources`` (no GPU needed): compile kernels for sm_90 ahead of time and print shared memory,
-  registers and stack (spills) per tile, e.g. ``resources --specs dkdv:128:0:32,128,8,2``.
+  registers and stack (spills) per tile, e.g. ``resources --specs dkdv:128:0:32,128,8,2``; ``--specs table`` takes
+  every forward and backward tile of configs.py's sm_90 table at d = 64, 128 and 256, and ``--features`` builds each
+  spec for calls with those features too (a key-padding mask, a float mask, dropout, a window: RESOURCE_FEATURES).
 
 Before timing, every kernel variant a section needs is compiled in parallel worker processes, which
 fill Triton's on-disk cache for the timing process. Logs go to --out; the short table prints last.
@@ -357,18 +359,47 @@ def compile_report(kind, head_dim, causal, tile, dtype="bf16", cc=90, dq_mode=0,
             f"tma={ptx.count('cp.async.bulk.tensor')} setmaxnreg={ptx.count('setmaxnreg')}")
 
 
-def section_resources(args, state):
-    """--specs kind:d:causal:BM,BN,W,S[,tma][,ws][:dqmode] ... compiled for sm_90 (no GPU needed)."""
+# The compile-time flags of a call with each feature (the kernels' other flags as plain calls have them): a boolean
+# key-padding mask runs with its mask and the per-batch key bounds (key_padding.py).
+RESOURCE_FEATURES = {"plain": (), "key-padding": (("MASK_KIND", 1), ("KEY_LENGTHS", True)),
+                     "float-mask": (("MASK_KIND", 2),), "dropout": (("HAS_DROPOUT", True),),
+                     "window": (("HAS_LEFT", True),)}
+
+
+def table_specs(head_dims=(64, 128, 256)) -> list:
+    """The resources specs of every forward and backward tile of configs.py's sm_90 table (bf16), with its dQ mode."""
     from mhattn.backends.triton import configs
 
-    for spec in args.specs:
+    specs = []
+    for head_dim in head_dims:
+        for causal in (False, True):
+            config = configs.table_config((9, 0), torch.bfloat16, head_dim, causal)
+            for kind, tile in (("fwd", config.forward), ("dkdv", config.dkdv), ("dq", config.dq)):
+                mode = f":{config.dq_mode}" if kind == "dkdv" else ""
+                specs.append(f"{kind}:{head_dim}:{int(causal)}:{tile}{mode}")
+    return specs
+
+
+def section_resources(args, state):
+    """--specs kind:d:causal:BM,BN,W,S[,tma][,ws][:dqmode] ... (or "table": table_specs) compiled for sm_90 (no GPU
+    needed), for each of --features (RESOURCE_FEATURES)."""
+    from mhattn.backends.triton import configs
+
+    specs = [one for spec in args.specs for one in (table_specs() if spec == "table" else [spec])]
+    features = args.features.split(",")
+    unknown = [name for name in features if name not in RESOURCE_FEATURES]
+    if unknown:
+        raise SystemExit(f"--features: unknown {unknown}; known: {', '.join(RESOURCE_FEATURES)}")
+    for spec in specs:
         kind, head_dim, causal, tile, *dq_mode = spec.split(":")
         mode = configs.DQ_MODES.index(dq_mode[0]) if dq_mode else 0
-        try:
-            line = compile_report(kind, int(head_dim), causal == "1", configs.parse(tile).forward, dq_mode=mode)
-        except Exception as error:
-            line = f"FAILED {type(error).__name__}: {str(error)[:300]}"
-        log(args.out, f"  {spec:24s} {line}")
+        for feature in features:
+            try:
+                line = compile_report(kind, int(head_dim), causal == "1", configs.parse(tile).forward, dq_mode=mode,
+                                      flags=RESOURCE_FEATURES[feature])
+            except Exception as error:
+                line = f"FAILED {type(error).__name__}: {str(error)[:300]}"
+            log(args.out, f"  {spec:32s} {feature:12s} {line}")
 
 
 def section_table_dims(args, state):
@@ -416,7 +447,9 @@ def main(argv=None):
     parser.add_argument("--sweep-n", type=int, default=4096, help="sequence length of the sweep")
     parser.add_argument("--specs", nargs="*", default=["fwd:128:0:128,128,8,3", "dkdv:128:0:32,128,8,2",
                                                        "dq:128:0:128,64,8,3"],
-                        help="resources section: kind:head_dim:causal:BM,BN,W,S (kind fwd, dkdv or dq)")
+                        help="resources section: kind:head_dim:causal:BM,BN,W,S (kind fwd, dkdv or dq), or table")
+    parser.add_argument("--features", default="plain",
+                        help="resources section: comma-separated " + ", ".join(RESOURCE_FEATURES))
     parser.add_argument("--no-apply-winners", action="store_true",
                         help="later sections use configs.py's table, not the sweep's winners")
     args = parser.parse_args(argv)
