@@ -205,6 +205,16 @@ def _reference(q, k, v, params, mask, keep_grad_mask, grad_out, grad_lse, dtype)
     return out.detach(), lse.detach(), grads[0], grads[1], grads[2], dmask
 
 
+def failures_against_reference(q, k, v, params, grad_out, results) -> list:
+    """CONFORMANCE.md's rule for a call without a mask: each of ``results`` (out, lse, dq, dk, dv) against the float64
+    reference, with the reference in q's dtype as the low-precision error; the verdicts that fail, as text."""
+    gold = _reference(q, k, v, params, None, False, grad_out, None, torch.float64)
+    lowp = _reference(q, k, v, params, None, False, grad_out, None, q.dtype)
+    verdicts = [compare(name, got.cpu(), gold[i].cpu(), lowp[i].cpu(), dtype=q.dtype)
+                for i, (name, got) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), results))]
+    return [str(verdict) for verdict in verdicts if not verdict.ok]
+
+
 def check_attention(dtype="float16", device="cpu", batch=2, heads_q=2, heads_kv=None, seqlen_q=37, seqlen_k=45,
                     head_dim=32, head_dim_v=None, causal=None, window=None, mask=None, mask_grad=False,
                     dropout_p=0.0, softcap=None, layout="bhnd", overflow=False, grad_lse=False, det_runs=1,
@@ -930,11 +940,8 @@ def test_gpu_gluon_launches_repeated_on_streams_and_in_a_graph(monkeypatch):
         return [torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
 
     def check(q, k, v, results, grad_out):
-        gold = _reference(q, k, v, params, None, False, grad_out, None, torch.float64)
-        lowp = _reference(q, k, v, params, None, False, grad_out, None, torch.bfloat16)
-        for index, (name, got) in enumerate(zip(("out", "lse", "dq", "dk", "dv"), results)):
-            verdict = compare(name, got.cpu(), gold[index].cpu(), lowp[index].cpu(), dtype=q.dtype)
-            assert verdict.ok, str(verdict)
+        failed = failures_against_reference(q, k, v, params, grad_out, results)
+        assert not failed, "; ".join(failed)
 
     q, k, v = inputs()
     with poisoned_allocations():
@@ -1529,11 +1536,7 @@ def test_gpu_launches_through_kept_handles_stay_correct_as_addresses_strides_and
         with poisoned_allocations():
             out, lse = backend.forward(q, k, v, params)
             dq, dk, dv, _ = backend.backward(grad_out, q, k, v, out, lse, params)
-        gold = _reference(q, k, v, params, None, False, grad_out, None, torch.float64)
-        lowp = _reference(q, k, v, params, None, False, grad_out, None, dt)
-        results = [compare(name, x.cpu(), gold[i].cpu(), lowp[i].cpu(), dtype=dt)
-                   for i, (name, x) in enumerate((("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)))]
-        failed = [str(r) for r in results if not r.ok]
+        failed = failures_against_reference(q, k, v, params, grad_out, (out, lse, dq, dk, dv))
         assert not failed, f"step {step}: " + "; ".join(failed)
     assert kinds.forward.handle_launches + kinds.dkdv.handle_launches - before >= 12
 
@@ -1617,11 +1620,7 @@ def test_gpu_repeated_gluon_backwards_match_the_reference(monkeypatch):
                 dq, dk, dv, _ = backend.backward(grad_out, q, k, v, out, lse, params)
             repeats = list(triton_backend._signature_for(q, k, v, params, dense=True).repeated_backwards.values())
             assert len(repeats) == 1 and isinstance(repeats[0], triton_backend._RepeatedHopperBackward), repeats
-            gold = _reference(q, k, v, params, None, False, grad_out, None, torch.float64)
-            lowp = _reference(q, k, v, params, None, False, grad_out, None, torch.bfloat16)
-            results = [compare(name, x.cpu(), gold[i].cpu(), lowp[i].cpu(), dtype=torch.bfloat16)
-                       for i, (name, x) in enumerate((("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)))]
-            failed = [str(r) for r in results if not r.ok]
+            failed = failures_against_reference(q, k, v, params, grad_out, (out, lse, dq, dk, dv))
             assert not failed, f"d = {dim}, step {step}: " + "; ".join(failed)
         assert worked_out == [1], "the repeated calls did not launch the first call's prepared backward"
 
