@@ -1295,8 +1295,9 @@ def test_short_backward_compiles_without_spills_at_every_tile_it_takes(cc):
 def test_short_forward_tiles_compile_for_sm90_without_spills():
     """Every forward tile a short query sequence takes on sm_90 (configs.SHORT_FORWARD, and SHORT_FORWARD_MASKED for
     calls that read a mask) is in the build's task list and compiles for sm_90 in bf16 with no stack (no spills) and
-    within a block's shared memory: without a mask, and with a boolean mask (with key bounds, as a key-padding mask
-    runs) and a float mask for the tiles masked calls take (config_for with ``masked``)."""
+    within a block's shared memory: without a mask, and with a boolean mask, a key-padding mask (one row of keys a
+    block, with key bounds: scores.MASK_KEYS) and a float mask for the tiles masked calls take (config_for with
+    ``masked``)."""
     from mhattn.backends.triton import ahead, configs
 
     tasks = ahead.table_tasks("sm_90")
@@ -1305,7 +1306,7 @@ def test_short_forward_tiles_compile_for_sm90_without_spills():
         assert arch == "sm90"
         plain = configs.SHORT_FORWARD.get(key, ())
         masked = configs.SHORT_FORWARD_MASKED.get(key, plain)
-        for mask_kind, entries in ((0, plain), (1, masked), (2, masked)):
+        for mask_kind, entries in ((0, plain), (1, masked), (3, masked), (2, masked)):
             for most_keys, tile in entries:
                 seqlen_k = most_keys or configs.SHORT_SEQLEN
                 chosen = configs.config_for((9, 0), torch.bfloat16, head_dim, causal, seqlen_q=128, seqlen_k=seqlen_k,
@@ -1313,7 +1314,8 @@ def test_short_forward_tiles_compile_for_sm90_without_spills():
                 assert chosen == tile, (key, mask_kind, most_keys)
                 task = ahead.KernelTask("fwd", head_dim, causal, tile)
                 assert task in tasks, task.label
-                flags = {0: (), 1: (("MASK_KIND", 1), ("KEY_LENGTHS", True)), 2: (("MASK_KIND", 2),)}[mask_kind]
+                flags = {0: (), 1: (("MASK_KIND", 1),), 3: (("MASK_KIND", 3), ("KEY_LENGTHS", True)),
+                         2: (("MASK_KIND", 2),)}[mask_kind]
                 kernel = ahead.compile_kernel(ahead.KernelTask("fwd", head_dim, causal, tile, flags=flags), 90)
                 assert ahead.resource_usage(kernel)["stack"] == 0, f"{task.label} mask kind {mask_kind}"
                 assert kernel.metadata.shared <= 227 << 10, task.label

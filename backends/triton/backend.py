@@ -212,13 +212,15 @@ class _Signature:
 
     def __init__(self, q, k, v, params: AttentionParams):
         mask = params.mask
+        # A bool mask shared by heads and query rows (key padding): per-batch key bounds (key_padding.py), and the
+        # kernels read one row of it per key block (scores.MASK_KEYS).
+        self.key_lengths = k.shape[2] > 0 and key_padding.applies(mask)
         if mask is None:
             mask_kind, mask_strides = 0, (0, 0, 0, 0)
         else:
-            mask_kind, mask_strides = (1 if mask.dtype == torch.bool else 2), _mask_strides(mask)
+            mask_kind = (3 if self.key_lengths else 1) if mask.dtype == torch.bool else 2
+            mask_strides = _mask_strides(mask)
         has_dropout = params.dropout_p > 0.0
-        # A bool mask shared by heads and query rows (key padding): per-batch key bounds (key_padding.py).
-        self.key_lengths = k.shape[2] > 0 and key_padding.applies(mask)
         self.has_dropout = has_dropout
         # Whether the forward runs on the split-KV decoding kernels (decode_launch.eligible, of the key's values).
         self.decode = k.shape[2] > 0 and decode_launch.eligible(q, k, params)
