@@ -361,9 +361,10 @@ def compile_report(kind, head_dim, causal, tile, dtype="bf16", cc=90, dq_mode=0,
 
 # The compile-time flags of a call with each feature (the kernels' other flags as plain calls have them): a boolean
 # key-padding mask runs with its mask read a row of keys at a time (scores.MASK_KEYS) and the per-batch key bounds
-# (key_padding.py).
+# (key_padding.py); a float key-padding bias (B, 1, 1, Nk) is read a row at a time too (scores.MASK_KEYS_FLOAT).
 RESOURCE_FEATURES = {"plain": (), "key-padding": (("MASK_KIND", 3), ("KEY_LENGTHS", True)),
-                     "float-mask": (("MASK_KIND", 2),), "dropout": (("HAS_DROPOUT", True),),
+                     "float-mask": (("MASK_KIND", 2),), "key-bias": (("MASK_KIND", 4),),
+                     "dropout": (("HAS_DROPOUT", True),),
                      "window": (("HAS_LEFT", True),)}
 
 

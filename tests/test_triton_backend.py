@@ -164,6 +164,15 @@ def make_mask(kind, batch, heads_q, seqlen_q, seqlen_k, device, generator, requi
         if kind == "key_padding_holes":
             keys &= torch.rand(batch, seqlen_k, generator=generator) > 0.3
         return keys.view(batch, 1, 1, seqlen_k).to(device).expand(batch, heads_q, seqlen_q, seqlen_k)
+    if kind == "key_bias":
+        # (B, 1, 1, Nk) expanded: an additive key-padding bias (a small random bias on each sequence's kept prefix,
+        # -inf past it), which the kernels read one row of keys a block (scores.MASK_KEYS_FLOAT)
+        lengths = torch.randint(max(1, seqlen_k // 3), seqlen_k + 1, (batch, 1, 1, 1), generator=generator)
+        base = torch.randn(batch, 1, 1, seqlen_k, generator=generator)
+        base = base.masked_fill(torch.arange(seqlen_k) >= lengths, float("-inf")).to(device)
+        if requires_grad:
+            base.requires_grad_(True)
+        return base.expand(batch, heads_q, seqlen_q, seqlen_k)
     if kind.startswith("bool"):
         base = torch.rand(batch, 1, seqlen_q, seqlen_k, generator=generator) > 0.3  # broadcast over heads
         if kind == "bool_empty_rows":
@@ -583,6 +592,9 @@ CPU_CASES = {
     "float_mask_grad_fp32_causal": dict(mask="float", mask_grad=True, dtype="float32", causal="top_left",
                                         seqlen_q=30, seqlen_k=30),
     "float_mask_neginf": dict(mask="float_neginf", seqlen_q=20, seqlen_k=52),
+    "key_bias": dict(mask="key_bias", batch=3, seqlen_q=30, seqlen_k=70, heads_q=4, heads_kv=2),
+    "key_bias_grad_causal_fp32": dict(mask="key_bias", mask_grad=True, batch=2, dtype="float32", causal="top_left",
+                                      seqlen_q=30, seqlen_k=41),
     "dropout": dict(dropout_p=0.17, seqlen_q=33, seqlen_k=49),
     "dropout_causal_gqa_fp32": dict(dropout_p=0.17, dtype="float32", causal="top_left", heads_q=4, heads_kv=2,
                                     batch=1, seqlen_q=30, seqlen_k=30),
@@ -642,6 +654,8 @@ SHORT_CPU_CASES = {
     "key_padding_holes_window_fp32": dict(short=True, mask="key_padding_holes", batch=3, seqlen_q=40, seqlen_k=57,
                                           dtype="float32", window=(30, 10)),
     "float_mask_neginf": dict(short=True, mask="float_neginf", seqlen_q=20, seqlen_k=52),
+    "key_bias_window": dict(short=True, mask="key_bias", batch=3, seqlen_q=30, seqlen_k=70, heads_q=4, heads_kv=2,
+                            window=(20, 5)),
     "dropout_causal_gqa_fp32": dict(short=True, dropout_p=0.17, dtype="float32", causal="top_left", heads_q=4,
                                     heads_kv=2, batch=1, seqlen_q=30, seqlen_k=30),
     "window": dict(short=True, window=(9, 4), seqlen_q=45, seqlen_k=50),
@@ -731,6 +745,8 @@ GPU_FEATURE_CASES = {
     "bool_mask_empty_rows": dict(mask="bool_empty_rows", seqlen_q=200, seqlen_k=300),
     "key_padding": dict(mask="key_padding", batch=4, seqlen_q=500, seqlen_k=700, heads_q=6, heads_kv=2),
     "key_padding_holes": dict(mask="key_padding_holes", batch=3, seqlen_q=300, seqlen_k=1000),
+    "key_bias": dict(mask="key_bias", batch=4, seqlen_q=500, seqlen_k=700, heads_q=6, heads_kv=2),
+    "key_bias_grad": dict(mask="key_bias", mask_grad=True, batch=2, seqlen_q=300, seqlen_k=400),
     "float_mask_grad": dict(mask="float", mask_grad=True, seqlen_q=257, seqlen_k=300, causal="bottom_right"),
     "dropout": dict(dropout_p=0.17, seqlen_q=333, seqlen_k=400, heads_q=6, heads_kv=2),
     "dropout_causal": dict(dropout_p=0.17, seqlen_q=512, seqlen_k=512, causal="top_left"),
@@ -1296,8 +1312,8 @@ def test_short_forward_tiles_compile_for_sm90_without_spills():
     """Every forward tile a short query sequence takes on sm_90 (configs.SHORT_FORWARD, and SHORT_FORWARD_MASKED for
     calls that read a mask) is in the build's task list and compiles for sm_90 in bf16 with no stack (no spills) and
     within a block's shared memory: without a mask, and with a boolean mask, a key-padding mask (one row of keys a
-    block, with key bounds: scores.MASK_KEYS) and a float mask for the tiles masked calls take (config_for with
-    ``masked``)."""
+    block, with key bounds: scores.MASK_KEYS), a float mask and a key-padding bias (one row of keys a block:
+    scores.MASK_KEYS_FLOAT) for the tiles masked calls take (config_for with ``masked``)."""
     from mhattn.backends.triton import ahead, configs
 
     tasks = ahead.table_tasks("sm_90")
@@ -1306,7 +1322,7 @@ def test_short_forward_tiles_compile_for_sm90_without_spills():
         assert arch == "sm90"
         plain = configs.SHORT_FORWARD.get(key, ())
         masked = configs.SHORT_FORWARD_MASKED.get(key, plain)
-        for mask_kind, entries in ((0, plain), (1, masked), (3, masked), (2, masked)):
+        for mask_kind, entries in ((0, plain), (1, masked), (3, masked), (2, masked), (4, masked)):
             for most_keys, tile in entries:
                 seqlen_k = most_keys or configs.SHORT_SEQLEN
                 chosen = configs.config_for((9, 0), torch.bfloat16, head_dim, causal, seqlen_q=128, seqlen_k=seqlen_k,
@@ -1315,7 +1331,7 @@ def test_short_forward_tiles_compile_for_sm90_without_spills():
                 task = ahead.KernelTask("fwd", head_dim, causal, tile)
                 assert task in tasks, task.label
                 flags = {0: (), 1: (("MASK_KIND", 1),), 3: (("MASK_KIND", 3), ("KEY_LENGTHS", True)),
-                         2: (("MASK_KIND", 2),)}[mask_kind]
+                         2: (("MASK_KIND", 2),), 4: (("MASK_KIND", 4),)}[mask_kind]
                 kernel = ahead.compile_kernel(ahead.KernelTask("fwd", head_dim, causal, tile, flags=flags), 90)
                 assert ahead.resource_usage(kernel)["stack"] == 0, f"{task.label} mask kind {mask_kind}"
                 assert kernel.metadata.shared <= 227 << 10, task.label
@@ -1499,6 +1515,40 @@ def test_hopper_forward_host_side_keeps_a_tile_counter_per_stream(monkeypatch, c
         assert calls[0][2]["TileCounter"] is calls[1][2]["TileCounter"]  # one counter for the stream
     plan.hopper_schedule = None  # the forward's settings changed: the launch is made again
     assert not prepared.current(plan)
+
+
+def check_key_bias_rows_and_gradient():
+    """A float mask shared by heads and query rows (a key-padding bias) runs as scores.MASK_KEYS_FLOAT (one row of
+    keys a block) without its gradient and as a full float mask with it; calls of one layout alternating between the
+    two each get what they ask: the gradient of the bias whenever it requires one, against the float64 reference."""
+    import mhattn
+    from mhattn.backends.base import AttentionParams
+    from mhattn.backends.triton import backend as triton_backend
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=gen, dtype=torch.float32) for n in (9, 21, 21))
+    bias = torch.randn(2, 1, 1, 21, generator=gen).masked_fill(torch.arange(21) >= 15, float("-inf"))
+    kinds = [triton_backend._signature_for(q, k, v, AttentionParams(scale=0.25, mask=bias.expand(2, 4, 9, 21),
+                                                                    mask_requires_grad=grad), dense=True).plan.mask_kind
+             for grad in (False, True)]
+    assert kinds == [4, 2], kinds
+    for grad in (False, True, False, True):
+        leaf = bias.clone().requires_grad_(grad)
+        out = mhattn.attention(q, k, v, attn_mask=leaf.expand(2, 4, 9, 21), backend="triton")
+        want_leaf = bias.double().requires_grad_(grad)
+        want = mhattn.attention(q.double(), k.double(), v.double(), attn_mask=want_leaf.expand(2, 4, 9, 21),
+                                backend="reference")
+        torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+        if grad:
+            out.sum().backward()
+            want.sum().backward()
+            assert leaf.grad is not None
+            torch.testing.assert_close(leaf.grad.double(), want_leaf.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.interpret
+def test_key_bias_read_by_rows_unless_its_gradient_is_asked_for(interpreter):
+    interpreter.run("check_key_bias_rows_and_gradient")
 
 
 def test_key_bounds_of_key_padding_masks():

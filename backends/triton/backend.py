@@ -213,12 +213,18 @@ class _Signature:
     def __init__(self, q, k, v, params: AttentionParams):
         mask = params.mask
         # A bool mask shared by heads and query rows (key padding): per-batch key bounds (key_padding.py), and the
-        # kernels read one row of it per key block (scores.MASK_KEYS).
+        # kernels read one row of it per key block (scores.MASK_KEYS); a float mask shared by them (a key-padding
+        # bias) one row per key block too (scores.MASK_KEYS_FLOAT), unless its gradient is asked for (the dQ kernel
+        # then writes the gradient of every (row, key) entry).
         self.key_lengths = k.shape[2] > 0 and key_padding.applies(mask)
         if mask is None:
             mask_kind, mask_strides = 0, (0, 0, 0, 0)
         else:
-            mask_kind = (3 if self.key_lengths else 1) if mask.dtype == torch.bool else 2
+            if mask.dtype == torch.bool:
+                mask_kind = 3 if self.key_lengths else 1
+            else:
+                row_bias = key_padding.shared_by_heads_and_rows(mask) and not params.mask_requires_grad
+                mask_kind = 4 if row_bias else 2
             mask_strides = _mask_strides(mask)
         has_dropout = params.dropout_p > 0.0
         self.has_dropout = has_dropout
@@ -263,9 +269,11 @@ def _signature_for(q, k, v, params: AttentionParams, dense: bool, names: tuple =
     messages), checked with :func:`_check_inputs` the first time their shapes and strides come (the key holds
     everything it reads)."""
     mask = params.mask
+    # (whether a float mask's gradient is asked for decides how the kernels read it: _Signature)
+    mask_key = None if mask is None else (mask.dtype, mask.shape, mask.stride(), params.mask_requires_grad)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, _dot_precision(q.dtype),
-           configs.pinned(), None if mask is None else (mask.dtype, mask.shape, mask.stride()), params.scale,
-           params.diag_offset, params.window_left, params.window_right, params.dropout_p, params.softcap)
+           configs.pinned(), mask_key, params.scale, params.diag_offset, params.window_left, params.window_right,
+           params.dropout_p, params.softcap)
     try:
         found = _signatures[key]
     except KeyError:

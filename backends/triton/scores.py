@@ -19,13 +19,14 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
-# MASK_KIND values (constexpr): no mask, boolean mask (True = attend), additive float mask, and a boolean mask that
-# is the same for every query row and head (a key-padding mask: key_padding.applies), of which a tile reads one row of
-# keys instead of a (rows, keys) tile of the same bytes over and over.
+# MASK_KIND values (constexpr): no mask, boolean mask (True = attend), additive float mask, and a boolean or a float mask
+# that is the same for every query row and head (a key-padding mask or bias: key_padding.shared_by_heads_and_rows), of
+# which a tile reads one row of keys instead of a (rows, keys) tile of the same values over and over.
 MASK_NONE = 0
 MASK_BOOL = 1
 MASK_FLOAT = 2
 MASK_KEYS = 3
+MASK_KEYS_FLOAT = 4
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def load_mask_tile(mask_base, q_idx, k_idx, seqlen_q, seqlen_k, stride_mq, strid
 
 @triton.jit
 def load_key_mask(mask_base, k_idx, seqlen_k, stride_mk):
-    """MASK_KEYS: the mask's values for keys k_idx (shaped as k_idx, so they broadcast over the tile's rows), clamped
+    """MASK_KEYS, MASK_KEYS_FLOAT: the mask's values for keys k_idx (shaped as k_idx, so they broadcast over the tile's rows), clamped
     into range as load_mask_tile does."""
     return tl.load(mask_base + tl.minimum(k_idx, seqlen_k - 1).to(tl.int64) * stride_mk)
 
@@ -92,6 +93,8 @@ def attention_scores(qk, q_idx, k_idx, seqlen_q, seqlen_k,
         s2 = tl.where(values != 0, s2, float("-inf"))
     if MASK_KIND == 3:
         s2 = tl.where(load_key_mask(mask_base, k_idx, seqlen_k, stride_mk) != 0, s2, float("-inf"))
+    if MASK_KIND == 4:
+        s2 = s2 + load_key_mask(mask_base, k_idx, seqlen_k, stride_mk).to(tl.float32) * LOG2E
     if MASKED:
         ok = visible(q_idx, k_idx, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
                      HAS_LEFT, HAS_RIGHT)
