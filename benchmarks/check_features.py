@@ -1,5 +1,5 @@
-"""The Triton backend with a feature (softcap, a sliding window, a key-padding mask, dropout) at training shapes, beside
-the same call without it, torch's SDPA as a user calls it, and FlexAttention, in one process.
+"""The Triton backend with a feature (softcap, a sliding window, dropout, a key-padding mask or bias) at training
+shapes, beside the same call without it, torch's SDPA as a user calls it, and FlexAttention, in one process.
 
 On sm_90 the Gluon kernels run plain calls; a call with a feature runs the FlashAttention-2 kernels on configs.py's
 sm_90 table tiles (hopper_launch.why_not). This says what a feature costs a user against the plain call and the peers,
@@ -7,12 +7,13 @@ and ``--tiles`` times those tiles against candidates (configs.pin), since many o
 (backends/triton/NOTES.md, "The FlashAttention-2 table tiles on sm_90 with a mask, dropout or a window").
 
 bf16, B * N = 16k tokens, H * d = 2048 (PERFORMANCE.md's protocol shape); do_bench median (timing.bench_ms, settled),
-forward and forward+backward, in ms, and each peer's time over the Triton backend's. SDPA computes the same where it can: a window and a key-padding mask as a boolean
-mask, dropout with its own random mask; not softcap. FlexAttention (torch.compile'd flex_attention; only at the head
-dims in FLEX_HEAD_DIMS, for its compile time): a causal, window or key-length block mask, softcap as a score_mod;
-not dropout.
+forward and forward+backward, in ms, and each peer's time over the Triton backend's. SDPA computes the same where it
+can: a window and a key-padding mask as a boolean mask, the bias as a float one, dropout with its own random mask; not
+softcap. FlexAttention (torch.compile'd flex_attention; only at the head dims in FLEX_HEAD_DIMS, for its compile time):
+a causal, window or key-length block mask (the bias as the same key lengths), softcap as a score_mod; not dropout.
 
     source benchmarks/device_env.sh && cd /tmp && python3 <repo>/benchmarks/check_features.py [--tiles]
+    ... check_features.py --features "plain,key padding,key bias" --head-dims 128
 
 Prints a line per case as it goes and the table last.
 """
@@ -33,9 +34,11 @@ FLEX_HEAD_DIMS = (128,)
 SOFTCAP = 30.0
 WINDOW = 1024  # keys to the left of the diagonal (causal)
 DROPOUT = 0.1
-# (name, causal, mhattn.attention keywords); key padding: each sequence's keys a prefix of at least half of them
+# (name, causal, mhattn.attention keywords); key padding: each sequence's keys a prefix of at least half of them, as a
+# boolean mask (B, 1, 1, N); key bias: the same padding as an additive float mask (0 on the prefix, -inf past it)
 FEATURES = [("plain", True, {}), ("softcap", True, {"softcap": SOFTCAP}), ("window", True, {"window": (WINDOW, 0)}),
-            ("dropout", True, {"dropout_p": DROPOUT}), ("plain", False, {}), ("key padding", False, {})]
+            ("dropout", True, {"dropout_p": DROPOUT}), ("plain", False, {}), ("key padding", False, {}),
+            ("key bias", False, {})]
 # Candidate table tiles per head dim (configs.parse strings), timed with --tiles beside the table's own.
 TILE_CANDIDATES = {
     128: {"fwd 128x64 8w": "fwd=128,64,8,3;dkdv=64,64,4,2,tma;dq=128,64,8,3",
@@ -48,7 +51,7 @@ TILE_CANDIDATES = {
           "dkdv 64x64 8w": "fwd=128,64,8,2,tma;dkdv=64,64,8,2,tma;dq=128,32,8,3"},
 }
 # Features whose calls --tiles times under each candidate (those whose table tiles spill the most)
-TILE_FEATURES = ("window", "key padding")
+TILE_FEATURES = ("window", "key padding", "key bias")
 WARMUP_MS, REP_MS, SETTLE_MS = 10, 40, 100
 
 
@@ -65,8 +68,18 @@ def key_padding_mask(lengths):
     return (torch.arange(SEQLEN, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
 
 
+def feature_mask(feature, lengths):
+    """The attn_mask of a feature: the key-padding mask, or the same padding as a bf16 bias; else None."""
+    if feature == "key padding":
+        return key_padding_mask(lengths)
+    if feature == "key bias":
+        return torch.zeros(key_padding_mask(lengths).shape, device="cuda", dtype=torch.bfloat16).masked_fill_(
+            ~key_padding_mask(lengths), float("-inf"))
+    return None
+
+
 def mhattn_call(q, k, v, lengths, feature, causal, extra):
-    mask = key_padding_mask(lengths) if feature == "key padding" else None
+    mask = feature_mask(feature, lengths)
     return lambda: mhattn.attention(q, k, v, attn_mask=mask, is_causal=causal, backend="triton", **extra)
 
 
@@ -78,8 +91,8 @@ def sdpa_call(q, k, v, lengths, feature, causal, extra):
         rows = torch.arange(SEQLEN, device="cuda")
         band = (rows[None, :] <= rows[:, None]) & (rows[None, :] >= rows[:, None] - WINDOW)
         return lambda: sdpa(q, k, v, attn_mask=band)
-    if feature == "key padding":
-        mask = key_padding_mask(lengths)
+    if feature in ("key padding", "key bias"):
+        mask = feature_mask(feature, lengths)
         return lambda: sdpa(q, k, v, attn_mask=mask)
     return lambda: sdpa(q, k, v, is_causal=causal, dropout_p=extra.get("dropout_p", 0.0))
 
@@ -109,10 +122,11 @@ def flex_call(q, k, v, lengths, feature, causal, extra):
     def softcap_mod(score, b, h, q_idx, kv_idx):
         return SOFTCAP * torch.tanh(score / SOFTCAP)
 
-    mask_mod = {"window": window_mod, "key padding": padding_mod}.get(feature, causal_mod if causal else None)
+    mask_mod = {"window": window_mod, "key padding": padding_mod, "key bias": padding_mod}.get(
+        feature, causal_mod if causal else None)
     block_mask = None
     if mask_mod is not None:
-        batch = q.shape[0] if feature == "key padding" else None
+        batch = q.shape[0] if feature in ("key padding", "key bias") else None
         block_mask = create_block_mask(mask_mod, batch, None, SEQLEN, SEQLEN, device="cuda")
     score_mod = softcap_mod if feature == "softcap" else None
     return lambda: _flex["compiled"](q, k, v, score_mod=score_mod, block_mask=block_mask)
@@ -166,8 +180,8 @@ def main(with_tiles: bool):
                     times[name] = timed(calls["triton"], q, k, v)
                     if "dropout_p" not in extra:
                         errors[name] = error_to(calls["triton"], lambda: mhattn.attention(
-                            q, k, v, attn_mask=key_padding_mask(lengths) if feature == "key padding" else None,
-                            is_causal=causal, backend="reference", **extra))
+                            q, k, v, attn_mask=feature_mask(feature, lengths), is_causal=causal, backend="reference",
+                            **extra))
             rows.append((label, head_dim, causal, feature, times, errors))
             print(label, {n: (tuple(round(x, 3) for x in t) if isinstance(t, tuple) else t) for n, t in times.items()},
                   {n: round(e, 4) for n, e in errors.items()}, flush=True)
