@@ -1551,6 +1551,36 @@ def test_key_bias_read_by_rows_unless_its_gradient_is_asked_for(interpreter):
     interpreter.run("check_key_bias_rows_and_gradient")
 
 
+def check_module_key_padding_reads_rows():
+    """mhattn.MultiheadAttention's key_padding_mask reaches the Triton kernels as a mask they read one row of keys a
+    block: a boolean one as scores.MASK_KEYS (with key bounds), a float one as MASK_KEYS_FLOAT; with an attn_mask as
+    well, the merged mask varies along the queries and is read as a tile. The outputs match torch's module."""
+    import mhattn
+    from mhattn.backends.triton import backend as triton_backend
+
+    torch.manual_seed(0)
+    theirs = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    mine = mhattn.MultiheadAttention(32, 4, batch_first=True)
+    mine.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 20, 32)
+    pad = torch.arange(20)[None, :] >= torch.tensor([20, 13, 7])[:, None]  # True = padded, as torch takes it
+    causal = torch.triu(torch.ones(20, 20, dtype=torch.bool), 1)
+    cases = ((pad, None, 3), (torch.zeros(3, 20).masked_fill(pad, float("-inf")), None, 4), (pad, causal, 1))
+    for key_padding_mask, attn_mask, kind in cases:
+        triton_backend._signatures.clear()
+        with mhattn.use_backend("triton"):
+            out, _ = mine(x, x, x, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False)
+        want, _ = theirs(x, x, x, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+        kinds = {signature.plan.mask_kind for signature in triton_backend._signatures.values()}
+        assert kinds == {kind}, (kind, kinds)
+
+
+@pytest.mark.interpret
+def test_module_key_padding_masks_are_read_by_rows(interpreter):
+    interpreter.run("check_module_key_padding_reads_rows")
+
+
 def test_key_bounds_of_key_padding_masks():
     """Per-batch key bounds for masks shared by heads and rows (no Triton needed); None for other masks."""
     from mhattn.backends.triton.key_padding import key_bounds
