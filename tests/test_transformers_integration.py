@@ -69,6 +69,34 @@ def test_sliding_window_model_with_padding_matches_sdpa():
     assert torch.equal(results["mhattn"][1], results["sdpa"][1])
 
 
+def test_padding_reaches_attention_as_a_key_padding_mask():
+    """With a padding mask and as many queries as keys (a prompt, a training batch), mhattn.attention gets the padding
+    as a (B, 1, 1, Nk) key-padding mask and the causal bound as its window (-1, 0), not a (B, 1, Nq, Nk) mask made for
+    the call; the logits stay the "sdpa" ones."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = torch.randint(3, 97, (2, 9), generator=gen)
+    mask = torch.ones_like(prompts)
+    mask[1, :4] = 0
+    calls = []
+    original = mhattn_hf.mhattn.attention
+
+    def spy(query, key, value, attn_mask=None, *args, **kwargs):
+        calls.append((None if attn_mask is None else tuple(attn_mask.shape), kwargs.get("window")))
+        return original(query, key, value, attn_mask, *args, **kwargs)
+
+    logits = {}
+    for name in ("sdpa", "mhattn"):
+        model = tiny_llama(name)
+        mhattn_hf.mhattn.attention = spy
+        try:
+            with torch.no_grad():
+                logits[name] = model(prompts, attention_mask=mask).logits[mask.bool()]
+        finally:
+            mhattn_hf.mhattn.attention = original
+    assert calls and all(call == ((2, 1, 1, 9), (-1, 0)) for call in calls), calls
+    assert float((logits["mhattn"] - logits["sdpa"]).abs().max()) < 1e-10
+
+
 def _sequences(gen, lengths):
     return [torch.randint(3, 97, (n,), generator=gen) for n in lengths]
 

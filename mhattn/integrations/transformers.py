@@ -13,7 +13,9 @@ a 2-D padding mask (or None when nothing is padded) instead of a 4-D mask; the a
   restart inside one row (``DataCollatorWithFlattening``'s default);
 - everything else on :func:`mhattn.attention`: causal attention aligned bottom-right (a decoding step with
   the cache sees all cached keys), sliding windows and softcap from the model's keyword arguments, and the
-  padding mask as a boolean mask.
+  padding mask as a boolean mask: a (B, 1, 1, Nk) key-padding mask beside the causal and window bounds where
+  queries and keys are as many (a prompt, a training batch: the kernels then read one row of it per key block
+  and skip the padded blocks past each sequence's end), else one mask of the queries' rows with the bounds in it.
 
 Requires transformers >= 5 (the optional extra ``mhattn[transformers]``); importing this module does not
 import transformers, ``register()`` does.
@@ -81,14 +83,31 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, seqlen_k):
             raise ValueError(f"attn_implementation='mhattn' expects a (batch, kv_length) = {(batch, seqlen_k)} padding "
                              f"mask from its mask function, got shape {tuple(attention_mask.shape)}")
-        mask = _padded_causal_mask(attention_mask, seqlen_q, is_causal, window)
-        window = None  # inside the mask
+        if seqlen_q == seqlen_k:
+            # Queries and keys of one length (a prompt, a training batch): the top-left and bottom-right diagonals
+            # coincide, so the causal and window bounds go to mhattn.attention as its window, and the padding stays
+            # a (B, 1, 1, Nk) key-padding mask, which the kernels read a row of keys at a time (skipping the key
+            # blocks past each sequence's last token) instead of a (B, 1, Nq, Nk) mask made for the call.
+            mask = attention_mask[:, None, None, :].to(torch.bool)
+            window = _band(is_causal, window)
+        else:
+            mask = _padded_causal_mask(attention_mask, seqlen_q, is_causal, window)
+            window = None  # inside the mask
     elif is_causal and (seqlen_q > 1 or window is not None):
         # Bottom-right: the queries are the newest tokens (a window is relative to that diagonal too).
         mask = torch.nn.attention.bias.causal_lower_right(seqlen_q, seqlen_k)
     out = mhattn.attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True,
                            window=window, softcap=softcap)
     return out.transpose(1, 2), None
+
+
+def _band(is_causal, window):
+    """mhattn.attention's window (top-left, which is the bottom-right one when Nq = Nk) for the causal bound and a
+    sliding window (left, right) (-1: unbounded side); None when neither bounds anything."""
+    left, right = window if window is not None else (-1, -1)
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    return None if (left, right) == (-1, -1) else (left, right)
 
 
 def _padded_causal_mask(padding, seqlen_q, is_causal, window):
