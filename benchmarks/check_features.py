@@ -6,11 +6,12 @@ sm_90 table tiles (hopper_launch.why_not). This says what a feature costs a user
 and ``--tiles`` times those tiles against candidates (configs.pin), since many of them spill with a feature
 (backends/triton/NOTES.md, "The FlashAttention-2 table tiles on sm_90 with a mask, dropout or a window").
 
-bf16, B * N = 16k tokens, H * d = 2048 (PERFORMANCE.md's protocol shape); do_bench median (timing.bench_ms, settled),
-forward and forward+backward, in ms, and each peer's time over the Triton backend's. SDPA computes the same where it
-can: a window and a key-padding mask as a boolean mask, the bias as a float one, dropout with its own random mask; not
-softcap. FlexAttention (torch.compile'd flex_attention; only at the head dims in FLEX_HEAD_DIMS, for its compile time):
-a causal, window or key-length block mask (the bias as the same key lengths), softcap as a score_mod; not dropout.
+bf16 (or --dtype fp16), B * N = 16k tokens, H * d = 2048 (PERFORMANCE.md's protocol shape); do_bench median
+(timing.bench_ms, settled), forward and forward+backward, in ms, and each peer's time over the Triton backend's. SDPA
+computes the same where it can: a window and a key-padding mask as a boolean mask, the bias as a float one, dropout
+with its own random mask; not softcap. FlexAttention (torch.compile'd flex_attention; only at the head dims in
+FLEX_HEAD_DIMS, for its compile time): a causal, window or key-length block mask (the bias as the same key lengths),
+softcap as a score_mod; not dropout.
 
     source benchmarks/device_env.sh && cd /tmp && python3 <repo>/benchmarks/check_features.py [--tiles]
     ... check_features.py --features "plain,key padding,key bias" --head-dims 128
@@ -28,6 +29,7 @@ from mhattn.backends.triton import configs
 from mhattn.benchmark import timing
 
 TOKENS, WIDTH = 16384, 2048
+DTYPE = torch.bfloat16  # --dtype
 SEQLEN = 4096
 HEAD_DIMS = (64, 128, 256)
 FLEX_HEAD_DIMS = (128,)
@@ -58,7 +60,7 @@ WARMUP_MS, REP_MS, SETTLE_MS = 10, 40, 100
 def inputs(head_dim: int, seed: int = 0):
     batch, heads = TOKENS // SEQLEN, WIDTH // head_dim
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(batch, heads, SEQLEN, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k, v = (torch.randn(batch, heads, SEQLEN, head_dim, device="cuda", dtype=DTYPE, generator=gen)
                .requires_grad_() for _ in range(3))
     lengths = torch.randint(SEQLEN // 2, SEQLEN + 1, (batch,), device="cuda", generator=gen)
     return q, k, v, lengths
@@ -69,11 +71,12 @@ def key_padding_mask(lengths):
 
 
 def feature_mask(feature, lengths):
-    """The attn_mask of a feature: the key-padding mask, or the same padding as a bf16 bias; else None."""
+    """The attn_mask of a feature: the key-padding mask, or the same padding as a bias in the inputs' dtype; else
+    None."""
     if feature == "key padding":
         return key_padding_mask(lengths)
     if feature == "key bias":
-        return torch.zeros(key_padding_mask(lengths).shape, device="cuda", dtype=torch.bfloat16).masked_fill_(
+        return torch.zeros(key_padding_mask(lengths).shape, device="cuda", dtype=DTYPE).masked_fill_(
             ~key_padding_mask(lengths), float("-inf"))
     return None
 
@@ -175,7 +178,7 @@ def main(with_tiles: bool):
                 if call is not None:
                     times[name] = timed(call, q, k, v)
             for name, pin in pins.items():
-                config = configs.table_config((9, 0), torch.bfloat16, head_dim, causal) if pin == "table" else pin
+                config = configs.table_config((9, 0), DTYPE, head_dim, causal) if pin == "table" else pin
                 with configs.pin(config):
                     times[name] = timed(calls["triton"], q, k, v)
                     if "dropout_p" not in extra:
@@ -195,7 +198,8 @@ def report(rows):
     for *_, times, _ in rows:
         names += [n for n in times if n not in names]
     print()
-    print(f"bf16, B*N = {TOKENS}, H*d = {WIDTH}, N = {SEQLEN}; ms forward / forward+backward, do_bench median; "
+    print(f"{str(DTYPE).replace('torch.', '')}, B*N = {TOKENS}, H*d = {WIDTH}, N = {SEQLEN}; ms forward / "
+          f"forward+backward, do_bench median; "
           f"'vs X': X's time over triton's (above 1: triton is faster)")
     peers = [n for n in ("sdpa-default", "flex") if n in names]
     print(f"{'case':28s} " + " ".join(f"{n:>15s}" for n in names) + " " + " ".join(f"{'vs ' + p:>13s}" for p in peers))
@@ -225,9 +229,11 @@ if __name__ == "__main__":
     parser.add_argument("--features", default=None,
                         help="comma list of FEATURES names to run (default: all), e.g. 'plain,key padding'")
     parser.add_argument("--head-dims", default=None, help="comma list of head dims (default: 64,128,256)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="the inputs' dtype (default bf16)")
     args = parser.parse_args()
     if args.features:
         FEATURES[:] = [f for f in FEATURES if f[0] in args.features.split(",")]
     if args.head_dims:
         HEAD_DIMS = tuple(int(d) for d in args.head_dims.split(","))
+    DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     main(args.tiles)
