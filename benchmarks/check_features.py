@@ -76,8 +76,8 @@ def feature_mask(feature, lengths):
     if feature == "key padding":
         return key_padding_mask(lengths)
     if feature == "key bias":
-        return torch.zeros(key_padding_mask(lengths).shape, device="cuda", dtype=DTYPE).masked_fill_(
-            ~key_padding_mask(lengths), float("-inf"))
+        keep = key_padding_mask(lengths)
+        return torch.zeros(keep.shape, device="cuda", dtype=DTYPE).masked_fill_(~keep, float("-inf"))
     return None
 
 

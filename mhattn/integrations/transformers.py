@@ -106,7 +106,7 @@ def _band(is_causal, window):
     sliding window (left, right) (-1: unbounded side); None when neither bounds anything."""
     left, right = window if window is not None else (-1, -1)
     if is_causal:
-        right = 0 if right < 0 else min(right, 0)
+        right = 0  # no key after the diagonal, whatever the window allows to its right
     return None if (left, right) == (-1, -1) else (left, right)
 
 
