@@ -927,6 +927,54 @@ def test_gpu_gluon_forward_half_width_diagonal(monkeypatch, dtype, case):
     _check_gluon_forward_build(monkeypatch, "HALF_DIAGONAL", dtype, HALF_DIAGONAL_CASES[case])
 
 
+# A sliding window (its left bound) in the Gluon kernels: windows narrower than a key block (so the two consumers of a
+# forward tile may see disjoint blocks, and a backward key block few query blocks), wider ones, both causal alignments,
+# a window with no right bound (rows past the last key's window see none), one key per row, GQA.
+GLUON_WINDOW_CASES = {
+    "d64_top_left_narrow_gqa": dict(head_dim=64, heads_q=6, heads_kv=2, seqlen_q=700, seqlen_k=700, causal="top_left",
+                                    window=(100, 0)),
+    "d64_one_key_a_row": dict(head_dim=64, seqlen_q=300, seqlen_k=517, causal="bottom_right", window=(0, 0)),
+    "d128_bottom_right_wide": dict(head_dim=128, seqlen_q=300, seqlen_k=900, causal="bottom_right", window=(257, 0)),
+    "d128_no_right_bound_empty_rows": dict(head_dim=128, seqlen_q=517, seqlen_k=300, window=(64, None)),
+    "d256_bottom_right_more_queries": dict(head_dim=256, heads_q=4, heads_kv=1, seqlen_q=517, seqlen_k=300,
+                                           causal="bottom_right", window=(150, 0)),
+    "d256_top_left": dict(head_dim=256, seqlen_q=600, seqlen_k=600, causal="top_left", window=(300, 0)),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_WINDOW_CASES))
+def test_gpu_gluon_forward_sliding_window(monkeypatch, dtype, case):
+    """Through the backend, the Gluon forward built with a window (asserted from the build's compile-time arguments),
+    one program per tile and a persistent grid of 3 programs, so that ring slots run on across tiles whose first key
+    blocks differ."""
+    _check_gluon_forward_build(monkeypatch, "WINDOW", dtype, GLUON_WINDOW_CASES[case])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_WINDOW_CASES))
+def test_gpu_gluon_backward_sliding_window(monkeypatch, dtype, case):
+    """The Gluon backward built with a window (asserted from the build's compile-time arguments) against the
+    reference."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import hopper_launch
+
+    built = []
+    real_args = hopper_launch.backward_compile_time_args
+    monkeypatch.setattr(hopper_launch, "backward_compile_time_args",
+                        lambda *args: built.append(real_args(*args)["WINDOW"]) or real_args(*args))
+    monkeypatch.setattr(triton_backend, "_plans", {})  # plans keep their build
+    monkeypatch.setattr(triton_backend, "_signatures", {})
+    _check_gluon_kernel(monkeypatch, "BACKWARD_MIN_KEYS", "backward", dtype, GLUON_WINDOW_CASES[case])
+    assert built and all(built)
+
+
 @pytest.mark.gpu
 @needs_gpu
 @needs_sm90
@@ -1437,9 +1485,9 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
         monkeypatch.setattr(hopper_launch, "ACCUMULATOR_BYTES", heads_kv * 2 * seqlen_q * head_dim * 4)
         monkeypatch.setattr(hopper_launch, "MIN_WAVES", 0)
     plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=300, batch=batch, heads_kv=heads_kv,
-                           kv_group=heads_q // heads_kv, has_right=False, hopper_backward_constexprs=None,
-                           hopper_backward_slices=None)
-    run = SimpleNamespace(qk_scale2=1.0, sm_scale=1.0, diag_offset=0)
+                           kv_group=heads_q // heads_kv, has_right=False, has_left=False,
+                           hopper_backward_constexprs=None, hopper_backward_slices=None)
+    run = SimpleNamespace(qk_scale2=1.0, sm_scale=1.0, diag_offset=0, window_left=0)
     # One launch: the caller allocates the sums and counters beside lse2 and delta, and the preprocess zeroes them.
     words = hopper_launch.backward_sums_words(plan, None)
     assert words == (0 if slices else batch * heads_kv * ((heads_q // heads_kv) * seqlen_q * head_dim + 1))
@@ -1492,8 +1540,9 @@ def test_hopper_forward_host_side_keeps_a_tile_counter_per_stream(monkeypatch, c
     monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
     monkeypatch.setattr(hopper_launch, "_tile_counters", {})
     plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen, seqlen_k=seqlen, batch=batch, heads_q=heads, kv_group=1,
-                           has_right=causal, hopper_schedule=None)
-    run = SimpleNamespace(qk_scale2=1.0, diag_offset=0, window_right=0, signature=SimpleNamespace(hopper_forward=None))
+                           has_right=causal, has_left=False, hopper_schedule=None)
+    run = SimpleNamespace(qk_scale2=1.0, diag_offset=0, window_left=0, window_right=0,
+                          signature=SimpleNamespace(hopper_forward=None))
     tensors = []
     for _ in range(2):
         q = torch.randn(batch, heads, seqlen, head_dim, dtype=torch.bfloat16)
@@ -1793,6 +1842,10 @@ def test_explain_names_the_kernel_families(monkeypatch):
         path = backend.forward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 forward") and reason in path, (kwargs, path)
     assert "split-KV" in backend.forward_path(problem(seqlen_q=1))
+    # A sliding window: the Gluon kernels, where its right bound is the causal diagonal or none.
+    for path in (backend.forward_path(problem(features=("causal", "window"))),
+                 backend.backward_path(problem(features=("window",)))):
+        assert path.startswith("the Gluon Hopper") and "right bound is the causal diagonal or none" in path, path
     # d = 64: the Gluon forward from 384 keys, causal or not.
     for features in ((), ("causal",)):
         assert "Gluon Hopper forward" in backend.forward_path(problem(head_dim=64, seqlen_q=384, seqlen_k=384,

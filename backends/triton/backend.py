@@ -650,6 +650,10 @@ class _PreparedOutputOnly:
         return self.backend._forward_signed(self.signature, q, k, v, params, False)[0]
 
 
+# What explain adds for a window (the Problem does not hold its bounds): the Gluon kernels take a left bound only.
+_WINDOW_RIGHT_BOUND = " and the window's right bound is the causal diagonal or none"
+
+
 class TritonBackend(OutputOnlyForward):
     """FlashAttention-2 forward and backward written in Triton (see forward.py and backward.py)."""
 
@@ -729,7 +733,8 @@ class TritonBackend(OutputOnlyForward):
             return "the split-KV decoding kernels (decode.py): few query rows per key/value head"
         reason = hopper_launch.why_not_problem(problem)
         if reason is None:
-            return "the Gluon Hopper forward (hopper_forward.py), when q, k, v rows are 16-byte aligned"
+            return ("the Gluon Hopper forward (hopper_forward.py), when q, k, v rows are 16-byte aligned"
+                    + _WINDOW_RIGHT_BOUND * ("window" in problem.features))
         return f"the FlashAttention-2 forward (forward.py): not the Gluon Hopper forward because {reason}"
 
     def backward_path(self, problem) -> Optional[str]:
@@ -740,7 +745,7 @@ class TritonBackend(OutputOnlyForward):
             reason = hopper_launch.DETERMINISTIC
         if reason is None:
             return ("the Gluon Hopper backward (hopper_backward.py), when q, k, v and the output gradient rows are "
-                    "16-byte aligned")
+                    "16-byte aligned" + _WINDOW_RIGHT_BOUND * ("window" in problem.features))
         tile = configs.short_backward_tile(problem.seqlen_k, configs.padded_head_dim(problem.head_dim),
                                            configs.padded_head_dim(problem.head_dim_v),
                                            problem.dtype.itemsize, INTERPRET)

@@ -34,7 +34,8 @@ computation of S and dP (5 products per tile instead of 7), at the price of an o
 varies between runs: the deterministic backward stays on backward.py's kernels.
 
 Coverage (hopper_launch.why_not_backward routes the rest to backward.py): fp16 and bf16; head dims 64, 128 and
-256 (K and V the same); no mask, or causal of either alignment (diag_offset); GQA by head index; any Nq, Nk >= 1;
+256 (K and V the same); no mask, or causal of either alignment (diag_offset); a sliding window's left bound
+(WINDOW), with the causal diagonal or no right bound; GQA by head index; any Nq, Nk >= 1;
 16-byte aligned rows.
 """
 
@@ -72,12 +73,17 @@ COMPUTE_WARPS = gl.constexpr(8)
 
 
 @gluon.jit
-def visible_query_blocks(start_n, seqlen_q, diag_offset, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """(first_m, blocks): the first query block start that sees a key of [start_n, ...) and how many blocks follow."""
+def visible_query_blocks(start_n, seqlen_q, diag_offset, window_left, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """(first_m, blocks): the first query block start that sees a key of [start_n, start_n + BLOCK_N) and how many
+    blocks follow that see one."""
     first_m = 0
     if CAUSAL:  # query i sees key j when j <= i + diag_offset
         first_m = (gl.maximum(start_n - diag_offset, 0) // BLOCK_M) * BLOCK_M
-    return first_m, gl.cdiv(gl.maximum(seqlen_q - first_m, 0), BLOCK_M)
+    end_m = seqlen_q
+    if WINDOW:  # ... and when j >= i + diag_offset - window_left: no query after the block's last key + window_left
+        end_m = gl.minimum(seqlen_q, gl.maximum(start_n + BLOCK_N - diag_offset + window_left, 0))
+    return first_m, gl.cdiv(gl.maximum(end_m - first_m, 0), BLOCK_M)
 
 
 @gluon.jit
@@ -113,15 +119,18 @@ def row_values(tile, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def masked_scores_t(s2_t, keys, start_m, seqlen_k, diag_offset, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
-                    s_layout: gl.constexpr):
+def masked_scores_t(s2_t, keys, start_m, seqlen_k, diag_offset, window_left, BLOCK_M: gl.constexpr,
+                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, s_layout: gl.constexpr):
     """Base-2 scores, keys by rows and queries start_m.. by columns, with invisible pairs (a key past the sequence
-    end, or after the query's diagonal) at -inf. (The query indices are made here, only for the blocks that need
-    them: at 128 queries a step they take 32 registers a thread.)"""
+    end, after the query's diagonal, or with WINDOW more than window_left before it) at -inf. (The query indices are
+    made here, only for the blocks that need them: at 128 queries a step they take 32 registers a thread.)"""
     ok = gl.expand_dims(keys < seqlen_k, 1)
-    if CAUSAL:
-        columns = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        ok = ok & (gl.expand_dims(keys - (start_m + diag_offset), 1) <= gl.expand_dims(columns, 0))
+    if CAUSAL or WINDOW:
+        columns = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)), 0)
+        if CAUSAL:
+            ok = ok & (gl.expand_dims(keys - (start_m + diag_offset), 1) <= columns)
+        if WINDOW:  # query start_m + c sees key j when j - start_m - diag_offset + window_left >= c
+            ok = ok & (gl.expand_dims(keys - (start_m + diag_offset) + window_left, 1) >= columns)
     return gl.where(ok, s2_t, float("-inf"))
 
 
@@ -191,8 +200,8 @@ def step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M: gl.constexpr, 
 
 @gluon.jit
 def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase, start_n, start_m,
-                       keys, s_zero, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       CAUSAL: gl.constexpr, s_layout: gl.constexpr):
+                       keys, s_zero, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, s_layout: gl.constexpr):
     """One step's P^T (float32, keys by rows) and its dP^T = V dO^T still on the tensor cores: S^T = K Q^T and dP^T
     are issued as soon as their tiles land, and the exponentials run while dP^T is computed."""
     mbarrier.wait(q_ready.index(slot), phase)
@@ -204,8 +213,14 @@ def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_
     lse2 = row_values(lse2_smem.index(slot), BLOCK_M, s_layout)
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))
     s2_t = s_t * qk_scale2
-    if (start_n + BLOCK_N > seqlen_k) or (CAUSAL and start_m + diag_offset < start_n + BLOCK_N - 1):
-        s2_t = masked_scores_t(s2_t, keys, start_m, seqlen_k, diag_offset, BLOCK_M, CAUSAL, s_layout)
+    # A step needs the mask where a key is past the end, a row's diagonal comes before the block's last key, or (WINDOW)
+    # a row's window starts after the block's first key.
+    needs_mask = (start_n + BLOCK_N > seqlen_k) or (CAUSAL and start_m + diag_offset < start_n + BLOCK_N - 1)
+    if WINDOW:
+        needs_mask = needs_mask or (start_m + BLOCK_M - 1 + diag_offset - window_left > start_n)
+    if needs_mask:
+        s2_t = masked_scores_t(s2_t, keys, start_m, seqlen_k, diag_offset, window_left, BLOCK_M, CAUSAL, WINDOW,
+                               s_layout)
     return gl.exp2(s2_t - gl.expand_dims(lse2, 0)), dp_t
 
 
@@ -213,9 +228,10 @@ def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_
 def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
                              kv_ready, q_ready, q_empty, do_ready, do_empty,
                              lse2_smem, delta_smem, dkv_out,
-                             start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale,
-                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                             NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr):
+                             start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, window_left, qk_scale2,
+                             sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                             NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                             STAGED_DK_DV: gl.constexpr):
     """Head dims 64 and 128, each warpgroup owning 64 of the keys: every step of the key block, then dK and dV.
     Per step: S^T, dP^T; P^T, dS^T; dV, dK; dQ's share."""
     s_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS, 1, BLOCK_M)         # S^T, dP^T: (BLOCK_N, BLOCK_M)
@@ -235,8 +251,8 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
         slot, phase, start_m, q_tile, do_tile = step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M,
                                                            HEAD_DIM, NUM_STAGES)
         p_t, dp_t = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase,
-                                       start_n, start_m, keys, s_zero, seqlen_k, diag_offset, qk_scale2, BLOCK_M,
-                                       BLOCK_N, CAUSAL, s_layout)
+                                       start_n, start_m, keys, s_zero, seqlen_k, diag_offset, window_left, qk_scale2,
+                                       BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
         # At 64 queries a step dV's product starts while dP^T is still on the tensor cores. At 128, P^T and dP^T in
         # float32, P^T's 16-bit copy and dK, dV (64 + 64 + 32 + 64 registers a thread) leave no room for dS^T: there
         # dV waits for dP^T, and P^T's float32 registers die before dS^T's copy is made.
@@ -271,31 +287,31 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
 def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
                       kv_ready, q_ready, q_empty, do_ready, do_empty,
                       lse2_smem, delta_smem, dkv_out,
-                      start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale,
+                      start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, window_left, qk_scale2, sm_scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_COLS: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DQ_COLS: gl.constexpr,
                       STAGED_DK_DV: gl.constexpr):
     """The kernel's 8 warps: the narrow schedule (warpgroups split the keys) up to head dim 128, the wide one
     (warpgroups split the columns) above."""
     if HEAD_DIM > 128:
         wide_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
-                               first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale, HEAD_DIM,
-                               BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ_COLS, STAGED_DK_DV)
+                               first_m, m_blocks, steps, seqlen_k, diag_offset, window_left, qk_scale2, sm_scale,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DQ_COLS, STAGED_DK_DV)
     else:
         narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                  q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
-                                 first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale, HEAD_DIM,
-                                 BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, STAGED_DK_DV)
+                                 first_m, m_blocks, steps, seqlen_k, diag_offset, window_left, qk_scale2,
+                                 sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, STAGED_DK_DV)
 
 
 @gluon.jit
 def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, dq_ready, dq_empty,
                            kv_ready, q_ready, q_empty, do_ready, do_empty,
                            lse2_smem, delta_smem, dkv_out,
-                           start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale,
+                           start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, window_left, qk_scale2, sm_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DQ_COLS: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DQ_COLS: gl.constexpr,
                            STAGED_DK_DV: gl.constexpr):
     """The compute partition at head dim 256. dK and dV of 64 keys by 256 columns take all of both warpgroups'
     accumulator registers, so BLOCK_N is 64 and the warpgroups split every product by columns instead of keys:
@@ -321,8 +337,8 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
         slot, phase, start_m, q_tile, do_tile = step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M,
                                                            HEAD_DIM, NUM_STAGES)
         p_t, dp_t = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase,
-                                       start_n, start_m, keys, s_zero, seqlen_k, diag_offset, qk_scale2, BLOCK_M,
-                                       BLOCK_N, CAUSAL, s_layout)
+                                       start_n, start_m, keys, s_zero, seqlen_k, diag_offset, window_left, qk_scale2,
+                                       BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
         delta = row_values(delta_smem.index(slot), BLOCK_M, s_layout)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
@@ -389,15 +405,16 @@ def store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BL
         gl.store(dv_base + rows * stride_dvn + gl.expand_dims(cols, 0), dv.to(dtype), mask=keep)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left"])
 def hopper_backward_kernel(
     q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, dq_desc, dk_desc, dv_desc, dK, dV, dQ, dQacc, DqCounters,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
-    heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset, convert_in_kernel,
+    heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset, window_left,
+    convert_in_kernel,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr,
+    CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr, WINDOW: gl.constexpr = False,
 ):
     """Host tensor maps (hopper_launch.tensor_map): q_desc, do_desc of Q, dOut (B, Hq, Nq, D) in blocks of
     (1, 1, BLOCK_M, D); k_desc, v_desc of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D); lse2_desc,
@@ -408,7 +425,7 @@ def hopper_backward_kernel(
     and DqCounters B * Hkv zeroed int32 counters; dQ (B, Hq, Nq, D) in the input dtype, last dim contiguous. With
     convert_in_kernel (1) the program that adds last to a (batch, key/value head)'s dQ rows converts them into dQ
     (convert_dq); with 0 the caller converts the buffer. Query head h reads key/value head h // kv_group; causal:
-    query row i sees keys j <= i + diag_offset.
+    query row i sees keys j <= i + diag_offset; WINDOW: no key j < i + diag_offset - window_left.
     Grid (B * Hkv * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
     pid = gl.program_id(0)
     # Head-major: the key blocks of one head run side by side and share its Q and dO in L2 (a longest-first order
@@ -453,7 +470,8 @@ def hopper_backward_kernel(
         mbarrier.init(dq_empty.index(buf), count=1)
     mbarrier.init(dq_added, count=1)
 
-    first_m, m_blocks = visible_query_blocks(start_n, seqlen_q, diag_offset, BLOCK_M, CAUSAL)
+    first_m, m_blocks = visible_query_blocks(start_n, seqlen_q, diag_offset, window_left, BLOCK_M, BLOCK_N, CAUSAL,
+                                             WINDOW)
     steps = kv_group * m_blocks
     dkv_out = (dk_desc, dv_desc, batch, head_kv,
                dK + batch.to(gl.int64) * stride_dkb + head_kv.to(gl.int64) * stride_dkh,
@@ -461,8 +479,8 @@ def hopper_backward_kernel(
     gl.warp_specialize([
         (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready,
                              q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n, first_m,
-                             m_blocks, steps, seqlen_k, diag_offset, qk_scale2, sm_scale, HEAD_DIM, BLOCK_M,
-                             BLOCK_N, NUM_STAGES, CAUSAL, DQ_COLS, STAGED_DK_DV)),
+                             m_blocks, steps, seqlen_k, diag_offset, window_left, qk_scale2, sm_scale, HEAD_DIM,
+                             BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DQ_COLS, STAGED_DK_DV)),
         (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_tile, v_tile, q_smem, do_smem,
                           lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv,
                           first_head, start_n, first_m, m_blocks, steps, BLOCK_M, NUM_STAGES)),

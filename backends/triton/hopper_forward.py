@@ -33,7 +33,9 @@ copy engine zero-fills rows past each head's sequence end; making them in the ke
 memory and fenced in every program) took about 15% of a program at 1k keys (NOTES, version 8).
 
 Coverage (the backend routes the rest to forward.py): fp16 and bf16; head dims 64, 128, 256 (K and V the
-same); no mask, or a causal mask of either alignment (diag_offset); GQA by head index; any Nq, Nk >= 1; a positive
+same); no mask, or a causal mask of either alignment (diag_offset); a sliding window's left bound (WINDOW: a tile
+moves only the key blocks its rows' windows reach, and masks the first ones), with the causal diagonal or no right
+bound; GQA by head index; any Nq, Nk >= 1; a positive
 scale; 16-byte aligned rows. Output (B, Hq, Nq, D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
 """
 
@@ -112,17 +114,23 @@ def load_rotating_q(q_desc, q_smem, q_ready, q_empty, batch, head, start_m, roun
 
 
 @gluon.jit
-def visible_key_blocks(start_m, seqlen_k, diag_offset, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                       CAUSAL: gl.constexpr):
-    """(blocks, full): how many key blocks rows [start_m, start_m + ROWS) see, and how many leading ones
-    every row sees whole (those need no mask)."""
+def visible_key_blocks(start_m, seqlen_k, diag_offset, window_left, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                       CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """(first, end, full_first, full_end): rows [start_m, start_m + ROWS) see key blocks first .. end - 1 (none
+    where end <= first), and every row sees blocks full_first .. full_end - 1 whole (those need no mask). WINDOW: row
+    r sees no key before r + diag_offset - window_left."""
     if CAUSAL:
         hi = gl.minimum(gl.maximum(start_m + ROWS + diag_offset, 0), seqlen_k)
-        full = gl.minimum(gl.maximum(start_m + diag_offset + 1, 0), seqlen_k) // BLOCK_N
+        full_end = gl.minimum(gl.maximum(start_m + diag_offset + 1, 0), seqlen_k) // BLOCK_N
     else:
         hi = seqlen_k
-        full = seqlen_k // BLOCK_N
-    return gl.cdiv(hi, BLOCK_N), full
+        full_end = seqlen_k // BLOCK_N
+    first = 0
+    full_first = 0
+    if WINDOW:
+        first = gl.minimum(gl.maximum(start_m + diag_offset - window_left, 0), hi) // BLOCK_N
+        full_first = gl.cdiv(gl.maximum(start_m + ROWS - 1 + diag_offset - window_left, 0), BLOCK_N)
+    return first, gl.cdiv(hi, BLOCK_N), full_first, full_end
 
 
 @gluon.jit
@@ -146,13 +154,21 @@ def tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M: gl.c
 
 
 @gluon.jit
-def tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, diag_offset, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(batch, head, start_m, cta_blocks) of tile number ``tile``, as every partition walks it: its rows (tile_rows)
-    and the key blocks the program moves for it, those the upper consumer's rows see."""
+def tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, diag_offset, window_left,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """(batch, head, start_m, cta_first, cta_end) of tile number ``tile``, as every partition walks it: its rows
+    (tile_rows) and the key blocks cta_first .. cta_end - 1 the program moves for it: from the lower consumer's
+    first (its rows see the earliest keys) to the upper consumer's last (its rows see the latest)."""
     batch, head, start_m = tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M, CAUSAL)
-    cta_blocks, _ = visible_key_blocks(start_m + BLOCK_M, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
-    return batch, head, start_m, cta_blocks
+    _, cta_end, _, _ = visible_key_blocks(start_m + BLOCK_M, seqlen_k, diag_offset, window_left, BLOCK_M, BLOCK_N,
+                                          CAUSAL, WINDOW)
+    if WINDOW:
+        cta_first, _, _, _ = visible_key_blocks(start_m, seqlen_k, diag_offset, window_left, BLOCK_M, BLOCK_N, CAUSAL,
+                                                WINDOW)
+        cta_end = gl.maximum(cta_end, cta_first)
+    else:
+        cta_first = 0
+    return batch, head, start_m, cta_first, cta_end
 
 
 @gluon.jit
@@ -196,12 +212,12 @@ def take_tile(tile_slots, tile_full, tile_empty, n, layout: gl.constexpr):
 
 @gluon.jit
 def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-              batch, head, start_m, cta_blocks, kv_group, step, rounds, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, Q_ROTATING: gl.constexpr):
+              batch, head, start_m, cta_first, cta_end, kv_group, step, rounds, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, Q_ROTATING: gl.constexpr):
     """The load warp on the program's ``rounds``-th tile: both consumers' Q tiles into Q buffer rounds % Q_BUFFERS
-    once both consumers have released it (see consume_tile), then K_j and V_j into ring slots from ``step`` on, each
-    as soon as both consumers have released the slot's previous block (cta_blocks: the upper consumer's rows see the
-    most keys; the load warp fetches what it needs). Q_ROTATING: the lower consumer's Q first (its slot was freed a
+    once both consumers have released it (see consume_tile), then K_j and V_j for j in cta_first .. cta_end - 1 into
+    ring slots from ``step`` on, each as soon as both consumers have released the slot's previous block (the blocks
+    either consumer's rows see: tile_at). Q_ROTATING: the lower consumer's Q first (its slot was freed a
     tile ago), the upper consumer's after the first K and V (its slot frees when the lower consumer has finished the
     previous tile's S products), so the lower consumer's first product need not wait for it."""
     head_kv = head // kv_group
@@ -214,9 +230,10 @@ def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
         mbarrier.expect(q_ready.index(buf), 2 * q_desc.block_type.nbytes)
         tma_load(q_desc, [batch, head, start_m, 0], q_ready.index(buf), q_smem.index(2 * buf))
         tma_load(q_desc, [batch, head, start_m + BLOCK_M, 0], q_ready.index(buf), q_smem.index(2 * buf + 1))
-    for j in range(cta_blocks):
-        slot = (step + j) % NUM_STAGES
-        free_phase = (((step + j) // NUM_STAGES) & 1) ^ 1
+    base = step - cta_first  # block j's ring step is base + j
+    for j in range(cta_first, cta_end):
+        slot = (base + j) % NUM_STAGES
+        free_phase = (((base + j) // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), free_phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
         tma_load(k_desc, [batch, head_kv, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
@@ -224,19 +241,19 @@ def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma_load(v_desc, [batch, head_kv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
         if Q_ROTATING:
-            if j == 0:
+            if j == cta_first:
                 load_rotating_q(q_desc, q_smem, q_ready, q_empty, batch, head, start_m, rounds, 1, BLOCK_M)
     if Q_ROTATING:
-        if cta_blocks == 0:
+        if cta_end == cta_first:
             load_rotating_q(q_desc, q_smem, q_ready, q_empty, batch, head, start_m, rounds, 1, BLOCK_M)
 
 
 @gluon.jit
 def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                    v_empty, tile_slots, tile_full, tile_empty, TileCounter, num_tiles, num_m_blocks,
-                   group_heads, heads_q, kv_group, seqlen_k, diag_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                   TILE_COUNTER: gl.constexpr, Q_ROTATING: gl.constexpr):
+                   group_heads, heads_q, kv_group, seqlen_k, diag_offset, window_left, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
+                   TILE_COUNTER: gl.constexpr, Q_ROTATING: gl.constexpr, WINDOW: gl.constexpr):
     """The load warp: load_tile for each of the program's tiles (tiles p, p + G, p + 2G, ... of a grid of G programs;
     with TILE_COUNTER, p and then whichever next_counted_tile gives, each handed to the consumers by hand_tile).
     ``step`` counts the blocks the program has moved, across its tiles, so ring slots and barrier phases run on from
@@ -248,12 +265,13 @@ def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_em
     while tile < num_tiles:
         if TILE_COUNTER:
             hand_tile(tile_slots, tile_full, tile_empty, rounds, tile, slot_layout)
-        batch, head, start_m, cta_blocks = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k,
-                                                   diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+        batch, head, start_m, cta_first, cta_end = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q,
+                                                           seqlen_k, diag_offset, window_left, BLOCK_M, BLOCK_N,
+                                                           CAUSAL, WINDOW)
         load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                  batch, head, start_m, cta_blocks, kv_group, step, rounds, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                  Q_ROTATING)
-        step += cta_blocks
+                  batch, head, start_m, cta_first, cta_end, kv_group, step, rounds, BLOCK_M, BLOCK_N, NUM_STAGES,
+                  Q_BUFFERS, Q_ROTATING)
+        step += cta_end - cta_first
         rounds += 1
         if TILE_COUNTER:
             tile = next_counted_tile(TileCounter, num_tiles)
@@ -270,22 +288,26 @@ def block_tile(slots, slot):
 
 
 @gluon.jit
-def masked_scores(qk, start_m, start_n, seqlen_k, diag_offset, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  CAUSAL: gl.constexpr, layout: gl.constexpr):
-    """Scores with invisible keys (past the sequence end, or after the row's diagonal) at -inf."""
+def masked_scores(qk, start_m, start_n, seqlen_k, diag_offset, window_left, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, layout: gl.constexpr):
+    """Scores with invisible keys (past the sequence end, after the row's diagonal, or with WINDOW more than
+    window_left before it) at -inf."""
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
     ok = gl.expand_dims(cols < seqlen_k, 0)
     if CAUSAL:
         ok = ok & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + diag_offset, 1))
+    if WINDOW:
+        ok = ok & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows + (diag_offset - window_left), 1))
     return gl.where(ok, qk, float("-inf"))
 
 
 @gluon.jit
-def softmax_step(qk, m_i, l_i, j, mask_from, start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr,
-                 LAZY_RESCALE: gl.constexpr):
-    """The online softmax of key block j, masked (masked_scores) as MASK says (MASK_FROM: when j >= mask_from):
+def softmax_step(qk, m_i, l_i, j, unmasked, start_m, seqlen_k, diag_offset, window_left, qk_scale2,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                 MASK: gl.constexpr, s_layout: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+    """The online softmax of key block j, masked (masked_scores) as MASK says (MASK_FROM: unless j is in
+    unmasked[0] .. unmasked[1] - 1, the blocks every row sees whole; without WINDOW unmasked[0] is 0):
     returns (p, alpha, m_new, l_new), p unnormalised in fp32, m in base-2 units of the scaled scores. The row maximum is taken of the unscaled scores and
     scaled once per row (qk_scale2 > 0: hopper_launch.why_not), so each exponent's argument, qk * qk_scale2 - m, is
     one fused multiply-add instead of a multiply over the whole block and then a subtraction. LAZY_RESCALE: m moves
@@ -293,10 +315,15 @@ def softmax_step(qk, m_i, l_i, j, mask_from, start_m, seqlen_k, diag_offset, qk_
     exponentials then stay below 2^RESCALE_LOG2 (within float32 and the 16-bit P), and O / l and the lse are exact
     whichever reference a row used."""
     if MASK == MASK_ALL:
-        qk = masked_scores(qk, start_m, j * BLOCK_N, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+        qk = masked_scores(qk, start_m, j * BLOCK_N, seqlen_k, diag_offset, window_left, BLOCK_M, BLOCK_N, CAUSAL,
+                           WINDOW, s_layout)
     elif MASK == MASK_FROM:
-        if j >= mask_from:
-            qk = masked_scores(qk, start_m, j * BLOCK_N, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+        outside = j >= unmasked[1]
+        if WINDOW:
+            outside = outside | (j < unmasked[0])
+        if outside:
+            qk = masked_scores(qk, start_m, j * BLOCK_N, seqlen_k, diag_offset, window_left, BLOCK_M, BLOCK_N, CAUSAL,
+                               WINDOW, s_layout)
     top = gl.max(qk, 1) * qk_scale2
     if LAZY_RESCALE:
         m_new = gl.where(top > m_i + RESCALE_LOG2, top, m_i)
@@ -314,10 +341,10 @@ def softmax_step(qk, m_i, l_i, j, mask_from, start_m, seqlen_k, diag_offset, qk_
 
 
 @gluon.jit
-def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, p, m_i, l_i, acc, j, mask_from,
-                 step, start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
-                 LAZY_RESCALE: gl.constexpr):
+def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, p, m_i, l_i, acc, j, unmasked,
+                 step, start_m, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 WINDOW: gl.constexpr, MASK: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """Key block j (ring step step + j) after block j - 1's softmax (p): S_j goes to the tensor cores first, then
     P_{j-1} V_{j-1} behind it; while they run nothing waits, and the softmax of block j (masked as MASK says,
     softmax_step) starts once S_j alone has finished. KEYS < BLOCK_N: only the block's first KEYS keys are read (for
@@ -344,12 +371,13 @@ def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_z
     acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), block_tile(v_smem, prev), acc, is_async=True)
     qk = warpgroup_mma_wait(1, deps=(qk, ))
     mbarrier.arrive(k_empty.index(slot), count=1)
-    # Block j of BLOCK_N keys is block j * BLOCK_N / KEYS of KEYS keys (softmax_step masks from j times its width).
+    # Block j of BLOCK_N keys is block j * BLOCK_N / KEYS of KEYS keys (softmax_step masks from j times its width;
+    # a narrow block is masked throughout, MASK_ALL).
     block = j
     if KEYS != BLOCK_N:
         block = j * (BLOCK_N // KEYS)
-    p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, block, mask_from, start_m, seqlen_k, diag_offset, qk_scale2,
-                                      BLOCK_M, KEYS, CAUSAL, MASK, k_layout, LAZY_RESCALE)
+    p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, block, unmasked, start_m, seqlen_k, diag_offset, window_left,
+                                      qk_scale2, BLOCK_M, KEYS, CAUSAL, WINDOW, MASK, k_layout, LAZY_RESCALE)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(prev), count=1)
     alpha_rows = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
@@ -366,27 +394,27 @@ def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_z
 
 @gluon.jit
 def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i, acc, first, end,
-                  mask_from, step, start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
-                  LAZY_RESCALE: gl.constexpr):
+                  unmasked, step, start_m, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                  MASK: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """Key blocks first .. end - 1 of a tile whose ring steps start at ``step``, after block first - 1's softmax (p,
     alpha), each by attend_block. Returns (p, alpha, m, l, acc) after block end - 1's softmax (its P V is the
     caller's)."""
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout(BLOCK_N))
     for j in range(first, end):
         p, alpha, m_i, l_i, acc = attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, p,
-                                               m_i, l_i, acc, j, mask_from, step, start_m, seqlen_k, diag_offset,
-                                               qk_scale2, BLOCK_M, BLOCK_N, BLOCK_N, NUM_STAGES, CAUSAL, MASK,
-                                               LAZY_RESCALE)
+                                               m_i, l_i, acc, j, unmasked, step, start_m, seqlen_k, diag_offset,
+                                               window_left, qk_scale2, BLOCK_M, BLOCK_N, BLOCK_N, NUM_STAGES, CAUSAL,
+                                               WINDOW, MASK, LAZY_RESCALE)
     return p, alpha, m_i, l_i, acc
 
 
 @gluon.jit
-def release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, first, num_blocks, NUM_STAGES: gl.constexpr):
-    """Blocks [first, num_blocks) of the tile starting at ring step ``step`` that the other consumer needs and this
-    one does not (a causal tile's upper rows see more keys): wait until each has landed, then release it, so slot
-    phases stay in step."""
-    for j in range(first, num_blocks):
+def release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, first, end, NUM_STAGES: gl.constexpr):
+    """Blocks [first, end) of a tile (block j at ring step step + j) that the other consumer needs and this one does
+    not (a causal tile's upper rows see later keys, a window's lower rows earlier ones): wait until each has landed,
+    then release it, so slot phases stay in step."""
+    for j in range(first, end):
         slot = (step + j) % NUM_STAGES
         phase = ((step + j) // NUM_STAGES) & 1
         mbarrier.wait(k_ready.index(slot), phase)
@@ -409,13 +437,14 @@ def release_previous_q_slot(q_empty, rounds, HALF: gl.constexpr, Q_BUFFERS: gl.c
 
 @gluon.jit
 def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
-                 o_desc, out_base, stride_om, lse_base, batch, head, start_m, cta_blocks, seqlen_q, seqlen_k,
-                 diag_offset, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                 SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                 Q_ROTATING: gl.constexpr):
+                 o_desc, out_base, stride_om, lse_base, batch, head, start_m, cta_first, cta_end, seqlen_q, seqlen_k,
+                 diag_offset, window_left, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
+                 LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr):
     """One softmax warpgroup on one tile (the program's ``rounds``-th): BLOCK_M query rows from start_m in its Q slot
-    (q_slot), every key block they see (ring slots from ``step`` on), then the output.
+    (q_slot), every key block they see (of the tile's blocks cta_first .. cta_end - 1, ring slots from ``step`` on),
+    then the output.
 
     With two Q buffers, the output is staged in this tile's Q slot (its S products are done by then) and written by
     the copy engine, and the slot goes back to the load warp once the next tile's first product has run, so the
@@ -433,16 +462,30 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
     q_smem = own_slot.reshape([BLOCK_M, HEAD_DIM])
     staged: gl.constexpr = Q_BUFFERS == 2 or (Q_ROTATING and HALF == 1)
 
-    num_blocks, full = visible_key_blocks(start_m, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    first, num_blocks, full_first, full = visible_key_blocks(start_m, seqlen_k, diag_offset, window_left, BLOCK_M,
+                                                             BLOCK_N, CAUSAL, WINDOW)
+    if not WINDOW:  # (constants again, so that the compiler sees the loops' first bounds as before WINDOW existed)
+        first = 0
+        full_first = 0
+    unmasked = (full_first, full)
+    # Block j is at ring step base + j.
+    base = step - cta_first
+    sees_keys = num_blocks > first
+    if WINDOW:
+        # The tile's blocks before this consumer's first (a window's upper rows start later than the lower ones) go
+        # back at once; where it sees none, all of them.
+        first = gl.where(sees_keys, first, cta_end)
+        num_blocks = gl.where(sees_keys, num_blocks, cta_end)
+        release_unused_blocks(k_ready, k_empty, v_ready, v_empty, base, cta_first, first, NUM_STAGES)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_ready.index(q_barrier), q_phase)
 
-    if num_blocks > 0:
-        slot = step % NUM_STAGES
-        mbarrier.wait(k_ready.index(slot), (step // NUM_STAGES) & 1)
+    if sees_keys:
+        slot = (base + first) % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), ((base + first) // NUM_STAGES) & 1)
         qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
@@ -450,7 +493,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
             release_previous_q_slot(q_empty, rounds, HALF, Q_BUFFERS, Q_ROTATING)
         # The lower consumer on a causal diagonal that starts at a key block's first key sees only that block's
         # first half (BLOCK_N = 2 * BLOCK_M): the loops stop before it, attend_block takes half of it.
-        if HALF_DIAGONAL and HALF == 0 and CAUSAL and BLOCK_N == 2 * BLOCK_M:
+        if HALF_DIAGONAL and HALF == 0 and CAUSAL and BLOCK_N == 2 * BLOCK_M and not WINDOW:
             diagonal = start_m + diag_offset
             half_diagonal = (diagonal >= BLOCK_N) & (diagonal % BLOCK_N == 0) & (diagonal == (num_blocks - 1) * BLOCK_N)
             end = num_blocks - half_diagonal.to(gl.int32)
@@ -459,49 +502,62 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
             end = num_blocks
         if SPLIT_MASKED:
             # The blocks every row sees whole, then those with invisible keys (the causal diagonal, the sequence's
-            # end): two loops, so that the first carries none of the mask's work or registers.
-            if full > 0:
-                p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
-                                                  BLOCK_M, BLOCK_N, CAUSAL, MASK_NONE, s_layout,
-                                                  LAZY_RESCALE)
+            # end; a window's first blocks before them): loops apart, so that the unmasked one carries none of the
+            # mask's work or registers.
+            if (first >= full_first) & (first < full):
+                p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, first, unmasked, start_m, seqlen_k, diag_offset,
+                                                  window_left, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                                  MASK_NONE, s_layout, LAZY_RESCALE)
             else:
-                p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
-                                                  BLOCK_M, BLOCK_N, CAUSAL, MASK_ALL, s_layout,
-                                                  LAZY_RESCALE)
-            unmasked_end = gl.maximum(full, 1)  # <= end: a half diagonal block is the one past full
+                p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, first, unmasked, start_m, seqlen_k, diag_offset,
+                                                  window_left, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                                  MASK_ALL, s_layout, LAZY_RESCALE)
+            unmasked_first = first + 1
+            if WINDOW:
+                unmasked_first = gl.minimum(gl.maximum(full_first, first + 1), end)
+                p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                                                        p, alpha, m_i, l_i, acc, first + 1, unmasked_first, unmasked,
+                                                        base, start_m, seqlen_k, diag_offset, window_left, qk_scale2,
+                                                        BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, MASK_ALL,
+                                                        LAZY_RESCALE)
+            unmasked_end = gl.maximum(full, unmasked_first)  # <= end: a half diagonal block is the one past full
+            if WINDOW:
+                unmasked_end = gl.minimum(unmasked_end, end)
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
-                                                    alpha, m_i, l_i, acc, 1, unmasked_end, full, step, start_m,
-                                                    seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                                    CAUSAL, MASK_NONE, LAZY_RESCALE)
+                                                    alpha, m_i, l_i, acc, unmasked_first, unmasked_end, unmasked, base,
+                                                    start_m, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M,
+                                                    BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, MASK_NONE, LAZY_RESCALE)
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
-                                                    alpha, m_i, l_i, acc, unmasked_end, end, full, step,
-                                                    start_m, seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N,
-                                                    NUM_STAGES, CAUSAL, MASK_ALL, LAZY_RESCALE)
+                                                    alpha, m_i, l_i, acc, unmasked_end, end, unmasked, base,
+                                                    start_m, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M,
+                                                    BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, MASK_ALL, LAZY_RESCALE)
         else:
-            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, 0, full, start_m, seqlen_k, diag_offset, qk_scale2,
-                                              BLOCK_M, BLOCK_N, CAUSAL, MASK_FROM, s_layout, LAZY_RESCALE)
+            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, first, unmasked, start_m, seqlen_k, diag_offset,
+                                              window_left, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, MASK_FROM,
+                                              s_layout, LAZY_RESCALE)
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
-                                                    alpha, m_i, l_i, acc, 1, end, full, step, start_m,
-                                                    seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N, NUM_STAGES,
-                                                    CAUSAL, MASK_FROM, LAZY_RESCALE)
-        last = (step + num_blocks - 1) % NUM_STAGES
+                                                    alpha, m_i, l_i, acc, first + 1, end, unmasked, base, start_m,
+                                                    seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M, BLOCK_N,
+                                                    NUM_STAGES, CAUSAL, WINDOW, MASK_FROM, LAZY_RESCALE)
+        last = (base + num_blocks - 1) % NUM_STAGES
         if half_diagonal:
             half_zero = gl.zeros([BLOCK_M, BLOCK_N // 2], gl.float32, layout=mma_layout(BLOCK_N // 2))
             p_half, _, m_i, l_i, acc = attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                                                    half_zero, p, m_i, l_i, acc, num_blocks - 1, 0, step, start_m,
-                                                    seqlen_k, diag_offset, qk_scale2, BLOCK_M, BLOCK_N, BLOCK_N // 2,
-                                                    NUM_STAGES, CAUSAL, MASK_ALL, LAZY_RESCALE)
+                                                    half_zero, p, m_i, l_i, acc, num_blocks - 1, (0, 0), base,
+                                                    start_m, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M,
+                                                    BLOCK_N, BLOCK_N // 2, NUM_STAGES, CAUSAL, WINDOW, MASK_ALL,
+                                                    LAZY_RESCALE)
             if not staged:
                 # Every S product of this tile has finished: Q's slot may take the next tile's rows.
                 mbarrier.arrive(q_empty.index(q_barrier), count=1)
-            mbarrier.wait(v_ready.index(last), ((step + num_blocks - 1) // NUM_STAGES) & 1)
+            mbarrier.wait(v_ready.index(last), ((base + num_blocks - 1) // NUM_STAGES) & 1)
             last_pv = warpgroup_mma(gl.convert_layout(p_half.to(dtype), p_layout),
                                     block_tile(v_smem, last).slice(0, BLOCK_N // 2), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(last_pv, ))
         else:
             if not staged:
                 mbarrier.arrive(q_empty.index(q_barrier), count=1)
-            mbarrier.wait(v_ready.index(last), ((step + num_blocks - 1) // NUM_STAGES) & 1)
+            mbarrier.wait(v_ready.index(last), ((base + num_blocks - 1) // NUM_STAGES) & 1)
             last_pv = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), block_tile(v_smem, last), acc,
                                     is_async=True)
             acc = warpgroup_mma_wait(0, deps=(last_pv, ))
@@ -511,7 +567,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
             release_previous_q_slot(q_empty, rounds, HALF, Q_BUFFERS, Q_ROTATING)
         else:
             mbarrier.arrive(q_empty.index(q_barrier), count=1)
-    release_unused_blocks(k_ready, k_empty, v_ready, v_empty, step, num_blocks, cta_blocks, NUM_STAGES)
+    release_unused_blocks(k_ready, k_empty, v_ready, v_empty, base, num_blocks, cta_end, NUM_STAGES)
 
     # Rows that saw no visible key have l = 0: output 0, lse -inf.
     empty = l_i == 0.0
@@ -536,31 +592,32 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
 @gluon.jit
 def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                          stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile, rounds, step, num_tiles,
-                         num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, qk_scale2,
+                         num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left, qk_scale2,
                          HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                          SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
                          Q_ROTATING: gl.constexpr):
     """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took."""
-    batch, head, tile_m, cta_blocks = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k,
-                                              diag_offset, BLOCK_M, BLOCK_N, CAUSAL)
+    batch, head, tile_m, cta_first, cta_end = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k,
+                                                      diag_offset, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
     out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
     lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
     consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
-                 o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_blocks, seqlen_q,
-                 seqlen_k, diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
-                 SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING)
-    return cta_blocks
+                 o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_first, cta_end,
+                 seqlen_q, seqlen_k, diag_offset, window_left, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                 Q_BUFFERS, CAUSAL, WINDOW, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING)
+    return cta_end - cta_first
 
 
 @gluon.jit
 def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                        Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
                        tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
-                       diag_offset, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                       TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
-                       LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr):
+                       diag_offset, window_left, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
+                       CAUSAL: gl.constexpr, WINDOW: gl.constexpr, TILE_COUNTER: gl.constexpr,
+                       SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
+                       Q_ROTATING: gl.constexpr):
     """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
     load warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds): round-robin, or with TILE_COUNTER
     the tile numbers the load warp hands over (take_tile)."""
@@ -575,8 +632,9 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
         step += consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                                      o_desc, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile,
                                      rounds, step, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
-                                     diag_offset, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                                     CAUSAL, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING)
+                                     diag_offset, window_left, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                     NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
+                                     Q_ROTATING)
         rounds += 1
         if TILE_COUNTER:
             tile = take_tile(tile_slots, tile_full, tile_empty, rounds, slot_layout)
@@ -587,22 +645,24 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "num_tiles", "group_heads", "diag_offset",
-                              "stride_lb", "stride_lh"])
+                              "window_left", "stride_lb", "stride_lh"])
 def hopper_forward_kernel(
     q_desc, k_desc, v_desc, o_desc, Out, Lse, TileCounter,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
-    heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset,
+    heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset, window_left,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr,
     HALF_DIAGONAL: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False, Q_ROTATING: gl.constexpr = False,
+    WINDOW: gl.constexpr = False,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
     blocks of (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine
     zero-fills rows past each head's sequence end (and clips the output's), and no program spends time making maps.
     Out (B, Hq, Nq, D): any strides, last dim contiguous (read through o_desc with two Q buffers, through Out and its
     strides with one). Lse (B, Hq, Nq) fp32 by (stride_lb, stride_lh), natural log. Query head h reads key/value
-    head h // kv_group; qk_scale2 = scale * log2(e) > 0; causal: query row i sees keys j <= i + diag_offset.
+    head h // kv_group; qk_scale2 = scale * log2(e) > 0; causal: query row i sees keys j <= i + diag_offset; WINDOW:
+    no key j < i + diag_offset - window_left (a sliding window, causal or not; window_left >= 0, unread without it).
 
     Tiles of 2 * BLOCK_M query rows: num_m_blocks = cdiv(Nq, 2 * BLOCK_M) per (batch, head), num_tiles =
     B * Hq * num_m_blocks, in tile_rows' order (group_heads: its causal groups). Program p takes tiles p, p + G,
@@ -655,15 +715,17 @@ def hopper_forward_kernel(
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
                               tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
-                              diag_offset, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                              CAUSAL, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING)),
+                              diag_offset, window_left, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                              Q_BUFFERS, CAUSAL, WINDOW, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
+                              Q_ROTATING)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
                               tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
-                              diag_offset, qk_scale2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS,
-                              CAUSAL, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING)),
+                              diag_offset, window_left, qk_scale2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                              Q_BUFFERS, CAUSAL, WINDOW, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
+                              Q_ROTATING)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                           v_empty, tile_slots, tile_full, tile_empty, TileCounter, num_tiles, num_m_blocks,
-                          group_heads, heads_q, kv_group, seqlen_k, diag_offset, BLOCK_M, BLOCK_N, NUM_STAGES,
-                          Q_BUFFERS, CAUSAL, TILE_COUNTER, Q_ROTATING)),
+                          group_heads, heads_q, kv_group, seqlen_k, diag_offset, window_left, BLOCK_M, BLOCK_N,
+                          NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_COUNTER, Q_ROTATING, WINDOW)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -1,8 +1,8 @@
 """When the Triton backend runs the Hopper kernels (hopper_forward.py, hopper_backward.py), and their launches.
 
 The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/128/256 with equal value
-head dim, no mask, no dropout, no softcap, no sliding window (a causal mask of either alignment is fine), no
-key padding bounds, a positive scale, 16-byte aligned rows (and no broadcast batch or head). It pays once each
+head dim, no mask, no dropout, no softcap, a causal mask of either alignment or none, a sliding window's left bound
+(its right bound the causal diagonal, or none), no key padding bounds, a positive scale, 16-byte aligned rows (and no broadcast batch or head). It pays once each
 program has enough key blocks to amortise its start (the first copies) and its output write; below MIN_KEYS (fewer
 where the query tiles fill the GPU: FULL_GRID_MIN_KEYS) the FlashAttention-2 kernel (forward.py) is faster
 (backends/triton/NOTES.md, versions 5, 8 and 11 on the H100, "Short forward tiles" on the H200).
@@ -155,7 +155,7 @@ def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
                                                                   plan.device_index)
         found = plan.hopper_reasons[key] = (min_keys, grid_min_keys, _rule(
             key[0], plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k, plan.has_right,
-            plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.has_left or plan.key_lengths, min_keys,
+            plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.key_lengths, min_keys,
             grid_min_keys if fills else _NO_GRID_MIN_KEYS))
     reason = found[2]
     if reason is None and not run.tma_ok:
@@ -177,7 +177,7 @@ def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool) -> Op
 
 def why_not_problem(problem, min_keys: Optional[dict] = None) -> Optional[str]:
     """:func:`why_not` from a dispatcher Problem (no tensors: alignment is not known there)."""
-    extras = problem.features & {"bool_mask", "float_mask", "dropout", "window", "softcap", "value_dim"}
+    extras = problem.features & {"bool_mask", "float_mask", "dropout", "softcap", "value_dim"}
     sm90 = problem.compute_capability == (9, 0)
     fills = min_keys is None and sm90 and fills_grid(problem.batch, problem.heads_q, problem.seqlen_q,
                                                        problem.device_index)
@@ -208,7 +208,7 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
     if head_dim != head_dim_v or head_dim not in min_keys:
         return f"head dims {head_dim}/{head_dim_v} (equal, one of {sorted(min_keys)})"
     if extras:
-        return "a mask, dropout, softcap, a sliding window or key padding bounds"
+        return "a mask, dropout, softcap or key padding bounds"
     if seqlen_q == 0 or seqlen_k == 0:
         return "an empty query or key set"
     fewest = min_keys[head_dim]
@@ -220,18 +220,20 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
     return None
 
 
-def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, seqlen_k: Optional[int] = None) -> dict:
-    """The kernel's compile-time arguments for a head dim, causal or not, tiles from a counter or round-robin, and
+def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, seqlen_k: Optional[int] = None,
+                      window: bool = False) -> dict:
+    """The kernel's compile-time arguments for a head dim, causal or not, tiles from a counter or round-robin,
     ``seqlen_k`` keys (None: as many as the longest; the launch, `mhattn build` and the GPU check script use the
-    same)."""
-    half_diagonal = causal and seqlen_k is not None and seqlen_k <= FORWARD_HALF_DIAGONAL_MAX_KEYS.get(head_dim, 0)
+    same), and a sliding window's left bound or not."""
+    half_diagonal = (causal and not window and seqlen_k is not None
+                     and seqlen_k <= FORWARD_HALF_DIAGONAL_MAX_KEYS.get(head_dim, 0))
     q_rotating = (Q_BUFFERS[head_dim] == 1 and seqlen_k is not None
                   and seqlen_k <= FORWARD_Q_ROTATING_MAX_KEYS.get(head_dim, 0))
     return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
                 NUM_STAGES=FORWARD_STAGES[head_dim], Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal,
                 TILE_COUNTER=tile_counter, SPLIT_MASKED=FORWARD_SPLIT_MASKED[head_dim],
                 HALF_DIAGONAL=half_diagonal, LAZY_RESCALE=FORWARD_LAZY_RESCALE[head_dim],
-                Q_ROTATING=q_rotating)
+                Q_ROTATING=q_rotating, WINDOW=window)
 
 
 class ForwardSchedule(NamedTuple):
@@ -373,7 +375,8 @@ def _forward_setup(plan, q, device_index: int) -> tuple:
         schedule = forward_schedule(plan.batch, plan.heads_q, plan.seqlen_q, plan.seqlen_k, plan.has_right, head_bytes,
                                     _sm_count(device_index))
         found = plan.hopper_schedule = (schedule, launcher.constexprs(
-            4, 1, **compile_time_args(plan.head_dim, plan.has_right, schedule.tile_counter, plan.seqlen_k)))
+            4, 1, **compile_time_args(plan.head_dim, plan.has_right, schedule.tile_counter, plan.seqlen_k,
+                                      plan.has_left)))
     return (launcher, *found)
 
 
@@ -390,7 +393,7 @@ class ForwardLaunch:
         self.setup = plan.hopper_schedule
         self.counted, self.device_index = schedule.tile_counter, device_index
         self.middle = (*out.stride()[:3], lse.stride(0), lse.stride(1), plan.heads_q, plan.kv_group, plan.seqlen_q,
-                       plan.seqlen_k, *schedule[1:4], run.qk_scale2, run.diag_offset)
+                       plan.seqlen_k, *schedule[1:4], run.qk_scale2, run.diag_offset, run.window_left)
         counter = tile_counter(q.device, device_index) if self.counted else lse
         self.site = launcher.prepare_maps((schedule.programs,), (
             *forward_maps(q, k, v, out, plan.head_dim), out, lse, counter, *self.middle), constexprs, device_index)
@@ -429,10 +432,12 @@ _tile_counters: dict = {}
 COUNTERS_LIMIT = 64
 
 
-def backward_compile_time_args(head_dim: int, causal: bool) -> dict:
-    """The backward kernel's compile-time arguments (launch, `mhattn build`, the GPU check script)."""
+def backward_compile_time_args(head_dim: int, causal: bool, window: bool = False) -> dict:
+    """The backward kernel's compile-time arguments (launch, `mhattn build`, the GPU check script); window: a sliding
+    window's left bound."""
     return dict(HEAD_DIM=head_dim, BLOCK_M=BACKWARD_QUERY_BLOCK[head_dim], BLOCK_N=BACKWARD_KEY_BLOCK[head_dim],
-                NUM_STAGES=BACKWARD_STAGES[head_dim], CAUSAL=causal, STAGED_DK_DV=BACKWARD_STAGED_DK_DV[head_dim])
+                NUM_STAGES=BACKWARD_STAGES[head_dim], CAUSAL=causal, STAGED_DK_DV=BACKWARD_STAGED_DK_DV[head_dim],
+                WINDOW=window)
 
 
 def _backward_setup(plan, device_index: int) -> tuple:
@@ -447,7 +452,7 @@ def _backward_setup(plan, device_index: int) -> tuple:
         plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
                                                       * plan.head_dim * 4, num_n_blocks, _sm_count(device_index))
         plan.hopper_backward_constexprs = launcher.constexprs(
-            8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right))
+            8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right, plan.has_left))
     return launcher, plan.hopper_backward_constexprs, plan.hopper_backward_slices
 
 
@@ -484,7 +489,8 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
 
     def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed, sites=None):
         scalars = (*dk.stride()[:3], *dv.stride()[:3], *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q,
-                   plan.seqlen_k, num_n_blocks, run.qk_scale2, run.sm_scale, run.diag_offset, int(convert_in_kernel))
+                   plan.seqlen_k, num_n_blocks, run.qk_scale2, run.sm_scale, run.diag_offset, run.window_left,
+                   int(convert_in_kernel))
         args = backward_arguments(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed) + scalars
         grid = (k_s.shape[0] * k_s.shape[1] * num_n_blocks,)
         site = None
