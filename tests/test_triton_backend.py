@@ -975,6 +975,74 @@ def test_gpu_gluon_backward_sliding_window(monkeypatch, dtype, case):
     assert built and all(built)
 
 
+# A right-padding key mask in the Gluon kernels, as each batch entry's key count (batch entry 0 with none): with a
+# causal mask of either alignment, GQA, a window; a mask with holes stays on the FlashAttention-2 kernels.
+GLUON_KEY_PADDING_CASES = {
+    "d64_ragged": dict(head_dim=64, batch=3, seqlen_q=300, seqlen_k=517, mask="key_padding"),
+    "d128_bottom_right_gqa": dict(head_dim=128, batch=3, heads_q=6, heads_kv=2, seqlen_q=300, seqlen_k=700,
+                                  causal="bottom_right", mask="key_padding"),
+    "d128_top_left_more_queries": dict(head_dim=128, batch=3, seqlen_q=517, seqlen_k=300, causal="top_left",
+                                       mask="key_padding"),
+    "d256_window": dict(head_dim=256, batch=3, seqlen_q=600, seqlen_k=600, causal="top_left", window=(200, 0),
+                        mask="key_padding"),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_KEY_PADDING_CASES))
+def test_gpu_gluon_forward_key_padding_as_lengths(monkeypatch, dtype, case):
+    """Through the backend, the Gluon forward built with key counts (asserted from the build's compile-time
+    arguments), one program per tile and a persistent grid of 3 programs."""
+    _check_gluon_forward_build(monkeypatch, "KEY_LENGTHS", dtype, GLUON_KEY_PADDING_CASES[case])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_KEY_PADDING_CASES))
+def test_gpu_gluon_backward_key_padding_as_lengths(monkeypatch, dtype, case):
+    """The Gluon backward built with key counts (asserted from the build's compile-time arguments) against the
+    reference; key blocks past a batch entry's keys write zero dK and dV."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import hopper_launch
+
+    built = []
+    real_args = hopper_launch.backward_compile_time_args
+    monkeypatch.setattr(hopper_launch, "backward_compile_time_args",
+                        lambda *args: built.append(real_args(*args)["KEY_LENGTHS"]) or real_args(*args))
+    monkeypatch.setattr(triton_backend, "_plans", {})  # plans keep their build
+    monkeypatch.setattr(triton_backend, "_signatures", {})
+    _check_gluon_kernel(monkeypatch, "BACKWARD_MIN_KEYS", "backward", dtype, GLUON_KEY_PADDING_CASES[case])
+    assert built and all(built)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+def test_gpu_key_padding_with_holes_stays_on_the_flash_kernels(monkeypatch):
+    """A key-padding mask that is not right padding (padded keys inside a sequence) runs the FlashAttention-2 kernels,
+    which read it, even where the Gluon kernels take every key count: right, and neither Gluon kernel launched. The
+    same call with a right-padding mask of the same layout launches both."""
+    from mhattn.backends.triton import hopper_launch
+
+    for threshold in ("MIN_KEYS", "BACKWARD_MIN_KEYS"):
+        monkeypatch.setattr(hopper_launch, threshold, dict.fromkeys(getattr(hopper_launch, threshold), 1))
+    launched = []
+    for name in ("forward", "backward"):
+        real = getattr(hopper_launch, name)
+        monkeypatch.setattr(hopper_launch, name, lambda *args, _name=name, _real=real: launched.append(_name)
+                            or _real(*args))
+    case = dict(head_dim=128, batch=3, seqlen_q=300, seqlen_k=517, causal="bottom_right")
+    check_attention(dtype="bfloat16", device="cuda", mask="key_padding_holes", **case)
+    assert launched == []
+    check_attention(dtype="bfloat16", device="cuda", mask="key_padding", **case)
+    assert sorted(launched) == ["backward", "forward"]
+
+
 @pytest.mark.gpu
 @needs_gpu
 @needs_sm90
@@ -1485,9 +1553,9 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
         monkeypatch.setattr(hopper_launch, "ACCUMULATOR_BYTES", heads_kv * 2 * seqlen_q * head_dim * 4)
         monkeypatch.setattr(hopper_launch, "MIN_WAVES", 0)
     plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=300, batch=batch, heads_kv=heads_kv,
-                           kv_group=heads_q // heads_kv, has_right=False, has_left=False,
+                           kv_group=heads_q // heads_kv, has_right=False, has_left=False, key_lengths=False,
                            hopper_backward_constexprs=None, hopper_backward_slices=None)
-    run = SimpleNamespace(qk_scale2=1.0, sm_scale=1.0, diag_offset=0, window_left=0)
+    run = SimpleNamespace(qk_scale2=1.0, sm_scale=1.0, diag_offset=0, window_left=0, key_bounds=None)
     # One launch: the caller allocates the sums and counters beside lse2 and delta, and the preprocess zeroes them.
     words = hopper_launch.backward_sums_words(plan, None)
     assert words == (0 if slices else batch * heads_kv * ((heads_q // heads_kv) * seqlen_q * head_dim + 1))
@@ -1540,8 +1608,8 @@ def test_hopper_forward_host_side_keeps_a_tile_counter_per_stream(monkeypatch, c
     monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
     monkeypatch.setattr(hopper_launch, "_tile_counters", {})
     plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen, seqlen_k=seqlen, batch=batch, heads_q=heads, kv_group=1,
-                           has_right=causal, has_left=False, hopper_schedule=None)
-    run = SimpleNamespace(qk_scale2=1.0, diag_offset=0, window_left=0, window_right=0,
+                           has_right=causal, has_left=False, key_lengths=False, hopper_schedule=None)
+    run = SimpleNamespace(qk_scale2=1.0, diag_offset=0, window_left=0, window_right=0, key_bounds=None,
                           signature=SimpleNamespace(hopper_forward=None))
     tensors = []
     for _ in range(2):
@@ -1639,6 +1707,33 @@ def test_key_bounds_of_key_padding_masks():
     assert key_bounds(mask).tolist() == [2, 0, 3] and key_bounds(mask).dtype == torch.int32
     assert key_bounds(torch.ones(3, 2, 5, 4, dtype=torch.bool)) is None  # varies along H and Nq (strides)
     assert key_bounds(mask.float()) is None and key_bounds(None) is None
+
+
+def test_right_padding_is_read_back_once_per_mask(monkeypatch):
+    """key_padding.is_right_padding: True exactly where each batch entry's kept keys are a prefix; asked again of the
+    same unchanged mask (another view of it, as each layer gets) it answers without a read-back; changed in place
+    (its version moves) it reads the mask again; a kept entry holds its mask."""
+    from mhattn.backends.triton import key_padding
+
+    monkeypatch.setattr(key_padding, "_right_padding", {})
+    reads = []
+    real_sum = torch.Tensor.sum
+    monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **k: reads.append(1) or real_sum(self, *a, **k))
+
+    def answer(keys):
+        mask = keys.view(keys.shape[0], 1, 1, keys.shape[1]).expand(keys.shape[0], 2, 5, keys.shape[1])
+        return key_padding.is_right_padding(mask, key_padding.key_bounds(mask))
+
+    prefix = torch.tensor([[True, True, False, False], [False, False, False, False], [True, True, True, True]])
+    holes = torch.tensor([[True, True, False, False], [True, False, True, False]])
+    assert answer(prefix) is True and answer(holes) is False and len(reads) == 2
+    assert answer(prefix) is True and answer(holes) is False and len(reads) == 2  # kept: no read-back
+    prefix[1, 0] = True  # still right padding, a new version: read again
+    assert answer(prefix) is True and len(reads) == 3
+    prefix[1, 2] = True  # a hole at key 1
+    assert answer(prefix) is False and len(reads) == 4
+    assert all(entry[0].data_ptr() in (prefix.data_ptr(), holes.data_ptr())
+               for entry in key_padding._right_padding.values())
 
 
 @pytest.mark.gpu
@@ -1846,6 +1941,10 @@ def test_explain_names_the_kernel_families(monkeypatch):
     for path in (backend.forward_path(problem(features=("causal", "window"))),
                  backend.backward_path(problem(features=("window",)))):
         assert path.startswith("the Gluon Hopper") and "right bound is the causal diagonal or none" in path, path
+    # A boolean mask: the Gluon kernels where it is right padding.
+    for path in (backend.forward_path(problem(features=("bool_mask",))),
+                 backend.backward_path(problem(features=("causal", "bool_mask")))):
+        assert path.startswith("the Gluon Hopper") and "boolean mask is right padding" in path, path
     # d = 64: the Gluon forward from 384 keys, causal or not.
     for features in ((), ("causal",)):
         assert "Gluon Hopper forward" in backend.forward_path(problem(head_dim=64, seqlen_q=384, seqlen_k=384,

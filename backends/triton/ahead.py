@@ -258,13 +258,16 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                 if head_dim in hopper_launch.FORWARD_Q_ROTATING_MAX_KEYS:  # three Q slots, up to that many keys
                     tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
                                             flags=(("TILE_COUNTER", causal), ("Q_ROTATING", True))))
-                # A sliding window (left bound), causal (the usual case, its persistent grid from a counter) or not.
-                tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
-                                        flags=(("TILE_COUNTER", causal), ("WINDOW", True))))
+                # A sliding window (left bound), causal (the usual case, its persistent grid from a counter) or not;
+                # a right-padding key mask as key counts.
+                for flag in ("WINDOW", "KEY_LENGTHS"):
+                    tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
+                                            flags=(("TILE_COUNTER", causal), (flag, True))))
             if cc == 90 and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
                 tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim)))
-                tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim),
-                                        flags=(("WINDOW", True),)))
+                for flag in ("WINDOW", "KEY_LENGTHS"):
+                    tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim),
+                                            flags=((flag, True),)))
         if not hopper_only:
             widest = short_backward_widest_tile(head_dim)
             tasks += [KernelTask("short_bwd", head_dim, causal, widest) for causal in (False, True) if widest]

@@ -301,11 +301,20 @@ class _Launch:
         else:
             self.mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         self.key_bounds = key_padding.key_bounds(mask) if signature.key_lengths else None
+        self.key_mask = mask if signature.key_lengths else None
+        self.right_padding = None  # key_mask_is_lengths's answer, asked only where the Gluon kernels could run
         # The kernels read the seed words from memory (int32 words of the int64 seed tensor).
         self.seed = dropout_rng.seed_tensor(params.seed, q.device).view(torch.int32) if signature.has_dropout else q
         self.band = (self.diag_offset, self.window_left, self.window_right, self.seed, self.threshold)
         # The Hopper paths (copy-engine loads) need every tensor the kernels read through descriptors aligned.
         self.tma_ok = self.plan.descriptors_ok(q, k, v)
+
+    def key_mask_is_lengths(self) -> bool:
+        """Whether the call's key-padding mask is right padding, which the key bounds say in full (the Gluon kernels
+        then read no mask: key_padding.is_right_padding, one read-back per mask)."""
+        if self.right_padding is None:
+            self.right_padding = key_padding.is_right_padding(self.key_mask, self.key_bounds)
+        return self.right_padding
 
     def key_bounds_or(self, placeholder):
         """The key bounds tensor for the kernels' CuSeqlensK argument, or a placeholder when unused."""
@@ -650,8 +659,16 @@ class _PreparedOutputOnly:
         return self.backend._forward_signed(self.signature, q, k, v, params, False)[0]
 
 
-# What explain adds for a window (the Problem does not hold its bounds): the Gluon kernels take a left bound only.
-_WINDOW_RIGHT_BOUND = " and the window's right bound is the causal diagonal or none"
+def _conditions(problem) -> str:
+    """What explain adds to a Gluon kernel's path for what the Problem does not hold: a window's bounds (the Gluon
+    kernels take a left bound only) and a boolean mask's values (they take right padding only, as key counts)."""
+    text = ""
+    if "window" in problem.features:
+        text += ", the window's right bound is the causal diagonal or none"
+    if "bool_mask" in problem.features:
+        text += (", and the boolean mask is right padding (True on a prefix of each sequence's keys, the same for "
+                 "every head and query: read back once per mask); other boolean masks run the FlashAttention-2 kernels")
+    return text
 
 
 class TritonBackend(OutputOnlyForward):
@@ -733,8 +750,8 @@ class TritonBackend(OutputOnlyForward):
             return "the split-KV decoding kernels (decode.py): few query rows per key/value head"
         reason = hopper_launch.why_not_problem(problem)
         if reason is None:
-            return ("the Gluon Hopper forward (hopper_forward.py), when q, k, v rows are 16-byte aligned"
-                    + _WINDOW_RIGHT_BOUND * ("window" in problem.features))
+            return "the Gluon Hopper forward (hopper_forward.py), when q, k, v rows are 16-byte aligned" + _conditions(
+                problem)
         return f"the FlashAttention-2 forward (forward.py): not the Gluon Hopper forward because {reason}"
 
     def backward_path(self, problem) -> Optional[str]:
@@ -745,7 +762,7 @@ class TritonBackend(OutputOnlyForward):
             reason = hopper_launch.DETERMINISTIC
         if reason is None:
             return ("the Gluon Hopper backward (hopper_backward.py), when q, k, v and the output gradient rows are "
-                    "16-byte aligned" + _WINDOW_RIGHT_BOUND * ("window" in problem.features))
+                    "16-byte aligned" + _conditions(problem))
         tile = configs.short_backward_tile(problem.seqlen_k, configs.padded_head_dim(problem.head_dim),
                                            configs.padded_head_dim(problem.head_dim_v),
                                            problem.dtype.itemsize, INTERPRET)
@@ -784,7 +801,8 @@ class TritonBackend(OutputOnlyForward):
         tma_ok = plan.descriptors_ok(q, k, v)
         # A repeated call that the Gluon Hopper forward takes launches what its signature's first such call prepared.
         hopper = signature.hopper_forward
-        if (tma_ok and hopper is not None and hopper.current(plan)
+        # (not with key bounds: whether the Gluon forward may take them is a question of each call's mask)
+        if (tma_ok and hopper is not None and not plan.key_lengths and hopper.current(plan)
                 and hopper_launch.why_not(plan, hopper) is None):
             out, lse = plan.output_buffers(q, keep_lse)
             _on_device(plan.cuda_index, hopper.launch, (q, k, v, out, lse))

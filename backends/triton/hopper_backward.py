@@ -228,7 +228,7 @@ def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_
 def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
                              kv_ready, q_ready, q_empty, do_ready, do_empty,
                              lse2_smem, delta_smem, dkv_out,
-                             start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, window_left, qk_scale2,
+                             start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, qk_scale2,
                              sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                              STAGED_DK_DV: gl.constexpr):
@@ -244,6 +244,7 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
+    key_end, seqlen_k = key_counts  # the keys queries see, the keys dK and dV have
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     mbarrier.wait(kv_ready, 0)
 
@@ -251,7 +252,7 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
         slot, phase, start_m, q_tile, do_tile = step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M,
                                                            HEAD_DIM, NUM_STAGES)
         p_t, dp_t = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase,
-                                       start_n, start_m, keys, s_zero, seqlen_k, diag_offset, window_left, qk_scale2,
+                                       start_n, start_m, keys, s_zero, key_end, diag_offset, window_left, qk_scale2,
                                        BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
         # At 64 queries a step dV's product starts while dP^T is still on the tensor cores. At 128, P^T and dP^T in
         # float32, P^T's 16-bit copy and dK, dV (64 + 64 + 32 + 64 registers a thread) leave no room for dS^T: there
@@ -287,7 +288,7 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
 def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
                       kv_ready, q_ready, q_empty, do_ready, do_empty,
                       lse2_smem, delta_smem, dkv_out,
-                      start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, window_left, qk_scale2, sm_scale,
+                      start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, qk_scale2, sm_scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DQ_COLS: gl.constexpr,
                       STAGED_DK_DV: gl.constexpr):
@@ -296,12 +297,12 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
     if HEAD_DIM > 128:
         wide_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
-                               first_m, m_blocks, steps, seqlen_k, diag_offset, window_left, qk_scale2, sm_scale,
+                               first_m, m_blocks, steps, key_counts, diag_offset, window_left, qk_scale2, sm_scale,
                                HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DQ_COLS, STAGED_DK_DV)
     else:
         narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                  q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
-                                 first_m, m_blocks, steps, seqlen_k, diag_offset, window_left, qk_scale2,
+                                 first_m, m_blocks, steps, key_counts, diag_offset, window_left, qk_scale2,
                                  sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, STAGED_DK_DV)
 
 
@@ -309,7 +310,7 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
 def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, dq_ready, dq_empty,
                            kv_ready, q_ready, q_empty, do_ready, do_empty,
                            lse2_smem, delta_smem, dkv_out,
-                           start_n, first_m, m_blocks, steps, seqlen_k, diag_offset, window_left, qk_scale2, sm_scale,
+                           start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, qk_scale2, sm_scale,
                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DQ_COLS: gl.constexpr,
                            STAGED_DK_DV: gl.constexpr):
@@ -328,6 +329,7 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+    key_end, seqlen_k = key_counts  # the keys queries see, the keys dK and dV have
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     p_tile = pds_smem.index(0)
     ds_tile = pds_smem.index(1)
@@ -337,7 +339,7 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
         slot, phase, start_m, q_tile, do_tile = step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M,
                                                            HEAD_DIM, NUM_STAGES)
         p_t, dp_t = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase,
-                                       start_n, start_m, keys, s_zero, seqlen_k, diag_offset, window_left, qk_scale2,
+                                       start_n, start_m, keys, s_zero, key_end, diag_offset, window_left, qk_scale2,
                                        BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
         delta = row_values(delta_smem.index(slot), BLOCK_M, s_layout)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
@@ -408,13 +410,14 @@ def store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BL
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left"])
 def hopper_backward_kernel(
     q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, dq_desc, dk_desc, dv_desc, dK, dV, dQ, dQacc, DqCounters,
+    KeyBounds,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
     heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset, window_left,
     convert_in_kernel,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr, WINDOW: gl.constexpr = False,
+    CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr, WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False,
 ):
     """Host tensor maps (hopper_launch.tensor_map): q_desc, do_desc of Q, dOut (B, Hq, Nq, D) in blocks of
     (1, 1, BLOCK_M, D); k_desc, v_desc of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D); lse2_desc,
@@ -425,7 +428,9 @@ def hopper_backward_kernel(
     and DqCounters B * Hkv zeroed int32 counters; dQ (B, Hq, Nq, D) in the input dtype, last dim contiguous. With
     convert_in_kernel (1) the program that adds last to a (batch, key/value head)'s dQ rows converts them into dQ
     (convert_dq); with 0 the caller converts the buffer. Query head h reads key/value head h // kv_group; causal:
-    query row i sees keys j <= i + diag_offset; WINDOW: no key j < i + diag_offset - window_left.
+    query row i sees keys j <= i + diag_offset; WINDOW: no key j < i + diag_offset - window_left. KEY_LENGTHS: batch
+    entry b's keys from KeyBounds[b] (int32) on are padding no query sees: a key block past it walks no query block
+    and writes zero dK and dV.
     Grid (B * Hkv * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
     pid = gl.program_id(0)
     # Head-major: the key blocks of one head run side by side and share its Q and dO in L2 (a longest-first order
@@ -472,6 +477,10 @@ def hopper_backward_kernel(
 
     first_m, m_blocks = visible_query_blocks(start_n, seqlen_q, diag_offset, window_left, BLOCK_M, BLOCK_N, CAUSAL,
                                              WINDOW)
+    key_end = seqlen_k  # the keys queries see (the mask's bound); dK and dV rows are written up to seqlen_k
+    if KEY_LENGTHS:
+        key_end = gl.load(KeyBounds + batch)
+        m_blocks = gl.where(start_n < key_end, m_blocks, 0)
     steps = kv_group * m_blocks
     dkv_out = (dk_desc, dv_desc, batch, head_kv,
                dK + batch.to(gl.int64) * stride_dkb + head_kv.to(gl.int64) * stride_dkh,
@@ -479,7 +488,7 @@ def hopper_backward_kernel(
     gl.warp_specialize([
         (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready,
                              q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n, first_m,
-                             m_blocks, steps, seqlen_k, diag_offset, window_left, qk_scale2, sm_scale, HEAD_DIM,
+                             m_blocks, steps, (key_end, seqlen_k), diag_offset, window_left, qk_scale2, sm_scale, HEAD_DIM,
                              BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DQ_COLS, STAGED_DK_DV)),
         (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_tile, v_tile, q_smem, do_smem,
                           lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv,

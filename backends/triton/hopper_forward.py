@@ -35,8 +35,8 @@ memory and fenced in every program) took about 15% of a program at 1k keys (NOTE
 Coverage (the backend routes the rest to forward.py): fp16 and bf16; head dims 64, 128, 256 (K and V the
 same); no mask, or a causal mask of either alignment (diag_offset); a sliding window's left bound (WINDOW: a tile
 moves only the key blocks its rows' windows reach, and masks the first ones), with the causal diagonal or no right
-bound; GQA by head index; any Nq, Nk >= 1; a positive
-scale; 16-byte aligned rows. Output (B, Hq, Nq, D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
+bound; a right-padding key mask as per-batch key counts (KEY_LENGTHS: a tile walks only its batch entry's keys); GQA by
+head index; any Nq, Nk >= 1; a positive scale; 16-byte aligned rows. Output (B, Hq, Nq, D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
 """
 
 import triton
@@ -154,12 +154,16 @@ def tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M: gl.c
 
 
 @gluon.jit
-def tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, diag_offset, window_left,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
-    """(batch, head, start_m, cta_first, cta_end) of tile number ``tile``, as every partition walks it: its rows
-    (tile_rows) and the key blocks cta_first .. cta_end - 1 the program moves for it: from the lower consumer's
-    first (its rows see the earliest keys) to the upper consumer's last (its rows see the latest)."""
+def tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, KeyBounds, diag_offset, window_left,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+            KEY_LENGTHS: gl.constexpr):
+    """(batch, head, start_m, cta_first, cta_end, keys) of tile number ``tile``, as every partition walks it: its rows
+    (tile_rows), the key blocks cta_first .. cta_end - 1 the program moves for it (from the lower consumer's first:
+    its rows see the earliest keys, to the upper consumer's last: its rows see the latest), and how many keys its batch
+    entry has (KEY_LENGTHS: KeyBounds[batch], the rest padding no row sees; else seqlen_k)."""
     batch, head, start_m = tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M, CAUSAL)
+    if KEY_LENGTHS:
+        seqlen_k = gl.load(KeyBounds + batch)
     _, cta_end, _, _ = visible_key_blocks(start_m + BLOCK_M, seqlen_k, diag_offset, window_left, BLOCK_M, BLOCK_N,
                                           CAUSAL, WINDOW)
     if WINDOW:
@@ -168,7 +172,7 @@ def tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, diag_
         cta_end = gl.maximum(cta_end, cta_first)
     else:
         cta_first = 0
-    return batch, head, start_m, cta_first, cta_end
+    return batch, head, start_m, cta_first, cta_end, seqlen_k
 
 
 @gluon.jit
@@ -250,10 +254,11 @@ def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 @gluon.jit
 def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                   v_empty, tile_slots, tile_full, tile_empty, TileCounter, num_tiles, num_m_blocks,
+                   v_empty, tile_slots, tile_full, tile_empty, TileCounter, KeyBounds, num_tiles, num_m_blocks,
                    group_heads, heads_q, kv_group, seqlen_k, diag_offset, window_left, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                   TILE_COUNTER: gl.constexpr, Q_ROTATING: gl.constexpr, WINDOW: gl.constexpr):
+                   TILE_COUNTER: gl.constexpr, Q_ROTATING: gl.constexpr, WINDOW: gl.constexpr,
+                   KEY_LENGTHS: gl.constexpr):
     """The load warp: load_tile for each of the program's tiles (tiles p, p + G, p + 2G, ... of a grid of G programs;
     with TILE_COUNTER, p and then whichever next_counted_tile gives, each handed to the consumers by hand_tile).
     ``step`` counts the blocks the program has moved, across its tiles, so ring slots and barrier phases run on from
@@ -265,9 +270,9 @@ def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_em
     while tile < num_tiles:
         if TILE_COUNTER:
             hand_tile(tile_slots, tile_full, tile_empty, rounds, tile, slot_layout)
-        batch, head, start_m, cta_first, cta_end = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q,
-                                                           seqlen_k, diag_offset, window_left, BLOCK_M, BLOCK_N,
-                                                           CAUSAL, WINDOW)
+        batch, head, start_m, cta_first, cta_end, _ = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q,
+                                                              seqlen_k, KeyBounds, diag_offset, window_left, BLOCK_M,
+                                                              BLOCK_N, CAUSAL, WINDOW, KEY_LENGTHS)
         load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                   batch, head, start_m, cta_first, cta_end, kv_group, step, rounds, BLOCK_M, BLOCK_N, NUM_STAGES,
                   Q_BUFFERS, Q_ROTATING)
@@ -591,15 +596,16 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
 
 @gluon.jit
 def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
-                         stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile, rounds, step, num_tiles,
-                         num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left, qk_scale2,
-                         HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                         SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                         Q_ROTATING: gl.constexpr):
+                         stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds, tile, rounds, step,
+                         num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
+                         qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
+                         WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr, SPLIT_MASKED: gl.constexpr,
+                         HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr):
     """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took."""
-    batch, head, tile_m, cta_first, cta_end = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k,
-                                                      diag_offset, window_left, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    batch, head, tile_m, cta_first, cta_end, seqlen_k = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q,
+                                                                seqlen_k, KeyBounds, diag_offset, window_left, BLOCK_M,
+                                                                BLOCK_N, CAUSAL, WINDOW, KEY_LENGTHS)
     out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
     lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
     consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
@@ -611,11 +617,11 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
 
 @gluon.jit
 def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
-                       Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
-                       tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
+                       Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds, tile_slots,
+                       tile_full, tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                        diag_offset, window_left, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                       CAUSAL: gl.constexpr, WINDOW: gl.constexpr, TILE_COUNTER: gl.constexpr,
+                       CAUSAL: gl.constexpr, WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr, TILE_COUNTER: gl.constexpr,
                        SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
                        Q_ROTATING: gl.constexpr):
     """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
@@ -630,11 +636,11 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
         tile = gl.program_id(0)
     while tile < num_tiles:
         step += consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                     o_desc, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile,
-                                     rounds, step, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
-                                     diag_offset, window_left, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                     NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
-                                     Q_ROTATING)
+                                     o_desc, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh,
+                                     KeyBounds, tile, rounds, step, num_tiles, num_m_blocks, group_heads, heads_q,
+                                     seqlen_q, seqlen_k, diag_offset, window_left, qk_scale2, HALF, HEAD_DIM, BLOCK_M,
+                                     BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS, SPLIT_MASKED,
+                                     HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING)
         rounds += 1
         if TILE_COUNTER:
             tile = take_tile(tile_slots, tile_full, tile_empty, rounds, slot_layout)
@@ -647,14 +653,14 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "num_tiles", "group_heads", "diag_offset",
                               "window_left", "stride_lb", "stride_lh"])
 def hopper_forward_kernel(
-    q_desc, k_desc, v_desc, o_desc, Out, Lse, TileCounter,
+    q_desc, k_desc, v_desc, o_desc, Out, Lse, TileCounter, KeyBounds,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset, window_left,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr,
     HALF_DIAGONAL: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False, Q_ROTATING: gl.constexpr = False,
-    WINDOW: gl.constexpr = False,
+    WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
     blocks of (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine
@@ -663,6 +669,9 @@ def hopper_forward_kernel(
     strides with one). Lse (B, Hq, Nq) fp32 by (stride_lb, stride_lh), natural log. Query head h reads key/value
     head h // kv_group; qk_scale2 = scale * log2(e) > 0; causal: query row i sees keys j <= i + diag_offset; WINDOW:
     no key j < i + diag_offset - window_left (a sliding window, causal or not; window_left >= 0, unread without it).
+    KEY_LENGTHS: batch entry b has KeyBounds[b] keys (int32, <= Nk; the keys after them are padding no row sees, as a
+    right-padding key mask says: hopper_launch.why_not), so its tiles move and compute only the blocks before that;
+    without it KeyBounds is not read.
 
     Tiles of 2 * BLOCK_M query rows: num_m_blocks = cdiv(Nq, 2 * BLOCK_M) per (batch, head), num_tiles =
     B * Hq * num_m_blocks, in tile_rows' order (group_heads: its causal groups). Program p takes tiles p, p + G,
@@ -713,19 +722,19 @@ def hopper_forward_kernel(
 
     gl.warp_specialize([
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
-                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
-                              tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
+                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds, tile_slots,
+                              tile_full, tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                               diag_offset, window_left, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                              Q_BUFFERS, CAUSAL, WINDOW, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
+                              Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
                               Q_ROTATING)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
-                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, tile_slots, tile_full,
-                              tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
+                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds, tile_slots,
+                              tile_full, tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                               diag_offset, window_left, qk_scale2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                              Q_BUFFERS, CAUSAL, WINDOW, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
+                              Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
                               Q_ROTATING)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                          v_empty, tile_slots, tile_full, tile_empty, TileCounter, num_tiles, num_m_blocks,
-                          group_heads, heads_q, kv_group, seqlen_k, diag_offset, window_left, BLOCK_M, BLOCK_N,
-                          NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_COUNTER, Q_ROTATING, WINDOW)),
+                          v_empty, tile_slots, tile_full, tile_empty, TileCounter, KeyBounds, num_tiles,
+                          num_m_blocks, group_heads, heads_q, kv_group, seqlen_k, diag_offset, window_left, BLOCK_M,
+                          BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_COUNTER, Q_ROTATING, WINDOW, KEY_LENGTHS)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

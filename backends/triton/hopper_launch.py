@@ -1,8 +1,9 @@
 """When the Triton backend runs the Hopper kernels (hopper_forward.py, hopper_backward.py), and their launches.
 
 The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/128/256 with equal value
-head dim, no mask, no dropout, no softcap, a causal mask of either alignment or none, a sliding window's left bound
-(its right bound the causal diagonal, or none), no key padding bounds, a positive scale, 16-byte aligned rows (and no broadcast batch or head). It pays once each
+head dim, no dropout, no softcap, a causal mask of either alignment or none, a sliding window's left bound (its right
+bound the causal diagonal, or none), no mask or a right-padding key mask (taken as each sequence's key count, the mask
+itself unread: NOT_KEY_LENGTHS), a positive scale, 16-byte aligned rows (and no broadcast batch or head). It pays once each
 program has enough key blocks to amortise its start (the first copies) and its output write; below MIN_KEYS (fewer
 where the query tiles fill the GPU: FULL_GRID_MIN_KEYS) the FlashAttention-2 kernel (forward.py) is faster
 (backends/triton/NOTES.md, versions 5, 8 and 11 on the H100, "Short forward tiles" on the H200).
@@ -30,7 +31,7 @@ import torch
 
 from mhattn import environment
 from mhattn.backends.streams import current_stream
-from mhattn.backends.triton import configs
+from mhattn.backends.triton import configs, scores
 from mhattn.backends.triton.decode_launch import _sm_count
 from mhattn.backends.triton.launcher import CompiledLauncher
 from mhattn.caches import put_bounded
@@ -155,12 +156,20 @@ def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
                                                                   plan.device_index)
         found = plan.hopper_reasons[key] = (min_keys, grid_min_keys, _rule(
             key[0], plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k, plan.has_right,
-            plan.mask_kind or plan.has_dropout or plan.has_softcap or plan.key_lengths, min_keys,
+            plan.mask_kind not in (0, scores.MASK_KEYS) or plan.has_dropout or plan.has_softcap, min_keys,
             grid_min_keys if fills else _NO_GRID_MIN_KEYS))
     reason = found[2]
     if reason is None and not run.tma_ok:
         return "rows or starts not 16-byte aligned for the copy engine, or a broadcast batch or head"
+    if reason is None and plan.key_lengths and not run.key_mask_is_lengths():
+        return NOT_KEY_LENGTHS
     return reason
+
+
+# Why a key-padding mask (a boolean mask the same for every head and query row) is left to the FlashAttention-2
+# kernels, which read it: the Gluon kernels take such a mask only as each sequence's key count.
+NOT_KEY_LENGTHS = ("a boolean mask other than right padding (True on a prefix of each sequence's keys, the same for "
+                   "every head and query), or one met during CUDA graph capture (key_padding.is_right_padding)")
 
 
 def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool) -> Optional[str]:
@@ -177,7 +186,8 @@ def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool) -> Op
 
 def why_not_problem(problem, min_keys: Optional[dict] = None) -> Optional[str]:
     """:func:`why_not` from a dispatcher Problem (no tensors: alignment is not known there)."""
-    extras = problem.features & {"bool_mask", "float_mask", "dropout", "softcap", "value_dim"}
+    # (a boolean mask may be right padding, which the Gluon kernels take: the caller says so, backend._conditions)
+    extras = problem.features & {"float_mask", "dropout", "softcap", "value_dim"}
     sm90 = problem.compute_capability == (9, 0)
     fills = min_keys is None and sm90 and fills_grid(problem.batch, problem.heads_q, problem.seqlen_q,
                                                        problem.device_index)
@@ -208,7 +218,7 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
     if head_dim != head_dim_v or head_dim not in min_keys:
         return f"head dims {head_dim}/{head_dim_v} (equal, one of {sorted(min_keys)})"
     if extras:
-        return "a mask, dropout, softcap or key padding bounds"
+        return "a float mask, a boolean mask other than key padding, dropout or softcap"
     if seqlen_q == 0 or seqlen_k == 0:
         return "an empty query or key set"
     fewest = min_keys[head_dim]
@@ -221,10 +231,10 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
 
 
 def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, seqlen_k: Optional[int] = None,
-                      window: bool = False) -> dict:
+                      window: bool = False, key_lengths: bool = False) -> dict:
     """The kernel's compile-time arguments for a head dim, causal or not, tiles from a counter or round-robin,
     ``seqlen_k`` keys (None: as many as the longest; the launch, `mhattn build` and the GPU check script use the
-    same), and a sliding window's left bound or not."""
+    same), a sliding window's left bound or not, and per-batch key counts (a right-padding key mask) or not."""
     half_diagonal = (causal and not window and seqlen_k is not None
                      and seqlen_k <= FORWARD_HALF_DIAGONAL_MAX_KEYS.get(head_dim, 0))
     q_rotating = (Q_BUFFERS[head_dim] == 1 and seqlen_k is not None
@@ -233,7 +243,7 @@ def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, s
                 NUM_STAGES=FORWARD_STAGES[head_dim], Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal,
                 TILE_COUNTER=tile_counter, SPLIT_MASKED=FORWARD_SPLIT_MASKED[head_dim],
                 HALF_DIAGONAL=half_diagonal, LAZY_RESCALE=FORWARD_LAZY_RESCALE[head_dim],
-                Q_ROTATING=q_rotating, WINDOW=window)
+                Q_ROTATING=q_rotating, WINDOW=window, KEY_LENGTHS=key_lengths)
 
 
 class ForwardSchedule(NamedTuple):
@@ -358,7 +368,7 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> "ForwardLaunch":
         prepared = ForwardLaunch(q, k, v, out, lse, run, plan, device_index)
         if signature is not None:
             signature.hopper_forward = prepared
-    prepared.launch((q, k, v, out, lse))
+    prepared.launch((q, k, v, out, lse), run.key_bounds)
     return prepared
 
 
@@ -376,7 +386,7 @@ def _forward_setup(plan, q, device_index: int) -> tuple:
                                     _sm_count(device_index))
         found = plan.hopper_schedule = (schedule, launcher.constexprs(
             4, 1, **compile_time_args(plan.head_dim, plan.has_right, schedule.tile_counter, plan.seqlen_k,
-                                      plan.has_left)))
+                                      plan.has_left, plan.key_lengths)))
     return (launcher, *found)
 
 
@@ -396,7 +406,9 @@ class ForwardLaunch:
                        plan.seqlen_k, *schedule[1:4], run.qk_scale2, run.diag_offset, run.window_left)
         counter = tile_counter(q.device, device_index) if self.counted else lse
         self.site = launcher.prepare_maps((schedule.programs,), (
-            *forward_maps(q, k, v, out, plan.head_dim), out, lse, counter, *self.middle), constexprs, device_index)
+            *forward_maps(q, k, v, out, plan.head_dim), out, lse, counter,
+            counter if run.key_bounds is None else run.key_bounds,
+            *self.middle), constexprs, device_index)
         self.window_right, self.tma_ok, self.qk_scale2 = run.window_right, True, run.qk_scale2
 
     def current(self, plan) -> bool:
@@ -404,12 +416,14 @@ class ForwardLaunch:
         the forward's settings change) and the forward's current launcher."""
         return self.setup is plan.hopper_schedule and self.site.launcher is _launcher[0]
 
-    def launch(self, tensors: tuple) -> None:
+    def launch(self, tensors: tuple, key_bounds=None) -> None:
         """Launch into out and lse of ``tensors`` = (q, k, v, out, lse), of the signature's shapes and strides and
-        aligned for the copy engine (the caller's checks)."""
+        aligned for the copy engine (the caller's checks); key_bounds: each batch entry's key count where the plan has
+        key lengths."""
         q, k, v, out, lse = tensors
         counter = tile_counter(q.device, self.device_index) if self.counted else lse
-        self.site.launch((q, k, v, out, out, lse, counter, *self.middle))
+        self.site.launch((q, k, v, out, out, lse, counter, counter if key_bounds is None else key_bounds,
+                          *self.middle))
 
 
 def tile_counter(device: torch.device, device_index: int) -> torch.Tensor:
@@ -432,12 +446,12 @@ _tile_counters: dict = {}
 COUNTERS_LIMIT = 64
 
 
-def backward_compile_time_args(head_dim: int, causal: bool, window: bool = False) -> dict:
+def backward_compile_time_args(head_dim: int, causal: bool, window: bool = False, key_lengths: bool = False) -> dict:
     """The backward kernel's compile-time arguments (launch, `mhattn build`, the GPU check script); window: a sliding
-    window's left bound."""
+    window's left bound; key_lengths: per-batch key counts (a right-padding key mask)."""
     return dict(HEAD_DIM=head_dim, BLOCK_M=BACKWARD_QUERY_BLOCK[head_dim], BLOCK_N=BACKWARD_KEY_BLOCK[head_dim],
                 NUM_STAGES=BACKWARD_STAGES[head_dim], CAUSAL=causal, STAGED_DK_DV=BACKWARD_STAGED_DK_DV[head_dim],
-                WINDOW=window)
+                WINDOW=window, KEY_LENGTHS=key_lengths)
 
 
 def _backward_setup(plan, device_index: int) -> tuple:
@@ -452,7 +466,7 @@ def _backward_setup(plan, device_index: int) -> tuple:
         plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
                                                       * plan.head_dim * 4, num_n_blocks, _sm_count(device_index))
         plan.hopper_backward_constexprs = launcher.constexprs(
-            8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right, plan.has_left))
+            8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right, plan.has_left, plan.key_lengths))
     return launcher, plan.hopper_backward_constexprs, plan.hopper_backward_slices
 
 
@@ -487,11 +501,12 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     group = plan.kv_group
     convert_in_kernel = group * plan.seqlen_q * head_dim * 4 <= CONVERT_IN_KERNEL_MAX_BYTES
 
-    def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed, sites=None):
+    def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed, key_bounds, sites=None):
         scalars = (*dk.stride()[:3], *dv.stride()[:3], *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q,
                    plan.seqlen_k, num_n_blocks, run.qk_scale2, run.sm_scale, run.diag_offset, run.window_left,
                    int(convert_in_kernel))
-        args = backward_arguments(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed) + scalars
+        args = backward_arguments(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed,
+                                  key_bounds) + scalars
         grid = (k_s.shape[0] * k_s.shape[1] * num_n_blocks,)
         site = None
         if sites is None:
@@ -514,7 +529,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
 
     if batches == plan.batch and heads == plan.heads_kv:  # one launch over the whole tensors: no slicing views
         signature = getattr(run, "signature", None)
-        return launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums,
+        return launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, run.key_bounds,
                       None if signature is None else signature.sites)
     accumulator = torch.empty(_sums_words(plan, batches, heads), dtype=torch.float32, device=q.device)
     for b0 in range(0, plan.batch, batches):
@@ -524,7 +539,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
             q_s, k_s = q[b, hq], k[b, h]
             zeroed = accumulator[:q_s.numel() + k_s.shape[0] * k_s.shape[1]].zero_()
             launch(q_s, k_s, v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq[b, hq], dk[b, h], dv[b, h],
-                   zeroed)
+                   zeroed, None if run.key_bounds is None else run.key_bounds[b])
     return None
 
 
@@ -532,13 +547,16 @@ BACKWARD_MAPS = 9  # the backward kernel's first arguments, read through host te
 SUMS_ARGUMENT = BACKWARD_MAPS + 3  # the float32 dQ sums among backward_arguments (after dk, dv and dq)
 
 
-def backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, zeroed) -> tuple:
+def backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, zeroed, key_bounds=None) -> tuple:
     """The backward kernel's tensor arguments, in its order: the BACKWARD_MAPS mapped ones (q, k, v, grad_out, lse2,
-    delta, the float32 dQ sums, dk, dv), then dk, dv, dq, the sums and the per-(batch, key/value head) counters.
-    ``zeroed``: the launch's zeroed float32 words, the sums (q's shape) and then the counters."""
+    delta, the float32 dQ sums, dk, dv), then dk, dv, dq, the sums, the per-(batch, key/value head) counters and the
+    per-batch key counts (key_bounds; the counters stand in where the plan has none). ``zeroed``: the launch's zeroed
+    float32 words, the sums (q's shape) and then the counters."""
     sums_words = q.numel()
     dq_acc = zeroed[:sums_words].view(q.shape)
-    return (q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, dk, dv, dq, dq_acc, zeroed[sums_words:].view(torch.int32))
+    counters = zeroed[sums_words:].view(torch.int32)
+    return (q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, dk, dv, dq, dq_acc, counters,
+            counters if key_bounds is None else key_bounds)
 
 
 class BackwardSite(NamedTuple):

@@ -3,8 +3,12 @@
 A boolean mask that is the same for every head and query row (stride 0 or size 1 along H and Nq: what a
 key padding mask becomes, e.g. ``MultiheadAttention``'s ``key_padding_mask``) lets no query of batch entry b
 see a key past its last True. :func:`key_bounds` computes that bound on the device (no host read-back);
-the forward and backward kernels (``KEY_LENGTHS``) stop their key loops there and still apply the mask
-inside, so any such mask is handled exactly and a right-padding mask skips every padded block.
+the FlashAttention-2 forward and backward kernels (``KEY_LENGTHS``) stop their key loops there and still apply the
+mask inside, so any such mask is handled exactly and a right-padding mask skips every padded block.
+
+The Gluon Hopper kernels read no mask: they take a right-padding mask (True exactly on a prefix of each batch entry's
+keys) as those bounds alone. :func:`is_right_padding` says whether a mask is one, read back from the GPU once per
+mask (not once per layer that uses it).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from mhattn.caches import put_bounded
 
 
 def shared_by_heads_and_rows(mask: torch.Tensor) -> bool:
@@ -33,3 +39,30 @@ def key_bounds(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     keys = mask[:, 0, 0, :]
     positions = torch.arange(1, keys.shape[1] + 1, dtype=torch.int32, device=keys.device)
     return torch.where(keys, positions, 0).amax(dim=1).to(torch.int32)
+
+
+def is_right_padding(mask: torch.Tensor, bounds: torch.Tensor) -> bool:
+    """Whether ``mask`` (one that :func:`applies`) is True exactly on keys [0, bounds[b]) of each batch entry b, so
+    that ``bounds`` (:func:`key_bounds`) says all it says. Answered by a read-back from the GPU (one synchronisation)
+    the first time a mask comes, then kept while the mask is unchanged: the same storage, layout and version (an
+    in-place change bumps it), so the model's layers that share one padding mask read it back once. A kept entry holds
+    its mask, so its memory cannot be taken by another tensor at the same address while the entry lives. False
+    during CUDA graph capture (no read-back there), and for an empty batch."""
+    keys = mask[:, 0, 0, :]
+    if keys.numel() == 0:
+        return False
+    key = (keys.data_ptr(), keys.shape, keys.stride(), keys.device, mask._version)
+    found = _right_padding.get(key)
+    if found is not None:
+        return found[1]
+    if keys.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    answer = bool((keys.sum(dim=1, dtype=torch.int32) == bounds).all())
+    put_bounded(_right_padding, key, (keys, answer), RIGHT_PADDING_LIMIT)
+    return answer
+
+
+# is_right_padding's answers by mask (each entry holds its mask); a few masks are live at a time (one per model's
+# padding, per micro-batch in flight).
+_right_padding: dict = {}
+RIGHT_PADDING_LIMIT = 16
