@@ -962,16 +962,22 @@ def test_gpu_gluon_forward_sliding_window(monkeypatch, dtype, case):
 def test_gpu_gluon_backward_sliding_window(monkeypatch, dtype, case):
     """The Gluon backward built with a window (asserted from the build's compile-time arguments) against the
     reference."""
+    _check_gluon_backward_build(monkeypatch, "WINDOW", dtype, GLUON_WINDOW_CASES[case])
+
+
+def _check_gluon_backward_build(monkeypatch, flag: str, dtype, case: dict):
+    """_check_gluon_kernel's backward on ``case``, asserting that every build of the backward had compile-time flag
+    ``flag`` on."""
     from mhattn.backends.triton import backend as triton_backend
     from mhattn.backends.triton import hopper_launch
 
     built = []
     real_args = hopper_launch.backward_compile_time_args
     monkeypatch.setattr(hopper_launch, "backward_compile_time_args",
-                        lambda *args: built.append(real_args(*args)["WINDOW"]) or real_args(*args))
+                        lambda *args: built.append(real_args(*args)[flag]) or real_args(*args))
     monkeypatch.setattr(triton_backend, "_plans", {})  # plans keep their build
     monkeypatch.setattr(triton_backend, "_signatures", {})
-    _check_gluon_kernel(monkeypatch, "BACKWARD_MIN_KEYS", "backward", dtype, GLUON_WINDOW_CASES[case])
+    _check_gluon_kernel(monkeypatch, "BACKWARD_MIN_KEYS", "backward", dtype, case)
     assert built and all(built)
 
 
@@ -1007,17 +1013,7 @@ def test_gpu_gluon_forward_key_padding_as_lengths(monkeypatch, dtype, case):
 def test_gpu_gluon_backward_key_padding_as_lengths(monkeypatch, dtype, case):
     """The Gluon backward built with key counts (asserted from the build's compile-time arguments) against the
     reference; key blocks past a batch entry's keys write zero dK and dV."""
-    from mhattn.backends.triton import backend as triton_backend
-    from mhattn.backends.triton import hopper_launch
-
-    built = []
-    real_args = hopper_launch.backward_compile_time_args
-    monkeypatch.setattr(hopper_launch, "backward_compile_time_args",
-                        lambda *args: built.append(real_args(*args)["KEY_LENGTHS"]) or real_args(*args))
-    monkeypatch.setattr(triton_backend, "_plans", {})  # plans keep their build
-    monkeypatch.setattr(triton_backend, "_signatures", {})
-    _check_gluon_kernel(monkeypatch, "BACKWARD_MIN_KEYS", "backward", dtype, GLUON_KEY_PADDING_CASES[case])
-    assert built and all(built)
+    _check_gluon_backward_build(monkeypatch, "KEY_LENGTHS", dtype, GLUON_KEY_PADDING_CASES[case])
 
 
 @pytest.mark.gpu
