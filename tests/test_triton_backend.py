@@ -1016,6 +1016,45 @@ def test_gpu_gluon_backward_key_padding_as_lengths(monkeypatch, dtype, case):
     _check_gluon_backward_build(monkeypatch, "KEY_LENGTHS", dtype, GLUON_KEY_PADDING_CASES[case])
 
 
+# Dropout in the Gluon kernels, with the RNG every backend shares (the reference applies the same keep-mask): GQA,
+# both causal alignments, more queries than keys, a window and a right-padding key mask with it.
+GLUON_DROPOUT_CASES = {
+    "d64_top_left_gqa": dict(head_dim=64, heads_q=6, heads_kv=2, seqlen_q=300, seqlen_k=517, causal="top_left",
+                             dropout_p=0.17),
+    "d128_more_queries": dict(head_dim=128, seqlen_q=517, seqlen_k=300, dropout_p=0.3),
+    "d128_window_key_padding": dict(head_dim=128, batch=3, seqlen_q=600, seqlen_k=600, causal="bottom_right",
+                                    window=(200, 0), mask="key_padding", dropout_p=0.1),
+    "d256_bottom_right": dict(head_dim=256, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=517, causal="bottom_right",
+                              dropout_p=0.1),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_DROPOUT_CASES))
+def test_gpu_gluon_forward_dropout(monkeypatch, dtype, case):
+    """Through the backend, the Gluon forward built with dropout (asserted from the build's compile-time arguments),
+    one program per tile and a persistent grid of 3 programs; at every head dim, whichever the backend's choice
+    (hopper_launch.FORWARD_DROPOUT_HEAD_DIMS)."""
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "FORWARD_DROPOUT_HEAD_DIMS", (64, 128, 256))
+    _check_gluon_forward_build(monkeypatch, "DROPOUT", dtype, GLUON_DROPOUT_CASES[case])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_DROPOUT_CASES))
+def test_gpu_gluon_backward_dropout(monkeypatch, dtype, case):
+    """The Gluon backward built with dropout (asserted from the build's compile-time arguments) against the
+    reference."""
+    _check_gluon_backward_build(monkeypatch, "DROPOUT", dtype, GLUON_DROPOUT_CASES[case])
+
+
 @pytest.mark.gpu
 @needs_gpu
 @needs_sm90
@@ -1550,8 +1589,9 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
         monkeypatch.setattr(hopper_launch, "MIN_WAVES", 0)
     plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=300, batch=batch, heads_kv=heads_kv,
                            kv_group=heads_q // heads_kv, has_right=False, has_left=False, key_lengths=False,
-                           hopper_backward_constexprs=None, hopper_backward_slices=None)
-    run = SimpleNamespace(qk_scale2=1.0, sm_scale=1.0, diag_offset=0, window_left=0, key_bounds=None)
+                           has_dropout=False, hopper_backward_constexprs=None, hopper_backward_slices=None)
+    run = SimpleNamespace(qk_scale2=1.0, sm_scale=1.0, diag_offset=0, window_left=0, key_bounds=None,
+                          threshold=0, dropout_scale=1.0)
     # One launch: the caller allocates the sums and counters beside lse2 and delta, and the preprocess zeroes them.
     words = hopper_launch.backward_sums_words(plan, None)
     assert words == (0 if slices else batch * heads_kv * ((heads_q // heads_kv) * seqlen_q * head_dim + 1))
@@ -1604,8 +1644,10 @@ def test_hopper_forward_host_side_keeps_a_tile_counter_per_stream(monkeypatch, c
     monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
     monkeypatch.setattr(hopper_launch, "_tile_counters", {})
     plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen, seqlen_k=seqlen, batch=batch, heads_q=heads, kv_group=1,
-                           has_right=causal, has_left=False, key_lengths=False, hopper_schedule=None)
-    run = SimpleNamespace(qk_scale2=1.0, diag_offset=0, window_left=0, window_right=0, key_bounds=None,
+                           has_right=causal, has_left=False, key_lengths=False, has_dropout=False,
+                           hopper_schedule=None)
+    run = SimpleNamespace(qk_scale2=1.0, diag_offset=0, window_left=0, window_right=0, key_bounds=None, threshold=0,
+                          dropout_scale=1.0,
                           signature=SimpleNamespace(hopper_forward=None))
     tensors = []
     for _ in range(2):
@@ -1937,6 +1979,12 @@ def test_explain_names_the_kernel_families(monkeypatch):
     for path in (backend.forward_path(problem(features=("causal", "window"))),
                  backend.backward_path(problem(features=("window",)))):
         assert path.startswith("the Gluon Hopper") and "right bound is the causal diagonal or none" in path, path
+    # Dropout: the Gluon kernels, with the shared RNG (the forward at d = 64: the FlashAttention-2 kernel).
+    for path in (backend.forward_path(problem(features=("dropout",))),
+                 backend.backward_path(problem(features=("causal", "dropout"))),
+                 backend.backward_path(problem(head_dim=64, features=("dropout",)))):
+        assert path.startswith("the Gluon Hopper"), path
+    assert hopper_launch.DROPOUT_FORWARD in backend.forward_path(problem(head_dim=64, features=("dropout",)))
     # A boolean mask: the Gluon kernels where it is right padding.
     for path in (backend.forward_path(problem(features=("bool_mask",))),
                  backend.backward_path(problem(features=("causal", "bool_mask")))):
@@ -1962,7 +2010,7 @@ def test_explain_names_the_kernel_families(monkeypatch):
     assert "Gluon Hopper backward" in backend.backward_path(problem(head_dim=64, seqlen_k=192))
     assert "191 keys < 192" in backend.backward_path(problem(head_dim=64, seqlen_k=191))
     for kwargs, reason in ((dict(head_dim=96), "head dims 96/96"), (dict(seqlen_k=100), "100 keys < 128"),
-                           (dict(features=("dropout",)), "dropout")):
+                           (dict(features=("softcap",)), "softcap")):
         path = backend.backward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 backward") and reason in path, (kwargs, path)
     assert hopper_launch.DETERMINISTIC in TritonBackend(deterministic=True).backward_path(problem())

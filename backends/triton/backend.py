@@ -801,8 +801,9 @@ class TritonBackend(OutputOnlyForward):
         tma_ok = plan.descriptors_ok(q, k, v)
         # A repeated call that the Gluon Hopper forward takes launches what its signature's first such call prepared.
         hopper = signature.hopper_forward
-        # (not with key bounds: whether the Gluon forward may take them is a question of each call's mask)
-        if (tma_ok and hopper is not None and not plan.key_lengths and hopper.current(plan)
+        # (not with key bounds: whether the Gluon forward may take them is a question of each call's mask; not with
+        # dropout: each call has its own seed)
+        if (tma_ok and hopper is not None and not plan.key_lengths and not plan.has_dropout and hopper.current(plan)
                 and hopper_launch.why_not(plan, hopper) is None):
             out, lse = plan.output_buffers(q, keep_lse)
             _on_device(plan.cuda_index, hopper.launch, (q, k, v, out, lse))

@@ -35,7 +35,8 @@ varies between runs: the deterministic backward stays on backward.py's kernels.
 
 Coverage (hopper_launch.why_not_backward routes the rest to backward.py): fp16 and bf16; head dims 64, 128 and
 256 (K and V the same); no mask, or causal of either alignment (diag_offset); a sliding window's left bound
-(WINDOW), with the causal diagonal or no right bound; GQA by head index; any Nq, Nk >= 1;
+(WINDOW), with the causal diagonal or no right bound; a right-padding key mask as key counts (KEY_LENGTHS); dropout
+with the shared RNG (DROPOUT); GQA by head index; any Nq, Nk >= 1;
 16-byte aligned rows.
 """
 
@@ -47,6 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from mhattn.backends.triton.hopper_forward import (LOAD_REGS, thread_barrier, tile_layout, tma_load, tma_store,
                                                    wgmma_layout)
+# The dropout RNG's Triton functions, compiled as Gluon (hopper_forward.py says why that holds).
+from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile_transposed, row_keys
 
 
 def _tma_reduce_add_builtin():
@@ -225,13 +228,23 @@ def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_
 
 
 @gluon.jit
+def step_keep(rng, key_hashes, step, start_m, m_blocks, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """DROPOUT: a step's keep decisions, keys by rows and its queries by columns (query head first_head + step //
+    m_blocks; rng as the kernel makes it, key_hashes the block's column_hashes)."""
+    seed0, seed1, threshold, _, first_batch_head = rng
+    queries = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    rows = row_keys(head_key(first_batch_head + step // m_blocks, seed0), queries, seed1)
+    return keep_tile_transposed(rows, key_hashes, threshold)
+
+
+@gluon.jit
 def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
                              kv_ready, q_ready, q_empty, do_ready, do_empty,
                              lse2_smem, delta_smem, dkv_out,
-                             start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, qk_scale2,
+                             start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
                              sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                             STAGED_DK_DV: gl.constexpr):
+                             DROPOUT: gl.constexpr, STAGED_DK_DV: gl.constexpr):
     """Head dims 64 and 128, each warpgroup owning 64 of the keys: every step of the key block, then dK and dV.
     Per step: S^T, dP^T; P^T, dS^T; dV, dK; dQ's share."""
     s_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS, 1, BLOCK_M)         # S^T, dP^T: (BLOCK_N, BLOCK_M)
@@ -254,17 +267,23 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
         p_t, dp_t = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase,
                                        start_n, start_m, keys, s_zero, key_end, diag_offset, window_left, qk_scale2,
                                        BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
+        p_dv = p_t  # what dV's product takes: P^T, dropped (and scaled at the end) with DROPOUT
+        if DROPOUT:
+            keep_t = step_keep(rng, column_hashes(keys), step, start_m, m_blocks, BLOCK_M, s_layout)
+            p_dv = gl.where(keep_t, p_t, 0.0)
         # At 64 queries a step dV's product starts while dP^T is still on the tensor cores. At 128, P^T and dP^T in
         # float32, P^T's 16-bit copy and dK, dV (64 + 64 + 32 + 64 registers a thread) leave no room for dS^T: there
         # dV waits for dP^T, and P^T's float32 registers die before dS^T's copy is made.
         EARLY_DV: gl.constexpr = BLOCK_M == 64
         if EARLY_DV:
-            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), operand_layout), do_tile, dv, is_async=True)
+            dv = warpgroup_mma(gl.convert_layout(p_dv.to(dtype), operand_layout), do_tile, dv, is_async=True)
         delta = row_values(delta_smem.index(slot), BLOCK_M, s_layout)
         dp_t = warpgroup_mma_wait(1 if EARLY_DV else 0, deps=(dp_t, ))
+        if DROPOUT:
+            dp_t = gl.where(keep_t, dp_t * rng[3], 0.0)
         ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
         if not EARLY_DV:
-            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), operand_layout), do_tile, dv, is_async=True)
+            dv = warpgroup_mma(gl.convert_layout(p_dv.to(dtype), operand_layout), do_tile, dv, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(ds_t, operand_layout), q_tile, dk, is_async=True)
 
         # dS^T to shared memory (two buffers: step s + 1 writes the other while step s's dQ product may still
@@ -280,6 +299,8 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
         dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
         hand_dq_chunk(dq * sm_scale, dq_smem, dq_ready, dq_empty, step, BLOCK_M, HEAD_DIM)
 
+    if DROPOUT:
+        dv = dv * rng[3]
     store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BLOCK_N, HEAD_DIM, kv_layout,
                 STAGED_DK_DV)
 
@@ -288,32 +309,33 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
 def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
                       kv_ready, q_ready, q_empty, do_ready, do_empty,
                       lse2_smem, delta_smem, dkv_out,
-                      start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, qk_scale2, sm_scale,
+                      start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2, sm_scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DQ_COLS: gl.constexpr,
-                      STAGED_DK_DV: gl.constexpr):
+                      NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr,
+                      DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr):
     """The kernel's 8 warps: the narrow schedule (warpgroups split the keys) up to head dim 128, the wide one
     (warpgroups split the columns) above."""
     if HEAD_DIM > 128:
         wide_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
-                               first_m, m_blocks, steps, key_counts, diag_offset, window_left, qk_scale2, sm_scale,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DQ_COLS, STAGED_DK_DV)
+                               first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2, sm_scale,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV)
     else:
         narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                  q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
-                                 first_m, m_blocks, steps, key_counts, diag_offset, window_left, qk_scale2,
-                                 sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, STAGED_DK_DV)
+                                 first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
+                                 sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT,
+                                 STAGED_DK_DV)
 
 
 @gluon.jit
 def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, dq_ready, dq_empty,
                            kv_ready, q_ready, q_empty, do_ready, do_empty,
                            lse2_smem, delta_smem, dkv_out,
-                           start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, qk_scale2, sm_scale,
-                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DQ_COLS: gl.constexpr,
-                           STAGED_DK_DV: gl.constexpr):
+                           start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
+                           sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                           DROPOUT: gl.constexpr, DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr):
     """The compute partition at head dim 256. dK and dV of 64 keys by 256 columns take all of both warpgroups'
     accumulator registers, so BLOCK_N is 64 and the warpgroups split every product by columns instead of keys:
     S^T and dP^T by query (BLOCK_M / 2 each), dV and dK by head-dim column (HEAD_DIM / 2 each), and dQ = dS K in
@@ -343,9 +365,14 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
                                        BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
         delta = row_values(delta_smem.index(slot), BLOCK_M, s_layout)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
+        p_dv = p_t  # what dV's product takes: P^T, dropped (and scaled at the end) with DROPOUT
+        if DROPOUT:
+            keep_t = step_keep(rng, column_hashes(keys), step, start_m, m_blocks, BLOCK_M, s_layout)
+            p_dv = gl.where(keep_t, p_t, 0.0)
+            dp_t = gl.where(keep_t, dp_t * rng[3], 0.0)
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
         # Every warp finished the previous step's products before its last hand-over barrier: the tiles are free.
-        p_tile.store(p_t.to(dtype))
+        p_tile.store(p_dv.to(dtype))
         ds_tile.store(ds_t.to(dtype))
         fence_async_shared()
         thread_barrier()
@@ -363,6 +390,8 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
         hand_dq_chunk(dq_low * sm_scale, dq_smem, dq_ready, dq_empty, 2 * step, BLOCK_M, DQ_COLS)
         hand_dq_chunk(dq_high * sm_scale, dq_smem, dq_ready, dq_empty, 2 * step + 1, BLOCK_M, DQ_COLS)
 
+    if DROPOUT:
+        dv = dv * rng[3]
     store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BLOCK_N, HEAD_DIM, kv_layout,
                 STAGED_DK_DV)
 
@@ -407,17 +436,18 @@ def store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BL
         gl.store(dv_base + rows * stride_dvn + gl.expand_dims(cols, 0), dv.to(dtype), mask=keep)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left", "threshold"])
 def hopper_backward_kernel(
     q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, dq_desc, dk_desc, dv_desc, dK, dV, dQ, dQacc, DqCounters,
-    KeyBounds,
+    KeyBounds, Seed,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
     heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset, window_left,
-    convert_in_kernel,
+    threshold, dropout_scale, convert_in_kernel,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr, WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False,
+    DROPOUT: gl.constexpr = False,
 ):
     """Host tensor maps (hopper_launch.tensor_map): q_desc, do_desc of Q, dOut (B, Hq, Nq, D) in blocks of
     (1, 1, BLOCK_M, D); k_desc, v_desc of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D); lse2_desc,
@@ -430,7 +460,10 @@ def hopper_backward_kernel(
     (convert_dq); with 0 the caller converts the buffer. Query head h reads key/value head h // kv_group; causal:
     query row i sees keys j <= i + diag_offset; WINDOW: no key j < i + diag_offset - window_left. KEY_LENGTHS: batch
     entry b's keys from KeyBounds[b] (int32) on are padding no query sees: a key block past it walks no query block
-    and writes zero dK and dV.
+    and writes zero dK and dV. DROPOUT: P was dropped with the shared RNG (rng.py: Seed's int32 words 0 and 2,
+    threshold the uint32 threshold's bit pattern) and scaled by dropout_scale = 1 / (1 - p):
+    dV = (P * keep)^T dO * dropout_scale and dS = P * (dP * keep * dropout_scale - delta); without it Seed,
+    threshold and dropout_scale are not read.
     Grid (B * Hkv * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
     pid = gl.program_id(0)
     # Head-major: the key blocks of one head run side by side and share its Q and dO in L2 (a longest-first order
@@ -482,14 +515,18 @@ def hopper_backward_kernel(
         key_end = gl.load(KeyBounds + batch)
         m_blocks = gl.where(start_n < key_end, m_blocks, 0)
     steps = kv_group * m_blocks
+    if DROPOUT:  # the seeds, the threshold, 1 / (1 - p) and the first query head's (batch * Hq + head)
+        rng = (gl.load(Seed), gl.load(Seed + 2), threshold, dropout_scale, batch * heads_kv * kv_group + first_head)
+    else:
+        rng = (0, 0, 0, 1.0, 0)
     dkv_out = (dk_desc, dv_desc, batch, head_kv,
                dK + batch.to(gl.int64) * stride_dkb + head_kv.to(gl.int64) * stride_dkh,
                dV + batch.to(gl.int64) * stride_dvb + head_kv.to(gl.int64) * stride_dvh, stride_dkn, stride_dvn)
     gl.warp_specialize([
         (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready,
                              q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n, first_m,
-                             m_blocks, steps, (key_end, seqlen_k), diag_offset, window_left, qk_scale2, sm_scale, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DQ_COLS, STAGED_DK_DV)),
+                             m_blocks, steps, (key_end, seqlen_k), diag_offset, window_left, rng, qk_scale2, sm_scale,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV)),
         (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_tile, v_tile, q_smem, do_smem,
                           lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv,
                           first_head, start_n, first_m, m_blocks, steps, BLOCK_M, NUM_STAGES)),

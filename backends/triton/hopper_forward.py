@@ -36,7 +36,8 @@ Coverage (the backend routes the rest to forward.py): fp16 and bf16; head dims 6
 same); no mask, or a causal mask of either alignment (diag_offset); a sliding window's left bound (WINDOW: a tile
 moves only the key blocks its rows' windows reach, and masks the first ones), with the causal diagonal or no right
 bound; a right-padding key mask as per-batch key counts (KEY_LENGTHS: a tile walks only its batch entry's keys); GQA by
-head index; any Nq, Nk >= 1; a positive scale; 16-byte aligned rows. Output (B, Hq, Nq, D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
+head index; any Nq, Nk >= 1; a positive scale; 16-byte aligned rows; dropout with the shared RNG (DROPOUT). Output
+(B, Hq, Nq, D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
 """
 
 import triton
@@ -44,6 +45,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
+
+# The dropout RNG's Triton functions, compiled here as Gluon (only operators on the tensors they are given, whose
+# layouts they keep): the same keep-mask bit for bit as every other kernel's.
+from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile, row_keys
 
 # The copy-engine load into shared memory: Triton 3.6 names it async_copy_global_to_shared, later ones async_load
 # (same arguments: descriptor, coordinates, barrier, destination).
@@ -308,17 +313,17 @@ def masked_scores(qk, start_m, start_n, seqlen_k, diag_offset, window_left, BLOC
 
 
 @gluon.jit
-def softmax_step(qk, m_i, l_i, j, unmasked, start_m, seqlen_k, diag_offset, window_left, qk_scale2,
+def softmax_step(qk, m_i, l_i, j, unmasked, start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                 MASK: gl.constexpr, s_layout: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+                 DROPOUT: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """The online softmax of key block j, masked (masked_scores) as MASK says (MASK_FROM: unless j is in
     unmasked[0] .. unmasked[1] - 1, the blocks every row sees whole; without WINDOW unmasked[0] is 0):
-    returns (p, alpha, m_new, l_new), p unnormalised in fp32, m in base-2 units of the scaled scores. The row maximum is taken of the unscaled scores and
-    scaled once per row (qk_scale2 > 0: hopper_launch.why_not), so each exponent's argument, qk * qk_scale2 - m, is
-    one fused multiply-add instead of a multiply over the whole block and then a subtraction. LAZY_RESCALE: m moves
-    only where the block's top passes it by more than RESCALE_LOG2, and alpha is exactly 1 where it stays; the
-    exponentials then stay below 2^RESCALE_LOG2 (within float32 and the 16-bit P), and O / l and the lse are exact
-    whichever reference a row used."""
+    returns (p, alpha, m_new, l_new), p unnormalised in fp32, m in base-2 units of the scaled scores. The row
+    maximum is taken of the unscaled scores and scaled once per row (qk_scale2 > 0: hopper_launch.why_not), so each
+    exponent's argument, qk * qk_scale2 - m, is one fused multiply-add instead of a multiply over the whole block
+    and then a subtraction. LAZY_RESCALE: m moves only where the block's top passes it by more than RESCALE_LOG2,
+    and alpha is exactly 1 where it stays; the exponentials then stay below 2^RESCALE_LOG2 (within float32 and the
+    16-bit P), and O / l and the lse are exact whichever reference a row used."""
     if MASK == MASK_ALL:
         qk = masked_scores(qk, start_m, j * BLOCK_N, seqlen_k, diag_offset, window_left, BLOCK_M, BLOCK_N, CAUSAL,
                            WINDOW, s_layout)
@@ -342,14 +347,20 @@ def softmax_step(qk, m_i, l_i, j, unmasked, start_m, seqlen_k, diag_offset, wind
     else:
         alpha = gl.exp2(m_i - m_shift)
     l_new = l_i * alpha + gl.sum(p, 1)
+    if DROPOUT:
+        # Dropped after the row sum (l is the undropped softmax's): the P V product sees P * keep; consume_tile scales
+        # the output by 1 / (1 - p).
+        rows = gl.convert_layout(dropout[0], gl.SliceLayout(1, s_layout))
+        cols = column_hashes(j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)))
+        p = gl.where(keep_tile(rows, cols, dropout[1]), p, 0.0)
     return p, alpha, m_new, l_new
 
 
 @gluon.jit
 def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, p, m_i, l_i, acc, j, unmasked,
-                 step, start_m, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M: gl.constexpr,
+                 step, start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 WINDOW: gl.constexpr, MASK: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+                 WINDOW: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """Key block j (ring step step + j) after block j - 1's softmax (p): S_j goes to the tensor cores first, then
     P_{j-1} V_{j-1} behind it; while they run nothing waits, and the softmax of block j (masked as MASK says,
     softmax_step) starts once S_j alone has finished. KEYS < BLOCK_N: only the block's first KEYS keys are read (for
@@ -382,7 +393,8 @@ def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_z
     if KEYS != BLOCK_N:
         block = j * (BLOCK_N // KEYS)
     p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, block, unmasked, start_m, seqlen_k, diag_offset, window_left,
-                                      qk_scale2, BLOCK_M, KEYS, CAUSAL, WINDOW, MASK, k_layout, LAZY_RESCALE)
+                                      dropout, qk_scale2, BLOCK_M, KEYS, CAUSAL, WINDOW, DROPOUT, MASK, k_layout,
+                                      LAZY_RESCALE)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(prev), count=1)
     alpha_rows = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
@@ -399,9 +411,9 @@ def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_z
 
 @gluon.jit
 def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i, acc, first, end,
-                  unmasked, step, start_m, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                  MASK: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+                  unmasked, step, start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  WINDOW: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """Key blocks first .. end - 1 of a tile whose ring steps start at ``step``, after block first - 1's softmax (p,
     alpha), each by attend_block. Returns (p, alpha, m, l, acc) after block end - 1's softmax (its P V is the
     caller's)."""
@@ -409,8 +421,8 @@ def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
     for j in range(first, end):
         p, alpha, m_i, l_i, acc = attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, p,
                                                m_i, l_i, acc, j, unmasked, step, start_m, seqlen_k, diag_offset,
-                                               window_left, qk_scale2, BLOCK_M, BLOCK_N, BLOCK_N, NUM_STAGES, CAUSAL,
-                                               WINDOW, MASK, LAZY_RESCALE)
+                                               window_left, dropout, qk_scale2, BLOCK_M, BLOCK_N, BLOCK_N, NUM_STAGES,
+                                               CAUSAL, WINDOW, DROPOUT, MASK, LAZY_RESCALE)
     return p, alpha, m_i, l_i, acc
 
 
@@ -443,10 +455,10 @@ def release_previous_q_slot(q_empty, rounds, HALF: gl.constexpr, Q_BUFFERS: gl.c
 @gluon.jit
 def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
                  o_desc, out_base, stride_om, lse_base, batch, head, start_m, cta_first, cta_end, seqlen_q, seqlen_k,
-                 diag_offset, window_left, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 diag_offset, window_left, dropout, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
-                 LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr):
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr, SPLIT_MASKED: gl.constexpr,
+                 HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr):
     """One softmax warpgroup on one tile (the program's ``rounds``-th): BLOCK_M query rows from start_m in its Q slot
     (q_slot), every key block they see (of the tile's blocks cta_first .. cta_end - 1, ring slots from ``step`` on),
     then the output.
@@ -511,47 +523,50 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
             # mask's work or registers.
             if (first >= full_first) & (first < full):
                 p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, first, unmasked, start_m, seqlen_k, diag_offset,
-                                                  window_left, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                                  MASK_NONE, s_layout, LAZY_RESCALE)
+                                                  window_left, dropout, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                                  DROPOUT, MASK_NONE, s_layout, LAZY_RESCALE)
             else:
                 p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, first, unmasked, start_m, seqlen_k, diag_offset,
-                                                  window_left, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                                  MASK_ALL, s_layout, LAZY_RESCALE)
+                                                  window_left, dropout, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                                  DROPOUT, MASK_ALL, s_layout, LAZY_RESCALE)
             unmasked_first = first + 1
             if WINDOW:
                 unmasked_first = gl.minimum(gl.maximum(full_first, first + 1), end)
                 p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                                         p, alpha, m_i, l_i, acc, first + 1, unmasked_first, unmasked,
-                                                        base, start_m, seqlen_k, diag_offset, window_left, qk_scale2,
-                                                        BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, MASK_ALL,
-                                                        LAZY_RESCALE)
+                                                        base, start_m, seqlen_k, diag_offset, window_left, dropout,
+                                                        qk_scale2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW,
+                                                        DROPOUT, MASK_ALL, LAZY_RESCALE)
             unmasked_end = gl.maximum(full, unmasked_first)  # <= end: a half diagonal block is the one past full
             if WINDOW:
                 unmasked_end = gl.minimum(unmasked_end, end)
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
                                                     alpha, m_i, l_i, acc, unmasked_first, unmasked_end, unmasked, base,
-                                                    start_m, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M,
-                                                    BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, MASK_NONE, LAZY_RESCALE)
+                                                    start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
+                                                    BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, MASK_NONE,
+                                                    LAZY_RESCALE)
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
                                                     alpha, m_i, l_i, acc, unmasked_end, end, unmasked, base,
-                                                    start_m, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M,
-                                                    BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, MASK_ALL, LAZY_RESCALE)
+                                                    start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
+                                                    BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, MASK_ALL,
+                                                    LAZY_RESCALE)
         else:
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, first, unmasked, start_m, seqlen_k, diag_offset,
-                                              window_left, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, MASK_FROM,
-                                              s_layout, LAZY_RESCALE)
+                                              window_left, dropout, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                              DROPOUT, MASK_FROM, s_layout, LAZY_RESCALE)
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
                                                     alpha, m_i, l_i, acc, first + 1, end, unmasked, base, start_m,
-                                                    seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M, BLOCK_N,
-                                                    NUM_STAGES, CAUSAL, WINDOW, MASK_FROM, LAZY_RESCALE)
+                                                    seqlen_k, diag_offset, window_left, dropout, qk_scale2, BLOCK_M,
+                                                    BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, MASK_FROM,
+                                                    LAZY_RESCALE)
         last = (base + num_blocks - 1) % NUM_STAGES
         if half_diagonal:
             half_zero = gl.zeros([BLOCK_M, BLOCK_N // 2], gl.float32, layout=mma_layout(BLOCK_N // 2))
             p_half, _, m_i, l_i, acc = attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
                                                     half_zero, p, m_i, l_i, acc, num_blocks - 1, (0, 0), base,
-                                                    start_m, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M,
-                                                    BLOCK_N, BLOCK_N // 2, NUM_STAGES, CAUSAL, WINDOW, MASK_ALL,
-                                                    LAZY_RESCALE)
+                                                    start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
+                                                    BLOCK_M, BLOCK_N, BLOCK_N // 2, NUM_STAGES, CAUSAL, WINDOW,
+                                                    DROPOUT, MASK_ALL, LAZY_RESCALE)
             if not staged:
                 # Every S product of this tile has finished: Q's slot may take the next tile's rows.
                 mbarrier.arrive(q_empty.index(q_barrier), count=1)
@@ -578,7 +593,10 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2)
-    out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout)), 1)
+    inverse_l = 1.0 / l_safe
+    if DROPOUT:
+        inverse_l = dropout[2] / l_safe  # 1 / (1 - p) for the dropped P
+    out = acc * gl.expand_dims(gl.convert_layout(inverse_l, gl.SliceLayout(1, o_layout)), 1)
     if staged:
         # The copy engine clips rows past Nq (the tensor map's bounds).
         q_smem.store(out.to(dtype))
@@ -596,32 +614,43 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
 
 @gluon.jit
 def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
-                         stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds, tile, rounds, step,
-                         num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
-                         qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                         stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds, rng, tile, rounds,
+                         step, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset,
+                         window_left, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                         WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr, SPLIT_MASKED: gl.constexpr,
-                         HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr):
-    """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took."""
+                         WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr, DROPOUT: gl.constexpr,
+                         SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
+                         Q_ROTATING: gl.constexpr):
+    """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took. rng: (Seed,
+    threshold, dropout_scale), read with DROPOUT."""
     batch, head, tile_m, cta_first, cta_end, seqlen_k = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q,
                                                                 seqlen_k, KeyBounds, diag_offset, window_left, BLOCK_M,
                                                                 BLOCK_N, CAUSAL, WINDOW, KEY_LENGTHS)
     out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
     lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+    if DROPOUT:  # (the consumer's rows' keys of the RNG, the threshold and 1 / (1 - p): softmax_step, consume_tile)
+        Seed, threshold, dropout_scale = rng
+        rows = tile_m + HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout(BLOCK_N)))
+        dropout = (row_keys(head_key(batch * heads_q + head, gl.load(Seed)), rows, gl.load(Seed + 2)), threshold,
+                   dropout_scale)
+    else:
+        dropout = (0, 0, 1.0)
     consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
                  o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_first, cta_end,
-                 seqlen_q, seqlen_k, diag_offset, window_left, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                 Q_BUFFERS, CAUSAL, WINDOW, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING)
+                 seqlen_q, seqlen_k, diag_offset, window_left, dropout, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N,
+                 NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, DROPOUT, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
+                 Q_ROTATING)
     return cta_end - cta_first
 
 
 @gluon.jit
 def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
-                       Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds, tile_slots,
+                       Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds, rng, tile_slots,
                        tile_full, tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                        diag_offset, window_left, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                       CAUSAL: gl.constexpr, WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr, TILE_COUNTER: gl.constexpr,
+                       CAUSAL: gl.constexpr, WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr, DROPOUT: gl.constexpr,
+                       TILE_COUNTER: gl.constexpr,
                        SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
                        Q_ROTATING: gl.constexpr):
     """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
@@ -637,9 +666,9 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
     while tile < num_tiles:
         step += consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                                      o_desc, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh,
-                                     KeyBounds, tile, rounds, step, num_tiles, num_m_blocks, group_heads, heads_q,
+                                     KeyBounds, rng, tile, rounds, step, num_tiles, num_m_blocks, group_heads, heads_q,
                                      seqlen_q, seqlen_k, diag_offset, window_left, qk_scale2, HALF, HEAD_DIM, BLOCK_M,
-                                     BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS, SPLIT_MASKED,
+                                     BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS, DROPOUT, SPLIT_MASKED,
                                      HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING)
         rounds += 1
         if TILE_COUNTER:
@@ -651,16 +680,17 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_m_blocks", "num_tiles", "group_heads", "diag_offset",
-                              "window_left", "stride_lb", "stride_lh"])
+                              "window_left", "threshold", "stride_lb", "stride_lh"])
 def hopper_forward_kernel(
-    q_desc, k_desc, v_desc, o_desc, Out, Lse, TileCounter, KeyBounds,
+    q_desc, k_desc, v_desc, o_desc, Out, Lse, TileCounter, KeyBounds, Seed,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset, window_left,
+    threshold, dropout_scale,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr,
     HALF_DIAGONAL: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False, Q_ROTATING: gl.constexpr = False,
-    WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False,
+    WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False, DROPOUT: gl.constexpr = False,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
     blocks of (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine
@@ -671,7 +701,9 @@ def hopper_forward_kernel(
     no key j < i + diag_offset - window_left (a sliding window, causal or not; window_left >= 0, unread without it).
     KEY_LENGTHS: batch entry b has KeyBounds[b] keys (int32, <= Nk; the keys after them are padding no row sees, as a
     right-padding key mask says: hopper_launch.why_not), so its tiles move and compute only the blocks before that;
-    without it KeyBounds is not read.
+    without it KeyBounds is not read. DROPOUT: P is dropped with the shared RNG (rng.py: Seed's int32 words 0 and 2,
+    threshold the uint32 threshold's bit pattern) and the output scaled by dropout_scale = 1 / (1 - p); the lse is the
+    undropped softmax's. Without it Seed, threshold and dropout_scale are not read.
 
     Tiles of 2 * BLOCK_M query rows: num_m_blocks = cdiv(Nq, 2 * BLOCK_M) per (batch, head), num_tiles =
     B * Hq * num_m_blocks, in tile_rows' order (group_heads: its causal groups). Program p takes tiles p, p + G,
@@ -722,16 +754,18 @@ def hopper_forward_kernel(
 
     gl.warp_specialize([
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
-                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds, tile_slots,
-                              tile_full, tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
-                              diag_offset, window_left, qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                              Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
+                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds,
+                              (Seed, threshold, dropout_scale), tile_slots, tile_full, tile_empty, num_tiles,
+                              num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
+                              qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW,
+                              KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
                               Q_ROTATING)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
-                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds, tile_slots,
-                              tile_full, tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
-                              diag_offset, window_left, qk_scale2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                              Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
+                              stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds,
+                              (Seed, threshold, dropout_scale), tile_slots, tile_full, tile_empty, num_tiles,
+                              num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
+                              qk_scale2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW,
+                              KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
                               Q_ROTATING)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                           v_empty, tile_slots, tile_full, tile_empty, TileCounter, KeyBounds, num_tiles,

@@ -1,12 +1,13 @@
 """When the Triton backend runs the Hopper kernels (hopper_forward.py, hopper_backward.py), and their launches.
 
-The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/128/256 with equal value
-head dim, no dropout, no softcap, a causal mask of either alignment or none, a sliding window's left bound (its right
-bound the causal diagonal, or none), no mask or a right-padding key mask (taken as each sequence's key count, the mask
-itself unread: NOT_KEY_LENGTHS), a positive scale, 16-byte aligned rows (and no broadcast batch or head). It pays once each
-program has enough key blocks to amortise its start (the first copies) and its output write; below MIN_KEYS (fewer
-where the query tiles fill the GPU: FULL_GRID_MIN_KEYS) the FlashAttention-2 kernel (forward.py) is faster
-(backends/triton/NOTES.md, versions 5, 8 and 11 on the H100, "Short forward tiles" on the H200).
+The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/128/256 with equal value head
+dim, no softcap, a causal mask of either alignment or none, a sliding window's left bound (its right bound the
+causal diagonal, or none), no mask or a right-padding key mask (taken as each sequence's key count, the mask itself
+unread: NOT_KEY_LENGTHS), dropout with the shared RNG, a positive scale, 16-byte aligned rows (and no broadcast
+batch or head). It pays once each program has enough key blocks to amortise its start (the first copies) and its
+output write; below MIN_KEYS (fewer where the query tiles fill the GPU: FULL_GRID_MIN_KEYS) the FlashAttention-2
+kernel (forward.py) is faster (backends/triton/NOTES.md, versions 5, 8 and 11 on the H100, "Short forward tiles" on
+the H200).
 Everything else runs forward.py.
 
 The Hopper backward covers the same problems (from BACKWARD_MIN_KEYS keys), except a deterministic backward (the
@@ -107,6 +108,10 @@ CAUSAL_PERSISTENT_MAX_KEYS = 1 << 31
 # Causal tiles go longest first across groups of heads whose K/V take about CAUSAL_GROUP_BYTES (they stay in L2
 # while the group runs; hopper_forward.tile_rows); 0 orders each head's tiles alone, heaviest first.
 CAUSAL_GROUP_BYTES = 16 << 20
+# The head dims whose dropout forward runs the Gluon kernel: at d = 64 the FlashAttention-2 forward measured faster
+# (H200, bf16, 4k causal: 1.342 against 1.530 ms; the Gluon backward still runs: NOTES, version 24).
+FORWARD_DROPOUT_HEAD_DIMS = (128, 256)
+DROPOUT_FORWARD = "dropout at this head dim (the FlashAttention-2 forward measured faster: FORWARD_DROPOUT_HEAD_DIMS)"
 DETERMINISTIC = "a deterministic backward (the Hopper kernel's dQ sum order varies between runs)"
 
 _launcher: list = []
@@ -156,13 +161,15 @@ def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
                                                                   plan.device_index)
         found = plan.hopper_reasons[key] = (min_keys, grid_min_keys, _rule(
             key[0], plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k, plan.has_right,
-            plan.mask_kind not in (0, scores.MASK_KEYS) or plan.has_dropout or plan.has_softcap, min_keys,
+            plan.mask_kind not in (0, scores.MASK_KEYS) or plan.has_softcap, min_keys,
             grid_min_keys if fills else _NO_GRID_MIN_KEYS))
     reason = found[2]
     if reason is None and not run.tma_ok:
         return "rows or starts not 16-byte aligned for the copy engine, or a broadcast batch or head"
     if reason is None and plan.key_lengths and not run.key_mask_is_lengths():
         return NOT_KEY_LENGTHS
+    if reason is None and forward and plan.has_dropout and plan.head_dim not in FORWARD_DROPOUT_HEAD_DIMS:
+        return DROPOUT_FORWARD
     return reason
 
 
@@ -187,13 +194,17 @@ def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool) -> Op
 def why_not_problem(problem, min_keys: Optional[dict] = None) -> Optional[str]:
     """:func:`why_not` from a dispatcher Problem (no tensors: alignment is not known there)."""
     # (a boolean mask may be right padding, which the Gluon kernels take: the caller says so, backend._conditions)
-    extras = problem.features & {"float_mask", "dropout", "softcap", "value_dim"}
+    extras = problem.features & {"float_mask", "softcap", "value_dim"}
     sm90 = problem.compute_capability == (9, 0)
     fills = min_keys is None and sm90 and fills_grid(problem.batch, problem.heads_q, problem.seqlen_q,
                                                        problem.device_index)
-    return _rule(_switch(), sm90, problem.dtype, problem.head_dim, problem.head_dim_v,
-                 problem.seqlen_q, problem.seqlen_k, "causal" in problem.features, bool(extras),
-                 MIN_KEYS if min_keys is None else min_keys, FULL_GRID_MIN_KEYS if fills else _NO_GRID_MIN_KEYS)
+    reason = _rule(_switch(), sm90, problem.dtype, problem.head_dim, problem.head_dim_v,
+                   problem.seqlen_q, problem.seqlen_k, "causal" in problem.features, bool(extras),
+                   MIN_KEYS if min_keys is None else min_keys, FULL_GRID_MIN_KEYS if fills else _NO_GRID_MIN_KEYS)
+    if (reason is None and min_keys is None and "dropout" in problem.features
+            and problem.head_dim not in FORWARD_DROPOUT_HEAD_DIMS):
+        return DROPOUT_FORWARD
+    return reason
 
 
 def fills_grid(batch: int, heads_q: int, seqlen_q: int, device_index: Optional[int]) -> bool:
@@ -218,7 +229,7 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
     if head_dim != head_dim_v or head_dim not in min_keys:
         return f"head dims {head_dim}/{head_dim_v} (equal, one of {sorted(min_keys)})"
     if extras:
-        return "a float mask, a boolean mask other than key padding, dropout or softcap"
+        return "a float mask, a boolean mask other than key padding, or softcap"
     if seqlen_q == 0 or seqlen_k == 0:
         return "an empty query or key set"
     fewest = min_keys[head_dim]
@@ -231,10 +242,11 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
 
 
 def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, seqlen_k: Optional[int] = None,
-                      window: bool = False, key_lengths: bool = False) -> dict:
+                      window: bool = False, key_lengths: bool = False, dropout: bool = False) -> dict:
     """The kernel's compile-time arguments for a head dim, causal or not, tiles from a counter or round-robin,
     ``seqlen_k`` keys (None: as many as the longest; the launch, `mhattn build` and the GPU check script use the
-    same), a sliding window's left bound or not, and per-batch key counts (a right-padding key mask) or not."""
+    same), a sliding window's left bound or not, per-batch key counts (a right-padding key mask) or not, and dropout
+    or not."""
     half_diagonal = (causal and not window and seqlen_k is not None
                      and seqlen_k <= FORWARD_HALF_DIAGONAL_MAX_KEYS.get(head_dim, 0))
     q_rotating = (Q_BUFFERS[head_dim] == 1 and seqlen_k is not None
@@ -243,7 +255,7 @@ def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, s
                 NUM_STAGES=FORWARD_STAGES[head_dim], Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal,
                 TILE_COUNTER=tile_counter, SPLIT_MASKED=FORWARD_SPLIT_MASKED[head_dim],
                 HALF_DIAGONAL=half_diagonal, LAZY_RESCALE=FORWARD_LAZY_RESCALE[head_dim],
-                Q_ROTATING=q_rotating, WINDOW=window, KEY_LENGTHS=key_lengths)
+                Q_ROTATING=q_rotating, WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout)
 
 
 class ForwardSchedule(NamedTuple):
@@ -368,7 +380,7 @@ def forward(q, k, v, out, lse, run, plan, device_index: int) -> "ForwardLaunch":
         prepared = ForwardLaunch(q, k, v, out, lse, run, plan, device_index)
         if signature is not None:
             signature.hopper_forward = prepared
-    prepared.launch((q, k, v, out, lse), run.key_bounds)
+    prepared.launch((q, k, v, out, lse), run.key_bounds, run.seed if plan.has_dropout else None)
     return prepared
 
 
@@ -386,7 +398,7 @@ def _forward_setup(plan, q, device_index: int) -> tuple:
                                     _sm_count(device_index))
         found = plan.hopper_schedule = (schedule, launcher.constexprs(
             4, 1, **compile_time_args(plan.head_dim, plan.has_right, schedule.tile_counter, plan.seqlen_k,
-                                      plan.has_left, plan.key_lengths)))
+                                      plan.has_left, plan.key_lengths, plan.has_dropout)))
     return (launcher, *found)
 
 
@@ -403,11 +415,12 @@ class ForwardLaunch:
         self.setup = plan.hopper_schedule
         self.counted, self.device_index = schedule.tile_counter, device_index
         self.middle = (*out.stride()[:3], lse.stride(0), lse.stride(1), plan.heads_q, plan.kv_group, plan.seqlen_q,
-                       plan.seqlen_k, *schedule[1:4], run.qk_scale2, run.diag_offset, run.window_left)
+                       plan.seqlen_k, *schedule[1:4], run.qk_scale2, run.diag_offset, run.window_left, run.threshold,
+                       run.dropout_scale)
         counter = tile_counter(q.device, device_index) if self.counted else lse
         self.site = launcher.prepare_maps((schedule.programs,), (
             *forward_maps(q, k, v, out, plan.head_dim), out, lse, counter,
-            counter if run.key_bounds is None else run.key_bounds,
+            counter if run.key_bounds is None else run.key_bounds, run.seed if plan.has_dropout else counter,
             *self.middle), constexprs, device_index)
         self.window_right, self.tma_ok, self.qk_scale2 = run.window_right, True, run.qk_scale2
 
@@ -416,14 +429,14 @@ class ForwardLaunch:
         the forward's settings change) and the forward's current launcher."""
         return self.setup is plan.hopper_schedule and self.site.launcher is _launcher[0]
 
-    def launch(self, tensors: tuple, key_bounds=None) -> None:
+    def launch(self, tensors: tuple, key_bounds=None, seed=None) -> None:
         """Launch into out and lse of ``tensors`` = (q, k, v, out, lse), of the signature's shapes and strides and
         aligned for the copy engine (the caller's checks); key_bounds: each batch entry's key count where the plan has
-        key lengths."""
+        key lengths; seed: the call's dropout seed words where it has dropout."""
         q, k, v, out, lse = tensors
         counter = tile_counter(q.device, self.device_index) if self.counted else lse
         self.site.launch((q, k, v, out, out, lse, counter, counter if key_bounds is None else key_bounds,
-                          *self.middle))
+                          counter if seed is None else seed, *self.middle))
 
 
 def tile_counter(device: torch.device, device_index: int) -> torch.Tensor:
@@ -446,12 +459,13 @@ _tile_counters: dict = {}
 COUNTERS_LIMIT = 64
 
 
-def backward_compile_time_args(head_dim: int, causal: bool, window: bool = False, key_lengths: bool = False) -> dict:
+def backward_compile_time_args(head_dim: int, causal: bool, window: bool = False, key_lengths: bool = False,
+                               dropout: bool = False) -> dict:
     """The backward kernel's compile-time arguments (launch, `mhattn build`, the GPU check script); window: a sliding
-    window's left bound; key_lengths: per-batch key counts (a right-padding key mask)."""
+    window's left bound; key_lengths: per-batch key counts (a right-padding key mask); dropout."""
     return dict(HEAD_DIM=head_dim, BLOCK_M=BACKWARD_QUERY_BLOCK[head_dim], BLOCK_N=BACKWARD_KEY_BLOCK[head_dim],
                 NUM_STAGES=BACKWARD_STAGES[head_dim], CAUSAL=causal, STAGED_DK_DV=BACKWARD_STAGED_DK_DV[head_dim],
-                WINDOW=window, KEY_LENGTHS=key_lengths)
+                WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout)
 
 
 def _backward_setup(plan, device_index: int) -> tuple:
@@ -466,7 +480,8 @@ def _backward_setup(plan, device_index: int) -> tuple:
         plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
                                                       * plan.head_dim * 4, num_n_blocks, _sm_count(device_index))
         plan.hopper_backward_constexprs = launcher.constexprs(
-            8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right, plan.has_left, plan.key_lengths))
+            8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right, plan.has_left, plan.key_lengths,
+                                               plan.has_dropout))
     return launcher, plan.hopper_backward_constexprs, plan.hopper_backward_slices
 
 
@@ -504,9 +519,9 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed, key_bounds, sites=None):
         scalars = (*dk.stride()[:3], *dv.stride()[:3], *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q,
                    plan.seqlen_k, num_n_blocks, run.qk_scale2, run.sm_scale, run.diag_offset, run.window_left,
-                   int(convert_in_kernel))
+                   run.threshold, run.dropout_scale, int(convert_in_kernel))
         args = backward_arguments(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed,
-                                  key_bounds) + scalars
+                                  key_bounds, run.seed if plan.has_dropout else None) + scalars
         grid = (k_s.shape[0] * k_s.shape[1] * num_n_blocks,)
         site = None
         if sites is None:
@@ -547,16 +562,17 @@ BACKWARD_MAPS = 9  # the backward kernel's first arguments, read through host te
 SUMS_ARGUMENT = BACKWARD_MAPS + 3  # the float32 dQ sums among backward_arguments (after dk, dv and dq)
 
 
-def backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, zeroed, key_bounds=None) -> tuple:
+def backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, zeroed, key_bounds=None, seed=None) -> tuple:
     """The backward kernel's tensor arguments, in its order: the BACKWARD_MAPS mapped ones (q, k, v, grad_out, lse2,
-    delta, the float32 dQ sums, dk, dv), then dk, dv, dq, the sums, the per-(batch, key/value head) counters and the
-    per-batch key counts (key_bounds; the counters stand in where the plan has none). ``zeroed``: the launch's zeroed
+    delta, the float32 dQ sums, dk, dv), then dk, dv, dq, the sums, the per-(batch, key/value head) counters, the
+    per-batch key counts (key_bounds) and the dropout seed words (seed; the counters stand in for either where the plan
+    has none). ``zeroed``: the launch's zeroed
     float32 words, the sums (q's shape) and then the counters."""
     sums_words = q.numel()
     dq_acc = zeroed[:sums_words].view(q.shape)
     counters = zeroed[sums_words:].view(torch.int32)
     return (q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, dk, dv, dq, dq_acc, counters,
-            counters if key_bounds is None else key_bounds)
+            counters if key_bounds is None else key_bounds, counters if seed is None else seed)
 
 
 class BackwardSite(NamedTuple):
