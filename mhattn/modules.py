@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mhattn.backends.base import AttentionParams
+from mhattn.caches import put_bounded
 from mhattn.dropout_rng import draw_seed
 from mhattn.errors import InputError
 from mhattn.functional import attention
@@ -377,7 +378,7 @@ def _merged_mask(attn_mask, key_padding_mask, batch, heads, tgt_len, src_len, ex
     if not parts:
         return None
     if all(p.dtype == torch.bool for p in parts):
-        mask = ~parts[0] if len(parts) == 1 else (parts[0] | parts[1]).logical_not_()
+        mask = _kept_inverse(parts[0]) if len(parts) == 1 else (parts[0] | parts[1]).logical_not_()
     else:
         floats = [torch.zeros_like(p, dtype=dtype).masked_fill_(p, float("-inf")) if p.dtype == torch.bool else p
                   for p in parts]
@@ -386,6 +387,22 @@ def _merged_mask(attn_mask, key_padding_mask, batch, heads, tgt_len, src_len, ex
         fill = True if mask.dtype == torch.bool else 0.0
         mask = torch.cat([mask, mask.new_full(mask.shape[:-1] + (extra_keys,), fill)], dim=-1)
     return mask
+
+
+def _kept_inverse(mask: torch.Tensor) -> torch.Tensor:
+    """~mask, the same tensor again for the same unchanged mask (its storage, layout and version): the layers of a
+    model given one padding mask pass one mask on, so a backend that reads a mask's values back once per mask (the
+    Triton backend's right-padding check, backends/triton/key_padding.py) does so once per step, not once per layer.
+    An entry holds its mask, so no other tensor can take its address while the entry lives."""
+    key = (mask.data_ptr(), mask.shape, mask.stride(), mask.device, mask._version)
+    found = _inverses.get(key)
+    if found is None:
+        found = put_bounded(_inverses, key, (mask, ~mask), _INVERSES_LIMIT)
+    return found[1]
+
+
+_inverses: dict = {}  # _kept_inverse's (mask, ~mask) by mask: a few padding masks are live at a time
+_INVERSES_LIMIT = 16
 
 
 def _attention_with_weights(q, k, v, mask, dropout_p):

@@ -593,3 +593,26 @@ def test_replaced_model_pickles():
     loaded = torch.load(buffer, weights_only=False)
     assert isinstance(loaded["encoder"].layers[0].self_attn, mhattn.MultiheadAttention)
     assert loaded["encoder"].use_nested_tensor is False
+
+
+def test_layers_given_one_padding_mask_pass_one_mask_on(monkeypatch):
+    """A boolean key_padding_mask reaches mhattn.attention as its inverse (True = attend), made once for the same
+    unchanged mask: two modules (a model's layers) given one mask pass the very same tensor on, so a backend reading
+    a mask's values back once per mask (the Triton backend's right-padding check) does it once, not once a layer. A
+    mask changed in place gets a new inverse with its new values."""
+    from mhattn import modules
+
+    seen = []
+    real = modules.attention
+    monkeypatch.setattr(modules, "attention", lambda *a, **k: seen.append(k["attn_mask"]) or real(*a, **k))
+    layers = [make_pair()[1] for _ in range(2)]
+    x = torch.randn(5, BATCH, EMBED)
+    kpm = torch.zeros(BATCH, 5, dtype=torch.bool)
+    kpm[0, 3:] = True
+    for layer in layers:
+        layer(x, x, x, key_padding_mask=kpm, need_weights=False)
+    assert seen[0] is seen[1] and seen[0].dtype == torch.bool
+    assert torch.equal(seen[0][:, 0, 0, :], ~kpm)
+    kpm[1, 4] = True  # in place: a new version
+    layers[0](x, x, x, key_padding_mask=kpm, need_weights=False)
+    assert seen[2] is not seen[0] and torch.equal(seen[2][:, 0, 0, :], ~kpm)
