@@ -393,7 +393,11 @@ def _kept_inverse(mask: torch.Tensor) -> torch.Tensor:
     """~mask, the same tensor again for the same unchanged mask (its storage, layout and version): the layers of a
     model given one padding mask pass one mask on, so a backend that reads a mask's values back once per mask (the
     Triton backend's right-padding check, backends/triton/key_padding.py) does so once per step, not once per layer.
-    An entry holds its mask, so no other tensor can take its address while the entry lives."""
+    An entry holds its mask, so no other tensor can take its address while the entry lives. Made anew while
+    torch.compile traces (the graph holds the inversion) and during CUDA graph capture (a captured call must invert
+    whatever the mask holds at each replay)."""
+    if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return ~mask
     key = (mask.data_ptr(), mask.shape, mask.stride(), mask.device, mask._version)
     found = _inverses.get(key)
     if found is None:

@@ -616,3 +616,20 @@ def test_layers_given_one_padding_mask_pass_one_mask_on(monkeypatch):
     kpm[1, 4] = True  # in place: a new version
     layers[0](x, x, x, key_padding_mask=kpm, need_weights=False)
     assert seen[2] is not seen[0] and torch.equal(seen[2][:, 0, 0, :], ~kpm)
+
+
+def test_compiled_module_inverts_each_padding_mask_it_is_given():
+    """Under torch.compile the module's inverse of key_padding_mask is part of the graph (not a tensor kept from the
+    trace): the compiled module follows a mask changed in place between calls, as eager does."""
+    torch._dynamo.reset()
+    _, ours = make_pair()
+    ours.eval()
+    x = torch.randn(5, BATCH, EMBED)
+    kpm = torch.zeros(BATCH, 5, dtype=torch.bool)
+    kpm[0, 3:] = True
+    compiled = torch.compile(lambda x, m: ours(x, x, x, key_padding_mask=m, need_weights=False)[0], backend="eager")
+    for change in (None, (1, 2)):
+        if change is not None:
+            kpm[change] = True  # in place, between calls
+        expected = ours(x, x, x, key_padding_mask=kpm, need_weights=False)[0]
+        torch.testing.assert_close(compiled(x, kpm), expected)

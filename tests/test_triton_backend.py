@@ -1750,7 +1750,7 @@ def test_key_bounds_of_key_padding_masks():
 def test_right_padding_is_read_back_once_per_mask(monkeypatch):
     """key_padding.is_right_padding: True exactly where each batch entry's kept keys are a prefix; asked again of the
     same unchanged mask (another view of it, as each layer gets) it answers without a read-back; changed in place
-    (its version moves) it reads the mask again; a kept entry holds its mask."""
+    (its version moves) it reads the mask again; a kept entry holds its mask; during graph capture it says False."""
     from mhattn.backends.triton import key_padding
 
     monkeypatch.setattr(key_padding, "_right_padding", {})
@@ -1772,6 +1772,11 @@ def test_right_padding_is_read_back_once_per_mask(monkeypatch):
     assert answer(prefix) is False and len(reads) == 4
     assert all(entry[0].data_ptr() in (prefix.data_ptr(), holes.data_ptr())
                for entry in key_padding._right_padding.values())
+    # During CUDA graph capture: False (the mask is read by the kernels), even for a mask answered True before.
+    right = torch.tensor([[True, True, False], [True, False, False]])
+    assert answer(right) is True and len(reads) == 5
+    monkeypatch.setattr(key_padding, "_capturing", lambda tensor: True)
+    assert answer(right) is False and len(reads) == 5
 
 
 @pytest.mark.gpu

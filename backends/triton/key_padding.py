@@ -46,17 +46,16 @@ def is_right_padding(mask: torch.Tensor, bounds: torch.Tensor) -> bool:
     that ``bounds`` (:func:`key_bounds`) says all it says. Answered by a read-back from the GPU (one synchronisation)
     the first time a mask comes, then kept while the mask is unchanged: the same storage, layout and version (an
     in-place change bumps it), so the model's layers that share one padding mask read it back once. A kept entry holds
-    its mask, so its memory cannot be taken by another tensor at the same address while the entry lives. False
-    during CUDA graph capture (no read-back there), and for an empty batch."""
+    its mask, so its memory cannot be taken by another tensor at the same address while the entry lives. False for an
+    empty batch, and during CUDA graph capture even for a mask answered before: a captured call replays with whatever
+    the mask holds at each replay, so only kernels that read the mask may be captured."""
     keys = mask[:, 0, 0, :]
-    if keys.numel() == 0:
+    if keys.numel() == 0 or _capturing(keys):
         return False
     key = (keys.data_ptr(), keys.shape, keys.stride(), keys.device, mask._version)
     found = _right_padding.get(key)
     if found is not None:
         return found[1]
-    if keys.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
     answer = bool((keys.sum(dim=1, dtype=torch.int32) == bounds).all())
     put_bounded(_right_padding, key, (keys, answer), RIGHT_PADDING_LIMIT)
     return answer
@@ -66,3 +65,8 @@ def is_right_padding(mask: torch.Tensor, bounds: torch.Tensor) -> bool:
 # padding, per micro-batch in flight).
 _right_padding: dict = {}
 RIGHT_PADDING_LIMIT = 16
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    """Whether the current CUDA stream is being captured into a graph (for a CUDA tensor)."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
