@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mhattn.backends.base import AttentionParams
-from mhattn.caches import put_bounded
+from mhattn.caches import kept_for
 from mhattn.dropout_rng import draw_seed
 from mhattn.errors import InputError
 from mhattn.functional import attention
@@ -398,11 +398,7 @@ def _kept_inverse(mask: torch.Tensor) -> torch.Tensor:
     whatever the mask holds at each replay)."""
     if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
         return ~mask
-    key = (mask.data_ptr(), mask.shape, mask.stride(), mask.device, mask._version)
-    found = _inverses.get(key)
-    if found is None:
-        found = put_bounded(_inverses, key, (mask, ~mask), _INVERSES_LIMIT)
-    return found[1]
+    return kept_for(_inverses, mask, torch.logical_not, _INVERSES_LIMIT)
 
 
 _inverses: dict = {}  # _kept_inverse's (mask, ~mask) by mask: a few padding masks are live at a time

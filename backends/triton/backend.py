@@ -301,8 +301,6 @@ class _Launch:
         else:
             self.mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         self.key_bounds = key_padding.key_bounds(mask) if signature.key_lengths else None
-        self.key_mask = mask if signature.key_lengths else None
-        self.right_padding = None  # key_mask_is_lengths's answer, asked only where the Gluon kernels could run
         # The kernels read the seed words from memory (int32 words of the int64 seed tensor).
         self.seed = dropout_rng.seed_tensor(params.seed, q.device).view(torch.int32) if signature.has_dropout else q
         self.band = (self.diag_offset, self.window_left, self.window_right, self.seed, self.threshold)
@@ -311,10 +309,8 @@ class _Launch:
 
     def key_mask_is_lengths(self) -> bool:
         """Whether the call's key-padding mask is right padding, which the key bounds say in full (the Gluon kernels
-        then read no mask: key_padding.is_right_padding, one read-back per mask)."""
-        if self.right_padding is None:
-            self.right_padding = key_padding.is_right_padding(self.key_mask, self.key_bounds)
-        return self.right_padding
+        then read no mask: key_padding.is_right_padding, one read-back per mask; asked only where they could run)."""
+        return key_padding.is_right_padding(self.mask, self.key_bounds)
 
     def key_bounds_or(self, placeholder):
         """The key bounds tensor for the kernels' CuSeqlensK argument, or a placeholder when unused."""

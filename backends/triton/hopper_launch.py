@@ -154,22 +154,20 @@ def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
     grid_min_keys = FULL_GRID_MIN_KEYS if forward else _NO_GRID_MIN_KEYS
     # Keyed by the thresholds' identity (a replaced dict is a new key; so the dicts must be kept ones, not made per
     # call); the entry holds the dicts, so their ids cannot be reused by others while the entry lives.
-    key = (_switch(), id(min_keys), id(grid_min_keys), configs.pinned() is None)
+    key = (_switch(), id(min_keys), id(grid_min_keys), configs.pinned() is None, FORWARD_DROPOUT_HEAD_DIMS)
     found = plan.hopper_reasons.get(key)
     if found is None:
         fills = bool(grid_min_keys) and plan.sm90 and fills_grid(plan.batch, plan.heads_q, plan.seqlen_q,
                                                                   plan.device_index)
         found = plan.hopper_reasons[key] = (min_keys, grid_min_keys, _rule(
             key[0], plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k, plan.has_right,
-            plan.mask_kind not in (0, scores.MASK_KEYS) or plan.has_softcap, min_keys,
+            plan.mask_kind not in (0, scores.MASK_KEYS) or plan.has_softcap, forward and plan.has_dropout, min_keys,
             grid_min_keys if fills else _NO_GRID_MIN_KEYS))
     reason = found[2]
     if reason is None and not run.tma_ok:
         return "rows or starts not 16-byte aligned for the copy engine, or a broadcast batch or head"
     if reason is None and plan.key_lengths and not run.key_mask_is_lengths():
         return NOT_KEY_LENGTHS
-    if reason is None and forward and plan.has_dropout and plan.head_dim not in FORWARD_DROPOUT_HEAD_DIMS:
-        return DROPOUT_FORWARD
     return reason
 
 
@@ -198,13 +196,10 @@ def why_not_problem(problem, min_keys: Optional[dict] = None) -> Optional[str]:
     sm90 = problem.compute_capability == (9, 0)
     fills = min_keys is None and sm90 and fills_grid(problem.batch, problem.heads_q, problem.seqlen_q,
                                                        problem.device_index)
-    reason = _rule(_switch(), sm90, problem.dtype, problem.head_dim, problem.head_dim_v,
-                   problem.seqlen_q, problem.seqlen_k, "causal" in problem.features, bool(extras),
-                   MIN_KEYS if min_keys is None else min_keys, FULL_GRID_MIN_KEYS if fills else _NO_GRID_MIN_KEYS)
-    if (reason is None and min_keys is None and "dropout" in problem.features
-            and problem.head_dim not in FORWARD_DROPOUT_HEAD_DIMS):
-        return DROPOUT_FORWARD
-    return reason
+    return _rule(_switch(), sm90, problem.dtype, problem.head_dim, problem.head_dim_v,
+                 problem.seqlen_q, problem.seqlen_k, "causal" in problem.features, bool(extras),
+                 min_keys is None and "dropout" in problem.features, MIN_KEYS if min_keys is None else min_keys,
+                 FULL_GRID_MIN_KEYS if fills else _NO_GRID_MIN_KEYS)
 
 
 def fills_grid(batch: int, heads_q: int, seqlen_q: int, device_index: Optional[int]) -> bool:
@@ -214,7 +209,7 @@ def fills_grid(batch: int, heads_q: int, seqlen_q: int, device_index: Optional[i
     return batch * heads_q * -(-seqlen_q // FORWARD_TILE_ROWS) >= _sm_count(device_index)
 
 
-def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal, extras, min_keys,
+def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal, extras, dropout_forward, min_keys,
           grid_min_keys) -> Optional[str]:
     if switch in ("0", "false", "no", "off"):
         return f"{ENV_SWITCH}=0"
@@ -230,6 +225,8 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
         return f"head dims {head_dim}/{head_dim_v} (equal, one of {sorted(min_keys)})"
     if extras:
         return "a float mask, a boolean mask other than key padding, or softcap"
+    if dropout_forward and head_dim not in FORWARD_DROPOUT_HEAD_DIMS:
+        return DROPOUT_FORWARD
     if seqlen_q == 0 or seqlen_k == 0:
         return "an empty query or key set"
     fewest = min_keys[head_dim]

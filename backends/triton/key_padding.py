@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from mhattn.caches import put_bounded
+from mhattn.caches import kept_for
 
 
 def shared_by_heads_and_rows(mask: torch.Tensor) -> bool:
@@ -52,13 +52,8 @@ def is_right_padding(mask: torch.Tensor, bounds: torch.Tensor) -> bool:
     keys = mask[:, 0, 0, :]
     if keys.numel() == 0 or _capturing(keys):
         return False
-    key = (keys.data_ptr(), keys.shape, keys.stride(), keys.device, mask._version)
-    found = _right_padding.get(key)
-    if found is not None:
-        return found[1]
-    answer = bool((keys.sum(dim=1, dtype=torch.int32) == bounds).all())
-    put_bounded(_right_padding, key, (keys, answer), RIGHT_PADDING_LIMIT)
-    return answer
+    return kept_for(_right_padding, keys, lambda keys: bool((keys.sum(dim=1, dtype=torch.int32) == bounds).all()),
+                    RIGHT_PADDING_LIMIT)
 
 
 # is_right_padding's answers by mask (each entry holds its mask); a few masks are live at a time (one per model's
