@@ -1211,6 +1211,31 @@ def test_gpu_gluon_hopper_backward_in_slices(monkeypatch, slicing):
 
 @pytest.mark.gpu
 @needs_gpu
+@needs_sm90
+def test_gpu_sliced_backward_with_dropout_runs_the_flash_kernels(monkeypatch):
+    """A backward with dropout that would run the Gluon kernel in slices (whose launches number batch entries and heads
+    from 0, where the dropout RNG needs the call's numbers) runs the FlashAttention-2 kernels instead: right against
+    the reference (the same keep-mask), and the Gluon backward never launched."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "ACCUMULATOR_BYTES", 1)
+    monkeypatch.setattr(hopper_launch, "MIN_WAVES", 0)
+    monkeypatch.setattr(hopper_launch, "SINGLE_LAUNCH_BYTES", 0)
+    monkeypatch.setattr(triton_backend, "_plans", {})  # plans keep their slices
+    monkeypatch.setattr(triton_backend, "_signatures", {})
+    monkeypatch.setattr(hopper_launch, "BACKWARD_MIN_KEYS", dict.fromkeys(hopper_launch.BACKWARD_MIN_KEYS, 1))
+    launched = []
+    real_backward = hopper_launch.backward
+    monkeypatch.setattr(hopper_launch, "backward", lambda *args, **kwargs: launched.append(1)
+                        or real_backward(*args, **kwargs))
+    check_attention(dtype="bfloat16", device="cuda", batch=3, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=300,
+                    head_dim=128, causal="bottom_right", dropout_p=0.2)
+    assert launched == []
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("tf32", [False, True])
 def test_gpu_fp32_follows_torch_matmul_precision(tf32):
     previous = torch.get_float32_matmul_precision()

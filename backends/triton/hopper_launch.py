@@ -171,6 +171,12 @@ def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
     return reason
 
 
+# Why a backward with dropout too large for one launch runs the FlashAttention-2 kernels: each slice's launch numbers
+# its batch entries and heads from 0, and the kernel draws the keep-mask by those numbers, not the call's.
+SLICED_DROPOUT = ("dropout on a backward that runs in slices (its launches number batch entries and heads from 0, "
+                  "and the dropout RNG needs the call's)")
+
+
 # Why a key-padding mask (a boolean mask the same for every head and query row) is left to the FlashAttention-2
 # kernels, which read it: the Gluon kernels take such a mask only as each sequence's key count.
 NOT_KEY_LENGTHS = ("a boolean mask other than right padding (True on a prefix of each sequence's keys, the same for "
@@ -183,6 +189,8 @@ def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool) -> Op
     if deterministic:
         return DETERMINISTIC
     reason = why_not(plan, run, BACKWARD_MIN_KEYS)
+    if reason is None and plan.has_dropout and backward_sums_words(plan, plan.device_index) == 0:
+        return SLICED_DROPOUT
     if reason is None and not grad_out_ready:
         return ("the output gradient's rows or start not 16-byte aligned for the copy engine, or a broadcast batch or "
                 "head")
