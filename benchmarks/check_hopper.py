@@ -59,7 +59,7 @@ def launch(q, k, v, causal, diag_offset, poison=True, persistent=None, sm_count=
     hopper_forward.hopper_forward_kernel[(schedule.programs,)](
         *hopper_launch.forward_maps(q, k, v, out, head_dim), out, lse, counter, counter, counter, *out.stride()[:3],
         lse.stride(0), lse.stride(1), heads_q, heads_q // heads_kv, seqlen_q, seqlen_k,
-        *schedule[1:4], LOG2E / math.sqrt(head_dim), diag_offset, 0, 0, 1.0,
+        *schedule[1:4], LOG2E / math.sqrt(head_dim), diag_offset, 0, 0, 1.0, 0.0,
         **hopper_launch.compile_time_args(head_dim, causal, schedule.tile_counter, seqlen_k), num_warps=4,
         **COMPILE_OPTIONS)
     return out, lse
@@ -83,7 +83,7 @@ def launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset, convert_in
     hopper_backward.hopper_backward_kernel[(batch * heads_kv * num_n_blocks,)](
         *hopper_launch.backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, head_dim), dk, dv, dq, dq_acc,
         counters, counters, counters, *dk.stride()[:3], *dv.stride()[:3], *dq.stride()[:3], heads_kv,
-        heads_q // heads_kv, seqlen_q, seqlen_k, num_n_blocks, scale * LOG2E, scale, diag_offset, 0, 0, 1.0,
+        heads_q // heads_kv, seqlen_q, seqlen_k, num_n_blocks, scale * LOG2E, scale, diag_offset, 0, 0, 1.0, 0.0,
         int(convert_in_kernel),
         **hopper_launch.backward_compile_time_args(head_dim, causal), num_warps=8, **COMPILE_OPTIONS)
     if not convert_in_kernel:

@@ -1055,6 +1055,49 @@ def test_gpu_gluon_backward_dropout(monkeypatch, dtype, case):
     _check_gluon_backward_build(monkeypatch, "DROPOUT", dtype, GLUON_DROPOUT_CASES[case])
 
 
+# A softcap in the Gluon kernels (each score through softcap * tanh(scale * qk / softcap) before the mask, and the
+# tanh's slope in the backward): GQA, both causal alignments with rows that see no key, a softcap small enough that
+# most scores saturate, a window and dropout with it.
+GLUON_SOFTCAP_CASES = {
+    "d64_top_left_gqa": dict(head_dim=64, heads_q=6, heads_kv=2, seqlen_q=300, seqlen_k=517, causal="top_left",
+                             softcap=5.0),
+    "d128_bottom_right_empty_rows": dict(head_dim=128, seqlen_q=517, seqlen_k=300, causal="bottom_right",
+                                         softcap=30.0),
+    "d128_saturating_window_dropout": dict(head_dim=128, batch=3, seqlen_q=600, seqlen_k=600, causal="top_left",
+                                           window=(200, 0), softcap=0.5, dropout_p=0.1),
+    "d256_ragged": dict(head_dim=256, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=517, softcap=10.0),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_SOFTCAP_CASES))
+def test_gpu_gluon_forward_softcap(monkeypatch, dtype, case):
+    """Through the backend, the Gluon forward built with a softcap (asserted from the build's compile-time arguments),
+    one program per tile and a persistent grid of 3 programs, at every head dim whichever the backend's choice."""
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "FORWARD_DROPOUT_HEAD_DIMS", (64, 128, 256))
+    monkeypatch.setattr(hopper_launch, "FORWARD_SOFTCAP_HEAD_DIMS", (64, 128, 256))
+    _check_gluon_forward_build(monkeypatch, "SOFTCAP", dtype, GLUON_SOFTCAP_CASES[case])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_SOFTCAP_CASES))
+def test_gpu_gluon_backward_softcap(monkeypatch, dtype, case):
+    """The Gluon backward built with a softcap (asserted from the build's compile-time arguments) against the
+    reference, at every head dim whichever the backend's choice."""
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "BACKWARD_SOFTCAP_HEAD_DIMS", (64, 128, 256))
+    _check_gluon_backward_build(monkeypatch, "SOFTCAP", dtype, GLUON_SOFTCAP_CASES[case])
+
+
 @pytest.mark.gpu
 @needs_gpu
 @needs_sm90
@@ -1614,9 +1657,10 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
         monkeypatch.setattr(hopper_launch, "MIN_WAVES", 0)
     plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=300, batch=batch, heads_kv=heads_kv,
                            kv_group=heads_q // heads_kv, has_right=False, has_left=False, key_lengths=False,
-                           has_dropout=False, hopper_backward_constexprs=None, hopper_backward_slices=None)
+                           has_dropout=False, has_softcap=False, hopper_backward_constexprs=None,
+                           hopper_backward_slices=None)
     run = SimpleNamespace(qk_scale2=1.0, sm_scale=1.0, diag_offset=0, window_left=0, key_bounds=None,
-                          threshold=0, dropout_scale=1.0)
+                          threshold=0, dropout_scale=1.0, softcap_in2=0.0, softcap_out2=0.0)
     # One launch: the caller allocates the sums and counters beside lse2 and delta, and the preprocess zeroes them.
     words = hopper_launch.backward_sums_words(plan, None)
     assert words == (0 if slices else batch * heads_kv * ((heads_q // heads_kv) * seqlen_q * head_dim + 1))
@@ -1649,11 +1693,13 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("causal", [False, True])
-def test_hopper_forward_host_side_keeps_a_tile_counter_per_stream(monkeypatch, causal):
+@pytest.mark.parametrize("softcap", [False, True])
+def test_hopper_forward_host_side_keeps_a_tile_counter_per_stream(monkeypatch, causal, softcap):
     """hopper_launch.forward's arguments, by the kernel's own parameter names, with a launcher that records them: a
     causal persistent grid (more tiles than programs) gets TILE_COUNTER and its stream's int32 counter, the same one at
     every launch on the stream (the kernel leaves it at 0) and 0 when made; without a causal mask, a round-robin grid
-    and no counter. The launch is prepared once per signature, and a repeated call passes its own tensors."""
+    and no counter. The launch is prepared once per signature, and a repeated call passes its own tensors. With a
+    softcap, the SOFTCAP build, the tanh's input scale and softcap * log2(e) as what qk_scale2 multiplies."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from types import SimpleNamespace
 
@@ -1670,9 +1716,9 @@ def test_hopper_forward_host_side_keeps_a_tile_counter_per_stream(monkeypatch, c
     monkeypatch.setattr(hopper_launch, "_tile_counters", {})
     plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen, seqlen_k=seqlen, batch=batch, heads_q=heads, kv_group=1,
                            has_right=causal, has_left=False, key_lengths=False, has_dropout=False,
-                           hopper_schedule=None)
+                           has_softcap=softcap, hopper_schedule=None)
     run = SimpleNamespace(qk_scale2=1.0, diag_offset=0, window_left=0, window_right=0, key_bounds=None, threshold=0,
-                          dropout_scale=1.0,
+                          dropout_scale=1.0, softcap_in2=0.25, softcap_out2=43.0,
                           signature=SimpleNamespace(hopper_forward=None))
     tensors = []
     for _ in range(2):
@@ -1684,7 +1730,8 @@ def test_hopper_forward_host_side_keeps_a_tile_counter_per_stream(monkeypatch, c
     tiles = batch * heads * seqlen // (2 * hopper_launch.QUERY_ROWS_PER_CONSUMER)
     assert [grid for grid, *_ in calls] == [(132,), (132,)] and tiles > 132
     for (grid, constexprs, named, at_launch), (q, out, lse) in zip(calls, tensors):
-        assert constexprs["TILE_COUNTER"] == causal
+        assert constexprs["TILE_COUNTER"] == causal and constexprs["SOFTCAP"] == softcap
+        assert named["qk_scale2"] == (43.0 if softcap else 1.0) and named["softcap_in2"] == 0.25
         assert named["q_desc"].base is q and named["o_desc"].base is out and named["Out"] is out
         assert named["Lse"] is lse and named["num_tiles"] == tiles
         if causal:
@@ -2001,7 +2048,7 @@ def test_explain_names_the_kernel_families(monkeypatch):
     assert "Gluon Hopper forward (hopper_forward.py)" in backend.forward_path(problem(features=("causal",)))
     for kwargs, reason in ((dict(seqlen_q=256, seqlen_k=256), "256 keys < 384"), (dict(cc=(8, 0)), "not an sm_90"),
                            (dict(dtype=torch.float32), "fp16/bf16 only"), (dict(head_dim=96), "head dims 96/96"),
-                           (dict(features=("softcap",)), "softcap")):
+                           (dict(features=("float_mask",)), "a float mask")):
         path = backend.forward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 forward") and reason in path, (kwargs, path)
     assert "split-KV" in backend.forward_path(problem(seqlen_q=1))
@@ -2015,6 +2062,14 @@ def test_explain_names_the_kernel_families(monkeypatch):
                  backend.backward_path(problem(head_dim=64, features=("dropout",)))):
         assert path.startswith("the Gluon Hopper"), path
     assert hopper_launch.DROPOUT_FORWARD in backend.forward_path(problem(head_dim=64, features=("dropout",)))
+    # A softcap: the Gluon kernels at the head dims of FORWARD_SOFTCAP_HEAD_DIMS / BACKWARD_SOFTCAP_HEAD_DIMS.
+    monkeypatch.setattr(hopper_launch, "FORWARD_SOFTCAP_HEAD_DIMS", (128, 256))
+    monkeypatch.setattr(hopper_launch, "BACKWARD_SOFTCAP_HEAD_DIMS", (256,))
+    assert backend.forward_path(problem(features=("causal", "softcap"))).startswith("the Gluon Hopper")
+    assert backend.backward_path(problem(head_dim=256, features=("softcap",))).startswith("the Gluon Hopper")
+    for path in (backend.forward_path(problem(head_dim=64, features=("softcap",))),
+                 backend.backward_path(problem(features=("causal", "softcap")))):
+        assert not path.startswith("the Gluon Hopper") and hopper_launch.SOFTCAP in path, path
     # A boolean mask: the Gluon kernels where it is right padding.
     for path in (backend.forward_path(problem(features=("bool_mask",))),
                  backend.backward_path(problem(features=("causal", "bool_mask")))):
@@ -2040,7 +2095,7 @@ def test_explain_names_the_kernel_families(monkeypatch):
     assert "Gluon Hopper backward" in backend.backward_path(problem(head_dim=64, seqlen_k=192))
     assert "191 keys < 192" in backend.backward_path(problem(head_dim=64, seqlen_k=191))
     for kwargs, reason in ((dict(head_dim=96), "head dims 96/96"), (dict(seqlen_k=100), "100 keys < 128"),
-                           (dict(features=("softcap",)), "softcap")):
+                           (dict(features=("float_mask",)), "a float mask")):
         path = backend.backward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 backward") and reason in path, (kwargs, path)
     assert hopper_launch.DETERMINISTIC in TritonBackend(deterministic=True).backward_path(problem())

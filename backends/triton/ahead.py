@@ -259,13 +259,13 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                     tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
                                             flags=(("TILE_COUNTER", causal), ("Q_ROTATING", True))))
                 # A sliding window (left bound), causal (the usual case, its persistent grid from a counter) or not;
-                # a right-padding key mask as key counts; dropout.
-                for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT"):
+                # a right-padding key mask as key counts; dropout; a softcap.
+                for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP"):
                     tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
                                             flags=(("TILE_COUNTER", causal), (flag, True))))
             if cc == 90 and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
                 tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim)))
-                for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT"):
+                for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP"):
                     tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim),
                                             flags=((flag, True),)))
         if not hopper_only:

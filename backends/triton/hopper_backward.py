@@ -36,7 +36,7 @@ varies between runs: the deterministic backward stays on backward.py's kernels.
 Coverage (hopper_launch.why_not_backward routes the rest to backward.py): fp16 and bf16; head dims 64, 128 and
 256 (K and V the same); no mask, or causal of either alignment (diag_offset); a sliding window's left bound
 (WINDOW), with the causal diagonal or no right bound; a right-padding key mask as key counts (KEY_LENGTHS); dropout
-with the shared RNG (DROPOUT); GQA by head index; any Nq, Nk >= 1;
+with the shared RNG (DROPOUT); a softcap (SOFTCAP); GQA by head index; any Nq, Nk >= 1;
 16-byte aligned rows.
 """
 
@@ -50,6 +50,7 @@ from mhattn.backends.triton.hopper_forward import (LOAD_REGS, thread_barrier, ti
                                                    wgmma_layout)
 # The dropout RNG's Triton functions, compiled as Gluon (hopper_forward.py says why that holds).
 from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile_transposed, row_keys
+from mhattn.backends.triton.scores import tanh_via_exp2
 
 
 def _tma_reduce_add_builtin():
@@ -204,9 +205,12 @@ def step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M: gl.constexpr, 
 @gluon.jit
 def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase, start_n, start_m,
                        keys, s_zero, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, s_layout: gl.constexpr):
-    """One step's P^T (float32, keys by rows) and its dP^T = V dO^T still on the tensor cores: S^T = K Q^T and dP^T
-    are issued as soon as their tiles land, and the exponentials run while dP^T is computed."""
+                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, s_layout: gl.constexpr,
+                       softcap_in2, SOFTCAP: gl.constexpr):
+    """One step's P^T (float32, keys by rows), its dP^T = V dO^T still on the tensor cores, and the scores' slope:
+    S^T = K Q^T and dP^T are issued as soon as their tiles land, and the exponentials run while dP^T is computed.
+    SOFTCAP: the scores are softcap * tanh(scale * S / softcap) (qk_scale2 is softcap * log2(e), softcap_in2 =
+    2 * log2(e) * scale / softcap), and the slope 1 - tanh^2 is the factor the chain rule puts on dS (1.0 without)."""
     mbarrier.wait(q_ready.index(slot), phase)
     s_t = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     mbarrier.wait(do_ready.index(slot), phase)
@@ -215,7 +219,13 @@ def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_
     # P^T dO, dS^T and dS K vanish there).
     lse2 = row_values(lse2_smem.index(slot), BLOCK_M, s_layout)
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-    s2_t = s_t * qk_scale2
+    slope = 1.0
+    if SOFTCAP:
+        tanh_t = tanh_via_exp2(s_t * softcap_in2)
+        s2_t = tanh_t * qk_scale2
+        slope = 1.0 - tanh_t * tanh_t
+    else:
+        s2_t = s_t * qk_scale2
     # A step needs the mask where a key is past the end, a row's diagonal comes before the block's last key, or (WINDOW)
     # a row's window starts after the block's first key.
     needs_mask = (start_n + BLOCK_N > seqlen_k) or (CAUSAL and start_m + diag_offset < start_n + BLOCK_N - 1)
@@ -224,7 +234,20 @@ def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_
     if needs_mask:
         s2_t = masked_scores_t(s2_t, keys, start_m, seqlen_k, diag_offset, window_left, BLOCK_M, CAUSAL, WINDOW,
                                s_layout)
-    return gl.exp2(s2_t - gl.expand_dims(lse2, 0)), dp_t
+    return gl.exp2(s2_t - gl.expand_dims(lse2, 0)), dp_t, slope
+
+
+@gluon.jit
+def softcap_chain(p_dv, p_t, slope, dtype: gl.constexpr, SOFTCAP: gl.constexpr):
+    """(dV's operand, what dS takes as P^T): with SOFTCAP, dV's operand in the input dtype already and P^T times the
+    scores' slope, so that dS = P (dP - delta) needs no change and the slope's registers die here (P^T's float32 copy
+    is dS's alone after this); without it (p_dv, p_t) unchanged."""
+    operand = p_dv
+    p_ds = p_t
+    if SOFTCAP:
+        operand = p_dv.to(dtype)
+        p_ds = p_t * slope
+    return operand, p_ds
 
 
 @gluon.jit
@@ -244,7 +267,7 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
                              start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
                              sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                             DROPOUT: gl.constexpr, STAGED_DK_DV: gl.constexpr):
+                             DROPOUT: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr):
     """Head dims 64 and 128, each warpgroup owning 64 of the keys: every step of the key block, then dK and dV.
     Per step: S^T, dP^T; P^T, dS^T; dV, dK; dQ's share."""
     s_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS, 1, BLOCK_M)         # S^T, dP^T: (BLOCK_N, BLOCK_M)
@@ -264,13 +287,15 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
     for step in range(steps):
         slot, phase, start_m, q_tile, do_tile = step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M,
                                                            HEAD_DIM, NUM_STAGES)
-        p_t, dp_t = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase,
-                                       start_n, start_m, keys, s_zero, key_end, diag_offset, window_left, qk_scale2,
-                                       BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
+        p_t, dp_t, slope = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot,
+                                              phase, start_n, start_m, keys, s_zero, key_end, diag_offset, window_left,
+                                              qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout, softcap_in2,
+                                              SOFTCAP)
         p_dv = p_t  # what dV's product takes: P^T, dropped (and scaled at the end) with DROPOUT
         if DROPOUT:
             keep_t = step_keep(rng, column_hashes(keys), step, start_m, m_blocks, BLOCK_M, s_layout)
             p_dv = gl.where(keep_t, p_t, 0.0)
+        p_dv, p_t = softcap_chain(p_dv, p_t, slope, dtype, SOFTCAP)
         # At 64 queries a step dV's product starts while dP^T is still on the tensor cores. At 128, P^T and dP^T in
         # float32, P^T's 16-bit copy and dK, dV (64 + 64 + 32 + 64 registers a thread) leave no room for dS^T: there
         # dV waits for dP^T, and P^T's float32 registers die before dS^T's copy is made.
@@ -312,20 +337,21 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
                       start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2, sm_scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr,
-                      DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr):
+                      DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr):
     """The kernel's 8 warps: the narrow schedule (warpgroups split the keys) up to head dim 128, the wide one
     (warpgroups split the columns) above."""
     if HEAD_DIM > 128:
         wide_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
                                first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2, sm_scale,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV)
+                               HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV,
+                               softcap_in2, SOFTCAP)
     else:
         narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                  q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
                                  first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
                                  sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT,
-                                 STAGED_DK_DV)
+                                 STAGED_DK_DV, softcap_in2, SOFTCAP)
 
 
 @gluon.jit
@@ -335,7 +361,8 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
                            start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
                            sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                           DROPOUT: gl.constexpr, DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr):
+                           DROPOUT: gl.constexpr, DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2,
+                           SOFTCAP: gl.constexpr):
     """The compute partition at head dim 256. dK and dV of 64 keys by 256 columns take all of both warpgroups'
     accumulator registers, so BLOCK_N is 64 and the warpgroups split every product by columns instead of keys:
     S^T and dP^T by query (BLOCK_M / 2 each), dV and dK by head-dim column (HEAD_DIM / 2 each), and dQ = dS K in
@@ -360,9 +387,10 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
     for step in range(steps):
         slot, phase, start_m, q_tile, do_tile = step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M,
                                                            HEAD_DIM, NUM_STAGES)
-        p_t, dp_t = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase,
-                                       start_n, start_m, keys, s_zero, key_end, diag_offset, window_left, qk_scale2,
-                                       BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout)
+        p_t, dp_t, slope = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot,
+                                              phase, start_n, start_m, keys, s_zero, key_end, diag_offset, window_left,
+                                              qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout, softcap_in2,
+                                              SOFTCAP)
         delta = row_values(delta_smem.index(slot), BLOCK_M, s_layout)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
         p_dv = p_t  # what dV's product takes: P^T, dropped (and scaled at the end) with DROPOUT
@@ -370,6 +398,7 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
             keep_t = step_keep(rng, column_hashes(keys), step, start_m, m_blocks, BLOCK_M, s_layout)
             p_dv = gl.where(keep_t, p_t, 0.0)
             dp_t = gl.where(keep_t, dp_t * rng[3], 0.0)
+        p_dv, p_t = softcap_chain(p_dv, p_t, slope, dtype, SOFTCAP)
         ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
         # Every warp finished the previous step's products before its last hand-over barrier: the tiles are free.
         p_tile.store(p_dv.to(dtype))
@@ -444,10 +473,10 @@ def hopper_backward_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
     heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset, window_left,
-    threshold, dropout_scale, convert_in_kernel,
+    threshold, dropout_scale, softcap_in2, convert_in_kernel,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr, WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False,
-    DROPOUT: gl.constexpr = False,
+    DROPOUT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
 ):
     """Host tensor maps (hopper_launch.tensor_map): q_desc, do_desc of Q, dOut (B, Hq, Nq, D) in blocks of
     (1, 1, BLOCK_M, D); k_desc, v_desc of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D); lse2_desc,
@@ -463,7 +492,9 @@ def hopper_backward_kernel(
     and writes zero dK and dV. DROPOUT: P was dropped with the shared RNG (rng.py: Seed's int32 words 0 and 2,
     threshold the uint32 threshold's bit pattern) and scaled by dropout_scale = 1 / (1 - p):
     dV = (P * keep)^T dO * dropout_scale and dS = P * (dP * keep * dropout_scale - delta); without it Seed,
-    threshold and dropout_scale are not read.
+    threshold and dropout_scale are not read. SOFTCAP: the scores were softcap * tanh(scale * S / softcap), with
+    qk_scale2 = softcap * log2(e) and softcap_in2 = 2 * log2(e) * scale / softcap, and dS takes the slope
+    1 - tanh^2 (step_probabilities); without it softcap_in2 is not read.
     Grid (B * Hkv * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
     pid = gl.program_id(0)
     # Head-major: the key blocks of one head run side by side and share its Q and dO in L2 (a longest-first order
@@ -526,7 +557,8 @@ def hopper_backward_kernel(
         (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready,
                              q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n, first_m,
                              m_blocks, steps, (key_end, seqlen_k), diag_offset, window_left, rng, qk_scale2, sm_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV)),
+                             HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV,
+                             softcap_in2, SOFTCAP)),
         (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_tile, v_tile, q_smem, do_smem,
                           lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv,
                           first_head, start_n, first_m, m_blocks, steps, BLOCK_M, NUM_STAGES)),

@@ -36,8 +36,8 @@ Coverage (the backend routes the rest to forward.py): fp16 and bf16; head dims 6
 same); no mask, or a causal mask of either alignment (diag_offset); a sliding window's left bound (WINDOW: a tile
 moves only the key blocks its rows' windows reach, and masks the first ones), with the causal diagonal or no right
 bound; a right-padding key mask as per-batch key counts (KEY_LENGTHS: a tile walks only its batch entry's keys); GQA by
-head index; any Nq, Nk >= 1; a positive scale; 16-byte aligned rows; dropout with the shared RNG (DROPOUT). Output
-(B, Hq, Nq, D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
+head index; any Nq, Nk >= 1; a positive scale; 16-byte aligned rows; dropout with the shared RNG (DROPOUT); a softcap
+(SOFTCAP: each score through a tanh before the mask, softmax_step). Output (B, Hq, Nq, D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
 """
 
 import triton
@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 # The dropout RNG's Triton functions, compiled here as Gluon (only operators on the tensors they are given, whose
 # layouts they keep): the same keep-mask bit for bit as every other kernel's.
 from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile, row_keys
+from mhattn.backends.triton.scores import tanh_via_exp2
 
 # The copy-engine load into shared memory: Triton 3.6 names it async_copy_global_to_shared, later ones async_load
 # (same arguments: descriptor, coordinates, barrier, destination).
@@ -315,7 +316,8 @@ def masked_scores(qk, start_m, start_n, seqlen_k, diag_offset, window_left, BLOC
 @gluon.jit
 def softmax_step(qk, m_i, l_i, j, unmasked, start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                 DROPOUT: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+                 DROPOUT: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, LAZY_RESCALE: gl.constexpr,
+                 softcap_in2, SOFTCAP: gl.constexpr):
     """The online softmax of key block j, masked (masked_scores) as MASK says (MASK_FROM: unless j is in
     unmasked[0] .. unmasked[1] - 1, the blocks every row sees whole; without WINDOW unmasked[0] is 0):
     returns (p, alpha, m_new, l_new), p unnormalised in fp32, m in base-2 units of the scaled scores. The row
@@ -323,7 +325,11 @@ def softmax_step(qk, m_i, l_i, j, unmasked, start_m, seqlen_k, diag_offset, wind
     exponent's argument, qk * qk_scale2 - m, is one fused multiply-add instead of a multiply over the whole block
     and then a subtraction. LAZY_RESCALE: m moves only where the block's top passes it by more than RESCALE_LOG2,
     and alpha is exactly 1 where it stays; the exponentials then stay below 2^RESCALE_LOG2 (within float32 and the
-    16-bit P), and O / l and the lse are exact whichever reference a row used."""
+    16-bit P), and O / l and the lse are exact whichever reference a row used. SOFTCAP: qk becomes
+    tanh(scale * qk / softcap) (softcap_in2 = 2 * log2(e) * scale / softcap) and qk_scale2 is softcap * log2(e), so
+    the rest reads it as it reads plain scores; the tanh comes before the mask, which keeps masked scores at -inf."""
+    if SOFTCAP:
+        qk = tanh_via_exp2(qk * softcap_in2)
     if MASK == MASK_ALL:
         qk = masked_scores(qk, start_m, j * BLOCK_N, seqlen_k, diag_offset, window_left, BLOCK_M, BLOCK_N, CAUSAL,
                            WINDOW, s_layout)
@@ -360,7 +366,8 @@ def softmax_step(qk, m_i, l_i, j, unmasked, start_m, seqlen_k, diag_offset, wind
 def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, p, m_i, l_i, acc, j, unmasked,
                  step, start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 WINDOW: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+                 WINDOW: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr, LAZY_RESCALE: gl.constexpr,
+                 softcap_in2, SOFTCAP: gl.constexpr):
     """Key block j (ring step step + j) after block j - 1's softmax (p): S_j goes to the tensor cores first, then
     P_{j-1} V_{j-1} behind it; while they run nothing waits, and the softmax of block j (masked as MASK says,
     softmax_step) starts once S_j alone has finished. KEYS < BLOCK_N: only the block's first KEYS keys are read (for
@@ -394,7 +401,7 @@ def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_z
         block = j * (BLOCK_N // KEYS)
     p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, block, unmasked, start_m, seqlen_k, diag_offset, window_left,
                                       dropout, qk_scale2, BLOCK_M, KEYS, CAUSAL, WINDOW, DROPOUT, MASK, k_layout,
-                                      LAZY_RESCALE)
+                                      LAZY_RESCALE, softcap_in2, SOFTCAP)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(prev), count=1)
     alpha_rows = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
@@ -413,7 +420,8 @@ def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_z
 def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p, alpha, m_i, l_i, acc, first, end,
                   unmasked, step, start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  WINDOW: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+                  WINDOW: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr, LAZY_RESCALE: gl.constexpr,
+                 softcap_in2, SOFTCAP: gl.constexpr):
     """Key blocks first .. end - 1 of a tile whose ring steps start at ``step``, after block first - 1's softmax (p,
     alpha), each by attend_block. Returns (p, alpha, m, l, acc) after block end - 1's softmax (its P V is the
     caller's)."""
@@ -422,7 +430,7 @@ def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
         p, alpha, m_i, l_i, acc = attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, p,
                                                m_i, l_i, acc, j, unmasked, step, start_m, seqlen_k, diag_offset,
                                                window_left, dropout, qk_scale2, BLOCK_M, BLOCK_N, BLOCK_N, NUM_STAGES,
-                                               CAUSAL, WINDOW, DROPOUT, MASK, LAZY_RESCALE)
+                                               CAUSAL, WINDOW, DROPOUT, MASK, LAZY_RESCALE, softcap_in2, SOFTCAP)
     return p, alpha, m_i, l_i, acc
 
 
@@ -458,7 +466,8 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                  diag_offset, window_left, dropout, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr, SPLIT_MASKED: gl.constexpr,
-                 HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr):
+                 HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr, softcap_in2,
+                 SOFTCAP: gl.constexpr):
     """One softmax warpgroup on one tile (the program's ``rounds``-th): BLOCK_M query rows from start_m in its Q slot
     (q_slot), every key block they see (of the tile's blocks cta_first .. cta_end - 1, ring slots from ``step`` on),
     then the output.
@@ -524,11 +533,11 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
             if (first >= full_first) & (first < full):
                 p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, first, unmasked, start_m, seqlen_k, diag_offset,
                                                   window_left, dropout, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                                  DROPOUT, MASK_NONE, s_layout, LAZY_RESCALE)
+                                                  DROPOUT, MASK_NONE, s_layout, LAZY_RESCALE, softcap_in2, SOFTCAP)
             else:
                 p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, first, unmasked, start_m, seqlen_k, diag_offset,
                                                   window_left, dropout, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                                  DROPOUT, MASK_ALL, s_layout, LAZY_RESCALE)
+                                                  DROPOUT, MASK_ALL, s_layout, LAZY_RESCALE, softcap_in2, SOFTCAP)
             unmasked_first = first + 1
             if WINDOW:
                 unmasked_first = gl.minimum(gl.maximum(full_first, first + 1), end)
@@ -536,7 +545,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                                                         p, alpha, m_i, l_i, acc, first + 1, unmasked_first, unmasked,
                                                         base, start_m, seqlen_k, diag_offset, window_left, dropout,
                                                         qk_scale2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW,
-                                                        DROPOUT, MASK_ALL, LAZY_RESCALE)
+                                                        DROPOUT, MASK_ALL, LAZY_RESCALE, softcap_in2, SOFTCAP)
             unmasked_end = gl.maximum(full, unmasked_first)  # <= end: a half diagonal block is the one past full
             if WINDOW:
                 unmasked_end = gl.minimum(unmasked_end, end)
@@ -544,21 +553,21 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                                                     alpha, m_i, l_i, acc, unmasked_first, unmasked_end, unmasked, base,
                                                     start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
                                                     BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, MASK_NONE,
-                                                    LAZY_RESCALE)
+                                                    LAZY_RESCALE, softcap_in2, SOFTCAP)
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
                                                     alpha, m_i, l_i, acc, unmasked_end, end, unmasked, base,
                                                     start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
                                                     BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, MASK_ALL,
-                                                    LAZY_RESCALE)
+                                                    LAZY_RESCALE, softcap_in2, SOFTCAP)
         else:
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, first, unmasked, start_m, seqlen_k, diag_offset,
                                               window_left, dropout, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
-                                              DROPOUT, MASK_FROM, s_layout, LAZY_RESCALE)
+                                              DROPOUT, MASK_FROM, s_layout, LAZY_RESCALE, softcap_in2, SOFTCAP)
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
                                                     alpha, m_i, l_i, acc, first + 1, end, unmasked, base, start_m,
                                                     seqlen_k, diag_offset, window_left, dropout, qk_scale2, BLOCK_M,
                                                     BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, MASK_FROM,
-                                                    LAZY_RESCALE)
+                                                    LAZY_RESCALE, softcap_in2, SOFTCAP)
         last = (base + num_blocks - 1) % NUM_STAGES
         if half_diagonal:
             half_zero = gl.zeros([BLOCK_M, BLOCK_N // 2], gl.float32, layout=mma_layout(BLOCK_N // 2))
@@ -566,7 +575,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                                                     half_zero, p, m_i, l_i, acc, num_blocks - 1, (0, 0), base,
                                                     start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
                                                     BLOCK_M, BLOCK_N, BLOCK_N // 2, NUM_STAGES, CAUSAL, WINDOW,
-                                                    DROPOUT, MASK_ALL, LAZY_RESCALE)
+                                                    DROPOUT, MASK_ALL, LAZY_RESCALE, softcap_in2, SOFTCAP)
             if not staged:
                 # Every S product of this tile has finished: Q's slot may take the next tile's rows.
                 mbarrier.arrive(q_empty.index(q_barrier), count=1)
@@ -620,7 +629,7 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
                          WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr, DROPOUT: gl.constexpr,
                          SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                         Q_ROTATING: gl.constexpr):
+                         Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr):
     """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took. rng: (Seed,
     threshold, dropout_scale), read with DROPOUT."""
     batch, head, tile_m, cta_first, cta_end, seqlen_k = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q,
@@ -639,7 +648,7 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
                  o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_first, cta_end,
                  seqlen_q, seqlen_k, diag_offset, window_left, dropout, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N,
                  NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, DROPOUT, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
-                 Q_ROTATING)
+                 Q_ROTATING, softcap_in2, SOFTCAP)
     return cta_end - cta_first
 
 
@@ -652,7 +661,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                        CAUSAL: gl.constexpr, WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr, DROPOUT: gl.constexpr,
                        TILE_COUNTER: gl.constexpr,
                        SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                       Q_ROTATING: gl.constexpr):
+                       Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr):
     """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
     load warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds): round-robin, or with TILE_COUNTER
     the tile numbers the load warp hands over (take_tile)."""
@@ -669,7 +678,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                                      KeyBounds, rng, tile, rounds, step, num_tiles, num_m_blocks, group_heads, heads_q,
                                      seqlen_q, seqlen_k, diag_offset, window_left, qk_scale2, HALF, HEAD_DIM, BLOCK_M,
                                      BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS, DROPOUT, SPLIT_MASKED,
-                                     HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING)
+                                     HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING, softcap_in2, SOFTCAP)
         rounds += 1
         if TILE_COUNTER:
             tile = take_tile(tile_slots, tile_full, tile_empty, rounds, slot_layout)
@@ -686,11 +695,12 @@ def hopper_forward_kernel(
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset, window_left,
-    threshold, dropout_scale,
+    threshold, dropout_scale, softcap_in2,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr,
     HALF_DIAGONAL: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False, Q_ROTATING: gl.constexpr = False,
     WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False, DROPOUT: gl.constexpr = False,
+    SOFTCAP: gl.constexpr = False,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
     blocks of (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine
@@ -703,7 +713,9 @@ def hopper_forward_kernel(
     right-padding key mask says: hopper_launch.why_not), so its tiles move and compute only the blocks before that;
     without it KeyBounds is not read. DROPOUT: P is dropped with the shared RNG (rng.py: Seed's int32 words 0 and 2,
     threshold the uint32 threshold's bit pattern) and the output scaled by dropout_scale = 1 / (1 - p); the lse is the
-    undropped softmax's. Without it Seed, threshold and dropout_scale are not read.
+    undropped softmax's. Without it Seed, threshold and dropout_scale are not read. SOFTCAP: the scores are
+    softcap * tanh(scale * qk / softcap): softcap_in2 = 2 * log2(e) * scale / softcap, and qk_scale2 is then
+    softcap * log2(e) (> 0); without it softcap_in2 is not read.
 
     Tiles of 2 * BLOCK_M query rows: num_m_blocks = cdiv(Nq, 2 * BLOCK_M) per (batch, head), num_tiles =
     B * Hq * num_m_blocks, in tile_rows' order (group_heads: its causal groups). Program p takes tiles p, p + G,
@@ -759,14 +771,14 @@ def hopper_forward_kernel(
                               num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
                               qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW,
                               KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
-                              Q_ROTATING)),
+                              Q_ROTATING, softcap_in2, SOFTCAP)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds,
                               (Seed, threshold, dropout_scale), tile_slots, tile_full, tile_empty, num_tiles,
                               num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
                               qk_scale2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW,
                               KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
-                              Q_ROTATING)),
+                              Q_ROTATING, softcap_in2, SOFTCAP)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                           v_empty, tile_slots, tile_full, tile_empty, TileCounter, KeyBounds, num_tiles,
                           num_m_blocks, group_heads, heads_q, kv_group, seqlen_k, diag_offset, window_left, BLOCK_M,

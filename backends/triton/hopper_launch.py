@@ -1,7 +1,7 @@
 """When the Triton backend runs the Hopper kernels (hopper_forward.py, hopper_backward.py), and their launches.
 
 The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/128/256 with equal value head
-dim, no softcap, a causal mask of either alignment or none, a sliding window's left bound (its right bound the
+dim, a softcap or none, a causal mask of either alignment or none, a sliding window's left bound (its right bound the
 causal diagonal, or none), no mask or a right-padding key mask (taken as each sequence's key count, the mask itself
 unread: NOT_KEY_LENGTHS), dropout with the shared RNG, a positive scale, 16-byte aligned rows (and no broadcast
 batch or head). It pays once each program has enough key blocks to amortise its start (the first copies) and its
@@ -112,6 +112,12 @@ CAUSAL_GROUP_BYTES = 16 << 20
 # (H200, bf16, 4k causal: 1.342 against 1.530 ms; the Gluon backward still runs: NOTES, version 24).
 FORWARD_DROPOUT_HEAD_DIMS = (128, 256)
 DROPOUT_FORWARD = "dropout at this head dim (the FlashAttention-2 forward measured faster: FORWARD_DROPOUT_HEAD_DIMS)"
+# The head dims whose softcapped calls run the Gluon kernels, forward and backward (each score's tanh costs two more
+# MUFU operations, and the backward keeps the tanh's slope: NOTES, version 25).
+FORWARD_SOFTCAP_HEAD_DIMS = (64, 128, 256)
+BACKWARD_SOFTCAP_HEAD_DIMS = (128, 256)
+SOFTCAP = ("a softcap at this head dim in this direction (the FlashAttention-2 kernel measured faster: "
+           "FORWARD_SOFTCAP_HEAD_DIMS, BACKWARD_SOFTCAP_HEAD_DIMS)")
 DETERMINISTIC = "a deterministic backward (the Hopper kernel's dQ sum order varies between runs)"
 
 _launcher: list = []
@@ -152,17 +158,19 @@ def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
     forward = min_keys is None
     min_keys = MIN_KEYS if forward else min_keys
     grid_min_keys = FULL_GRID_MIN_KEYS if forward else _NO_GRID_MIN_KEYS
+    softcap_dims = _softcap_dims(forward)
     # Keyed by the thresholds' identity (a replaced dict is a new key; so the dicts must be kept ones, not made per
     # call); the entry holds the dicts, so their ids cannot be reused by others while the entry lives.
-    key = (_switch(), id(min_keys), id(grid_min_keys), configs.pinned() is None, FORWARD_DROPOUT_HEAD_DIMS)
+    key = (_switch(), id(min_keys), id(grid_min_keys), configs.pinned() is None, FORWARD_DROPOUT_HEAD_DIMS,
+           softcap_dims)
     found = plan.hopper_reasons.get(key)
     if found is None:
         fills = bool(grid_min_keys) and plan.sm90 and fills_grid(plan.batch, plan.heads_q, plan.seqlen_q,
                                                                   plan.device_index)
         found = plan.hopper_reasons[key] = (min_keys, grid_min_keys, _rule(
             key[0], plan.sm90, plan.dtype, plan.head_dim, plan.head_dim_v, plan.seqlen_q, plan.seqlen_k, plan.has_right,
-            plan.mask_kind not in (0, scores.MASK_KEYS) or plan.has_softcap, forward and plan.has_dropout, min_keys,
-            grid_min_keys if fills else _NO_GRID_MIN_KEYS))
+            plan.mask_kind not in (0, scores.MASK_KEYS), forward and plan.has_dropout, min_keys,
+            grid_min_keys if fills else _NO_GRID_MIN_KEYS, softcap_dims if plan.has_softcap else None))
     reason = found[2]
     if reason is None and not run.tma_ok:
         return "rows or starts not 16-byte aligned for the copy engine, or a broadcast batch or head"
@@ -200,14 +208,20 @@ def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool) -> Op
 def why_not_problem(problem, min_keys: Optional[dict] = None) -> Optional[str]:
     """:func:`why_not` from a dispatcher Problem (no tensors: alignment is not known there)."""
     # (a boolean mask may be right padding, which the Gluon kernels take: the caller says so, backend._conditions)
-    extras = problem.features & {"float_mask", "softcap", "value_dim"}
+    extras = problem.features & {"float_mask", "value_dim"}
     sm90 = problem.compute_capability == (9, 0)
     fills = min_keys is None and sm90 and fills_grid(problem.batch, problem.heads_q, problem.seqlen_q,
                                                        problem.device_index)
     return _rule(_switch(), sm90, problem.dtype, problem.head_dim, problem.head_dim_v,
                  problem.seqlen_q, problem.seqlen_k, "causal" in problem.features, bool(extras),
                  min_keys is None and "dropout" in problem.features, MIN_KEYS if min_keys is None else min_keys,
-                 FULL_GRID_MIN_KEYS if fills else _NO_GRID_MIN_KEYS)
+                 FULL_GRID_MIN_KEYS if fills else _NO_GRID_MIN_KEYS,
+                 _softcap_dims(min_keys is None) if "softcap" in problem.features else None)
+
+
+def _softcap_dims(forward: bool) -> tuple:
+    """The head dims whose softcapped forward (or backward) runs the Hopper kernel."""
+    return FORWARD_SOFTCAP_HEAD_DIMS if forward else BACKWARD_SOFTCAP_HEAD_DIMS
 
 
 def fills_grid(batch: int, heads_q: int, seqlen_q: int, device_index: Optional[int]) -> bool:
@@ -218,7 +232,9 @@ def fills_grid(batch: int, heads_q: int, seqlen_q: int, device_index: Optional[i
 
 
 def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal, extras, dropout_forward, min_keys,
-          grid_min_keys) -> Optional[str]:
+          grid_min_keys, softcap_dims=None) -> Optional[str]:
+    """The reason against the Hopper kernel from a call's plan (None: none); softcap_dims: with a softcap, the head
+    dims whose softcapped calls it runs in this direction (_softcap_dims), else None."""
     if switch in ("0", "false", "no", "off"):
         return f"{ENV_SWITCH}=0"
     if not sm90:
@@ -232,9 +248,11 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
     if head_dim != head_dim_v or head_dim not in min_keys:
         return f"head dims {head_dim}/{head_dim_v} (equal, one of {sorted(min_keys)})"
     if extras:
-        return "a float mask, a boolean mask other than key padding, or softcap"
+        return "a float mask, or a boolean mask other than key padding"
     if dropout_forward and head_dim not in FORWARD_DROPOUT_HEAD_DIMS:
         return DROPOUT_FORWARD
+    if softcap_dims is not None and head_dim not in softcap_dims:
+        return SOFTCAP
     if seqlen_q == 0 or seqlen_k == 0:
         return "an empty query or key set"
     fewest = min_keys[head_dim]
@@ -247,11 +265,12 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
 
 
 def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, seqlen_k: Optional[int] = None,
-                      window: bool = False, key_lengths: bool = False, dropout: bool = False) -> dict:
+                      window: bool = False, key_lengths: bool = False, dropout: bool = False,
+                      softcap: bool = False) -> dict:
     """The kernel's compile-time arguments for a head dim, causal or not, tiles from a counter or round-robin,
     ``seqlen_k`` keys (None: as many as the longest; the launch, `mhattn build` and the GPU check script use the
-    same), a sliding window's left bound or not, per-batch key counts (a right-padding key mask) or not, and dropout
-    or not."""
+    same), a sliding window's left bound or not, per-batch key counts (a right-padding key mask) or not, dropout or
+    not, and a softcap or not."""
     half_diagonal = (causal and not window and seqlen_k is not None
                      and seqlen_k <= FORWARD_HALF_DIAGONAL_MAX_KEYS.get(head_dim, 0))
     q_rotating = (Q_BUFFERS[head_dim] == 1 and seqlen_k is not None
@@ -260,7 +279,7 @@ def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, s
                 NUM_STAGES=FORWARD_STAGES[head_dim], Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal,
                 TILE_COUNTER=tile_counter, SPLIT_MASKED=FORWARD_SPLIT_MASKED[head_dim],
                 HALF_DIAGONAL=half_diagonal, LAZY_RESCALE=FORWARD_LAZY_RESCALE[head_dim],
-                Q_ROTATING=q_rotating, WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout)
+                Q_ROTATING=q_rotating, WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap)
 
 
 class ForwardSchedule(NamedTuple):
@@ -403,7 +422,7 @@ def _forward_setup(plan, q, device_index: int) -> tuple:
                                     _sm_count(device_index))
         found = plan.hopper_schedule = (schedule, launcher.constexprs(
             4, 1, **compile_time_args(plan.head_dim, plan.has_right, schedule.tile_counter, plan.seqlen_k,
-                                      plan.has_left, plan.key_lengths, plan.has_dropout)))
+                                      plan.has_left, plan.key_lengths, plan.has_dropout, plan.has_softcap)))
     return (launcher, *found)
 
 
@@ -420,8 +439,8 @@ class ForwardLaunch:
         self.setup = plan.hopper_schedule
         self.counted, self.device_index = schedule.tile_counter, device_index
         self.middle = (*out.stride()[:3], lse.stride(0), lse.stride(1), plan.heads_q, plan.kv_group, plan.seqlen_q,
-                       plan.seqlen_k, *schedule[1:4], run.qk_scale2, run.diag_offset, run.window_left, run.threshold,
-                       run.dropout_scale)
+                       plan.seqlen_k, *schedule[1:4], scores_scale2(run, plan), run.diag_offset, run.window_left,
+                       run.threshold, run.dropout_scale, run.softcap_in2)
         counter = tile_counter(q.device, device_index) if self.counted else lse
         self.site = launcher.prepare_maps((schedule.programs,), (
             *forward_maps(q, k, v, out, plan.head_dim), out, lse, counter,
@@ -442,6 +461,12 @@ class ForwardLaunch:
         counter = tile_counter(q.device, self.device_index) if self.counted else lse
         self.site.launch((q, k, v, out, out, lse, counter, counter if key_bounds is None else key_bounds,
                           counter if seed is None else seed, *self.middle))
+
+
+def scores_scale2(run, plan) -> float:
+    """What the Hopper kernels' qk_scale2 multiplies: the raw scores (scale * log2(e)), or with a softcap their
+    tanh (softcap * log2(e): hopper_forward.softmax_step)."""
+    return run.softcap_out2 if plan.has_softcap else run.qk_scale2
 
 
 def tile_counter(device: torch.device, device_index: int) -> torch.Tensor:
@@ -465,12 +490,12 @@ COUNTERS_LIMIT = 64
 
 
 def backward_compile_time_args(head_dim: int, causal: bool, window: bool = False, key_lengths: bool = False,
-                               dropout: bool = False) -> dict:
+                               dropout: bool = False, softcap: bool = False) -> dict:
     """The backward kernel's compile-time arguments (launch, `mhattn build`, the GPU check script); window: a sliding
-    window's left bound; key_lengths: per-batch key counts (a right-padding key mask); dropout."""
+    window's left bound; key_lengths: per-batch key counts (a right-padding key mask); dropout; softcap."""
     return dict(HEAD_DIM=head_dim, BLOCK_M=BACKWARD_QUERY_BLOCK[head_dim], BLOCK_N=BACKWARD_KEY_BLOCK[head_dim],
                 NUM_STAGES=BACKWARD_STAGES[head_dim], CAUSAL=causal, STAGED_DK_DV=BACKWARD_STAGED_DK_DV[head_dim],
-                WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout)
+                WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap)
 
 
 def _backward_setup(plan, device_index: int) -> tuple:
@@ -486,7 +511,7 @@ def _backward_setup(plan, device_index: int) -> tuple:
                                                       * plan.head_dim * 4, num_n_blocks, _sm_count(device_index))
         plan.hopper_backward_constexprs = launcher.constexprs(
             8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right, plan.has_left, plan.key_lengths,
-                                               plan.has_dropout))
+                                               plan.has_dropout, plan.has_softcap))
     return launcher, plan.hopper_backward_constexprs, plan.hopper_backward_slices
 
 
@@ -523,8 +548,8 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
 
     def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed, key_bounds, sites=None):
         scalars = (*dk.stride()[:3], *dv.stride()[:3], *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q,
-                   plan.seqlen_k, num_n_blocks, run.qk_scale2, run.sm_scale, run.diag_offset, run.window_left,
-                   run.threshold, run.dropout_scale, int(convert_in_kernel))
+                   plan.seqlen_k, num_n_blocks, scores_scale2(run, plan), run.sm_scale, run.diag_offset,
+                   run.window_left, run.threshold, run.dropout_scale, run.softcap_in2, int(convert_in_kernel))
         args = backward_arguments(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed,
                                   key_bounds, run.seed if plan.has_dropout else None) + scalars
         grid = (k_s.shape[0] * k_s.shape[1] * num_n_blocks,)
