@@ -1255,26 +1255,25 @@ def test_gpu_gluon_hopper_backward_in_slices(monkeypatch, slicing):
 @pytest.mark.gpu
 @needs_gpu
 @needs_sm90
-def test_gpu_sliced_backward_with_dropout_runs_the_flash_kernels(monkeypatch):
-    """A backward with dropout that would run the Gluon kernel in slices (whose launches number batch entries and heads
-    from 0, where the dropout RNG needs the call's numbers) runs the FlashAttention-2 kernels instead: right against
-    the reference (the same keep-mask), and the Gluon backward never launched."""
+@pytest.mark.parametrize("slicing", ["heads", "batches"])
+def test_gpu_sliced_gluon_backward_with_dropout(monkeypatch, slicing):
+    """A backward with dropout run by the Gluon kernel in slices of single key/value heads, or of 2, 2 and 1 batch
+    entries: each launch draws the keep-mask by the call's batch and head numbers (call_batch_head0, call_heads_q), so
+    the gradients match the reference's with the forward's mask."""
     from mhattn.backends.triton import backend as triton_backend
     from mhattn.backends.triton import hopper_launch
 
-    monkeypatch.setattr(hopper_launch, "ACCUMULATOR_BYTES", 1)
+    batch, heads_q, heads_kv, seqlen, head_dim = 5, 4, 2, 300, 128
+    per_head = (heads_q // heads_kv) * seqlen * head_dim * 4
+    monkeypatch.setattr(hopper_launch, "ACCUMULATOR_BYTES", 1 if slicing == "heads" else 4 * per_head)
     monkeypatch.setattr(hopper_launch, "MIN_WAVES", 0)
     monkeypatch.setattr(hopper_launch, "SINGLE_LAUNCH_BYTES", 0)
     monkeypatch.setattr(triton_backend, "_plans", {})  # plans keep their slices
     monkeypatch.setattr(triton_backend, "_signatures", {})
-    monkeypatch.setattr(hopper_launch, "BACKWARD_MIN_KEYS", dict.fromkeys(hopper_launch.BACKWARD_MIN_KEYS, 1))
-    launched = []
-    real_backward = hopper_launch.backward
-    monkeypatch.setattr(hopper_launch, "backward", lambda *args, **kwargs: launched.append(1)
-                        or real_backward(*args, **kwargs))
-    check_attention(dtype="bfloat16", device="cuda", batch=3, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=300,
-                    head_dim=128, causal="bottom_right", dropout_p=0.2)
-    assert launched == []
+    assert hopper_launch.backward_slices(batch, heads_kv, per_head, 3, 132) == ((1, 1) if slicing == "heads" else (2, 2))
+    _check_gluon_kernel(monkeypatch, "BACKWARD_MIN_KEYS", "backward", "bfloat16",
+                        dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen, seqlen_k=seqlen,
+                             head_dim=head_dim, causal="bottom_right", dropout_p=0.2))
 
 
 @pytest.mark.gpu
@@ -1630,7 +1629,8 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
     the kernel converts dQ itself (convert_in_kernel 1, dq not written on the host) where a head's sums take at
     most CONVERT_IN_KERNEL_MAX_BYTES, else the host copies the sums into dq after the launch; one launch per slice
     with its own sums and counters, zeroed on the host; with one launch, the caller's buffer of
-    backward_sums_words words (zeroed by the preprocess kernel)."""
+    backward_sums_words words (zeroed by the preprocess kernel). Each launch numbers its batch entries and heads for
+    the dropout keep-mask from its slice's first in the call."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from types import SimpleNamespace
 
@@ -1657,7 +1657,7 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
         monkeypatch.setattr(hopper_launch, "MIN_WAVES", 0)
     plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=300, batch=batch, heads_kv=heads_kv,
                            kv_group=heads_q // heads_kv, has_right=False, has_left=False, key_lengths=False,
-                           has_dropout=False, has_softcap=False, hopper_backward_constexprs=None,
+                           heads_q=heads_q, has_dropout=False, has_softcap=False, hopper_backward_constexprs=None,
                            hopper_backward_slices=None)
     run = SimpleNamespace(qk_scale2=1.0, sm_scale=1.0, diag_offset=0, window_left=0, key_bounds=None,
                           threshold=0, dropout_scale=1.0, softcap_in2=0.0, softcap_out2=0.0)
@@ -1678,6 +1678,8 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
         if not slices:  # the caller's buffer: the sums from its start, the counters filling the rest
             assert named["dQacc"].data_ptr() == given.data_ptr() and words == sums.numel() + counters.numel()
         assert named["convert_in_kernel"] == int(small)
+        # the dropout keep-mask's numbering: this launch's first (batch entry, query head) in the call's
+        assert named["call_heads_q"] == heads_q and named["call_batch_head0"] == launch_index * entries * heads_q
         assert (named["stride_dqb"], named["stride_dqh"], named["stride_dqn"]) == dq.stride()[:3]
         for name, grad in (("dk_desc", dk), ("dv_desc", dv)):  # written through the copy engine, in K's blocks
             assert named[name].base.data_ptr() == grad[launch_index * entries:].data_ptr()

@@ -465,7 +465,8 @@ def store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BL
         gl.store(dv_base + rows * stride_dvn + gl.expand_dims(cols, 0), dv.to(dtype), mask=keep)
 
 
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left", "threshold"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left", "threshold",
+                              "call_batch_head0", "call_heads_q"])
 def hopper_backward_kernel(
     q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, dq_desc, dk_desc, dv_desc, dK, dV, dQ, dQacc, DqCounters,
     KeyBounds, Seed,
@@ -473,7 +474,7 @@ def hopper_backward_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
     heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset, window_left,
-    threshold, dropout_scale, softcap_in2, convert_in_kernel,
+    threshold, dropout_scale, call_batch_head0, call_heads_q, softcap_in2, convert_in_kernel,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr, WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False,
     DROPOUT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
@@ -491,8 +492,11 @@ def hopper_backward_kernel(
     entry b's keys from KeyBounds[b] (int32) on are padding no query sees: a key block past it walks no query block
     and writes zero dK and dV. DROPOUT: P was dropped with the shared RNG (rng.py: Seed's int32 words 0 and 2,
     threshold the uint32 threshold's bit pattern) and scaled by dropout_scale = 1 / (1 - p):
-    dV = (P * keep)^T dO * dropout_scale and dS = P * (dP * keep * dropout_scale - delta); without it Seed,
-    threshold and dropout_scale are not read. SOFTCAP: the scores were softcap * tanh(scale * S / softcap), with
+    dV = (P * keep)^T dO * dropout_scale and dS = P * (dP * keep * dropout_scale - delta); the keep-mask is drawn by
+    the call's (batch, query head) numbers, which for this launch's batch entry b and query head h are
+    call_batch_head0 + b * call_heads_q + h (a launch over a slice of the call's batch or heads: hopper_launch.backward;
+    0 and Hq for a launch over the whole call). Without it Seed, threshold, dropout_scale, call_batch_head0 and
+    call_heads_q are not read. SOFTCAP: the scores were softcap * tanh(scale * S / softcap), with
     qk_scale2 = softcap * log2(e) and softcap_in2 = 2 * log2(e) * scale / softcap, and dS takes the slope
     1 - tanh^2 (step_probabilities); without it softcap_in2 is not read.
     Grid (B * Hkv * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
@@ -546,8 +550,9 @@ def hopper_backward_kernel(
         key_end = gl.load(KeyBounds + batch)
         m_blocks = gl.where(start_n < key_end, m_blocks, 0)
     steps = kv_group * m_blocks
-    if DROPOUT:  # the seeds, the threshold, 1 / (1 - p) and the first query head's (batch * Hq + head)
-        rng = (gl.load(Seed), gl.load(Seed + 2), threshold, dropout_scale, batch * heads_kv * kv_group + first_head)
+    if DROPOUT:  # the seeds, the threshold, 1 / (1 - p) and the first query head's (batch * Hq + head) in the call
+        rng = (gl.load(Seed), gl.load(Seed + 2), threshold, dropout_scale,
+               call_batch_head0 + batch * call_heads_q + first_head)
     else:
         rng = (0, 0, 0, 1.0, 0)
     dkv_out = (dk_desc, dv_desc, batch, head_kv,

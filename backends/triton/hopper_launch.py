@@ -179,12 +179,6 @@ def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
     return reason
 
 
-# Why a backward with dropout too large for one launch runs the FlashAttention-2 kernels: each slice's launch numbers
-# its batch entries and heads from 0, and the kernel draws the keep-mask by those numbers, not the call's.
-SLICED_DROPOUT = ("dropout on a backward that runs in slices (its launches number batch entries and heads from 0, "
-                  "and the dropout RNG needs the call's)")
-
-
 # Why a key-padding mask (a boolean mask the same for every head and query row) is left to the FlashAttention-2
 # kernels, which read it: the Gluon kernels take such a mask only as each sequence's key count.
 NOT_KEY_LENGTHS = ("a boolean mask other than right padding (True on a prefix of each sequence's keys, the same for "
@@ -197,8 +191,6 @@ def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool) -> Op
     if deterministic:
         return DETERMINISTIC
     reason = why_not(plan, run, BACKWARD_MIN_KEYS)
-    if reason is None and plan.has_dropout and backward_sums_words(plan, plan.device_index) == 0:
-        return SLICED_DROPOUT
     if reason is None and not grad_out_ready:
         return ("the output gradient's rows or start not 16-byte aligned for the copy engine, or a broadcast batch or "
                 "head")
@@ -538,18 +530,23 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     at most CONVERT_IN_KERNEL_MAX_BYTES the kernel's program that adds last converts them into dq, else they are
     copied into dq after the launch. ``sums``: the zeroed buffer of :func:`backward_sums_words` words when the backward
     runs as one launch. To bound that buffer, large problems run as several launches over slices of the batch or of
-    the key/value heads (:func:`backward_slices`), each zeroing its own. Returns the launch as a BackwardSite where it
-    ran as one launch through the call signature's prepared site (a repeated call may launch it again), else None."""
+    the key/value heads (:func:`backward_slices`), each zeroing its own and drawing the dropout keep-mask by the
+    call's batch and head numbers. Returns the launch as a BackwardSite where it ran as one launch through the call
+    signature's prepared site (a repeated call may launch it again), else None."""
     launcher, constexprs, (batches, heads) = _backward_setup(plan, device_index)
     head_dim = plan.head_dim
     num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[head_dim])
     group = plan.kv_group
     convert_in_kernel = group * plan.seqlen_q * head_dim * 4 <= CONVERT_IN_KERNEL_MAX_BYTES
 
-    def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed, key_bounds, sites=None):
+    def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed, key_bounds, first_batch=0,
+               first_head=0, sites=None):
+        # (first_batch, first_head: the slice's first batch entry and query head in the call, by whose numbers the
+        # dropout keep-mask is drawn)
         scalars = (*dk.stride()[:3], *dv.stride()[:3], *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q,
                    plan.seqlen_k, num_n_blocks, scores_scale2(run, plan), run.sm_scale, run.diag_offset,
-                   run.window_left, run.threshold, run.dropout_scale, run.softcap_in2, int(convert_in_kernel))
+                   run.window_left, run.threshold, run.dropout_scale, first_batch * plan.heads_q + first_head,
+                   plan.heads_q, run.softcap_in2, int(convert_in_kernel))
         args = backward_arguments(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed,
                                   key_bounds, run.seed if plan.has_dropout else None) + scalars
         grid = (k_s.shape[0] * k_s.shape[1] * num_n_blocks,)
@@ -575,7 +572,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     if batches == plan.batch and heads == plan.heads_kv:  # one launch over the whole tensors: no slicing views
         signature = getattr(run, "signature", None)
         return launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, run.key_bounds,
-                      None if signature is None else signature.sites)
+                      sites=None if signature is None else signature.sites)
     accumulator = torch.empty(_sums_words(plan, batches, heads), dtype=torch.float32, device=q.device)
     for b0 in range(0, plan.batch, batches):
         for h0 in range(0, plan.heads_kv, heads):
@@ -584,7 +581,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
             q_s, k_s = q[b, hq], k[b, h]
             zeroed = accumulator[:q_s.numel() + k_s.shape[0] * k_s.shape[1]].zero_()
             launch(q_s, k_s, v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq[b, hq], dk[b, h], dv[b, h],
-                   zeroed, None if run.key_bounds is None else run.key_bounds[b])
+                   zeroed, None if run.key_bounds is None else run.key_bounds[b], b0, h0 * group)
     return None
 
 
