@@ -37,7 +37,8 @@ same); no mask, or a causal mask of either alignment (diag_offset); a sliding wi
 moves only the key blocks its rows' windows reach, and masks the first ones), with the causal diagonal or no right
 bound; a right-padding key mask as per-batch key counts (KEY_LENGTHS: a tile walks only its batch entry's keys); GQA by
 head index; any Nq, Nk >= 1; a positive scale; 16-byte aligned rows; dropout with the shared RNG (DROPOUT); a softcap
-(SOFTCAP: each score through a tanh before the mask, softmax_step). Output (B, Hq, Nq, D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
+(SOFTCAP: each score through a tanh before the mask, softmax_step). Output (B, Hq, Nq, D) and the log-sum-exp
+(B, Hq, Nq) like forward.py's.
 """
 
 import triton
@@ -421,7 +422,7 @@ def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
                   unmasked, step, start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                   WINDOW: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                 softcap_in2, SOFTCAP: gl.constexpr):
+                  softcap_in2, SOFTCAP: gl.constexpr):
     """Key blocks first .. end - 1 of a tile whose ring steps start at ``step``, after block first - 1's softmax (p,
     alpha), each by attend_block. Returns (p, alpha, m, l, acc) after block end - 1's softmax (its P V is the
     caller's)."""
