@@ -1,9 +1,11 @@
 """The Triton backend with a feature (softcap, a sliding window, dropout, a key-padding mask or bias) at training
 shapes, beside the same call without it, torch's SDPA as a user calls it, and FlexAttention, in one process.
 
-On sm_90 the Gluon kernels run plain calls, sliding windows, right-padding key masks (as key counts) and dropout; a
-call with another feature runs the FlashAttention-2 kernels on configs.py's sm_90 table tiles (hopper_launch.why_not);
-``MHATTN_TRITON_HOPPER=0`` runs every call on the FlashAttention-2 kernels, for an A/B. This says what a feature costs a user against the plain call and the peers,
+On sm_90 the Gluon kernels run plain calls, sliding windows, right-padding key masks (as key counts), dropout and
+softcap (at the head dims hopper_launch's FORWARD_DROPOUT_HEAD_DIMS and *_SOFTCAP_HEAD_DIMS name); a call with another
+feature runs the FlashAttention-2 kernels on configs.py's sm_90 table tiles (hopper_launch.why_not);
+``MHATTN_TRITON_HOPPER=0`` runs every call on the FlashAttention-2 kernels, for an A/B. This says what a feature costs a
+user against the plain call and the peers,
 and ``--tiles`` times those tiles against candidates (configs.pin), since many of them spill with a feature
 (backends/triton/NOTES.md, "The FlashAttention-2 table tiles on sm_90 with a mask, dropout or a window").
 
