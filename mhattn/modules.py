@@ -17,6 +17,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from mhattn.arguments import host_checks_allowed
 from mhattn.backends.base import AttentionParams
 from mhattn.caches import kept_for
 from mhattn.dropout_rng import draw_seed
@@ -396,7 +397,7 @@ def _kept_inverse(mask: torch.Tensor) -> torch.Tensor:
     An entry holds its mask, so no other tensor can take its address while the entry lives. Made anew while
     torch.compile traces (the graph holds the inversion) and during CUDA graph capture (a captured call must invert
     whatever the mask holds at each replay)."""
-    if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not host_checks_allowed(mask):
         return ~mask
     return kept_for(_inverses, mask, torch.logical_not, _INVERSES_LIMIT)
 

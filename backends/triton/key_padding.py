@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from mhattn.arguments import host_checks_allowed
 from mhattn.caches import kept_for
 
 
@@ -47,10 +48,11 @@ def is_right_padding(mask: torch.Tensor, bounds: torch.Tensor) -> bool:
     the first time a mask comes, then kept while the mask is unchanged: the same storage, layout and version (an
     in-place change bumps it), so the model's layers that share one padding mask read it back once. A kept entry holds
     its mask, so its memory cannot be taken by another tensor at the same address while the entry lives. False for an
-    empty batch, and during CUDA graph capture even for a mask answered before: a captured call replays with whatever
-    the mask holds at each replay, so only kernels that read the mask may be captured."""
+    empty batch, and during CUDA graph capture (or torch.compile tracing: arguments.host_checks_allowed) even for a
+    mask answered before: a captured call replays with whatever the mask holds at each replay, so only kernels that
+    read the mask may be captured."""
     keys = mask[:, 0, 0, :]
-    if keys.numel() == 0 or _capturing(keys):
+    if keys.numel() == 0 or not host_checks_allowed(keys):
         return False
     return kept_for(_right_padding, keys, lambda keys: bool((keys.sum(dim=1, dtype=torch.int32) == bounds).all()),
                     RIGHT_PADDING_LIMIT)
@@ -60,8 +62,3 @@ def is_right_padding(mask: torch.Tensor, bounds: torch.Tensor) -> bool:
 # padding, per micro-batch in flight).
 _right_padding: dict = {}
 RIGHT_PADDING_LIMIT = 16
-
-
-def _capturing(tensor: torch.Tensor) -> bool:
-    """Whether the current CUDA stream is being captured into a graph (for a CUDA tensor)."""
-    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
