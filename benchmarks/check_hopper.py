@@ -78,11 +78,11 @@ def launch_backward(q, k, v, out, lse, grad_out, causal, diag_offset, convert_in
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     counters = torch.zeros(batch * heads_kv, dtype=torch.int32, device=q.device)
-    num_n_blocks = triton.cdiv(seqlen_k, hopper_launch.BACKWARD_KEY_BLOCK[head_dim])
+    num_n_blocks = triton.cdiv(seqlen_k, hopper_launch.BACKWARD_KEY_BLOCK[hopper_launch.TILE_WIDTH[head_dim]])
     scale = 1 / math.sqrt(head_dim)
     hopper_backward.hopper_backward_kernel[(batch * heads_kv * num_n_blocks,)](
         *hopper_launch.backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, head_dim), dk, dv, dq, dq_acc,
-        counters, counters, counters, *dk.stride()[:3], *dv.stride()[:3], *dq.stride()[:3], heads_kv,
+        counters, counters, counters, counters, *dk.stride()[:3], *dv.stride()[:3], *dq.stride()[:3], heads_kv,
         heads_q // heads_kv, seqlen_q, seqlen_k, num_n_blocks, scale * LOG2E, scale, diag_offset, 0, 0, 1.0, 0,
         heads_q, 0.0, int(convert_in_kernel),
         **hopper_launch.backward_compile_time_args(head_dim, causal), num_warps=8, **COMPILE_OPTIONS)

@@ -540,6 +540,41 @@ def test_hopper_tensor_maps_describe_the_tensors_as_the_kernels_read_them():
     assert maps[7].base is dk and maps[7].block_shape == maps[1].block_shape and maps[7].layout == maps[1].layout
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_hopper_kernels_take_head_dims_96_and_192_in_wider_tiles():
+    """Head dims 96 and 192 run the Gluon kernels' 128- and 256-wide builds: the maps keep the tensor's own width
+    (the copy engine zero-fills the columns past it and clips them from its stores) in blocks of the tile width, the
+    builds get both (HEAD_DIM the tile, HEAD_COLS the head dim), and the rule takes them where it takes their tile
+    width; other widths stay on the FlashAttention-2 kernels, with a reason that names the head dims taken."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from mhattn.backends.triton import hopper_launch
+
+    for head_dim, width in ((96, 128), (192, 256)):
+        q = torch.randn(2, 4, 300, head_dim, dtype=torch.bfloat16)
+        q_map, k_map, _, o_map = hopper_launch.forward_maps(q, q, q, q, head_dim)
+        assert list(q_map.shape) == [2, 4, 300, head_dim] and q_map.block_shape[-1] == width
+        assert k_map.block_shape == [1, 1, hopper_launch.KEY_BLOCK[width], width]
+        rows = torch.zeros(2, 4, 300, dtype=torch.float32)
+        maps = hopper_launch.backward_maps(q, q, q, q, rows, rows, torch.zeros(q.shape), q, q, head_dim)
+        assert maps[6].block_shape[-1] == min(width, 128) and list(maps[6].shape)[-1] == head_dim
+        assert maps[1].block_shape == [1, 1, hopper_launch.BACKWARD_KEY_BLOCK[width], width]
+        forward_args = hopper_launch.compile_time_args(head_dim, True, seqlen_k=300)
+        backward_args = hopper_launch.backward_compile_time_args(head_dim, True)
+        assert (forward_args["HEAD_DIM"], forward_args["HEAD_COLS"]) == (width, head_dim)
+        assert (backward_args["HEAD_DIM"], backward_args["HEAD_COLS"]) == (width, head_dim)
+        # Every setting but the columns is the tile width's.
+        assert {**forward_args, "HEAD_COLS": width} == hopper_launch.compile_time_args(width, True, seqlen_k=300)
+        assert {**backward_args, "HEAD_COLS": width} == hopper_launch.backward_compile_time_args(width, True)
+        for min_keys in (hopper_launch.MIN_KEYS, hopper_launch.BACKWARD_MIN_KEYS):
+            assert hopper_launch._rule("1", True, torch.bfloat16, head_dim, head_dim, 4096, 4096, True, False, False,
+                                       min_keys, {}) is None
+    reason = hopper_launch._rule("1", True, torch.bfloat16, 80, 80, 4096, 4096, True, False, False,
+                                 hopper_launch.MIN_KEYS, {})
+    assert reason == "head dims 80/80 (equal, one of [64, 96, 128, 192, 256])"
+    assert "head dims 96/128" in hopper_launch._rule("1", True, torch.bfloat16, 96, 128, 4096, 4096, True, False,
+                                                       False, hopper_launch.MIN_KEYS, {})
+
+
 def test_config_parsing_and_pinning():
     from mhattn.backends.triton import configs
 
@@ -887,9 +922,10 @@ def test_gpu_gluon_forward_rotating_q_slots(monkeypatch, dtype, case):
     _check_gluon_forward_build(monkeypatch, "Q_ROTATING", dtype, ROTATING_Q_CASES[case])
 
 
-def _check_gluon_forward_build(monkeypatch, flag: str, dtype, case: dict):
+def _check_gluon_forward_build(monkeypatch, flag: str, dtype, case: dict, value=True):
     """_check_gluon_kernel's forward on ``case`` with one program per tile and then a persistent grid of 3 programs
-    (causal tiles from the counter), asserting that every build of the forward had compile-time flag ``flag`` on."""
+    (causal tiles from the counter), asserting that every build of the forward had compile-time argument ``flag`` at
+    ``value`` (a flag on)."""
     from mhattn.backends.triton import backend as triton_backend
     from mhattn.backends.triton import hopper_launch
 
@@ -903,7 +939,7 @@ def _check_gluon_forward_build(monkeypatch, flag: str, dtype, case: dict):
         if programs:
             monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: programs)
         _check_gluon_kernel(monkeypatch, "MIN_KEYS", "forward", dtype, case)
-    assert built and all(built)
+    assert built and all(found == value for found in built)
 
 
 # The lower consumer's causal diagonal block at half width (HALF_DIAGONAL): diagonals that start at a key block's first
@@ -965,9 +1001,9 @@ def test_gpu_gluon_backward_sliding_window(monkeypatch, dtype, case):
     _check_gluon_backward_build(monkeypatch, "WINDOW", dtype, GLUON_WINDOW_CASES[case])
 
 
-def _check_gluon_backward_build(monkeypatch, flag: str, dtype, case: dict):
-    """_check_gluon_kernel's backward on ``case``, asserting that every build of the backward had compile-time flag
-    ``flag`` on."""
+def _check_gluon_backward_build(monkeypatch, flag: str, dtype, case: dict, value=True):
+    """_check_gluon_kernel's backward on ``case``, asserting that every build of the backward had compile-time
+    argument ``flag`` at ``value`` (a flag on)."""
     from mhattn.backends.triton import backend as triton_backend
     from mhattn.backends.triton import hopper_launch
 
@@ -978,7 +1014,86 @@ def _check_gluon_backward_build(monkeypatch, flag: str, dtype, case: dict):
     monkeypatch.setattr(triton_backend, "_plans", {})  # plans keep their build
     monkeypatch.setattr(triton_backend, "_signatures", {})
     _check_gluon_kernel(monkeypatch, "BACKWARD_MIN_KEYS", "backward", dtype, case)
-    assert built and all(built)
+    assert built and all(found == value for found in built)
+
+
+# Head dims 96 and 192 in the Gluon kernels' 128- and 256-wide tiles (hopper_launch.TILE_WIDTH): the copy engine
+# zero-fills the columns past the head dim and clips them from the output and gradients it writes. GQA and MQA (a
+# group's float32 dQ past CONVERT_IN_KERNEL_MAX_BYTES, converted after the launch), both causal alignments with rows
+# that see no key, packed QKV views, a key-padding mask, a window with a softcap and dropout.
+GLUON_PADDED_CASES = {
+    "d96_ragged_gqa": dict(head_dim=96, heads_q=6, heads_kv=2, seqlen_q=300, seqlen_k=517),
+    "d96_mqa_bottom_right": dict(head_dim=96, heads_q=8, heads_kv=1, seqlen_q=517, seqlen_k=300,
+                                 causal="bottom_right"),
+    "d96_top_left_key_padding": dict(head_dim=96, batch=3, seqlen_q=517, seqlen_k=300, causal="top_left",
+                                     mask="key_padding"),
+    "d96_window_softcap_dropout": dict(head_dim=96, seqlen_q=600, seqlen_k=600, causal="bottom_right", window=(200, 0),
+                                       softcap=20.0, dropout_p=0.1),
+    "d192_bottom_right_empty_rows": dict(head_dim=192, seqlen_q=517, seqlen_k=300, causal="bottom_right"),
+    "d192_packed_grad_lse": dict(head_dim=192, layout="packed", seqlen_q=600, seqlen_k=600, heads_q=4,
+                                 causal="top_left", grad_lse=True),
+    "d192_gqa_softcap_dropout": dict(head_dim=192, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=517, softcap=10.0,
+                                     dropout_p=0.1),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_PADDED_CASES))
+def test_gpu_gluon_forward_padded_head_dims(monkeypatch, dtype, case):
+    """Through the backend, the Gluon forward built for head dim 96 or 192 in the wider tile (asserted from the
+    build's compile-time arguments), one program per tile and a persistent grid of 3 programs."""
+    _check_gluon_forward_build(monkeypatch, "HEAD_COLS", dtype, GLUON_PADDED_CASES[case],
+                               GLUON_PADDED_CASES[case]["head_dim"])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_PADDED_CASES))
+def test_gpu_gluon_backward_padded_head_dims(monkeypatch, dtype, case):
+    """The Gluon backward built for head dim 96 or 192 in the wider tile (asserted from the build's compile-time
+    arguments) against the reference."""
+    _check_gluon_backward_build(monkeypatch, "HEAD_COLS", dtype, GLUON_PADDED_CASES[case],
+                                GLUON_PADDED_CASES[case]["head_dim"])
+
+
+# A deterministic backward on the Gluon kernel (each query block's dQ shares added by its key blocks in their order,
+# hopper_backward.dq_turn), run several times under torch.use_deterministic_algorithms(True): bitwise-equal gradients
+# that match the reference. Many key blocks a query block (long chains of turns), both causal alignments, windows with
+# and without a right bound (runs of key blocks that start past the first), a right-padding key mask (key blocks that
+# add nothing), GQA and MQA (a group's dQ converted after the launch), dropout, the 96- and 192-wide head dims.
+GLUON_DETERMINISTIC_CASES = {
+    "d64_causal_gqa": dict(head_dim=64, heads_q=6, heads_kv=2, seqlen_q=700, seqlen_k=700, causal="top_left"),
+    "d128_long_keys": dict(head_dim=128, batch=1, seqlen_q=300, seqlen_k=2100),
+    "d128_window_bottom_right": dict(head_dim=128, seqlen_q=600, seqlen_k=1100, causal="bottom_right",
+                                     window=(300, 0)),
+    "d96_window_no_right_bound_dropout": dict(head_dim=96, seqlen_q=517, seqlen_k=700, window=(100, None),
+                                              dropout_p=0.1),
+    "d128_key_padding_more_queries": dict(head_dim=128, batch=3, seqlen_q=517, seqlen_k=300, causal="top_left",
+                                          mask="key_padding"),
+    "d192_mqa": dict(head_dim=192, heads_q=8, heads_kv=1, seqlen_q=517, seqlen_k=600),
+    "d256_causal_softcap": dict(head_dim=256, heads_q=4, heads_kv=2, seqlen_q=600, seqlen_k=600, causal="top_left",
+                                softcap=20.0),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_DETERMINISTIC_CASES))
+def test_gpu_gluon_backward_deterministic(monkeypatch, dtype, case):
+    """The Gluon backward's deterministic build (asserted from the build's compile-time arguments; its key thresholds
+    lowered to one key), four backward passes of one forward: bitwise-equal gradients, and the first against the
+    reference."""
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "DETERMINISTIC_MIN_KEYS", dict.fromkeys(hopper_launch.DETERMINISTIC_MIN_KEYS, 1))
+    _check_gluon_backward_build(monkeypatch, "DETERMINISTIC", dtype, dict(GLUON_DETERMINISTIC_CASES[case], det_runs=4))
 
 
 # A right-padding key mask in the Gluon kernels, as each batch entry's key count (batch entry 0 with none): with a
@@ -1385,6 +1500,29 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_hopper_kernels_for_head_dims_96_and_192_compile_for_sm90a_without_a_gpu():
+    """The Gluon builds of head dims 96 and 192 (in the 128- and 256-wide tiles) compile for sm_90a, fit shared memory
+    with no ptxas note on their wgmma, and store as their tile width's builds do: the forward's output and the
+    backward's dK and dV through the copy engine (which clips the columns past the head dim), except the 192-wide
+    forward's output, from registers (one Q buffer: a column mask). A plain build of each, and the causal ones with
+    dropout."""
+    from mhattn.backends.triton import ahead, hopper_launch
+
+    tasks = [task for task in ahead.table_tasks("sm_90a", head_dims=(96, 192)) if task.kind in ahead.GLUON_KINDS
+             and (not task.flags and not task.causal or task.causal and ("DROPOUT", True) in task.flags)]
+    assert len(tasks) == 8
+    for task in tasks:
+        kernel = ahead.compile_kernel(task, 90)
+        ptx = kernel.asm["ptx"]
+        assert kernel.metadata.shared <= 227 * 1024, (task.label, kernel.metadata.shared)
+        assert not ahead.wgmma_notes(kernel), task.label
+        staged = "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
+        width = hopper_launch.TILE_WIDTH[task.head_dim]
+        assert staged == (hopper_launch.BACKWARD_STAGED_DK_DV[width] if task.kind == "hopper_bwd"
+                          else hopper_launch.Q_BUFFERS[width] == 2), task.label
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_kernels_are_built_with_fused_multiply_adds_whatever_tritons_default(monkeypatch):
     """The builds ask Triton for fused multiply-adds (launcher.COMPILE_OPTIONS): with Triton's default turned off
     (TRITON_DEFAULT_FP_FUSION=0, the coming default), the Gluon forward for sm_90a still computes each exponent's
@@ -1621,16 +1759,20 @@ class RecordingMapSite:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("seqlen_q, slices", [(200, False), (2500, False), (200, True)])
+@pytest.mark.parametrize("seqlen_q, slices, deterministic", [(200, False, False), (2500, False, False),
+                                                              (200, True, False), (200, False, True),
+                                                              (2500, True, True)])
 def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_head_is_small(monkeypatch, seqlen_q,
-                                                                                             slices):
+                                                                                             slices, deterministic):
     """hopper_launch.backward's arguments, by the kernel's own parameter names, with a launcher that records them:
     dQ's float32 sums zeroed and followed by one zeroed int32 counter per (batch, key/value head) in the same buffer;
     the kernel converts dQ itself (convert_in_kernel 1, dq not written on the host) where a head's sums take at
     most CONVERT_IN_KERNEL_MAX_BYTES, else the host copies the sums into dq after the launch; one launch per slice
     with its own sums and counters, zeroed on the host; with one launch, the caller's buffer of
     backward_sums_words words (zeroed by the preprocess kernel). Each launch numbers its batch entries and heads for
-    the dropout keep-mask from its slice's first in the call."""
+    the dropout keep-mask from its slice's first in the call. A deterministic backward's build gets its zeroed int32
+    turn counters, one per (batch entry, query head, query block), right after the counters (the counters stand in
+    for them otherwise)."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from types import SimpleNamespace
 
@@ -1645,7 +1787,8 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
     calls = []
 
     def record(grid, named, constexprs):
-        calls.append((grid, named, named["dQacc"].clone(), named["DqCounters"].clone()))  # as the kernel finds them
+        calls.append((grid, named, named["dQacc"].clone(), named["DqCounters"].clone(), named["DqTurns"].clone(),
+                      constexprs))  # as the kernel finds them
         named["dQacc"].fill_(len(calls))  # what the kernel adds: a value per launch, so a host copy shows in dq
 
     monkeypatch.setattr(hopper_launch, "_backward_launcher",
@@ -1662,21 +1805,30 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
     run = SimpleNamespace(qk_scale2=1.0, sm_scale=1.0, diag_offset=0, window_left=0, key_bounds=None,
                           threshold=0, dropout_scale=1.0, softcap_in2=0.0, softcap_out2=0.0)
     # One launch: the caller allocates the sums and counters beside lse2 and delta, and the preprocess zeroes them.
-    words = hopper_launch.backward_sums_words(plan, None)
-    assert words == (0 if slices else batch * heads_kv * ((heads_q // heads_kv) * seqlen_q * head_dim + 1))
+    words = hopper_launch.backward_sums_words(plan, None, deterministic)
+    query_blocks = -(-seqlen_q // hopper_launch.BACKWARD_QUERY_BLOCK[head_dim])
+    turns = heads_q * query_blocks if deterministic else 0
+    assert words == (0 if slices else batch * (heads_kv * ((heads_q // heads_kv) * seqlen_q * head_dim + 1) + turns))
     given = torch.zeros(words) if words else None
-    hopper_launch.backward(q, k, k, q, rows, rows, dq, dk, dv, run, plan, None, given)
+    hopper_launch.backward(q, k, k, q, rows, rows, dq, dk, dv, run, plan, None, given, deterministic)
 
     small = (heads_q // heads_kv) * seqlen_q * head_dim * 4 <= hopper_launch.CONVERT_IN_KERNEL_MAX_BYTES
     assert len(calls) == (batch if slices else 1)
     entries = 1 if slices else batch
-    for launch_index, (grid, named, sums, counters) in enumerate(calls):
+    for launch_index, (grid, named, sums, counters, turn_counters, constexprs) in enumerate(calls):
         assert named["dQ"].shape == (entries, heads_q, seqlen_q, head_dim) and named["dQ"].dtype == q.dtype
         assert sums.shape == named["dQ"].shape and sums.dtype == torch.float32 and not sums.any()
         assert counters.dtype == torch.int32 and counters.tolist() == [0] * (entries * heads_kv)
         assert named["DqCounters"].data_ptr() == named["dQacc"].data_ptr() + sums.numel() * 4  # right after the sums
-        if not slices:  # the caller's buffer: the sums from its start, the counters filling the rest
-            assert named["dQacc"].data_ptr() == given.data_ptr() and words == sums.numel() + counters.numel()
+        assert dict(constexprs)["DETERMINISTIC"] == deterministic
+        if deterministic:  # the turn counters right after the counters
+            assert named["DqTurns"].data_ptr() == named["DqCounters"].data_ptr() + counters.numel() * 4
+            assert turn_counters.dtype == torch.int32 and turn_counters.tolist() == [0] * (entries * turns)
+        else:
+            assert named["DqTurns"] is named["DqCounters"]
+        if not slices:  # the caller's buffer: the sums from its start, the counters (and turns) filling the rest
+            assert named["dQacc"].data_ptr() == given.data_ptr()
+            assert words == sums.numel() + counters.numel() + turn_counters.numel() * deterministic
         assert named["convert_in_kernel"] == int(small)
         # the dropout keep-mask's numbering: this launch's first (batch entry, query head) in the call's
         assert named["call_heads_q"] == heads_q and named["call_batch_head0"] == launch_index * entries * heads_q
@@ -2049,11 +2201,15 @@ def test_explain_names_the_kernel_families(monkeypatch):
     backend = TritonBackend()
     assert "Gluon Hopper forward (hopper_forward.py)" in backend.forward_path(problem(features=("causal",)))
     for kwargs, reason in ((dict(seqlen_q=256, seqlen_k=256), "256 keys < 384"), (dict(cc=(8, 0)), "not an sm_90"),
-                           (dict(dtype=torch.float32), "fp16/bf16 only"), (dict(head_dim=96), "head dims 96/96"),
+                           (dict(dtype=torch.float32), "fp16/bf16 only"), (dict(head_dim=80), "head dims 80/80"),
                            (dict(features=("float_mask",)), "a float mask")):
         path = backend.forward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 forward") and reason in path, (kwargs, path)
     assert "split-KV" in backend.forward_path(problem(seqlen_q=1))
+    # Head dims 96 and 192: the Gluon kernels (in the 128- and 256-wide tiles).
+    for head_dim in (96, 192):
+        assert backend.forward_path(problem(head_dim=head_dim)).startswith("the Gluon Hopper")
+        assert backend.backward_path(problem(head_dim=head_dim, features=("causal",))).startswith("the Gluon Hopper")
     # A sliding window: the Gluon kernels, where its right bound is the causal diagonal or none.
     for path in (backend.forward_path(problem(features=("causal", "window"))),
                  backend.backward_path(problem(features=("window",)))):
@@ -2096,11 +2252,15 @@ def test_explain_names_the_kernel_families(monkeypatch):
     assert "Gluon Hopper backward (hopper_backward.py)" in backend.backward_path(problem(features=("causal",)))
     assert "Gluon Hopper backward" in backend.backward_path(problem(head_dim=64, seqlen_k=192))
     assert "191 keys < 192" in backend.backward_path(problem(head_dim=64, seqlen_k=191))
-    for kwargs, reason in ((dict(head_dim=96), "head dims 96/96"), (dict(seqlen_k=100), "100 keys < 128"),
+    for kwargs, reason in ((dict(head_dim=80), "head dims 80/80"), (dict(seqlen_k=100), "100 keys < 128"),
                            (dict(features=("float_mask",)), "a float mask")):
         path = backend.backward_path(problem(**kwargs))
         assert path.startswith("the FlashAttention-2 backward") and reason in path, (kwargs, path)
-    assert hopper_launch.DETERMINISTIC in TritonBackend(deterministic=True).backward_path(problem())
+    deterministic = TritonBackend(deterministic=True).backward_path(problem())
+    assert deterministic.startswith("the Gluon Hopper backward") and "fixed order (deterministic)" in deterministic
+    # (its own key thresholds: at d = 64 with a causal mask from 16k keys)
+    assert "4096 keys < 16384" in TritonBackend(deterministic=True).backward_path(problem(head_dim=64,
+                                                                                          features=("causal",)))
 
     from mhattn.dispatch import Decision
 

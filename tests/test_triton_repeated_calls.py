@@ -374,7 +374,7 @@ def test_a_repeated_backward_gives_way_to_the_gluon_backward_when_it_applies(mon
     ran = counting_repeats(monkeypatch)
     gluon = []
     monkeypatch.setattr(hopper_launch, "backward", lambda *args: gluon.append(args))
-    monkeypatch.setattr(hopper_launch, "backward_sums_words", lambda plan, device_index: 0)
+    monkeypatch.setattr(hopper_launch, "backward_sums_words", lambda plan, device_index, deterministic: 0)
     monkeypatch.setenv(hopper_launch.ENV_SWITCH, "1")
     backend = tb.TritonBackend(deterministic=False)
     params = AttentionParams(scale=0.125, window_right=0)

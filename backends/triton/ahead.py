@@ -27,9 +27,9 @@ FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "dQacc", "OutSplit"
 # int32 pointers: the dropout seed words read from the device (see forward.attention_forward_kernel); the
 # cu_seqlens of packed sequences, key bounds of key padding masks (varlen_launch.py, key_padding.py), a KV
 # cache's lengths before and after an append and its block table (decode.py), the Gluon forward's tile counter
-# (hopper_launch), the Gluon backward's dQ counters (hopper_backward.hopper_backward_kernel).
+# (hopper_launch), the Gluon backward's dQ counters and turn counters (hopper_backward.hopper_backward_kernel).
 INT32_POINTERS = {"Seed", "CuSeqlensQ", "CuSeqlensK", "Seqlens", "CacheSeqlens", "BlockTable", "TileCounter",
-                  "DqCounters", "KeyBounds"}
+                  "DqCounters", "KeyBounds", "DqTurns"}
 FLOATS = {"qk_scale2", "softcap_in2", "softcap_out2", "dropout_scale", "sm_scale"}
 KINDS = ("fwd", "dkdv", "dq", "short_bwd", "hopper_fwd", "hopper_bwd")
 GLUON_KINDS = ("hopper_fwd", "hopper_bwd")
@@ -40,16 +40,17 @@ ARCHS = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90, "sm_90a": 90}
 def hopper_tile(head_dim: int) -> configs.KernelConfig:
     """The Hopper forward's tile as a KernelConfig (for labels and num_warps): query rows per program, the key
     block, the first consumer's 4 warps; copy-engine loads and warp specialisation always."""
-    return configs.KernelConfig(2 * hopper_launch.QUERY_ROWS_PER_CONSUMER, hopper_launch.KEY_BLOCK[head_dim], 4, 1,
+    width = hopper_launch.TILE_WIDTH[head_dim]
+    return configs.KernelConfig(2 * hopper_launch.QUERY_ROWS_PER_CONSUMER, hopper_launch.KEY_BLOCK[width], 4, 1,
                                 tma=True, warp_specialize=True)
 
 
 def hopper_backward_tile(head_dim: int) -> configs.KernelConfig:
     """The Hopper backward's tile: query rows per step, keys per program, the compute partition's 8 warps, the
     Q/dO slots."""
-    return configs.KernelConfig(hopper_launch.BACKWARD_QUERY_BLOCK[head_dim],
-                                hopper_launch.BACKWARD_KEY_BLOCK[head_dim], 8, hopper_launch.BACKWARD_STAGES[head_dim],
-                                tma=True, warp_specialize=True)
+    width = hopper_launch.TILE_WIDTH[head_dim]
+    return configs.KernelConfig(hopper_launch.BACKWARD_QUERY_BLOCK[width], hopper_launch.BACKWARD_KEY_BLOCK[width], 8,
+                                hopper_launch.BACKWARD_STAGES[width], tma=True, warp_specialize=True)
 
 
 @dataclass(frozen=True)
@@ -247,15 +248,16 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                 task = KernelTask("fwd", head_dim, causal, tile)
                 if tile != config.forward and task not in tasks and not (hopper_only and not tile.tma):
                     tasks.append(task)
-            if cc == 90 and head_dim in hopper_launch.KEY_BLOCK:  # the Gluon kernels (sm_90 only)
+            width = hopper_launch.TILE_WIDTH.get(head_dim)
+            if cc == 90 and width is not None:  # the Gluon kernels (sm_90 only)
                 tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim)))
                 if causal:  # the persistent grid's programs take causal tiles from a counter
                     tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
                                             flags=(("TILE_COUNTER", True),)))
-                if causal and head_dim in hopper_launch.FORWARD_HALF_DIAGONAL_MAX_KEYS:  # up to that many keys
+                if causal and width in hopper_launch.FORWARD_HALF_DIAGONAL_MAX_KEYS:  # up to that many keys
                     tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
                                             flags=(("TILE_COUNTER", True), ("HALF_DIAGONAL", True))))
-                if head_dim in hopper_launch.FORWARD_Q_ROTATING_MAX_KEYS:  # three Q slots, up to that many keys
+                if width in hopper_launch.FORWARD_Q_ROTATING_MAX_KEYS:  # three Q slots, up to that many keys
                     tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
                                             flags=(("TILE_COUNTER", causal), ("Q_ROTATING", True))))
                 # A sliding window (left bound), causal (the usual case, its persistent grid from a counter) or not;
@@ -263,9 +265,9 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                 for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP"):
                     tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
                                             flags=(("TILE_COUNTER", causal), (flag, True))))
-            if cc == 90 and head_dim in hopper_launch.BACKWARD_MIN_KEYS:
+            if cc == 90 and width in hopper_launch.BACKWARD_MIN_KEYS:
                 tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim)))
-                for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP"):
+                for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP", "DETERMINISTIC"):
                     tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim),
                                             flags=((flag, True),)))
         if not hopper_only:

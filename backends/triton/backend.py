@@ -685,8 +685,9 @@ class TritonBackend(OutputOnlyForward):
 
     def __init__(self, deterministic: Optional[bool] = None):
         self._unavailable: Optional[list] = None
-        # deterministic: True = dQ from its own kernel (bitwise reproducible); False = dQ summed with atomics
-        # inside the dK/dV kernel where the configuration asks for it; None (default) = deterministic when
+        # deterministic: True = dQ from its own kernel (bitwise reproducible), or in the Gluon Hopper backward added
+        # in a fixed order; False = dQ summed with atomics inside the dK/dV kernel where the configuration asks for
+        # it, and in any order in the Gluon backward; None (default) = deterministic when
         # torch.use_deterministic_algorithms(True) is on.
         self.deterministic = deterministic
 
@@ -753,12 +754,12 @@ class TritonBackend(OutputOnlyForward):
     def backward_path(self, problem) -> Optional[str]:
         if problem.operation != "attention":
             return None
-        reason = hopper_launch.why_not_problem(problem, hopper_launch.BACKWARD_MIN_KEYS)
-        if reason is None and self._deterministic():
-            reason = hopper_launch.DETERMINISTIC
+        deterministic = self._deterministic()
+        reason = hopper_launch.why_not_problem(problem, hopper_launch.backward_min_keys(deterministic))
         if reason is None:
+            order = ", dQ's shares added in a fixed order (deterministic)" if deterministic else ""
             return ("the Gluon Hopper backward (hopper_backward.py), when q, k, v and the output gradient rows are "
-                    "16-byte aligned" + _conditions(problem))
+                    "16-byte aligned" + _conditions(problem) + order)
         tile = configs.short_backward_tile(problem.seqlen_k, configs.padded_head_dim(problem.head_dim),
                                            configs.padded_head_dim(problem.head_dim_v),
                                            problem.dtype.itemsize, INTERPRET)
@@ -940,15 +941,16 @@ class TritonBackend(OutputOnlyForward):
             dq.zero_(), dk.zero_(), dv.zero_()
             return dq, dk, dv, (dmask.to(params.mask.dtype) if dmask is not None else None)
 
+        deterministic = self._deterministic()
         hopper = plan.sm90 and hopper_launch.why_not_backward(plan, run, _descriptor_ready(grad_out),
-                                                              self._deterministic()) is None
+                                                              deterministic) is None
         if not hopper and grad_lse is None and not mask_grad:
             grads = self._short_backward(run, grad_out, q, k, v, out, lse, dq, dk, dv)
             if grads is not None:
                 return (*grads, None)
         # The Gluon Hopper backward's float32 dQ sums and counters, when it runs as one launch: in the same
         # allocation as delta and lse2, zeroed by the preprocess kernel (hopper_launch.backward).
-        sums_words = hopper_launch.backward_sums_words(plan, plan.device_index) if hopper else 0
+        sums_words = hopper_launch.backward_sums_words(plan, plan.device_index, deterministic) if hopper else 0
         delta, lse2, sums = plan.backward_scratch(q.device, sums_words)
         dq_mode = 0 if hopper else self._dq_mode(run, mask_grad)
         # dQ summed inside the dK/dV kernel: a zeroed float32 buffer (B, Hq, Nq, D), converted at the end.
@@ -1019,7 +1021,7 @@ class TritonBackend(OutputOnlyForward):
             key = plan.shrink_key + (run.tma_ok, dq_mode)
             if hopper:
                 hopper_site = hopper_launch.backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan,
-                                                     plan.device_index, sums)
+                                                     plan.device_index, sums, deterministic)
             elif dq_mode:
                 _run("dkdv", plan.config.dkdv, key, launch_dkdv)
                 dq.copy_(dq_acc)

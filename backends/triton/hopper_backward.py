@@ -31,10 +31,13 @@ programs still compute, instead of a pass over the whole buffer after the kernel
 
 The key-major layout keeps dK and dV in registers for the whole walk; dQ needs no second kernel and no second
 computation of S and dP (5 products per tile instead of 7), at the price of an order of float32 additions that
-varies between runs: the deterministic backward stays on backward.py's kernels.
+varies between runs. A deterministic backward (DETERMINISTIC) fixes that order: each query block's shares are added by
+its key blocks in their order, each waiting for its turn on a counter (dq_turn), as FlashAttention-3's deterministic
+backward does.
 
 Coverage (hopper_launch.why_not_backward routes the rest to backward.py): fp16 and bf16; head dims 64, 128 and
-256 (K and V the same); no mask, or causal of either alignment (diag_offset); a sliding window's left bound
+256, and 96 and 192 in the 128- and 256-wide tiles (HEAD_COLS; K and V the same); no mask, or causal of either
+alignment (diag_offset); a sliding window's left bound
 (WINDOW), with the causal diagonal or no right bound; a right-padding key mask as key counts (KEY_LENGTHS); dropout
 with the shared RNG (DROPOUT); a softcap (SOFTCAP); GQA by head index; any Nq, Nk >= 1;
 16-byte aligned rows.
@@ -91,19 +94,31 @@ def visible_query_blocks(start_n, seqlen_q, diag_offset, window_left, BLOCK_M: g
 
 
 @gluon.jit
+def step_place(step, walk, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """(query head after the program's first, first query row) of step ``step``. walk: (first_m, m_blocks, kv_group),
+    the program's first visible query block, how many it sees, the query heads it walks. Each head's blocks in order,
+    head after head; DETERMINISTIC: block-major in reverse, the heads of a block together, so that every program of a
+    (batch, key/value head) adds to a query block of a head at the same step (a causal program starts at the last
+    query block whatever its first; dq_turn's order then waits little)."""
+    first_m, m_blocks, kv_group = walk
+    if DETERMINISTIC:
+        return step % kv_group, first_m + (m_blocks - 1 - step // kv_group) * BLOCK_M
+    return step // m_blocks, first_m + (step % m_blocks) * BLOCK_M
+
+
+@gluon.jit
 def load_partition(k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
                    lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv, first_head,
-                   start_n, first_m, m_blocks, steps, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """The load warp: K and V once, then Q with its rows' lse2 and dO with their delta of step s (query head
-    s // m_blocks, query block s % m_blocks) into slot s % NUM_STAGES once the compute partition has released
-    that slot's previous tiles."""
+                   start_n, walk, steps, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """The load warp: K and V once, then Q with its rows' lse2 and dO with their delta of step s (step_place) into
+    slot s % NUM_STAGES once the compute partition has released that slot's previous tiles."""
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [batch, head_kv, start_n, 0], kv_ready, k_smem)
     tma_load(v_desc, [batch, head_kv, start_n, 0], kv_ready, v_smem)
     for step in range(steps):
         slot = step % NUM_STAGES
-        head = first_head + step // m_blocks
-        start_m = first_m + (step % m_blocks) * BLOCK_M
+        head_step, start_m = step_place(step, walk, BLOCK_M, DETERMINISTIC)
+        head = first_head + head_step
         # A fresh barrier counts as having completed the phase before its first: round 0 waits for nothing.
         free_phase = ((step // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(q_empty.index(slot), free_phase)
@@ -139,22 +154,60 @@ def masked_scores_t(s2_t, keys, start_m, seqlen_k, diag_offset, window_left, BLO
 
 
 @gluon.jit
-def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, dq_added, batch, first_head, first_m, m_blocks, steps,
-                        BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr, DQ_CHUNKS: gl.constexpr):
+def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, dq_added, batch, first_head, walk, steps, turns,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_COLS: gl.constexpr, DQ_CHUNKS: gl.constexpr,
+                        WINDOW: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """The dQ writer warp: each step's dQ share (DQ_CHUNKS column chunks of DQ_COLS), once the compute warps have
     put a chunk in shared memory, added into the float32 buffer by the copy engine's bulk reduce-add (rows past Nq
     are clipped); chunk i goes through buffer i % 2, handed back as soon as the copy engine has read it. At the
-    end, once every addition has reached global memory, it arrives on dq_added."""
+    end, once every addition has reached global memory, it arrives on dq_added. DETERMINISTIC: a step's share is
+    added in its key block's turn on its query block (dq_turn, turns), and the turn is passed on once the additions
+    have reached global memory."""
     for index in range(steps * DQ_CHUNKS):
         step = index // DQ_CHUNKS
         buf = index % 2
+        head_step, start_m = step_place(step, walk, BLOCK_M, DETERMINISTIC)
         mbarrier.wait(dq_ready.index(buf), (index // 2) & 1)
-        tma_reduce_add(dq_desc, [batch, first_head + step // m_blocks, first_m + (step % m_blocks) * BLOCK_M,
-                                 (index % DQ_CHUNKS) * DQ_COLS], dq_smem.index(buf))
+        if DETERMINISTIC:
+            turn = dq_turn(turns, head_step, start_m, BLOCK_M, BLOCK_N, WINDOW)
+            if index % DQ_CHUNKS == 0:
+                wait_for_turn(turn[0], turn[1])
+        tma_reduce_add(dq_desc, [batch, first_head + head_step, start_m, (index % DQ_CHUNKS) * DQ_COLS],
+                       dq_smem.index(buf))
         tma.store_wait(0)
         mbarrier.arrive(dq_empty.index(buf), count=1)
+        if DETERMINISTIC:
+            if index % DQ_CHUNKS == DQ_CHUNKS - 1:
+                bulk_writes_done()
+                gl.atomic_add(turn[0], 1, sem="release", scope="gpu")
     bulk_writes_done()
     mbarrier.arrive(dq_added, count=1)
+
+
+@gluon.jit
+def dq_turn(turns, head_step, start_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+    """(counter, turn) of this key block's addition to query block start_m of the step's query head: the key blocks
+    that see a query block are a run of consecutive ones (causal or not, with or without a window's left bound, and
+    with per-sequence key counts the trailing ones see none), and they add in their order, so this block's turn is
+    its number less that of the run's first block (0 but where a window's left bound moves the run's start). turns:
+    (the program's first query head's counters, query blocks per head, this key block's number,
+    diag_offset - window_left); head_step: the step's query head after the program's first."""
+    counters, m_per_head, key_block, window_start = turns
+    first_block = 0
+    if WINDOW:  # the first key block whose last key reaches the window of the query block's first row
+        first_block = gl.maximum(start_m + window_start, 0) // BLOCK_N
+    return counters + head_step * m_per_head + start_m // BLOCK_M, key_block - first_block
+
+
+@gluon.jit
+def wait_for_turn(counter, turn):
+    """Spins until the int32 counter reads ``turn`` (an acquire of the additions of the key blocks before), then
+    orders the copy engine's next operations after that read (the proxy fence)."""
+    seen = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    while seen != turn:
+        seen = gl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
 
 
 @gluon.jit
@@ -175,31 +228,36 @@ def rows_layout(head_dim, warps):
 
 
 @gluon.jit
-def convert_dq(dq_acc, dq_base, stride_dqh, stride_dqn, heads, seqlen_q, HEAD_DIM: gl.constexpr):
-    """dQ's float32 rows of ``heads`` query heads (Nq rows each, contiguous from dq_acc) into dq_base (the first of
-    those heads in dQ, with its head and row strides) in dQ's dtype. Read past L1: other programs' copies summed
-    the rows in L2."""
+def convert_dq(dq_acc, dq_base, stride_dqh, stride_dqn, heads, seqlen_q, HEAD_DIM: gl.constexpr,
+               HEAD_COLS: gl.constexpr):
+    """dQ's float32 rows of ``heads`` query heads (Nq rows of HEAD_COLS each, contiguous from dq_acc) into dq_base
+    (the first of those heads in dQ, with its head and row strides) in dQ's dtype, HEAD_DIM columns (the tile width)
+    at a time. Read past L1: other programs' copies summed the rows in L2."""
     ROWS: gl.constexpr = 64
     layout: gl.constexpr = rows_layout(HEAD_DIM, COMPUTE_WARPS)
     cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout)), 0)
     for head in range(heads):
-        source = dq_acc + head.to(gl.int64) * seqlen_q * HEAD_DIM
+        source = dq_acc + head.to(gl.int64) * seqlen_q * HEAD_COLS
         target = dq_base + head.to(gl.int64) * stride_dqh
         for first in range(0, seqlen_q, ROWS):
             row = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
             keep = gl.expand_dims(row < seqlen_q, 1)
-            values = gl.load(source + gl.expand_dims(row * HEAD_DIM, 1) + cols, mask=keep, cache_modifier=".cg")
+            if HEAD_COLS < HEAD_DIM:
+                keep = keep & (cols < HEAD_COLS)
+            values = gl.load(source + gl.expand_dims(row * HEAD_COLS, 1) + cols, mask=keep, cache_modifier=".cg")
             gl.store(target + gl.expand_dims(row.to(gl.int64) * stride_dqn, 1) + cols,
                      values.to(target.dtype.element_ty), mask=keep)
 
 
 @gluon.jit
-def step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-               NUM_STAGES: gl.constexpr):
-    """Step ``step``'s ring slot, its barriers' phase, its first query row and its Q and dO tiles."""
+def step_tiles(q_smem, do_smem, step, walk, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+               DETERMINISTIC: gl.constexpr):
+    """Step ``step``'s ring slot, its barriers' phase, its query head after the program's first and first query row
+    (step_place), and its Q and dO tiles."""
     slot = step % NUM_STAGES
-    return (slot, (step // NUM_STAGES) & 1, first_m + (step % m_blocks) * BLOCK_M,
-            q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]), do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]))
+    head_step, start_m = step_place(step, walk, BLOCK_M, DETERMINISTIC)
+    return (slot, (step // NUM_STAGES) & 1, head_step, start_m, q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]),
+            do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM]))
 
 
 @gluon.jit
@@ -251,12 +309,12 @@ def softcap_chain(p_dv, p_t, slope, dtype: gl.constexpr, SOFTCAP: gl.constexpr):
 
 
 @gluon.jit
-def step_keep(rng, key_hashes, step, start_m, m_blocks, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
-    """DROPOUT: a step's keep decisions, keys by rows and its queries by columns (query head first_head + step //
-    m_blocks; rng as the kernel makes it, key_hashes the block's column_hashes)."""
+def step_keep(rng, key_hashes, head_step, start_m, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """DROPOUT: a step's keep decisions, keys by rows and its queries by columns (query head first_head + head_step;
+    rng as the kernel makes it, key_hashes the block's column_hashes)."""
     seed0, seed1, threshold, _, first_batch_head = rng
     queries = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    rows = row_keys(head_key(first_batch_head + step // m_blocks, seed0), queries, seed1)
+    rows = row_keys(head_key(first_batch_head + head_step, seed0), queries, seed1)
     return keep_tile_transposed(rows, key_hashes, threshold)
 
 
@@ -264,10 +322,11 @@ def step_keep(rng, key_hashes, step, start_m, m_blocks, BLOCK_M: gl.constexpr, s
 def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
                              kv_ready, q_ready, q_empty, do_ready, do_empty,
                              lse2_smem, delta_smem, dkv_out,
-                             start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
+                             start_n, walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
                              sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                             DROPOUT: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr):
+                             DROPOUT: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
+                             DETERMINISTIC: gl.constexpr):
     """Head dims 64 and 128, each warpgroup owning 64 of the keys: every step of the key block, then dK and dV.
     Per step: S^T, dP^T; P^T, dS^T; dV, dK; dQ's share."""
     s_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS, 1, BLOCK_M)         # S^T, dP^T: (BLOCK_N, BLOCK_M)
@@ -285,15 +344,15 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
     mbarrier.wait(kv_ready, 0)
 
     for step in range(steps):
-        slot, phase, start_m, q_tile, do_tile = step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M,
-                                                           HEAD_DIM, NUM_STAGES)
+        slot, phase, head_step, start_m, q_tile, do_tile = step_tiles(q_smem, do_smem, step, walk, BLOCK_M, HEAD_DIM,
+                                                                      NUM_STAGES, DETERMINISTIC)
         p_t, dp_t, slope = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot,
                                               phase, start_n, start_m, keys, s_zero, key_end, diag_offset, window_left,
                                               qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout, softcap_in2,
                                               SOFTCAP)
         p_dv = p_t  # what dV's product takes: P^T, dropped (and scaled at the end) with DROPOUT
         if DROPOUT:
-            keep_t = step_keep(rng, column_hashes(keys), step, start_m, m_blocks, BLOCK_M, s_layout)
+            keep_t = step_keep(rng, column_hashes(keys), head_step, start_m, BLOCK_M, s_layout)
             p_dv = gl.where(keep_t, p_t, 0.0)
         p_dv, p_t = softcap_chain(p_dv, p_t, slope, dtype, SOFTCAP)
         # At 64 queries a step dV's product starts while dP^T is still on the tensor cores. At 128, P^T and dP^T in
@@ -334,35 +393,36 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
 def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty,
                       kv_ready, q_ready, q_empty, do_ready, do_empty,
                       lse2_smem, delta_smem, dkv_out,
-                      start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2, sm_scale,
+                      start_n, walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2, sm_scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr,
-                      DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr):
+                      DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
+                      DETERMINISTIC: gl.constexpr):
     """The kernel's 8 warps: the narrow schedule (warpgroups split the keys) up to head dim 128, the wide one
     (warpgroups split the columns) above."""
     if HEAD_DIM > 128:
         wide_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
-                               first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2, sm_scale,
+                               walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2, sm_scale,
                                HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV,
-                               softcap_in2, SOFTCAP)
+                               softcap_in2, SOFTCAP, DETERMINISTIC)
     else:
         narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                  q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
-                                 first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
+                                 walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
                                  sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT,
-                                 STAGED_DK_DV, softcap_in2, SOFTCAP)
+                                 STAGED_DK_DV, softcap_in2, SOFTCAP, DETERMINISTIC)
 
 
 @gluon.jit
 def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, dq_ready, dq_empty,
                            kv_ready, q_ready, q_empty, do_ready, do_empty,
                            lse2_smem, delta_smem, dkv_out,
-                           start_n, first_m, m_blocks, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
+                           start_n, walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
                            sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                            DROPOUT: gl.constexpr, DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2,
-                           SOFTCAP: gl.constexpr):
+                           SOFTCAP: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """The compute partition at head dim 256. dK and dV of 64 keys by 256 columns take all of both warpgroups'
     accumulator registers, so BLOCK_N is 64 and the warpgroups split every product by columns instead of keys:
     S^T and dP^T by query (BLOCK_M / 2 each), dV and dK by head-dim column (HEAD_DIM / 2 each), and dQ = dS K in
@@ -385,8 +445,8 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
     mbarrier.wait(kv_ready, 0)
 
     for step in range(steps):
-        slot, phase, start_m, q_tile, do_tile = step_tiles(q_smem, do_smem, step, first_m, m_blocks, BLOCK_M,
-                                                           HEAD_DIM, NUM_STAGES)
+        slot, phase, head_step, start_m, q_tile, do_tile = step_tiles(q_smem, do_smem, step, walk, BLOCK_M, HEAD_DIM,
+                                                                      NUM_STAGES, DETERMINISTIC)
         p_t, dp_t, slope = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot,
                                               phase, start_n, start_m, keys, s_zero, key_end, diag_offset, window_left,
                                               qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout, softcap_in2,
@@ -395,7 +455,7 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
         dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
         p_dv = p_t  # what dV's product takes: P^T, dropped (and scaled at the end) with DROPOUT
         if DROPOUT:
-            keep_t = step_keep(rng, column_hashes(keys), step, start_m, m_blocks, BLOCK_M, s_layout)
+            keep_t = step_keep(rng, column_hashes(keys), head_step, start_m, BLOCK_M, s_layout)
             p_dv = gl.where(keep_t, p_t, 0.0)
             dp_t = gl.where(keep_t, dp_t * rng[3], 0.0)
         p_dv, p_t = softcap_chain(p_dv, p_t, slope, dtype, SOFTCAP)
@@ -469,20 +529,21 @@ def store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BL
                               "call_batch_head0", "call_heads_q"])
 def hopper_backward_kernel(
     q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, dq_desc, dk_desc, dv_desc, dK, dV, dQ, dQacc, DqCounters,
-    KeyBounds, Seed,
+    KeyBounds, Seed, DqTurns,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
     heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset, window_left,
     threshold, dropout_scale, call_batch_head0, call_heads_q, softcap_in2, convert_in_kernel,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr, WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False,
-    DROPOUT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
+    HEAD_DIM: gl.constexpr, HEAD_COLS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr, WINDOW: gl.constexpr = False,
+    KEY_LENGTHS: gl.constexpr = False,
+    DROPOUT: gl.constexpr = False, SOFTCAP: gl.constexpr = False, DETERMINISTIC: gl.constexpr = False,
 ):
     """Host tensor maps (hopper_launch.tensor_map): q_desc, do_desc of Q, dOut (B, Hq, Nq, D) in blocks of
-    (1, 1, BLOCK_M, D); k_desc, v_desc of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D); lse2_desc,
-    delta_desc of backward.py's preprocess outputs (B, Hq, Nq) fp32 in blocks of (1, 1, BLOCK_M); dq_desc of the
-    zeroed float32 dQ buffer (B, Hq, Nq, D) in blocks of (1, 1, BLOCK_M, min(D, 128)), which receives
+    (1, 1, BLOCK_M, HEAD_DIM); k_desc, v_desc of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, HEAD_DIM);
+    lse2_desc, delta_desc of backward.py's preprocess outputs (B, Hq, Nq) fp32 in blocks of (1, 1, BLOCK_M); dq_desc
+    of the zeroed float32 dQ buffer (B, Hq, Nq, D) in blocks of (1, 1, BLOCK_M, min(HEAD_DIM, 128)), which receives
     scale * dS K; dk_desc, dv_desc of dK, dV (B, Hkv, Nk, D) in the input dtype, in K's blocks, written through them
     with STAGED_DK_DV, else through the pointers dK, dV and their strides. dQacc is the float32 buffer (contiguous)
     and DqCounters B * Hkv zeroed int32 counters; dQ (B, Hq, Nq, D) in the input dtype, last dim contiguous. With
@@ -499,7 +560,15 @@ def hopper_backward_kernel(
     call_heads_q are not read. SOFTCAP: the scores were softcap * tanh(scale * S / softcap), with
     qk_scale2 = softcap * log2(e) and softcap_in2 = 2 * log2(e) * scale / softcap, and dS takes the slope
     1 - tanh^2 (step_probabilities); without it softcap_in2 is not read.
+    D = HEAD_COLS, the head dim; HEAD_DIM is the tiles' width, a power of two >= D (hopper_launch.TILE_WIDTH): the
+    copy engine zero-fills the columns past D and clips them from its stores, so a narrower D needs STAGED_DK_DV.
+    DETERMINISTIC: dQ's shares are added in a fixed order, each query block's by its key blocks in their order, so
+    that dQ is the same bit for bit at every run: DqTurns holds B * Hq * cdiv(Nq, BLOCK_M) zeroed int32 counters, a
+    query block's counting the key blocks that have added to it (dq_turn), and a program waits for its turn before
+    each addition (the programs of a (batch, key/value head) start in key block order, so the one waited for has
+    started); without it DqTurns is not read.
     Grid (B * Hkv * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
+    gl.static_assert(STAGED_DK_DV or HEAD_COLS == HEAD_DIM, "dK and dV stored from registers write every tile column")
     pid = gl.program_id(0)
     # Head-major: the key blocks of one head run side by side and share its Q and dO in L2 (a longest-first order
     # across heads for causal calls measured slower). Within a head, causal key blocks with the most queries first.
@@ -558,17 +627,24 @@ def hopper_backward_kernel(
     dkv_out = (dk_desc, dv_desc, batch, head_kv,
                dK + batch.to(gl.int64) * stride_dkb + head_kv.to(gl.int64) * stride_dkh,
                dV + batch.to(gl.int64) * stride_dvb + head_kv.to(gl.int64) * stride_dvh, stride_dkn, stride_dvn)
+    if DETERMINISTIC:
+        m_per_head = gl.cdiv(seqlen_q, BLOCK_M)
+        turns = (DqTurns + (batch * heads_kv * kv_group + first_head).to(gl.int64) * m_per_head, m_per_head,
+                 pid % num_n_blocks, diag_offset - window_left)
+    else:
+        turns = (DqTurns, 0, 0, 0)
+    walk = (first_m, m_blocks, kv_group)  # the program's query blocks and heads (step_place)
     gl.warp_specialize([
         (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready,
-                             q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n, first_m,
-                             m_blocks, steps, (key_end, seqlen_k), diag_offset, window_left, rng, qk_scale2, sm_scale,
+                             q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n, walk, steps,
+                             (key_end, seqlen_k), diag_offset, window_left, rng, qk_scale2, sm_scale,
                              HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV,
-                             softcap_in2, SOFTCAP)),
+                             softcap_in2, SOFTCAP, DETERMINISTIC)),
         (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_tile, v_tile, q_smem, do_smem,
                           lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv,
-                          first_head, start_n, first_m, m_blocks, steps, BLOCK_M, NUM_STAGES)),
-        (dq_writer_partition, (dq_desc, dq_smem, dq_ready, dq_empty, dq_added, batch, first_head, first_m, m_blocks,
-                               steps, BLOCK_M, DQ_COLS, HEAD_DIM // DQ_COLS)),
+                          first_head, start_n, walk, steps, BLOCK_M, NUM_STAGES, DETERMINISTIC)),
+        (dq_writer_partition, (dq_desc, dq_smem, dq_ready, dq_empty, dq_added, batch, first_head, walk, steps, turns,
+                               BLOCK_M, BLOCK_N, DQ_COLS, HEAD_DIM // DQ_COLS, WINDOW, DETERMINISTIC)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])
 
     # The (batch, key/value head)'s dQ is complete once each of its num_n_blocks programs has added its share: the
@@ -578,6 +654,6 @@ def hopper_backward_kernel(
         mbarrier.wait(dq_added, 0)
         added_before = gl.atomic_add(DqCounters + batch_head_kv, 1, sem="acq_rel", scope="gpu")
         if added_before == num_n_blocks - 1:
-            convert_dq(dQacc + batch_head_kv.to(gl.int64) * kv_group * seqlen_q * HEAD_DIM,
+            convert_dq(dQacc + batch_head_kv.to(gl.int64) * kv_group * seqlen_q * HEAD_COLS,
                        dQ + batch.to(gl.int64) * stride_dqb + first_head.to(gl.int64) * stride_dqh, stride_dqh,
-                       stride_dqn, kv_group, seqlen_q, HEAD_DIM)
+                       stride_dqn, kv_group, seqlen_q, HEAD_DIM, HEAD_COLS)

@@ -32,13 +32,13 @@ The tensor maps are made on the host (hopper_launch.tensor_map), 4-D over (batch
 copy engine zero-fills rows past each head's sequence end; making them in the kernel (a map written to global
 memory and fenced in every program) took about 15% of a program at 1k keys (NOTES, version 8).
 
-Coverage (the backend routes the rest to forward.py): fp16 and bf16; head dims 64, 128, 256 (K and V the
-same); no mask, or a causal mask of either alignment (diag_offset); a sliding window's left bound (WINDOW: a tile
-moves only the key blocks its rows' windows reach, and masks the first ones), with the causal diagonal or no right
-bound; a right-padding key mask as per-batch key counts (KEY_LENGTHS: a tile walks only its batch entry's keys); GQA by
-head index; any Nq, Nk >= 1; a positive scale; 16-byte aligned rows; dropout with the shared RNG (DROPOUT); a softcap
-(SOFTCAP: each score through a tanh before the mask, softmax_step). Output (B, Hq, Nq, D) and the log-sum-exp
-(B, Hq, Nq) like forward.py's.
+Coverage (the backend routes the rest to forward.py): fp16 and bf16; head dims 64, 128, 256, and 96 and 192 in the 128-
+and 256-wide tiles (HEAD_COLS; K and V the same); no mask, or a causal mask of either alignment (diag_offset); a sliding
+window's left bound (WINDOW: a tile moves only the key blocks its rows' windows reach, and masks the first ones), with
+the causal diagonal or no right bound; a right-padding key mask as per-batch key counts (KEY_LENGTHS: a tile walks only
+its batch entry's keys); GQA by head index; any Nq, Nk >= 1; a positive scale; 16-byte aligned rows; dropout with the
+shared RNG (DROPOUT); a softcap (SOFTCAP: each score through a tanh before the mask, softmax_step). Output (B, Hq, Nq,
+D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
 """
 
 import triton
@@ -465,7 +465,8 @@ def release_previous_q_slot(q_empty, rounds, HALF: gl.constexpr, Q_BUFFERS: gl.c
 def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
                  o_desc, out_base, stride_om, lse_base, batch, head, start_m, cta_first, cta_end, seqlen_q, seqlen_k,
                  diag_offset, window_left, dropout, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
+                 HEAD_COLS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 Q_BUFFERS: gl.constexpr,
                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr, SPLIT_MASKED: gl.constexpr,
                  HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr, softcap_in2,
                  SOFTCAP: gl.constexpr):
@@ -617,7 +618,10 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
         rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = out_base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
-        gl.store(o_ptrs, out.to(dtype), mask=gl.expand_dims(rows < seqlen_q, 1))
+        keep = gl.expand_dims(rows < seqlen_q, 1)
+        if HEAD_COLS < HEAD_DIM:  # (the tile's columns past the head dim are the copy engine's zero fill)
+            keep = keep & gl.expand_dims(cols < HEAD_COLS, 0)
+        gl.store(o_ptrs, out.to(dtype), mask=keep)
     lse_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     gl.store(lse_base + lse_rows, lse, mask=lse_rows < seqlen_q)
 
@@ -626,7 +630,8 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
 def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                          stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds, rng, tile, rounds,
                          step, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset,
-                         window_left, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                         window_left, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_COLS: gl.constexpr,
+                         BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
                          WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr, DROPOUT: gl.constexpr,
                          SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
@@ -647,7 +652,8 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
         dropout = (0, 0, 1.0)
     consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
                  o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_first, cta_end,
-                 seqlen_q, seqlen_k, diag_offset, window_left, dropout, qk_scale2, HALF, HEAD_DIM, BLOCK_M, BLOCK_N,
+                 seqlen_q, seqlen_k, diag_offset, window_left, dropout, qk_scale2, HALF, HEAD_DIM, HEAD_COLS, BLOCK_M,
+                 BLOCK_N,
                  NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, DROPOUT, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
                  Q_ROTATING, softcap_in2, SOFTCAP)
     return cta_end - cta_first
@@ -658,7 +664,8 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                        Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds, rng, tile_slots,
                        tile_full, tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                        diag_offset, window_left, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
+                       HEAD_COLS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
                        CAUSAL: gl.constexpr, WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr, DROPOUT: gl.constexpr,
                        TILE_COUNTER: gl.constexpr,
                        SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
@@ -677,8 +684,9 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
         step += consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                                      o_desc, Out, stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh,
                                      KeyBounds, rng, tile, rounds, step, num_tiles, num_m_blocks, group_heads, heads_q,
-                                     seqlen_q, seqlen_k, diag_offset, window_left, qk_scale2, HALF, HEAD_DIM, BLOCK_M,
-                                     BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS, DROPOUT, SPLIT_MASKED,
+                                     seqlen_q, seqlen_k, diag_offset, window_left, qk_scale2, HALF, HEAD_DIM,
+                                     HEAD_COLS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS,
+                                     DROPOUT, SPLIT_MASKED,
                                      HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING, softcap_in2, SOFTCAP)
         rounds += 1
         if TILE_COUNTER:
@@ -697,15 +705,18 @@ def hopper_forward_kernel(
     stride_lb, stride_lh,
     heads_q, kv_group, seqlen_q, seqlen_k, num_m_blocks, num_tiles, group_heads, qk_scale2, diag_offset, window_left,
     threshold, dropout_scale, softcap_in2,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr,
+    HEAD_DIM: gl.constexpr, HEAD_COLS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr,
+    SPLIT_MASKED: gl.constexpr,
     HALF_DIAGONAL: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False, Q_ROTATING: gl.constexpr = False,
     WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False, DROPOUT: gl.constexpr = False,
     SOFTCAP: gl.constexpr = False,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
-    blocks of (1, 1, BLOCK_M, D) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, D): the copy engine
-    zero-fills rows past each head's sequence end (and clips the output's), and no program spends time making maps.
+    blocks of (1, 1, BLOCK_M, HEAD_DIM) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, HEAD_DIM): the copy
+    engine zero-fills rows past each head's sequence end (and clips the output's), and no program spends time making
+    maps. D = HEAD_COLS, the head dim; HEAD_DIM is the tiles' width, a power of two >= D (hopper_launch.TILE_WIDTH),
+    whose columns past D the copy engine zero-fills (and clips from the output).
     Out (B, Hq, Nq, D): any strides, last dim contiguous (read through o_desc with two Q buffers, through Out and its
     strides with one). Lse (B, Hq, Nq) fp32 by (stride_lb, stride_lh), natural log. Query head h reads key/value
     head h // kv_group; qk_scale2 = scale * log2(e) > 0; causal: query row i sees keys j <= i + diag_offset; WINDOW:
@@ -770,14 +781,16 @@ def hopper_forward_kernel(
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds,
                               (Seed, threshold, dropout_scale), tile_slots, tile_full, tile_empty, num_tiles,
                               num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
-                              qk_scale2, 0, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW,
+                              qk_scale2, 0, HEAD_DIM, HEAD_COLS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
+                              WINDOW,
                               KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
                               Q_ROTATING, softcap_in2, SOFTCAP)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds,
                               (Seed, threshold, dropout_scale), tile_slots, tile_full, tile_empty, num_tiles,
                               num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
-                              qk_scale2, 1, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW,
+                              qk_scale2, 1, HEAD_DIM, HEAD_COLS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
+                              WINDOW,
                               KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
                               Q_ROTATING, softcap_in2, SOFTCAP)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,

@@ -1,17 +1,18 @@
 """When the Triton backend runs the Hopper kernels (hopper_forward.py, hopper_backward.py), and their launches.
 
-The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/128/256 with equal value head
-dim, a softcap or none, a causal mask of either alignment or none, a sliding window's left bound (its right bound the
-causal diagonal, or none), no mask or a right-padding key mask (taken as each sequence's key count, the mask itself
-unread: NOT_KEY_LENGTHS), dropout with the shared RNG, a positive scale, 16-byte aligned rows (and no broadcast
-batch or head). It pays once each program has enough key blocks to amortise its start (the first copies) and its
-output write; below MIN_KEYS (fewer where the query tiles fill the GPU: FULL_GRID_MIN_KEYS) the FlashAttention-2
-kernel (forward.py) is faster (backends/triton/NOTES.md, versions 5, 8 and 11 on the H100, "Short forward tiles" on
-the H200).
+The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/96/128/192/256 (96 and 192 in the
+128- and 256-wide tiles: TILE_WIDTH) with equal value head dim, a softcap or none, a causal mask of either alignment or
+none, a sliding window's left bound (its right bound the causal diagonal, or none), no mask or a right-padding key mask
+(taken as each sequence's key count, the mask itself unread: NOT_KEY_LENGTHS), dropout with the shared RNG, a positive
+scale, 16-byte aligned rows (and no broadcast batch or head). It pays once each program has enough key blocks to
+amortise its start (the first copies) and its output write; below MIN_KEYS (fewer where the query tiles fill the GPU:
+FULL_GRID_MIN_KEYS) the FlashAttention-2 kernel (forward.py) is faster (backends/triton/NOTES.md, versions 5, 8 and 11
+on the H100, "Short forward tiles" on the H200).
 Everything else runs forward.py.
 
-The Hopper backward covers the same problems (from BACKWARD_MIN_KEYS keys), except a deterministic backward (the
-copy engine's reduce-add sums dQ in an order that varies between runs): backward.py's kernels run the rest.
+The Hopper backward covers the same problems (from BACKWARD_MIN_KEYS keys); a deterministic backward runs its build that
+adds dQ's shares in a fixed order (hopper_backward.dq_turn), from DETERMINISTIC_MIN_KEYS keys. backward.py's kernels run
+the rest.
 
 Both kernels read their tiles through host tensor maps (:func:`tensor_map`, 4-D over batch, head, row and column).
 A call signature's first launch prepares a site with its maps' geometry (launcher.PreparedMapLaunch: the forward's
@@ -37,7 +38,13 @@ from mhattn.backends.triton.decode_launch import _sm_count
 from mhattn.backends.triton.launcher import CompiledLauncher
 from mhattn.caches import put_bounded
 
-# Head dim -> key block: the largest whose K/V ring, both Q tiles and the register budget fit.
+# Head dim -> the kernels' tile width: the tables below are keyed by it. Gluon's tiles are a power of two wide, so head
+# dims 96 and 192 run the 128- and 256-wide kernels: the copy engine zero-fills a tile's columns past the tensor's
+# last one (Q's and K's zeros add nothing to Q K^T, V's give output columns that are never written) and clips the
+# stores of the output and the gradients (HEAD_COLS in the kernels: the stores made by threads mask those columns).
+# The padded products cost 128/96 = 256/192 = 4/3 of the work the head dim needs.
+TILE_WIDTH = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
+# Tile width -> key block: the largest whose K/V ring, both Q tiles and the register budget fit.
 KEY_BLOCK = {64: 128, 128: 128, 256: 64}
 QUERY_ROWS_PER_CONSUMER = 64   # one wgmma row block per consumer warpgroup
 # Head dim -> K/V ring slots of the forward (two fill shared memory at d = 128 and 256).
@@ -82,6 +89,13 @@ _NO_GRID_MIN_KEYS: dict = {}  # the backward's (no lower threshold where the gri
 # kernels less the forward): d = 64 1.0-1.15x backward.py's three kernels from 197 keys (32 and 384 heads), d = 128
 # 1.03-1.15x from 128 keys; below these the short backward (one launch, up to 128 keys at d = 64) leads.
 BACKWARD_MIN_KEYS = {64: 192, 128: 128, 256: 1}
+# A deterministic backward (torch.use_deterministic_algorithms(True)): tile width -> fewest keys, or a pair (without a
+# causal mask, with one), at which the Gluon backward's deterministic build (dQ's shares added in a fixed order,
+# hopper_backward.dq_turn) beats backward.py's deterministic kernels (the dQ kernel apart). H200, bf16, B * N = 16k,
+# H * d = 2048 (NOTES version 27): at d = 128 1.01-1.25x faster from 1k keys, causal or not; at d = 64 ahead from 4k
+# without a mask (1.05x; 0.94x at 1k) and at 16k causal (1.06x; 0.82x at 1k and 4k); at d = 256 ahead at every length
+# without a mask (1.09-1.45x) and from 4k causal (0.95x at 1k).
+DETERMINISTIC_MIN_KEYS = {64: (4096, 16384), 128: 128, 256: (1, 4096)}
 # Keys per program: two compute warpgroups of 64 keys, except at d = 256, where dK and dV of 64 keys fill both
 # warpgroups' registers (they split the columns); there Q and dO have one shared-memory slot (the float32 dQ
 # chunks take the second's room).
@@ -119,7 +133,6 @@ FORWARD_SOFTCAP_HEAD_DIMS = (64, 128, 256)
 BACKWARD_SOFTCAP_HEAD_DIMS = (128, 256)
 SOFTCAP = ("a softcap at this head dim in this direction (the FlashAttention-2 kernel measured faster: "
            "FORWARD_SOFTCAP_HEAD_DIMS, BACKWARD_SOFTCAP_HEAD_DIMS)")
-DETERMINISTIC = "a deterministic backward (the Hopper kernel's dQ sum order varies between runs)"
 
 _launcher: list = []
 _backward_launcher: list = []
@@ -186,16 +199,20 @@ NOT_KEY_LENGTHS = ("a boolean mask other than right padding (True on a prefix of
                    "every head and query), or one met during CUDA graph capture (key_padding.is_right_padding)")
 
 
-def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool) -> Optional[str]:
-    """None when the Hopper kernel runs this call's backward; otherwise the reason it does not.
-    grad_out_ready: the output gradient can be read through tensor maps (backend._descriptor_ready)."""
-    if deterministic:
-        return DETERMINISTIC
-    reason = why_not(plan, run, BACKWARD_MIN_KEYS)
+def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool = False) -> Optional[str]:
+    """None when the Hopper kernel runs this call's backward (deterministic: its deterministic build); otherwise the
+    reason it does not. grad_out_ready: the output gradient can be read through tensor maps
+    (backend._descriptor_ready)."""
+    reason = why_not(plan, run, backward_min_keys(deterministic))
     if reason is None and not grad_out_ready:
         return ("the output gradient's rows or start not 16-byte aligned for the copy engine, or a broadcast batch or "
                 "head")
     return reason
+
+
+def backward_min_keys(deterministic: bool) -> dict:
+    """The backward's key thresholds: BACKWARD_MIN_KEYS, or DETERMINISTIC_MIN_KEYS for a deterministic one."""
+    return DETERMINISTIC_MIN_KEYS if deterministic else BACKWARD_MIN_KEYS
 
 
 def why_not_problem(problem, min_keys: Optional[dict] = None) -> Optional[str]:
@@ -238,20 +255,21 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
         return "a pinned tile configuration (forward.py's tiles)"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {dtype} (fp16/bf16 only)"
-    if head_dim != head_dim_v or head_dim not in min_keys:
-        return f"head dims {head_dim}/{head_dim_v} (equal, one of {sorted(min_keys)})"
+    width = TILE_WIDTH.get(head_dim)
+    if head_dim != head_dim_v or width not in min_keys:
+        return f"head dims {head_dim}/{head_dim_v} (equal, one of {sorted(TILE_WIDTH)})"
     if extras:
         return "a float mask, or a boolean mask other than key padding"
-    if dropout_forward and head_dim not in FORWARD_DROPOUT_HEAD_DIMS:
+    if dropout_forward and width not in FORWARD_DROPOUT_HEAD_DIMS:
         return DROPOUT_FORWARD
-    if softcap_dims is not None and head_dim not in softcap_dims:
+    if softcap_dims is not None and width not in softcap_dims:
         return SOFTCAP
     if seqlen_q == 0 or seqlen_k == 0:
         return "an empty query or key set"
-    fewest = min_keys[head_dim]
+    fewest = min_keys[width]
     if isinstance(fewest, tuple):  # (without a causal mask, with one)
         fewest = fewest[bool(causal)]
-    fewest = min(fewest, grid_min_keys.get(head_dim, fewest))
+    fewest = min(fewest, grid_min_keys.get(width, fewest))
     if seqlen_k < fewest and switch != "always":
         return f"{seqlen_k} keys < {fewest} (the FlashAttention-2 kernel is faster there)"
     return None
@@ -263,15 +281,16 @@ def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, s
     """The kernel's compile-time arguments for a head dim, causal or not, tiles from a counter or round-robin,
     ``seqlen_k`` keys (None: as many as the longest; the launch, `mhattn build` and the GPU check script use the
     same), a sliding window's left bound or not, per-batch key counts (a right-padding key mask) or not, dropout or
-    not, and a softcap or not."""
+    not, and a softcap or not. HEAD_DIM is the tile width (TILE_WIDTH), HEAD_COLS the head dim."""
+    width = TILE_WIDTH[head_dim]
     half_diagonal = (causal and not window and seqlen_k is not None
-                     and seqlen_k <= FORWARD_HALF_DIAGONAL_MAX_KEYS.get(head_dim, 0))
-    q_rotating = (Q_BUFFERS[head_dim] == 1 and seqlen_k is not None
-                  and seqlen_k <= FORWARD_Q_ROTATING_MAX_KEYS.get(head_dim, 0))
-    return dict(HEAD_DIM=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[head_dim],
-                NUM_STAGES=FORWARD_STAGES[head_dim], Q_BUFFERS=Q_BUFFERS[head_dim], CAUSAL=causal,
-                TILE_COUNTER=tile_counter, SPLIT_MASKED=FORWARD_SPLIT_MASKED[head_dim],
-                HALF_DIAGONAL=half_diagonal, LAZY_RESCALE=FORWARD_LAZY_RESCALE[head_dim],
+                     and seqlen_k <= FORWARD_HALF_DIAGONAL_MAX_KEYS.get(width, 0))
+    q_rotating = (Q_BUFFERS[width] == 1 and seqlen_k is not None
+                  and seqlen_k <= FORWARD_Q_ROTATING_MAX_KEYS.get(width, 0))
+    return dict(HEAD_DIM=width, HEAD_COLS=head_dim, BLOCK_M=QUERY_ROWS_PER_CONSUMER, BLOCK_N=KEY_BLOCK[width],
+                NUM_STAGES=FORWARD_STAGES[width], Q_BUFFERS=Q_BUFFERS[width], CAUSAL=causal,
+                TILE_COUNTER=tile_counter, SPLIT_MASKED=FORWARD_SPLIT_MASKED[width],
+                HALF_DIAGONAL=half_diagonal, LAZY_RESCALE=FORWARD_LAZY_RESCALE[width],
                 Q_ROTATING=q_rotating, WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap)
 
 
@@ -368,23 +387,25 @@ _map_layouts: dict = {}  # a handful of entries: the kernels' block shapes by dt
 
 
 def forward_maps(q, k, v, out, head_dim: int) -> tuple:
-    """The forward kernel's tensor maps of q, k, v and out."""
-    key_block = (1, 1, KEY_BLOCK[head_dim], head_dim)
-    query_block = (1, 1, QUERY_ROWS_PER_CONSUMER, head_dim)
+    """The forward kernel's tensor maps of q, k, v and out, in blocks of the head dim's tile width."""
+    width = TILE_WIDTH[head_dim]
+    key_block = (1, 1, KEY_BLOCK[width], width)
+    query_block = (1, 1, QUERY_ROWS_PER_CONSUMER, width)
     return (tensor_map(q, query_block), tensor_map(k, key_block), tensor_map(v, key_block),
             tensor_map(out, query_block))
 
 
 def backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, head_dim: int) -> tuple:
     """The backward kernel's tensor maps of q, k, v, grad_out, lse2, delta, the float32 dQ buffer, dk and dv (written
-    in K's blocks)."""
-    query_rows = BACKWARD_QUERY_BLOCK[head_dim]
-    query_block = (1, 1, query_rows, head_dim)
-    key_block = (1, 1, BACKWARD_KEY_BLOCK[head_dim], head_dim)
+    in K's blocks), in blocks of the head dim's tile width."""
+    width = TILE_WIDTH[head_dim]
+    query_rows = BACKWARD_QUERY_BLOCK[width]
+    query_block = (1, 1, query_rows, width)
+    key_block = (1, 1, BACKWARD_KEY_BLOCK[width], width)
     rows_block = (1, 1, query_rows)
     return (tensor_map(q, query_block), tensor_map(k, key_block), tensor_map(v, key_block),
             tensor_map(grad_out, query_block), tensor_map(lse2, rows_block), tensor_map(delta, rows_block),
-            tensor_map(dq_acc, (1, 1, query_rows, min(head_dim, 128))), tensor_map(dk, key_block),
+            tensor_map(dq_acc, (1, 1, query_rows, min(width, 128))), tensor_map(dk, key_block),
             tensor_map(dv, key_block))
 
 
@@ -483,60 +504,71 @@ COUNTERS_LIMIT = 64
 
 
 def backward_compile_time_args(head_dim: int, causal: bool, window: bool = False, key_lengths: bool = False,
-                               dropout: bool = False, softcap: bool = False) -> dict:
+                               dropout: bool = False, softcap: bool = False, deterministic: bool = False) -> dict:
     """The backward kernel's compile-time arguments (launch, `mhattn build`, the GPU check script); window: a sliding
-    window's left bound; key_lengths: per-batch key counts (a right-padding key mask); dropout; softcap."""
-    return dict(HEAD_DIM=head_dim, BLOCK_M=BACKWARD_QUERY_BLOCK[head_dim], BLOCK_N=BACKWARD_KEY_BLOCK[head_dim],
-                NUM_STAGES=BACKWARD_STAGES[head_dim], CAUSAL=causal, STAGED_DK_DV=BACKWARD_STAGED_DK_DV[head_dim],
-                WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap)
+    window's left bound; key_lengths: per-batch key counts (a right-padding key mask); dropout; softcap; deterministic:
+    dQ's shares added in a fixed order. HEAD_DIM is the tile width (TILE_WIDTH), HEAD_COLS the head dim."""
+    width = TILE_WIDTH[head_dim]
+    return dict(HEAD_DIM=width, HEAD_COLS=head_dim, BLOCK_M=BACKWARD_QUERY_BLOCK[width],
+                BLOCK_N=BACKWARD_KEY_BLOCK[width], NUM_STAGES=BACKWARD_STAGES[width], CAUSAL=causal,
+                STAGED_DK_DV=BACKWARD_STAGED_DK_DV[width],
+                WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap, DETERMINISTIC=deterministic)
 
 
-def _backward_setup(plan, device_index: int) -> tuple:
-    """(launcher, compile-time set, (batches, key/value heads) per launch) of the backward, made once per plan."""
+def _backward_setup(plan, device_index: int, deterministic: bool = False) -> tuple:
+    """(launcher, compile-time set, (batches, key/value heads) per launch) of the backward, deterministic or not,
+    made once per plan."""
     if not _backward_launcher:
         from mhattn.backends.triton import hopper_backward
 
         _backward_launcher.append(CompiledLauncher(hopper_backward.hopper_backward_kernel))
     launcher = _backward_launcher[0]
     if plan.hopper_backward_constexprs is None:
-        num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[plan.head_dim])
+        num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[TILE_WIDTH[plan.head_dim]])
         plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
                                                       * plan.head_dim * 4, num_n_blocks, _sm_count(device_index))
-        plan.hopper_backward_constexprs = launcher.constexprs(
+        plan.hopper_backward_constexprs = {}
+    constexprs = plan.hopper_backward_constexprs.get(deterministic)
+    if constexprs is None:
+        constexprs = plan.hopper_backward_constexprs[deterministic] = launcher.constexprs(
             8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right, plan.has_left, plan.key_lengths,
-                                               plan.has_dropout, plan.has_softcap))
-    return launcher, plan.hopper_backward_constexprs, plan.hopper_backward_slices
+                                               plan.has_dropout, plan.has_softcap, deterministic))
+    return launcher, constexprs, plan.hopper_backward_slices
 
 
-def backward_sums_words(plan, device_index: int) -> int:
-    """float32 words of the dQ sums and their counters (one int32 word per (batch, key/value head)) when the backward
-    runs as one launch, which the caller allocates beside lse2 and delta and zeroes with them (backward.py's
-    preprocess); 0 when it runs in slices (:func:`backward` allocates and zeroes a slice's buffer itself)."""
-    _, _, (batches, heads) = _backward_setup(plan, device_index)
+def backward_sums_words(plan, device_index: int, deterministic: bool = False) -> int:
+    """float32 words of the dQ sums and their counters (one int32 word per (batch, key/value head); deterministic,
+    then one per (batch, query head, query block): the turn counters) when the backward runs as one launch, which the
+    caller allocates beside lse2 and delta and zeroes with them (backward.py's preprocess); 0 when it runs in slices
+    (:func:`backward` allocates and zeroes a slice's buffer itself)."""
+    _, _, (batches, heads) = _backward_setup(plan, device_index, deterministic)
     if batches != plan.batch or heads != plan.heads_kv:
         return 0
-    return _sums_words(plan, batches, heads)
+    return _sums_words(plan, batches, heads, deterministic)
 
 
-def _sums_words(plan, batches: int, heads: int) -> int:
+def _sums_words(plan, batches: int, heads: int, deterministic: bool = False) -> int:
     """float32 words of one launch's dQ sums and counters over ``batches`` x ``heads`` (batch, key/value head) pairs:
-    each pair's sums for its kv_group query heads, then its int32 counter."""
-    return batches * heads * (plan.kv_group * plan.seqlen_q * plan.head_dim + 1)
+    each pair's sums for its kv_group query heads, then its int32 counter; deterministic, then the int32 turn
+    counters of each query head's query blocks."""
+    turns = plan.kv_group * -(-plan.seqlen_q // BACKWARD_QUERY_BLOCK[TILE_WIDTH[plan.head_dim]]) if deterministic else 0
+    return batches * heads * (plan.kv_group * plan.seqlen_q * plan.head_dim + 1 + turns)
 
 
 def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int,
-             sums=None) -> Optional["BackwardSite"]:
+             sums=None, deterministic: bool = False) -> Optional["BackwardSite"]:
     """Launch the Hopper backward into dq, dk, dv (allocated by the caller); lse2 and delta from backward.py's
     preprocess, rows padded to a 16-byte stride. dQ is summed in float32; where a (batch, key/value head)'s sums take
     at most CONVERT_IN_KERNEL_MAX_BYTES the kernel's program that adds last converts them into dq, else they are
     copied into dq after the launch. ``sums``: the zeroed buffer of :func:`backward_sums_words` words when the backward
     runs as one launch. To bound that buffer, large problems run as several launches over slices of the batch or of
     the key/value heads (:func:`backward_slices`), each zeroing its own and drawing the dropout keep-mask by the
-    call's batch and head numbers. Returns the launch as a BackwardSite where it ran as one launch through the call
+    call's batch and head numbers. deterministic: the build that adds dQ's shares in a fixed order, with its turn
+    counters after the sums' (:func:`backward_sums_words`). Returns the launch as a BackwardSite where it ran as one launch through the call
     signature's prepared site (a repeated call may launch it again), else None."""
-    launcher, constexprs, (batches, heads) = _backward_setup(plan, device_index)
+    launcher, constexprs, (batches, heads) = _backward_setup(plan, device_index, deterministic)
     head_dim = plan.head_dim
-    num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[head_dim])
+    num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[TILE_WIDTH[head_dim]])
     group = plan.kv_group
     convert_in_kernel = group * plan.seqlen_q * head_dim * 4 <= CONVERT_IN_KERNEL_MAX_BYTES
 
@@ -559,7 +591,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
         else:
             # One launch per call over the signature's tensors: the site prepared by its first call (the maps'
             # geometry: the signature's and the gradient's strides).
-            key = ("hopper_backward", grad_out_s.stride())
+            key = ("hopper_backward", grad_out_s.stride(), deterministic)
             site = sites.get(key)
             if site is None or site.launcher is not launcher or site.constexprs is not constexprs:
                 mapped = args[:BACKWARD_MAPS]
@@ -574,13 +606,13 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
         signature = getattr(run, "signature", None)
         return launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, run.key_bounds,
                       sites=None if signature is None else signature.sites)
-    accumulator = torch.empty(_sums_words(plan, batches, heads), dtype=torch.float32, device=q.device)
+    accumulator = torch.empty(_sums_words(plan, batches, heads, deterministic), dtype=torch.float32, device=q.device)
     for b0 in range(0, plan.batch, batches):
         for h0 in range(0, plan.heads_kv, heads):
             b, h = slice(b0, b0 + batches), slice(h0, h0 + heads)
             hq = slice(h0 * group, (h0 + heads) * group)
             q_s, k_s = q[b, hq], k[b, h]
-            zeroed = accumulator[:q_s.numel() + k_s.shape[0] * k_s.shape[1]].zero_()
+            zeroed = accumulator[:_sums_words(plan, k_s.shape[0], k_s.shape[1], deterministic)].zero_()
             launch(q_s, k_s, v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq[b, hq], dk[b, h], dv[b, h],
                    zeroed, None if run.key_bounds is None else run.key_bounds[b], b0, h0 * group)
     return None
@@ -593,14 +625,16 @@ SUMS_ARGUMENT = BACKWARD_MAPS + 3  # the float32 dQ sums among backward_argument
 def backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, zeroed, key_bounds=None, seed=None) -> tuple:
     """The backward kernel's tensor arguments, in its order: the BACKWARD_MAPS mapped ones (q, k, v, grad_out, lse2,
     delta, the float32 dQ sums, dk, dv), then dk, dv, dq, the sums, the per-(batch, key/value head) counters, the
-    per-batch key counts (key_bounds) and the dropout seed words (seed; the counters stand in for either where the plan
-    has none). ``zeroed``: the launch's zeroed
-    float32 words, the sums (q's shape) and then the counters."""
+    per-batch key counts (key_bounds), the dropout seed words (seed) and the turn counters of a deterministic build
+    (the counters stand in for each of the last three where the plan has none). ``zeroed``: the launch's zeroed
+    float32 words, the sums (q's shape), the counters, then any turn counters."""
     sums_words = q.numel()
+    counters_end = sums_words + k.shape[0] * k.shape[1]
     dq_acc = zeroed[:sums_words].view(q.shape)
-    counters = zeroed[sums_words:].view(torch.int32)
+    counters = zeroed[sums_words:counters_end].view(torch.int32)
+    turns = zeroed[counters_end:].view(torch.int32) if zeroed.numel() > counters_end else counters
     return (q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, dk, dv, dq, dq_acc, counters,
-            counters if key_bounds is None else key_bounds, counters if seed is None else seed)
+            counters if key_bounds is None else key_bounds, counters if seed is None else seed, turns)
 
 
 class BackwardSite(NamedTuple):
