@@ -92,10 +92,11 @@ BACKWARD_MIN_KEYS = {64: 192, 128: 128, 256: 1}
 # A deterministic backward (torch.use_deterministic_algorithms(True)): tile width -> fewest keys, or a pair (without a
 # causal mask, with one), at which the Gluon backward's deterministic build (dQ's shares added in a fixed order,
 # hopper_backward.dq_turn) beats backward.py's deterministic kernels (the dQ kernel apart). H200, bf16, B * N = 16k,
-# H * d = 2048 (NOTES version 27): at d = 128 1.01-1.25x faster from 1k keys, causal or not; at d = 64 ahead from 4k
-# without a mask (1.05x; 0.94x at 1k) and at 16k causal (1.06x; 0.82x at 1k and 4k); at d = 256 ahead at every length
-# without a mask (1.09-1.45x) and from 4k causal (0.95x at 1k).
-DETERMINISTIC_MIN_KEYS = {64: (4096, 16384), 128: 128, 256: (1, 4096)}
+# H * d = 2048 (NOTES version 27): at d = 128 1.01-1.25x faster from 1k keys, causal or not; at d = 64 level at 2k
+# without a causal mask and ahead from 4k (1.05-1.16x; 0.94x at 1k), with one ahead at 16k (1.06x; 0.80-0.91x at
+# 1k-8k); at d = 256 ahead at every length without a causal mask (1.09-1.49x) and from 4k with one (0.95x at 1k, 0.98x
+# at 2k).
+DETERMINISTIC_MIN_KEYS = {64: (2048, 16384), 128: 128, 256: (1, 4096)}
 # Keys per program: two compute warpgroups of 64 keys, except at d = 256, where dK and dV of 64 keys fill both
 # warpgroups' registers (they split the columns); there Q and dO have one shared-memory slot (the float32 dQ
 # chunks take the second's room).
