@@ -14,10 +14,10 @@
 # reports, plots and saves what ran): for the complete sweep in one call, run the benchmarks alone.
 #
 # FEATURE_CHECKS=callpath,inference,tune,cupy,cupy-hopper,triton-hopper,gluon-host,clocks,short-backward,short-forward,
-# features
+# features,deterministic
 # runs those checks first
-# (CHECK_S seconds each, default 300; INFERENCE_ARGS, TUNE_ARGS, CUPY_HOPPER_ARGS, TRITON_HOPPER_ARGS, FEATURES_ARGS
-# passed on).
+# (CHECK_S seconds each, default 300; INFERENCE_ARGS, TUNE_ARGS, CUPY_HOPPER_ARGS, TRITON_HOPPER_ARGS, FEATURES_ARGS,
+# DETERMINISTIC_ARGS passed on).
 # Environment: OUT (default /tmp/mhattn_gpu_check), QUICK, SKIP_TESTS, SKIP_CONFORMANCE, SKIP_BENCH,
 # SKIP_PYTEST_BENCH, GPU_TESTS (the test files for `pytest -m gpu`, default tests/: the whole GPU suite takes more
 # than one 10-minute device call on an H100), FULL_CONFORMANCE (1: conformance --full --jobs auto instead of --quick), TOTAL_S
@@ -65,7 +65,8 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
   # CuPy at short shapes, benchmarks/check_short_backward.py), short-forward (the Triton backend's kernel choice at up to
   # 1k keys beside the previous rules, SDPA and CuPy, benchmarks/check_short_forward.py), features (the Triton backend
   # with softcap, a window, dropout, a key-padding mask or bias at training shapes beside the plain call, SDPA and
-  # FlexAttention, benchmarks/check_features.py). ring needs two GPUs: torchrun --nproc-per-node 2
+  # FlexAttention, benchmarks/check_features.py), deterministic (the Triton backend's deterministic backwards, Gluon and
+  # FlashAttention-2, beside its default one and cuDNN's, benchmarks/check_deterministic.py). ring needs two GPUs: torchrun --nproc-per-node 2
   # benchmarks/check_ring.py on a two-GPU machine.
   for check in ${FEATURE_CHECKS//,/ }; do
     stage "feature check: $check"
@@ -83,8 +84,10 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
       short-backward) timeout -k 10 "${CHECK_S:-300}" python3 benchmarks/check_short_backward.py ;;
       short-forward) timeout -k 10 "${CHECK_S:-300}" python3 benchmarks/check_short_forward.py ;;
       features) timeout -k 10 "${CHECK_S:-300}" python3 benchmarks/check_features.py ${FEATURES_ARGS:-} ;;
+      deterministic) timeout -k 10 "${CHECK_S:-300}" python3 benchmarks/check_deterministic.py \
+                       ${DETERMINISTIC_ARGS:-} ;;
       *) echo "unknown feature check $check (callpath, inference, tune, cupy, cupy-hopper, triton-hopper," \
-           "gluon-host, clocks, short-backward, short-forward)" ;;
+           "gluon-host, clocks, short-backward, short-forward, features, deterministic)" ;;
     esac 2>&1 | tail -n "${CHECK_TAIL:-40}"
   done
 fi
