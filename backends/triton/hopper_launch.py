@@ -524,17 +524,23 @@ def _backward_setup(plan, device_index: int, deterministic: bool = False) -> tup
 
         _backward_launcher.append(CompiledLauncher(hopper_backward.hopper_backward_kernel))
     launcher = _backward_launcher[0]
-    if plan.hopper_backward_constexprs is None:
-        num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[TILE_WIDTH[plan.head_dim]])
+    if plan.hopper_backward_slices is None:
         plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
-                                                      * plan.head_dim * 4, num_n_blocks, _sm_count(device_index))
-        plan.hopper_backward_constexprs = {}
+                                                      * plan.head_dim * 4, backward_programs_per_head(plan),
+                                                      _sm_count(device_index))
+    if plan.hopper_backward_constexprs is None:
+        plan.hopper_backward_constexprs = {}  # deterministic or not -> the compile-time set
     constexprs = plan.hopper_backward_constexprs.get(deterministic)
     if constexprs is None:
         constexprs = plan.hopper_backward_constexprs[deterministic] = launcher.constexprs(
             8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right, plan.has_left, plan.key_lengths,
                                                plan.has_dropout, plan.has_softcap, deterministic))
     return launcher, constexprs, plan.hopper_backward_slices
+
+
+def backward_programs_per_head(plan) -> int:
+    """The backward's programs per (batch, key/value head): its key blocks."""
+    return -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[TILE_WIDTH[plan.head_dim]])
 
 
 def backward_sums_words(plan, device_index: int, deterministic: bool = False) -> int:
@@ -565,11 +571,11 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     runs as one launch. To bound that buffer, large problems run as several launches over slices of the batch or of
     the key/value heads (:func:`backward_slices`), each zeroing its own and drawing the dropout keep-mask by the
     call's batch and head numbers. deterministic: the build that adds dQ's shares in a fixed order, with its turn
-    counters after the sums' (:func:`backward_sums_words`). Returns the launch as a BackwardSite where it ran as one launch through the call
-    signature's prepared site (a repeated call may launch it again), else None."""
+    counters after the sums' (:func:`backward_sums_words`). Returns the launch as a BackwardSite where it ran as one
+    launch through the call signature's prepared site (a repeated call may launch it again), else None."""
     launcher, constexprs, (batches, heads) = _backward_setup(plan, device_index, deterministic)
     head_dim = plan.head_dim
-    num_n_blocks = -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[TILE_WIDTH[head_dim]])
+    num_n_blocks = backward_programs_per_head(plan)
     group = plan.kv_group
     convert_in_kernel = group * plan.seqlen_q * head_dim * 4 <= CONVERT_IN_KERNEL_MAX_BYTES
 
