@@ -536,8 +536,8 @@ def hopper_backward_kernel(
     threshold, dropout_scale, call_batch_head0, call_heads_q, softcap_in2, convert_in_kernel,
     HEAD_DIM: gl.constexpr, HEAD_COLS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr, WINDOW: gl.constexpr = False,
-    KEY_LENGTHS: gl.constexpr = False,
-    DROPOUT: gl.constexpr = False, SOFTCAP: gl.constexpr = False, DETERMINISTIC: gl.constexpr = False,
+    KEY_LENGTHS: gl.constexpr = False, DROPOUT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
+    DETERMINISTIC: gl.constexpr = False,
 ):
     """Host tensor maps (hopper_launch.tensor_map): q_desc, do_desc of Q, dOut (B, Hq, Nq, D) in blocks of
     (1, 1, BLOCK_M, HEAD_DIM); k_desc, v_desc of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, HEAD_DIM);

@@ -466,10 +466,9 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                  o_desc, out_base, stride_om, lse_base, batch, head, start_m, cta_first, cta_end, seqlen_q, seqlen_k,
                  diag_offset, window_left, dropout, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
                  HEAD_COLS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 Q_BUFFERS: gl.constexpr,
-                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr, SPLIT_MASKED: gl.constexpr,
-                 HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr, softcap_in2,
-                 SOFTCAP: gl.constexpr):
+                 Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr,
+                 SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
+                 Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr):
     """One softmax warpgroup on one tile (the program's ``rounds``-th): BLOCK_M query rows from start_m in its Q slot
     (q_slot), every key block they see (of the tile's blocks cta_first .. cta_end - 1, ring slots from ``step`` on),
     then the output.
@@ -631,11 +630,10 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
                          stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds, rng, tile, rounds,
                          step, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset,
                          window_left, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_COLS: gl.constexpr,
-                         BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                         WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr, DROPOUT: gl.constexpr,
-                         SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                         Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr):
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                         Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr,
+                         DROPOUT: gl.constexpr, SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
+                         LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr):
     """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took. rng: (Seed,
     threshold, dropout_scale), read with DROPOUT."""
     batch, head, tile_m, cta_first, cta_end, seqlen_k = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q,
@@ -653,8 +651,7 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
     consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
                  o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_first, cta_end,
                  seqlen_q, seqlen_k, diag_offset, window_left, dropout, qk_scale2, HALF, HEAD_DIM, HEAD_COLS, BLOCK_M,
-                 BLOCK_N,
-                 NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, DROPOUT, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
+                 BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, DROPOUT, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
                  Q_ROTATING, softcap_in2, SOFTCAP)
     return cta_end - cta_first
 
@@ -665,9 +662,8 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                        tile_full, tile_empty, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k,
                        diag_offset, window_left, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
                        HEAD_COLS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr,
-                       CAUSAL: gl.constexpr, WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr, DROPOUT: gl.constexpr,
-                       TILE_COUNTER: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                       KEY_LENGTHS: gl.constexpr, DROPOUT: gl.constexpr, TILE_COUNTER: gl.constexpr,
                        SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
                        Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr):
     """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
@@ -686,8 +682,8 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                                      KeyBounds, rng, tile, rounds, step, num_tiles, num_m_blocks, group_heads, heads_q,
                                      seqlen_q, seqlen_k, diag_offset, window_left, qk_scale2, HALF, HEAD_DIM,
                                      HEAD_COLS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS,
-                                     DROPOUT, SPLIT_MASKED,
-                                     HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING, softcap_in2, SOFTCAP)
+                                     DROPOUT, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING, softcap_in2,
+                                     SOFTCAP)
         rounds += 1
         if TILE_COUNTER:
             tile = take_tile(tile_slots, tile_full, tile_empty, rounds, slot_layout)
@@ -707,10 +703,9 @@ def hopper_forward_kernel(
     threshold, dropout_scale, softcap_in2,
     HEAD_DIM: gl.constexpr, HEAD_COLS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr,
-    SPLIT_MASKED: gl.constexpr,
-    HALF_DIAGONAL: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False, Q_ROTATING: gl.constexpr = False,
-    WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False, DROPOUT: gl.constexpr = False,
-    SOFTCAP: gl.constexpr = False,
+    SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
+    Q_ROTATING: gl.constexpr = False, WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False,
+    DROPOUT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
     blocks of (1, 1, BLOCK_M, HEAD_DIM) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, HEAD_DIM): the copy
@@ -782,16 +777,14 @@ def hopper_forward_kernel(
                               (Seed, threshold, dropout_scale), tile_slots, tile_full, tile_empty, num_tiles,
                               num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
                               qk_scale2, 0, HEAD_DIM, HEAD_COLS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
-                              WINDOW,
-                              KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
+                              WINDOW, KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
                               Q_ROTATING, softcap_in2, SOFTCAP)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds,
                               (Seed, threshold, dropout_scale), tile_slots, tile_full, tile_empty, num_tiles,
                               num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
                               qk_scale2, 1, HEAD_DIM, HEAD_COLS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
-                              WINDOW,
-                              KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
+                              WINDOW, KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
                               Q_ROTATING, softcap_in2, SOFTCAP)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                           v_empty, tile_slots, tile_full, tile_empty, TileCounter, KeyBounds, num_tiles,
