@@ -544,8 +544,8 @@ def test_hopper_tensor_maps_describe_the_tensors_as_the_kernels_read_them():
 def test_hopper_kernels_take_head_dims_96_and_192_in_wider_tiles():
     """Head dims 96 and 192 run the Gluon kernels' 128- and 256-wide builds: the maps keep the tensor's own width
     (the copy engine zero-fills the columns past it and clips them from its stores) in blocks of the tile width, the
-    builds get both (HEAD_DIM the tile, HEAD_COLS the head dim), and the rule takes them where it takes their tile
-    width; other widths stay on the FlashAttention-2 kernels, with a reason that names the head dims taken."""
+    builds get both (HEAD_DIM the tile, HEAD_COLS the head dim; the d = 192 forward its products split to the head
+    dim), and the rule takes them where it takes their tile width; other widths stay on the FlashAttention-2 kernels, with a reason that names the head dims taken."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from mhattn.backends.triton import hopper_launch
 
@@ -562,8 +562,11 @@ def test_hopper_kernels_take_head_dims_96_and_192_in_wider_tiles():
         backward_args = hopper_launch.backward_compile_time_args(head_dim, True)
         assert (forward_args["HEAD_DIM"], forward_args["HEAD_COLS"]) == (width, head_dim)
         assert (backward_args["HEAD_DIM"], backward_args["HEAD_COLS"]) == (width, head_dim)
-        # Every setting but the columns is the tile width's.
-        assert {**forward_args, "HEAD_COLS": width} == hopper_launch.compile_time_args(width, True, seqlen_k=300)
+        # Every setting but the columns (and the forward's split products at d = 192) is the tile width's.
+        split = head_dim in hopper_launch.FORWARD_SPLIT_HEAD_DIMS
+        assert forward_args["SPLIT_PRODUCTS"] == split and split == (head_dim == 192)
+        assert ({**forward_args, "HEAD_COLS": width, "SPLIT_PRODUCTS": False}
+                == hopper_launch.compile_time_args(width, True, seqlen_k=300))
         assert {**backward_args, "HEAD_COLS": width} == hopper_launch.backward_compile_time_args(width, True)
         for min_keys in (hopper_launch.MIN_KEYS, hopper_launch.BACKWARD_MIN_KEYS):
             assert hopper_launch._rule("1", True, torch.bfloat16, head_dim, head_dim, 4096, 4096, True, False, False,
@@ -1034,6 +1037,9 @@ GLUON_PADDED_CASES = {
                                  causal="top_left", grad_lse=True),
     "d192_gqa_softcap_dropout": dict(head_dim=192, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=517, softcap=10.0,
                                      dropout_p=0.1),
+    # Past FORWARD_Q_ROTATING_MAX_KEYS: both consumers store the output from registers.
+    "d192_long_keys_bottom_right": dict(head_dim=192, batch=1, heads_q=2, seqlen_q=200, seqlen_k=4500,
+                                        causal="bottom_right"),
 }
 
 
@@ -1044,9 +1050,17 @@ GLUON_PADDED_CASES = {
 @pytest.mark.parametrize("case", list(GLUON_PADDED_CASES))
 def test_gpu_gluon_forward_padded_head_dims(monkeypatch, dtype, case):
     """Through the backend, the Gluon forward built for head dim 96 or 192 in the wider tile (asserted from the
-    build's compile-time arguments), one program per tile and a persistent grid of 3 programs."""
-    _check_gluon_forward_build(monkeypatch, "HEAD_COLS", dtype, GLUON_PADDED_CASES[case],
-                               GLUON_PADDED_CASES[case]["head_dim"])
+    build's compile-time arguments, with its products split where FORWARD_SPLIT_HEAD_DIMS says), one program per tile
+    and a persistent grid of 3 programs."""
+    from mhattn.backends.triton import hopper_launch
+
+    head_dim = GLUON_PADDED_CASES[case]["head_dim"]
+    split = []
+    real_args = hopper_launch.compile_time_args
+    monkeypatch.setattr(hopper_launch, "compile_time_args",
+                        lambda *args: split.append(real_args(*args)["SPLIT_PRODUCTS"]) or real_args(*args))
+    _check_gluon_forward_build(monkeypatch, "HEAD_COLS", dtype, GLUON_PADDED_CASES[case], head_dim)
+    assert split and all(found == (head_dim in hopper_launch.FORWARD_SPLIT_HEAD_DIMS) for found in split)
 
 
 @pytest.mark.gpu
@@ -1520,6 +1534,14 @@ def test_hopper_kernels_for_head_dims_96_and_192_compile_for_sm90a_without_a_gpu
         width = hopper_launch.TILE_WIDTH[task.head_dim]
         assert staged == (hopper_launch.BACKWARD_STAGED_DK_DV[width] if task.kind == "hopper_bwd"
                           else hopper_launch.Q_BUFFERS[width] == 2), task.label
+        if task.kind == "hopper_fwd":
+            # Split products (FORWARD_SPLIT_HEAD_DIMS): P V in two wgmmas, half and a quarter of the tile wide, and
+            # none over the whole width; otherwise the tile's width.
+            widths = {int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)}
+            split = task.head_dim in hopper_launch.FORWARD_SPLIT_HEAD_DIMS
+            key_block = hopper_launch.KEY_BLOCK[width]
+            assert max(widths) == max(key_block, width // 2 if split else width), (task.label, widths)
+            assert not split or {width // 2, width // 4} <= widths, (task.label, widths)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

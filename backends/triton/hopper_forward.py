@@ -33,7 +33,7 @@ copy engine zero-fills rows past each head's sequence end; making them in the ke
 memory and fenced in every program) took about 15% of a program at 1k keys (NOTES, version 8).
 
 Coverage (the backend routes the rest to forward.py): fp16 and bf16; head dims 64, 128, 256, and 96 and 192 in the 128-
-and 256-wide tiles (HEAD_COLS; K and V the same); no mask, or a causal mask of either alignment (diag_offset); a sliding
+and 256-wide tiles (HEAD_COLS; K and V the same; at 192 the products skip the zero fill: SPLIT_PRODUCTS); no mask, or a causal mask of either alignment (diag_offset); a sliding
 window's left bound (WINDOW: a tile moves only the key blocks its rows' windows reach, and masks the first ones), with
 the causal diagonal or no right bound; a right-padding key mask as per-batch key counts (KEY_LENGTHS: a tile walks only
 its batch entry's keys); GQA by head index; any Nq, Nk >= 1; a positive scale; 16-byte aligned rows; dropout with the
@@ -299,6 +299,79 @@ def block_tile(slots, slot):
     return slots.index(slot).reshape([slots.shape[3], slots.shape[4]])
 
 
+@triton.constexpr_function
+def output_parts(split):
+    """How many accumulators one consumer's output takes: one over the tile's width, or with SPLIT_PRODUCTS two, over
+    its first half and the quarter after it (a head dim of 3/4 of the tile: 192 in the 256-wide tile), so that no
+    product multiplies the columns past the head dim that the copy engine zero-fills (Gluon's register tensors, and
+    so each wgmma's width, are a power of two)."""
+    return 2 if split else 1
+
+
+@gluon.jit
+def zero_output(BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
+    """A consumer's output accumulators at zero: a tuple of one (BLOCK_M, HEAD_DIM) tensor, or with SPLIT of a
+    (BLOCK_M, HEAD_DIM / 2) and a (BLOCK_M, HEAD_DIM / 4) one (output_parts)."""
+    if SPLIT:
+        return (gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, layout=mma_layout(HEAD_DIM // 2)),
+                gl.zeros([BLOCK_M, HEAD_DIM // 4], gl.float32, layout=mma_layout(HEAD_DIM // 4)))
+    else:
+        return (gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=mma_layout(HEAD_DIM)), )
+
+
+@gluon.jit
+def scores_product(q_smem, k_tile, s_zero, SPLIT: gl.constexpr):
+    """S = Q K^T of one key tile (k_tile: (keys, tile width)), issued asynchronously: over the whole width, or with
+    SPLIT over the head dim's two parts (output_parts), the second adding onto the first. Each part is one wgmma
+    group (the caller's warpgroup_mma_wait counts them)."""
+    if SPLIT:
+        half: gl.constexpr = q_smem.shape[1] // 2
+        qk = warpgroup_mma(q_smem.slice(0, half, dim=1), k_tile.slice(0, half, dim=1).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        qk = warpgroup_mma(q_smem.slice(half, half // 2, dim=1), k_tile.slice(half, half // 2, dim=1).permute((1, 0)),
+                           qk, is_async=True)
+    else:
+        qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    return qk
+
+
+@gluon.jit
+def value_product(p, v_tile, acc, SPLIT: gl.constexpr):
+    """acc += P V for one key tile (p: its probabilities in the input dtype, v_tile: (keys, tile width)), issued
+    asynchronously, one wgmma group per accumulator (zero_output). Returns the accumulators' tokens (wait_output)."""
+    if SPLIT:
+        half: gl.constexpr = v_tile.shape[1] // 2
+        p_first = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=mma_layout(half), k_width=2))
+        p_second = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=mma_layout(half // 2), k_width=2))
+        first = warpgroup_mma(p_first, v_tile.slice(0, half, dim=1), acc[0], is_async=True)
+        second = warpgroup_mma(p_second, v_tile.slice(half, half // 2, dim=1), acc[1], is_async=True)
+        return (first, second)
+    else:
+        width: gl.constexpr = v_tile.shape[1]
+        p_operand = gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=mma_layout(width), k_width=2))
+        return (warpgroup_mma(p_operand, v_tile, acc[0], is_async=True), )
+
+
+@gluon.jit
+def wait_output(acc, SPLIT: gl.constexpr):
+    """The output accumulators once every wgmma group issued so far has finished."""
+    if SPLIT:
+        return warpgroup_mma_wait(0, deps=acc)
+    else:
+        return (warpgroup_mma_wait(0, deps=acc), )
+
+
+@gluon.jit
+def scale_output(acc, row_factor, SPLIT: gl.constexpr):
+    """Each accumulator's rows times row_factor (BLOCK_M floats in any row layout)."""
+    first = acc[0] * gl.expand_dims(gl.convert_layout(row_factor, gl.SliceLayout(1, acc[0].type.layout)), 1)
+    if SPLIT:
+        second = acc[1] * gl.expand_dims(gl.convert_layout(row_factor, gl.SliceLayout(1, acc[1].type.layout)), 1)
+        return (first, second)
+    else:
+        return (first, )
+
+
 @gluon.jit
 def masked_scores(qk, start_m, start_n, seqlen_k, diag_offset, window_left, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, layout: gl.constexpr):
@@ -368,32 +441,31 @@ def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_z
                  step, start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, KEYS: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                  WINDOW: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                 softcap_in2, SOFTCAP: gl.constexpr):
+                 softcap_in2, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr):
     """Key block j (ring step step + j) after block j - 1's softmax (p): S_j goes to the tensor cores first, then
     P_{j-1} V_{j-1} behind it; while they run nothing waits, and the softmax of block j (masked as MASK says,
     softmax_step) starts once S_j alone has finished. KEYS < BLOCK_N: only the block's first KEYS keys are read (for
     rows that see no more of it: the lower consumer's causal diagonal, consume_tile); S, its softmax and the p
     returned are then KEYS wide. s_zero: S's (BLOCK_M, KEYS) initial value, made once by a caller that loops.
-    LAZY_RESCALE: the output is rescaled only where some row's maximum moved (softmax_step).
+    LAZY_RESCALE: the output is rescaled only where some row's maximum moved (softmax_step). acc: the output
+    accumulators (zero_output; SPLIT: two, over the head dim's parts, as S's products are).
     Returns (p, alpha, m, l, acc) after block j's softmax (its P V is the next step's or the caller's), m and l in the
     full-width block's row layout."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     k_layout: gl.constexpr = mma_layout(KEYS)
-    o_layout: gl.constexpr = mma_layout(q_smem.shape[1])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_layout: gl.constexpr = acc[0].type.layout
     slot = (step + j) % NUM_STAGES
     prev = (step + j - 1) % NUM_STAGES
     mbarrier.wait(k_ready.index(slot), ((step + j) // NUM_STAGES) & 1)
     if KEYS == BLOCK_N:
-        qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = scores_product(q_smem, block_tile(k_smem, slot), s_zero, SPLIT)
     else:
-        qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).slice(0, KEYS).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)
+        qk = scores_product(q_smem, block_tile(k_smem, slot).slice(0, KEYS), s_zero, SPLIT)
         m_i = gl.convert_layout(m_i, gl.SliceLayout(1, k_layout))
         l_i = gl.convert_layout(l_i, gl.SliceLayout(1, k_layout))
     mbarrier.wait(v_ready.index(prev), ((step + j - 1) // NUM_STAGES) & 1)
-    acc = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), block_tile(v_smem, prev), acc, is_async=True)
-    qk = warpgroup_mma_wait(1, deps=(qk, ))
+    acc = value_product(p.to(q_smem.dtype), block_tile(v_smem, prev), acc, SPLIT)
+    qk = warpgroup_mma_wait(output_parts(SPLIT), deps=(qk, ))  # S_j done; P_{j-1} V_{j-1} may still run
     mbarrier.arrive(k_empty.index(slot), count=1)
     # Block j of BLOCK_N keys is block j * BLOCK_N / KEYS of KEYS keys (softmax_step masks from j times its width;
     # a narrow block is masked throughout, MASK_ALL).
@@ -403,14 +475,14 @@ def attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_z
     p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, block, unmasked, start_m, seqlen_k, diag_offset, window_left,
                                       dropout, qk_scale2, BLOCK_M, KEYS, CAUSAL, WINDOW, DROPOUT, MASK, k_layout,
                                       LAZY_RESCALE, softcap_in2, SOFTCAP)
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    acc = wait_output(acc, SPLIT)
     mbarrier.arrive(v_empty.index(prev), count=1)
     alpha_rows = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
     if LAZY_RESCALE:
         if gl.max(gl.where(alpha_rows != 1.0, 1, 0), 0) > 0:  # some row of the warpgroup moved its maximum
-            acc = acc * gl.expand_dims(alpha_rows, 1)
+            acc = scale_output(acc, alpha_rows, SPLIT)
     else:
-        acc = acc * gl.expand_dims(alpha_rows, 1)
+        acc = scale_output(acc, alpha_rows, SPLIT)
     if KEYS != BLOCK_N:
         m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
         l_i = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout))
@@ -422,7 +494,7 @@ def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
                   unmasked, step, start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                   WINDOW: gl.constexpr, DROPOUT: gl.constexpr, MASK: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                  softcap_in2, SOFTCAP: gl.constexpr):
+                  softcap_in2, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr):
     """Key blocks first .. end - 1 of a tile whose ring steps start at ``step``, after block first - 1's softmax (p,
     alpha), each by attend_block. Returns (p, alpha, m, l, acc) after block end - 1's softmax (its P V is the
     caller's)."""
@@ -431,8 +503,39 @@ def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
         p, alpha, m_i, l_i, acc = attend_block(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, s_zero, p,
                                                m_i, l_i, acc, j, unmasked, step, start_m, seqlen_k, diag_offset,
                                                window_left, dropout, qk_scale2, BLOCK_M, BLOCK_N, BLOCK_N, NUM_STAGES,
-                                               CAUSAL, WINDOW, DROPOUT, MASK, LAZY_RESCALE, softcap_in2, SOFTCAP)
+                                               CAUSAL, WINDOW, DROPOUT, MASK, LAZY_RESCALE, softcap_in2, SOFTCAP,
+                                               SPLIT)
     return p, alpha, m_i, l_i, acc
+
+
+@gluon.jit
+def stage_output(out, q_smem, SPLIT: gl.constexpr):
+    """The normalised output (scale_output) into the consumer's Q slot (q_smem: (BLOCK_M, tile width)) for the copy
+    engine's store, each accumulator into its columns. With SPLIT the slot's last quarter keeps Q's zero fill, past
+    the head dim, where the copy engine's store clips it."""
+    if SPLIT:
+        half: gl.constexpr = q_smem.shape[1] // 2
+        q_smem.slice(0, half, dim=1).store(out[0].to(q_smem.dtype))
+        q_smem.slice(half, half // 2, dim=1).store(out[1].to(q_smem.dtype))
+    else:
+        q_smem.store(out[0].to(q_smem.dtype))
+
+
+@gluon.jit
+def store_output_columns(part, out_base, stride_om, start_m, seqlen_q, FIRST_COL: gl.constexpr,
+                         HEAD_COLS: gl.constexpr):
+    """One normalised output accumulator (BLOCK_M rows from start_m; columns FIRST_COL on) stored by the threads,
+    rows past Nq and columns past the head dim (the tile's zero fill) left out."""
+    layout: gl.constexpr = part.type.layout
+    rows = start_m + gl.arange(0, part.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, part.shape[1], layout=gl.SliceLayout(0, layout))
+    if FIRST_COL > 0:
+        cols = cols + FIRST_COL
+    o_ptrs = out_base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+    keep = gl.expand_dims(rows < seqlen_q, 1)
+    if FIRST_COL + part.shape[1] > HEAD_COLS:
+        keep = keep & gl.expand_dims(cols < HEAD_COLS, 0)
+    gl.store(o_ptrs, part.to(out_base.dtype.element_ty), mask=keep)
 
 
 @gluon.jit
@@ -468,7 +571,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                  HEAD_COLS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                  Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr,
                  SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                 Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr):
+                 Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr, SPLIT_PRODUCTS: gl.constexpr):
     """One softmax warpgroup on one tile (the program's ``rounds``-th): BLOCK_M query rows from start_m in its Q slot
     (q_slot), every key block they see (of the tile's blocks cta_first .. cta_end - 1, ring slots from ``step`` on),
     then the output.
@@ -481,8 +584,6 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
     output as with two buffers (its slot is next needed two tiles on) and the lower one hands its slot back after its
     last S product (the upper consumer's next tile takes it) and stores from registers."""
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
-    o_layout: gl.constexpr = mma_layout(HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_slots.dtype
     slot_index, q_barrier, q_phase = q_slot(rounds, HALF, Q_BUFFERS, Q_ROTATING)
     own_slot = q_slots.index(slot_index)
@@ -506,14 +607,14 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
         release_unused_blocks(k_ready, k_empty, v_ready, v_empty, base, cta_first, first, NUM_STAGES)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+    acc = zero_output(BLOCK_M, HEAD_DIM, SPLIT_PRODUCTS)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_ready.index(q_barrier), q_phase)
 
     if sees_keys:
         slot = (base + first) % NUM_STAGES
         mbarrier.wait(k_ready.index(slot), ((base + first) // NUM_STAGES) & 1)
-        qk = warpgroup_mma(q_smem, block_tile(k_smem, slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = scores_product(q_smem, block_tile(k_smem, slot), s_zero, SPLIT_PRODUCTS)
         qk = warpgroup_mma_wait(0, deps=(qk, ))
         mbarrier.arrive(k_empty.index(slot), count=1)
         if staged:
@@ -546,7 +647,8 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                                                         p, alpha, m_i, l_i, acc, first + 1, unmasked_first, unmasked,
                                                         base, start_m, seqlen_k, diag_offset, window_left, dropout,
                                                         qk_scale2, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW,
-                                                        DROPOUT, MASK_ALL, LAZY_RESCALE, softcap_in2, SOFTCAP)
+                                                        DROPOUT, MASK_ALL, LAZY_RESCALE, softcap_in2, SOFTCAP,
+                                                        SPLIT_PRODUCTS)
             unmasked_end = gl.maximum(full, unmasked_first)  # <= end: a half diagonal block is the one past full
             if WINDOW:
                 unmasked_end = gl.minimum(unmasked_end, end)
@@ -554,12 +656,12 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                                                     alpha, m_i, l_i, acc, unmasked_first, unmasked_end, unmasked, base,
                                                     start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
                                                     BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, MASK_NONE,
-                                                    LAZY_RESCALE, softcap_in2, SOFTCAP)
+                                                    LAZY_RESCALE, softcap_in2, SOFTCAP, SPLIT_PRODUCTS)
             p, alpha, m_i, l_i, acc = attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
                                                     alpha, m_i, l_i, acc, unmasked_end, end, unmasked, base,
                                                     start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
                                                     BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, MASK_ALL,
-                                                    LAZY_RESCALE, softcap_in2, SOFTCAP)
+                                                    LAZY_RESCALE, softcap_in2, SOFTCAP, SPLIT_PRODUCTS)
         else:
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i, first, unmasked, start_m, seqlen_k, diag_offset,
                                               window_left, dropout, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
@@ -568,7 +670,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                                                     alpha, m_i, l_i, acc, first + 1, end, unmasked, base, start_m,
                                                     seqlen_k, diag_offset, window_left, dropout, qk_scale2, BLOCK_M,
                                                     BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, MASK_FROM,
-                                                    LAZY_RESCALE, softcap_in2, SOFTCAP)
+                                                    LAZY_RESCALE, softcap_in2, SOFTCAP, SPLIT_PRODUCTS)
         last = (base + num_blocks - 1) % NUM_STAGES
         if half_diagonal:
             half_zero = gl.zeros([BLOCK_M, BLOCK_N // 2], gl.float32, layout=mma_layout(BLOCK_N // 2))
@@ -576,21 +678,21 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
                                                     half_zero, p, m_i, l_i, acc, num_blocks - 1, (0, 0), base,
                                                     start_m, seqlen_k, diag_offset, window_left, dropout, qk_scale2,
                                                     BLOCK_M, BLOCK_N, BLOCK_N // 2, NUM_STAGES, CAUSAL, WINDOW,
-                                                    DROPOUT, MASK_ALL, LAZY_RESCALE, softcap_in2, SOFTCAP)
+                                                    DROPOUT, MASK_ALL, LAZY_RESCALE, softcap_in2, SOFTCAP,
+                                                    SPLIT_PRODUCTS)
             if not staged:
                 # Every S product of this tile has finished: Q's slot may take the next tile's rows.
                 mbarrier.arrive(q_empty.index(q_barrier), count=1)
             mbarrier.wait(v_ready.index(last), ((base + num_blocks - 1) // NUM_STAGES) & 1)
-            last_pv = warpgroup_mma(gl.convert_layout(p_half.to(dtype), p_layout),
-                                    block_tile(v_smem, last).slice(0, BLOCK_N // 2), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(last_pv, ))
+            acc = value_product(p_half.to(dtype), block_tile(v_smem, last).slice(0, BLOCK_N // 2), acc,
+                                SPLIT_PRODUCTS)
+            acc = wait_output(acc, SPLIT_PRODUCTS)
         else:
             if not staged:
                 mbarrier.arrive(q_empty.index(q_barrier), count=1)
             mbarrier.wait(v_ready.index(last), ((base + num_blocks - 1) // NUM_STAGES) & 1)
-            last_pv = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), block_tile(v_smem, last), acc,
-                                    is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(last_pv, ))
+            acc = value_product(p.to(dtype), block_tile(v_smem, last), acc, SPLIT_PRODUCTS)
+            acc = wait_output(acc, SPLIT_PRODUCTS)
         mbarrier.arrive(v_empty.index(last), count=1)
     else:
         if staged:
@@ -606,21 +708,17 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
     inverse_l = 1.0 / l_safe
     if DROPOUT:
         inverse_l = dropout[2] / l_safe  # 1 / (1 - p) for the dropped P
-    out = acc * gl.expand_dims(gl.convert_layout(inverse_l, gl.SliceLayout(1, o_layout)), 1)
+    out = scale_output(acc, inverse_l, SPLIT_PRODUCTS)
     if staged:
-        # The copy engine clips rows past Nq (the tensor map's bounds).
-        q_smem.store(out.to(dtype))
+        # The copy engine clips rows past Nq and columns past the head dim (the tensor map's bounds).
+        stage_output(out, q_smem, SPLIT_PRODUCTS)
         fence_async_shared()
         thread_barrier()
         tma_store(o_desc, [batch, head, start_m, 0], own_slot)
     else:
-        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = out_base + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
-        keep = gl.expand_dims(rows < seqlen_q, 1)
-        if HEAD_COLS < HEAD_DIM:  # (the tile's columns past the head dim are the copy engine's zero fill)
-            keep = keep & gl.expand_dims(cols < HEAD_COLS, 0)
-        gl.store(o_ptrs, out.to(dtype), mask=keep)
+        store_output_columns(out[0], out_base, stride_om, start_m, seqlen_q, 0, HEAD_COLS)
+        if SPLIT_PRODUCTS:
+            store_output_columns(out[1], out_base, stride_om, start_m, seqlen_q, HEAD_DIM // 2, HEAD_COLS)
     lse_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     gl.store(lse_base + lse_rows, lse, mask=lse_rows < seqlen_q)
 
@@ -633,7 +731,8 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                          Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr,
                          DROPOUT: gl.constexpr, SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
-                         LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr):
+                         LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
+                         SPLIT_PRODUCTS: gl.constexpr):
     """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took. rng: (Seed,
     threshold, dropout_scale), read with DROPOUT."""
     batch, head, tile_m, cta_first, cta_end, seqlen_k = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q,
@@ -652,7 +751,7 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
                  o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_first, cta_end,
                  seqlen_q, seqlen_k, diag_offset, window_left, dropout, qk_scale2, HALF, HEAD_DIM, HEAD_COLS, BLOCK_M,
                  BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, DROPOUT, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
-                 Q_ROTATING, softcap_in2, SOFTCAP)
+                 Q_ROTATING, softcap_in2, SOFTCAP, SPLIT_PRODUCTS)
     return cta_end - cta_first
 
 
@@ -665,7 +764,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                        NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                        KEY_LENGTHS: gl.constexpr, DROPOUT: gl.constexpr, TILE_COUNTER: gl.constexpr,
                        SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                       Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr):
+                       Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr, SPLIT_PRODUCTS: gl.constexpr):
     """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
     load warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds): round-robin, or with TILE_COUNTER
     the tile numbers the load warp hands over (take_tile)."""
@@ -683,7 +782,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                                      seqlen_q, seqlen_k, diag_offset, window_left, qk_scale2, HALF, HEAD_DIM,
                                      HEAD_COLS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS,
                                      DROPOUT, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING, softcap_in2,
-                                     SOFTCAP)
+                                     SOFTCAP, SPLIT_PRODUCTS)
         rounds += 1
         if TILE_COUNTER:
             tile = take_tile(tile_slots, tile_full, tile_empty, rounds, slot_layout)
@@ -705,7 +804,7 @@ def hopper_forward_kernel(
     NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, TILE_COUNTER: gl.constexpr,
     SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
     Q_ROTATING: gl.constexpr = False, WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False,
-    DROPOUT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
+    DROPOUT: gl.constexpr = False, SOFTCAP: gl.constexpr = False, SPLIT_PRODUCTS: gl.constexpr = False,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
     blocks of (1, 1, BLOCK_M, HEAD_DIM) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, HEAD_DIM): the copy
@@ -722,7 +821,9 @@ def hopper_forward_kernel(
     threshold the uint32 threshold's bit pattern) and the output scaled by dropout_scale = 1 / (1 - p); the lse is the
     undropped softmax's. Without it Seed, threshold and dropout_scale are not read. SOFTCAP: the scores are
     softcap * tanh(scale * qk / softcap): softcap_in2 = 2 * log2(e) * scale / softcap, and qk_scale2 is then
-    softcap * log2(e) (> 0); without it softcap_in2 is not read.
+    softcap * log2(e) (> 0); without it softcap_in2 is not read. SPLIT_PRODUCTS (a head dim of 3/4 of the tile
+    width: 192 of 256): each product runs over the head dim's columns only, in two parts (output_parts), instead of
+    multiplying the zero fill past it.
 
     Tiles of 2 * BLOCK_M query rows: num_m_blocks = cdiv(Nq, 2 * BLOCK_M) per (batch, head), num_tiles =
     B * Hq * num_m_blocks, in tile_rows' order (group_heads: its causal groups). Program p takes tiles p, p + G,
@@ -778,14 +879,14 @@ def hopper_forward_kernel(
                               num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
                               qk_scale2, 0, HEAD_DIM, HEAD_COLS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
                               WINDOW, KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
-                              Q_ROTATING, softcap_in2, SOFTCAP)),
+                              Q_ROTATING, softcap_in2, SOFTCAP, SPLIT_PRODUCTS)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds,
                               (Seed, threshold, dropout_scale), tile_slots, tile_full, tile_empty, num_tiles,
                               num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
                               qk_scale2, 1, HEAD_DIM, HEAD_COLS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
                               WINDOW, KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
-                              Q_ROTATING, softcap_in2, SOFTCAP)),
+                              Q_ROTATING, softcap_in2, SOFTCAP, SPLIT_PRODUCTS)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                           v_empty, tile_slots, tile_full, tile_empty, TileCounter, KeyBounds, num_tiles,
                           num_m_blocks, group_heads, heads_q, kv_group, seqlen_k, diag_offset, window_left, BLOCK_M,

@@ -44,6 +44,9 @@ from mhattn.caches import put_bounded
 # stores of the output and the gradients (HEAD_COLS in the kernels: the stores made by threads mask those columns).
 # The padded products cost 128/96 = 256/192 = 4/3 of the work the head dim needs.
 TILE_WIDTH = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
+# Head dims whose forward products skip the zero fill: the 192 columns of a 256-wide tile as two products, 128 and 64
+# wide (hopper_forward.output_parts, SPLIT_PRODUCTS), 3/4 of the padded products' work.
+FORWARD_SPLIT_HEAD_DIMS = (192, )
 # Tile width -> key block: the largest whose K/V ring, both Q tiles and the register budget fit.
 KEY_BLOCK = {64: 128, 128: 128, 256: 64}
 QUERY_ROWS_PER_CONSUMER = 64   # one wgmma row block per consumer warpgroup
@@ -292,7 +295,8 @@ def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, s
                 NUM_STAGES=FORWARD_STAGES[width], Q_BUFFERS=Q_BUFFERS[width], CAUSAL=causal,
                 TILE_COUNTER=tile_counter, SPLIT_MASKED=FORWARD_SPLIT_MASKED[width],
                 HALF_DIAGONAL=half_diagonal, LAZY_RESCALE=FORWARD_LAZY_RESCALE[width],
-                Q_ROTATING=q_rotating, WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap)
+                Q_ROTATING=q_rotating, WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap,
+                SPLIT_PRODUCTS=head_dim in FORWARD_SPLIT_HEAD_DIMS)
 
 
 class ForwardSchedule(NamedTuple):
