@@ -20,6 +20,7 @@ so an element the kernels never write fails the comparison.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -542,10 +543,11 @@ def test_hopper_tensor_maps_describe_the_tensors_as_the_kernels_read_them():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_hopper_kernels_take_head_dims_96_and_192_in_wider_tiles():
-    """Head dims 96 and 192 run the Gluon kernels' 128- and 256-wide builds: the maps keep the tensor's own width
-    (the copy engine zero-fills the columns past it and clips them from its stores) in blocks of the tile width, the
-    builds get both (HEAD_DIM the tile, HEAD_COLS the head dim; the d = 192 forward its products split to the head
-    dim), and the rule takes them where it takes their tile width; other widths stay on the FlashAttention-2 kernels, with a reason that names the head dims taken."""
+    """Head dims 96 and 192 run the Gluon kernels' 128- and 256-wide builds: the maps keep the tensor's own width (the
+    copy engine zero-fills the columns past it and clips them from its stores) in blocks of the tile width, the builds
+    get both (HEAD_DIM the tile, HEAD_COLS the head dim; the d = 192 forward its products split to the head dim), and
+    the rule takes them where it takes their tile width; other widths stay on the FlashAttention-2 kernels, with a
+    reason that names the head dims taken."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from mhattn.backends.triton import hopper_launch
 
@@ -1542,6 +1544,37 @@ def test_hopper_kernels_for_head_dims_96_and_192_compile_for_sm90a_without_a_gpu
             key_block = hopper_launch.KEY_BLOCK[width]
             assert max(widths) == max(key_block, width // 2 if split else width), (task.label, widths)
             assert not split or {width // 2, width // 4} <= widths, (task.label, widths)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_softcap_tanh_is_the_hardware_approximation_for_16_bit_inputs_only():
+    """Compiled for sm_90a without a GPU: with a softcap, the Gluon forward and backward, the FlashAttention-2 forward
+    and dK/dV kernels and the split-KV decoding kernel take the tanh as tanh.approx.f32 with 16-bit inputs (one
+    multi-function-unit operation instead of an exp2 and a division), and with float32 inputs keep the exact formula
+    (scores.softcap_tanh); a build without a softcap has neither."""
+    from mhattn.backends.triton import ahead, scores
+
+    def tanh_ops(task):
+        ptx = ahead.compile_kernel(task, 90).asm["ptx"]
+        return ptx.count("tanh.approx.f32"), ptx.count("div.full.f32") + ptx.count("div.rn.f32")
+
+    gluon = [next(task for task in ahead.table_tasks("sm_90a", head_dims=(128, )) if task.kind == kind
+                  and ("SOFTCAP", True) in task.flags) for kind in ("hopper_fwd", "hopper_bwd")]
+    for task in gluon:
+        approx, divisions = tanh_ops(task)
+        assert approx > 0 and divisions <= 8, (task.label, approx, divisions)  # (the few outside the scores: 1 / l)
+    plain = dataclasses.replace(gluon[0], flags=tuple(flag for flag in gluon[0].flags if flag[0] != "SOFTCAP"))
+    assert tanh_ops(plain)[0] == 0
+    table = ahead.table_tasks("sm_90", head_dims=(64, ))
+    for kind in ("fwd", "dkdv", "splitkv"):
+        base = next(task for task in table if task.kind == kind)
+        for dtype in ("fp16", "fp32"):
+            task = dataclasses.replace(base, dtype=dtype, flags=base.flags + (("HAS_SOFTCAP", True), ))
+            approx, divisions = tanh_ops(task)
+            if dtype == "fp16":
+                assert approx > 0 and scores.HARDWARE_TANH, task.label
+            else:
+                assert approx == 0 and divisions > 0, task.label
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

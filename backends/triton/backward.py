@@ -166,7 +166,7 @@ def dkdv_query_range(dk, dv, k, v, q_base, do_base, q_desc, do_desc, dq_acc, dq_
         s2_t, tanh_t = attention_scores(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k,
                                         qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left,
                                         window_right, mask_base, stride_mq, stride_mk,
-                                        MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, MASK_KIND)
+                                        MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, MASK_KIND, k.dtype != tl.float32)
         p_t = tl.exp2(s2_t - lse2[None, :])
         do = load_block(do_desc, do_base, start_m, offs_local, stride_dom, offs_dv, seqlen_q, HEAD_DIM_V,
                         BLOCK_DV, MASKED, TMA)
@@ -450,7 +450,7 @@ def dq_key_range(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
         s2, tanh = attention_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
                                     qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left, window_right,
                                     mask_base, stride_mq, stride_mk,
-                                    MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, MASK_KIND)
+                                    MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, MASK_KIND, k.dtype != tl.float32)
         p = tl.exp2(s2 - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:

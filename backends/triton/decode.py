@@ -224,7 +224,7 @@ def split_kv_kernel(
         # seqlen_k = end: keys past this split's share are masked like keys past the sequence.
         s2, _ = attention_scores(qk, q_pos[:, None], offs_n[None, :], seqlen_q, end,
                                  qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left, window_right,
-                                 Q, 0, 0, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, 0)
+                                 Q, 0, 0, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, 0, k.dtype != tl.float32)
         m_new = tl.maximum(m_i, tl.max(s2, 1))
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet stays at 0
         p = tl.exp2(s2 - m_shift[:, None])

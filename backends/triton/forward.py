@@ -124,7 +124,7 @@ def forward_key_range(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, stride_k
         s2, _ = attention_scores(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k,
                                  qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left, window_right,
                                  mask_base, stride_mq, stride_mk,
-                                 MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, MASK_KIND)
+                                 MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, MASK_KIND, k.dtype != tl.float32)
         m_new = tl.maximum(m_i, tl.max(s2, 1))
         # A row that has seen no visible key yet keeps m = -inf; shifting by 0 instead keeps
         # exp2(-inf - shift) = 0 rather than NaN.

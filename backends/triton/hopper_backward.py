@@ -52,7 +52,7 @@ from mhattn.backends.triton.hopper_forward import (LOAD_REGS, thread_barrier, ti
                                                    wgmma_layout)
 # The dropout RNG's Triton functions, compiled as Gluon (hopper_forward.py says why that holds).
 from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile_transposed, row_keys
-from mhattn.backends.triton.scores import tanh_via_exp2
+from mhattn.backends.triton.scores import softcap_tanh
 
 
 def _tma_reduce_add_builtin():
@@ -278,7 +278,7 @@ def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))
     slope = 1.0
     if SOFTCAP:
-        tanh_t = tanh_via_exp2(s_t * softcap_in2)
+        tanh_t = softcap_tanh(s_t * softcap_in2, True)  # (16-bit inputs only)
         s2_t = tanh_t * qk_scale2
         slope = 1.0 - tanh_t * tanh_t
     else:

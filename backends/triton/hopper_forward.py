@@ -33,12 +33,12 @@ copy engine zero-fills rows past each head's sequence end; making them in the ke
 memory and fenced in every program) took about 15% of a program at 1k keys (NOTES, version 8).
 
 Coverage (the backend routes the rest to forward.py): fp16 and bf16; head dims 64, 128, 256, and 96 and 192 in the 128-
-and 256-wide tiles (HEAD_COLS; K and V the same; at 192 the products skip the zero fill: SPLIT_PRODUCTS); no mask, or a causal mask of either alignment (diag_offset); a sliding
-window's left bound (WINDOW: a tile moves only the key blocks its rows' windows reach, and masks the first ones), with
-the causal diagonal or no right bound; a right-padding key mask as per-batch key counts (KEY_LENGTHS: a tile walks only
-its batch entry's keys); GQA by head index; any Nq, Nk >= 1; a positive scale; 16-byte aligned rows; dropout with the
-shared RNG (DROPOUT); a softcap (SOFTCAP: each score through a tanh before the mask, softmax_step). Output (B, Hq, Nq,
-D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
+and 256-wide tiles (HEAD_COLS; K and V the same; at 192 the products skip the zero fill: SPLIT_PRODUCTS); no mask, or a
+causal mask of either alignment (diag_offset); a sliding window's left bound (WINDOW: a tile moves only the key blocks
+its rows' windows reach, and masks the first ones), with the causal diagonal or no right bound; a right-padding key mask
+as per-batch key counts (KEY_LENGTHS: a tile walks only its batch entry's keys); GQA by head index; any Nq, Nk >= 1; a
+positive scale; 16-byte aligned rows; dropout with the shared RNG (DROPOUT); a softcap (SOFTCAP: each score through a
+tanh before the mask, softmax_step). Output (B, Hq, Nq, D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
 """
 
 import triton
@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 # The dropout RNG's Triton functions, compiled here as Gluon (only operators on the tensors they are given, whose
 # layouts they keep): the same keep-mask bit for bit as every other kernel's.
 from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile, row_keys
-from mhattn.backends.triton.scores import tanh_via_exp2
+from mhattn.backends.triton.scores import softcap_tanh
 
 # The copy-engine load into shared memory: Triton 3.6 names it async_copy_global_to_shared, later ones async_load
 # (same arguments: descriptor, coordinates, barrier, destination).
@@ -403,7 +403,7 @@ def softmax_step(qk, m_i, l_i, j, unmasked, start_m, seqlen_k, diag_offset, wind
     tanh(scale * qk / softcap) (softcap_in2 = 2 * log2(e) * scale / softcap) and qk_scale2 is softcap * log2(e), so
     the rest reads it as it reads plain scores; the tanh comes before the mask, which keeps masked scores at -inf."""
     if SOFTCAP:
-        qk = tanh_via_exp2(qk * softcap_in2)
+        qk = softcap_tanh(qk * softcap_in2, True)  # (16-bit inputs only)
     if MASK == MASK_ALL:
         qk = masked_scores(qk, start_m, j * BLOCK_N, seqlen_k, diag_offset, window_left, BLOCK_M, BLOCK_N, CAUSAL,
                            WINDOW, s_layout)

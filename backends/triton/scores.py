@@ -13,6 +13,8 @@ Indices come pre-broadcast (``q_idx`` (BM, 1) and ``k_idx`` (1, BN) for query-ma
 orientations.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -29,10 +31,25 @@ MASK_KEYS = 3
 MASK_KEYS_FLOAT = 4
 
 
+# With 16-bit inputs the softcap's tanh on a GPU is the hardware's (tanh.approx.f32: one multi-function-unit operation,
+# relative error below 2^-10.98, as FlashAttention's softcap takes it; P itself is then rounded to 16 bits). Through
+# exp2 it costs an exp2 and a division, so that a softcapped score took three multi-function-unit operations with the
+# softmax's exp2 instead of two, and those bound the forward (NOTES, version 29). Float32 inputs keep the formula, and
+# so does Triton's interpreter (TRITON_INTERPRET=1, read when the backend is imported, as backend.INTERPRET), which runs
+# no PTX.
+HARDWARE_TANH = tl.constexpr(os.environ.get("TRITON_INTERPRET", "").strip().lower() not in ("1", "true", "yes", "on"))
+HALF_LN2 = tl.constexpr(0.34657359027997264)
+
+
 @triton.jit
-def tanh_via_exp2(x2):
-    """tanh(x) given x2 = 2 * log2(e) * x; exact at the saturated ends, abs error ~1e-7 near 0."""
-    return 1.0 - 2.0 / (tl.exp2(x2) + 1.0)
+def softcap_tanh(x2, APPROX: tl.constexpr):
+    """tanh(x) given x2 = 2 * log2(e) * x: with APPROX (16-bit inputs) on a GPU the hardware's approximation
+    (HARDWARE_TANH), else 1 - 2 / (2^x2 + 1), exact at the saturated ends and within ~1e-7 near 0."""
+    if APPROX and HARDWARE_TANH:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x2 * HALF_LN2], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 - 2.0 / (tl.exp2(x2) + 1.0)
 
 
 @triton.jit
@@ -71,16 +88,17 @@ def attention_scores(qk, q_idx, k_idx, seqlen_q, seqlen_k,
                      diag_offset, window_left, window_right,
                      mask_base, stride_mq, stride_mk,
                      MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr):
+                     HAS_SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, APPROX_TANH: tl.constexpr):
     """Base-2 scores of a tile and the softcap's tanh (for the backward's chain rule).
 
     qk: raw fp32 dot products. qk_scale2 = scale * log2(e); with softcap, softcap_in2 =
     2 * log2(e) * scale / softcap and softcap_out2 = softcap * log2(e). MASKED: apply the causal/window
     band and the sequence ends (blocks known to be fully visible skip this).
-    Returns (s2, tanh): tanh is qk itself when there is no softcap (unused then).
+    APPROX_TANH: the inputs are 16-bit (softcap_tanh). Returns (s2, tanh): tanh is qk itself when there is no softcap
+    (unused then).
     """
     if HAS_SOFTCAP:
-        t = tanh_via_exp2(qk * softcap_in2)
+        t = softcap_tanh(qk * softcap_in2, APPROX_TANH)
         s2 = t * softcap_out2
     else:
         t = qk
