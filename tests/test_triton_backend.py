@@ -569,7 +569,9 @@ def test_hopper_kernels_take_head_dims_96_and_192_in_wider_tiles():
         assert forward_args["SPLIT_PRODUCTS"] == split and split == (head_dim == 192)
         assert ({**forward_args, "HEAD_COLS": width, "SPLIT_PRODUCTS": False}
                 == hopper_launch.compile_time_args(width, True, seqlen_k=300))
-        assert {**backward_args, "HEAD_COLS": width} == hopper_launch.backward_compile_time_args(width, True)
+        assert backward_args["SPLIT_PRODUCTS"] == (head_dim == 192)
+        assert ({**backward_args, "HEAD_COLS": width, "SPLIT_PRODUCTS": False}
+                == hopper_launch.backward_compile_time_args(width, True))
         for min_keys in (hopper_launch.MIN_KEYS, hopper_launch.BACKWARD_MIN_KEYS):
             assert hopper_launch._rule("1", True, torch.bfloat16, head_dim, head_dim, 4096, 4096, True, False, False,
                                        min_keys, {}) is None
@@ -1045,6 +1047,18 @@ GLUON_PADDED_CASES = {
 }
 
 
+def _recorded_split(monkeypatch, args_function: str) -> list:
+    """SPLIT_PRODUCTS of every build made from here on through hopper_launch.<args_function> (the forward's or the
+    backward's compile-time arguments), in a list that fills as they are made."""
+    from mhattn.backends.triton import hopper_launch
+
+    found = []
+    real_args = getattr(hopper_launch, args_function)
+    monkeypatch.setattr(hopper_launch, args_function,
+                        lambda *args: found.append(real_args(*args)["SPLIT_PRODUCTS"]) or real_args(*args))
+    return found
+
+
 @pytest.mark.gpu
 @needs_gpu
 @needs_sm90
@@ -1057,10 +1071,7 @@ def test_gpu_gluon_forward_padded_head_dims(monkeypatch, dtype, case):
     from mhattn.backends.triton import hopper_launch
 
     head_dim = GLUON_PADDED_CASES[case]["head_dim"]
-    split = []
-    real_args = hopper_launch.compile_time_args
-    monkeypatch.setattr(hopper_launch, "compile_time_args",
-                        lambda *args: split.append(real_args(*args)["SPLIT_PRODUCTS"]) or real_args(*args))
+    split = _recorded_split(monkeypatch, "compile_time_args")
     _check_gluon_forward_build(monkeypatch, "HEAD_COLS", dtype, GLUON_PADDED_CASES[case], head_dim)
     assert split and all(found == (head_dim in hopper_launch.FORWARD_SPLIT_HEAD_DIMS) for found in split)
 
@@ -1072,9 +1083,13 @@ def test_gpu_gluon_forward_padded_head_dims(monkeypatch, dtype, case):
 @pytest.mark.parametrize("case", list(GLUON_PADDED_CASES))
 def test_gpu_gluon_backward_padded_head_dims(monkeypatch, dtype, case):
     """The Gluon backward built for head dim 96 or 192 in the wider tile (asserted from the build's compile-time
-    arguments) against the reference."""
-    _check_gluon_backward_build(monkeypatch, "HEAD_COLS", dtype, GLUON_PADDED_CASES[case],
-                                GLUON_PADDED_CASES[case]["head_dim"])
+    arguments, with its products split where BACKWARD_SPLIT_HEAD_DIMS says) against the reference."""
+    from mhattn.backends.triton import hopper_launch
+
+    head_dim = GLUON_PADDED_CASES[case]["head_dim"]
+    split = _recorded_split(monkeypatch, "backward_compile_time_args")
+    _check_gluon_backward_build(monkeypatch, "HEAD_COLS", dtype, GLUON_PADDED_CASES[case], head_dim)
+    assert split and all(found == (head_dim in hopper_launch.BACKWARD_SPLIT_HEAD_DIMS) for found in split)
 
 
 # A deterministic backward on the Gluon kernel (each query block's dQ shares added by its key blocks in their order,
@@ -1536,14 +1551,19 @@ def test_hopper_kernels_for_head_dims_96_and_192_compile_for_sm90a_without_a_gpu
         width = hopper_launch.TILE_WIDTH[task.head_dim]
         assert staged == (hopper_launch.BACKWARD_STAGED_DK_DV[width] if task.kind == "hopper_bwd"
                           else hopper_launch.Q_BUFFERS[width] == 2), task.label
+        widths = {int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)}
         if task.kind == "hopper_fwd":
             # Split products (FORWARD_SPLIT_HEAD_DIMS): P V in two wgmmas, half and a quarter of the tile wide, and
             # none over the whole width; otherwise the tile's width.
-            widths = {int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)}
             split = task.head_dim in hopper_launch.FORWARD_SPLIT_HEAD_DIMS
             key_block = hopper_launch.KEY_BLOCK[width]
             assert max(widths) == max(key_block, width // 2 if split else width), (task.label, widths)
             assert not split or {width // 2, width // 4} <= widths, (task.label, widths)
+        elif width == 256:
+            # The wide backward's two warpgroups split dK's and dV's columns: 128 each over the whole width, or with
+            # split products (BACKWARD_SPLIT_HEAD_DIMS) 64 and 32 each over the head dim's 128 + 64 columns.
+            split = task.head_dim in hopper_launch.BACKWARD_SPLIT_HEAD_DIMS
+            assert max(widths) == (width // 4 if split else width // 2), (task.label, widths)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

@@ -48,8 +48,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from mhattn.backends.triton.hopper_forward import (LOAD_REGS, thread_barrier, tile_layout, tma_load, tma_store,
-                                                   wgmma_layout)
+from mhattn.backends.triton.hopper_forward import (LOAD_REGS, output_parts, scores_product, stage_columns,
+                                                   thread_barrier, tile_layout, tma_load, tma_store, wgmma_layout)
 # The dropout RNG's Triton functions, compiled as Gluon (hopper_forward.py says why that holds).
 from mhattn.backends.triton.rng import column_hashes, head_key, keep_tile_transposed, row_keys
 from mhattn.backends.triton.scores import softcap_tanh
@@ -263,19 +263,20 @@ def step_tiles(q_smem, do_smem, step, walk, BLOCK_M: gl.constexpr, HEAD_DIM: gl.
 def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase, start_n, start_m,
                        keys, s_zero, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, s_layout: gl.constexpr,
-                       softcap_in2, SOFTCAP: gl.constexpr):
+                       softcap_in2, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr):
     """One step's P^T (float32, keys by rows), its dP^T = V dO^T still on the tensor cores, and the scores' slope:
     S^T = K Q^T and dP^T are issued as soon as their tiles land, and the exponentials run while dP^T is computed.
     SOFTCAP: the scores are softcap * tanh(scale * S / softcap) (qk_scale2 is softcap * log2(e), softcap_in2 =
-    2 * log2(e) * scale / softcap), and the slope 1 - tanh^2 is the factor the chain rule puts on dS (1.0 without)."""
+    2 * log2(e) * scale / softcap), and the slope 1 - tanh^2 is the factor the chain rule puts on dS (1.0 without).
+    SPLIT: both products over the head dim's two parts only (hopper_forward.scores_product), not the zero fill."""
     mbarrier.wait(q_ready.index(slot), phase)
-    s_t = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_t = scores_product(k_smem, q_tile, s_zero, SPLIT)
     mbarrier.wait(do_ready.index(slot), phase)
-    dp_t = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_t = scores_product(v_smem, do_tile, s_zero, SPLIT)
     # The step's lse2 and delta came with Q and dO (rows past Nq read 0: their Q and dO rows are 0 too, so
     # P^T dO, dS^T and dS K vanish there).
     lse2 = row_values(lse2_smem.index(slot), BLOCK_M, s_layout)
-    s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+    s_t = warpgroup_mma_wait(output_parts(SPLIT), deps=(s_t, ))  # S^T done; dP^T may still run
     slope = 1.0
     if SOFTCAP:
         tanh_t = softcap_tanh(s_t * softcap_in2, True)  # (16-bit inputs only)
@@ -348,7 +349,7 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
         p_t, dp_t, slope = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot,
                                               phase, start_n, start_m, keys, s_zero, key_end, diag_offset, window_left,
                                               qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout, softcap_in2,
-                                              SOFTCAP)
+                                              SOFTCAP, False)
         p_dv = p_t  # what dV's product takes: P^T, dropped (and scaled at the end) with DROPOUT
         if DROPOUT:
             keep_t = step_keep(rng, column_hashes(keys), head_step, start_m, BLOCK_M, s_layout)
@@ -384,8 +385,8 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
 
     if DROPOUT:
         dv = dv * rng[3]
-    store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BLOCK_N, HEAD_DIM, kv_layout,
-                STAGED_DK_DV)
+    store_dk_dv((dk, ), (dv, ), k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BLOCK_N, HEAD_DIM, kv_layout,
+                STAGED_DK_DV, False)
 
 
 @gluon.jit
@@ -396,15 +397,15 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr,
                       DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
-                      DETERMINISTIC: gl.constexpr):
+                      DETERMINISTIC: gl.constexpr, SPLIT_PRODUCTS: gl.constexpr):
     """The kernel's 8 warps: the narrow schedule (warpgroups split the keys) up to head dim 128, the wide one
-    (warpgroups split the columns) above."""
+    (warpgroups split the columns) above, with SPLIT_PRODUCTS its products over the head dim's columns only."""
     if HEAD_DIM > 128:
         wide_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
                                walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2, sm_scale,
                                HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV,
-                               softcap_in2, SOFTCAP, DETERMINISTIC)
+                               softcap_in2, SOFTCAP, DETERMINISTIC, SPLIT_PRODUCTS)
     else:
         narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                  q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
@@ -421,22 +422,30 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
                            sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                            DROPOUT: gl.constexpr, DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2,
-                           SOFTCAP: gl.constexpr, DETERMINISTIC: gl.constexpr):
+                           SOFTCAP: gl.constexpr, DETERMINISTIC: gl.constexpr, SPLIT: gl.constexpr):
     """The compute partition at head dim 256. dK and dV of 64 keys by 256 columns take all of both warpgroups'
     accumulator registers, so BLOCK_N is 64 and the warpgroups split every product by columns instead of keys:
     S^T and dP^T by query (BLOCK_M / 2 each), dV and dK by head-dim column (HEAD_DIM / 2 each), and dQ = dS K in
     two chunks of DQ_COLS columns (the float32 share of a whole step would not fit shared memory). P^T and dS^T go
     through shared memory, since each warpgroup's dV and dK columns need every query's. The Q and dO slot is
-    released as soon as dV and dK have read it (one stage: the loads overlap the dQ products)."""
+    released as soon as dV and dK have read it (one stage: the loads overlap the dQ products). SPLIT (a head dim of 3/4
+    of the tile: 192 of 256): no product multiplies the zero fill past the head dim; S^T and dP^T add a product over
+    the next quarter onto one over the first half (hopper_forward.scores_product), dK and dV are each two accumulators
+    of HEAD_DIM / 2 and HEAD_DIM / 4 columns (column_parts), and dQ's second chunk is DQ_COLS / 2 wide."""
     s_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, BLOCK_M // 2)      # S^T, dP^T: (BLOCK_N, BLOCK_M)
-    kv_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, HEAD_DIM // 2)    # dK, dV: (BLOCK_N, HEAD_DIM)
     dq_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, DQ_COLS // 2)     # dQ chunk: (BLOCK_M, DQ_COLS)
+    DQ_HIGH_COLS: gl.constexpr = DQ_COLS // 2 if SPLIT else DQ_COLS                   # dQ's second chunk
+    dq_high_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, DQ_HIGH_COLS // 2)
     dtype: gl.constexpr = k_smem.dtype
 
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
+    dk = zero_columns(BLOCK_N, HEAD_DIM, SPLIT)  # dK, dV: (BLOCK_N, HEAD_DIM) in column parts
+    dv = zero_columns(BLOCK_N, HEAD_DIM, SPLIT)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+    if SPLIT:
+        dq_high_zero = gl.zeros([BLOCK_M, DQ_HIGH_COLS], gl.float32, layout=dq_high_layout)
+    else:
+        dq_high_zero = dq_zero
     key_end, seqlen_k = key_counts  # the keys queries see, the keys dK and dV have
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     p_tile = pds_smem.index(0)
@@ -449,7 +458,7 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
         p_t, dp_t, slope = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot,
                                               phase, start_n, start_m, keys, s_zero, key_end, diag_offset, window_left,
                                               qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout, softcap_in2,
-                                              SOFTCAP)
+                                              SOFTCAP, SPLIT)
         delta = row_values(delta_smem.index(slot), BLOCK_M, s_layout)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
         p_dv = p_t  # what dV's product takes: P^T, dropped (and scaled at the end) with DROPOUT
@@ -464,13 +473,13 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
         ds_tile.store(ds_t.to(dtype))
         fence_async_shared()
         thread_barrier()
-        dv = warpgroup_mma(p_tile, do_tile, dv, is_async=True)
-        dk = warpgroup_mma(ds_tile, q_tile, dk, is_async=True)
+        dv = column_products(p_tile, do_tile, dv, SPLIT)
+        dk = column_products(ds_tile, q_tile, dk, SPLIT)
         dq_low = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(0, DQ_COLS, dim=1), dq_zero, use_acc=False,
                                is_async=True)
-        dq_high = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(DQ_COLS, DQ_COLS, dim=1), dq_zero,
+        dq_high = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(DQ_COLS, DQ_HIGH_COLS, dim=1), dq_high_zero,
                                 use_acc=False, is_async=True)
-        dv, dk = warpgroup_mma_wait(2, deps=(dv, dk))
+        dv, dk = wait_columns(dv, dk, SPLIT)  # (the two dQ products may still run)
         thread_barrier()
         mbarrier.arrive(q_empty.index(slot), count=1)
         mbarrier.arrive(do_empty.index(slot), count=1)
@@ -479,18 +488,69 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
         hand_dq_chunk(dq_high * sm_scale, dq_smem, dq_ready, dq_empty, 2 * step + 1, BLOCK_M, DQ_COLS)
 
     if DROPOUT:
-        dv = dv * rng[3]
+        dv = scale_columns(dv, rng[3], SPLIT)
+    kv_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, HEAD_DIM // 2)  # (zero_columns' one part)
     store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BLOCK_N, HEAD_DIM, kv_layout,
-                STAGED_DK_DV)
+                STAGED_DK_DV, SPLIT)
+
+
+@gluon.jit
+def zero_columns(ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, SPLIT: gl.constexpr):
+    """The wide schedule's dK or dV accumulators at zero, split by column over its two warpgroups: a tuple of one
+    (ROWS, HEAD_DIM) tensor, or with SPLIT of a (ROWS, HEAD_DIM / 2) and a (ROWS, HEAD_DIM / 4) one."""
+    if SPLIT:
+        return (gl.zeros([ROWS, HEAD_DIM // 2], gl.float32, layout=wgmma_layout(COMPUTE_WARPS // 2, 2, HEAD_DIM // 4)),
+                gl.zeros([ROWS, HEAD_DIM // 4], gl.float32, layout=wgmma_layout(COMPUTE_WARPS // 2, 2, HEAD_DIM // 8)))
+    else:
+        return (gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=wgmma_layout(COMPUTE_WARPS // 2, 2, HEAD_DIM // 2)), )
+
+
+@gluon.jit
+def column_products(a_tile, b_tile, acc, SPLIT: gl.constexpr):
+    """acc += A B, issued asynchronously, A (keys, queries) and B (queries, tile width) from shared memory, into the
+    column parts of zero_columns (SPLIT: B's first half and the quarter after it). One wgmma group per part."""
+    if SPLIT:
+        half: gl.constexpr = b_tile.shape[1] // 2
+        first = warpgroup_mma(a_tile, b_tile.slice(0, half, dim=1), acc[0], is_async=True)
+        second = warpgroup_mma(a_tile, b_tile.slice(half, half // 2, dim=1), acc[1], is_async=True)
+        return (first, second)
+    else:
+        return (warpgroup_mma(a_tile, b_tile, acc[0], is_async=True), )
+
+
+@gluon.jit
+def wait_columns(dv, dk, SPLIT: gl.constexpr):
+    """dV's and dK's column parts once their products (column_products, issued before the step's two dQ products)
+    have finished; the dQ products may still run."""
+    if SPLIT:
+        dv_first, dv_second, dk_first, dk_second = warpgroup_mma_wait(2, deps=(dv[0], dv[1], dk[0], dk[1]))
+        return (dv_first, dv_second), (dk_first, dk_second)
+    else:
+        dv_done, dk_done = warpgroup_mma_wait(2, deps=(dv[0], dk[0]))
+        return (dv_done, ), (dk_done, )
+
+
+@gluon.jit
+def scale_columns(acc, factor, SPLIT: gl.constexpr):
+    """Every column part times a scalar."""
+    if SPLIT:
+        return (acc[0] * factor, acc[1] * factor)
+    else:
+        return (acc[0] * factor, )
 
 
 @gluon.jit
 def hand_dq_chunk(share, dq_smem, dq_ready, dq_empty, index, BLOCK_M: gl.constexpr, DQ_COLS: gl.constexpr):
     """Chunk ``index`` of the dQ shares to the writer warp through shared buffer index % 2, once the writer has
-    handed that buffer back."""
+    handed that buffer back. A share narrower than DQ_COLS (a split chunk past the head dim's first DQ_COLS columns)
+    fills the buffer's first columns; the copy engine's reduce-add clips the rest (the tensor map ends at the head
+    dim)."""
     buf = index % 2
     mbarrier.wait(dq_empty.index(buf), ((index // 2) & 1) ^ 1)
-    dq_smem.index(buf).reshape([BLOCK_M, DQ_COLS]).store(share)
+    chunk = dq_smem.index(buf).reshape([BLOCK_M, DQ_COLS])
+    if share.shape[1] < DQ_COLS:
+        chunk = chunk.slice(0, share.shape[1], dim=1)
+    chunk.store(share)
     fence_async_shared()
     thread_barrier()
     mbarrier.arrive(dq_ready.index(buf), count=1)
@@ -498,17 +558,18 @@ def hand_dq_chunk(share, dq_smem, dq_ready, dq_empty, index, BLOCK_M: gl.constex
 
 @gluon.jit
 def store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BLOCK_N: gl.constexpr,
-                HEAD_DIM: gl.constexpr, kv_layout: gl.constexpr, STAGED: gl.constexpr):
-    """The key block's dK (scaled) and dV rows in the input dtype, up to the last key. dkv_out: (dk_desc, dv_desc,
-    batch, head_kv, dk_base, dv_base, stride_dkn, stride_dvn). STAGED: in K's and V's tiles, written by the copy
-    engine (which clips rows past Nk): two bulk copies instead of a thread's 32-128 scattered 4-byte stores. Those
-    tiles are free: every warp waited for its last products before the last dQ hand-over's barrier. Else from
-    registers, through dk_base and dv_base."""
+                HEAD_DIM: gl.constexpr, kv_layout: gl.constexpr, STAGED: gl.constexpr, SPLIT: gl.constexpr):
+    """The key block's dK (scaled) and dV rows in the input dtype, up to the last key; dk, dv: column parts
+    (zero_columns; one part unless SPLIT). dkv_out: (dk_desc, dv_desc, batch, head_kv, dk_base, dv_base, stride_dkn,
+    stride_dvn). STAGED: in K's and V's tiles, written by the copy engine (which clips rows past Nk): two bulk copies
+    instead of a thread's 32-128 scattered 4-byte stores. Those tiles are free: every warp waited for its last products
+    before the last dQ hand-over's barrier. Else from registers, through dk_base and dv_base (one part only)."""
     dk_desc, dv_desc, batch, head_kv, dk_base, dv_base, stride_dkn, stride_dvn = dkv_out
     dtype: gl.constexpr = k_smem.dtype
+    gl.static_assert(STAGED or not SPLIT, "split dK and dV are stored through K's and V's tiles")
     if STAGED:
-        k_smem.store((dk * sm_scale).to(dtype))
-        v_smem.store(dv.to(dtype))
+        stage_columns(k_smem, scale_columns(dk, sm_scale, SPLIT), SPLIT)
+        stage_columns(v_smem, dv, SPLIT)
         fence_async_shared()
         thread_barrier()
         coord = [batch, head_kv, start_n, 0]
@@ -520,8 +581,8 @@ def store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BL
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
         keep = gl.expand_dims(keys < seqlen_k, 1)
         rows = gl.expand_dims(keys.to(gl.int64), 1)
-        gl.store(dk_base + rows * stride_dkn + gl.expand_dims(cols, 0), (dk * sm_scale).to(dtype), mask=keep)
-        gl.store(dv_base + rows * stride_dvn + gl.expand_dims(cols, 0), dv.to(dtype), mask=keep)
+        gl.store(dk_base + rows * stride_dkn + gl.expand_dims(cols, 0), (dk[0] * sm_scale).to(dtype), mask=keep)
+        gl.store(dv_base + rows * stride_dvn + gl.expand_dims(cols, 0), dv[0].to(dtype), mask=keep)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left", "threshold",
@@ -537,7 +598,7 @@ def hopper_backward_kernel(
     HEAD_DIM: gl.constexpr, HEAD_COLS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr, WINDOW: gl.constexpr = False,
     KEY_LENGTHS: gl.constexpr = False, DROPOUT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
-    DETERMINISTIC: gl.constexpr = False,
+    DETERMINISTIC: gl.constexpr = False, SPLIT_PRODUCTS: gl.constexpr = False,
 ):
     """Host tensor maps (hopper_launch.tensor_map): q_desc, do_desc of Q, dOut (B, Hq, Nq, D) in blocks of
     (1, 1, BLOCK_M, HEAD_DIM); k_desc, v_desc of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, HEAD_DIM);
@@ -565,7 +626,8 @@ def hopper_backward_kernel(
     that dQ is the same bit for bit at every run: DqTurns holds B * Hq * cdiv(Nq, BLOCK_M) zeroed int32 counters, a
     query block's counting the key blocks that have added to it (dq_turn), and a program waits for its turn before
     each addition (the programs of a (batch, key/value head) start in key block order, so the one waited for has
-    started); without it DqTurns is not read.
+    started); without it DqTurns is not read. SPLIT_PRODUCTS (the wide schedule, a head dim of 3/4 of the tile:
+    192 of 256): no product multiplies the zero fill past the head dim (wide_compute_partition).
     Grid (B * Hkv * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
     gl.static_assert(STAGED_DK_DV or HEAD_COLS == HEAD_DIM, "dK and dV stored from registers write every tile column")
     pid = gl.program_id(0)
@@ -638,7 +700,7 @@ def hopper_backward_kernel(
                              q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n, walk, steps,
                              (key_end, seqlen_k), diag_offset, window_left, rng, qk_scale2, sm_scale,
                              HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV,
-                             softcap_in2, SOFTCAP, DETERMINISTIC)),
+                             softcap_in2, SOFTCAP, DETERMINISTIC, SPLIT_PRODUCTS)),
         (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_tile, v_tile, q_smem, do_smem,
                           lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv,
                           first_head, start_n, walk, steps, BLOCK_M, NUM_STAGES, DETERMINISTIC)),

@@ -509,16 +509,16 @@ def attend_blocks(q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, p,
 
 
 @gluon.jit
-def stage_output(out, q_smem, SPLIT: gl.constexpr):
-    """The normalised output (scale_output) into the consumer's Q slot (q_smem: (BLOCK_M, tile width)) for the copy
-    engine's store, each accumulator into its columns. With SPLIT the slot's last quarter keeps Q's zero fill, past
-    the head dim, where the copy engine's store clips it."""
+def stage_columns(tile, parts, SPLIT: gl.constexpr):
+    """Accumulators split by column (zero_output; the backward's dK and dV) in the input dtype into their columns of a
+    (rows, tile width) shared tile, for the copy engine's store. With SPLIT the tile's last quarter, past the head dim,
+    keeps what it held (the copy engine's store clips it)."""
     if SPLIT:
-        half: gl.constexpr = q_smem.shape[1] // 2
-        q_smem.slice(0, half, dim=1).store(out[0].to(q_smem.dtype))
-        q_smem.slice(half, half // 2, dim=1).store(out[1].to(q_smem.dtype))
+        half: gl.constexpr = tile.shape[1] // 2
+        tile.slice(0, half, dim=1).store(parts[0].to(tile.dtype))
+        tile.slice(half, half // 2, dim=1).store(parts[1].to(tile.dtype))
     else:
-        q_smem.store(out[0].to(q_smem.dtype))
+        tile.store(parts[0].to(tile.dtype))
 
 
 @gluon.jit
@@ -711,7 +711,7 @@ def consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_
     out = scale_output(acc, inverse_l, SPLIT_PRODUCTS)
     if staged:
         # The copy engine clips rows past Nq and columns past the head dim (the tensor map's bounds).
-        stage_output(out, q_smem, SPLIT_PRODUCTS)
+        stage_columns(q_smem, out, SPLIT_PRODUCTS)
         fence_async_shared()
         thread_barrier()
         tma_store(o_desc, [batch, head, start_m, 0], own_slot)

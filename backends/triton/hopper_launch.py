@@ -45,8 +45,10 @@ from mhattn.caches import put_bounded
 # The padded products cost 128/96 = 256/192 = 4/3 of the work the head dim needs.
 TILE_WIDTH = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
 # Head dims whose forward products skip the zero fill: the 192 columns of a 256-wide tile as two products, 128 and 64
-# wide (hopper_forward.output_parts, SPLIT_PRODUCTS), 3/4 of the padded products' work.
+# wide (hopper_forward.output_parts, SPLIT_PRODUCTS), 3/4 of the padded products' work. The same in the backward
+# (hopper_backward.wide_compute_partition).
 FORWARD_SPLIT_HEAD_DIMS = (192, )
+BACKWARD_SPLIT_HEAD_DIMS = (192, )
 # Tile width -> key block: the largest whose K/V ring, both Q tiles and the register budget fit.
 KEY_BLOCK = {64: 128, 128: 128, 256: 64}
 QUERY_ROWS_PER_CONSUMER = 64   # one wgmma row block per consumer warpgroup
@@ -517,7 +519,8 @@ def backward_compile_time_args(head_dim: int, causal: bool, window: bool = False
     return dict(HEAD_DIM=width, HEAD_COLS=head_dim, BLOCK_M=BACKWARD_QUERY_BLOCK[width],
                 BLOCK_N=BACKWARD_KEY_BLOCK[width], NUM_STAGES=BACKWARD_STAGES[width], CAUSAL=causal,
                 STAGED_DK_DV=BACKWARD_STAGED_DK_DV[width],
-                WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap, DETERMINISTIC=deterministic)
+                WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap, DETERMINISTIC=deterministic,
+                SPLIT_PRODUCTS=head_dim in BACKWARD_SPLIT_HEAD_DIMS)
 
 
 def _backward_setup(plan, device_index: int, deterministic: bool = False) -> tuple:
