@@ -326,9 +326,10 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
                              sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                              DROPOUT: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
-                             DETERMINISTIC: gl.constexpr):
+                             DETERMINISTIC: gl.constexpr, SPLIT: gl.constexpr):
     """Head dims 64 and 128, each warpgroup owning 64 of the keys: every step of the key block, then dK and dV.
-    Per step: S^T, dP^T; P^T, dS^T; dV, dK; dQ's share."""
+    Per step: S^T, dP^T; P^T, dS^T; dV, dK; dQ's share. SPLIT (d = 96 in the 128-wide tile): S^T and dP^T over the
+    head dim's 64 + 32 columns only (step_probabilities); dV, dK and dQ keep the tile's width."""
     s_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS, 1, BLOCK_M)         # S^T, dP^T: (BLOCK_N, BLOCK_M)
     kv_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS, 1, HEAD_DIM)       # dK, dV: (BLOCK_N, HEAD_DIM)
     dq_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, HEAD_DIM // 2)  # dQ share: (BLOCK_M, HEAD_DIM)
@@ -349,7 +350,7 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
         p_t, dp_t, slope = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot,
                                               phase, start_n, start_m, keys, s_zero, key_end, diag_offset, window_left,
                                               qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout, softcap_in2,
-                                              SOFTCAP, False)
+                                              SOFTCAP, SPLIT)
         p_dv = p_t  # what dV's product takes: P^T, dropped (and scaled at the end) with DROPOUT
         if DROPOUT:
             keep_t = step_keep(rng, column_hashes(keys), head_step, start_m, BLOCK_M, s_layout)
@@ -399,7 +400,8 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
                       DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
                       DETERMINISTIC: gl.constexpr, SPLIT_PRODUCTS: gl.constexpr):
     """The kernel's 8 warps: the narrow schedule (warpgroups split the keys) up to head dim 128, the wide one
-    (warpgroups split the columns) above, with SPLIT_PRODUCTS its products over the head dim's columns only."""
+    (warpgroups split the columns) above; SPLIT_PRODUCTS: products over the head dim's columns only (each schedule
+    says which)."""
     if HEAD_DIM > 128:
         wide_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
@@ -411,7 +413,7 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
                                  q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
                                  walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
                                  sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT,
-                                 STAGED_DK_DV, softcap_in2, SOFTCAP, DETERMINISTIC)
+                                 STAGED_DK_DV, softcap_in2, SOFTCAP, DETERMINISTIC, SPLIT_PRODUCTS)
 
 
 @gluon.jit

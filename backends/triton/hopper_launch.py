@@ -46,9 +46,10 @@ from mhattn.caches import put_bounded
 TILE_WIDTH = {64: 64, 96: 128, 128: 128, 192: 256, 256: 256}
 # Head dims whose forward products skip the zero fill: the 192 columns of a 256-wide tile as two products, 128 and 64
 # wide (hopper_forward.output_parts, SPLIT_PRODUCTS), 3/4 of the padded products' work. The same in the backward
-# (hopper_backward.wide_compute_partition).
+# (hopper_backward.wide_compute_partition; NOTES version 30); at d = 96 the backward's S^T and dP^T only (64 + 32
+# columns: narrow_compute_partition, version 31), and not the forward (its 32-column P V product, version 28).
 FORWARD_SPLIT_HEAD_DIMS = (192, )
-BACKWARD_SPLIT_HEAD_DIMS = (192, )
+BACKWARD_SPLIT_HEAD_DIMS = (96, 192)
 # Tile width -> key block: the largest whose K/V ring, both Q tiles and the register budget fit.
 KEY_BLOCK = {64: 128, 128: 128, 256: 64}
 QUERY_ROWS_PER_CONSUMER = 64   # one wgmma row block per consumer warpgroup
