@@ -433,7 +433,8 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
     released as soon as dV and dK have read it (one stage: the loads overlap the dQ products). SPLIT (a head dim of 3/4
     of the tile: 192 of 256): no product multiplies the zero fill past the head dim; S^T and dP^T add a product over
     the next quarter onto one over the first half (hopper_forward.scores_product), dK and dV are each two accumulators
-    of HEAD_DIM / 2 and HEAD_DIM / 4 columns (column_parts), and dQ's second chunk is DQ_COLS / 2 wide."""
+    of HEAD_DIM / 2 and HEAD_DIM / 4 columns (zero_columns, column_products), and dQ's second chunk is DQ_COLS / 2
+    wide."""
     s_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, BLOCK_M // 2)      # S^T, dP^T: (BLOCK_N, BLOCK_M)
     dq_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, DQ_COLS // 2)     # dQ chunk: (BLOCK_M, DQ_COLS)
     DQ_HIGH_COLS: gl.constexpr = DQ_COLS // 2 if SPLIT else DQ_COLS                   # dQ's second chunk
@@ -628,8 +629,9 @@ def hopper_backward_kernel(
     that dQ is the same bit for bit at every run: DqTurns holds B * Hq * cdiv(Nq, BLOCK_M) zeroed int32 counters, a
     query block's counting the key blocks that have added to it (dq_turn), and a program waits for its turn before
     each addition (the programs of a (batch, key/value head) start in key block order, so the one waited for has
-    started); without it DqTurns is not read. SPLIT_PRODUCTS (the wide schedule, a head dim of 3/4 of the tile:
-    192 of 256): no product multiplies the zero fill past the head dim (wide_compute_partition).
+    started); without it DqTurns is not read. SPLIT_PRODUCTS (a head dim of 3/4 of the tile: 96 of 128, 192 of 256):
+    S^T and dP^T, and at 192 every product, skip the zero fill past the head dim (narrow_compute_partition,
+    wide_compute_partition).
     Grid (B * Hkv * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
     gl.static_assert(STAGED_DK_DV or HEAD_COLS == HEAD_DIM, "dK and dV stored from registers write every tile column")
     pid = gl.program_id(0)

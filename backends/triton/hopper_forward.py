@@ -302,9 +302,9 @@ def block_tile(slots, slot):
 @triton.constexpr_function
 def output_parts(split):
     """How many accumulators one consumer's output takes: one over the tile's width, or with SPLIT_PRODUCTS two, over
-    its first half and the quarter after it (a head dim of 3/4 of the tile: 192 in the 256-wide tile), so that no
-    product multiplies the columns past the head dim that the copy engine zero-fills (Gluon's register tensors, and
-    so each wgmma's width, are a power of two)."""
+    its first half and the quarter after it (a head dim of 3/4 of the tile: 192 in the 256-wide tile; the backward's
+    S^T and dP^T also 96 in the 128-wide one), so that no product multiplies the columns past the head dim that the
+    copy engine zero-fills (Gluon's register tensors, and so each wgmma's width, are a power of two)."""
     return 2 if split else 1
 
 
