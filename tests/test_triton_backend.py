@@ -545,9 +545,9 @@ def test_hopper_tensor_maps_describe_the_tensors_as_the_kernels_read_them():
 def test_hopper_kernels_take_head_dims_96_and_192_in_wider_tiles():
     """Head dims 96 and 192 run the Gluon kernels' 128- and 256-wide builds: the maps keep the tensor's own width (the
     copy engine zero-fills the columns past it and clips them from its stores) in blocks of the tile width, the builds
-    get both (HEAD_DIM the tile, HEAD_COLS the head dim; the d = 192 forward its products split to the head dim), and
-    the rule takes them where it takes their tile width; other widths stay on the FlashAttention-2 kernels, with a
-    reason that names the head dims taken."""
+    get both (HEAD_DIM the tile, HEAD_COLS the head dim; products split to the head dim in the d = 192 forward and in
+    both backwards), and the rule takes them where it takes their tile width; other widths stay on the FlashAttention-2
+    kernels, with a reason that names the head dims taken."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from mhattn.backends.triton import hopper_launch
 
