@@ -16,13 +16,12 @@ Prints a line per case as it goes and the table last.
 """
 
 import argparse
-import os
 
 import torch
 
 import mhattn
 from check_features import timed  # (this script's folder is on the path when it runs)
-from mhattn.backends.triton import hopper_launch
+from check_hopper import with_hopper_switch
 
 TOKENS, WIDTH = 16384, 2048
 # (column, deterministic, Gluon kernels on)
@@ -53,18 +52,16 @@ def reproducible(call, q, k, v) -> bool:
 
 
 def with_setting(deterministic: bool, gluon: bool, fn):
-    previous = os.environ.get(hopper_launch.ENV_SWITCH)
-    # ("always": the Gluon kernels below their key thresholds too, DETERMINISTIC_MIN_KEYS among them)
-    os.environ[hopper_launch.ENV_SWITCH] = "always" if gluon else "0"
-    torch.use_deterministic_algorithms(deterministic)
-    try:
-        return fn()
-    finally:
-        torch.use_deterministic_algorithms(False)
-        if previous is None:
-            del os.environ[hopper_launch.ENV_SWITCH]
-        else:
-            os.environ[hopper_launch.ENV_SWITCH] = previous
+    """fn() under torch.use_deterministic_algorithms(deterministic), with the Gluon kernels at every key count
+    ("always": below their thresholds too, DETERMINISTIC_MIN_KEYS among them) or off."""
+    def run():
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            return fn()
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+    return with_hopper_switch(run, "always" if gluon else "0")
 
 
 def main(head_dims, seqlens, dtype):
