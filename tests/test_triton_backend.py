@@ -1875,7 +1875,7 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
         monkeypatch.setattr(hopper_launch, "MIN_WAVES", 0)
     plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=300, batch=batch, heads_kv=heads_kv,
                            kv_group=heads_q // heads_kv, has_right=False, has_left=False, key_lengths=False,
-                           heads_q=heads_q, has_dropout=False, has_softcap=False, hopper_backward_constexprs=None,
+                           heads_q=heads_q, has_dropout=False, has_softcap=False, hopper_backward_constexprs={},
                            hopper_backward_slices=None)
     run = SimpleNamespace(qk_scale2=1.0, sm_scale=1.0, diag_offset=0, window_left=0, key_bounds=None,
                           threshold=0, dropout_scale=1.0, softcap_in2=0.0, softcap_out2=0.0)

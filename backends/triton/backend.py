@@ -129,7 +129,7 @@ class _Plan:
         self.sm90 = not INTERPRET and cc == (9, 0)
         self.hopper_schedule = None    # its schedule and launch set (hopper_launch.forward), made on first use
         # the Gluon Hopper backward's compile-time sets, deterministic or not (hopper_launch._backward_setup)
-        self.hopper_backward_constexprs = None
+        self.hopper_backward_constexprs = {}
         self.hopper_backward_slices = None  # its launches' (batches, key/value heads) (hopper_launch.backward_slices)
         self.hopper_reasons = {}  # hopper_launch.why_not's plan part, per setting
         self.config = configs.config_for(cc, q.dtype, self.head_dim, self.heavy_first, self.seqlen_q, dot_precision,

@@ -536,9 +536,7 @@ def _backward_setup(plan, device_index: int, deterministic: bool = False) -> tup
         plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
                                                       * plan.head_dim * 4, backward_programs_per_head(plan),
                                                       _sm_count(device_index))
-    if plan.hopper_backward_constexprs is None:
-        plan.hopper_backward_constexprs = {}  # deterministic or not -> the compile-time set
-    constexprs = plan.hopper_backward_constexprs.get(deterministic)
+    constexprs = plan.hopper_backward_constexprs.get(deterministic)  # (deterministic or not -> compile-time set)
     if constexprs is None:
         constexprs = plan.hopper_backward_constexprs[deterministic] = launcher.constexprs(
             8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right, plan.has_left, plan.key_lengths,
