@@ -1509,6 +1509,14 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
             assert "cp.reduce.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx, task.label
             staged = "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
             assert staged == hopper_launch.BACKWARD_STAGED_DK_DV[task.head_dim], task.label
+            # Dropout and softcap builds take BACKWARD_FEATURE_QUERY_BLOCK's rows a step where the plain build's
+            # spill with them, and then keep every value in registers.
+            flags = dict(task.flags)
+            rows = ahead._constexprs(task)["BLOCK_M"]
+            assert rows == hopper_launch.backward_query_block(task.head_dim, flags.get("DROPOUT", False),
+                                                              flags.get("SOFTCAP", False)), task.label
+            if rows != hopper_launch.BACKWARD_QUERY_BLOCK[task.head_dim]:
+                assert ahead.resource_usage(kernel)["stack"] == 0, task.label
         if task.kind == "hopper_fwd":
             staged = "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
             # (with three rotating Q slots the upper consumer stages its output: hopper_forward.consume_tile)

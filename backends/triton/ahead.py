@@ -45,12 +45,13 @@ def hopper_tile(head_dim: int) -> configs.KernelConfig:
                                 tma=True, warp_specialize=True)
 
 
-def hopper_backward_tile(head_dim: int) -> configs.KernelConfig:
-    """The Hopper backward's tile: query rows per step, keys per program, the compute partition's 8 warps, the
-    Q/dO slots."""
+def hopper_backward_tile(head_dim: int, flag: str = "") -> configs.KernelConfig:
+    """The Hopper backward's tile (with the build flag ``flag`` set, if any): query rows per step, keys per program,
+    the compute partition's 8 warps, the Q/dO slots."""
     width = hopper_launch.TILE_WIDTH[head_dim]
-    return configs.KernelConfig(hopper_launch.BACKWARD_QUERY_BLOCK[width], hopper_launch.BACKWARD_KEY_BLOCK[width], 8,
-                                hopper_launch.BACKWARD_STAGES[width], tma=True, warp_specialize=True)
+    rows = hopper_launch.backward_query_block(head_dim, flag == "DROPOUT", flag == "SOFTCAP")
+    return configs.KernelConfig(rows, hopper_launch.BACKWARD_KEY_BLOCK[width], 8, hopper_launch.BACKWARD_STAGES[width],
+                                tma=True, warp_specialize=True)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,10 @@ def _constexprs(task: KernelTask) -> dict:
     if task.kind == "hopper_fwd":
         return dict(hopper_launch.compile_time_args(task.head_dim, task.causal), **dict(task.flags))
     if task.kind == "hopper_bwd":
-        return dict(hopper_launch.backward_compile_time_args(task.head_dim, task.causal), **dict(task.flags))
+        flags = dict(task.flags)
+        return dict(hopper_launch.backward_compile_time_args(task.head_dim, task.causal,
+                                                             dropout=flags.get("DROPOUT", False),
+                                                             softcap=flags.get("SOFTCAP", False)), **flags)
     padded = configs.padded_head_dim(task.head_dim)
     if task.kind == "combine":  # the split-KV combine (decode.py), 32 splits a row
         return dict(HEAD_DIM_V=task.head_dim, BLOCK_DV=padded, BLOCK_S=32, **dict(task.flags))
@@ -172,7 +176,8 @@ def _tensor_map_types(task: KernelTask) -> dict:
         maps = hopper_launch.forward_maps(rows, rows, rows, rows, d)
         return dict(zip(("q_desc", "k_desc", "v_desc", "o_desc"), map(mangle_type, maps)))
     per_row = torch.empty(1, 1, 256, dtype=torch.float32)
-    maps = hopper_launch.backward_maps(rows, rows, rows, rows, per_row, per_row, rows.float(), rows, rows, d)
+    maps = hopper_launch.backward_maps(rows, rows, rows, rows, per_row, per_row, rows.float(), rows, rows, d,
+                                       _constexprs(task)["BLOCK_M"])
     names = ("q_desc", "k_desc", "v_desc", "do_desc", "lse2_desc", "delta_desc", "dq_desc", "dk_desc", "dv_desc")
     return dict(zip(names, map(mangle_type, maps)))
 
@@ -268,7 +273,7 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
             if cc == 90 and width in hopper_launch.BACKWARD_MIN_KEYS:
                 tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim)))
                 for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP", "DETERMINISTIC"):
-                    tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim),
+                    tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim, flag),
                                             flags=((flag, True),)))
         if not hopper_only:
             widest = short_backward_widest_tile(head_dim)

@@ -112,6 +112,12 @@ BACKWARD_STAGES = {64: 2, 128: 2, 256: 1}
 # dQ hand-over (0.80x-0.89x of cuDNN); 128 rows measured +16-26% (NOTES version 14) and fill shared memory (231.9 of
 # 232.4 KB). d = 128 and 256 have no registers for a taller step (dK and dV take 64 or 128 a thread).
 BACKWARD_QUERY_BLOCK = {64: 128, 128: 64, 256: 64}
+# Query rows per step of the builds with dropout or a softcap, where they differ: at d = 64 the 128-row step spills
+# with either (Triton 3.9: a stack of 312 bytes a thread with a softcap, 152 with dropout; 24 plain), the 64-row one
+# does not (0) and takes 133 of the 232 KB of shared memory. H200, bf16, 4k causal: the dropout backward 3% faster
+# than the 128-row one; the softcap backward 1.21x the FlashAttention-2 one (NOTES, version 32). A third Q/dO slot
+# read level (softcap 1% slower, dropout 1% faster): two, as the plain build.
+BACKWARD_FEATURE_QUERY_BLOCK = {64: 64}
 # dK and dV written through shared memory by the copy engine (NOTES version 16: +1-7% at d = 128 and 256); at d = 64
 # the kernel's loop compiled 1-5% slower with it, so there each thread stores its rows itself.
 BACKWARD_STAGED_DK_DV = {64: False, 128: True, 256: True}
@@ -135,9 +141,10 @@ FORWARD_DROPOUT_HEAD_DIMS = (128, 256)
 DROPOUT_FORWARD = "dropout at this head dim (the FlashAttention-2 forward measured faster: FORWARD_DROPOUT_HEAD_DIMS)"
 # The head dims whose softcapped calls run the Gluon kernels, forward and backward. H200, bf16, 4k causal, softcap 30
 # (NOTES, version 25): the Gluon forward 1.05-1.31x the FlashAttention-2 one, the Gluon backward 1.27x at d = 128 and
-# 1.83x at d = 256, but at d = 64, where the tanh's slope makes its build spill, 0.65x (5.08 against 3.31 ms).
+# 1.83x at d = 256; at d = 64 its 128-row step spilled (0.65x), and the 64-row one (BACKWARD_FEATURE_QUERY_BLOCK) is
+# 1.21x the FlashAttention-2 backward (2.35 against 2.84 ms; NOTES, version 32).
 FORWARD_SOFTCAP_HEAD_DIMS = (64, 128, 256)
-BACKWARD_SOFTCAP_HEAD_DIMS = (128, 256)
+BACKWARD_SOFTCAP_HEAD_DIMS = (64, 128, 256)
 SOFTCAP = ("a softcap at this head dim in this direction (the FlashAttention-2 kernel measured faster: "
            "FORWARD_SOFTCAP_HEAD_DIMS, BACKWARD_SOFTCAP_HEAD_DIMS)")
 
@@ -403,11 +410,21 @@ def forward_maps(q, k, v, out, head_dim: int) -> tuple:
             tensor_map(out, query_block))
 
 
-def backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, head_dim: int) -> tuple:
-    """The backward kernel's tensor maps of q, k, v, grad_out, lse2, delta, the float32 dQ buffer, dk and dv (written
-    in K's blocks), in blocks of the head dim's tile width."""
+def backward_query_block(head_dim: int, dropout: bool = False, softcap: bool = False) -> int:
+    """The backward's query rows per step at ``head_dim``, with or without dropout or a softcap."""
     width = TILE_WIDTH[head_dim]
-    query_rows = BACKWARD_QUERY_BLOCK[width]
+    if dropout or softcap:
+        return BACKWARD_FEATURE_QUERY_BLOCK.get(width, BACKWARD_QUERY_BLOCK[width])
+    return BACKWARD_QUERY_BLOCK[width]
+
+
+def backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, head_dim: int, query_rows: Optional[int] = None
+                  ) -> tuple:
+    """The backward kernel's tensor maps of q, k, v, grad_out, lse2, delta, the float32 dQ buffer, dk and dv (written
+    in K's blocks), in blocks of the head dim's tile width; Q, dO, lse2, delta and dQ in steps of ``query_rows`` (the
+    build's BLOCK_M: backward_query_block; by default the plain build's)."""
+    width = TILE_WIDTH[head_dim]
+    query_rows = query_rows or BACKWARD_QUERY_BLOCK[width]
     query_block = (1, 1, query_rows, width)
     key_block = (1, 1, BACKWARD_KEY_BLOCK[width], width)
     rows_block = (1, 1, query_rows)
@@ -517,7 +534,7 @@ def backward_compile_time_args(head_dim: int, causal: bool, window: bool = False
     window's left bound; key_lengths: per-batch key counts (a right-padding key mask); dropout; softcap; deterministic:
     dQ's shares added in a fixed order. HEAD_DIM is the tile width (TILE_WIDTH), HEAD_COLS the head dim."""
     width = TILE_WIDTH[head_dim]
-    return dict(HEAD_DIM=width, HEAD_COLS=head_dim, BLOCK_M=BACKWARD_QUERY_BLOCK[width],
+    return dict(HEAD_DIM=width, HEAD_COLS=head_dim, BLOCK_M=backward_query_block(head_dim, dropout, softcap),
                 BLOCK_N=BACKWARD_KEY_BLOCK[width], NUM_STAGES=BACKWARD_STAGES[width], CAUSAL=causal,
                 STAGED_DK_DV=BACKWARD_STAGED_DK_DV[width],
                 WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap, DETERMINISTIC=deterministic,
@@ -564,7 +581,8 @@ def _sums_words(plan, batches: int, heads: int, deterministic: bool = False) -> 
     """float32 words of one launch's dQ sums and counters over ``batches`` x ``heads`` (batch, key/value head) pairs:
     each pair's sums for its kv_group query heads, then its int32 counter; deterministic, then the int32 turn
     counters of each query head's query blocks."""
-    turns = plan.kv_group * -(-plan.seqlen_q // BACKWARD_QUERY_BLOCK[TILE_WIDTH[plan.head_dim]]) if deterministic else 0
+    query_rows = backward_query_block(plan.head_dim, plan.has_dropout, plan.has_softcap)
+    turns = plan.kv_group * -(-plan.seqlen_q // query_rows) if deterministic else 0
     return batches * heads * (plan.kv_group * plan.seqlen_q * plan.head_dim + 1 + turns)
 
 
@@ -583,6 +601,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     head_dim = plan.head_dim
     num_n_blocks = backward_programs_per_head(plan)
     group = plan.kv_group
+    query_rows = backward_query_block(head_dim, plan.has_dropout, plan.has_softcap)
     convert_in_kernel = group * plan.seqlen_q * head_dim * 4 <= CONVERT_IN_KERNEL_MAX_BYTES
 
     def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed, key_bounds, first_batch=0,
@@ -599,7 +618,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
         site = None
         if sites is None:
             mapped = args[:BACKWARD_MAPS]
-            launcher.launch(grid, (*backward_maps(*mapped, head_dim), *args[BACKWARD_MAPS:]), constexprs,
+            launcher.launch(grid, (*backward_maps(*mapped, head_dim, query_rows), *args[BACKWARD_MAPS:]), constexprs,
                             device_index)
         else:
             # One launch per call over the signature's tensors: the site prepared by its first call (the maps'
@@ -608,7 +627,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
             site = sites.get(key)
             if site is None or site.launcher is not launcher or site.constexprs is not constexprs:
                 mapped = args[:BACKWARD_MAPS]
-                site = sites[key] = launcher.prepare_maps(grid, (*backward_maps(*mapped, head_dim),
+                site = sites[key] = launcher.prepare_maps(grid, (*backward_maps(*mapped, head_dim, query_rows),
                                                                  *args[BACKWARD_MAPS:]), constexprs, device_index)
             site.launch(args)
         if not convert_in_kernel:
