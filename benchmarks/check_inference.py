@@ -20,6 +20,10 @@ d = 128 with the number of splits forced (SWEEP_SPLIT_CELLS) beside the rule's o
 and at batches whose grid nearly fills the GPU unsplit.
 ``--dependent-launch`` times decoding (dense, contiguous and paged cache; bf16, d = 128, Nq = 1) with the combine as
 a programmatic dependent launch of the split kernel and after it (decode_launch.DEPENDENT_LAUNCH), beside cuDNN.
+``--padded-decode`` times batches of decoding steps (bf16, Hq = 32, Hkv = 8, d = 128, Nq = 1) with a left-padding key
+mask (B, 1, 1, Nk), as a batch of prompts padded on the left decodes: on the split-KV kernels (which read one row of
+the mask a key block), the same mask materialised per head (B, Hq, 1, Nk: the FlashAttention-2 forward, the path such
+calls took before), SDPA's default with the mask, and the Triton step without a mask.
 ``--kept-partials`` compares host loops of short decoding steps (dense and contiguous cache; bf16, d = 128, Nq = 1)
 with the split kernel's partials kept per stream (decode_launch.split_partials) and allocated at every step, in
 turns, beside SDPA's. ``--append`` compares host loops of decoding steps through attention_with_kvcache that append
@@ -63,6 +67,8 @@ APPEND_BLOCK = 256
 # --dependent-launch: (B, Nk) cells at Nq = 1.
 DEPENDENT_CELLS = ((1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 1024), (8, 8192), (8, 32768), (64, 8192))
 VARLEN_HEADS = 16
+# --padded-decode: (B, Nk) cells at Nq = 1; each batch entry's first keys are padding (up to half of them).
+PADDED_DECODE_CELLS = ((8, 1024), (8, 8192), (8, 32768), (64, 8192), (64, 32768))
 
 
 def log(out_dir, text):
@@ -200,6 +206,42 @@ def key_padding_section(device, dtype, settings, tiny):
     same = float((outs[first].float() - outs[second].float()).abs().max())
     lines.append(f"  {first}: {times[first]:.3f}   {second}: {times[second]:.3f}   "
                  f"speed-up {times[second] / times[first]:.2f}x   max |difference| {same:.1e}")
+    return lines
+
+
+def padded_decode(device, settings, out_dir, cells=PADDED_DECODE_CELLS, tiny=False):
+    """Decoding steps with a left-padding key mask (see the module docstring), GPU time in us, each output checked
+    against SDPA's."""
+    import mhattn
+
+    heads_q, heads_kv, head_dim = (4, 2, 16) if tiny else (32, 8, 128)
+    dtype = torch.float16 if tiny else torch.bfloat16  # (Triton's interpreter computes bfloat16 wrongly)
+    lines = [f"decoding with a left-padding mask ({str(dtype).replace('torch.', '')}, Hq={heads_q}, Hkv={heads_kv}, d={head_dim}, Nq=1; GPU us; "
+             "x = that time over the split-KV step's)",
+             f"{'B':>3} {'Nk':>6} {'split-KV':>9} {'per-head mask':>14} {'sdpa':>8} {'no mask':>8} "
+             f"{'x per-head':>10} {'x sdpa':>7} {'max |diff|':>10}"]
+    for batch, keys in cells:
+        gen = torch.Generator(device=device).manual_seed(batch + keys)
+        q = torch.randn(batch, heads_q, 1, head_dim, device=device, dtype=dtype, generator=gen)
+        k, v = (torch.randn(batch, heads_kv, keys, head_dim, device=device, dtype=dtype, generator=gen)
+                for _ in range(2))
+        padding = torch.randint(0, keys // 2 + 1, (batch, 1), device=device, generator=gen)
+        shared = (torch.arange(keys, device=device)[None, :] >= padding).view(batch, 1, 1, keys)
+        per_head = shared.expand(batch, heads_q, 1, keys).contiguous()
+        calls = {
+            "split-KV": lambda: mhattn.attention(q, k, v, attn_mask=shared, enable_gqa=True, backend="triton"),
+            "per-head mask": lambda: mhattn.attention(q, k, v, attn_mask=per_head, enable_gqa=True, backend="triton"),
+            "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=shared,
+                                                                             enable_gqa=True),
+            "no mask": lambda: mhattn.attention(q, k, v, enable_gqa=True, backend="triton"),
+        }
+        want = calls["sdpa"]().float()
+        diff = max(float((calls[name]().float() - want).abs().max()) for name in ("split-KV", "per-head mask"))
+        us = {name: 1000.0 * timing.bench_ms(call, settings.warmup_ms, settings.rep_ms, device)
+              for name, call in calls.items()}
+        lines.append(f"{batch:>3} {keys:>6} {us['split-KV']:>9.1f} {us['per-head mask']:>14.1f} {us['sdpa']:>8.1f} "
+                     f"{us['no mask']:>8.1f} {us['per-head mask'] / us['split-KV']:>10.2f} "
+                     f"{us['sdpa'] / us['split-KV']:>7.2f} {diff:>10.1e}")
     return lines
 
 
@@ -481,6 +523,8 @@ def main(argv=None) -> int:
                         help="only decoding with the combine as a dependent launch and after the splits")
     parser.add_argument("--kept-partials", action="store_true",
                         help="only host loops of short decoding steps with the split partials kept and allocated")
+    parser.add_argument("--padded-decode", action="store_true",
+                        help="only decoding steps with a left-padding key mask, on the split-KV kernels and others")
     parser.add_argument("--append", action="store_true",
                         help="only host loops of KV-cache steps appending by the Triton kernel and by torch's indexing")
     args = parser.parse_args(argv)
@@ -500,6 +544,12 @@ def main(argv=None) -> int:
         cells = ((1, 64), (2, 100)) if args.tiny else APPEND_CELLS
         shape = dict(block_size=16, steps=2, rounds=1) if args.tiny else {}
         for line in append_steps(device, out_dir, cells, **shape):
+            log(out_dir, line)
+        return 0
+    if args.padded_decode:
+        cells = ((2, 64), (3, 100)) if args.tiny else PADDED_DECODE_CELLS
+        settings = timing.TimingSettings(1.0, 2.0) if args.tiny else timing.TimingSettings(10.0, 40.0)
+        for line in padded_decode(device, settings, out_dir, cells, args.tiny):
             log(out_dir, line)
         return 0
     if args.dependent_launch:

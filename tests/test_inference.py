@@ -223,13 +223,14 @@ def check_varlen_through_descriptors(**kwargs):
 
 
 def check_dense_decode(dtype="float16", device="cpu", batch=1, heads_q=8, heads_kv=2, seqlen_q=1, seqlen_k=300,
-                       head_dim=32, causal=None, window=None, softcap=None):
+                       head_dim=32, causal=None, window=None, softcap=None, mask=None):
     """mhattn.attention with few query rows per key/value head (the split-KV path of the Triton backend),
-    forward and backward, against the float64 reference."""
+    forward and backward, against the float64 reference; ``mask``: a key-padding mask or bias kind of
+    test_triton_backend.make_mask ((B, 1, 1, Nk) broadcast), which the split kernel reads one row of a key block."""
     from test_triton_backend import check_attention
 
     check_attention(dtype=dtype, device=device, batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
-                    seqlen_k=seqlen_k, head_dim=head_dim, causal=causal, window=window, softcap=softcap)
+                    seqlen_k=seqlen_k, head_dim=head_dim, causal=causal, window=window, softcap=softcap, mask=mask)
 
 
 def check_split_kv_path_taken(device="cpu"):
@@ -250,6 +251,17 @@ def check_split_kv_path_taken(device="cpu"):
         mhattn.attention(q, k, k, enable_gqa=True, backend="triton")
         assert calls, "the split-KV path was not taken for Nq = 2, 4 query heads per key/value head"
         calls.clear()
+        # A key-padding mask (B, 1, 1, Nk) or bias is read by the split kernel; a mask that varies over the query
+        # rows is not.
+        padding = torch.arange(300, device=device) >= 100
+        for mask in (padding.view(1, 1, 1, 300), torch.zeros(1, 1, 1, 300, device=device).masked_fill(
+                ~padding, float("-inf"))):
+            mhattn.attention(q, k, k, attn_mask=mask, enable_gqa=True, backend="triton")
+            assert calls, f"a {mask.dtype} key-padding mask must keep the split-KV path"
+            calls.clear()
+        rows_mask = torch.rand(1, 1, 2, 300, device=device) > 0.5
+        mhattn.attention(q, k, k, attn_mask=rows_mask, enable_gqa=True, backend="triton")
+        assert not calls, "a mask that varies over the query rows must take the FlashAttention-2 forward"
         q = torch.randn(1, 8, 40, 32, device=device, dtype=torch.float16)
         mhattn.attention(q, k, k, enable_gqa=True, backend="triton")
         assert not calls, "160 rows per key/value head must take the FlashAttention-2 forward"
@@ -582,6 +594,21 @@ def check_prepared_split_steps_keep_their_launches(device="cpu"):
                 torch.testing.assert_close(earlier[0], earlier[1], atol=0, rtol=0)
             earlier = (out, out.clone())
         assert made == [torch.float16], f"the dense step's launches were prepared {len(made)} times"
+        made.clear()
+        # A padding mask (B, 1, 1, Nk): each step reads its own mask (here the padding moves). (The front end keeps
+        # no plan for calls with a mask tensor, so each goes through _split_kv_launches, whose launch sites the
+        # backend keeps per call signature.)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(70 + step)
+            q = torch.randn(2, 8, 1, 32, generator=gen).to(device, torch.float16)
+            k, v = (torch.randn(2, 2, 150, 32, generator=gen).to(device, torch.float16) for _ in range(2))
+            keys = torch.arange(150, device=device) >= torch.tensor([[20 + 40 * step], [100 - 30 * step]],
+                                                                      device=device)
+            mask = keys.view(2, 1, 1, 150)
+            out = mhattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, backend="triton")
+            want = mhattn.attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True,
+                                    backend="reference")
+            torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
         made.clear()
         gen = torch.Generator().manual_seed(66)
         q, k_cache, v_cache, _, _, seqlens, _ = make_cache(torch.float32, device, 2, 4, 2, 1, 16, [7, 30], 40, None,
@@ -1005,6 +1032,11 @@ INTERPRETER_DENSE_DECODE = {
     "nq2_causal_bottom_right_fp32": dict(seqlen_q=2, causal="bottom_right", dtype="float32"),
     "nq3_top_left_window": dict(seqlen_q=3, heads_q=4, causal="top_left", window=(40, 10), seqlen_k=120),
     "nq1_mha_softcap_batch2": dict(batch=2, heads_q=2, heads_kv=2, softcap=2.0, seqlen_k=77),
+    # Key-padding masks (B, 1, 1, Nk) on the split kernel: left padding (a batch of prompts padded on the left, entry
+    # 0 all padding: its rows see no key), scattered holes under a bottom-right causal mask, an additive bias.
+    "nq1_left_padding_batch3": dict(batch=3, mask="key_padding_left"),
+    "nq2_padding_holes_causal_batch2": dict(batch=2, seqlen_q=2, causal="bottom_right", mask="key_padding_holes"),
+    "nq1_key_bias_batch2_fp32": dict(batch=2, mask="key_bias", dtype="float32", seqlen_k=130),
 }
 
 
@@ -1115,6 +1147,16 @@ def test_gpu_dense_decode(dtype, shape):
     batch, heads_q, heads_kv, seqlen_q, seqlen_k = shape
     check_dense_decode(dtype=dtype, device="cuda", batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
                        seqlen_k=seqlen_k, head_dim=128, causal="bottom_right")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("mask", ["key_padding_left", "key_padding_holes", "key_bias"])
+def test_gpu_dense_decode_with_a_key_padding_mask(dtype, mask):
+    """A batch of decoding steps with a padding mask (B, 1, 1, Nk) on the split-KV kernels: several splits, some of
+    them all padding."""
+    check_dense_decode(dtype=dtype, device="cuda", batch=4, heads_q=32, heads_kv=8, seqlen_q=1, seqlen_k=8192,
+                       head_dim=128, causal="bottom_right", mask=mask)
 
 
 @pytest.mark.gpu

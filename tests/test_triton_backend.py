@@ -162,6 +162,8 @@ def make_mask(kind, batch, heads_q, seqlen_q, seqlen_k, device, generator, requi
         lengths = torch.randint(seqlen_k // 3, seqlen_k + 1, (batch,), generator=generator)
         lengths[0] = 0
         keys = torch.arange(seqlen_k)[None, :] < lengths[:, None]
+        if kind == "key_padding_left":  # the padding first, as a batch of prompts padded on the left has it
+            keys = keys.flip(1)
         if kind == "key_padding_holes":
             keys &= torch.rand(batch, seqlen_k, generator=generator) > 0.3
         return keys.view(batch, 1, 1, seqlen_k).to(device).expand(batch, heads_q, seqlen_q, seqlen_k)
@@ -283,7 +285,7 @@ def check_attention(dtype="float16", device="cpu", batch=2, heads_q=2, heads_kv=
         floor_scale = grad_scale if name in ("dq", "dk", "dmask") and bool((gold[i] == 0).all()) else None
         results.append(compare(name, x.cpu(), gold[i].cpu(), None if lowp is None else lowp[i].cpu(), dtype=dt,
                                floor_scale=floor_scale))
-    if mask in ("bool_empty_rows", "key_padding"):
+    if mask in ("bool_empty_rows", "key_padding", "key_padding_left"):
         empty = ~attn_mask[:, :, :, :].any(-1)
         assert bool((out[empty] == 0).all()), "a row that sees no key must give 0"
         assert bool((lse[empty] == float("-inf")).all()), "a row that sees no key must give lse -inf"
@@ -1656,11 +1658,15 @@ def test_split_kv_kernel_compiles_for_sm90_without_spills():
     split kernel lets the combine launch early (griddepcontrol.launch_dependents) and the combine, compiled as a
     programmatic dependent launch, waits for the splits' writes before it reads them (griddepcontrol.wait); for sm_80
     neither instruction is there."""
-    from mhattn.backends.triton import ahead
+    from mhattn.backends.triton import ahead, scores
 
     for head_dim in (64, 128, 256):
         tasks = ahead.split_kv_tasks(head_dim, 90)
-        hopper = tasks[6:]  # the split kernels again with the HBM3e Hopper tile, at d = 128
+        masked = tasks[-1]  # a dense step with a key-padding bias, last
+        assert dict(masked.flags)["MASK_KIND"] == scores.MASK_KEYS_FLOAT and masked.flags[:-1] == tasks[0].flags
+        kernel = ahead.compile_kernel(masked, 90)
+        assert ahead.resource_usage(kernel)["stack"] == 0 and kernel.metadata.shared <= 227 << 10, masked.label
+        hopper = tasks[6:-1]  # the split kernels again with the HBM3e Hopper tile, at d = 128
         tasks = tasks[:6]
         assert [task.kind for task in tasks] == ["splitkv", "splitkv", "splitkv", "combine", "append_kv", "append_kv"]
         assert [dict(task.flags)["PAGED"] for task in tasks if task.kind != "combine"] == [False, True, False, False,
@@ -1671,7 +1677,7 @@ def test_split_kv_kernel_compiles_for_sm90_without_spills():
         for task in hopper:
             kernel = ahead.compile_kernel(task, 90)
             assert ahead.resource_usage(kernel)["stack"] == 0 and kernel.metadata.shared <= 227 << 10, task.label
-        assert all(task in ahead.table_tasks("sm_90") for task in tasks + hopper)
+        assert all(task in ahead.table_tasks("sm_90") for task in tasks + hopper + [masked])
         split_ptx = []
         for task in tasks:
             kernel = ahead.compile_kernel(task, 90)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mhattn.backends import ptxas_notes
-from mhattn.backends.triton import configs, hopper_launch
+from mhattn.backends.triton import configs, hopper_launch, scores
 from mhattn.backends.triton.launcher import COMPILE_OPTIONS
 
 # Kernel arguments that are pointers (float32 ones listed apart), floats; every other argument is an int32.
@@ -116,9 +116,8 @@ def _constexprs(task: KernelTask) -> dict:
         values.update(TMA=task.tile.tma, WARP_SPECIALIZE=task.tile.warp_specialize)
     if task.kind == "dkdv":
         values["DQ_MODE"] = task.dq_mode
-    if task.kind == "splitkv":  # the split-KV decoding kernel (decode.py): no mask, no dropout, a cache or not
-        for name in ("MASK_KIND", "HAS_DROPOUT"):
-            del values[name]
+    if task.kind == "splitkv":  # the split-KV decoding kernel (decode.py): no dropout, a cache or not (its flags)
+        del values["HAS_DROPOUT"]
         values.update(HAS_SEQLENS=False, PAGED=False, PAGE_SIZE=1, SPLIT=True)
     values.update(dict(task.flags))
     return values
@@ -319,13 +318,18 @@ def split_kv_tasks(head_dim: int, cc: int = 80) -> list:
     if cc // 10 == 9 and padded in decode_launch.HOPPER_SPLIT_TILES:
         tile = decode_launch.HOPPER_SPLIT_TILES[padded]
         tasks += [_split_kv_task(head_dim, tile, paged, append, dependent) for paged, append in steps]
+    # A dense step with a key-padding bias (B, 1, 1, Nk) in the inputs' dtype (a boolean mask compiles the same loads
+    # of one key row a block).
+    tasks.append(_split_kv_task(head_dim, decode_launch.decode_tile(padded, padded, 2, False), False, False, dependent,
+                                scores.MASK_KEYS_FLOAT))
     return tasks
 
 
-def _split_kv_task(head_dim: int, tile, paged: bool, append: bool, dependent: bool) -> KernelTask:
-    """The split kernel at ``tile`` (decode_launch.DecodeTile) over a paged cache or not, appending or not."""
+def _split_kv_task(head_dim: int, tile, paged: bool, append: bool, dependent: bool, mask_kind: int = 0) -> KernelTask:
+    """The split kernel at ``tile`` (decode_launch.DecodeTile) over a paged cache or not, appending or not, with a
+    key mask of ``mask_kind`` (decode_launch.mask_kind) or none."""
     flags = (("PAGED", paged), ("HAS_SEQLENS", paged or append), ("PAGE_SIZE", 256 if paged else 1),
-             ("RELEASE_DEPENDENTS", dependent), ("APPEND", append))
+             ("RELEASE_DEPENDENTS", dependent), ("APPEND", append)) + ((("MASK_KIND", mask_kind),) if mask_kind else ())
     config = configs.KernelConfig(16, tile.block_n, tile.num_warps, tile.num_stages)
     return KernelTask("splitkv", head_dim, True, config, flags=flags)
 

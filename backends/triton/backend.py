@@ -743,9 +743,13 @@ class TritonBackend(OutputOnlyForward):
         if problem.operation != "attention":
             return None
         rows = problem.seqlen_q * (problem.heads_q // max(problem.heads_kv, 1))
-        if 0 < rows <= decode_launch.DECODE_MAX_ROWS and problem.seqlen_k > 0 and not (
-                problem.features & {"bool_mask", "float_mask", "dropout"}):
-            return "the split-KV decoding kernels (decode.py): few query rows per key/value head"
+        if 0 < rows <= decode_launch.DECODE_MAX_ROWS and problem.seqlen_k > 0 and "dropout" not in problem.features:
+            if not problem.features & {"bool_mask", "float_mask"}:
+                return "the split-KV decoding kernels (decode.py): few query rows per key/value head"
+            if "mask_grad" not in problem.features:
+                return ("the split-KV decoding kernels (decode.py): few query rows per key/value head, when the mask "
+                        "is the same for every head and query row (a key-padding mask, (B, 1, 1, Nk)); with another "
+                        "mask the FlashAttention-2 forward (forward.py)")
         reason = hopper_launch.why_not_problem(problem)
         if reason is None:
             return "the Gluon Hopper forward (hopper_forward.py), when q, k, v rows are 16-byte aligned" + _conditions(

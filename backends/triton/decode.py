@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - older Triton: decode_launch never sets
     gdc_launch_dependents = gdc_wait = None
 
 from mhattn.backends.triton.forward import head_offset
-from mhattn.backends.triton.scores import LN2, LOG2E, attention_scores
+from mhattn.backends.triton.scores import LN2, LOG2E, attention_scores, with_key_mask
 
 
 @triton.jit
@@ -67,6 +67,13 @@ def load_key_tile(base, page_base, stride_table_block, start_n, offs_n, ok_n, of
     if BLOCK != DIM:
         mask = mask & (offs_d[None, :] < DIM)
     return tl.load(base + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def key_mask_row(mask_base, offs_n, end, stride_mk):
+    """A key mask's values for keys offs_n; keys from ``end`` on read as 0 (the band masks them anyway), so a split
+    reads no key past its share, nor any where its share is empty."""
+    return tl.load(mask_base + offs_n.to(tl.int64) * stride_mk, mask=offs_n < end, other=0)
 
 
 @triton.jit
@@ -104,13 +111,14 @@ def write_new_rows(NewK, NewV, stride_nk, stride_nv, k_head, v_head, page_base, 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "diag_offset", "window_left", "window_right", "capacity",
                                "num_blocks"])
 def split_kv_kernel(
-    Q, K, V, Out, Lse, OutSplit, LseSplit, Seqlens, BlockTable, NewK, NewV,
+    Q, K, V, Out, Lse, OutSplit, LseSplit, Seqlens, BlockTable, NewK, NewV, Mask,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     stride_table, stride_table_block, stride_seqlens,
     stride_nkb, stride_nkh, stride_nkn, stride_nvb, stride_nvh, stride_nvn, capacity, num_blocks,
+    stride_mb, stride_mk,
     heads_q, heads_kv, kv_group, seqlen_q, seqlen_k, num_splits,
     qk_scale2, softcap_in2, softcap_out2,
     diag_offset, window_left, window_right,
@@ -119,7 +127,7 @@ def split_kv_kernel(
     HAS_SEQLENS: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, RELEASE_DEPENDENTS: tl.constexpr = False,
-    APPEND: tl.constexpr = False,
+    APPEND: tl.constexpr = False, MASK_KIND: tl.constexpr = 0,
 ):
     """Q (B, Hq, Nq, D) and Out (B, Hq, Nq, Dv) by strides, last dim contiguous; Lse (B, Hq, Nq) fp32
     contiguous. K/V: contiguous (B, Hkv, Nk, D) (stride_kb per sequence), or with PAGED a pool
@@ -136,6 +144,9 @@ def split_kv_kernel(
     program waits for another. Two programs may write one row; they write the same bytes.
     SPLIT: write OutSplit (B*Hq*Nq, num_splits, Dv) and LseSplit (B*Hq*Nq, num_splits) fp32 for
     :func:`combine_splits_kernel` instead of Out/Lse.
+    MASK_KIND (scores.MASK_KEYS or MASK_KEYS_FLOAT; 0: none): a key-padding mask or bias, the same for every head and
+    query row (a decoding step's padding mask (B, 1, 1, Nk)), batch entry b's keys at Mask + b * stride_mb, key j at
+    j * stride_mk: each key block reads its row of it (scores.attention_scores). Without it Mask is not read.
     RELEASE_DEPENDENTS (sm_90): the next kernel, launched as a programmatic dependent, may start now (it waits for
     this one's writes itself)."""
     if RELEASE_DEPENDENTS:
@@ -215,6 +226,11 @@ def split_kv_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     offs_local = tl.arange(0, BLOCK_N)
+    if MASK_KIND != 0:
+        # A key block's row of the mask is loaded one block ahead (key_mask_row), under the block before's softmax
+        # and P V: loaded after its scores' product, its latency stood in every step.
+        mask_base = Mask + batch.to(tl.int64) * stride_mb
+        key_mask = key_mask_row(mask_base, start + offs_local, end, stride_mk)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_local
         ok_n = offs_n < end
@@ -225,6 +241,9 @@ def split_kv_kernel(
         s2, _ = attention_scores(qk, q_pos[:, None], offs_n[None, :], seqlen_q, end,
                                  qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left, window_right,
                                  Q, 0, 0, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, 0, k.dtype != tl.float32)
+        if MASK_KIND != 0:
+            s2 = with_key_mask(s2, key_mask[None, :], MASK_KIND)
+            key_mask = key_mask_row(mask_base, offs_n + BLOCK_N, end, stride_mk)
         m_new = tl.maximum(m_i, tl.max(s2, 1))
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet stays at 0
         p = tl.exp2(s2 - m_shift[:, None])

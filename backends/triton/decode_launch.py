@@ -16,7 +16,7 @@ import torch
 from mhattn.backends.base import AttentionParams, KVCache, cache_capacity, new_rows_contiguous
 from mhattn.backends.splits import split_count
 from mhattn.backends.streams import current_stream
-from mhattn.backends.triton import configs
+from mhattn.backends.triton import configs, key_padding, scores
 from mhattn.caches import put_bounded
 
 # mhattn.attention takes this path when Hq / Hkv * Nq (the rows one key/value head serves) is at most this.
@@ -86,10 +86,22 @@ INTERPRETER_SM_COUNT = 16
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> bool:
-    """Whether mhattn.attention's forward runs on the split-KV kernels: few rows per key/value head, no
-    attn_mask, no dropout."""
+    """Whether mhattn.attention's forward runs on the split-KV kernels: few rows per key/value head, no dropout, and
+    no attn_mask or a key-padding one (mask_kind)."""
     rows = q.shape[2] * (q.shape[1] // k.shape[1])
-    return 0 < rows <= DECODE_MAX_ROWS and params.mask is None and params.dropout_p == 0.0
+    return (0 < rows <= DECODE_MAX_ROWS and params.dropout_p == 0.0
+            and (params.mask is None or mask_kind(params) != 0))
+
+
+def mask_kind(params: AttentionParams) -> int:
+    """The split kernel's MASK_KIND for the call's attn_mask: scores.MASK_KEYS for a boolean mask and
+    scores.MASK_KEYS_FLOAT for a float one that does not vary over heads and query rows (a padding mask of a batch of
+    decoding steps, (B, 1, 1, Nk)) and has no gradient to give; 0 for none, or for any other mask (the split kernel
+    does not take it)."""
+    mask = params.mask
+    if mask is None or not key_padding.shared_by_heads_and_rows(mask) or params.mask_requires_grad:
+        return 0
+    return scores.MASK_KEYS if mask.dtype == torch.bool else scores.MASK_KEYS_FLOAT
 
 
 @functools.lru_cache(maxsize=16)
@@ -194,6 +206,9 @@ def _split_kv_launches(q, k, v, params: AttentionParams, cache: Optional[KVCache
     appending = () if new_kv is None else (*new_k.stride()[:3], *new_v.stride()[:3], keys, k.shape[0])
     kernel = backend.launchers()
     split_kv, combine = kernel.split_kv, kernel.combine_splits
+    mask = params.mask if cache is None else None
+    # A key-padding mask's batch and key strides (0 along a broadcast batch; the signature fixes them)
+    mask_strides = (0, 0) if mask is None else (0 if mask.shape[0] == 1 else mask.stride(0), mask.stride(3))
 
     # The launches are prepared once per signature and what the signature does not fix (the cache's capacity and
     # block table stride): a repeated decoding step only passes its tensors (launcher.PreparedLaunch).
@@ -201,7 +216,7 @@ def _split_kv_launches(q, k, v, params: AttentionParams, cache: Optional[KVCache
         run = backend._Launch(q, k, v, params, signature=signature)  # the signature's scalars
         return (plan.batch * plan.heads_kv, splits, row_blocks), (
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *table_strides, seqlens_stride,
-            *(appending or (0, 0, 0, 0, 0, 0, 0, 0)),
+            *(appending or (0, 0, 0, 0, 0, 0, 0, 0)), *mask_strides,
             plan.heads_q, plan.heads_kv, plan.kv_group, plan.seqlen_q, k.shape[2], splits,
             run.qk_scale2, run.softcap_in2, run.softcap_out2,
             run.diag_offset, run.window_left, run.window_right,
@@ -212,7 +227,7 @@ def _split_kv_launches(q, k, v, params: AttentionParams, cache: Optional[KVCache
             HAS_SEQLENS=cache is not None, PAGED=paged, PAGE_SIZE=k.shape[2] if paged else 1,
             HAS_LEFT=plan.has_left, HAS_RIGHT=plan.has_right, HAS_SOFTCAP=plan.has_softcap,
             SPLIT=splits > 1, DOT_PRECISION=plan.dot_precision, RELEASE_DEPENDENTS=dependent,
-            APPEND=new_kv is not None,
+            APPEND=new_kv is not None, MASK_KIND=mask_kind(params),
         )
 
     def prepare_combine():
@@ -225,7 +240,7 @@ def _split_kv_launches(q, k, v, params: AttentionParams, cache: Optional[KVCache
         split_site = backend._launch_site(signature, (split_kv, keys, cache is not None, paged, table_strides,
                                                       seqlens_stride, dependent, appending), split_kv,
                                           _split_tensors(q, k, v, out, lse, out_split, lse_split, seqlens, table,
-                                                         new_k, new_v), (),
+                                                         new_k, new_v, mask), (),
                                           prepare_split_kv)
         combine_site = None
         if splits > 1:
@@ -242,11 +257,12 @@ def _partials(q, plan, lse, rows: int, splits: int) -> tuple:
     return lse, lse
 
 
-def _split_tensors(q, k, v, out, lse, out_split, lse_split, seqlens, table, new_k, new_v) -> tuple:
-    """split_kv_kernel's leading tensor arguments in its order; lse holds the place of the key counts, the block table
-    and the new rows where a call has none (the kernel does not read them then)."""
+def _split_tensors(q, k, v, out, lse, out_split, lse_split, seqlens, table, new_k, new_v, mask=None) -> tuple:
+    """split_kv_kernel's leading tensor arguments in its order; lse holds the place of the key counts, the block table,
+    the new rows and the mask where a call has none (the kernel does not read them then)."""
     return (q, k, v, out, lse, out_split, lse_split, lse if seqlens is None else seqlens,
-            lse if table is None else table, lse if new_k is None else new_k, lse if new_v is None else new_v)
+            lse if table is None else table, lse if new_k is None else new_k, lse if new_v is None else new_v,
+            lse if mask is None else mask)
 
 
 class _KeptLaunches(NamedTuple):
@@ -266,7 +282,8 @@ class PreparedSplitStep:
     :meth:`output`). Every shape, stride, dtype and flag of its arguments is the first call's (the front ends' memo
     keys hold them all), so the first call's split plan, grid and launch arguments hold for every later call, which
     passes only its tensors to the launches the first one prepared. Called as ``step(q, k_cache, v_cache, k, v,
-    cache_seqlens, block_table)`` -> (out, lse); k and v None for a step that appends nothing. ``signature``: the
+    cache_seqlens, block_table[, mask])`` -> (out, lse); k and v None for a step that appends nothing; mask: a dense
+    step's key-padding mask (mask_kind), whose layout the signature fixes. ``signature``: the
     backend's _Signature of q and the cache, or None to work it out at the first call. float32 inputs' dot precision
     follows torch's matmul setting, read at every call (the prepared launches are dropped when it changes)."""
 
@@ -279,9 +296,9 @@ class PreparedSplitStep:
 
     def output(self, q, k, v, params: AttentionParams):
         """A dense step's output (no cache): what TritonBackend.native_call hands the front end."""
-        return self(q, k, v, None, None, None, None)[0]
+        return self(q, k, v, None, None, None, None, params.mask)[0]
 
-    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, mask=None):
         kept = self.kept
         if kept is not None and q.dtype == torch.float32 and (
                 _backend._dot_precision(q.dtype) != kept.plan.dot_precision):
@@ -302,7 +319,7 @@ class PreparedSplitStep:
         on_device = _backend._on_device
         on_device(plan.cuda_index, prepared.launch,
                   _split_tensors(q, k_cache, v_cache, out, lse, out_split, lse_split, cache_seqlens, block_table, k,
-                                 v) + middle)
+                                 v, mask) + middle)
         if kept.combine_site is not None:
             prepared, middle = kept.combine_site
             on_device(plan.cuda_index, prepared.launch, (out, lse, out_split, lse_split) + middle)

@@ -83,6 +83,16 @@ def load_key_mask(mask_base, k_idx, seqlen_k, stride_mk):
 
 
 @triton.jit
+def with_key_mask(s2, values, MASK_KIND: tl.constexpr):
+    """Base-2 scores s2 under a key mask's values for their keys (load_key_mask): MASK_KEYS, -inf where False;
+    MASK_KEYS_FLOAT, the bias added."""
+    if MASK_KIND == 3:
+        return tl.where(values != 0, s2, float("-inf"))
+    else:
+        return s2 + values.to(tl.float32) * LOG2E
+
+
+@triton.jit
 def attention_scores(qk, q_idx, k_idx, seqlen_q, seqlen_k,
                      qk_scale2, softcap_in2, softcap_out2,
                      diag_offset, window_left, window_right,
@@ -109,10 +119,8 @@ def attention_scores(qk, q_idx, k_idx, seqlen_q, seqlen_k,
     if MASK_KIND == 1:
         values = load_mask_tile(mask_base, q_idx, k_idx, seqlen_q, seqlen_k, stride_mq, stride_mk)
         s2 = tl.where(values != 0, s2, float("-inf"))
-    if MASK_KIND == 3:
-        s2 = tl.where(load_key_mask(mask_base, k_idx, seqlen_k, stride_mk) != 0, s2, float("-inf"))
-    if MASK_KIND == 4:
-        s2 = s2 + load_key_mask(mask_base, k_idx, seqlen_k, stride_mk).to(tl.float32) * LOG2E
+    if MASK_KIND == 3 or MASK_KIND == 4:
+        s2 = with_key_mask(s2, load_key_mask(mask_base, k_idx, seqlen_k, stride_mk), MASK_KIND)
     if MASKED:
         ok = visible(q_idx, k_idx, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
                      HAS_LEFT, HAS_RIGHT)
