@@ -85,16 +85,19 @@ def attention(
                          backend)
     plan = _known_calls.get(call_key) if call_key is not None else None  # (no look-up for torch.compile to guard)
     if plan is not None:  # an earlier call with this key passed the checks and got its backend (see _call_key)
+        params, mask = plan.params, None
+        if plan.mask_dims is not None:  # this call's mask, in the view the first call's took (the layout is the key's)
+            mask = _mask_view(attn_mask, *plan.mask_dims)
+            params = params.replace(mask=mask)
         direct = plan.direct
         if direct is not None and not return_lse:  # the backend's own path, the tensors as they come (_CallPlan)
-            out = direct(query, key, value, plan.params)
-            return out if out is not None else plan.run_forward(query, key, value, None, plan.params, False)
+            out = direct(query, key, value, params)
+            return out if out is not None else plan.run_forward(query, key, value, mask, params, False)
         if not plan.as_is:
             query, key, value = _to4d(query), _to4d(key), _to4d(value)
-        params = plan.params
         if params.dropout_p > 0.0:  # a fresh dropout mask at every call
             params = params.replace(seed=dropout_rng.draw_seed(query.device))
-        return plan.run(query, key, value, None, params, return_lse)
+        return plan.run(query, key, value, mask, params, return_lse)
     return _attention_in_full(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window, softcap,
                               return_lse, backend, call_key)
 
@@ -129,9 +132,11 @@ def _attention_in_full(query, key, value, attn_mask, dropout_p, is_causal, scale
     plan = _CallPlan(chosen, _prepared_native(chosen, q, k, v, params), params, tracked,
                      q is query and k is key and v is value, out_shape)
     if call_key is not None and query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:  # (see _known_calls)
-        if seed is not None:  # each repeated call draws its own
-            plan.params = _params(None, False, scale, causal, diag_offset, window_left, window_right, dropout_p, None,
-                                  softcap)
+        if seed is not None or mask is not None:  # each repeated call draws its own seed and brings its own mask
+            plan.params = _params(None, mask_grad, scale, causal, diag_offset, window_left, window_right, dropout_p,
+                                  None, softcap)
+        if mask is not None:
+            plan.mask_dims = (out_shape[:-3], out_shape[-3], out_shape[-2], k.shape[2])
         put_bounded(_known_calls, call_key, plan, _KNOWN_CALLS_LIMIT)
     return plan.run(q, k, v, mask, params, return_lse)
 
@@ -141,13 +146,15 @@ class _CallPlan:
     backend's own differentiable path for such calls (``native``, see _prepared_native; None where it has none),
     the params (without a dropout seed in a plan that _known_calls keeps), whether autograd tracks the call,
     whether the tensors reach the backend as they come (4-D with a contiguous last dim: ``as_is``), and the
-    output's shape. Left to each call: the layout step of other tensors, the dropout seed, the mask."""
+    output's shape. Left to each call: the layout step of other tensors, the dropout seed, the mask (``mask_dims``:
+    for a call with a mask tensor, the leading dims, Hq, Nq and Nk its view is broadcast to: _mask_view)."""
 
-    __slots__ = ("chosen", "native", "params", "tracked", "as_is", "out_shape", "direct")
+    __slots__ = ("chosen", "native", "params", "tracked", "as_is", "out_shape", "direct", "mask_dims")
 
     def __init__(self, chosen, native, params: Optional[AttentionParams], tracked: bool, as_is: bool, out_shape):
         self.chosen, self.native, self.params, self.tracked, self.as_is, self.out_shape = (
             chosen, native, params, tracked, as_is, out_shape)
+        self.mask_dims = None
         # What a repeated call may hand ``native`` at once, skipping run(): the tensors reach the backend as they come
         # and its output has the caller's shape (4-D), and no dropout seed to draw.
         plain = as_is and len(out_shape) == 4 and (params is None or params.dropout_p == 0.0)
@@ -182,8 +189,9 @@ def _returned(out, lse, out_shape, return_lse: bool):
 
 # ---- repeated calls --------------------------------------------------------------------------------------------
 
-# Calls with plain arguments (no attn_mask tensor or window; Python floats and bools; see _call_key) whose shapes, strides,
-# dtypes, devices, values, backend request and gradient needs equal an earlier call's: that call's _CallPlan, so a
+# Calls with plain arguments (no window; Python floats and bools; an attn_mask tensor by its layout; see _call_key) whose
+# shapes, strides, dtypes, devices, values, backend request and gradient needs equal an earlier call's: that call's
+# _CallPlan, so a
 # repeated call skips the checks and the decision. Calls whose leading dims broadcast take every step (the views
 # they need are made by _prepare). Bounded (the oldest entry makes room); cleared with the dispatcher's cache,
 # since it holds decisions.
@@ -201,10 +209,16 @@ def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     stored."""
     if attn_mask is not None:
         # A causal alignment object (causal_lower_right / causal_upper_left: chunked prefill, speculative decoding)
-        # is its variant and sizes, which _prepare turns into the causal flag and diagonal: those are the key.
-        if CausalBias is None or type(attn_mask) is not CausalBias:
+        # is its variant and sizes, which _prepare turns into the causal flag and diagonal: those are the key. A mask
+        # tensor is its layout (what _prepare checks and the decision reads of it: its features and whether it is
+        # the same over heads and rows); its values are each call's own.
+        if type(attn_mask) is _Tensor:
+            attn_mask = ("tensor", attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask.device,
+                         attn_mask.requires_grad)
+        elif CausalBias is not None and type(attn_mask) is CausalBias:
+            attn_mask = ("causal", attn_mask.variant, attn_mask.seq_len_q, attn_mask.seq_len_kv)
+        else:
             return None
-        attn_mask = (attn_mask.variant, attn_mask.seq_len_q, attn_mask.seq_len_kv)
     if (window is not None or type(dropout_p) is not float or type(is_causal) is not bool
             or type(enable_gqa) is not bool or (scale is not None and type(scale) is not float)
             or (softcap is not None and type(softcap) is not float)
@@ -314,12 +328,19 @@ def _prepare(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
 
     q, k, v = _to4d(query), _to4d(key), _to4d(value)
     if mask is not None:
-        mask = mask.expand(*batch_shape, heads_q, seqlen_q, seqlen_k)
-        if mask.dim() != 4:
-            mask = mask.unsqueeze(0) if mask.dim() == 3 else mask.reshape(-1, heads_q, seqlen_q, seqlen_k)
+        mask = _mask_view(mask, batch_shape, heads_q, seqlen_q, seqlen_k)
     out_shape = (*batch_shape, heads_q, seqlen_q, v_shape[-1])
     return (q, k, v, mask, float(scale), dropout_p, causal, diag_offset, window_left, window_right, softcap,
             out_shape)
+
+
+def _mask_view(mask, batch_shape, heads_q: int, seqlen_q: int, seqlen_k: int):
+    """An attn_mask as the backends take it: broadcast to (..., Hq, Nq, Nk), its leading dims as one (B, Hq, Nq,
+    Nk)."""
+    mask = mask.expand(*batch_shape, heads_q, seqlen_q, seqlen_k)
+    if mask.dim() != 4:
+        mask = mask.unsqueeze(0) if mask.dim() == 3 else mask.reshape(-1, heads_q, seqlen_q, seqlen_k)
+    return mask
 
 
 def _number(x, name: str) -> float:

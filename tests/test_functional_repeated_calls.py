@@ -159,6 +159,37 @@ def test_a_repeated_call_with_a_causal_alignment_object_skips_the_checks_and_kee
     assert prepared == [1, 1]
 
 
+@pytest.mark.parametrize("backend", ["reference", "sdpa", None])
+def test_repeated_calls_with_a_mask_tensor_skip_the_checks_and_read_each_call_s_mask(monkeypatch, backend):
+    """A mask tensor is its layout in the memo's key: a repeated call with another mask of the same layout (a
+    key-padding mask whose padding moves, a float bias, broadcast leading dims) skips the checks and the decision and
+    still attends as its own mask says, forward and backward (a float mask's gradient too); a mask of another layout
+    or dtype takes the full path again."""
+    q, k, v = rand(2, 3, 4, 6, 8, requires_grad=True), rand(2, 3, 4, 9, 8), rand(2, 3, 4, 9, 8)
+    prepared = []
+    real_prepare = functional._prepare
+
+    def masks(step):
+        keys = torch.arange(9) >= torch.tensor([[step], [3 - step], [2 * step]])  # left padding, moving
+        bias = torch.randn(3, 4, 6, 9, generator=torch.Generator().manual_seed(step))
+        return keys.view(3, 1, 1, 9), bias.requires_grad_(backend != "sdpa")  # (its kernels give no mask gradient)
+
+    for step in range(3):
+        padding, bias = masks(step)
+        if step == 1:  # the first calls made the plans
+            monkeypatch.setattr(functional, "_prepare", lambda *a: prepared.append(1) or real_prepare(*a))
+        for mask in (padding, bias):
+            out = mhattn.attention(q, k, v, attn_mask=mask, backend=backend)
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            assert close(out, want, 1e-4)
+            grads = torch.autograd.grad(out.square().sum(), (q, mask) if mask.requires_grad else (q, ))
+            wants = torch.autograd.grad(want.square().sum(), (q, mask) if mask.requires_grad else (q, ))
+            assert all(close(g, w, 1e-4) for g, w in zip(grads, wants))
+    assert prepared == []
+    mhattn.attention(q, k, v, attn_mask=padding.expand(3, 4, 6, 9).contiguous(), backend=backend)
+    assert prepared == [1]
+
+
 def test_a_plugged_in_backend_with_its_own_differentiable_path_serves_every_repeated_call():
     """A third-party backend that overrides only Backend.native_attention (the plug-in contract) has that path used
     at every call, repeated ones included (Backend.native_call's default), and its gradients reach the inputs."""

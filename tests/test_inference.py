@@ -595,9 +595,8 @@ def check_prepared_split_steps_keep_their_launches(device="cpu"):
             earlier = (out, out.clone())
         assert made == [torch.float16], f"the dense step's launches were prepared {len(made)} times"
         made.clear()
-        # A padding mask (B, 1, 1, Nk): each step reads its own mask (here the padding moves). (The front end keeps
-        # no plan for calls with a mask tensor, so each goes through _split_kv_launches, whose launch sites the
-        # backend keeps per call signature.)
+        # A padding mask (B, 1, 1, Nk): the steps share the first one's launches (the mask's layout is part of the
+        # signature) and each reads its own mask (here the padding moves).
         for step in range(3):
             gen = torch.Generator().manual_seed(70 + step)
             q = torch.randn(2, 8, 1, 32, generator=gen).to(device, torch.float16)
@@ -609,6 +608,7 @@ def check_prepared_split_steps_keep_their_launches(device="cpu"):
             want = mhattn.attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True,
                                     backend="reference")
             torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+        assert made == [torch.float16], f"the masked step's launches were prepared {len(made)} times"
         made.clear()
         gen = torch.Generator().manual_seed(66)
         q, k_cache, v_cache, _, _, seqlens, _ = make_cache(torch.float32, device, 2, 4, 2, 1, 16, [7, 30], 40, None,
