@@ -398,7 +398,10 @@ def _inference_cases(b: "_Builder", dims, cpu: bool, full: bool) -> None:
     heads = (4, 2) if cpu else (32, 8)
     long_k = 300 if cpu else 8192
     decode = [dict(batch=1, seqlen_q=1, seqlen_k=long_k, causal="bottom_right"),
-              dict(batch=2, seqlen_q=4, seqlen_k=long_k // 2 + 3, causal="bottom_right")]
+              dict(batch=2, seqlen_q=4, seqlen_k=long_k // 2 + 3, causal="bottom_right"),
+              # a batch of steps with a key-padding mask (B, 1, 1, Nk), one entry all padding
+              dict(batch=3, seqlen_q=1, seqlen_k=long_k, causal="bottom_right", mask="key_padding",
+                   fully_masked=True)]
     if full:
         decode += [dict(batch=3, seqlen_q=1, seqlen_k=97 if cpu else 1000, causal=None, softcap=5.0),
                    dict(batch=1, seqlen_q=2, seqlen_k=long_k, causal="bottom_right", window=(long_k // 4, None)),
