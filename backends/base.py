@@ -249,9 +249,10 @@ class Backend:
     def native_call(self, q, k, v, params: AttentionParams):
         """Optional: :meth:`native_attention` prepared for calls like this one, as a callable of (q, k, v, params)
         giving what native_attention would; None where calls like this one have no such path. The front end asks
-        once per call signature (shapes, strides, dtype, device, params but the dropout seed, the inputs'
-        ``requires_grad`` and grad mode) and keeps the answer for the calls that repeat it, so anything else the
-        choice depends on must be checked inside the callable. For calls that autograd does not track (the grad
+        once per call signature (shapes, strides, dtype, device, params but the dropout seed and the mask tensor,
+        whose layout is part of the signature, the inputs' ``requires_grad`` and grad mode) and keeps the answer for
+        the calls that repeat it, so anything else the choice depends on (a mask's values) must be checked inside the
+        callable, which gets each call's params. For calls that autograd does not track (the grad
         mode and ``requires_grad`` are part of the signature), the callable need not be differentiable: it may be a
         forward that skips what only a backward would read (the Triton backend writes such calls' lse into a kept
         scratch buffer). The default: native_attention itself, where the backend has one."""

@@ -191,9 +191,8 @@ def _returned(out, lse, out_shape, return_lse: bool):
 
 # Calls with plain arguments (no window; Python floats and bools; an attn_mask tensor by its layout; see _call_key) whose
 # shapes, strides, dtypes, devices, values, backend request and gradient needs equal an earlier call's: that call's
-# _CallPlan, so a
-# repeated call skips the checks and the decision. Calls whose leading dims broadcast take every step (the views
-# they need are made by _prepare). Bounded (the oldest entry makes room); cleared with the dispatcher's cache,
+# _CallPlan, so a repeated call skips the checks and the decision. Calls whose leading dims broadcast take every step
+# (the views they need are made by _prepare). Bounded (the oldest entry makes room); cleared with the dispatcher's cache,
 # since it holds decisions.
 _known_calls: dict = {}
 _KNOWN_CALLS_LIMIT = 1024

@@ -308,7 +308,8 @@ class PreparedSplitStep:
             signature = self.signature = self.signature or backend._signature_for(q, k_cache, v_cache, self.params,
                                                                                   dense=True)
             cache = KVCache(k_cache, v_cache, cache_seqlens, block_table) if self.cache else None
-            out, lse, self.kept = _split_kv_launches(q, k_cache, v_cache, self.params, cache=cache,
+            params = self.params if mask is None else self.params.replace(mask=mask)  # (this call's mask)
+            out, lse, self.kept = _split_kv_launches(q, k_cache, v_cache, params, cache=cache,
                                                      signature=signature, keep_lse=self.keep_lse,
                                                      new_kv=(k, v) if self.appends else None)
             return out, lse
