@@ -259,9 +259,15 @@ def check_split_kv_path_taken(device="cpu"):
             mhattn.attention(q, k, k, attn_mask=mask, enable_gqa=True, backend="triton")
             assert calls, f"a {mask.dtype} key-padding mask must keep the split-KV path"
             calls.clear()
+        # A mask that varies over the query rows but not the heads (a speculative step's) is read by it too; one that
+        # varies over the heads is not.
         rows_mask = torch.rand(1, 1, 2, 300, device=device) > 0.5
         mhattn.attention(q, k, k, attn_mask=rows_mask, enable_gqa=True, backend="triton")
-        assert not calls, "a mask that varies over the query rows must take the FlashAttention-2 forward"
+        assert calls, "a mask the same for every head must keep the split-KV path"
+        calls.clear()
+        heads_mask = torch.rand(1, 8, 2, 300, device=device) > 0.5
+        mhattn.attention(q, k, k, attn_mask=heads_mask, enable_gqa=True, backend="triton")
+        assert not calls, "a mask that varies over the heads must take the FlashAttention-2 forward"
         q = torch.randn(1, 8, 40, 32, device=device, dtype=torch.float16)
         mhattn.attention(q, k, k, enable_gqa=True, backend="triton")
         assert not calls, "160 rows per key/value head must take the FlashAttention-2 forward"
@@ -1037,6 +1043,9 @@ INTERPRETER_DENSE_DECODE = {
     "nq1_left_padding_batch3": dict(batch=3, mask="key_padding_left"),
     "nq2_padding_holes_causal_batch2": dict(batch=2, seqlen_q=2, causal="bottom_right", mask="key_padding_holes"),
     "nq1_key_bias_batch2_fp32": dict(batch=2, mask="key_bias", dtype="float32", seqlen_k=130),
+    # Masks that vary over the query rows but not the heads (a speculative step's), some rows seeing no key.
+    "nq4_rows_mask_causal": dict(batch=2, seqlen_q=4, causal="bottom_right", mask="bool_empty_rows"),
+    "nq3_rows_mask_window_batch2": dict(batch=2, seqlen_q=3, window=(60, 0), mask="bool"),
 }
 
 
@@ -1151,11 +1160,12 @@ def test_gpu_dense_decode(dtype, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("mask", ["key_padding_left", "key_padding_holes", "key_bias"])
+@pytest.mark.parametrize("mask", ["key_padding_left", "key_padding_holes", "key_bias", "bool_empty_rows"])
 def test_gpu_dense_decode_with_a_key_padding_mask(dtype, mask):
     """A batch of decoding steps with a padding mask (B, 1, 1, Nk) on the split-KV kernels: several splits, some of
-    them all padding."""
-    check_dense_decode(dtype=dtype, device="cuda", batch=4, heads_q=32, heads_kv=8, seqlen_q=1, seqlen_k=8192,
+    them all padding; and speculative steps of 4 query rows with a mask that varies over them (not over the heads)."""
+    rows = 4 if mask == "bool_empty_rows" else 1
+    check_dense_decode(dtype=dtype, device="cuda", batch=4, heads_q=32, heads_kv=8, seqlen_q=rows, seqlen_k=8192,
                        head_dim=128, causal="bottom_right", mask=mask)
 
 

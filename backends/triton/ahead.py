@@ -319,9 +319,10 @@ def split_kv_tasks(head_dim: int, cc: int = 80) -> list:
         tile = decode_launch.HOPPER_SPLIT_TILES[padded]
         tasks += [_split_kv_task(head_dim, tile, paged, append, dependent) for paged, append in steps]
     # A dense step with a key-padding bias (B, 1, 1, Nk) in the inputs' dtype (a boolean mask compiles the same loads
-    # of one key row a block).
-    tasks.append(_split_kv_task(head_dim, decode_launch.decode_tile(padded, padded, 2, False), False, False, dependent,
-                                scores.MASK_KEYS_FLOAT))
+    # of one key row a block), and one with a bias that varies over the query rows (a speculative step's).
+    tile = decode_launch.decode_tile(padded, padded, 2, False)
+    tasks += [_split_kv_task(head_dim, tile, False, False, dependent, kind)
+              for kind in (scores.MASK_KEYS_FLOAT, scores.MASK_FLOAT)]
     return tasks
 
 

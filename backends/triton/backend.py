@@ -748,8 +748,8 @@ class TritonBackend(OutputOnlyForward):
                 return "the split-KV decoding kernels (decode.py): few query rows per key/value head"
             if "mask_grad" not in problem.features:
                 return ("the split-KV decoding kernels (decode.py): few query rows per key/value head, when the mask "
-                        "is the same for every head and query row (a key-padding mask, (B, 1, 1, Nk)); with another "
-                        "mask the FlashAttention-2 forward (forward.py)")
+                        "is the same for every head ((B, 1, Nq, Nk): a key-padding mask, a speculative step's mask); "
+                        "with one that varies over the heads the FlashAttention-2 forward (forward.py)")
         reason = hopper_launch.why_not_problem(problem)
         if reason is None:
             return "the Gluon Hopper forward (hopper_forward.py), when q, k, v rows are 16-byte aligned" + _conditions(

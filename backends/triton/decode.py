@@ -118,7 +118,7 @@ def split_kv_kernel(
     stride_ob, stride_oh, stride_om,
     stride_table, stride_table_block, stride_seqlens,
     stride_nkb, stride_nkh, stride_nkn, stride_nvb, stride_nvh, stride_nvn, capacity, num_blocks,
-    stride_mb, stride_mk,
+    stride_mb, stride_mq, stride_mk,
     heads_q, heads_kv, kv_group, seqlen_q, seqlen_k, num_splits,
     qk_scale2, softcap_in2, softcap_out2,
     diag_offset, window_left, window_right,
@@ -144,9 +144,11 @@ def split_kv_kernel(
     program waits for another. Two programs may write one row; they write the same bytes.
     SPLIT: write OutSplit (B*Hq*Nq, num_splits, Dv) and LseSplit (B*Hq*Nq, num_splits) fp32 for
     :func:`combine_splits_kernel` instead of Out/Lse.
-    MASK_KIND (scores.MASK_KEYS or MASK_KEYS_FLOAT; 0: none): a key-padding mask or bias, the same for every head and
-    query row (a decoding step's padding mask (B, 1, 1, Nk)), batch entry b's keys at Mask + b * stride_mb, key j at
-    j * stride_mk: each key block reads its row of it (scores.attention_scores). Without it Mask is not read.
+    MASK_KIND (0: none): an attn_mask the same for every head, boolean (scores.MASK_BOOL) or additive (MASK_FLOAT),
+    each key block reading its rows' entries (attention_scores); or a key-padding mask or bias (MASK_KEYS,
+    MASK_KEYS_FLOAT), the same for every query row too (a decoding step's padding mask (B, 1, 1, Nk)), each key block's
+    row of it read one block ahead (key_mask_row). Batch entry b's entry for query position i and key j is at Mask +
+    b * stride_mb + i * stride_mq + j * stride_mk. Without it Mask is not read.
     RELEASE_DEPENDENTS (sm_90): the next kernel, launched as a programmatic dependent, may start now (it waits for
     this one's writes itself)."""
     if RELEASE_DEPENDENTS:
@@ -226,10 +228,12 @@ def split_kv_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     offs_local = tl.arange(0, BLOCK_N)
-    if MASK_KIND != 0:
-        # A key block's row of the mask is loaded one block ahead (key_mask_row), under the block before's softmax
-        # and P V: loaded after its scores' product, its latency stood in every step.
-        mask_base = Mask + batch.to(tl.int64) * stride_mb
+    mask_base = Mask + batch.to(tl.int64) * stride_mb  # (read with MASK_KIND only)
+    KEY_MASK: tl.constexpr = MASK_KIND == 3 or MASK_KIND == 4
+    if KEY_MASK:
+        # A key block's row of a key mask is loaded one block ahead (key_mask_row), under the block before's softmax
+        # and P V: loaded after its scores' product, its latency stood in every step. (A mask of the rows' own entries
+        # is read where its scores are; its d = 64 build spills 24 bytes a thread so, and prefetched as well.)
         key_mask = key_mask_row(mask_base, start + offs_local, end, stride_mk)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_local
@@ -240,8 +244,9 @@ def split_kv_kernel(
         # seqlen_k = end: keys past this split's share are masked like keys past the sequence.
         s2, _ = attention_scores(qk, q_pos[:, None], offs_n[None, :], seqlen_q, end,
                                  qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left, window_right,
-                                 Q, 0, 0, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, 0, k.dtype != tl.float32)
-        if MASK_KIND != 0:
+                                 mask_base, stride_mq, stride_mk, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                 0 if KEY_MASK else MASK_KIND, k.dtype != tl.float32)
+        if KEY_MASK:
             s2 = with_key_mask(s2, key_mask[None, :], MASK_KIND)
             key_mask = key_mask_row(mask_base, offs_n + BLOCK_N, end, stride_mk)
         m_new = tl.maximum(m_i, tl.max(s2, 1))

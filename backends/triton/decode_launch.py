@@ -87,21 +87,25 @@ INTERPRETER_SM_COUNT = 16
 
 def eligible(q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> bool:
     """Whether mhattn.attention's forward runs on the split-KV kernels: few rows per key/value head, no dropout, and
-    no attn_mask or a key-padding one (mask_kind)."""
+    no attn_mask or one the same for every head (mask_kind)."""
     rows = q.shape[2] * (q.shape[1] // k.shape[1])
     return (0 < rows <= DECODE_MAX_ROWS and params.dropout_p == 0.0
             and (params.mask is None or mask_kind(params) != 0))
 
 
 def mask_kind(params: AttentionParams) -> int:
-    """The split kernel's MASK_KIND for the call's attn_mask: scores.MASK_KEYS for a boolean mask and
-    scores.MASK_KEYS_FLOAT for a float one that does not vary over heads and query rows (a padding mask of a batch of
-    decoding steps, (B, 1, 1, Nk)) and has no gradient to give; 0 for none, or for any other mask (the split kernel
-    does not take it)."""
+    """The split kernel's MASK_KIND for the call's attn_mask, one with no gradient to give that does not vary over the
+    heads (the split kernel's rows are the query heads of a key/value head): scores.MASK_KEYS for a boolean mask and
+    scores.MASK_KEYS_FLOAT for a float one that does not vary over the query rows either (a padding mask of a batch of
+    decoding steps, (B, 1, 1, Nk)), else MASK_BOOL or MASK_FLOAT (a speculative step's (B, 1, Nq, Nk) mask); 0 for
+    none, or for any other mask (the split kernel does not take it)."""
     mask = params.mask
-    if mask is None or not key_padding.shared_by_heads_and_rows(mask) or params.mask_requires_grad:
+    if mask is None or params.mask_requires_grad or not (mask.shape[1] == 1 or mask.stride(1) == 0):
         return 0
-    return scores.MASK_KEYS if mask.dtype == torch.bool else scores.MASK_KEYS_FLOAT
+    boolean = mask.dtype == torch.bool
+    if key_padding.shared_by_heads_and_rows(mask):
+        return scores.MASK_KEYS if boolean else scores.MASK_KEYS_FLOAT
+    return scores.MASK_BOOL if boolean else scores.MASK_FLOAT
 
 
 @functools.lru_cache(maxsize=16)
@@ -207,8 +211,8 @@ def _split_kv_launches(q, k, v, params: AttentionParams, cache: Optional[KVCache
     kernel = backend.launchers()
     split_kv, combine = kernel.split_kv, kernel.combine_splits
     mask = params.mask if cache is None else None
-    # A key-padding mask's batch and key strides (0 along a broadcast batch; the signature fixes them)
-    mask_strides = (0, 0) if mask is None else (0 if mask.shape[0] == 1 else mask.stride(0), mask.stride(3))
+    # The mask's batch, query row and key strides (0 along a broadcast dim; the signature fixes them)
+    mask_strides = (0, 0, 0) if mask is None else tuple(0 if mask.shape[i] == 1 else mask.stride(i) for i in (0, 2, 3))
 
     # The launches are prepared once per signature and what the signature does not fix (the cache's capacity and
     # block table stride): a repeated decoding step only passes its tensors (launcher.PreparedLaunch).
@@ -283,7 +287,7 @@ class PreparedSplitStep:
     keys hold them all), so the first call's split plan, grid and launch arguments hold for every later call, which
     passes only its tensors to the launches the first one prepared. Called as ``step(q, k_cache, v_cache, k, v,
     cache_seqlens, block_table[, mask])`` -> (out, lse); k and v None for a step that appends nothing; mask: a dense
-    step's key-padding mask (mask_kind), whose layout the signature fixes. ``signature``: the
+    step's mask (mask_kind), whose layout the signature fixes. ``signature``: the
     backend's _Signature of q and the cache, or None to work it out at the first call. float32 inputs' dot precision
     follows torch's matmul setting, read at every call (the prepared launches are dropped when it changes)."""
 
