@@ -14,7 +14,7 @@
 # reports, plots and saves what ran): for the complete sweep in one call, run the benchmarks alone.
 #
 # FEATURE_CHECKS=callpath,inference,tune,cupy,cupy-hopper,triton-hopper,gluon-host,clocks,short-backward,short-forward,
-# features,deterministic,padded-head-dims
+# features,deterministic,padded-head-dims,masked-decode
 # runs those checks first
 # (CHECK_S seconds each, default 300; INFERENCE_ARGS, TUNE_ARGS, CUPY_HOPPER_ARGS, TRITON_HOPPER_ARGS, FEATURES_ARGS,
 # DETERMINISTIC_ARGS passed on).
@@ -68,8 +68,10 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
   # FlexAttention, benchmarks/check_features.py), deterministic (the Triton backend's deterministic backwards, Gluon and
   # FlashAttention-2, beside its default one and cuDNN's, benchmarks/check_deterministic.py), padded-head-dims (the
   # Gluon kernels at head dims 96 and 192, their products split to the head dim where hopper_launch says: their GPU
-  # tests, then `mhattn bench` beside cuDNN in bf16 and fp16). ring needs two GPUs: torchrun --nproc-per-node 2
-  # benchmarks/check_ring.py on a two-GPU machine.
+  # tests, then `mhattn bench` beside cuDNN in bf16 and fp16), masked-decode (decoding steps with a mask on the
+  # split-KV kernels: their GPU tests, a tiny Llama generating from a left-padded batch, then
+  # `check_inference.py --padded-decode` beside the FlashAttention-2 path and SDPA). ring needs two GPUs: torchrun
+  # --nproc-per-node 2 benchmarks/check_ring.py on a two-GPU machine.
   for check in ${FEATURE_CHECKS//,/ }; do
     stage "feature check: $check"
     mkdir -p "$OUT/$check"
@@ -92,8 +94,13 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
                           tests/test_triton_backend.py -k padded_head_dims | tail -3 && python3 -m mhattn.cli bench \
                           --impl triton,sdpa-cudnn --head-dim 96,192 --seqlen 1k,4k,16k --dtype bf16,fp16 \
                           --no-progress --markdown '$OUT/$check/bench.md'" ;;
+      masked-decode) timeout -k 10 "${CHECK_S:-300}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider \
+                       tests/test_inference.py tests/test_transformers_integration.py \
+                       -k 'dense_decode or prepared_split or greedy' | tail -3 && \
+                       python3 benchmarks/check_inference.py --padded-decode" ;;
       *) echo "unknown feature check $check (callpath, inference, tune, cupy, cupy-hopper, triton-hopper," \
-           "gluon-host, clocks, short-backward, short-forward, features, deterministic, padded-head-dims)" ;;
+           "gluon-host, clocks, short-backward, short-forward, features, deterministic, padded-head-dims," \
+           "masked-decode)" ;;
     esac 2>&1 | tail -n "${CHECK_TAIL:-40}"
   done
 fi
