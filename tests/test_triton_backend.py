@@ -1732,6 +1732,28 @@ def test_backward_path_says_when_the_short_backward_runs():
         assert backend.backward_path(base).startswith("the FlashAttention-2 backward")
 
 
+def test_forward_path_of_decoding_steps_names_the_masks_the_split_kernels_take():
+    """mhattn explain's forward path for a decoding step (few query rows per key/value head): the split-KV kernels
+    without a mask, and with a mask that is the same for every head (saying so); a mask with a gradient or dropout
+    take another path."""
+    import dataclasses
+
+    from mhattn.problem import Problem
+
+    backend = _backend()
+    step = Problem(device_type="cuda", device_index=0, compute_capability=(9, 0), dtype=torch.bfloat16, batch=8,
+                   heads_q=32, heads_kv=8, seqlen_q=1, seqlen_k=8192, head_dim=128, head_dim_v=128,
+                   features=frozenset({"gqa"}))
+    assert backend.forward_path(step) == ("the split-KV decoding kernels (decode.py): few query rows per key/value "
+                                          "head")
+    for mask in ("bool_mask", "float_mask"):
+        path = backend.forward_path(dataclasses.replace(step, features=frozenset({"gqa", mask})))
+        assert path.startswith("the split-KV decoding kernels") and "the same for every head" in path, path
+    for other in ({"float_mask", "mask_grad"}, {"dropout"}):
+        path = backend.forward_path(dataclasses.replace(step, features=frozenset({"gqa"} | other)))
+        assert not path.startswith("the split-KV decoding kernels"), (other, path)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("cc", [90, 80])
 def test_short_backward_compiles_without_spills_at_every_tile_it_takes(cc):
