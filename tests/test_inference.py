@@ -225,8 +225,8 @@ def check_varlen_through_descriptors(**kwargs):
 def check_dense_decode(dtype="float16", device="cpu", batch=1, heads_q=8, heads_kv=2, seqlen_q=1, seqlen_k=300,
                        head_dim=32, causal=None, window=None, softcap=None, mask=None):
     """mhattn.attention with few query rows per key/value head (the split-KV path of the Triton backend),
-    forward and backward, against the float64 reference; ``mask``: a key-padding mask or bias kind of
-    test_triton_backend.make_mask ((B, 1, 1, Nk) broadcast), which the split kernel reads one row of a key block."""
+    forward and backward, against the float64 reference; ``mask``: a mask kind of test_triton_backend.make_mask (a
+    key-padding mask or bias (B, 1, 1, Nk), or a bool mask (B, 1, Nq, Nk), broadcast over the heads)."""
     from test_triton_backend import check_attention
 
     check_attention(dtype=dtype, device=device, batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
@@ -251,8 +251,7 @@ def check_split_kv_path_taken(device="cpu"):
         mhattn.attention(q, k, k, enable_gqa=True, backend="triton")
         assert calls, "the split-KV path was not taken for Nq = 2, 4 query heads per key/value head"
         calls.clear()
-        # A key-padding mask (B, 1, 1, Nk) or bias is read by the split kernel; a mask that varies over the query
-        # rows is not.
+        # A key-padding mask (B, 1, 1, Nk) or bias is read by the split kernel.
         padding = torch.arange(300, device=device) >= 100
         for mask in (padding.view(1, 1, 1, 300), torch.zeros(1, 1, 1, 300, device=device).masked_fill(
                 ~padding, float("-inf"))):
