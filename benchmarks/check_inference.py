@@ -216,7 +216,8 @@ def padded_decode(device, settings, out_dir, cells=PADDED_DECODE_CELLS, tiny=Fal
 
     heads_q, heads_kv, head_dim = (4, 2, 16) if tiny else (32, 8, 128)
     dtype = torch.float16 if tiny else torch.bfloat16  # (Triton's interpreter computes bfloat16 wrongly)
-    lines = [f"decoding with a left-padding mask ({str(dtype).replace('torch.', '')}, Hq={heads_q}, Hkv={heads_kv}, d={head_dim}, Nq=1; GPU us; "
+    name = str(dtype).replace('torch.', '')
+    lines = [f"decoding with a left-padding mask ({name}, Hq={heads_q}, Hkv={heads_kv}, d={head_dim}, Nq=1; GPU us; "
              "x = that time over the split-KV step's)",
              f"{'B':>3} {'Nk':>6} {'split-KV':>9} {'per-head mask':>14} {'sdpa':>8} {'no mask':>8} "
              f"{'x per-head':>10} {'x sdpa':>7} {'max |diff|':>10}"]
