@@ -328,7 +328,7 @@ def split_kv_tasks(head_dim: int, cc: int = 80) -> list:
 
 def _split_kv_task(head_dim: int, tile, paged: bool, append: bool, dependent: bool, mask_kind: int = 0) -> KernelTask:
     """The split kernel at ``tile`` (decode_launch.DecodeTile) over a paged cache or not, appending or not, with a
-    key mask of ``mask_kind`` (decode_launch.mask_kind) or none."""
+    mask of ``mask_kind`` (decode_launch.mask_kind) or none."""
     flags = (("PAGED", paged), ("HAS_SEQLENS", paged or append), ("PAGE_SIZE", 256 if paged else 1),
              ("RELEASE_DEPENDENTS", dependent), ("APPEND", append)) + ((("MASK_KIND", mask_kind),) if mask_kind else ())
     config = configs.KernelConfig(16, tile.block_n, tile.num_warps, tile.num_stages)
