@@ -1736,8 +1736,6 @@ def test_forward_path_of_decoding_steps_names_the_masks_the_split_kernels_take()
     """mhattn explain's forward path for a decoding step (few query rows per key/value head): the split-KV kernels
     without a mask, and with a mask that is the same for every head (saying so); a mask with a gradient or dropout
     take another path."""
-    import dataclasses
-
     from mhattn.problem import Problem
 
     backend = _backend()

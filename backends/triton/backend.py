@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 from typing import Optional
 
 import torch
@@ -20,12 +19,12 @@ from mhattn import dropout_rng
 from mhattn.backends import layouts
 from mhattn.backends.base import (FEATURES, OPERATIONS, AttentionParams, Capabilities, OutputOnlyForward,
                                   new_rows_contiguous, tracked_by_autograd)
-from mhattn.backends.triton import configs, decode_launch, hopper_launch, key_padding, varlen_launch
+from mhattn.backends.triton import configs, decode_launch, hopper_launch, key_padding, scores, varlen_launch
 from mhattn.backends.triton.launcher import CompiledLauncher
 from mhattn.caches import put_bounded
 from mhattn.problem import device_capability
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+INTERPRET = scores.INTERPRET  # (Triton's interpreter, TRITON_INTERPRET=1: read once, at import)
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -744,12 +743,13 @@ class TritonBackend(OutputOnlyForward):
             return None
         rows = problem.seqlen_q * (problem.heads_q // max(problem.heads_kv, 1))
         if 0 < rows <= decode_launch.DECODE_MAX_ROWS and problem.seqlen_k > 0 and "dropout" not in problem.features:
+            split_kv = "the split-KV decoding kernels (decode.py): few query rows per key/value head"
             if not problem.features & {"bool_mask", "float_mask"}:
-                return "the split-KV decoding kernels (decode.py): few query rows per key/value head"
+                return split_kv
             if "mask_grad" not in problem.features:
-                return ("the split-KV decoding kernels (decode.py): few query rows per key/value head, when the mask "
-                        "is the same for every head ((B, 1, Nq, Nk): a key-padding mask, a speculative step's mask); "
-                        "with one that varies over the heads the FlashAttention-2 forward (forward.py)")
+                return (split_kv + ", when the mask is the same for every head ((B, 1, Nq, Nk): a key-padding mask, a "
+                        "speculative step's mask); with one that varies over the heads the FlashAttention-2 forward "
+                        "(forward.py)")
         reason = hopper_launch.why_not_problem(problem)
         if reason is None:
             return "the Gluon Hopper forward (hopper_forward.py), when q, k, v rows are 16-byte aligned" + _conditions(

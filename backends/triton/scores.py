@@ -35,9 +35,10 @@ MASK_KEYS_FLOAT = 4
 # relative error below 2^-10.98, as FlashAttention's softcap takes it; P itself is then rounded to 16 bits). Through
 # exp2 it costs an exp2 and a division, so that a softcapped score took three multi-function-unit operations with the
 # softmax's exp2 instead of two, and those bound the forward (NOTES, version 29). Float32 inputs keep the formula, and
-# so does Triton's interpreter (TRITON_INTERPRET=1, read when the backend is imported, as backend.INTERPRET), which runs
-# no PTX.
-HARDWARE_TANH = tl.constexpr(os.environ.get("TRITON_INTERPRET", "").strip().lower() not in ("1", "true", "yes", "on"))
+# so does Triton's interpreter (TRITON_INTERPRET=1, read once here, at import: INTERPRET, which backend.py takes),
+# which runs no PTX.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+HARDWARE_TANH = tl.constexpr(not INTERPRET)
 HALF_LN2 = tl.constexpr(0.34657359027997264)
 
 
