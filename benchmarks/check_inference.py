@@ -24,6 +24,12 @@ a programmatic dependent launch of the split kernel and after it (decode_launch.
 mask (B, 1, 1, Nk), as a batch of prompts padded on the left decodes: on the split-KV kernels (which read one row of
 the mask a key block), the same mask materialised per head (B, Hq, 1, Nk: the FlashAttention-2 forward, the path such
 calls took before), SDPA's default with the mask, and the Triton step without a mask.
+``--padded-prefill`` times the forward of a batch of prompts padded on the left (bf16, Hq = 32, Hkv = 8, d = 128,
+causal, Nq = Nk, a (B, 1, 1, Nk) key-padding mask as the Hugging Face integration passes it): the Triton backend as
+shipped (on Hopper the Gluon forward, taking the mask as each sequence's first key), the same with the Gluon kernels
+off (MHATTN_TRITON_HOPPER=0: the FlashAttention-2 forward, which reads the mask), SDPA's default with the causal and
+padding mask combined (B, 1, Nq, Nk), and the Triton forward without the padding; with ``--backward`` each call's
+forward and backward (a training step on left-padded sequences).
 ``--kept-partials`` compares host loops of short decoding steps (dense and contiguous cache; bf16, d = 128, Nq = 1)
 with the split kernel's partials kept per stream (decode_launch.split_partials) and allocated at every step, in
 turns, beside SDPA's. ``--append`` compares host loops of decoding steps through attention_with_kvcache that append
@@ -69,6 +75,8 @@ DEPENDENT_CELLS = ((1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 1024), (8,
 VARLEN_HEADS = 16
 # --padded-decode: (B, Nk) cells at Nq = 1; each batch entry's first keys are padding (up to half of them).
 PADDED_DECODE_CELLS = ((8, 1024), (8, 8192), (8, 32768), (64, 8192), (64, 32768))
+# --padded-prefill: (B, N) cells, Nq = Nk = N; each batch entry's first keys are padding (up to half of them).
+PADDED_PREFILL_CELLS = ((8, 1024), (4, 4096), (2, 16384))
 
 
 def log(out_dir, text):
@@ -209,25 +217,37 @@ def key_padding_section(device, dtype, settings, tiny):
     return lines
 
 
+def _padded_shape(tiny: bool) -> tuple:
+    """(Hq, Hkv, d, dtype) of the padded-batch checks (tiny: for the interpreter, which computes bfloat16 wrongly)."""
+    return (4, 2, 16, torch.float16) if tiny else (32, 8, 128, torch.bfloat16)
+
+
+def _left_padded_batch(device, batch: int, seqlen_q: int, seqlen_k: int, tiny: bool) -> tuple:
+    """(q, k, v, mask) of a batch padded on the left: random q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d) of
+    _padded_shape, and the (B, 1, 1, Nk) bool key-padding mask (True = attend) whose entries' first keys are padding,
+    up to half of them."""
+    heads_q, heads_kv, head_dim, dtype = _padded_shape(tiny)
+    gen = torch.Generator(device=device).manual_seed(batch + seqlen_k)
+    q = torch.randn(batch, heads_q, seqlen_q, head_dim, device=device, dtype=dtype, generator=gen)
+    k, v = (torch.randn(batch, heads_kv, seqlen_k, head_dim, device=device, dtype=dtype, generator=gen)
+            for _ in range(2))
+    padding = torch.randint(0, seqlen_k // 2 + 1, (batch, 1), device=device, generator=gen)
+    return q, k, v, (torch.arange(seqlen_k, device=device)[None, :] >= padding).view(batch, 1, 1, seqlen_k)
+
+
 def padded_decode(device, settings, out_dir, cells=PADDED_DECODE_CELLS, tiny=False):
     """Decoding steps with a left-padding key mask (see the module docstring), GPU time in us, each output checked
     against SDPA's."""
     import mhattn
 
-    heads_q, heads_kv, head_dim = (4, 2, 16) if tiny else (32, 8, 128)
-    dtype = torch.float16 if tiny else torch.bfloat16  # (Triton's interpreter computes bfloat16 wrongly)
+    heads_q, heads_kv, head_dim, dtype = _padded_shape(tiny)
     name = str(dtype).replace('torch.', '')
     lines = [f"decoding with a left-padding mask ({name}, Hq={heads_q}, Hkv={heads_kv}, d={head_dim}, Nq=1; GPU us; "
              "x = that time over the split-KV step's)",
              f"{'B':>3} {'Nk':>6} {'split-KV':>9} {'per-head mask':>14} {'sdpa':>8} {'no mask':>8} "
              f"{'x per-head':>10} {'x sdpa':>7} {'max |diff|':>10}"]
     for batch, keys in cells:
-        gen = torch.Generator(device=device).manual_seed(batch + keys)
-        q = torch.randn(batch, heads_q, 1, head_dim, device=device, dtype=dtype, generator=gen)
-        k, v = (torch.randn(batch, heads_kv, keys, head_dim, device=device, dtype=dtype, generator=gen)
-                for _ in range(2))
-        padding = torch.randint(0, keys // 2 + 1, (batch, 1), device=device, generator=gen)
-        shared = (torch.arange(keys, device=device)[None, :] >= padding).view(batch, 1, 1, keys)
+        q, k, v, shared = _left_padded_batch(device, batch, 1, keys, tiny)
         per_head = shared.expand(batch, heads_q, 1, keys).contiguous()
         calls = {
             "split-KV": lambda: mhattn.attention(q, k, v, attn_mask=shared, enable_gqa=True, backend="triton"),
@@ -244,6 +264,79 @@ def padded_decode(device, settings, out_dir, cells=PADDED_DECODE_CELLS, tiny=Fal
                      f"{us['no mask']:>8.1f} {us['per-head mask'] / us['split-KV']:>10.2f} "
                      f"{us['sdpa'] / us['split-KV']:>7.2f} {diff:>10.1e}")
     return lines
+
+
+def padded_prefill(device, settings, out_dir, cells=PADDED_PREFILL_CELLS, tiny=False, backward=False):
+    """Prefill of prompts padded on the left (see the module docstring), GPU time in us; the shipped output checked
+    against SDPA's on the rows that see a key. backward: each call's forward and backward (q, k, v's gradients)."""
+    import mhattn
+
+    heads_q, heads_kv, head_dim, dtype = _padded_shape(tiny)
+    name = str(dtype).replace('torch.', '')
+    what = "forward+backward" if backward else "forward"
+    lines = [f"prefill with a left-padding mask ({name}, Hq={heads_q}, Hkv={heads_kv}, d={head_dim}, causal, "
+             f"Nq = Nk; {what}, GPU us; x = that time over the shipped call's)",
+             f"{'B':>3} {'N':>6} {'shipped':>8} {'no Gluon':>9} {'sdpa':>8} {'no padding':>10} "
+             f"{'x no Gluon':>10} {'x sdpa':>7} {'max |diff|':>10}"]
+    for batch, seqlen in cells:
+        q, k, v, shared = _left_padded_batch(device, batch, seqlen, seqlen, tiny)
+        if backward:
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+        causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=device).tril()
+        combined = shared & causal  # (B, 1, N, N), what SDPA takes
+        sees = combined.any(-1, keepdim=True)  # (B, 1, N, 1): rows that see a key (SDPA's others are undefined)
+
+        def shipped():
+            return mhattn.attention(q, k, v, attn_mask=shared, window=(-1, 0), enable_gqa=True, backend="triton")
+
+        calls = {
+            "shipped": shipped,
+            "no Gluon": lambda: _with_environment("MHATTN_TRITON_HOPPER", "0", shipped, backward, q, k, v),
+            "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=combined,
+                                                                             enable_gqa=True),
+            "no padding": lambda: mhattn.attention(q, k, v, is_causal=True, enable_gqa=True, backend="triton"),
+        }
+        if backward:  # (the environment call runs its own backward inside the setting)
+            calls = {name: (call if name == "no Gluon" else functools.partial(_with_backward, call, q, k, v))
+                     for name, call in calls.items()}
+        want = calls["sdpa"]().float()
+        diff = max(float(((calls[name]().float() - want) * sees).abs().nan_to_num(0.0).max())
+                   for name in ("shipped", "no Gluon"))
+        us = {name: 1000.0 * timing.bench_ms(call, settings.warmup_ms, settings.rep_ms, device)
+              for name, call in calls.items()}
+        lines.append(f"{batch:>3} {seqlen:>6} {us['shipped']:>8.1f} {us['no Gluon']:>9.1f} {us['sdpa']:>8.1f} "
+                     f"{us['no padding']:>10.1f} {us['no Gluon'] / us['shipped']:>10.2f} "
+                     f"{us['sdpa'] / us['shipped']:>7.2f} {diff:>10.1e}")
+    return lines
+
+
+def _with_backward(call, q, k, v):
+    """call()'s output, after its backward into q, k, v (a fixed output gradient); detached."""
+    out = call()
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out) / out.shape[-1])
+    return out.detach()
+
+
+def _with_environment(name: str, value: str, call, backward: bool, *inputs):
+    """call()'s output with environment variable ``name`` at ``value`` (with ``backward``, through _with_backward on
+    ``inputs``, the backward inside the setting too)."""
+    with _environment(name, value):
+        return _with_backward(call, *inputs) if backward else call()
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    """Environment variable ``name`` set to ``value`` inside the block (the Triton backend reads its switches at each
+    call)."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
 
 
 def _forget_decode_plans():
@@ -526,6 +619,10 @@ def main(argv=None) -> int:
                         help="only host loops of short decoding steps with the split partials kept and allocated")
     parser.add_argument("--padded-decode", action="store_true",
                         help="only decoding steps with a left-padding key mask, on the split-KV kernels and others")
+    parser.add_argument("--padded-prefill", action="store_true",
+                        help="only the forward of prompts padded on the left, with and without the Gluon kernels")
+    parser.add_argument("--backward", action="store_true",
+                        help="with --padded-prefill: forward+backward (a training step's attention) instead")
     parser.add_argument("--append", action="store_true",
                         help="only host loops of KV-cache steps appending by the Triton kernel and by torch's indexing")
     args = parser.parse_args(argv)
@@ -551,6 +648,12 @@ def main(argv=None) -> int:
         cells = ((2, 64), (3, 100)) if args.tiny else PADDED_DECODE_CELLS
         settings = timing.TimingSettings(1.0, 2.0) if args.tiny else timing.TimingSettings(10.0, 40.0)
         for line in padded_decode(device, settings, out_dir, cells, args.tiny):
+            log(out_dir, line)
+        return 0
+    if args.padded_prefill:
+        cells = ((2, 64), (3, 100)) if args.tiny else PADDED_PREFILL_CELLS
+        settings = timing.TimingSettings(1.0, 2.0) if args.tiny else timing.TimingSettings(10.0, 40.0)
+        for line in padded_prefill(device, settings, out_dir, cells, args.tiny, args.backward):
             log(out_dir, line)
         return 0
     if args.dependent_launch:

@@ -164,6 +164,10 @@ def make_mask(kind, batch, heads_q, seqlen_q, seqlen_k, device, generator, requi
         keys = torch.arange(seqlen_k)[None, :] < lengths[:, None]
         if kind == "key_padding_left":  # the padding first, as a batch of prompts padded on the left has it
             keys = keys.flip(1)
+        if kind == "key_padding_span":  # padding on both sides: each entry's keys one run that starts anywhere
+            starts = (torch.rand(batch, generator=generator) * (seqlen_k - lengths + 1)).long()
+            positions = torch.arange(seqlen_k)[None, :]
+            keys = (positions >= starts[:, None]) & (positions < (starts + lengths)[:, None])
         if kind == "key_padding_holes":
             keys &= torch.rand(batch, seqlen_k, generator=generator) > 0.3
         return keys.view(batch, 1, 1, seqlen_k).to(device).expand(batch, heads_q, seqlen_q, seqlen_k)
@@ -285,7 +289,7 @@ def check_attention(dtype="float16", device="cpu", batch=2, heads_q=2, heads_kv=
         floor_scale = grad_scale if name in ("dq", "dk", "dmask") and bool((gold[i] == 0).all()) else None
         results.append(compare(name, x.cpu(), gold[i].cpu(), None if lowp is None else lowp[i].cpu(), dtype=dt,
                                floor_scale=floor_scale))
-    if mask in ("bool_empty_rows", "key_padding", "key_padding_left"):
+    if mask in ("bool_empty_rows", "key_padding", "key_padding_left", "key_padding_span"):
         empty = ~attn_mask[:, :, :, :].any(-1)
         assert bool((out[empty] == 0).all()), "a row that sees no key must give 0"
         assert bool((lse[empty] == float("-inf")).all()), "a row that sees no key must give lse -inf"
@@ -1153,6 +1157,73 @@ def test_gpu_gluon_forward_key_padding_as_lengths(monkeypatch, dtype, case):
     _check_gluon_forward_build(monkeypatch, "KEY_LENGTHS", dtype, GLUON_KEY_PADDING_CASES[case])
 
 
+# A left-padding key mask (True on a suffix of each batch entry's keys: a batch of prompts padded on the left) and one
+# padded on both sides, in the Gluon kernels as each entry's first key and key count (KEY_STARTS; batch entry 0 with
+# none): causal of both alignments (rows before an entry's first key see none), GQA, a window, a softcap, the 192-wide
+# head dim.
+GLUON_KEY_SPAN_CASES = {
+    "d64_left_top_left": dict(head_dim=64, batch=3, seqlen_q=517, seqlen_k=517, causal="top_left",
+                              mask="key_padding_left"),
+    "d128_left_bottom_right_gqa": dict(head_dim=128, batch=3, heads_q=6, heads_kv=2, seqlen_q=300, seqlen_k=700,
+                                       causal="bottom_right", mask="key_padding_left"),
+    "d128_span_no_causal_softcap": dict(head_dim=128, batch=4, seqlen_q=300, seqlen_k=900, softcap=20.0,
+                                        mask="key_padding_span"),
+    "d192_span_top_left": dict(head_dim=192, batch=3, seqlen_q=600, seqlen_k=600, causal="top_left",
+                               mask="key_padding_span"),
+    "d256_left_window": dict(head_dim=256, batch=3, seqlen_q=600, seqlen_k=600, causal="top_left", window=(200, 0),
+                             mask="key_padding_left"),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_KEY_SPAN_CASES))
+def test_gpu_gluon_forward_key_padding_as_spans(monkeypatch, dtype, case):
+    """Through the backend, the Gluon forward built with per-sequence first keys (asserted from the build's
+    compile-time arguments), one program per tile and a persistent grid of 3 programs, forward and backward against
+    the reference."""
+    _check_gluon_forward_build(monkeypatch, "KEY_STARTS", dtype, GLUON_KEY_SPAN_CASES[case])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_KEY_SPAN_CASES) + ["d64_left_dropout"])
+def test_gpu_gluon_backward_key_padding_as_spans(monkeypatch, dtype, case):
+    """The Gluon backward built with per-sequence first keys (asserted from the build's compile-time arguments)
+    against the reference: key blocks before a sequence's first key write zero dK and dV. With dropout (whose forward
+    is the FlashAttention-2 one: the Gluon forward counts keys from each sequence's first) too."""
+    spans = dict(GLUON_KEY_SPAN_CASES, d64_left_dropout=dict(head_dim=64, batch=3, heads_q=4, heads_kv=2, seqlen_q=517,
+                                                             seqlen_k=517, causal="top_left", mask="key_padding_left",
+                                                             dropout_p=0.1))
+    _check_gluon_backward_build(monkeypatch, "KEY_STARTS", dtype, spans[case])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+def test_gpu_sliced_gluon_backward_with_left_padding(monkeypatch):
+    """A left-padding key mask's backward run by the Gluon kernel in batch slices of 2, 2 and 1 entries: each launch
+    reads its entries' key counts and first keys (hopper_launch._slice_bounds)."""
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import hopper_launch
+
+    batch, heads_q, heads_kv, seqlen, head_dim = 5, 4, 2, 300, 64
+    per_head = (heads_q // heads_kv) * seqlen * head_dim * 4
+    monkeypatch.setattr(hopper_launch, "ACCUMULATOR_BYTES", 4 * per_head)
+    monkeypatch.setattr(hopper_launch, "MIN_WAVES", 0)
+    monkeypatch.setattr(hopper_launch, "SINGLE_LAUNCH_BYTES", 0)
+    monkeypatch.setattr(triton_backend, "_plans", {})  # plans keep their slices
+    monkeypatch.setattr(triton_backend, "_signatures", {})
+    assert hopper_launch.backward_slices(batch, heads_kv, per_head, 3, 132) == (2, 2)
+    _check_gluon_backward_build(monkeypatch, "KEY_STARTS", "bfloat16",
+                                dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen, seqlen_k=seqlen,
+                                     head_dim=head_dim, causal="top_left", mask="key_padding_left"))
+
+
 @pytest.mark.gpu
 @needs_gpu
 @needs_sm90
@@ -1511,12 +1582,13 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
             assert "cp.reduce.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx, task.label
             staged = "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
             assert staged == hopper_launch.BACKWARD_STAGED_DK_DV[task.head_dim], task.label
-            # Dropout and softcap builds take BACKWARD_FEATURE_QUERY_BLOCK's rows a step where the plain build's
-            # spill with them, and then keep every value in registers.
+            # Dropout, softcap and first-key (left padding) builds take BACKWARD_FEATURE_QUERY_BLOCK's rows a step
+            # where the plain build's spill with them, and then keep every value in registers.
             flags = dict(task.flags)
             rows = ahead._constexprs(task)["BLOCK_M"]
             assert rows == hopper_launch.backward_query_block(task.head_dim, flags.get("DROPOUT", False),
-                                                              flags.get("SOFTCAP", False)), task.label
+                                                              flags.get("SOFTCAP", False),
+                                                              flags.get("KEY_STARTS", False)), task.label
             if rows != hopper_launch.BACKWARD_QUERY_BLOCK[task.head_dim]:
                 assert ahead.resource_usage(kernel)["stack"] == 0, task.label
         if task.kind == "hopper_fwd":
@@ -2094,7 +2166,7 @@ def test_right_padding_is_read_back_once_per_mask(monkeypatch):
     (its version moves) it reads the mask again; a kept entry holds its mask; during graph capture it says False."""
     from mhattn.backends.triton import key_padding
 
-    monkeypatch.setattr(key_padding, "_right_padding", {})
+    monkeypatch.setattr(key_padding, "_padding_kinds", {})
     reads = []
     real_sum = torch.Tensor.sum
     monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **k: reads.append(1) or real_sum(self, *a, **k))
@@ -2112,12 +2184,38 @@ def test_right_padding_is_read_back_once_per_mask(monkeypatch):
     prefix[1, 2] = True  # a hole at key 1
     assert answer(prefix) is False and len(reads) == 4
     assert all(entry[0].data_ptr() in (prefix.data_ptr(), holes.data_ptr())
-               for entry in key_padding._right_padding.values())
+               for entry in key_padding._padding_kinds.values())
     # During CUDA graph capture: False (the mask is read by the kernels), even for a mask answered True before.
     right = torch.tensor([[True, True, False], [True, False, False]])
     assert answer(right) is True and len(reads) == 5
     monkeypatch.setattr(key_padding, "host_checks_allowed", lambda tensor: False)  # as during capture
     assert answer(right) is False and len(reads) == 5
+
+
+def test_padding_kind_gives_each_sequence_first_key_and_bound_of_one_run():
+    """key_padding.padding_kind: right padding (no spans: the bounds say it all); one run of keys per batch entry
+    starting past the first key somewhere (left padding, padding on both sides) as SPAN with the (2B,) int32 bounds
+    then first keys, an entry with no key at start 0; holes anywhere, OTHER. The uint8 view the kernels read answers
+    as the bool mask does."""
+    from mhattn.backends.triton import key_padding
+
+    def kind(rows):
+        keys = torch.tensor(rows, dtype=torch.bool)
+        mask = keys.view(keys.shape[0], 1, 1, keys.shape[1]).expand(keys.shape[0], 3, 4, keys.shape[1])
+        bounds = key_padding.key_bounds(mask)
+        found = key_padding.padding_kind(mask.view(torch.uint8), bounds)
+        assert key_padding.padding_kind(mask, bounds)[0] == found[0]
+        return found[0], None if found[1] is None else found[1].tolist()
+
+    assert kind([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]]) == (key_padding.RIGHT_PADDING, None)
+    left = kind([[0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 1]])
+    assert left == (key_padding.SPAN, [4, 0, 4, 4, 2, 0, 0, 3])
+    assert kind([[0, 1, 1, 0], [1, 0, 0, 0]]) == (key_padding.SPAN, [3, 1, 1, 0])  # both sides
+    assert kind([[0, 1, 0, 1], [1, 1, 1, 1]]) == (key_padding.OTHER, None)  # a hole after the first key
+    assert kind([[1, 0, 1, 0]]) == (key_padding.OTHER, None)
+    spans = key_padding.padding_kind(*(lambda m: (m, key_padding.key_bounds(m)))(
+        torch.tensor([[False, True]]).view(1, 1, 1, 2)))[1]
+    assert spans.dtype == torch.int32 and spans.tolist() == [2, 1]
 
 
 @pytest.mark.gpu
@@ -2343,10 +2441,10 @@ def test_explain_names_the_kernel_families(monkeypatch):
     for path in (backend.forward_path(problem(head_dim=64, features=("softcap",))),
                  backend.backward_path(problem(features=("causal", "softcap")))):
         assert not path.startswith("the Gluon Hopper") and hopper_launch.SOFTCAP in path, path
-    # A boolean mask: the Gluon kernels where it is right padding.
+    # A boolean mask: the Gluon kernels where it is one run of keys per sequence (right or left padding).
     for path in (backend.forward_path(problem(features=("bool_mask",))),
                  backend.backward_path(problem(features=("causal", "bool_mask")))):
-        assert path.startswith("the Gluon Hopper") and "boolean mask is right padding" in path, path
+        assert path.startswith("the Gluon Hopper") and "one run of keys per sequence (right or left padding" in path, path
     # d = 64: the Gluon forward from 384 keys, causal or not.
     for features in ((), ("causal",)):
         assert "Gluon Hopper forward" in backend.forward_path(problem(head_dim=64, seqlen_q=384, seqlen_k=384,

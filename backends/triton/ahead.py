@@ -49,7 +49,7 @@ def hopper_backward_tile(head_dim: int, flag: str = "") -> configs.KernelConfig:
     """The Hopper backward's tile (with the build flag ``flag`` set, if any): query rows per step, keys per program,
     the compute partition's 8 warps, the Q/dO slots."""
     width = hopper_launch.TILE_WIDTH[head_dim]
-    rows = hopper_launch.backward_query_block(head_dim, flag == "DROPOUT", flag == "SOFTCAP")
+    rows = hopper_launch.backward_query_block(head_dim, flag == "DROPOUT", flag == "SOFTCAP", flag == "KEY_STARTS")
     return configs.KernelConfig(rows, hopper_launch.BACKWARD_KEY_BLOCK[width], 8, hopper_launch.BACKWARD_STAGES[width],
                                 tma=True, warp_specialize=True)
 
@@ -98,7 +98,8 @@ def _constexprs(task: KernelTask) -> dict:
         flags = dict(task.flags)
         return dict(hopper_launch.backward_compile_time_args(task.head_dim, task.causal,
                                                              dropout=flags.get("DROPOUT", False),
-                                                             softcap=flags.get("SOFTCAP", False)), **flags)
+                                                             softcap=flags.get("SOFTCAP", False),
+                                                             key_starts=flags.get("KEY_STARTS", False)), **flags)
     padded = configs.padded_head_dim(task.head_dim)
     if task.kind == "combine":  # the split-KV combine (decode.py), 32 splits a row
         return dict(HEAD_DIM_V=task.head_dim, BLOCK_DV=padded, BLOCK_S=32, **dict(task.flags))
@@ -269,11 +270,16 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                 for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP"):
                     tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
                                             flags=(("TILE_COUNTER", causal), (flag, True))))
+                # a left-padding key mask as each sequence's first key and key count
+                tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
+                                        flags=(("TILE_COUNTER", causal), ("KEY_LENGTHS", True), ("KEY_STARTS", True))))
             if cc == 90 and width in hopper_launch.BACKWARD_MIN_KEYS:
                 tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim)))
                 for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP", "DETERMINISTIC"):
                     tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim, flag),
                                             flags=((flag, True),)))
+                tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim, "KEY_STARTS"),
+                                        flags=(("KEY_LENGTHS", True), ("KEY_STARTS", True))))
         if not hopper_only:
             widest = short_backward_widest_tile(head_dim)
             tasks += [KernelTask("short_bwd", head_dim, causal, widest) for causal in (False, True) if widest]

@@ -126,7 +126,7 @@ class _Plan:
         cc = device_capability(q.device)
         # The Gluon Hopper forward (hopper_forward.py) is sm_90 code: wgmma and setmaxnreg.
         self.sm90 = not INTERPRET and cc == (9, 0)
-        self.hopper_schedule = None    # its schedule and launch set (hopper_launch.forward), made on first use
+        self.hopper_schedule = None    # its schedule and launch sets (hopper_launch.forward), made on first use
         # the Gluon Hopper backward's compile-time sets, deterministic or not (hopper_launch._backward_setup)
         self.hopper_backward_constexprs = {}
         self.hopper_backward_slices = None  # its launches' (batches, key/value heads) (hopper_launch.backward_slices)
@@ -240,6 +240,8 @@ class _Signature:
         self.repeated_backwards: dict = {}
         # The Gluon Hopper forward of this signature (hopper_launch.ForwardLaunch), made by its first call that ran it.
         self.hopper_forward = None
+        # ... and its build that takes each sequence's first key (a left-padding key mask: key_padding.SPAN).
+        self.hopper_forward_spans = None
         self.plain = mask is None and not has_dropout
         plan = self.plan = _plan_for(q, k, v, mask_kind, params.window_left is not None, params.window_right is not None,
                          params.softcap is not None, has_dropout, self.key_lengths)
@@ -301,16 +303,28 @@ class _Launch:
         else:
             self.mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         self.key_bounds = key_padding.key_bounds(mask) if signature.key_lengths else None
+        self._padding = None  # (kind, spans) of the key-padding mask, read once (key_padding_kind)
         # The kernels read the seed words from memory (int32 words of the int64 seed tensor).
         self.seed = dropout_rng.seed_tensor(params.seed, q.device).view(torch.int32) if signature.has_dropout else q
         self.band = (self.diag_offset, self.window_left, self.window_right, self.seed, self.threshold)
         # The Hopper paths (copy-engine loads) need every tensor the kernels read through descriptors aligned.
         self.tma_ok = self.plan.descriptors_ok(q, k, v)
 
-    def key_mask_is_lengths(self) -> bool:
-        """Whether the call's key-padding mask is right padding, which the key bounds say in full (the Gluon kernels
-        then read no mask: key_padding.is_right_padding, one read-back per mask; asked only where they could run)."""
-        return key_padding.is_right_padding(self.mask, self.key_bounds)
+    def key_padding_kind(self) -> str:
+        """What the call's key-padding mask is (key_padding.padding_kind: right padding, which the key bounds say in
+        full; one run of keys per sequence, which they say with each sequence's first key; or neither). The Gluon
+        kernels then read no mask. One read-back per mask, asked only where they could run."""
+        if self._padding is None:
+            self._padding = key_padding.padding_kind(self.mask, self.key_bounds)
+        return self._padding[0]
+
+    def key_spans(self):
+        """The (2B,) int32 bounds and first keys of a key-padding mask that is one run of keys per sequence, some
+        starting past the first key (key_padding.SPAN); None for any other call."""
+        if self.key_bounds is None:
+            return None
+        self.key_padding_kind()
+        return self._padding[1]
 
     def key_bounds_or(self, placeholder):
         """The key bounds tensor for the kernels' CuSeqlensK argument, or a placeholder when unused."""
@@ -655,15 +669,18 @@ class _PreparedOutputOnly:
         return self.backend._forward_signed(self.signature, q, k, v, params, False)[0]
 
 
-def _conditions(problem) -> str:
+def _conditions(problem, forward: bool = False) -> str:
     """What explain adds to a Gluon kernel's path for what the Problem does not hold: a window's bounds (the Gluon
-    kernels take a left bound only) and a boolean mask's values (they take right padding only, as key counts)."""
+    kernels take a left bound only) and a boolean mask's values (they take one run of keys per sequence, as first keys
+    and counts; left padding not with dropout in the forward, nor in a deterministic backward)."""
     text = ""
     if "window" in problem.features:
         text += ", the window's right bound is the causal diagonal or none"
     if "bool_mask" in problem.features:
-        text += (", and the boolean mask is right padding (True on a prefix of each sequence's keys, the same for "
-                 "every head and query: read back once per mask); other boolean masks run the FlashAttention-2 kernels")
+        text += (", and the boolean mask is one run of keys per sequence (right or left padding: True exactly on keys "
+                 "[first, last] of each, the same for every head and query; read back once per mask; left padding "
+                 + ("not with dropout" if forward else "not in a deterministic backward")
+                 + "); other boolean masks run the FlashAttention-2 kernels")
     return text
 
 
@@ -753,7 +770,7 @@ class TritonBackend(OutputOnlyForward):
         reason = hopper_launch.why_not_problem(problem)
         if reason is None:
             return "the Gluon Hopper forward (hopper_forward.py), when q, k, v rows are 16-byte aligned" + _conditions(
-                problem)
+                problem, forward=True)
         return f"the FlashAttention-2 forward (forward.py): not the Gluon Hopper forward because {reason}"
 
     def backward_path(self, problem) -> Optional[str]:

@@ -38,7 +38,7 @@ backward does.
 Coverage (hopper_launch.why_not_backward routes the rest to backward.py): fp16 and bf16; head dims 64, 128 and 256, and
 96 and 192 in the 128- and 256-wide tiles (HEAD_COLS; K and V the same); no mask, or causal of either alignment
 (diag_offset); a sliding window's left bound (WINDOW), with the causal diagonal or no right bound; a right-padding key
-mask as key counts (KEY_LENGTHS); dropout with the shared RNG (DROPOUT); a softcap (SOFTCAP); GQA by head index; any Nq,
+mask as key counts (KEY_LENGTHS), and a left-padding one as first keys too (KEY_STARTS); dropout with the shared RNG (DROPOUT); a softcap (SOFTCAP); GQA by head index; any Nq,
 Nk >= 1; 16-byte aligned rows; a fixed order of dQ's additions on request (DETERMINISTIC).
 """
 
@@ -138,11 +138,15 @@ def row_values(tile, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
 
 @gluon.jit
 def masked_scores_t(s2_t, keys, start_m, seqlen_k, diag_offset, window_left, BLOCK_M: gl.constexpr,
-                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, s_layout: gl.constexpr):
+                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, s_layout: gl.constexpr, key_start=0,
+                    KEY_STARTS: gl.constexpr = False):
     """Base-2 scores, keys by rows and queries start_m.. by columns, with invisible pairs (a key past the sequence
-    end, after the query's diagonal, or with WINDOW more than window_left before it) at -inf. (The query indices are
-    made here, only for the blocks that need them: at 128 queries a step they take 32 registers a thread.)"""
+    end, with KEY_STARTS before its first key key_start, after the query's diagonal, or with WINDOW more than
+    window_left before it) at -inf. (The query indices are made here, only for the blocks that need them: at 128
+    queries a step they take 32 registers a thread.)"""
     ok = gl.expand_dims(keys < seqlen_k, 1)
+    if KEY_STARTS:
+        ok = ok & gl.expand_dims(keys >= key_start, 1)
     if CAUSAL or WINDOW:
         columns = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout)), 0)
         if CAUSAL:
@@ -263,12 +267,14 @@ def step_tiles(q_smem, do_smem, step, walk, BLOCK_M: gl.constexpr, HEAD_DIM: gl.
 def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot, phase, start_n, start_m,
                        keys, s_zero, seqlen_k, diag_offset, window_left, qk_scale2, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, s_layout: gl.constexpr,
-                       softcap_in2, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr):
+                       softcap_in2, SOFTCAP: gl.constexpr, SPLIT: gl.constexpr, key_start=0,
+                       KEY_STARTS: gl.constexpr = False):
     """One step's P^T (float32, keys by rows), its dP^T = V dO^T still on the tensor cores, and the scores' slope:
     S^T = K Q^T and dP^T are issued as soon as their tiles land, and the exponentials run while dP^T is computed.
     SOFTCAP: the scores are softcap * tanh(scale * S / softcap) (qk_scale2 is softcap * log2(e), softcap_in2 =
     2 * log2(e) * scale / softcap), and the slope 1 - tanh^2 is the factor the chain rule puts on dS (1.0 without).
-    SPLIT: both products over the head dim's two parts only (hopper_forward.scores_product), not the zero fill."""
+    SPLIT: both products over the head dim's two parts only (hopper_forward.scores_product), not the zero fill.
+    KEY_STARTS: keys before key_start (the sequence's first) are invisible too."""
     mbarrier.wait(q_ready.index(slot), phase)
     s_t = scores_product(k_smem, q_tile, s_zero, SPLIT)
     mbarrier.wait(do_ready.index(slot), phase)
@@ -289,9 +295,11 @@ def step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_
     needs_mask = (start_n + BLOCK_N > seqlen_k) or (CAUSAL and start_m + diag_offset < start_n + BLOCK_N - 1)
     if WINDOW:
         needs_mask = needs_mask or (start_m + BLOCK_M - 1 + diag_offset - window_left > start_n)
+    if KEY_STARTS:
+        needs_mask = needs_mask or (start_n < key_start)
     if needs_mask:
         s2_t = masked_scores_t(s2_t, keys, start_m, seqlen_k, diag_offset, window_left, BLOCK_M, CAUSAL, WINDOW,
-                               s_layout)
+                               s_layout, key_start, KEY_STARTS)
     return gl.exp2(s2_t - gl.expand_dims(lse2, 0)), dp_t, slope
 
 
@@ -326,7 +334,7 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
                              sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                              DROPOUT: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
-                             DETERMINISTIC: gl.constexpr, SPLIT: gl.constexpr):
+                             DETERMINISTIC: gl.constexpr, SPLIT: gl.constexpr, KEY_STARTS: gl.constexpr):
     """Head dims 64 and 128, each warpgroup owning 64 of the keys: every step of the key block, then dK and dV.
     Per step: S^T, dP^T; P^T, dS^T; dV, dK; dQ's share. SPLIT (d = 96 in the 128-wide tile): S^T and dP^T over the
     head dim's 64 + 32 columns only (step_probabilities); dV, dK and dQ keep the tile's width."""
@@ -340,7 +348,7 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=kv_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=dq_layout)
-    key_end, seqlen_k = key_counts  # the keys queries see, the keys dK and dV have
+    key_end, seqlen_k, key_start = key_counts  # the keys queries see (from key_start), the keys dK and dV have
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     mbarrier.wait(kv_ready, 0)
 
@@ -350,7 +358,7 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
         p_t, dp_t, slope = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot,
                                               phase, start_n, start_m, keys, s_zero, key_end, diag_offset, window_left,
                                               qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout, softcap_in2,
-                                              SOFTCAP, SPLIT)
+                                              SOFTCAP, SPLIT, key_start, KEY_STARTS)
         p_dv = p_t  # what dV's product takes: P^T, dropped (and scaled at the end) with DROPOUT
         if DROPOUT:
             keep_t = step_keep(rng, column_hashes(keys), head_step, start_m, BLOCK_M, s_layout)
@@ -398,7 +406,7 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr,
                       DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
-                      DETERMINISTIC: gl.constexpr, SPLIT_PRODUCTS: gl.constexpr):
+                      DETERMINISTIC: gl.constexpr, SPLIT_PRODUCTS: gl.constexpr, KEY_STARTS: gl.constexpr):
     """The kernel's 8 warps: the narrow schedule (warpgroups split the keys) up to head dim 128, the wide one
     (warpgroups split the columns) above; SPLIT_PRODUCTS: products over the head dim's columns only (each schedule
     says which)."""
@@ -407,13 +415,13 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
                                q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
                                walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2, sm_scale,
                                HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV,
-                               softcap_in2, SOFTCAP, DETERMINISTIC, SPLIT_PRODUCTS)
+                               softcap_in2, SOFTCAP, DETERMINISTIC, SPLIT_PRODUCTS, KEY_STARTS)
     else:
         narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                  q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
                                  walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
                                  sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT,
-                                 STAGED_DK_DV, softcap_in2, SOFTCAP, DETERMINISTIC, SPLIT_PRODUCTS)
+                                 STAGED_DK_DV, softcap_in2, SOFTCAP, DETERMINISTIC, SPLIT_PRODUCTS, KEY_STARTS)
 
 
 @gluon.jit
@@ -424,7 +432,8 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
                            sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                            DROPOUT: gl.constexpr, DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2,
-                           SOFTCAP: gl.constexpr, DETERMINISTIC: gl.constexpr, SPLIT: gl.constexpr):
+                           SOFTCAP: gl.constexpr, DETERMINISTIC: gl.constexpr, SPLIT: gl.constexpr,
+                           KEY_STARTS: gl.constexpr):
     """The compute partition at head dim 256. dK and dV of 64 keys by 256 columns take all of both warpgroups'
     accumulator registers, so BLOCK_N is 64 and the warpgroups split every product by columns instead of keys:
     S^T and dP^T by query (BLOCK_M / 2 each), dV and dK by head-dim column (HEAD_DIM / 2 each), and dQ = dS K in
@@ -449,7 +458,7 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
         dq_high_zero = gl.zeros([BLOCK_M, DQ_HIGH_COLS], gl.float32, layout=dq_high_layout)
     else:
         dq_high_zero = dq_zero
-    key_end, seqlen_k = key_counts  # the keys queries see, the keys dK and dV have
+    key_end, seqlen_k, key_start = key_counts  # the keys queries see (from key_start), the keys dK and dV have
     keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     p_tile = pds_smem.index(0)
     ds_tile = pds_smem.index(1)
@@ -461,7 +470,7 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
         p_t, dp_t, slope = step_probabilities(k_smem, v_smem, q_tile, do_tile, q_ready, do_ready, lse2_smem, slot,
                                               phase, start_n, start_m, keys, s_zero, key_end, diag_offset, window_left,
                                               qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, s_layout, softcap_in2,
-                                              SOFTCAP, SPLIT)
+                                              SOFTCAP, SPLIT, key_start, KEY_STARTS)
         delta = row_values(delta_smem.index(slot), BLOCK_M, s_layout)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
         p_dv = p_t  # what dV's product takes: P^T, dropped (and scaled at the end) with DROPOUT
@@ -601,7 +610,7 @@ def hopper_backward_kernel(
     HEAD_DIM: gl.constexpr, HEAD_COLS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr, WINDOW: gl.constexpr = False,
     KEY_LENGTHS: gl.constexpr = False, DROPOUT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
-    DETERMINISTIC: gl.constexpr = False, SPLIT_PRODUCTS: gl.constexpr = False,
+    DETERMINISTIC: gl.constexpr = False, SPLIT_PRODUCTS: gl.constexpr = False, KEY_STARTS: gl.constexpr = False,
 ):
     """Host tensor maps (hopper_launch.tensor_map): q_desc, do_desc of Q, dOut (B, Hq, Nq, D) in blocks of
     (1, 1, BLOCK_M, HEAD_DIM); k_desc, v_desc of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, HEAD_DIM);
@@ -614,7 +623,10 @@ def hopper_backward_kernel(
     (convert_dq); with 0 the caller converts the buffer. Query head h reads key/value head h // kv_group; causal:
     query row i sees keys j <= i + diag_offset; WINDOW: no key j < i + diag_offset - window_left. KEY_LENGTHS: batch
     entry b's keys from KeyBounds[b] (int32) on are padding no query sees: a key block past it walks no query block
-    and writes zero dK and dV. DROPOUT: P was dropped with the shared RNG (rng.py: Seed's int32 words 0 and 2,
+    and writes zero dK and dV. KEY_STARTS (with KEY_LENGTHS, not with DETERMINISTIC): KeyBounds holds 2B int32 (B the
+    launch's batch entries), and batch entry b's keys before KeyBounds[B + b] are padding too (a left-padding key mask):
+    a key block before it walks no query block and writes zero dK and dV, and the block it falls in masks the keys
+    before it (step_probabilities). DROPOUT: P was dropped with the shared RNG (rng.py: Seed's int32 words 0 and 2,
     threshold the uint32 threshold's bit pattern) and scaled by dropout_scale = 1 / (1 - p):
     dV = (P * keep)^T dO * dropout_scale and dS = P * (dP * keep * dropout_scale - delta); the keep-mask is drawn by
     the call's (batch, query head) numbers, which for this launch's batch entry b and query head h are
@@ -680,9 +692,13 @@ def hopper_backward_kernel(
     first_m, m_blocks = visible_query_blocks(start_n, seqlen_q, diag_offset, window_left, BLOCK_M, BLOCK_N, CAUSAL,
                                              WINDOW)
     key_end = seqlen_k  # the keys queries see (the mask's bound); dK and dV rows are written up to seqlen_k
+    key_start = 0  # the first key queries see
     if KEY_LENGTHS:
         key_end = gl.load(KeyBounds + batch)
         m_blocks = gl.where(start_n < key_end, m_blocks, 0)
+        if KEY_STARTS:
+            key_start = gl.load(KeyBounds + gl.num_programs(0) // (heads_kv * num_n_blocks) + batch)  # (B entries in)
+            m_blocks = gl.where(start_n + BLOCK_N > key_start, m_blocks, 0)
     steps = kv_group * m_blocks
     if DROPOUT:  # the seeds, the threshold, 1 / (1 - p) and the first query head's (batch * Hq + head) in the call
         rng = (gl.load(Seed), gl.load(Seed + 2), threshold, dropout_scale,
@@ -702,9 +718,9 @@ def hopper_backward_kernel(
     gl.warp_specialize([
         (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready,
                              q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n, walk, steps,
-                             (key_end, seqlen_k), diag_offset, window_left, rng, qk_scale2, sm_scale,
+                             (key_end, seqlen_k, key_start), diag_offset, window_left, rng, qk_scale2, sm_scale,
                              HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV,
-                             softcap_in2, SOFTCAP, DETERMINISTIC, SPLIT_PRODUCTS)),
+                             softcap_in2, SOFTCAP, DETERMINISTIC, SPLIT_PRODUCTS, KEY_STARTS)),
         (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_tile, v_tile, q_smem, do_smem,
                           lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv,
                           first_head, start_n, walk, steps, BLOCK_M, NUM_STAGES, DETERMINISTIC)),

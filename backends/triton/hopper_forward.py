@@ -36,8 +36,9 @@ Coverage (the backend routes the rest to forward.py): fp16 and bf16; head dims 6
 and 256-wide tiles (HEAD_COLS; K and V the same; at 192 the products skip the zero fill: SPLIT_PRODUCTS); no mask, or a
 causal mask of either alignment (diag_offset); a sliding window's left bound (WINDOW: a tile moves only the key blocks
 its rows' windows reach, and masks the first ones), with the causal diagonal or no right bound; a right-padding key mask
-as per-batch key counts (KEY_LENGTHS: a tile walks only its batch entry's keys); GQA by head index; any Nq, Nk >= 1; a
-positive scale; 16-byte aligned rows; dropout with the shared RNG (DROPOUT); a softcap (SOFTCAP: each score through a
+as per-batch key counts (KEY_LENGTHS: a tile walks only its batch entry's keys), and a left-padding one as per-batch
+first keys too (KEY_STARTS: a tile counts its keys from its entry's first, tile_at); GQA by head index; any Nq, Nk >= 1;
+a positive scale; 16-byte aligned rows; dropout with the shared RNG (DROPOUT); a softcap (SOFTCAP: each score through a
 tanh before the mask, softmax_step). Output (B, Hq, Nq, D) and the log-sum-exp (B, Hq, Nq) like forward.py's.
 """
 
@@ -163,14 +164,26 @@ def tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M: gl.c
 @gluon.jit
 def tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, KeyBounds, diag_offset, window_left,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-            KEY_LENGTHS: gl.constexpr):
-    """(batch, head, start_m, cta_first, cta_end, keys) of tile number ``tile``, as every partition walks it: its rows
-    (tile_rows), the key blocks cta_first .. cta_end - 1 the program moves for it (from the lower consumer's first:
-    its rows see the earliest keys, to the upper consumer's last: its rows see the latest), and how many keys its batch
-    entry has (KEY_LENGTHS: KeyBounds[batch], the rest padding no row sees; else seqlen_k)."""
+            KEY_LENGTHS: gl.constexpr, KEY_STARTS: gl.constexpr):
+    """(batch, head, start_m, cta_first, cta_end, keys, key_start, diag_offset) of tile number ``tile``, as every
+    partition walks it: its rows (tile_rows), the key blocks cta_first .. cta_end - 1 the program moves for it (from the
+    lower consumer's first: its rows see the earliest keys, to the upper consumer's last: its rows see the latest),
+    and how many keys its batch entry has (KEY_LENGTHS: KeyBounds[batch], the rest padding no row sees; else
+    seqlen_k).
+
+    KEY_STARTS: the batch entry's keys begin at key_start = KeyBounds[B + batch] (the keys before it are padding no
+    row sees: left padding). The tile then counts keys from there: key block j holds keys key_start + j * BLOCK_N on
+    (the load warp's copies start there), ``keys`` is the entry's key count from there and the diagonal offset is
+    moved by -key_start, so that the rest of the kernel walks, masks and sizes the tile as that of a sequence whose
+    keys start at 0. Without it key_start is 0 and diag_offset the launch's."""
     batch, head, start_m = tile_rows(tile, num_tiles, num_m_blocks, group_heads, heads_q, BLOCK_M, CAUSAL)
+    key_start = 0
     if KEY_LENGTHS:
         seqlen_k = gl.load(KeyBounds + batch)
+        if KEY_STARTS:
+            key_start = gl.load(KeyBounds + num_tiles // (num_m_blocks * heads_q) + batch)  # (B entries in)
+            seqlen_k -= key_start
+            diag_offset -= key_start
     _, cta_end, _, _ = visible_key_blocks(start_m + BLOCK_M, seqlen_k, diag_offset, window_left, BLOCK_M, BLOCK_N,
                                           CAUSAL, WINDOW)
     if WINDOW:
@@ -179,7 +192,7 @@ def tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, KeyBo
         cta_end = gl.maximum(cta_end, cta_first)
     else:
         cta_first = 0
-    return batch, head, start_m, cta_first, cta_end, seqlen_k
+    return batch, head, start_m, cta_first, cta_end, seqlen_k, key_start, diag_offset
 
 
 @gluon.jit
@@ -223,12 +236,12 @@ def take_tile(tile_slots, tile_full, tile_empty, n, layout: gl.constexpr):
 
 @gluon.jit
 def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-              batch, head, start_m, cta_first, cta_end, kv_group, step, rounds, BLOCK_M: gl.constexpr,
+              batch, head, start_m, cta_first, cta_end, key_start, kv_group, step, rounds, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, Q_ROTATING: gl.constexpr):
     """The load warp on the program's ``rounds``-th tile: both consumers' Q tiles into Q buffer rounds % Q_BUFFERS
     once both consumers have released it (see consume_tile), then K_j and V_j for j in cta_first .. cta_end - 1 into
     ring slots from ``step`` on, each as soon as both consumers have released the slot's previous block (the blocks
-    either consumer's rows see: tile_at). Q_ROTATING: the lower consumer's Q first (its slot was freed a
+    either consumer's rows see: tile_at; block j from key key_start + j * BLOCK_N). Q_ROTATING: the lower consumer's Q first (its slot was freed a
     tile ago), the upper consumer's after the first K and V (its slot frees when the lower consumer has finished the
     previous tile's S products), so the lower consumer's first product need not wait for it."""
     head_kv = head // kv_group
@@ -247,10 +260,10 @@ def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
         free_phase = (((base + j) // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), free_phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma_load(k_desc, [batch, head_kv, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        tma_load(k_desc, [batch, head_kv, key_start + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), free_phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma_load(v_desc, [batch, head_kv, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        tma_load(v_desc, [batch, head_kv, key_start + j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
         if Q_ROTATING:
             if j == cta_first:
                 load_rotating_q(q_desc, q_smem, q_ready, q_empty, batch, head, start_m, rounds, 1, BLOCK_M)
@@ -265,7 +278,7 @@ def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_em
                    group_heads, heads_q, kv_group, seqlen_k, diag_offset, window_left, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
                    TILE_COUNTER: gl.constexpr, Q_ROTATING: gl.constexpr, WINDOW: gl.constexpr,
-                   KEY_LENGTHS: gl.constexpr):
+                   KEY_LENGTHS: gl.constexpr, KEY_STARTS: gl.constexpr):
     """The load warp: load_tile for each of the program's tiles (tiles p, p + G, p + 2G, ... of a grid of G programs;
     with TILE_COUNTER, p and then whichever next_counted_tile gives, each handed to the consumers by hand_tile).
     ``step`` counts the blocks the program has moved, across its tiles, so ring slots and barrier phases run on from
@@ -277,12 +290,12 @@ def load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_em
     while tile < num_tiles:
         if TILE_COUNTER:
             hand_tile(tile_slots, tile_full, tile_empty, rounds, tile, slot_layout)
-        batch, head, start_m, cta_first, cta_end, _ = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q,
-                                                              seqlen_k, KeyBounds, diag_offset, window_left, BLOCK_M,
-                                                              BLOCK_N, CAUSAL, WINDOW, KEY_LENGTHS)
+        batch, head, start_m, cta_first, cta_end, _, key_start, _ = tile_at(
+            tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, KeyBounds, diag_offset, window_left,
+            BLOCK_M, BLOCK_N, CAUSAL, WINDOW, KEY_LENGTHS, KEY_STARTS)
         load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                  batch, head, start_m, cta_first, cta_end, kv_group, step, rounds, BLOCK_M, BLOCK_N, NUM_STAGES,
-                  Q_BUFFERS, Q_ROTATING)
+                  batch, head, start_m, cta_first, cta_end, key_start, kv_group, step, rounds, BLOCK_M, BLOCK_N,
+                  NUM_STAGES, Q_BUFFERS, Q_ROTATING)
         step += cta_end - cta_first
         rounds += 1
         if TILE_COUNTER:
@@ -730,14 +743,14 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
                          window_left, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_COLS: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                          Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, KEY_LENGTHS: gl.constexpr,
-                         DROPOUT: gl.constexpr, SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
-                         LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
-                         SPLIT_PRODUCTS: gl.constexpr):
+                         KEY_STARTS: gl.constexpr, DROPOUT: gl.constexpr, SPLIT_MASKED: gl.constexpr,
+                         HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr,
+                         softcap_in2, SOFTCAP: gl.constexpr, SPLIT_PRODUCTS: gl.constexpr):
     """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took. rng: (Seed,
     threshold, dropout_scale), read with DROPOUT."""
-    batch, head, tile_m, cta_first, cta_end, seqlen_k = tile_at(tile, num_tiles, num_m_blocks, group_heads, heads_q,
-                                                                seqlen_k, KeyBounds, diag_offset, window_left, BLOCK_M,
-                                                                BLOCK_N, CAUSAL, WINDOW, KEY_LENGTHS)
+    batch, head, tile_m, cta_first, cta_end, seqlen_k, _, diag_offset = tile_at(
+        tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, KeyBounds, diag_offset, window_left, BLOCK_M,
+        BLOCK_N, CAUSAL, WINDOW, KEY_LENGTHS, KEY_STARTS)
     out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
     lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
     if DROPOUT:  # (the consumer's rows' keys of the RNG, the threshold and 1 / (1 - p): softmax_step, consume_tile)
@@ -762,9 +775,10 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                        diag_offset, window_left, qk_scale2, HALF: gl.constexpr, HEAD_DIM: gl.constexpr,
                        HEAD_COLS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                       KEY_LENGTHS: gl.constexpr, DROPOUT: gl.constexpr, TILE_COUNTER: gl.constexpr,
-                       SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr, LAZY_RESCALE: gl.constexpr,
-                       Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr, SPLIT_PRODUCTS: gl.constexpr):
+                       KEY_LENGTHS: gl.constexpr, KEY_STARTS: gl.constexpr, DROPOUT: gl.constexpr,
+                       TILE_COUNTER: gl.constexpr, SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr,
+                       LAZY_RESCALE: gl.constexpr, Q_ROTATING: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
+                       SPLIT_PRODUCTS: gl.constexpr):
     """One softmax warpgroup: rows HALF * BLOCK_M .. (HALF + 1) * BLOCK_M of each of the program's tiles, in the
     load warp's order (``step`` and ``rounds`` follow its ring slots and Q rounds): round-robin, or with TILE_COUNTER
     the tile numbers the load warp hands over (take_tile)."""
@@ -781,7 +795,7 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                                      KeyBounds, rng, tile, rounds, step, num_tiles, num_m_blocks, group_heads, heads_q,
                                      seqlen_q, seqlen_k, diag_offset, window_left, qk_scale2, HALF, HEAD_DIM,
                                      HEAD_COLS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS,
-                                     DROPOUT, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING, softcap_in2,
+                                     KEY_STARTS, DROPOUT, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING, softcap_in2,
                                      SOFTCAP, SPLIT_PRODUCTS)
         rounds += 1
         if TILE_COUNTER:
@@ -805,6 +819,7 @@ def hopper_forward_kernel(
     SPLIT_MASKED: gl.constexpr, HALF_DIAGONAL: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
     Q_ROTATING: gl.constexpr = False, WINDOW: gl.constexpr = False, KEY_LENGTHS: gl.constexpr = False,
     DROPOUT: gl.constexpr = False, SOFTCAP: gl.constexpr = False, SPLIT_PRODUCTS: gl.constexpr = False,
+    KEY_STARTS: gl.constexpr = False,
 ):
     """q_desc, k_desc, v_desc, o_desc: host tensor maps (hopper_launch.tensor_map) of Q and Out (B, Hq, Nq, D) in
     blocks of (1, 1, BLOCK_M, HEAD_DIM) and of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, HEAD_DIM): the copy
@@ -817,7 +832,9 @@ def hopper_forward_kernel(
     no key j < i + diag_offset - window_left (a sliding window, causal or not; window_left >= 0, unread without it).
     KEY_LENGTHS: batch entry b has KeyBounds[b] keys (int32, <= Nk; the keys after them are padding no row sees, as a
     right-padding key mask says: hopper_launch.why_not), so its tiles move and compute only the blocks before that;
-    without it KeyBounds is not read. DROPOUT: P is dropped with the shared RNG (rng.py: Seed's int32 words 0 and 2,
+    without it KeyBounds is not read. KEY_STARTS (with KEY_LENGTHS, not with DROPOUT): KeyBounds holds 2B int32, and
+    batch entry b's keys are KeyBounds[B + b] .. KeyBounds[b] - 1 (a left- or both-sides-padding key mask: its tiles
+    skip the padding on both sides, tile_at). DROPOUT: P is dropped with the shared RNG (rng.py: Seed's int32 words 0 and 2,
     threshold the uint32 threshold's bit pattern) and the output scaled by dropout_scale = 1 / (1 - p); the lse is the
     undropped softmax's. Without it Seed, threshold and dropout_scale are not read. SOFTCAP: the scores are
     softcap * tanh(scale * qk / softcap): softcap_in2 = 2 * log2(e) * scale / softcap, and qk_scale2 is then
@@ -878,17 +895,18 @@ def hopper_forward_kernel(
                               (Seed, threshold, dropout_scale), tile_slots, tile_full, tile_empty, num_tiles,
                               num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
                               qk_scale2, 0, HEAD_DIM, HEAD_COLS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
-                              WINDOW, KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
-                              Q_ROTATING, softcap_in2, SOFTCAP, SPLIT_PRODUCTS)),
+                              WINDOW, KEY_LENGTHS, KEY_STARTS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL,
+                              LAZY_RESCALE, Q_ROTATING, softcap_in2, SOFTCAP, SPLIT_PRODUCTS)),
         (consumer_partition, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, Out,
                               stride_ob, stride_oh, stride_om, Lse, stride_lb, stride_lh, KeyBounds,
                               (Seed, threshold, dropout_scale), tile_slots, tile_full, tile_empty, num_tiles,
                               num_m_blocks, group_heads, heads_q, seqlen_q, seqlen_k, diag_offset, window_left,
                               qk_scale2, 1, HEAD_DIM, HEAD_COLS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL,
-                              WINDOW, KEY_LENGTHS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE,
-                              Q_ROTATING, softcap_in2, SOFTCAP, SPLIT_PRODUCTS)),
+                              WINDOW, KEY_LENGTHS, KEY_STARTS, DROPOUT, TILE_COUNTER, SPLIT_MASKED, HALF_DIAGONAL,
+                              LAZY_RESCALE, Q_ROTATING, softcap_in2, SOFTCAP, SPLIT_PRODUCTS)),
         (load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                           v_empty, tile_slots, tile_full, tile_empty, TileCounter, KeyBounds, num_tiles,
                           num_m_blocks, group_heads, heads_q, kv_group, seqlen_k, diag_offset, window_left, BLOCK_M,
-                          BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_COUNTER, Q_ROTATING, WINDOW, KEY_LENGTHS)),
+                          BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, TILE_COUNTER, Q_ROTATING, WINDOW, KEY_LENGTHS,
+                          KEY_STARTS)),
     ], [4, 1], [CONSUMER_REGS, LOAD_REGS])

@@ -2,8 +2,10 @@
 
 The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/96/128/192/256 (96 and 192 in the
 128- and 256-wide tiles: TILE_WIDTH) with equal value head dim, a softcap or none, a causal mask of either alignment or
-none, a sliding window's left bound (its right bound the causal diagonal, or none), no mask or a right-padding key mask
-(taken as each sequence's key count, the mask itself unread: NOT_KEY_LENGTHS), dropout with the shared RNG, a positive
+none, a sliding window's left bound (its right bound the causal diagonal, or none), no mask or a key-padding mask that is
+one run of keys per sequence (right or left padding: taken as each sequence's first key and key count, the mask itself
+unread: key_padding.padding_kind, NOT_KEY_LENGTHS; left padding not with dropout in the forward, nor in a deterministic
+backward), dropout with the shared RNG, a positive
 scale, 16-byte aligned rows (and no broadcast batch or head). It pays once each program has enough key blocks to
 amortise its start (the first copies) and its output write; below MIN_KEYS (fewer where the query tiles fill the GPU:
 FULL_GRID_MIN_KEYS) the FlashAttention-2 kernel (forward.py) is faster (backends/triton/NOTES.md, versions 5, 8 and 11
@@ -33,7 +35,7 @@ import torch
 
 from mhattn import environment
 from mhattn.backends.streams import current_stream
-from mhattn.backends.triton import configs, scores
+from mhattn.backends.triton import configs, key_padding, scores
 from mhattn.backends.triton.decode_launch import _sm_count
 from mhattn.backends.triton.launcher import CompiledLauncher
 from mhattn.caches import put_bounded
@@ -175,10 +177,10 @@ def _switch_value(raw) -> str:
     return environment.decoded(raw).strip().lower()
 
 
-def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
+def why_not(plan, run, min_keys: Optional[dict] = None, deterministic: bool = False) -> Optional[str]:
     """None when the Hopper kernel runs this call's forward (min_keys None: MIN_KEYS, and FULL_GRID_MIN_KEYS) or, with
-    BACKWARD_MIN_KEYS, its backward; otherwise the reason it does not. The plan's part is worked out once per plan and
-    setting."""
+    BACKWARD_MIN_KEYS (or DETERMINISTIC_MIN_KEYS and ``deterministic``), its backward; otherwise the reason it does
+    not. The plan's part is worked out once per plan and setting."""
     if plan.has_right and run.window_right != 0:
         return "a right window bound other than causal"
     if run.qk_scale2 <= 0:
@@ -202,22 +204,31 @@ def why_not(plan, run, min_keys: Optional[dict] = None) -> Optional[str]:
     reason = found[2]
     if reason is None and not run.tma_ok:
         return "rows or starts not 16-byte aligned for the copy engine, or a broadcast batch or head"
-    if reason is None and plan.key_lengths and not run.key_mask_is_lengths():
-        return NOT_KEY_LENGTHS
+    if reason is None and plan.key_lengths:
+        kind = run.key_padding_kind()
+        if kind == key_padding.OTHER:
+            return NOT_KEY_LENGTHS
+        if kind == key_padding.SPAN and forward and plan.has_dropout:
+            return ("dropout with a left-padding key mask (the forward counts each sequence's keys from its first, the "
+                    "dropout RNG from key 0)")
+        if kind == key_padding.SPAN and deterministic:
+            return ("a left-padding key mask in a deterministic backward (the key blocks before a sequence's first key "
+                    "take no turn in dQ's order)")
     return reason
 
 
 # Why a key-padding mask (a boolean mask the same for every head and query row) is left to the FlashAttention-2
-# kernels, which read it: the Gluon kernels take such a mask only as each sequence's key count.
-NOT_KEY_LENGTHS = ("a boolean mask other than right padding (True on a prefix of each sequence's keys, the same for "
-                   "every head and query), or one met during CUDA graph capture (key_padding.is_right_padding)")
+# kernels, which read it: the Gluon kernels take such a mask only as each sequence's first key and key count.
+NOT_KEY_LENGTHS = ("a boolean mask other than one run of keys per sequence (True exactly on keys [first, last] of "
+                   "each, the same for every head and query: right or left padding), or one met during CUDA graph "
+                   "capture (key_padding.padding_kind)")
 
 
 def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool = False) -> Optional[str]:
     """None when the Hopper kernel runs this call's backward (deterministic: its deterministic build); otherwise the
     reason it does not. grad_out_ready: the output gradient can be read through tensor maps
     (backend._descriptor_ready)."""
-    reason = why_not(plan, run, backward_min_keys(deterministic))
+    reason = why_not(plan, run, backward_min_keys(deterministic), deterministic)
     if reason is None and not grad_out_ready:
         return ("the output gradient's rows or start not 16-byte aligned for the copy engine, or a broadcast batch or "
                 "head")
@@ -291,11 +302,12 @@ def _rule(switch, sm90, dtype, head_dim, head_dim_v, seqlen_q, seqlen_k, causal,
 
 def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, seqlen_k: Optional[int] = None,
                       window: bool = False, key_lengths: bool = False, dropout: bool = False,
-                      softcap: bool = False) -> dict:
+                      softcap: bool = False, key_starts: bool = False) -> dict:
     """The kernel's compile-time arguments for a head dim, causal or not, tiles from a counter or round-robin,
     ``seqlen_k`` keys (None: as many as the longest; the launch, `mhattn build` and the GPU check script use the
     same), a sliding window's left bound or not, per-batch key counts (a right-padding key mask) or not, dropout or
-    not, and a softcap or not. HEAD_DIM is the tile width (TILE_WIDTH), HEAD_COLS the head dim."""
+    not, a softcap or not, and with the key counts per-batch first keys (a left-padding key mask) or not. HEAD_DIM is
+    the tile width (TILE_WIDTH), HEAD_COLS the head dim."""
     width = TILE_WIDTH[head_dim]
     half_diagonal = (causal and not window and seqlen_k is not None
                      and seqlen_k <= FORWARD_HALF_DIAGONAL_MAX_KEYS.get(width, 0))
@@ -306,7 +318,7 @@ def compile_time_args(head_dim: int, causal: bool, tile_counter: bool = False, s
                 TILE_COUNTER=tile_counter, SPLIT_MASKED=FORWARD_SPLIT_MASKED[width],
                 HALF_DIAGONAL=half_diagonal, LAZY_RESCALE=FORWARD_LAZY_RESCALE[width],
                 Q_ROTATING=q_rotating, WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap,
-                SPLIT_PRODUCTS=head_dim in FORWARD_SPLIT_HEAD_DIMS)
+                SPLIT_PRODUCTS=head_dim in FORWARD_SPLIT_HEAD_DIMS, KEY_STARTS=key_starts)
 
 
 class ForwardSchedule(NamedTuple):
@@ -410,10 +422,11 @@ def forward_maps(q, k, v, out, head_dim: int) -> tuple:
             tensor_map(out, query_block))
 
 
-def backward_query_block(head_dim: int, dropout: bool = False, softcap: bool = False) -> int:
-    """The backward's query rows per step at ``head_dim``, with or without dropout or a softcap."""
+def backward_query_block(head_dim: int, dropout: bool = False, softcap: bool = False, key_starts: bool = False) -> int:
+    """The backward's query rows per step at ``head_dim``, with or without dropout, a softcap or per-sequence first
+    keys (KEY_STARTS, whose mask at d = 64 spills 80 bytes a thread in 128-row steps under Triton 3.6, none in 64)."""
     width = TILE_WIDTH[head_dim]
-    if dropout or softcap:
+    if dropout or softcap or key_starts:
         return BACKWARD_FEATURE_QUERY_BLOCK.get(width, BACKWARD_QUERY_BLOCK[width])
     return BACKWARD_QUERY_BLOCK[width]
 
@@ -436,19 +449,24 @@ def backward_maps(q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, head_dim: int,
 
 def forward(q, k, v, out, lse, run, plan, device_index: int) -> "ForwardLaunch":
     """Launch the Hopper kernel into ``out`` and ``lse`` (allocated by the caller) through the call signature's
-    prepared launch (``run.signature.hopper_forward``, made here at its first call); returns it."""
+    prepared launch (``run.signature.hopper_forward``, made here at its first call; a call whose key-padding mask
+    starts past some sequence's first key, ``hopper_forward_spans``); returns it."""
     signature = getattr(run, "signature", None)
-    prepared = None if signature is None else signature.hopper_forward
+    spans = None if run.key_bounds is None else run.key_spans()
+    where = "hopper_forward" if spans is None else "hopper_forward_spans"
+    prepared = None if signature is None else getattr(signature, where)
     if prepared is None or not prepared.current(plan):
-        prepared = ForwardLaunch(q, k, v, out, lse, run, plan, device_index)
+        prepared = ForwardLaunch(q, k, v, out, lse, run, plan, device_index, key_starts=spans is not None)
         if signature is not None:
-            signature.hopper_forward = prepared
-    prepared.launch((q, k, v, out, lse), run.key_bounds, run.seed if plan.has_dropout else None)
+            setattr(signature, where, prepared)
+    prepared.launch((q, k, v, out, lse), run.key_bounds if spans is None else spans,
+                    run.seed if plan.has_dropout else None)
     return prepared
 
 
-def _forward_setup(plan, q, device_index: int) -> tuple:
-    """(launcher, schedule, compile-time set) of the forward, the last two made once per plan."""
+def _forward_setup(plan, q, device_index: int, key_starts: bool = False) -> tuple:
+    """(launcher, schedule, compile-time set) of the forward, made once per plan: the schedule, and the build's set
+    (key_starts: the build that takes each sequence's first key, KEY_STARTS) at its first use."""
     if not _launcher:
         from mhattn.backends.triton import hopper_forward
 
@@ -459,10 +477,15 @@ def _forward_setup(plan, q, device_index: int) -> tuple:
         head_bytes = forward_head_bytes(plan.seqlen_k, plan.head_dim, q.element_size(), plan.kv_group)
         schedule = forward_schedule(plan.batch, plan.heads_q, plan.seqlen_q, plan.seqlen_k, plan.has_right, head_bytes,
                                     _sm_count(device_index))
-        found = plan.hopper_schedule = (schedule, launcher.constexprs(
+        found = plan.hopper_schedule = (schedule, {})  # (the sets by key_starts)
+    schedule, sets = found
+    constexprs = sets.get(key_starts)
+    if constexprs is None:
+        # (key starts come with key lengths and without dropout: why_not)
+        constexprs = sets[key_starts] = launcher.constexprs(
             4, 1, **compile_time_args(plan.head_dim, plan.has_right, schedule.tile_counter, plan.seqlen_k,
-                                      plan.has_left, plan.key_lengths, plan.has_dropout, plan.has_softcap)))
-    return (launcher, *found)
+                                      plan.has_left, plan.key_lengths, plan.has_dropout, plan.has_softcap, key_starts))
+    return launcher, schedule, constexprs
 
 
 class ForwardLaunch:
@@ -473,8 +496,8 @@ class ForwardLaunch:
 
     __slots__ = ("site", "setup", "middle", "counted", "device_index", "window_right", "tma_ok", "qk_scale2")
 
-    def __init__(self, q, k, v, out, lse, run, plan, device_index: int):
-        launcher, schedule, constexprs = _forward_setup(plan, q, device_index)
+    def __init__(self, q, k, v, out, lse, run, plan, device_index: int, key_starts: bool = False):
+        launcher, schedule, constexprs = _forward_setup(plan, q, device_index, key_starts)
         self.setup = plan.hopper_schedule
         self.counted, self.device_index = schedule.tile_counter, device_index
         self.middle = (*out.stride()[:3], lse.stride(0), lse.stride(1), plan.heads_q, plan.kv_group, plan.seqlen_q,
@@ -483,7 +506,8 @@ class ForwardLaunch:
         counter = tile_counter(q.device, device_index) if self.counted else lse
         self.site = launcher.prepare_maps((schedule.programs,), (
             *forward_maps(q, k, v, out, plan.head_dim), out, lse, counter,
-            counter if run.key_bounds is None else run.key_bounds, run.seed if plan.has_dropout else counter,
+            counter if run.key_bounds is None else (run.key_spans() if key_starts else run.key_bounds),
+            run.seed if plan.has_dropout else counter,
             *self.middle), constexprs, device_index)
         self.window_right, self.tma_ok, self.qk_scale2 = run.window_right, True, run.qk_scale2
 
@@ -495,7 +519,7 @@ class ForwardLaunch:
     def launch(self, tensors: tuple, key_bounds=None, seed=None) -> None:
         """Launch into out and lse of ``tensors`` = (q, k, v, out, lse), of the signature's shapes and strides and
         aligned for the copy engine (the caller's checks); key_bounds: each batch entry's key count where the plan has
-        key lengths; seed: the call's dropout seed words where it has dropout."""
+        key lengths (a launch made with key_starts: the spans of key_padding.padding_kind); seed: the call's dropout seed words where it has dropout."""
         q, k, v, out, lse = tensors
         counter = tile_counter(q.device, self.device_index) if self.counted else lse
         self.site.launch((q, k, v, out, out, lse, counter, counter if key_bounds is None else key_bounds,
@@ -529,36 +553,44 @@ COUNTERS_LIMIT = 64
 
 
 def backward_compile_time_args(head_dim: int, causal: bool, window: bool = False, key_lengths: bool = False,
-                               dropout: bool = False, softcap: bool = False, deterministic: bool = False) -> dict:
+                               dropout: bool = False, softcap: bool = False, deterministic: bool = False,
+                               key_starts: bool = False) -> dict:
     """The backward kernel's compile-time arguments (launch, `mhattn build`, the GPU check script); window: a sliding
     window's left bound; key_lengths: per-batch key counts (a right-padding key mask); dropout; softcap; deterministic:
-    dQ's shares added in a fixed order. HEAD_DIM is the tile width (TILE_WIDTH), HEAD_COLS the head dim."""
+    dQ's shares added in a fixed order; key_starts (with key_lengths): per-batch first keys too (a left-padding key
+    mask). HEAD_DIM is the tile width (TILE_WIDTH), HEAD_COLS the head dim."""
     width = TILE_WIDTH[head_dim]
-    return dict(HEAD_DIM=width, HEAD_COLS=head_dim, BLOCK_M=backward_query_block(head_dim, dropout, softcap),
+    return dict(HEAD_DIM=width, HEAD_COLS=head_dim, BLOCK_M=backward_query_block(head_dim, dropout, softcap, key_starts),
                 BLOCK_N=BACKWARD_KEY_BLOCK[width], NUM_STAGES=BACKWARD_STAGES[width], CAUSAL=causal,
                 STAGED_DK_DV=BACKWARD_STAGED_DK_DV[width],
                 WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap, DETERMINISTIC=deterministic,
-                SPLIT_PRODUCTS=head_dim in BACKWARD_SPLIT_HEAD_DIMS)
+                SPLIT_PRODUCTS=head_dim in BACKWARD_SPLIT_HEAD_DIMS, KEY_STARTS=key_starts)
 
 
-def _backward_setup(plan, device_index: int, deterministic: bool = False) -> tuple:
-    """(launcher, compile-time set, (batches, key/value heads) per launch) of the backward, deterministic or not,
-    made once per plan."""
+def _backward_setup(plan, device_index: int, deterministic: bool = False, key_starts: bool = False) -> tuple:
+    """(launcher, compile-time set, (batches, key/value heads) per launch) of the backward, deterministic or not, with
+    per-sequence first keys or not (KEY_STARTS), made once per plan."""
     if not _backward_launcher:
         from mhattn.backends.triton import hopper_backward
 
         _backward_launcher.append(CompiledLauncher(hopper_backward.hopper_backward_kernel))
     launcher = _backward_launcher[0]
+    # ((deterministic, key_starts) -> compile-time set)
+    constexprs = plan.hopper_backward_constexprs.get((deterministic, key_starts))
+    if constexprs is None:
+        constexprs = plan.hopper_backward_constexprs[(deterministic, key_starts)] = launcher.constexprs(
+            8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right, plan.has_left, plan.key_lengths,
+                                               plan.has_dropout, plan.has_softcap, deterministic, key_starts))
+    return launcher, constexprs, _backward_slices(plan, device_index)
+
+
+def _backward_slices(plan, device_index: int) -> tuple:
+    """(batches, key/value heads) per launch of the plan's backward (backward_slices), made once per plan."""
     if plan.hopper_backward_slices is None:
         plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
                                                       * plan.head_dim * 4, backward_programs_per_head(plan),
                                                       _sm_count(device_index))
-    constexprs = plan.hopper_backward_constexprs.get(deterministic)  # (deterministic or not -> compile-time set)
-    if constexprs is None:
-        constexprs = plan.hopper_backward_constexprs[deterministic] = launcher.constexprs(
-            8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right, plan.has_left, plan.key_lengths,
-                                               plan.has_dropout, plan.has_softcap, deterministic))
-    return launcher, constexprs, plan.hopper_backward_slices
+    return plan.hopper_backward_slices
 
 
 def backward_programs_per_head(plan) -> int:
@@ -571,7 +603,7 @@ def backward_sums_words(plan, device_index: int, deterministic: bool = False) ->
     then one per (batch, query head, query block): the turn counters) when the backward runs as one launch, which the
     caller allocates beside lse2 and delta and zeroes with them (backward.py's preprocess); 0 when it runs in slices
     (:func:`backward` allocates and zeroes a slice's buffer itself)."""
-    _, _, (batches, heads) = _backward_setup(plan, device_index, deterministic)
+    batches, heads = _backward_slices(plan, device_index)
     if batches != plan.batch or heads != plan.heads_kv:
         return 0
     return _sums_words(plan, batches, heads, deterministic)
@@ -597,11 +629,12 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     call's batch and head numbers. deterministic: the build that adds dQ's shares in a fixed order, with its turn
     counters after the sums' (:func:`backward_sums_words`). Returns the launch as a BackwardSite where it ran as one
     launch through the call signature's prepared site (a repeated call may launch it again), else None."""
-    launcher, constexprs, (batches, heads) = _backward_setup(plan, device_index, deterministic)
+    spans = None if run.key_bounds is None else run.key_spans()  # (a left-padding key mask: key_padding.SPAN)
+    launcher, constexprs, (batches, heads) = _backward_setup(plan, device_index, deterministic, spans is not None)
     head_dim = plan.head_dim
     num_n_blocks = backward_programs_per_head(plan)
     group = plan.kv_group
-    query_rows = backward_query_block(head_dim, plan.has_dropout, plan.has_softcap)
+    query_rows = backward_query_block(head_dim, plan.has_dropout, plan.has_softcap, spans is not None)
     convert_in_kernel = group * plan.seqlen_q * head_dim * 4 <= CONVERT_IN_KERNEL_MAX_BYTES
 
     def launch(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed, key_bounds, first_batch=0,
@@ -623,7 +656,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
         else:
             # One launch per call over the signature's tensors: the site prepared by its first call (the maps'
             # geometry: the signature's and the gradient's strides).
-            key = ("hopper_backward", grad_out_s.stride(), deterministic)
+            key = ("hopper_backward", grad_out_s.stride(), deterministic, spans is not None)
             site = sites.get(key)
             if site is None or site.launcher is not launcher or site.constexprs is not constexprs:
                 mapped = args[:BACKWARD_MAPS]
@@ -636,7 +669,7 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
 
     if batches == plan.batch and heads == plan.heads_kv:  # one launch over the whole tensors: no slicing views
         signature = getattr(run, "signature", None)
-        return launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, run.key_bounds,
+        return launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, run.key_bounds if spans is None else spans,
                       sites=None if signature is None else signature.sites)
     accumulator = torch.empty(_sums_words(plan, batches, heads, deterministic), dtype=torch.float32, device=q.device)
     for b0 in range(0, plan.batch, batches):
@@ -646,8 +679,17 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
             q_s, k_s = q[b, hq], k[b, h]
             zeroed = accumulator[:_sums_words(plan, k_s.shape[0], k_s.shape[1], deterministic)].zero_()
             launch(q_s, k_s, v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq[b, hq], dk[b, h], dv[b, h],
-                   zeroed, None if run.key_bounds is None else run.key_bounds[b], b0, h0 * group)
+                   zeroed, _slice_bounds(run.key_bounds, spans, b), b0, h0 * group)
     return None
+
+
+def _slice_bounds(key_bounds, spans, b: slice):
+    """A batch slice's KeyBounds: its key counts, or with spans (bounds then first keys, 2B) its counts then its first
+    keys (2 x the slice's entries); None without either."""
+    if spans is None:
+        return None if key_bounds is None else key_bounds[b]
+    batch = spans.shape[0] // 2
+    return torch.cat((spans[:batch][b], spans[batch:][b]))
 
 
 BACKWARD_MAPS = 9  # the backward kernel's first arguments, read through host tensor maps (backward_maps)

@@ -7,8 +7,9 @@ the FlashAttention-2 forward and backward kernels (``KEY_LENGTHS``) stop their k
 mask inside, so any such mask is handled exactly and a right-padding mask skips every padded block.
 
 The Gluon Hopper kernels read no mask: they take a right-padding mask (True exactly on a prefix of each batch entry's
-keys) as those bounds alone. :func:`is_right_padding` says whether a mask is one, read back from the GPU once per
-mask (not once per layer that uses it).
+keys) as those bounds alone, and the forward also a left-padding one (True exactly on one run of keys: a batch of
+prompts padded on the left, or on both sides) as each entry's first key and bound. :func:`padding_kind` says which a
+mask is, read back from the GPU once per mask (not once per layer that uses it).
 """
 
 from __future__ import annotations
@@ -42,23 +43,55 @@ def key_bounds(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return torch.where(keys, positions, 0).amax(dim=1).to(torch.int32)
 
 
-def is_right_padding(mask: torch.Tensor, bounds: torch.Tensor) -> bool:
-    """Whether ``mask`` (one that :func:`applies`) is True exactly on keys [0, bounds[b]) of each batch entry b, so
-    that ``bounds`` (:func:`key_bounds`) says all it says. Answered by a read-back from the GPU (one synchronisation)
-    the first time a mask comes, then kept while the mask is unchanged: the same storage, layout and version (an
-    in-place change bumps it), so the model's layers that share one padding mask read it back once. A kept entry holds
-    its mask, so its memory cannot be taken by another tensor at the same address while the entry lives. False for an
-    empty batch, and during CUDA graph capture (or torch.compile tracing: arguments.host_checks_allowed) even for a
-    mask answered before: a captured call replays with whatever the mask holds at each replay, so only kernels that
-    read the mask may be captured."""
+# What padding_kind says of a mask: True on a prefix of each batch entry's keys; on one run of them that starts past
+# the first key for some entry; neither (holes, or no answer during graph capture).
+RIGHT_PADDING = "right"
+SPAN = "span"
+OTHER = "other"
+
+
+def padding_kind(mask: torch.Tensor, bounds: torch.Tensor) -> tuple:
+    """(kind, spans) of ``mask`` (one that :func:`applies`) and its ``bounds`` (:func:`key_bounds`): RIGHT_PADDING
+    where it is True exactly on keys [0, bounds[b]) of each batch entry b, so that ``bounds`` says all it says; SPAN
+    where it is True exactly on keys [starts[b], bounds[b]) and some start is past 0 (left padding, or padding on both
+    sides), with spans the (2B,) int32 tensor of bounds and then starts (an entry with no key has start 0); else
+    OTHER. spans is None but for SPAN.
+
+    Answered by a read-back from the GPU (one synchronisation) the first time a mask comes, then kept while the mask
+    is unchanged: the same storage, layout and version (an in-place change bumps it), so the model's layers that share
+    one padding mask read it back once. A kept entry holds its mask, so its memory cannot be taken by another tensor at
+    the same address while the entry lives. OTHER for an empty batch, and during CUDA graph capture (or torch.compile
+    tracing: arguments.host_checks_allowed) even for a mask answered before: a captured call replays with whatever the
+    mask holds at each replay, so only kernels that read the mask may be captured."""
     keys = mask[:, 0, 0, :]
     if keys.numel() == 0 or not host_checks_allowed(keys):
-        return False
-    return kept_for(_right_padding, keys, lambda keys: bool((keys.sum(dim=1, dtype=torch.int32) == bounds).all()),
-                    RIGHT_PADDING_LIMIT)
+        return OTHER, None
+    return kept_for(_padding_kinds, keys, lambda keys: _read_padding_kind(keys, bounds), PADDING_KINDS_LIMIT)
 
 
-# is_right_padding's answers by mask (each entry holds its mask); a few masks are live at a time (one per model's
+def _read_padding_kind(keys: torch.Tensor, bounds: torch.Tensor) -> tuple:
+    """padding_kind of the (B, Nk) keys of a mask (bool or its uint8 view), by one read-back."""
+    seqlen_k = keys.shape[1]
+    positions = torch.arange(seqlen_k, dtype=torch.int32, device=keys.device)
+    # Each entry's first kept key (none kept: the bound, 0, so that the span is empty).
+    starts = torch.minimum(torch.where(keys.bool(), positions, seqlen_k).amin(dim=1).to(torch.int32), bounds)
+    one_run = (keys.sum(dim=1, dtype=torch.int32) == bounds - starts).all()
+    from_first = (starts == 0).all()
+    one_run, from_first = torch.stack((one_run, from_first)).tolist()
+    if not one_run:
+        return OTHER, None
+    if from_first:
+        return RIGHT_PADDING, None
+    return SPAN, torch.cat((bounds, starts))
+
+
+def is_right_padding(mask: torch.Tensor, bounds: torch.Tensor) -> bool:
+    """Whether ``mask`` (one that :func:`applies`) is True exactly on keys [0, bounds[b]) of each batch entry b
+    (padding_kind, whose read-back and its keeping it shares)."""
+    return padding_kind(mask, bounds)[0] == RIGHT_PADDING
+
+
+# padding_kind's answers by mask (each entry holds its mask); a few masks are live at a time (one per model's
 # padding, per micro-batch in flight).
-_right_padding: dict = {}
-RIGHT_PADDING_LIMIT = 16
+_padding_kinds: dict = {}
+PADDING_KINDS_LIMIT = 16
