@@ -217,6 +217,12 @@ def key_padding_section(device, dtype, settings, tiny):
     return lines
 
 
+def _times_us(calls: dict, settings, device) -> dict:
+    """name -> GPU time in us of each call (timing.bench_ms)."""
+    return {name: 1000.0 * timing.bench_ms(call, settings.warmup_ms, settings.rep_ms, device)
+            for name, call in calls.items()}
+
+
 def _padded_shape(tiny: bool) -> tuple:
     """(Hq, Hkv, d, dtype) of the padded-batch checks (tiny: for the interpreter, which computes bfloat16 wrongly)."""
     return (4, 2, 16, torch.float16) if tiny else (32, 8, 128, torch.bfloat16)
@@ -258,8 +264,7 @@ def padded_decode(device, settings, out_dir, cells=PADDED_DECODE_CELLS, tiny=Fal
         }
         want = calls["sdpa"]().float()
         diff = max(float((calls[name]().float() - want).abs().max()) for name in ("split-KV", "per-head mask"))
-        us = {name: 1000.0 * timing.bench_ms(call, settings.warmup_ms, settings.rep_ms, device)
-              for name, call in calls.items()}
+        us = _times_us(calls, settings, device)
         lines.append(f"{batch:>3} {keys:>6} {us['split-KV']:>9.1f} {us['per-head mask']:>14.1f} {us['sdpa']:>8.1f} "
                      f"{us['no mask']:>8.1f} {us['per-head mask'] / us['split-KV']:>10.2f} "
                      f"{us['sdpa'] / us['split-KV']:>7.2f} {diff:>10.1e}")
@@ -302,8 +307,7 @@ def padded_prefill(device, settings, out_dir, cells=PADDED_PREFILL_CELLS, tiny=F
         want = calls["sdpa"]().float()
         diff = max(float(((calls[name]().float() - want) * sees).abs().nan_to_num(0.0).max())
                    for name in ("shipped", "no Gluon"))
-        us = {name: 1000.0 * timing.bench_ms(call, settings.warmup_ms, settings.rep_ms, device)
-              for name, call in calls.items()}
+        us = _times_us(calls, settings, device)
         lines.append(f"{batch:>3} {seqlen:>6} {us['shipped']:>8.1f} {us['no Gluon']:>9.1f} {us['sdpa']:>8.1f} "
                      f"{us['no padding']:>10.1f} {us['no Gluon'] / us['shipped']:>10.2f} "
                      f"{us['sdpa'] / us['shipped']:>7.2f} {diff:>10.1e}")
