@@ -2160,6 +2160,28 @@ def test_key_bounds_of_key_padding_masks():
     assert key_bounds(mask.float()) is None and key_bounds(None) is None
 
 
+def test_key_bounds_are_made_once_per_unchanged_mask(monkeypatch):
+    """key_padding.key_bounds: the same tensor for the same unchanged mask (another view of it, as each layer and a
+    call's backward get); made again once the mask changes in place; made afresh (not kept) during CUDA graph capture,
+    where the captured work must make them from what the mask holds at each replay."""
+    from mhattn.backends.triton import key_padding
+
+    monkeypatch.setattr(key_padding, "_key_bounds", {})
+    keys = torch.tensor([[True, True, False, False], [True, True, True, False]])
+
+    def bounds():
+        return key_padding.key_bounds(keys.view(2, 1, 1, 4).expand(2, 3, 5, 4))
+
+    first = bounds()
+    assert first.tolist() == [2, 3] and bounds() is first
+    keys[0, 2] = True  # a new version: made again, from the new values
+    second = bounds()
+    assert second is not first and second.tolist() == [3, 3] and bounds() is second
+    monkeypatch.setattr(key_padding, "host_checks_allowed", lambda tensor: False)  # as during capture
+    during = bounds()
+    assert during is not second and during.tolist() == [3, 3] and len(key_padding._key_bounds) == 2
+
+
 def test_right_padding_is_read_back_once_per_mask(monkeypatch):
     """key_padding.is_right_padding: True exactly where each batch entry's kept keys are a prefix; asked again of the
     same unchanged mask (another view of it, as each layer gets) it answers without a read-back; changed in place

@@ -35,10 +35,20 @@ def applies(mask: Optional[torch.Tensor]) -> bool:
 
 def key_bounds(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """(B,) int32: one past the last key each batch entry's queries may see (0: none), for a mask that
-    :func:`applies`; None for any other mask (or none)."""
+    :func:`applies`; None for any other mask (or none). Made once while the mask is unchanged (kept_for: the model's
+    layers that share one padding mask, a call's forward and backward, repeated calls with it), except during CUDA
+    graph capture or torch.compile tracing, where the bounds are made in the captured work from what the mask holds at
+    each replay. Callers only read the tensor."""
     if not applies(mask):
         return None
     keys = mask[:, 0, 0, :]
+    if not host_checks_allowed(keys):
+        return _bounds_of(keys)
+    return kept_for(_key_bounds, keys, _bounds_of, PADDING_KINDS_LIMIT)
+
+
+def _bounds_of(keys: torch.Tensor) -> torch.Tensor:
+    """key_bounds of a mask's (B, Nk) keys, made on the device (no read-back)."""
     positions = torch.arange(1, keys.shape[1] + 1, dtype=torch.int32, device=keys.device)
     return torch.where(keys, positions, 0).amax(dim=1).to(torch.int32)
 
@@ -91,7 +101,8 @@ def is_right_padding(mask: torch.Tensor, bounds: torch.Tensor) -> bool:
     return padding_kind(mask, bounds)[0] == RIGHT_PADDING
 
 
-# padding_kind's answers by mask (each entry holds its mask); a few masks are live at a time (one per model's
-# padding, per micro-batch in flight).
+# key_bounds' and padding_kind's answers by mask (each entry holds its mask); a few masks are live at a time (one per
+# model's padding, per micro-batch in flight).
+_key_bounds: dict = {}
 _padding_kinds: dict = {}
 PADDING_KINDS_LIMIT = 16
