@@ -56,7 +56,7 @@ COLUMN_DESCRIPTIONS = {
     "basic": "outputs and gradients, no mask, every head dim and (Nq, Nk) pair",
     "causal": "causal, top-left (SDPA is_causal) and bottom-right (causal_lower_right) aligned",
     "gqa": "grouped-query (6/2) and multi-query (6/1) attention",
-    "key_padding": "key padding mask (B, 1, 1, Nk), bool",
+    "key_padding": "key padding mask (B, 1, 1, Nk), bool: right or left padding",
     "bool_mask": "bool attn_mask broadcasting over batch and/or heads",
     "float_mask": "additive float attn_mask (with -inf entries) broadcasting over batch and/or heads",
     "mask_grad": "gradient of a float attn_mask",
@@ -82,7 +82,8 @@ DTYPE_ALIASES = {
     "fp64": "fp64", "float64": "fp64", "double": "fp64",
 }
 CAUSAL_CHOICES = (None, "top_left", "bottom_right")
-MASK_CHOICES = (None, "bool", "float", "key_padding")
+# key_padding: each batch element's first keys kept (right padding); key_padding_left: its last ones (left padding)
+MASK_CHOICES = (None, "bool", "float", "key_padding", "key_padding_left")
 # Which dims of the (B, H, Nq, Nk) mask are real (the others broadcast with stride 0).
 MASK_DIMS_CHOICES = ("11", "b1", "1h", "bh")
 
@@ -120,7 +121,7 @@ class Case:
     head_dim: int = 64
     head_dim_v: Optional[int] = None
     causal: Optional[str] = None            # None, "top_left", "bottom_right"
-    mask: Optional[str] = None              # None, "bool", "float", "key_padding"
+    mask: Optional[str] = None              # None, "bool", "float", "key_padding", "key_padding_left"
     mask_dims: str = "11"                   # which of (B, H) the mask really has; see MASK_DIMS_CHOICES
     mask_grad: bool = False                 # the float mask requires grad (dmask is checked)
     dropout_p: float = 0.0
@@ -362,6 +363,8 @@ def quick_cases(backend, device: str, dtypes) -> list:
               seqlen_k=square[1], head_dim=d_odd)
         b.add("key_padding", batch=two + 1, heads_q=hq, heads_kv=hkv, seqlen_q=mid[0], seqlen_k=mid[1], head_dim=d_main,
               mask="key_padding")
+        b.add("key_padding", batch=two + 1, heads_q=hq, heads_kv=hkv, seqlen_q=mid[1], seqlen_k=mid[1], head_dim=d_main,
+              mask="key_padding_left", causal="top_left")
         b.add("bool_mask", batch=2, heads_q=hq, heads_kv=hkv, seqlen_q=mid[0], seqlen_k=mid[1], head_dim=d_main,
               mask="bool", mask_dims="b1")
         b.add("float_mask", batch=two, heads_q=hq, heads_kv=hkv, seqlen_q=mid[0], seqlen_k=mid[1], head_dim=d_odd,
@@ -472,9 +475,10 @@ def full_cases(backend, device: str, dtypes) -> list:
                 b.add("gqa", heads_q=hq_, heads_kv=hkv_, causal=(None, "top_left", "bottom_right")[(i + j) % 3],
                       **sized(i, nq, nk, _pick(dims, 2 * i + 3 * j + 4)))
         mask_sizes = [s for s in seqlens if 1 < s[1] <= (64 if cpu else 1024)]
-        # key padding, alone and with causal
+        # key padding, right and left, alone and with causal
         for i, (nq, nk) in enumerate(mask_sizes[:5]):
-            b.add("key_padding", heads_q=hq, heads_kv=hkv, mask="key_padding", causal=(None, "top_left")[i % 2],
+            b.add("key_padding", heads_q=hq, heads_kv=hkv, mask=("key_padding", "key_padding_left")[i // 2 % 2],
+                  causal=(None, "top_left")[i % 2],
                   **dict(sized(i, nq, nk, _pick(dims, i + 6)), batch=2 + i % 3))
         # bool and float masks over every broadcast pattern; mask gradients
         for i, mask_dims in enumerate(MASK_DIMS_CHOICES):

@@ -54,11 +54,14 @@ def _mask(case: Case, gen: torch.Generator, dtype: torch.dtype) -> Optional[torc
     if case.mask is None:
         return None
     nq, nk = case.seqlen_q, case.seqlen_k
-    if case.mask == "key_padding":
+    if case.mask in ("key_padding", "key_padding_left"):
         lengths = torch.randint(1, nk + 1, (case.batch,), generator=gen)
         if case.fully_masked:
             lengths[-1] = 0  # the last batch element has every key padded
-        return (torch.arange(nk)[None, :] < lengths[:, None]).view(case.batch, 1, 1, nk)
+        keys = torch.arange(nk)[None, :] < lengths[:, None]
+        if case.mask == "key_padding_left":  # the padding first, as prompts padded on the left have it
+            keys = keys.flip(1)
+        return keys.view(case.batch, 1, 1, nk)
     shape = (case.batch if case.mask_dims[0] == "b" else 1, case.heads_q if case.mask_dims[1] == "h" else 1, nq, nk)
     rows = torch.arange(nq)
     diagonal = _diagonal_keys(case)
