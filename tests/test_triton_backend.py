@@ -1205,6 +1205,61 @@ def test_gpu_gluon_backward_key_padding_as_spans(monkeypatch, dtype, case):
 @pytest.mark.gpu
 @needs_gpu
 @needs_sm90
+def test_gpu_key_padding_masks_changed_between_graph_replays(monkeypatch):
+    """A left-padded forward, run eagerly (the Gluon forward, its key bounds and first keys kept for the mask), then
+    captured in a CUDA graph with the same mask: the captured call makes its key bounds in the graph and reads the
+    mask (no read-back during capture), so replays after the mask changes in place (right padding, holes, left
+    padding again) follow it, each within CONFORMANCE.md's rule of the reference."""
+    import mhattn
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "MIN_KEYS", dict.fromkeys(hopper_launch.MIN_KEYS, 1))
+    batch, heads, seqlen, head_dim = 3, 4, 700, 128
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    positions = torch.arange(seqlen, device="cuda")
+    keys = (positions[None, :] >= torch.tensor([[0], [150], [400]], device="cuda")).view(batch, 1, 1, seqlen)
+    launches = []
+    real_forward = hopper_launch.forward
+    monkeypatch.setattr(hopper_launch, "forward", lambda *args: launches.append(1) or real_forward(*args))
+
+    def call():
+        return mhattn.attention(q, k, v, attn_mask=keys, window=(-1, 0), backend="triton")
+
+    def check(out):
+        params = AttentionParams(scale=head_dim ** -0.5, window_right=0, mask=keys.expand(batch, heads, seqlen, seqlen))
+        gold = naive_attention(q.double(), k.double(), v.double(), params)[0]
+        lowp = naive_attention(q, k, v, params)[0]
+        result = compare("out", out.cpu(), gold.cpu(), lowp.cpu(), dtype=torch.bfloat16)
+        assert result.ok, str(result)
+
+    check(call())
+    assert launches, "the eager left-padded call did not run the Gluon forward"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    for starts_or_holes in ("right", "holes", "left"):
+        if starts_or_holes == "right":
+            keys.copy_((positions[None, :] < torch.tensor([[700], [300], [1]], device="cuda")).view(batch, 1, 1, seqlen))
+        elif starts_or_holes == "holes":
+            keys.copy_((positions % 3 != 1).view(1, 1, 1, seqlen).expand(batch, 1, 1, seqlen))
+        else:
+            keys.copy_((positions[None, :] >= torch.tensor([[650], [10], [0]], device="cuda")).view(batch, 1, 1, seqlen))
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(captured)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
 def test_gpu_sliced_gluon_backward_with_left_padding(monkeypatch):
     """A left-padding key mask's backward run by the Gluon kernel in batch slices of 2, 2 and 1 entries: each launch
     reads its entries' key counts and first keys (hopper_launch._slice_bounds)."""
