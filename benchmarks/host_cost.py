@@ -19,8 +19,9 @@ Rows (B=1 H=16 N=128 d=64, CPU tensors, so nothing here waits for a kernel):
   stream look-up, device check and argument splice included); these take the sm_80 (mma.sync) plans, since
   the Hopper plans encode tensor maps through the GPU driver;
 - mhattn.attention forward on the null backend with a ``causal_lower_right`` object for its mask (a chunked prefill,
-  a speculative decoding step), and with a key-padding mask (B, 1, 1, Nk): repeated calls the front end's memo serves
-  (a mask tensor by its layout), as it does calls without a mask;
+  a speculative decoding step), with a key-padding mask (B, 1, 1, Nk), and with that mask and a causal window (-1, 0)
+  (how the Hugging Face integration passes a padded batch): repeated calls the front end's memo serves (a mask tensor
+  by its layout, a window by its values), as it does calls without a mask;
 - torch's scaled_dot_product_attention at N = 1 (real work, but tiny), for scale, and mhattn.attention on the same
   tensors with the backend left to automatic selection (the sdpa backend hands the call to torch's public op):
   the difference of the two rows is what mhattn's front end adds to a repeated call.
@@ -261,6 +262,8 @@ def rows():
     padding = (torch.arange(k.shape[2]) >= 10).view(1, 1, 1, k.shape[2])
     table.append(("mhattn.attention forward, key-padding mask, null", lambda: mhattn.attention(
         q, k, v, attn_mask=padding, backend="null")))
+    table.append(("  the same with a causal window (-1, 0), null", lambda: mhattn.attention(
+        q, k, v, attn_mask=padding, window=(-1, 0), backend="null")))
     sdpa_q = q[:, :, :1]
     table.append(("torch sdpa at N = 1 (for scale)",
                   lambda: torch.nn.functional.scaled_dot_product_attention(sdpa_q, sdpa_q, sdpa_q)))
@@ -272,7 +275,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", choices=("fwd", "fwd_bwd", "triton", "triton_out", "triton_bwd", "decode",
                                               "decode_prepared", "kvcache", "cupy", "cupy_bwd", "causal_bias",
-                                              "key_padding", "auto"),
+                                              "key_padding", "key_padding_window", "auto"),
                         default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)  # no intra-op thread pool in the numbers
@@ -298,7 +301,8 @@ def main():
             fn = {"fwd": table[0][1], "fwd_bwd": table[1][1], "triton": table[2][1], "triton_out": table[3][1],
                   "triton_bwd": table[4][1], "decode": table[5][1], "decode_prepared": table[6][1],
                   "kvcache": table[7][1], "cupy": table[8][1], "cupy_bwd": table[9][1],
-                  "causal_bias": table[-4][1], "key_padding": table[-3][1], "auto": table[-1][1]}[args.profile]
+                  "causal_bias": table[-5][1], "key_padding": table[-4][1], "key_padding_window": table[-3][1],
+                  "auto": table[-1][1]}[args.profile]
             for _ in range(100):  # first calls fill the caches (plans, decisions, handles): profile the steady state
                 fn()
             profile = cProfile.Profile()

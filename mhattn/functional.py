@@ -189,10 +189,10 @@ def _returned(out, lse, out_shape, return_lse: bool):
 
 # ---- repeated calls --------------------------------------------------------------------------------------------
 
-# Calls with plain arguments (no window; Python floats and bools; an attn_mask tensor by its layout; see _call_key) whose
-# shapes, strides, dtypes, devices, values, backend request and gradient needs equal an earlier call's: that call's
-# _CallPlan, so a repeated call skips the checks and the decision. Calls whose leading dims broadcast take every step
-# (the views they need are made by _prepare). Bounded (the oldest entry makes room); cleared with the dispatcher's cache,
+# Calls with plain arguments (a window of ints or None; Python floats and bools; an attn_mask tensor by its layout; see
+# _call_key) whose shapes, strides, dtypes, devices, values, backend request and gradient needs equal an earlier call's:
+# that call's _CallPlan, so a repeated call skips the checks and the decision. Calls whose leading dims broadcast take
+# every step (the views they need are made by _prepare). Bounded (the oldest entry makes room); cleared with the dispatcher's cache,
 # since it holds decisions.
 _known_calls: dict = {}
 _KNOWN_CALLS_LIMIT = 1024
@@ -218,7 +218,14 @@ def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
             attn_mask = ("causal", attn_mask.variant, attn_mask.seq_len_q, attn_mask.seq_len_kv)
         else:
             return None
-    if (window is not None or type(dropout_p) is not float or type(is_causal) is not bool
+    if window is not None:
+        # A pair of ints (not bools, which would compare equal to 0 and 1 and are refused) or Nones: its values are
+        # the key (each call's own checks passed for the first such call).
+        if type(window) not in (tuple, list) or len(window) != 2 or not all(
+                side is None or type(side) is int for side in window):
+            return None
+        window = tuple(window)
+    if (type(dropout_p) is not float or type(is_causal) is not bool
             or type(enable_gqa) is not bool or (scale is not None and type(scale) is not float)
             or (softcap is not None and type(softcap) is not float)
             or not (isinstance(query, _Tensor) and isinstance(key, _Tensor) and isinstance(value, _Tensor))
@@ -231,7 +238,7 @@ def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         return None
     return (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(), query.dtype, key.dtype,
             value.dtype, device, key.device, value.device, dropout_p, is_causal, scale, enable_gqa, softcap,
-            request, query.requires_grad or key.requires_grad or value.requires_grad, _grad_enabled(), attn_mask)
+            request, query.requires_grad or key.requires_grad or value.requires_grad, _grad_enabled(), attn_mask, window)
 
 
 # (module-level names for the checks of every call)

@@ -159,6 +159,28 @@ def test_a_repeated_call_with_a_causal_alignment_object_skips_the_checks_and_kee
     assert prepared == [1, 1]
 
 
+def test_repeated_calls_with_a_window_skip_the_checks_and_keep_their_window(monkeypatch):
+    """A window of ints or None is its values in the memo's key (as the Hugging Face integration passes the causal
+    bound beside a padding mask): repeated calls with equal windows skip the checks, each window keeps its own plan,
+    and windows the checks refuse (a bool, a negative bound other than -1) raise at every call."""
+    q, k, v = rand(1, 2, 12, 16), rand(1, 2, 12, 16), rand(1, 2, 12, 16)
+    keys = (torch.arange(12) >= 3).view(1, 1, 1, 12)
+    windows = ((-1, 0), (3, 0), [2, None], (None, 1))
+    want = {tuple(w): mhattn.attention(q, k, v, attn_mask=keys, window=w, backend="reference") for w in windows}
+    assert not close(want[(-1, 0)], want[(3, 0)])
+    prepared = []
+    real_prepare = functional._prepare
+    monkeypatch.setattr(functional, "_prepare", lambda *a: prepared.append(1) or real_prepare(*a))
+    for w in windows:
+        assert torch.equal(mhattn.attention(q, k, v, attn_mask=keys, window=w, backend="reference"), want[tuple(w)])
+    assert prepared == []
+    for bad in ((True, 0), (-2, 0)):
+        for _ in range(2):
+            with pytest.raises(mhattn.InputError, match="window"):
+                mhattn.attention(q, k, v, window=bad, backend="reference")
+    assert prepared == [1, 1, 1, 1]
+
+
 @pytest.mark.parametrize("backend", ["reference", "sdpa", None])
 def test_repeated_calls_with_a_mask_tensor_skip_the_checks_and_read_each_call_s_mask(monkeypatch, backend):
     """A mask tensor is its layout in the memo's key: a repeated call with another mask of the same layout (a
