@@ -1205,6 +1205,47 @@ def test_gpu_gluon_backward_key_padding_as_spans(monkeypatch, dtype, case):
 @pytest.mark.gpu
 @needs_gpu
 @needs_sm90
+def test_gpu_repeated_key_padded_calls_launch_the_prepared_gluon_forward(monkeypatch):
+    """Repeated calls of one signature whose key-padding masks alternate between right padding, left padding and
+    holes: once each kind's first call has prepared its Gluon launch, the calls with right or left padding launch it
+    with their mask's kept bounds (no full path), a mask with holes takes the full path (the FlashAttention-2
+    forward), and every output is within CONFORMANCE.md's rule of the reference."""
+    import mhattn
+    from mhattn.backends.triton import backend as triton_backend
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "MIN_KEYS", dict.fromkeys(hopper_launch.MIN_KEYS, 1))
+    monkeypatch.setattr(triton_backend, "_signatures", {})
+    batch, heads, seqlen, head_dim = 3, 4, 600, 64
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.float16, generator=gen)
+               for _ in range(3))
+    positions = torch.arange(seqlen, device="cuda")
+    masks = {
+        "right": positions[None, :] < torch.tensor([[600], [250], [1]], device="cuda"),
+        "left": positions[None, :] >= torch.tensor([[0], [333], [599]], device="cuda"),
+        "holes": (positions % 4 != 2)[None, :].expand(batch, seqlen),
+    }
+    full = []
+    real_full = triton_backend.TritonBackend._forward_in_full
+    monkeypatch.setattr(triton_backend.TritonBackend, "_forward_in_full",
+                        lambda *args: full.append(1) or real_full(*args))
+    for round_ in range(3):
+        for kind, keys in masks.items():
+            keys = keys.reshape(batch, 1, 1, seqlen).clone()  # a new tensor each call, as a new batch brings
+            out = mhattn.attention(q, k, v, attn_mask=keys, window=(-1, 0), backend="triton")
+            params = AttentionParams(scale=head_dim ** -0.5, window_right=0,
+                                     mask=keys.expand(batch, heads, seqlen, seqlen))
+            gold = naive_attention(q.double(), k.double(), v.double(), params)[0]
+            lowp = naive_attention(q, k, v, params)[0]
+            result = compare("out", out.cpu(), gold.cpu(), lowp.cpu(), dtype=torch.float16)
+            assert result.ok, (round_, kind, str(result))
+    assert len(full) == 3 + 2  # each kind's first call, then the calls with holes
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
 def test_gpu_key_padding_masks_changed_between_graph_replays(monkeypatch):
     """A left-padded forward, run eagerly (the Gluon forward, its key bounds and first keys kept for the mask), then
     captured in a CUDA graph with the same mask: the captured call makes its key bounds in the graph and reads the

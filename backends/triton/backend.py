@@ -818,15 +818,19 @@ class TritonBackend(OutputOnlyForward):
         plan = signature.plan
         # The Hopper paths need every tensor read through descriptors aligned: the plan holds the strides' half.
         tma_ok = plan.descriptors_ok(q, k, v)
-        # A repeated call that the Gluon Hopper forward takes launches what its signature's first such call prepared.
+        # A repeated call that the Gluon Hopper forward takes launches what its signature's first such call prepared
+        # (not with dropout: each call has its own seed).
         hopper = signature.hopper_forward
-        # (not with key bounds: whether the Gluon forward may take them is a question of each call's mask; not with
-        # dropout: each call has its own seed)
         if (tma_ok and hopper is not None and not plan.key_lengths and not plan.has_dropout and hopper.current(plan)
                 and hopper_launch.why_not(plan, hopper) is None):
             out, lse = plan.output_buffers(q, keep_lse)
             _on_device(plan.cuda_index, hopper.launch, (q, k, v, out, lse))
             return out, lse
+        if tma_ok and plan.key_lengths and not plan.has_dropout and (hopper is not None
+                                                                      or signature.hopper_forward_spans is not None):
+            ran = self._key_padded_repeat(signature, q, k, v, params, keep_lse)
+            if ran is not None:
+                return ran
         repeat = signature.repeated_forwards[tma_ok]
         # A repeated call launches what its signature's first call prepared, unless the launchers were replaced
         # since or the Gluon Hopper forward takes this call (its switch and thresholds are read at every call).
@@ -836,6 +840,23 @@ class TritonBackend(OutputOnlyForward):
             if repeat.launch(q, k, v, out, lse):
                 return out, lse
         return self._forward_in_full(q, k, v, params, signature, keep_lse)
+
+    def _key_padded_repeat(self, signature: _Signature, q, k, v, params: AttentionParams, keep_lse: bool):
+        """(out, lse) of a repeated call with a key-padding mask that the Gluon forward takes (right padding, or one run
+        of keys per sequence: key_padding.padding_kind), through the launch its signature's first such call prepared,
+        with the mask's key bounds (and first keys) as kept for it; None where that does not apply (a mask met during
+        graph capture, one with holes, a launch not yet prepared), for the full path."""
+        plan = signature.plan
+        bounds = key_padding.key_bounds(params.mask)
+        kind, spans = key_padding.padding_kind(params.mask, bounds)
+        prepared = {key_padding.RIGHT_PADDING: signature.hopper_forward,
+                    key_padding.SPAN: signature.hopper_forward_spans}.get(kind)
+        if prepared is None or not prepared.current(plan) or hopper_launch.why_not(plan, prepared, padding=kind):
+            return None
+        out, lse = plan.output_buffers(q, keep_lse)
+        with _OnDevice(q.device):
+            prepared.launch((q, k, v, out, lse), bounds if spans is None else spans)
+        return out, lse
 
     def _forward_in_full(self, q, k, v, params: AttentionParams, signature: _Signature, keep_lse: bool):
         """The forward with every step: this call's per-call state (_Launch), the Hopper decision, the tile (shrunk

@@ -177,10 +177,12 @@ def _switch_value(raw) -> str:
     return environment.decoded(raw).strip().lower()
 
 
-def why_not(plan, run, min_keys: Optional[dict] = None, deterministic: bool = False) -> Optional[str]:
+def why_not(plan, run, min_keys: Optional[dict] = None, deterministic: bool = False,
+            padding: Optional[str] = None) -> Optional[str]:
     """None when the Hopper kernel runs this call's forward (min_keys None: MIN_KEYS, and FULL_GRID_MIN_KEYS) or, with
     BACKWARD_MIN_KEYS (or DETERMINISTIC_MIN_KEYS and ``deterministic``), its backward; otherwise the reason it does
-    not. The plan's part is worked out once per plan and setting."""
+    not. The plan's part is worked out once per plan and setting. ``padding``: the call's key_padding.padding_kind
+    where the plan has key lengths and the caller has it (else run.key_padding_kind() is asked)."""
     if plan.has_right and run.window_right != 0:
         return "a right window bound other than causal"
     if run.qk_scale2 <= 0:
@@ -205,7 +207,7 @@ def why_not(plan, run, min_keys: Optional[dict] = None, deterministic: bool = Fa
     if reason is None and not run.tma_ok:
         return "rows or starts not 16-byte aligned for the copy engine, or a broadcast batch or head"
     if reason is None and plan.key_lengths:
-        kind = run.key_padding_kind()
+        kind = padding or run.key_padding_kind()
         if kind == key_padding.OTHER:
             return NOT_KEY_LENGTHS
         if kind == key_padding.SPAN and forward and plan.has_dropout:
