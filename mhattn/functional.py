@@ -192,8 +192,8 @@ def _returned(out, lse, out_shape, return_lse: bool):
 # Calls with plain arguments (a window of ints or None; Python floats and bools; an attn_mask tensor by its layout; see
 # _call_key) whose shapes, strides, dtypes, devices, values, backend request and gradient needs equal an earlier call's:
 # that call's _CallPlan, so a repeated call skips the checks and the decision. Calls whose leading dims broadcast take
-# every step (the views they need are made by _prepare). Bounded (the oldest entry makes room); cleared with the dispatcher's cache,
-# since it holds decisions.
+# every step (the views they need are made by _prepare). Bounded (the oldest entry makes room); cleared with the
+# dispatcher's cache, since it holds decisions.
 _known_calls: dict = {}
 _KNOWN_CALLS_LIMIT = 1024
 dispatch.clears_with_cache(_known_calls)
@@ -238,7 +238,8 @@ def _call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         return None
     return (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(), query.dtype, key.dtype,
             value.dtype, device, key.device, value.device, dropout_p, is_causal, scale, enable_gqa, softcap,
-            request, query.requires_grad or key.requires_grad or value.requires_grad, _grad_enabled(), attn_mask, window)
+            request, query.requires_grad or key.requires_grad or value.requires_grad, _grad_enabled(), attn_mask,
+            window)
 
 
 # (module-level names for the checks of every call)

@@ -1287,11 +1287,13 @@ def test_gpu_key_padding_masks_changed_between_graph_replays(monkeypatch):
         captured = call()
     for starts_or_holes in ("right", "holes", "left"):
         if starts_or_holes == "right":
-            keys.copy_((positions[None, :] < torch.tensor([[700], [300], [1]], device="cuda")).view(batch, 1, 1, seqlen))
+            lengths = torch.tensor([[700], [300], [1]], device="cuda")
+            keys.copy_((positions[None, :] < lengths).view(batch, 1, 1, seqlen))
         elif starts_or_holes == "holes":
             keys.copy_((positions % 3 != 1).view(1, 1, 1, seqlen).expand(batch, 1, 1, seqlen))
         else:
-            keys.copy_((positions[None, :] >= torch.tensor([[650], [10], [0]], device="cuda")).view(batch, 1, 1, seqlen))
+            starts = torch.tensor([[650], [10], [0]], device="cuda")
+            keys.copy_((positions[None, :] >= starts).view(batch, 1, 1, seqlen))
         captured.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -2562,7 +2564,8 @@ def test_explain_names_the_kernel_families(monkeypatch):
     # A boolean mask: the Gluon kernels where it is one run of keys per sequence (right or left padding).
     for path in (backend.forward_path(problem(features=("bool_mask",))),
                  backend.backward_path(problem(features=("causal", "bool_mask")))):
-        assert path.startswith("the Gluon Hopper") and "one run of keys per sequence (right or left padding" in path, path
+        assert path.startswith("the Gluon Hopper"), path
+        assert "one run of keys per sequence (right or left padding" in path, path
     # d = 64: the Gluon forward from 384 keys, causal or not.
     for features in ((), ("causal",)):
         assert "Gluon Hopper forward" in backend.forward_path(problem(head_dim=64, seqlen_q=384, seqlen_k=384,

@@ -38,8 +38,9 @@ backward does.
 Coverage (hopper_launch.why_not_backward routes the rest to backward.py): fp16 and bf16; head dims 64, 128 and 256, and
 96 and 192 in the 128- and 256-wide tiles (HEAD_COLS; K and V the same); no mask, or causal of either alignment
 (diag_offset); a sliding window's left bound (WINDOW), with the causal diagonal or no right bound; a right-padding key
-mask as key counts (KEY_LENGTHS), and a left-padding one as first keys too (KEY_STARTS); dropout with the shared RNG (DROPOUT); a softcap (SOFTCAP); GQA by head index; any Nq,
-Nk >= 1; 16-byte aligned rows; a fixed order of dQ's additions on request (DETERMINISTIC).
+mask as key counts (KEY_LENGTHS), and a left-padding one as first keys too (KEY_STARTS); dropout with the shared RNG
+(DROPOUT); a softcap (SOFTCAP); GQA by head index; any Nq, Nk >= 1; 16-byte aligned rows; a fixed order of dQ's
+additions on request (DETERMINISTIC).
 """
 
 import triton

@@ -238,12 +238,13 @@ def take_tile(tile_slots, tile_full, tile_empty, n, layout: gl.constexpr):
 def load_tile(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
               batch, head, start_m, cta_first, cta_end, key_start, kv_group, step, rounds, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFFERS: gl.constexpr, Q_ROTATING: gl.constexpr):
-    """The load warp on the program's ``rounds``-th tile: both consumers' Q tiles into Q buffer rounds % Q_BUFFERS
-    once both consumers have released it (see consume_tile), then K_j and V_j for j in cta_first .. cta_end - 1 into
-    ring slots from ``step`` on, each as soon as both consumers have released the slot's previous block (the blocks
-    either consumer's rows see: tile_at; block j from key key_start + j * BLOCK_N). Q_ROTATING: the lower consumer's Q first (its slot was freed a
-    tile ago), the upper consumer's after the first K and V (its slot frees when the lower consumer has finished the
-    previous tile's S products), so the lower consumer's first product need not wait for it."""
+    """The load warp on the program's ``rounds``-th tile: both consumers' Q tiles into Q buffer rounds % Q_BUFFERS once
+    both consumers have released it (see consume_tile), then K_j and V_j for j in cta_first .. cta_end - 1 into ring
+    slots from ``step`` on, each as soon as both consumers have released the slot's previous block (the blocks
+    either consumer's rows see: tile_at; block j from key key_start + j * BLOCK_N). Q_ROTATING: the lower consumer's
+    Q first (its slot was freed a tile ago), the upper consumer's after the first K and V (its slot frees when the
+    lower consumer has finished the previous tile's S products), so the lower consumer's first product need not wait
+    for it."""
     head_kv = head // kv_group
     if Q_ROTATING:
         load_rotating_q(q_desc, q_smem, q_ready, q_empty, batch, head, start_m, rounds, 0, BLOCK_M)
@@ -795,8 +796,8 @@ def consumer_partition(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_emp
                                      KeyBounds, rng, tile, rounds, step, num_tiles, num_m_blocks, group_heads, heads_q,
                                      seqlen_q, seqlen_k, diag_offset, window_left, qk_scale2, HALF, HEAD_DIM,
                                      HEAD_COLS, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFFERS, CAUSAL, WINDOW, KEY_LENGTHS,
-                                     KEY_STARTS, DROPOUT, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING, softcap_in2,
-                                     SOFTCAP, SPLIT_PRODUCTS)
+                                     KEY_STARTS, DROPOUT, SPLIT_MASKED, HALF_DIAGONAL, LAZY_RESCALE, Q_ROTATING,
+                                     softcap_in2, SOFTCAP, SPLIT_PRODUCTS)
         rounds += 1
         if TILE_COUNTER:
             tile = take_tile(tile_slots, tile_full, tile_empty, rounds, slot_layout)
@@ -834,9 +835,9 @@ def hopper_forward_kernel(
     right-padding key mask says: hopper_launch.why_not), so its tiles move and compute only the blocks before that;
     without it KeyBounds is not read. KEY_STARTS (with KEY_LENGTHS, not with DROPOUT): KeyBounds holds 2B int32, and
     batch entry b's keys are KeyBounds[B + b] .. KeyBounds[b] - 1 (a left- or both-sides-padding key mask: its tiles
-    skip the padding on both sides, tile_at). DROPOUT: P is dropped with the shared RNG (rng.py: Seed's int32 words 0 and 2,
-    threshold the uint32 threshold's bit pattern) and the output scaled by dropout_scale = 1 / (1 - p); the lse is the
-    undropped softmax's. Without it Seed, threshold and dropout_scale are not read. SOFTCAP: the scores are
+    skip the padding on both sides, tile_at). DROPOUT: P is dropped with the shared RNG (rng.py: Seed's int32 words 0
+    and 2, threshold the uint32 threshold's bit pattern) and the output scaled by dropout_scale = 1 / (1 - p); the lse
+    is the undropped softmax's. Without it Seed, threshold and dropout_scale are not read. SOFTCAP: the scores are
     softcap * tanh(scale * qk / softcap): softcap_in2 = 2 * log2(e) * scale / softcap, and qk_scale2 is then
     softcap * log2(e) (> 0); without it softcap_in2 is not read. SPLIT_PRODUCTS (a head dim of 3/4 of the tile
     width: 192 of 256): each product runs over the head dim's columns only, in two parts (output_parts), instead of

@@ -2,14 +2,13 @@
 
 The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 64/96/128/192/256 (96 and 192 in the
 128- and 256-wide tiles: TILE_WIDTH) with equal value head dim, a softcap or none, a causal mask of either alignment or
-none, a sliding window's left bound (its right bound the causal diagonal, or none), no mask or a key-padding mask that is
-one run of keys per sequence (right or left padding: taken as each sequence's first key and key count, the mask itself
-unread: key_padding.padding_kind, NOT_KEY_LENGTHS; left padding not with dropout in the forward, nor in a deterministic
-backward), dropout with the shared RNG, a positive
-scale, 16-byte aligned rows (and no broadcast batch or head). It pays once each program has enough key blocks to
-amortise its start (the first copies) and its output write; below MIN_KEYS (fewer where the query tiles fill the GPU:
-FULL_GRID_MIN_KEYS) the FlashAttention-2 kernel (forward.py) is faster (backends/triton/NOTES.md, versions 5, 8 and 11
-on the H100, "Short forward tiles" on the H200).
+none, a sliding window's left bound (its right bound the causal diagonal, or none), no mask or a key-padding mask
+that is one run of keys per sequence (right or left padding: taken as each sequence's first key and key count, the
+mask itself unread: key_padding.padding_kind, NOT_KEY_LENGTHS; left padding not with dropout in the forward, nor in a
+deterministic backward), dropout with the shared RNG, a positive scale, 16-byte aligned rows (and no broadcast batch
+or head). It pays once each program has enough key blocks to amortise its start (the first copies) and its output
+write; below MIN_KEYS (fewer where the query tiles fill the GPU: FULL_GRID_MIN_KEYS) the FlashAttention-2 kernel
+(forward.py) is faster (backends/triton/NOTES.md, versions 5, 8 and 11 on the H100, "Short forward tiles" on the H200).
 Everything else runs forward.py.
 
 The Hopper backward covers the same problems (from BACKWARD_MIN_KEYS keys); a deterministic backward runs its build that
@@ -521,7 +520,8 @@ class ForwardLaunch:
     def launch(self, tensors: tuple, key_bounds=None, seed=None) -> None:
         """Launch into out and lse of ``tensors`` = (q, k, v, out, lse), of the signature's shapes and strides and
         aligned for the copy engine (the caller's checks); key_bounds: each batch entry's key count where the plan has
-        key lengths (a launch made with key_starts: the spans of key_padding.padding_kind); seed: the call's dropout seed words where it has dropout."""
+        key lengths (a launch made with key_starts: the spans of key_padding.padding_kind); seed: the call's dropout
+        seed words where it has dropout."""
         q, k, v, out, lse = tensors
         counter = tile_counter(q.device, self.device_index) if self.counted else lse
         self.site.launch((q, k, v, out, out, lse, counter, counter if key_bounds is None else key_bounds,
@@ -562,7 +562,8 @@ def backward_compile_time_args(head_dim: int, causal: bool, window: bool = False
     dQ's shares added in a fixed order; key_starts (with key_lengths): per-batch first keys too (a left-padding key
     mask). HEAD_DIM is the tile width (TILE_WIDTH), HEAD_COLS the head dim."""
     width = TILE_WIDTH[head_dim]
-    return dict(HEAD_DIM=width, HEAD_COLS=head_dim, BLOCK_M=backward_query_block(head_dim, dropout, softcap, key_starts),
+    rows = backward_query_block(head_dim, dropout, softcap, key_starts)
+    return dict(HEAD_DIM=width, HEAD_COLS=head_dim, BLOCK_M=rows,
                 BLOCK_N=BACKWARD_KEY_BLOCK[width], NUM_STAGES=BACKWARD_STAGES[width], CAUSAL=causal,
                 STAGED_DK_DV=BACKWARD_STAGED_DK_DV[width],
                 WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap, DETERMINISTIC=deterministic,
