@@ -7,8 +7,8 @@ the FlashAttention-2 forward and backward kernels (``KEY_LENGTHS``) stop their k
 mask inside, so any such mask is handled exactly and a right-padding mask skips every padded block.
 
 The Gluon Hopper kernels read no mask: they take a right-padding mask (True exactly on a prefix of each batch entry's
-keys) as those bounds alone, and the forward also a left-padding one (True exactly on one run of keys: a batch of
-prompts padded on the left, or on both sides) as each entry's first key and bound. :func:`padding_kind` says which a
+keys) as those bounds alone, and a left-padding one (True exactly on one run of keys: a batch of prompts padded on
+the left, or on both sides) as each entry's first key and bound. :func:`padding_kind` says which a
 mask is, read back from the GPU once per mask (not once per layer that uses it).
 """
 
