@@ -2258,6 +2258,35 @@ def test_key_bounds_of_key_padding_masks():
     assert key_bounds(mask.float()) is None and key_bounds(None) is None
 
 
+def test_hopper_decision_on_key_padding_kinds():
+    """hopper_launch.why_not on a plan with key lengths (its shape part passing): right padding runs the Gluon kernels
+    in every case; left padding (key_padding.SPAN) too, but for a forward with dropout and a deterministic backward;
+    a mask with holes never; the caller's padding kind is taken instead of asking the call."""
+    from types import SimpleNamespace
+
+    from mhattn.backends.triton import hopper_launch, key_padding
+
+    class Passing(dict):
+        def get(self, key, default=None):
+            return (None, None, None)  # (the plan's shape part: no reason)
+
+    def reason(kind, forward=True, dropout=False, deterministic=False, padding=None):
+        plan = SimpleNamespace(has_right=True, key_lengths=True, has_dropout=dropout, hopper_reasons=Passing())
+        run = SimpleNamespace(window_right=0, qk_scale2=1.0, tma_ok=True, key_padding_kind=lambda: kind)
+        min_keys = None if forward else hopper_launch.backward_min_keys(deterministic)
+        return hopper_launch.why_not(plan, run, min_keys, deterministic, padding)
+
+    for forward in (True, False):
+        for dropout in (False, True):
+            assert reason(key_padding.RIGHT_PADDING, forward, dropout) is None
+            assert reason(key_padding.OTHER, forward, dropout) == hopper_launch.NOT_KEY_LENGTHS
+    assert reason(key_padding.RIGHT_PADDING, False, deterministic=True) is None
+    assert reason(key_padding.SPAN) is None and reason(key_padding.SPAN, False, True) is None
+    assert "dropout" in reason(key_padding.SPAN, True, True)
+    assert "deterministic" in reason(key_padding.SPAN, False, deterministic=True)
+    assert reason(key_padding.OTHER, padding=key_padding.SPAN) is None  # the caller's kind, not the call's
+
+
 def test_key_bounds_are_made_once_per_unchanged_mask(monkeypatch):
     """key_padding.key_bounds: the same tensor for the same unchanged mask (another view of it, as each layer and a
     call's backward get); made again once the mask changes in place; made afresh (not kept) during CUDA graph capture,
