@@ -1205,42 +1205,46 @@ def test_gpu_gluon_backward_key_padding_as_spans(monkeypatch, dtype, case):
 @pytest.mark.gpu
 @needs_gpu
 @needs_sm90
-def test_gpu_repeated_key_padded_calls_launch_the_prepared_gluon_forward(monkeypatch):
-    """Repeated calls of one signature whose key-padding masks alternate between right padding, left padding and
-    holes: once each kind's first call has prepared its Gluon launch, the calls with right or left padding launch it
-    with their mask's kept bounds (no full path), a mask with holes takes the full path (the FlashAttention-2
-    forward), and every output is within CONFORMANCE.md's rule of the reference."""
+def test_gpu_repeated_key_padded_calls_launch_the_prepared_gluon_kernels(monkeypatch):
+    """Repeated forward+backward calls of one signature whose key-padding masks alternate between right padding, left
+    padding and holes: once each kind's first call has prepared its Gluon launches, the calls with right or left
+    padding launch them with their mask's kept bounds (no full path, forward or backward), a mask with holes takes the
+    full paths (the FlashAttention-2 kernels), and every output, lse and gradient is within CONFORMANCE.md's rule of
+    the reference."""
     import mhattn
     from mhattn.backends.triton import backend as triton_backend
     from mhattn.backends.triton import hopper_launch
 
     monkeypatch.setattr(hopper_launch, "MIN_KEYS", dict.fromkeys(hopper_launch.MIN_KEYS, 1))
+    monkeypatch.setattr(hopper_launch, "BACKWARD_MIN_KEYS", dict.fromkeys(hopper_launch.BACKWARD_MIN_KEYS, 1))
     monkeypatch.setattr(triton_backend, "_signatures", {})
     batch, heads, seqlen, head_dim = 3, 4, 600, 64
     gen = torch.Generator(device="cuda").manual_seed(12)
-    q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.float16, generator=gen)
-               for _ in range(3))
+    q, k, v, grad_out = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.float16,
+                                     generator=gen) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     positions = torch.arange(seqlen, device="cuda")
     masks = {
         "right": positions[None, :] < torch.tensor([[600], [250], [1]], device="cuda"),
         "left": positions[None, :] >= torch.tensor([[0], [333], [599]], device="cuda"),
         "holes": (positions % 4 != 2)[None, :].expand(batch, seqlen),
     }
-    full = []
-    real_full = triton_backend.TritonBackend._forward_in_full
-    monkeypatch.setattr(triton_backend.TritonBackend, "_forward_in_full",
-                        lambda *args: full.append(1) or real_full(*args))
+    full = {"forward": [], "backward": []}
+    for name in full:
+        real = getattr(triton_backend.TritonBackend, f"_{name}_in_full")
+        monkeypatch.setattr(triton_backend.TritonBackend, f"_{name}_in_full",
+                            lambda *args, real=real, name=name: full[name].append(1) or real(*args))
     for round_ in range(3):
         for kind, keys in masks.items():
             keys = keys.reshape(batch, 1, 1, seqlen).clone()  # a new tensor each call, as a new batch brings
-            out = mhattn.attention(q, k, v, attn_mask=keys, window=(-1, 0), backend="triton")
+            out, lse = mhattn.attention(q, k, v, attn_mask=keys, window=(-1, 0), return_lse=True, backend="triton")
+            grads = torch.autograd.grad(out, (q, k, v), grad_out)
             params = AttentionParams(scale=head_dim ** -0.5, window_right=0,
                                      mask=keys.expand(batch, heads, seqlen, seqlen))
-            gold = naive_attention(q.double(), k.double(), v.double(), params)[0]
-            lowp = naive_attention(q, k, v, params)[0]
-            result = compare("out", out.cpu(), gold.cpu(), lowp.cpu(), dtype=torch.float16)
-            assert result.ok, (round_, kind, str(result))
-    assert len(full) == 3 + 2  # each kind's first call, then the calls with holes
+            failed = failures_against_reference(q, k, v, params, grad_out, (out, lse, *grads))
+            assert not failed, (round_, kind, "; ".join(failed))
+    # each kind's first call, then the calls with holes
+    assert len(full["forward"]) == len(full["backward"]) == 3 + 2, full
 
 
 @pytest.mark.gpu

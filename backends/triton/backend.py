@@ -546,10 +546,11 @@ class _RepeatedForward:
 
 
 class _RepeatedLaunches:
-    """A repeated backward of a plain signature: what hopper_launch.why_not reads of a call (window_right, qk_scale2,
-    tma_ok), so that it stands for one there, and the GPU its first call ran on. ``launch`` allocates the gradients
-    and hands them to the subclass's ``_launch``; None where the launches could not run here (another current GPU, a
-    new specialisation out of resources): the caller takes the full path."""
+    """A repeated backward of a plain signature (the Gluon one also of a key-padded signature: _RepeatedHopperBackward):
+    what hopper_launch.why_not reads of a call (window_right, qk_scale2, tma_ok), so that it stands for one there, and
+    the GPU its first call ran on. ``launch`` allocates the gradients and hands them to the subclass's ``_launch``;
+    None where the launches could not run here (another current GPU, a new specialisation out of resources): the
+    caller takes the full path."""
 
     __slots__ = ("cuda_index", "window_right", "tma_ok", "qk_scale2")
     hopper = False  # whether it launches the Gluon Hopper backward
@@ -558,14 +559,15 @@ class _RepeatedLaunches:
         self.cuda_index = plan.cuda_index
         self.window_right, self.tma_ok, self.qk_scale2 = run.window_right, run.tma_ok, run.qk_scale2
 
-    def launch(self, grad_out, q, k, v, out, lse, plan: _Plan):
-        """(dq, dk, dv), or None where the launches could not run here."""
+    def launch(self, grad_out, q, k, v, out, lse, plan: _Plan, key_bounds=None):
+        """(dq, dk, dv), or None where the launches could not run here. key_bounds: a key-padded call's bounds (or
+        spans: key_padding.padding_kind), for the Gluon backward."""
         if self.cuda_index is not None and _CURRENT_DEVICE() != self.cuda_index:
             return None
         dense_q, dense_k, dense_v = plan.dense
         dq, dk, dv = layouts.grad_buffer(q, dense_q), layouts.grad_buffer(k, dense_k), layouts.grad_buffer(v, dense_v)
         try:
-            self._launch(grad_out, q, k, v, out, lse, plan, dq, dk, dv)
+            self._launch(grad_out, q, k, v, out, lse, plan, dq, dk, dv, key_bounds)
         except Exception as error:
             from triton.runtime.errors import OutOfResources
 
@@ -574,7 +576,7 @@ class _RepeatedLaunches:
             return None
         return dq, dk, dv
 
-    def _launch(self, grad_out, q, k, v, out, lse, plan: _Plan, dq, dk, dv) -> None:
+    def _launch(self, grad_out, q, k, v, out, lse, plan: _Plan, dq, dk, dv, key_bounds=None) -> None:
         raise NotImplementedError
 
 
@@ -594,7 +596,7 @@ class _RepeatedBackward(_RepeatedLaunches):
         self.preprocess, self.dkdv, self.dq = sites
         self.dq_mode, self.descriptors = dq_mode, descriptors
 
-    def _launch(self, grad_out, q, k, v, out, lse, plan: _Plan, dq, dk, dv) -> None:
+    def _launch(self, grad_out, q, k, v, out, lse, plan: _Plan, dq, dk, dv, key_bounds=None) -> None:
         delta, lse2, _ = plan.backward_scratch(q.device, 0)
         dq_acc = (torch.zeros(plan.batch, plan.heads_q, plan.seqlen_q, plan.head_dim, dtype=torch.float32,
                               device=q.device) if self.dq_mode else delta)
@@ -623,15 +625,15 @@ class _RepeatedShortBackward(_RepeatedLaunches):
         super().__init__(plan, run)
         self.site = site
 
-    def _launch(self, grad_out, q, k, v, out, lse, plan: _Plan, dq, dk, dv) -> None:
+    def _launch(self, grad_out, q, k, v, out, lse, plan: _Plan, dq, dk, dv, key_bounds=None) -> None:
         prepared, middle = self.site
         # The mask, key-bound and seed places hold placeholders, as _Launch has them without a mask or dropout.
         prepared.launch(_short_tensors(q, k, v, out, grad_out, lse, dq, dk, dv, q, lse) + middle + (q, 0))
 
 
 class _RepeatedHopperBackward(_RepeatedLaunches):
-    """The Gluon Hopper backward of a plain signature, run as one launch, as its first call with these strides and
-    settings launched it: the preprocess's prepared launch (which zeroes the dQ sums and counters beside delta and
+    """The Gluon Hopper backward of a plain signature (or of a key-padded one, per padding kind: each call passes its
+    mask's kept bounds or spans), run as one launch, as its first call with these strides and settings launched it: the preprocess's prepared launch (which zeroes the dQ sums and counters beside delta and
     lse2) and the backward's site (hopper_launch.BackwardSite). A repeated backward allocates its gradients and
     scratch and launches the two."""
 
@@ -643,11 +645,11 @@ class _RepeatedHopperBackward(_RepeatedLaunches):
         super().__init__(plan, run)
         self.preprocess, self.site, self.sums_words = preprocess, site, sums_words
 
-    def _launch(self, grad_out, q, k, v, out, lse, plan: _Plan, dq, dk, dv) -> None:
+    def _launch(self, grad_out, q, k, v, out, lse, plan: _Plan, dq, dk, dv, key_bounds=None) -> None:
         delta, lse2, sums = plan.backward_scratch(q.device, self.sums_words)
         prepared, middle = self.preprocess
         prepared.launch((out, grad_out, lse, lse, delta, lse2, sums) + middle)
-        self.site.launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums)
+        self.site.launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, key_bounds)
 
 
 class _PreparedOutputOnly:
@@ -905,6 +907,10 @@ class TritonBackend(OutputOnlyForward):
     # ---- backward -----------------------------------------------------------------------------
     def backward(self, grad_out, q, k, v, out, lse, params: AttentionParams, grad_lse=None):
         signature = _signature_for(q, k, v, params, dense=True)
+        if signature.plan.key_lengths and grad_lse is None and signature.repeated_backwards:
+            grads = self._key_padded_backward_repeat(signature, grad_out, q, k, v, out, lse, params)
+            if grads is not None:
+                return (*grads, None)
         # A repeated backward of a plain signature launches what the first such call prepared (_RepeatedBackward).
         if signature.plain and grad_lse is None and signature.repeated_backwards:
             key = self._backward_key(grad_out, q, k, v, out, lse, signature.plan)
@@ -917,6 +923,21 @@ class TritonBackend(OutputOnlyForward):
                 if grads is not None:
                     return (*grads, None)
         return self._backward_in_full(grad_out, q, k, v, out, lse, params, grad_lse, signature)
+
+    def _key_padded_backward_repeat(self, signature: _Signature, grad_out, q, k, v, out, lse, params: AttentionParams):
+        """(dq, dk, dv) of a repeated backward with a key-padding mask that the Gluon backward takes, through the
+        launches its signature's first such call (of the mask's padding kind) prepared, with the mask's kept bounds or
+        spans; None where that does not apply (for the full path)."""
+        plan = signature.plan
+        bounds = key_padding.key_bounds(params.mask)
+        kind, spans = key_padding.padding_kind(params.mask, bounds)
+        if kind == key_padding.OTHER:
+            return None
+        key = self._backward_key(grad_out, q, k, v, out, lse, plan) + (kind, )
+        repeat = signature.repeated_backwards.get(key)
+        if repeat is None or hopper_launch.why_not_backward(plan, repeat, key[-3], key[-2], padding=kind) is not None:
+            return None
+        return repeat.launch(grad_out, q, k, v, out, lse, plan, bounds if spans is None else spans)
 
     def _backward_key(self, grad_out, q, k, v, out, lse, plan: _Plan) -> tuple:
         """What a plain signature's backward launches read besides the signature: the strides of the output, its
@@ -1077,6 +1098,12 @@ class TritonBackend(OutputOnlyForward):
             if hopper_site is not None:  # (one launch over the whole tensors, so with the sums beside delta and lse2)
                 signature.repeated_backwards[self._backward_key(grad_out, q, k, v, out, lse, plan)] = \
                     _RepeatedHopperBackward(preprocess_site, hopper_site, sums_words, plan, run)
+        elif plan.key_lengths and not plan.has_dropout and grad_lse is None and hopper and hopper_site is not None:
+            # A key-padded signature's, per padding kind (right padding, or spans), which each call's mask says
+            # (_key_padded_backward_repeat); not with dropout (each call has its own seed).
+            key = self._backward_key(grad_out, q, k, v, out, lse, plan) + (run.key_padding_kind(), )
+            signature.repeated_backwards[key] = _RepeatedHopperBackward(preprocess_site, hopper_site, sums_words, plan,
+                                                                        run)
         elif signature.plain and grad_lse is None:
             dkdv_site, dkdv_descriptors = ran["dkdv"]
             signature.repeated_backwards[self._backward_key(grad_out, q, k, v, out, lse, plan)] = _RepeatedBackward(

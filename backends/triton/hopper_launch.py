@@ -225,11 +225,12 @@ NOT_KEY_LENGTHS = ("a boolean mask other than one run of keys per sequence (True
                    "capture (key_padding.padding_kind)")
 
 
-def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool = False) -> Optional[str]:
+def why_not_backward(plan, run, grad_out_ready: bool, deterministic: bool = False,
+                     padding: Optional[str] = None) -> Optional[str]:
     """None when the Hopper kernel runs this call's backward (deterministic: its deterministic build); otherwise the
     reason it does not. grad_out_ready: the output gradient can be read through tensor maps
-    (backend._descriptor_ready)."""
-    reason = why_not(plan, run, backward_min_keys(deterministic), deterministic)
+    (backend._descriptor_ready). padding: as why_not's."""
+    reason = why_not(plan, run, backward_min_keys(deterministic), deterministic, padding)
     if reason is None and not grad_out_ready:
         return ("the output gradient's rows or start not 16-byte aligned for the copy engine, or a broadcast batch or "
                 "head")
@@ -722,8 +723,9 @@ class BackwardSite(NamedTuple):
     scalars: tuple
     convert_in_kernel: bool
 
-    def launch(self, q, k, v, grad_out, lse2, delta, dq, dk, dv, sums) -> None:
-        args = backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums)
+    def launch(self, q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, key_bounds=None) -> None:
+        """key_bounds: a key-padded call's bounds (or spans), as the site's first launch had them."""
+        args = backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, key_bounds)
         self.site.launch(args + self.scalars)
         if not self.convert_in_kernel:
             dq.copy_(args[SUMS_ARGUMENT])
