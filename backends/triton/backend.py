@@ -633,9 +633,9 @@ class _RepeatedShortBackward(_RepeatedLaunches):
 
 class _RepeatedHopperBackward(_RepeatedLaunches):
     """The Gluon Hopper backward of a plain signature (or of a key-padded one, per padding kind: each call passes its
-    mask's kept bounds or spans), run as one launch, as its first call with these strides and settings launched it: the preprocess's prepared launch (which zeroes the dQ sums and counters beside delta and
-    lse2) and the backward's site (hopper_launch.BackwardSite). A repeated backward allocates its gradients and
-    scratch and launches the two."""
+    mask's kept bounds or spans), run as one launch, as its first call with these strides and settings launched it:
+    the preprocess's prepared launch (which zeroes the dQ sums and counters beside delta and lse2) and the backward's
+    site (hopper_launch.BackwardSite). A repeated backward allocates its gradients and scratch and launches the two."""
 
     __slots__ = ("preprocess", "site", "sums_words")
     hopper = True
