@@ -2314,9 +2314,9 @@ def test_key_bounds_are_made_once_per_unchanged_mask(monkeypatch):
 
 
 def test_right_padding_is_read_back_once_per_mask(monkeypatch):
-    """key_padding.is_right_padding: True exactly where each batch entry's kept keys are a prefix; asked again of the
-    same unchanged mask (another view of it, as each layer gets) it answers without a read-back; changed in place
-    (its version moves) it reads the mask again; a kept entry holds its mask; during graph capture it says False."""
+    """key_padding.padding_kind: right padding exactly where each batch entry's kept keys are a prefix; asked again of
+    the same unchanged mask (another view of it, as each layer gets) it answers without a read-back; changed in place
+    (its version moves) it reads the mask again; a kept entry holds its mask; during graph capture it says no."""
     from mhattn.backends.triton import key_padding
 
     monkeypatch.setattr(key_padding, "_padding_kinds", {})
@@ -2326,7 +2326,7 @@ def test_right_padding_is_read_back_once_per_mask(monkeypatch):
 
     def answer(keys):
         mask = keys.view(keys.shape[0], 1, 1, keys.shape[1]).expand(keys.shape[0], 2, 5, keys.shape[1])
-        return key_padding.is_right_padding(mask, key_padding.key_bounds(mask))
+        return key_padding.padding_kind(mask, key_padding.key_bounds(mask))[0] == key_padding.RIGHT_PADDING
 
     prefix = torch.tensor([[True, True, False, False], [False, False, False, False], [True, True, True, True]])
     holes = torch.tensor([[True, True, False, False], [True, False, True, False]])

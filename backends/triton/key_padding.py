@@ -95,12 +95,6 @@ def _read_padding_kind(keys: torch.Tensor, bounds: torch.Tensor) -> tuple:
     return SPAN, torch.cat((bounds, starts))
 
 
-def is_right_padding(mask: torch.Tensor, bounds: torch.Tensor) -> bool:
-    """Whether ``mask`` (one that :func:`applies`) is True exactly on keys [0, bounds[b]) of each batch entry b
-    (padding_kind, whose read-back and its keeping it shares)."""
-    return padding_kind(mask, bounds)[0] == RIGHT_PADDING
-
-
 # key_bounds' and padding_kind's answers by mask (each entry holds its mask); a few masks are live at a time (one per
 # model's padding, per micro-batch in flight).
 _key_bounds: dict = {}
