@@ -14,7 +14,7 @@
 # reports, plots and saves what ran): for the complete sweep in one call, run the benchmarks alone.
 #
 # FEATURE_CHECKS=callpath,inference,tune,cupy,cupy-hopper,triton-hopper,gluon-host,clocks,short-backward,short-forward,
-# features,deterministic,padded-head-dims,masked-decode
+# features,deterministic,padded-head-dims,masked-decode,left-padding
 # runs those checks first
 # (CHECK_S seconds each, default 300; INFERENCE_ARGS, TUNE_ARGS, CUPY_HOPPER_ARGS, TRITON_HOPPER_ARGS, FEATURES_ARGS,
 # DETERMINISTIC_ARGS passed on).
@@ -70,7 +70,9 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
   # Gluon kernels at head dims 96 and 192, their products split to the head dim where hopper_launch says: their GPU
   # tests, then `mhattn bench` beside cuDNN in bf16 and fp16), masked-decode (decoding steps with a mask on the
   # split-KV kernels: their GPU tests, a tiny Llama generating from a left-padded batch, then
-  # `check_inference.py --padded-decode` beside the FlashAttention-2 path and SDPA). ring needs two GPUs: torchrun
+  # `check_inference.py --padded-decode` beside the FlashAttention-2 path and SDPA), left-padding (the Gluon kernels
+  # with left-padding key masks: their GPU tests, then `check_inference.py --padded-prefill` forward and
+  # forward+backward beside the FlashAttention-2 kernels and SDPA). ring needs two GPUs: torchrun
   # --nproc-per-node 2 benchmarks/check_ring.py on a two-GPU machine.
   for check in ${FEATURE_CHECKS//,/ }; do
     stage "feature check: $check"
@@ -98,9 +100,13 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
                        tests/test_inference.py tests/test_transformers_integration.py \
                        -k 'dense_decode or prepared_split or greedy' | tail -3 && \
                        python3 benchmarks/check_inference.py --padded-decode" ;;
+      left-padding) timeout -k 10 "${CHECK_S:-300}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider \
+                      tests/test_triton_backend.py -k 'key_padding_as_spans or left_padding or graph_replays or \
+                      repeated_key_padded' | tail -3 && python3 benchmarks/check_inference.py --padded-prefill && \
+                      python3 benchmarks/check_inference.py --padded-prefill --backward" ;;
       *) echo "unknown feature check $check (callpath, inference, tune, cupy, cupy-hopper, triton-hopper," \
            "gluon-host, clocks, short-backward, short-forward, features, deterministic, padded-head-dims," \
-           "masked-decode)" ;;
+           "masked-decode, left-padding)" ;;
     esac 2>&1 | tail -n "${CHECK_TAIL:-40}"
   done
 fi
