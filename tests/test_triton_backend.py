@@ -2293,8 +2293,9 @@ def test_hopper_decision_on_key_padding_kinds():
 
 def test_key_bounds_are_made_once_per_unchanged_mask(monkeypatch):
     """key_padding.key_bounds: the same tensor for the same unchanged mask (another view of it, as each layer and a
-    call's backward get); made again once the mask changes in place; made afresh (not kept) during CUDA graph capture,
-    where the captured work must make them from what the mask holds at each replay."""
+    call's backward get) on one stream; made again once the mask changes in place, and on another stream; made afresh
+    (not kept) during CUDA graph capture, where the captured work must make them from what the mask holds at each
+    replay."""
     from mhattn.backends.triton import key_padding
 
     monkeypatch.setattr(key_padding, "_key_bounds", {})
@@ -2308,9 +2309,14 @@ def test_key_bounds_are_made_once_per_unchanged_mask(monkeypatch):
     keys[0, 2] = True  # a new version: made again, from the new values
     second = bounds()
     assert second is not first and second.tolist() == [3, 3] and bounds() is second
+    # Another stream makes its own (its work, queued there, makes them before its kernels read them).
+    monkeypatch.setattr(key_padding, "_stream_of", lambda keys: 7)
+    other = bounds()
+    assert other is not second and other.tolist() == [3, 3] and bounds() is other
+    assert sorted(key_padding._key_bounds) == [0, 7] and len(key_padding._key_bounds[0]) == 2
     monkeypatch.setattr(key_padding, "host_checks_allowed", lambda tensor: False)  # as during capture
     during = bounds()
-    assert during is not second and during.tolist() == [3, 3] and len(key_padding._key_bounds) == 2
+    assert during is not other and during.tolist() == [3, 3] and len(key_padding._key_bounds[7]) == 1
 
 
 def test_right_padding_is_read_back_once_per_mask(monkeypatch):
@@ -2337,7 +2343,7 @@ def test_right_padding_is_read_back_once_per_mask(monkeypatch):
     prefix[1, 2] = True  # a hole at key 1
     assert answer(prefix) is False and len(reads) == 4
     assert all(entry[0].data_ptr() in (prefix.data_ptr(), holes.data_ptr())
-               for entry in key_padding._padding_kinds.values())
+               for per_stream in key_padding._padding_kinds.values() for entry in per_stream.values())
     # During CUDA graph capture: False (the mask is read by the kernels), even for a mask answered True before.
     right = torch.tensor([[True, True, False], [True, False, False]])
     assert answer(right) is True and len(reads) == 5

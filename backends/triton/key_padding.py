@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 
 from mhattn.arguments import host_checks_allowed
-from mhattn.caches import kept_for
+from mhattn.backends.streams import current_stream
+from mhattn.caches import kept_for, put_bounded
 
 
 def shared_by_heads_and_rows(mask: torch.Tensor) -> bool:
@@ -35,16 +36,16 @@ def applies(mask: Optional[torch.Tensor]) -> bool:
 
 def key_bounds(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """(B,) int32: one past the last key each batch entry's queries may see (0: none), for a mask that
-    :func:`applies`; None for any other mask (or none). Made once while the mask is unchanged (kept_for: the model's
-    layers that share one padding mask, a call's forward and backward, repeated calls with it), except during CUDA
-    graph capture or torch.compile tracing, where the bounds are made in the captured work from what the mask holds at
-    each replay. Callers only read the tensor."""
+    :func:`applies`; None for any other mask (or none). Made once per stream while the mask is unchanged
+    (_kept_on_stream: the model's layers that share one padding mask, a call's forward and backward, repeated calls
+    with it), except during CUDA graph capture or torch.compile tracing, where the bounds are made in the captured work
+    from what the mask holds at each replay. Callers only read the tensor."""
     if not applies(mask):
         return None
     keys = mask[:, 0, 0, :]
     if not host_checks_allowed(keys):
         return _bounds_of(keys)
-    return kept_for(_key_bounds, keys, _bounds_of, PADDING_KINDS_LIMIT)
+    return _kept_on_stream(_key_bounds, keys, _bounds_of)
 
 
 def _bounds_of(keys: torch.Tensor) -> torch.Tensor:
@@ -67,16 +68,16 @@ def padding_kind(mask: torch.Tensor, bounds: torch.Tensor) -> tuple:
     sides), with spans the (2B,) int32 tensor of bounds and then starts (an entry with no key has start 0); else
     OTHER. spans is None but for SPAN.
 
-    Answered by a read-back from the GPU (one synchronisation) the first time a mask comes, then kept while the mask
-    is unchanged: the same storage, layout and version (an in-place change bumps it), so the model's layers that share
-    one padding mask read it back once. A kept entry holds its mask, so its memory cannot be taken by another tensor at
+    Answered by a read-back from the GPU (one synchronisation) the first time a mask comes on a stream, then kept
+    while the mask is unchanged: the same storage, layout and version (an in-place change bumps it), so the model's
+    layers that share one padding mask read it back once (_kept_on_stream). A kept entry holds its mask, so its memory cannot be taken by another tensor at
     the same address while the entry lives. OTHER for an empty batch, and during CUDA graph capture (or torch.compile
     tracing: arguments.host_checks_allowed) even for a mask answered before: a captured call replays with whatever the
     mask holds at each replay, so only kernels that read the mask may be captured."""
     keys = mask[:, 0, 0, :]
     if keys.numel() == 0 or not host_checks_allowed(keys):
         return OTHER, None
-    return kept_for(_padding_kinds, keys, lambda keys: _read_padding_kind(keys, bounds), PADDING_KINDS_LIMIT)
+    return _kept_on_stream(_padding_kinds, keys, lambda keys: _read_padding_kind(keys, bounds))
 
 
 def _read_padding_kind(keys: torch.Tensor, bounds: torch.Tensor) -> tuple:
@@ -95,8 +96,25 @@ def _read_padding_kind(keys: torch.Tensor, bounds: torch.Tensor) -> tuple:
     return SPAN, torch.cat((bounds, starts))
 
 
-# key_bounds' and padding_kind's answers by mask (each entry holds its mask); a few masks are live at a time (one per
-# model's padding, per micro-batch in flight).
+def _kept_on_stream(cache: dict, keys: torch.Tensor, make):
+    """kept_for of ``keys`` in ``cache``'s part for the current stream of keys' GPU (0 for CPU tensors): the tensors
+    kept (the bounds, the spans) are made by work queued on the stream that then reads them, so a kernel on another
+    stream never reads one before that work has run; another stream makes its own."""
+    stream = _stream_of(keys)
+    per_stream = cache.get(stream)
+    if per_stream is None:
+        per_stream = put_bounded(cache, stream, {}, STREAMS_LIMIT)
+    return kept_for(per_stream, keys, make, PADDING_KINDS_LIMIT)
+
+
+def _stream_of(keys: torch.Tensor) -> int:
+    """The raw handle of the current stream of keys' GPU; 0 for CPU tensors."""
+    return current_stream(keys.device.index) if keys.is_cuda else 0
+
+
+# key_bounds' and padding_kind's answers by stream (_kept_on_stream), then by mask (each entry holds its mask): a few
+# masks are live at a time (one per model's padding, per micro-batch in flight), on a stream or a few.
 _key_bounds: dict = {}
 _padding_kinds: dict = {}
 PADDING_KINDS_LIMIT = 16
+STREAMS_LIMIT = 8
