@@ -303,7 +303,6 @@ class _Launch:
         else:
             self.mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         self.key_bounds = key_padding.key_bounds(mask) if signature.key_lengths else None
-        self._padding = None  # (kind, spans) of the key-padding mask, read once (key_padding_kind)
         # The kernels read the seed words from memory (int32 words of the int64 seed tensor).
         self.seed = dropout_rng.seed_tensor(params.seed, q.device).view(torch.int32) if signature.has_dropout else q
         self.band = (self.diag_offset, self.window_left, self.window_right, self.seed, self.threshold)
@@ -313,18 +312,15 @@ class _Launch:
     def key_padding_kind(self) -> str:
         """What the call's key-padding mask is (key_padding.padding_kind: right padding, which the key bounds say in
         full; one run of keys per sequence, which they say with each sequence's first key; or neither). The Gluon
-        kernels then read no mask. One read-back per mask, asked only where they could run."""
-        if self._padding is None:
-            self._padding = key_padding.padding_kind(self.mask, self.key_bounds)
-        return self._padding[0]
+        kernels then read no mask. One read-back per mask (kept), asked only where they could run."""
+        return key_padding.padding_kind(self.mask, self.key_bounds)[0]
 
     def key_spans(self):
         """The (2B,) int32 bounds and first keys of a key-padding mask that is one run of keys per sequence, some
         starting past the first key (key_padding.SPAN); None for any other call."""
         if self.key_bounds is None:
             return None
-        self.key_padding_kind()
-        return self._padding[1]
+        return key_padding.padding_kind(self.mask, self.key_bounds)[1]
 
     def key_bounds_or(self, placeholder):
         """The key bounds tensor for the kernels' CuSeqlensK argument, or a placeholder when unused."""
@@ -849,15 +845,14 @@ class TritonBackend(OutputOnlyForward):
         with the mask's key bounds (and first keys) as kept for it; None where that does not apply (a mask met during
         graph capture, one with holes, a launch not yet prepared), for the full path."""
         plan = signature.plan
-        bounds = key_padding.key_bounds(params.mask)
-        kind, spans = key_padding.padding_kind(params.mask, bounds)
+        kind, bounds = key_padding.kernel_bounds(params.mask)
         prepared = {key_padding.RIGHT_PADDING: signature.hopper_forward,
                     key_padding.SPAN: signature.hopper_forward_spans}.get(kind)
         if prepared is None or not prepared.current(plan) or hopper_launch.why_not(plan, prepared, padding=kind):
             return None
         out, lse = plan.output_buffers(q, keep_lse)
         with _OnDevice(q.device):
-            prepared.launch((q, k, v, out, lse), bounds if spans is None else spans)
+            prepared.launch((q, k, v, out, lse), bounds)
         return out, lse
 
     def _forward_in_full(self, q, k, v, params: AttentionParams, signature: _Signature, keep_lse: bool):
@@ -929,15 +924,14 @@ class TritonBackend(OutputOnlyForward):
         launches its signature's first such call (of the mask's padding kind) prepared, with the mask's kept bounds or
         spans; None where that does not apply (for the full path)."""
         plan = signature.plan
-        bounds = key_padding.key_bounds(params.mask)
-        kind, spans = key_padding.padding_kind(params.mask, bounds)
+        kind, bounds = key_padding.kernel_bounds(params.mask)
         if kind == key_padding.OTHER:
             return None
         key = self._backward_key(grad_out, q, k, v, out, lse, plan) + (kind, )
         repeat = signature.repeated_backwards.get(key)
         if repeat is None or hopper_launch.why_not_backward(plan, repeat, key[-3], key[-2], padding=kind) is not None:
             return None
-        return repeat.launch(grad_out, q, k, v, out, lse, plan, bounds if spans is None else spans)
+        return repeat.launch(grad_out, q, k, v, out, lse, plan, bounds)
 
     def _backward_key(self, grad_out, q, k, v, out, lse, plan: _Plan) -> tuple:
         """What a plain signature's backward launches read besides the signature: the strides of the output, its

@@ -212,7 +212,10 @@ def _split_kv_launches(q, k, v, params: AttentionParams, cache: Optional[KVCache
     split_kv, combine = kernel.split_kv, kernel.combine_splits
     mask = params.mask if cache is None else None
     # The mask's batch, query row and key strides (0 along a broadcast dim; the signature fixes them)
-    mask_strides = (0, 0, 0) if mask is None else tuple(0 if mask.shape[i] == 1 else mask.stride(i) for i in (0, 2, 3))
+    mask_strides = (0, 0, 0)
+    if mask is not None:
+        batch_stride, _, row_stride, key_stride = backend._mask_strides(mask)
+        mask_strides = (batch_stride, row_stride, key_stride)
 
     # The launches are prepared once per signature and what the signature does not fix (the cache's capacity and
     # block table stride): a repeated decoding step only passes its tensors (launcher.PreparedLaunch).

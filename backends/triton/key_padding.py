@@ -80,6 +80,14 @@ def padding_kind(mask: torch.Tensor, bounds: torch.Tensor) -> tuple:
     return _kept_on_stream(_padding_kinds, keys, lambda keys: _read_padding_kind(keys, bounds))
 
 
+def kernel_bounds(mask: torch.Tensor) -> tuple:
+    """(kind, bounds) of a mask that :func:`applies`: its padding_kind and what the Gluon kernels read for it, its
+    key_bounds or, for SPAN, its spans (both kept per mask and stream)."""
+    bounds = key_bounds(mask)
+    kind, spans = padding_kind(mask, bounds)
+    return kind, bounds if spans is None else spans
+
+
 def _read_padding_kind(keys: torch.Tensor, bounds: torch.Tensor) -> tuple:
     """padding_kind of the (B, Nk) keys of a mask (bool or its uint8 view), by one read-back."""
     seqlen_k = keys.shape[1]
