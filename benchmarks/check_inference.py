@@ -29,7 +29,8 @@ causal, Nq = Nk, a (B, 1, 1, Nk) key-padding mask as the Hugging Face integratio
 shipped (on Hopper the Gluon forward, taking the mask as each sequence's first key), the same with the Gluon kernels
 off (MHATTN_TRITON_HOPPER=0: the FlashAttention-2 forward, which reads the mask), SDPA's default with the causal and
 padding mask combined (B, 1, Nq, Nk), and the Triton forward without the padding; with ``--backward`` each call's
-forward and backward (a training step on left-padded sequences).
+forward and backward (a training step on left-padded sequences; ``--deterministic``: under
+torch.use_deterministic_algorithms(True)); with ``--dropout P`` each call drops with P.
 ``--kept-partials`` compares host loops of short decoding steps (dense and contiguous cache; bf16, d = 128, Nq = 1)
 with the split kernel's partials kept per stream (decode_launch.split_partials) and allocated at every step, in
 turns, beside SDPA's. ``--append`` compares host loops of decoding steps through attention_with_kvcache that append
@@ -271,14 +272,17 @@ def padded_decode(device, settings, out_dir, cells=PADDED_DECODE_CELLS, tiny=Fal
     return lines
 
 
-def padded_prefill(device, settings, out_dir, cells=PADDED_PREFILL_CELLS, tiny=False, backward=False):
+def padded_prefill(device, settings, out_dir, cells=PADDED_PREFILL_CELLS, tiny=False, backward=False, dropout=0.0):
     """Prefill of prompts padded on the left (see the module docstring), GPU time in us; the shipped output checked
-    against SDPA's on the rows that see a key. backward: each call's forward and backward (q, k, v's gradients)."""
+    against SDPA's on the rows that see a key. backward: each call's forward and backward (q, k, v's gradients).
+    dropout: each call's dropout_p; the shipped output is then checked against the FlashAttention-2 kernels' under the
+    same seed (every backend drops the same elements; SDPA drops others)."""
     import mhattn
 
     heads_q, heads_kv, head_dim, dtype = _padded_shape(tiny)
     name = str(dtype).replace('torch.', '')
-    what = "forward+backward" if backward else "forward"
+    what = (("forward+backward" if backward else "forward") + (f", dropout {dropout}" if dropout else "")
+            + (", deterministic" if torch.are_deterministic_algorithms_enabled() else ""))
     lines = [f"prefill with a left-padding mask ({name}, Hq={heads_q}, Hkv={heads_kv}, d={head_dim}, causal, "
              f"Nq = Nk; {what}, GPU us; x = that time over the shipped call's)",
              f"{'B':>3} {'N':>6} {'shipped':>8} {'no Gluon':>9} {'sdpa':>8} {'no padding':>10} "
@@ -292,26 +296,38 @@ def padded_prefill(device, settings, out_dir, cells=PADDED_PREFILL_CELLS, tiny=F
         sees = combined.any(-1, keepdim=True)  # (B, 1, N, 1): rows that see a key (SDPA's others are undefined)
 
         def shipped():
-            return mhattn.attention(q, k, v, attn_mask=shared, window=(-1, 0), enable_gqa=True, backend="triton")
+            return mhattn.attention(q, k, v, attn_mask=shared, dropout_p=dropout, window=(-1, 0), enable_gqa=True,
+                                    backend="triton")
 
         calls = {
             "shipped": shipped,
             "no Gluon": lambda: _with_environment("MHATTN_TRITON_HOPPER", "0", shipped, backward, q, k, v),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=combined,
-                                                                             enable_gqa=True),
-            "no padding": lambda: mhattn.attention(q, k, v, is_causal=True, enable_gqa=True, backend="triton"),
+                                                                             dropout_p=dropout, enable_gqa=True),
+            "no padding": lambda: mhattn.attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True,
+                                                   backend="triton"),
         }
         if backward:  # (the environment call runs its own backward inside the setting)
             calls = {name: (call if name == "no Gluon" else functools.partial(_with_backward, call, q, k, v))
                      for name, call in calls.items()}
-        want = calls["sdpa"]().float()
-        diff = max(float(((calls[name]().float() - want) * sees).abs().nan_to_num(0.0).max())
-                   for name in ("shipped", "no Gluon"))
+        if dropout:  # the same seed for both: the same elements dropped
+            want = _seeded(calls["no Gluon"]).float()
+            diff = float(((_seeded(calls["shipped"]).float() - want) * sees).abs().nan_to_num(0.0).max())
+        else:
+            want = calls["sdpa"]().float()
+            diff = max(float(((calls[name]().float() - want) * sees).abs().nan_to_num(0.0).max())
+                       for name in ("shipped", "no Gluon"))
         us = _times_us(calls, settings, device)
         lines.append(f"{batch:>3} {seqlen:>6} {us['shipped']:>8.1f} {us['no Gluon']:>9.1f} {us['sdpa']:>8.1f} "
                      f"{us['no padding']:>10.1f} {us['no Gluon'] / us['shipped']:>10.2f} "
                      f"{us['sdpa'] / us['shipped']:>7.2f} {diff:>10.1e}")
     return lines
+
+
+def _seeded(call):
+    """call() after seeding torch's generators with one fixed seed (mhattn draws its dropout seed from them)."""
+    torch.manual_seed(20261129)
+    return call()
 
 
 def _with_backward(call, q, k, v):
@@ -627,6 +643,12 @@ def main(argv=None) -> int:
                         help="only the forward of prompts padded on the left, with and without the Gluon kernels")
     parser.add_argument("--backward", action="store_true",
                         help="with --padded-prefill: forward+backward (a training step's attention) instead")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="with --padded-prefill --backward: under torch.use_deterministic_algorithms(True) (the "
+                             "backwards' deterministic builds; warn_only, for SDPA's)")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="with --padded-prefill: each call's dropout_p (checked against the FlashAttention-2 "
+                             "kernels under the same seed)")
     parser.add_argument("--append", action="store_true",
                         help="only host loops of KV-cache steps appending by the Triton kernel and by torch's indexing")
     args = parser.parse_args(argv)
@@ -657,7 +679,9 @@ def main(argv=None) -> int:
     if args.padded_prefill:
         cells = ((2, 64), (3, 100)) if args.tiny else PADDED_PREFILL_CELLS
         settings = timing.TimingSettings(1.0, 2.0) if args.tiny else timing.TimingSettings(10.0, 40.0)
-        for line in padded_prefill(device, settings, out_dir, cells, args.tiny, args.backward):
+        if args.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        for line in padded_prefill(device, settings, out_dir, cells, args.tiny, args.backward, args.dropout):
             log(out_dir, line)
         return 0
     if args.dependent_launch:

@@ -71,8 +71,8 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
   # tests, then `mhattn bench` beside cuDNN in bf16 and fp16), masked-decode (decoding steps with a mask on the
   # split-KV kernels: their GPU tests, a tiny Llama generating from a left-padded batch, then
   # `check_inference.py --padded-decode` beside the FlashAttention-2 path and SDPA), left-padding (the Gluon kernels
-  # with left-padding key masks: their GPU tests, then `check_inference.py --padded-prefill` forward and
-  # forward+backward beside the FlashAttention-2 kernels and SDPA). ring needs two GPUs: torchrun
+  # with left-padding key masks: their GPU tests, then `check_inference.py --padded-prefill` forward,
+  # forward+backward and forward with dropout beside the FlashAttention-2 kernels and SDPA). ring needs two GPUs: torchrun
   # --nproc-per-node 2 benchmarks/check_ring.py on a two-GPU machine.
   for check in ${FEATURE_CHECKS//,/ }; do
     stage "feature check: $check"
@@ -103,7 +103,8 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
       left-padding) timeout -k 10 "${CHECK_S:-300}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider \
                       tests/test_triton_backend.py -k 'key_padding_as_spans or left_padding or graph_replays or \
                       repeated_key_padded' | tail -3 && python3 benchmarks/check_inference.py --padded-prefill && \
-                      python3 benchmarks/check_inference.py --padded-prefill --backward" ;;
+                      python3 benchmarks/check_inference.py --padded-prefill --backward && \
+                      python3 benchmarks/check_inference.py --padded-prefill --dropout 0.1" ;;
       *) echo "unknown feature check $check (callpath, inference, tune, cupy, cupy-hopper, triton-hopper," \
            "gluon-host, clocks, short-backward, short-forward, features, deterministic, padded-head-dims," \
            "masked-decode, left-padding)" ;;

@@ -1102,7 +1102,8 @@ def test_gpu_gluon_backward_padded_head_dims(monkeypatch, dtype, case):
 # hopper_backward.dq_turn), run several times under torch.use_deterministic_algorithms(True): bitwise-equal gradients
 # that match the reference. Many key blocks a query block (long chains of turns), both causal alignments, windows with
 # and without a right bound (runs of key blocks that start past the first), a right-padding key mask (key blocks that
-# add nothing), GQA and MQA (a group's dQ converted after the launch), dropout, the 96- and 192-wide head dims.
+# add nothing), a left-padding one (key blocks before a sequence's first key that take no turn), GQA and MQA (a group's
+# dQ converted after the launch), dropout, the 96- and 192-wide head dims.
 GLUON_DETERMINISTIC_CASES = {
     "d64_causal_gqa": dict(head_dim=64, heads_q=6, heads_kv=2, seqlen_q=700, seqlen_k=700, causal="top_left"),
     "d128_long_keys": dict(head_dim=128, batch=1, seqlen_q=300, seqlen_k=2100),
@@ -1112,6 +1113,10 @@ GLUON_DETERMINISTIC_CASES = {
                                               dropout_p=0.1),
     "d128_key_padding_more_queries": dict(head_dim=128, batch=3, seqlen_q=517, seqlen_k=300, causal="top_left",
                                           mask="key_padding"),
+    "d64_left_padding_gqa": dict(head_dim=64, batch=3, heads_q=4, heads_kv=2, seqlen_q=700, seqlen_k=700,
+                                 causal="top_left", mask="key_padding_left"),
+    "d128_span_window_dropout": dict(head_dim=128, batch=4, seqlen_q=600, seqlen_k=900, causal="bottom_right",
+                                     window=(300, 0), mask="key_padding_span", dropout_p=0.1),
     "d192_mqa": dict(head_dim=192, heads_q=8, heads_kv=1, seqlen_q=517, seqlen_k=600),
     "d256_causal_softcap": dict(head_dim=256, heads_q=4, heads_kv=2, seqlen_q=600, seqlen_k=600, causal="top_left",
                                 softcap=20.0),
@@ -1160,7 +1165,7 @@ def test_gpu_gluon_forward_key_padding_as_lengths(monkeypatch, dtype, case):
 # A left-padding key mask (True on a suffix of each batch entry's keys: a batch of prompts padded on the left) and one
 # padded on both sides, in the Gluon kernels as each entry's first key and key count (KEY_STARTS; batch entry 0 with
 # none): causal of both alignments (rows before an entry's first key see none), GQA, a window, a softcap, the 192-wide
-# head dim.
+# head dim, dropout (whose RNG hashes each key at its index from key 0, as every backend's does).
 GLUON_KEY_SPAN_CASES = {
     "d64_left_top_left": dict(head_dim=64, batch=3, seqlen_q=517, seqlen_k=517, causal="top_left",
                               mask="key_padding_left"),
@@ -1172,6 +1177,8 @@ GLUON_KEY_SPAN_CASES = {
                                mask="key_padding_span"),
     "d256_left_window": dict(head_dim=256, batch=3, seqlen_q=600, seqlen_k=600, causal="top_left", window=(200, 0),
                              mask="key_padding_left"),
+    "d128_span_bottom_right_dropout": dict(head_dim=128, batch=3, seqlen_q=300, seqlen_k=700, causal="bottom_right",
+                                           mask="key_padding_span", dropout_p=0.2),
 }
 
 
@@ -1194,8 +1201,8 @@ def test_gpu_gluon_forward_key_padding_as_spans(monkeypatch, dtype, case):
 @pytest.mark.parametrize("case", list(GLUON_KEY_SPAN_CASES) + ["d64_left_dropout"])
 def test_gpu_gluon_backward_key_padding_as_spans(monkeypatch, dtype, case):
     """The Gluon backward built with per-sequence first keys (asserted from the build's compile-time arguments)
-    against the reference: key blocks before a sequence's first key write zero dK and dV. With dropout (whose forward
-    is the FlashAttention-2 one: the Gluon forward counts keys from each sequence's first) too."""
+    against the reference: key blocks before a sequence's first key write zero dK and dV. With dropout at d = 64 too,
+    whose forward is the FlashAttention-2 one (FORWARD_DROPOUT_HEAD_DIMS)."""
     spans = dict(GLUON_KEY_SPAN_CASES, d64_left_dropout=dict(head_dim=64, batch=3, heads_q=4, heads_kv=2, seqlen_q=517,
                                                              seqlen_k=517, causal="top_left", mask="key_padding_left",
                                                              dropout_p=0.1))
@@ -1724,7 +1731,8 @@ def test_hopper_kernels_for_head_dims_96_and_192_compile_for_sm90a_without_a_gpu
     from mhattn.backends.triton import ahead, hopper_launch
 
     tasks = [task for task in ahead.table_tasks("sm_90a", head_dims=(96, 192)) if task.kind in ahead.GLUON_KINDS
-             and (not task.flags and not task.causal or task.causal and ("DROPOUT", True) in task.flags)]
+             and (not task.flags and not task.causal or task.causal and dict(task.flags).get("DROPOUT")
+                  and not dict(task.flags).get("KEY_STARTS"))]
     assert len(tasks) == 8
     for task in tasks:
         kernel = ahead.compile_kernel(task, 90)
@@ -2264,7 +2272,7 @@ def test_key_bounds_of_key_padding_masks():
 
 def test_hopper_decision_on_key_padding_kinds():
     """hopper_launch.why_not on a plan with key lengths (its shape part passing): right padding runs the Gluon kernels
-    in every case; left padding (key_padding.SPAN) too, but for a forward with dropout and a deterministic backward;
+    in every case; left padding (key_padding.SPAN) too (dropout and deterministic backwards included);
     a mask with holes never; the caller's padding kind is taken instead of asking the call."""
     from types import SimpleNamespace
 
@@ -2285,9 +2293,9 @@ def test_hopper_decision_on_key_padding_kinds():
             assert reason(key_padding.RIGHT_PADDING, forward, dropout) is None
             assert reason(key_padding.OTHER, forward, dropout) == hopper_launch.NOT_KEY_LENGTHS
     assert reason(key_padding.RIGHT_PADDING, False, deterministic=True) is None
-    assert reason(key_padding.SPAN) is None and reason(key_padding.SPAN, False, True) is None
-    assert "dropout" in reason(key_padding.SPAN, True, True)
-    assert "deterministic" in reason(key_padding.SPAN, False, deterministic=True)
+    for forward in (True, False):
+        assert reason(key_padding.SPAN, forward) is None and reason(key_padding.SPAN, forward, True) is None
+    assert reason(key_padding.SPAN, False, deterministic=True) is None
     assert reason(key_padding.OTHER, padding=key_padding.SPAN) is None  # the caller's kind, not the call's
 
 

@@ -270,16 +270,22 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                 for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP"):
                     tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
                                             flags=(("TILE_COUNTER", causal), (flag, True))))
-                # a left-padding key mask as each sequence's first key and key count
-                tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
-                                        flags=(("TILE_COUNTER", causal), ("KEY_LENGTHS", True), ("KEY_STARTS", True))))
+                # a left-padding key mask as each sequence's first key and key count, and with dropout where the
+                # dropout forward runs the Gluon kernel
+                starts = (("TILE_COUNTER", causal), ("KEY_LENGTHS", True), ("KEY_STARTS", True))
+                tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim), flags=starts))
+                if width in hopper_launch.FORWARD_DROPOUT_HEAD_DIMS:
+                    tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
+                                            flags=starts + (("DROPOUT", True), )))
             if cc == 90 and width in hopper_launch.BACKWARD_MIN_KEYS:
                 tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim)))
                 for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP", "DETERMINISTIC"):
                     tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim, flag),
                                             flags=((flag, True),)))
-                tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim, "KEY_STARTS"),
-                                        flags=(("KEY_LENGTHS", True), ("KEY_STARTS", True))))
+                starts = (("KEY_LENGTHS", True), ("KEY_STARTS", True))
+                for extra in ((), (("DROPOUT", True), ), (("DETERMINISTIC", True), )):  # (left padding, and with those)
+                    tasks.append(KernelTask("hopper_bwd", head_dim, causal,
+                                            hopper_backward_tile(head_dim, "KEY_STARTS"), flags=starts + extra))
         if not hopper_only:
             widest = short_backward_widest_tile(head_dim)
             tasks += [KernelTask("short_bwd", head_dim, causal, widest) for causal in (False, True) if widest]

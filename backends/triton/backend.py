@@ -667,18 +667,17 @@ class _PreparedOutputOnly:
         return self.backend._forward_signed(self.signature, q, k, v, params, False)[0]
 
 
-def _conditions(problem, forward: bool = False) -> str:
+def _conditions(problem) -> str:
     """What explain adds to a Gluon kernel's path for what the Problem does not hold: a window's bounds (the Gluon
     kernels take a left bound only) and a boolean mask's values (they take one run of keys per sequence, as first keys
-    and counts; left padding not with dropout in the forward, nor in a deterministic backward)."""
+    and counts)."""
     text = ""
     if "window" in problem.features:
         text += ", the window's right bound is the causal diagonal or none"
     if "bool_mask" in problem.features:
         text += (", and the boolean mask is one run of keys per sequence (right or left padding: True exactly on keys "
-                 "[first, last] of each, the same for every head and query; read back once per mask; left padding "
-                 + ("not with dropout" if forward else "not in a deterministic backward")
-                 + "); other boolean masks run the FlashAttention-2 kernels")
+                 "[first, last] of each, the same for every head and query; read back once per mask); other boolean "
+                 "masks run the FlashAttention-2 kernels")
     return text
 
 
@@ -767,8 +766,8 @@ class TritonBackend(OutputOnlyForward):
                         "(forward.py)")
         reason = hopper_launch.why_not_problem(problem)
         if reason is None:
-            return "the Gluon Hopper forward (hopper_forward.py), when q, k, v rows are 16-byte aligned" + _conditions(
-                problem, forward=True)
+            return ("the Gluon Hopper forward (hopper_forward.py), when q, k, v rows are 16-byte aligned"
+                    + _conditions(problem))
         return f"the FlashAttention-2 forward (forward.py): not the Gluon Hopper forward because {reason}"
 
     def backward_path(self, problem) -> Optional[str]:

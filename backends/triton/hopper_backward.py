@@ -160,7 +160,7 @@ def masked_scores_t(s2_t, keys, start_m, seqlen_k, diag_offset, window_left, BLO
 @gluon.jit
 def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, dq_added, batch, first_head, walk, steps, turns,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DQ_COLS: gl.constexpr, DQ_CHUNKS: gl.constexpr,
-                        WINDOW: gl.constexpr, DETERMINISTIC: gl.constexpr):
+                        WINDOW: gl.constexpr, DETERMINISTIC: gl.constexpr, KEY_STARTS: gl.constexpr):
     """The dQ writer warp: each step's dQ share (DQ_CHUNKS column chunks of DQ_COLS), once the compute warps have
     put a chunk in shared memory, added into the float32 buffer by the copy engine's bulk reduce-add (rows past Nq
     are clipped); chunk i goes through buffer i % 2, handed back as soon as the copy engine has read it. At the
@@ -173,7 +173,7 @@ def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, dq_added, batch, f
         head_step, start_m = step_place(step, walk, BLOCK_M, DETERMINISTIC)
         mbarrier.wait(dq_ready.index(buf), (index // 2) & 1)
         if DETERMINISTIC:
-            turn = dq_turn(turns, head_step, start_m, BLOCK_M, BLOCK_N, WINDOW)
+            turn = dq_turn(turns, head_step, start_m, BLOCK_M, BLOCK_N, WINDOW, KEY_STARTS)
             if index % DQ_CHUNKS == 0:
                 wait_for_turn(turn[0], turn[1])
         tma_reduce_add(dq_desc, [batch, first_head + head_step, start_m, (index % DQ_CHUNKS) * DQ_COLS],
@@ -189,17 +189,21 @@ def dq_writer_partition(dq_desc, dq_smem, dq_ready, dq_empty, dq_added, batch, f
 
 
 @gluon.jit
-def dq_turn(turns, head_step, start_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+def dq_turn(turns, head_step, start_m, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr,
+            KEY_STARTS: gl.constexpr):
     """(counter, turn) of this key block's addition to query block start_m of the step's query head: the key blocks
     that see a query block are a run of consecutive ones (causal or not, with or without a window's left bound, and
     with per-sequence key counts the trailing ones see none), and they add in their order, so this block's turn is
-    its number less that of the run's first block (0 but where a window's left bound moves the run's start). turns:
-    (the program's first query head's counters, query blocks per head, this key block's number,
-    diag_offset - window_left); head_step: the step's query head after the program's first."""
-    counters, m_per_head, key_block, window_start = turns
+    its number less that of the run's first block (0 but where a window's left bound, or with KEY_STARTS the block of
+    the sequence's first key, moves the run's start: the blocks before walk no query block). turns: (the program's
+    first query head's counters, query blocks per head, this key block's number, diag_offset - window_left, the block
+    of the sequence's first key); head_step: the step's query head after the program's first."""
+    counters, m_per_head, key_block, window_start, first_key_block = turns
     first_block = 0
     if WINDOW:  # the first key block whose last key reaches the window of the query block's first row
         first_block = gl.maximum(start_m + window_start, 0) // BLOCK_N
+    if KEY_STARTS:
+        first_block = gl.maximum(first_block, first_key_block)
     return counters + head_step * m_per_head + start_m // BLOCK_M, key_block - first_block
 
 
@@ -624,7 +628,7 @@ def hopper_backward_kernel(
     (convert_dq); with 0 the caller converts the buffer. Query head h reads key/value head h // kv_group; causal:
     query row i sees keys j <= i + diag_offset; WINDOW: no key j < i + diag_offset - window_left. KEY_LENGTHS: batch
     entry b's keys from KeyBounds[b] (int32) on are padding no query sees: a key block past it walks no query block
-    and writes zero dK and dV. KEY_STARTS (with KEY_LENGTHS, not with DETERMINISTIC): KeyBounds holds 2B int32 (B the
+    and writes zero dK and dV. KEY_STARTS (with KEY_LENGTHS): KeyBounds holds 2B int32 (B the
     launch's batch entries), and batch entry b's keys before KeyBounds[B + b] are padding too (a left-padding key mask):
     a key block before it walks no query block and writes zero dK and dV, and the block it falls in masks the keys
     before it (step_probabilities). DROPOUT: P was dropped with the shared RNG (rng.py: Seed's int32 words 0 and 2,
@@ -712,9 +716,9 @@ def hopper_backward_kernel(
     if DETERMINISTIC:
         m_per_head = gl.cdiv(seqlen_q, BLOCK_M)
         turns = (DqTurns + (batch * heads_kv * kv_group + first_head).to(gl.int64) * m_per_head, m_per_head,
-                 pid % num_n_blocks, diag_offset - window_left)
+                 pid % num_n_blocks, diag_offset - window_left, key_start // BLOCK_N)
     else:
-        turns = (DqTurns, 0, 0, 0)
+        turns = (DqTurns, 0, 0, 0, 0)
     walk = (first_m, m_blocks, kv_group)  # the program's query blocks and heads (step_place)
     gl.warp_specialize([
         (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready,
@@ -726,7 +730,7 @@ def hopper_backward_kernel(
                           lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv,
                           first_head, start_n, walk, steps, BLOCK_M, NUM_STAGES, DETERMINISTIC)),
         (dq_writer_partition, (dq_desc, dq_smem, dq_ready, dq_empty, dq_added, batch, first_head, walk, steps, turns,
-                               BLOCK_M, BLOCK_N, DQ_COLS, HEAD_DIM // DQ_COLS, WINDOW, DETERMINISTIC)),
+                               BLOCK_M, BLOCK_N, DQ_COLS, HEAD_DIM // DQ_COLS, WINDOW, DETERMINISTIC, KEY_STARTS)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])
 
     # The (batch, key/value head)'s dQ is complete once each of its num_n_blocks programs has added its share: the

@@ -445,7 +445,8 @@ def softmax_step(qk, m_i, l_i, j, unmasked, start_m, seqlen_k, diag_offset, wind
         # Dropped after the row sum (l is the undropped softmax's): the P V product sees P * keep; consume_tile scales
         # the output by 1 / (1 - p).
         rows = gl.convert_layout(dropout[0], gl.SliceLayout(1, s_layout))
-        cols = column_hashes(j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)))
+        # dropout[3]: the tile's first key (KEY_STARTS: tile_at), so each key hashes at its index in the sequence.
+        cols = column_hashes(dropout[3] + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)))
         p = gl.where(keep_tile(rows, cols, dropout[1]), p, 0.0)
     return p, alpha, m_new, l_new
 
@@ -749,18 +750,19 @@ def consume_program_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_e
                          softcap_in2, SOFTCAP: gl.constexpr, SPLIT_PRODUCTS: gl.constexpr):
     """consume_tile on tile number ``tile``, the program's ``rounds``-th; returns the ring steps it took. rng: (Seed,
     threshold, dropout_scale), read with DROPOUT."""
-    batch, head, tile_m, cta_first, cta_end, seqlen_k, _, diag_offset = tile_at(
+    batch, head, tile_m, cta_first, cta_end, seqlen_k, key_start, diag_offset = tile_at(
         tile, num_tiles, num_m_blocks, group_heads, heads_q, seqlen_k, KeyBounds, diag_offset, window_left, BLOCK_M,
         BLOCK_N, CAUSAL, WINDOW, KEY_LENGTHS, KEY_STARTS)
     out_base = Out + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
     lse_base = Lse + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
-    if DROPOUT:  # (the consumer's rows' keys of the RNG, the threshold and 1 / (1 - p): softmax_step, consume_tile)
+    if DROPOUT:  # (the consumer's rows' keys of the RNG, the threshold, 1 / (1 - p) and the tile's first key, from
+        # which its key blocks count: softmax_step, consume_tile)
         Seed, threshold, dropout_scale = rng
         rows = tile_m + HALF * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout(BLOCK_N)))
         dropout = (row_keys(head_key(batch * heads_q + head, gl.load(Seed)), rows, gl.load(Seed + 2)), threshold,
-                   dropout_scale)
+                   dropout_scale, key_start)
     else:
-        dropout = (0, 0, 1.0)
+        dropout = (0, 0, 1.0, 0)
     consume_tile(q_slots, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, rounds, step,
                  o_desc, out_base, stride_om, lse_base, batch, head, tile_m + HALF * BLOCK_M, cta_first, cta_end,
                  seqlen_q, seqlen_k, diag_offset, window_left, dropout, qk_scale2, HALF, HEAD_DIM, HEAD_COLS, BLOCK_M,
@@ -833,9 +835,9 @@ def hopper_forward_kernel(
     no key j < i + diag_offset - window_left (a sliding window, causal or not; window_left >= 0, unread without it).
     KEY_LENGTHS: batch entry b has KeyBounds[b] keys (int32, <= Nk; the keys after them are padding no row sees, as a
     right-padding key mask says: hopper_launch.why_not), so its tiles move and compute only the blocks before that;
-    without it KeyBounds is not read. KEY_STARTS (with KEY_LENGTHS, not with DROPOUT): KeyBounds holds 2B int32, and
-    batch entry b's keys are KeyBounds[B + b] .. KeyBounds[b] - 1 (a left- or both-sides-padding key mask: its tiles
-    skip the padding on both sides, tile_at). DROPOUT: P is dropped with the shared RNG (rng.py: Seed's int32 words 0
+    without it KeyBounds is not read. KEY_STARTS (with KEY_LENGTHS): KeyBounds holds 2B int32, and batch entry b's
+    keys are KeyBounds[B + b] .. KeyBounds[b] - 1 (a left- or both-sides-padding key mask: its tiles skip the padding
+    on both sides, tile_at; with DROPOUT the RNG still hashes each key at its index from key 0). DROPOUT: P is dropped with the shared RNG (rng.py: Seed's int32 words 0
     and 2, threshold the uint32 threshold's bit pattern) and the output scaled by dropout_scale = 1 / (1 - p); the lse
     is the undropped softmax's. Without it Seed, threshold and dropout_scale are not read. SOFTCAP: the scores are
     softcap * tanh(scale * qk / softcap): softcap_in2 = 2 * log2(e) * scale / softcap, and qk_scale2 is then

@@ -4,9 +4,8 @@ The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 
 128- and 256-wide tiles: TILE_WIDTH) with equal value head dim, a softcap or none, a causal mask of either alignment or
 none, a sliding window's left bound (its right bound the causal diagonal, or none), no mask or a key-padding mask
 that is one run of keys per sequence (right or left padding: taken as each sequence's first key and key count, the
-mask itself unread: key_padding.padding_kind, NOT_KEY_LENGTHS; left padding not with dropout in the forward, nor in a
-deterministic backward), dropout with the shared RNG, a positive scale, 16-byte aligned rows (and no broadcast batch
-or head). It pays once each program has enough key blocks to amortise its start (the first copies) and its output
+mask itself unread: key_padding.padding_kind, NOT_KEY_LENGTHS), dropout with the shared RNG, a positive scale,
+16-byte aligned rows (and no broadcast batch or head). It pays once each program has enough key blocks to amortise its start (the first copies) and its output
 write; below MIN_KEYS (fewer where the query tiles fill the GPU: FULL_GRID_MIN_KEYS) the FlashAttention-2 kernel
 (forward.py) is faster (backends/triton/NOTES.md, versions 5, 8 and 11 on the H100, "Short forward tiles" on the H200).
 Everything else runs forward.py.
@@ -209,12 +208,6 @@ def why_not(plan, run, min_keys: Optional[dict] = None, deterministic: bool = Fa
         kind = padding or run.key_padding_kind()
         if kind == key_padding.OTHER:
             return NOT_KEY_LENGTHS
-        if kind == key_padding.SPAN and forward and plan.has_dropout:
-            return ("dropout with a left-padding key mask (the forward counts each sequence's keys from its first, the "
-                    "dropout RNG from key 0)")
-        if kind == key_padding.SPAN and deterministic:
-            return ("a left-padding key mask in a deterministic backward (the key blocks before a sequence's first key "
-                    "take no turn in dQ's order)")
     return reason
 
 
@@ -616,8 +609,9 @@ def backward_sums_words(plan, device_index: int, deterministic: bool = False) ->
 def _sums_words(plan, batches: int, heads: int, deterministic: bool = False) -> int:
     """float32 words of one launch's dQ sums and counters over ``batches`` x ``heads`` (batch, key/value head) pairs:
     each pair's sums for its kv_group query heads, then its int32 counter; deterministic, then the int32 turn
-    counters of each query head's query blocks."""
-    query_rows = backward_query_block(plan.head_dim, plan.has_dropout, plan.has_softcap)
+    counters of each query head's query blocks (as many as the build with the shortest steps has: a build with
+    per-sequence first keys may take shorter steps than the call's others, backward_query_block)."""
+    query_rows = backward_query_block(plan.head_dim, key_starts=True)
     turns = plan.kv_group * -(-plan.seqlen_q // query_rows) if deterministic else 0
     return batches * heads * (plan.kv_group * plan.seqlen_q * plan.head_dim + 1 + turns)
 
