@@ -861,3 +861,54 @@ def test_settle_loads_the_gpu_for_the_time_asked_by_calls_it_counts(monkeypatch,
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     timing.settle(lambda: (fn(), counted.append(1)), 20.0)
     assert len(counted) == calls
+
+
+def test_tune_head_dims_adds_the_training_shapes_at_those_head_dims_to_this_device_s_table(monkeypatch, capsys):
+    """mhattn tune --head-dim: the grid's training shapes at the head dims given (on a GPU bf16 at every quick
+    sequence length, causal and not; on the CPU the CPU grid's shapes), timed and added to the table the device uses,
+    so that a problem at such a head dim is decided by its own cells and the others keep theirs."""
+    from mhattn.benchmark import supervisor
+
+    cells = grid.head_dim_cells("cuda", True, (96, 192))
+    assert len(cells) == 24 and {c.head_dim for c in cells} == {96, 192} and {c.dtype for c in cells} == {"bf16"}
+    assert {c.seqlen_q for c in cells} == set(grid.QUICK_SEQLENS) and {c.causal for c in cells} == {"none", "top_left"}
+    assert all(c.batch * c.seqlen_q == grid.TOKENS and c.heads_q == grid.HIDDEN // c.head_dim for c in cells)
+    assert {c.head_dim for c in grid.head_dim_cells("cpu", True, (32, ))} == {32}
+    assert len(grid.head_dim_cells("cuda", False, (96, ))) == 2 * 2 * len(grid.FULL_SEQLENS)  # bf16 and fp16
+
+    fast = {64: "sdpa", 32: "reference"}  # the backend each run's cells time fastest
+
+    def run_tasks(tasks, **kwargs):
+        rows = []
+        for task in tasks:
+            winner = fast[task["cell"]["head_dim"]]
+            times = {"sdpa": 2.0, "reference": 2.0, winner: 1.0}
+            rows.append(dict(task["cell"], kind="tune", status="ok", fwd_ms=times, fwd_bwd_ms={}, skipped={}))
+        return supervisor.Outcome(rows, notes=[])
+
+    monkeypatch.setattr(supervisor, "run_tasks", run_tasks)
+    assert tune_cli.tune(quick=True, device="cpu", max_n=128, progress=False) == 0
+    assert tune_cli.tune(quick=True, device="cpu", max_n=128, progress=False, head_dims=(32, )) == 0
+    out = capsys.readouterr().out
+    written = list(table.cache_tables_dir().glob("*.json"))
+    assert len(written) == 1 and "added 2 shapes to the table" in out
+    t = table.TimingTable.load(written[0])
+    assert sorted(c["head_dim"] for c in t.cells) == [32, 32, 64, 64]
+    assert t.made["command"] == "mhattn tune --quick --head-dim 32" and t.made["added_to"] == str(written[0])
+    for head_dim, winner in fast.items():
+        q = torch.randn(1, 8, 128, head_dim)
+        decision = mhattn.explain(q, q, q)
+        assert decision.measured.cell["head_dim"] == head_dim and decision.chosen == winner
+
+
+def test_tune_head_dim_option_on_the_command_line(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(tune_cli, "tune", lambda **kwargs: calls.append(kwargs) or 0)
+    from mhattn.cli import main
+
+    assert main(["tune", "--quick", "--head-dim", "96,192"]) == 0 and calls[-1]["head_dims"] == (96, 192)
+    assert main(["tune", "--quick"]) == 0 and calls[-1]["head_dims"] is None
+    for bad in ("96,x", "0", ","):
+        with pytest.raises(SystemExit):
+            main(["tune", "--head-dim", bad])
+        assert "--head-dim" in capsys.readouterr().err

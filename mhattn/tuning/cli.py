@@ -1,10 +1,11 @@
 """``mhattn tune``: time every backend on a grid of shapes and write the timing table automatic selection reads.
 
     mhattn tune --quick          # 67 shapes, a few minutes on an H100 (compiling kernels included)
-    mhattn tune                  # the full grid (238 shapes)
+    mhattn tune                  # the full grid (266 shapes)
     mhattn tune --quick --output mhattn/tables/h100.json   # the table shipped in the package
     mhattn tune --quick --passes 2 --output mhattn/tables/h100.json   # host loops: the smaller of two passes'
     mhattn tune --merge a.json b.json --output c.json      # host loops: the smaller of two runs'; GPU times: a's
+    mhattn tune --quick --head-dim 96,192   # the training shapes at these head dims, added to this device's table
 
 The cells run in a worker process (the benchmark engine's supervisor): a kernel that crashes, hangs or
 breaks its CUDA context loses its own cell, not the run. The table goes to ``$MHATTN_CACHE_DIR/tables``
@@ -14,6 +15,7 @@ automatic choice on this device reads it, and ``mhattn.explain`` shows the times
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import sys
 import time
@@ -45,6 +47,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--passes", type=int, default=1, metavar="N",
                         help="time the grid N times and keep each host loop's smallest time (a busy host only adds to "
                              "a host loop; GPU times and graph replays from the first pass: table.merged)")
+    parser.add_argument("--head-dim", metavar="D[,D...]", type=_head_dims,
+                        help="time the grid's training shapes at these head dims instead (those of a model that the "
+                             "grid lacks, such as 96 or 192) and add them to the table this device uses (the cache "
+                             "directory's, else the shipped one), written to --output or the cache directory")
     parser.add_argument("--merge", nargs="+", metavar="TABLE",
                         help="time nothing: write the merge of these tables of one device (each host loop's smallest "
                              "time, GPU times and graph replays from the first table: table.merged) to --output")
@@ -56,7 +62,18 @@ def run(args) -> int:
     return tune(quick=args.quick, device=args.device, backends=_names(args.backend), max_n=args.max_n,
                 warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, output=args.output, time_limit=args.time_limit,
                 task_timeout=args.task_timeout, isolate=not args.no_isolate, progress=not args.no_progress,
-                passes=args.passes)
+                passes=args.passes, head_dims=args.head_dim)
+
+
+def _head_dims(text: str) -> tuple:
+    """--head-dim's value as a tuple of positive ints (argparse reports the error, naming the option)."""
+    try:
+        dims = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        dims = ()
+    if not dims or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive head dims separated by commas, got {text!r}")
+    return dims
 
 
 def _names(values):
@@ -66,11 +83,14 @@ def _names(values):
 
 
 def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep_ms=None, output=None,
-         time_limit=0.0, task_timeout=300.0, isolate=True, progress=True, stream=None, passes=1) -> int:
+         time_limit=0.0, task_timeout=300.0, isolate=True, progress=True, stream=None, passes=1,
+         head_dims=None) -> int:
     """Time the grid, write the table, print a summary. Returns the exit status (0 = a table was written).
     ``passes`` > 1: the grid is timed that many times, one pass after another, and the table keeps each host loop's
     smallest time and the first pass's GPU times (table.merged; the time limit counts from the start of the first
-    pass)."""
+    pass). ``head_dims``: the grid's training shapes at these head dims instead (grid.head_dim_cells), and the table
+    written is the one this device uses now (table.active_table) with them added (table.merged, the new times
+    first), so a model's head dims join the shapes already measured."""
     from mhattn.progress import Progress
     from mhattn.benchmark.supervisor import run_tasks
     from mhattn.tuning.measure import backends_to_time
@@ -79,7 +99,9 @@ def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     default_warmup, default_rep = QUICK_TIMING if quick else FULL_TIMING
     settings = {"warmup_ms": warmup_ms or default_warmup, "rep_ms": rep_ms or default_rep}
-    cells = grid.limit(grid.cells_for(torch.device(device).type, quick), max_n)
+    device_type = torch.device(device).type
+    shapes = grid.head_dim_cells(device_type, quick, head_dims) if head_dims else grid.cells_for(device_type, quick)
+    cells = grid.limit(shapes, max_n)
     names = backends or backends_to_time(device)
     tasks = [{"kind": "tune", "cell": c.as_dict(), "timing": settings, "backends": names, "label": c.label()}
              for c in cells]
@@ -110,11 +132,18 @@ def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep
         print("no shape was timed: no table written", file=stream)
         return 1
     key = table.environment_key(device)
-    made = {"command": "mhattn tune" + (" --quick" if quick else ""), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    command = "mhattn tune" + (" --quick" if quick else "") + (
+        f" --head-dim {','.join(map(str, head_dims))}" if head_dims else "")
+    made = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "unix_time": time.time(), "timing": dict(settings, timer=_timer(device)), "wall_s": round(wall, 1),
             "backends": names, "passes": len(runs),
             "complete": not any(run.interrupted or run.deadline_reached for run in runs)}
     result = table.TimingTable(key, rows, made)
+    base = table.active_table(device_type, torch.device(device).index) if head_dims else None
+    if base is not None and base.matches(table.device_identity_of(key)):
+        result = table.merged([result, base])
+        result.made["added_to"] = base.path or "a table in memory"
+        print(f"added {len(rows)} shapes to the table {base.path} ({len(base.cells)} shapes)", file=stream)
     path = result.save(output or table.cache_tables_dir() / table.table_file_name(key))
     table.clear_cache()
     print(f"wrote {path} ({len(measured)}/{len(rows)} shapes timed, {wall:.0f} s)", file=stream)

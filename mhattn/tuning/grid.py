@@ -8,12 +8,15 @@ causal, Nq << Nk), grouped-query training shapes and masked attention (key paddi
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 CAUSAL_KINDS = ("none", "top_left", "bottom_right")
 MASK_KINDS = ("none", "bool", "float")
 TOKENS = 16384
 HIDDEN = 2048
+# The training shapes' sequence lengths: the quick grid's, the full grid's.
+QUICK_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+FULL_SEQLENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,7 @@ def quick_grid() -> list:
     """67 cells: every training shape of ``mhattn bench`` (bf16), its latency shapes, and one of each other kind,
     fp32 included."""
     cells = latency_cells()
-    for d in (64, 128, 256):
-        for n in (512, 1024, 2048, 4096, 8192, 16384):
-            for causal in ("none", "top_left"):
-                cells.append(training("bf16", d, n, causal))
+    cells += training_cells(("bf16", ), (64, 128, 256), QUICK_SEQLENS)
     for d in (64, 128):
         cells.append(training("bf16", d, 128))
         cells.append(training("fp16", d, 2048, "top_left"))
@@ -112,9 +112,7 @@ def full_grid() -> list:
     cells = latency_cells()
     for dtype in ("bf16", "fp16"):
         for d in (32, 64, 128, 256):
-            for n in (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768):
-                for causal in ("none", "top_left"):
-                    cells.append(training(dtype, d, n, causal))
+            cells += training_cells((dtype, ), (d, ), FULL_SEQLENS)
             for n in (1024, 4096):
                 for group in (4, 8):
                     if HIDDEN // d >= group:
@@ -130,6 +128,23 @@ def full_grid() -> list:
     cells.append(training("fp32", 64, 1024))
     cells.append(training("fp32", 64, 1024, "top_left"))
     return cells
+
+
+def training_cells(dtypes, head_dims, seqlens) -> list:
+    """Training shapes at every dtype, head dim and sequence length given, causal (top-left) and not."""
+    return [training(dtype, d, n, causal) for dtype in dtypes for d in head_dims for n in seqlens
+            for causal in ("none", "top_left")]
+
+
+def head_dim_cells(device_type: str, quick: bool, head_dims) -> list:
+    """``mhattn tune --head-dim``: the grid's training shapes at ``head_dims`` (the head dims a model uses that the
+    grids lack, such as 96 or 192, whose kernels differ from their neighbours'): on a GPU bf16 (the full grid fp16 too)
+    at each of the grid's sequence lengths, causal and not; on the CPU the CPU grid's shapes."""
+    if device_type == "cpu":
+        return [replace(c, head_dim=d) for d in head_dims for c in cpu_grid(quick)]
+    if quick:
+        return training_cells(("bf16", ), head_dims, QUICK_SEQLENS)
+    return training_cells(("bf16", "fp16"), head_dims, FULL_SEQLENS)
 
 
 def cpu_grid(quick: bool) -> list:
