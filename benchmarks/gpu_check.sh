@@ -68,7 +68,7 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
   # FlexAttention, benchmarks/check_features.py), deterministic (the Triton backend's deterministic backwards, Gluon and
   # FlashAttention-2, beside its default one and cuDNN's, benchmarks/check_deterministic.py), padded-head-dims (the
   # Gluon kernels at head dims 96 and 192, their products split to the head dim where hopper_launch says: their GPU
-  # tests, then `mhattn bench` beside cuDNN in bf16 and fp16), masked-decode (decoding steps with a mask on the
+  # tests, then `mhattn bench` with auto beside cuDNN in bf16 and fp16), masked-decode (decoding steps with a mask on the
   # split-KV kernels: their GPU tests, a tiny Llama generating from a left-padded batch, then
   # `check_inference.py --padded-decode` beside the FlashAttention-2 path and SDPA), left-padding (the Gluon kernels
   # with left-padding key masks: their GPU tests, then `check_inference.py --padded-prefill` forward,
@@ -94,7 +94,7 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
                        ${DETERMINISTIC_ARGS:-} ;;
       padded-head-dims) timeout -k 10 "${CHECK_S:-300}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider \
                           tests/test_triton_backend.py -k padded_head_dims | tail -3 && python3 -m mhattn.cli bench \
-                          --impl triton,sdpa-cudnn --head-dim 96,192 --seqlen 1k,4k,16k --dtype bf16,fp16 \
+                          --impl auto,triton,sdpa-cudnn --head-dim 96,192 --seqlen 1k,4k,16k --dtype bf16,fp16 \
                           --no-progress --markdown '$OUT/$check/bench.md'" ;;
       masked-decode) timeout -k 10 "${CHECK_S:-300}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider \
                        tests/test_inference.py tests/test_transformers_integration.py \

@@ -895,6 +895,16 @@ def test_tune_head_dims_adds_the_training_shapes_at_those_head_dims_to_this_devi
     t = table.TimingTable.load(written[0])
     assert sorted(c["head_dim"] for c in t.cells) == [32, 32, 64, 64]
     assert t.made["command"] == "mhattn tune --quick --head-dim 32" and t.made["added_to"] == str(written[0])
+    assert t.made["base"]["command"] == "mhattn tune --quick"
+    # The base table's cells are kept as they were (graph replays included); a cell timed again takes the new times.
+    base = make_table([dict(cell({"sdpa": 1.0}, seqlen_q=128, seqlen_k=128), fwd_graph_ms={"sdpa": 0.5}),
+                       cell({"sdpa": 3.0}, seqlen_q=512, seqlen_k=512)])
+    added = make_table([cell({"triton": 2.0}, seqlen_q=512, seqlen_k=512), cell({"triton": 4.0}, head_dim=192)],
+                       command="mhattn tune --quick --head-dim 192")
+    both = table.with_cells(base, added)
+    assert both.cells == [base.cells[0], added.cells[0], added.cells[1]] and both.made["base"] == base.made
+    with pytest.raises(ValueError, match="cannot add cells"):
+        table.with_cells(base, make_table([], key={"device": "NVIDIA H200", "compute_capability": [9, 0]}))
     for head_dim, winner in fast.items():
         q = torch.randn(1, 8, 128, head_dim)
         decision = mhattn.explain(q, q, q)

@@ -89,8 +89,8 @@ def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep
     ``passes`` > 1: the grid is timed that many times, one pass after another, and the table keeps each host loop's
     smallest time and the first pass's GPU times (table.merged; the time limit counts from the start of the first
     pass). ``head_dims``: the grid's training shapes at these head dims instead (grid.head_dim_cells), and the table
-    written is the one this device uses now (table.active_table) with them added (table.merged, the new times
-    first), so a model's head dims join the shapes already measured."""
+    written is the one this device uses now (table.active_table) with them added (table.with_cells), so a model's
+    head dims join the shapes already measured."""
     from mhattn.progress import Progress
     from mhattn.benchmark.supervisor import run_tasks
     from mhattn.tuning.measure import backends_to_time
@@ -141,8 +141,7 @@ def tune(*, quick=True, device=None, backends=None, max_n=0, warmup_ms=None, rep
     result = table.TimingTable(key, rows, made)
     base = table.active_table(device_type, torch.device(device).index) if head_dims else None
     if base is not None and base.matches(table.device_identity_of(key)):
-        result = table.merged([result, base])
-        result.made["added_to"] = base.path or "a table in memory"
+        result = table.with_cells(base, result)
         print(f"added {len(rows)} shapes to the table {base.path} ({len(base.cells)} shapes)", file=stream)
     path = result.save(output or table.cache_tables_dir() / table.table_file_name(key))
     table.clear_cache()

@@ -162,6 +162,22 @@ def merged(tables: list) -> TimingTable:
     return TimingTable(dict(first.key), list(cells.values()), made)
 
 
+def with_cells(base: TimingTable, added: TimingTable) -> TimingTable:
+    """``base`` with ``added``'s cells (a run over other shapes, ``mhattn tune --head-dim``): base's cells as they are
+    (their replays and reasons too), but where ``added`` timed the same Cell, whose times replace them. The key and
+    ``made`` are ``added``'s (the newest run), ``made["added_to"]`` naming base's file and ``made["base"]`` its
+    ``made``. Raises ValueError for tables of different devices."""
+    if not base.matches(device_identity_of(added.key)):
+        raise ValueError(f"cannot add cells of {added.key.get('device')} to a table of {base.key.get('device')}")
+    from mhattn.tuning.grid import Cell
+
+    fields = tuple(Cell.__dataclass_fields__)
+    timed = {tuple(cell.get(f) for f in fields) for cell in added.cells}
+    kept = [cell for cell in base.cells if tuple(cell.get(f) for f in fields) not in timed]
+    made = dict(added.made, added_to=base.path or "a table in memory", base=dict(base.made))
+    return TimingTable(dict(added.key), kept + list(added.cells), made)
+
+
 def device_identity_of(key: dict) -> dict:
     """The device identity part of a table's key (what :meth:`TimingTable.matches` compares)."""
     return {"device": key.get("device"), "compute_capability": key.get("compute_capability")}
