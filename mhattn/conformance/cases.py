@@ -540,6 +540,14 @@ def full_cases(backend, device: str, dtypes) -> list:
             hq_, hkv_ = heads[("gqa", "mha")[i]]
             b.add("deterministic", heads_q=hq_, heads_kv=hkv_, det_runs=det_runs, causal=("top_left", None)[i],
                   **sized(i, nq, nk, _pick(dims, 4 * i + 4)))
+        # left padding (a prompt padded on the left) with dropout, and in a deterministic backward (on sm_90 the Gluon
+        # kernels take both from 384 keys at d = 128)
+        nq, nk = mask_sizes[-2]
+        b.add("dropout", heads_q=hq, heads_kv=hkv, dropout_p=DROPOUT_P, causal="top_left", mask="key_padding_left",
+              **sized(5, nq, nk, _closest(dims, 128)))
+        hq_, hkv_ = heads["gqa"]
+        b.add("deterministic", heads_q=hq_, heads_kv=hkv_, det_runs=det_runs, causal="top_left",
+              mask="key_padding_left", **sized(6, nq, nk, _closest(dims, 128)))
         _inference_cases(b, dims, cpu, full=True)
         cases += b.cases
     return cases
