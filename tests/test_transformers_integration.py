@@ -97,6 +97,55 @@ def test_padding_reaches_attention_as_a_key_padding_mask():
     assert float((logits["mhattn"] - logits["sdpa"]).abs().max()) < 1e-10
 
 
+def test_decoding_steps_get_one_mask_a_step_for_all_layers():
+    """Generation from a left-padded batch: a one-row decoding step gives every layer a (B, 1, 1, Nk) view of the
+    step's padding mask (the causal bound hides no key of the last row), so all layers pass the same memory and the
+    backends' per-mask work is done once a step; a step of several rows against more keys (speculative decoding,
+    a prompt after a cache) gets one (B, 1, Nq, Nk) mask made once for its layers. Tokens and logits as "sdpa"."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = torch.randint(3, 97, (2, 9), generator=gen)
+    mask = torch.ones_like(prompts)
+    mask[1, :4] = 0
+    prompts[1, :4] = 0
+    calls, kept = [], []  # (kept: the masks, alive, so that no two share an address by reuse)
+    original = mhattn_hf.mhattn.attention
+
+    def spy(query, key, value, attn_mask=None, *args, **kwargs):
+        kept.append(attn_mask)
+        calls.append((query.shape[2], key.shape[2], tuple(attn_mask.shape), attn_mask.data_ptr(), kwargs.get("window")))
+        return original(query, key, value, attn_mask, *args, **kwargs)
+
+    mhattn_hf.mhattn.attention = spy
+    try:
+        tokens = generate(tiny_llama("mhattn"), prompts, mask)
+    finally:
+        mhattn_hf.mhattn.attention = original
+    assert torch.equal(tokens, generate(tiny_llama("sdpa"), prompts, mask))
+    steps = [call for call in calls if call[0] == 1]
+    assert len(steps) == 2 * 31  # (two layers, the 31 steps after the prompt's)
+    for first, second in zip(steps[::2], steps[1::2]):  # (the two layers of one step)
+        assert first[2] == (2, 1, 1, first[1]) and first[4] is None and first[3] == second[3]
+    # A step of three rows against a cache of 9 keys: one mask for both layers, the bottom-right causal bound in it.
+    model = tiny_llama("mhattn")
+    calls.clear()
+    mhattn_hf.mhattn.attention = spy
+    try:
+        with torch.no_grad():
+            cache = model(prompts, attention_mask=mask, use_cache=True).past_key_values
+            more = torch.randint(3, 97, (2, 3), generator=gen)
+            longer = torch.cat([mask, torch.ones_like(more)], dim=1)
+            logits = model(more, attention_mask=longer, past_key_values=cache).logits
+    finally:
+        mhattn_hf.mhattn.attention = original
+    rows = [call for call in calls if call[0] == 3]
+    assert len(rows) == 2 and rows[0][2] == (2, 1, 3, 12) and rows[0][3] == rows[1][3], rows
+    with torch.no_grad():
+        sdpa = tiny_llama("sdpa")
+        want = sdpa(more, attention_mask=longer, past_key_values=sdpa(prompts, attention_mask=mask,
+                                                                       use_cache=True).past_key_values).logits
+    assert float((logits - want).abs().max()) < 1e-10
+
+
 def _sequences(gen, lengths):
     return [torch.randint(3, 97, (n,), generator=gen) for n in lengths]
 

@@ -15,7 +15,9 @@ a 2-D padding mask (or None when nothing is padded) instead of a 4-D mask; the a
   the cache sees all cached keys), sliding windows and softcap from the model's keyword arguments, and the
   padding mask as a boolean mask: a (B, 1, 1, Nk) key-padding mask beside the causal and window bounds where
   queries and keys are as many (a prompt, a training batch: the kernels then read one row of it per key block
-  and skip the padded blocks past each sequence's end), else one mask of the queries' rows with the bounds in it.
+  and skip the padded blocks past each sequence's end); for one query row (a decoding step) the same key-padding
+  mask, which is all it needs; else one mask of the queries' rows with the bounds in it, made once for the layers
+  of a step.
 
 Requires transformers >= 5 (the optional extra ``mhattn[transformers]``); importing this module does not
 import transformers, ``register()`` does.
@@ -90,8 +92,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             # blocks past each sequence's last token) instead of a (B, 1, Nq, Nk) mask made for the call.
             mask = attention_mask[:, None, None, :].to(torch.bool)
             window = _band(is_causal, window)
+        elif seqlen_q == 1 and window is None:
+            # One query row (a decoding step) sits on the bottom-right diagonal and sees every key: the causal bound
+            # hides none, so the padding alone is the mask, as a view of it that every layer of the step shares (what
+            # the backends make once per mask, such as the Triton backend's key bounds, is then made once a step,
+            # not once a layer).
+            mask = attention_mask[:, None, None, :].to(torch.bool)
         else:
-            mask = _padded_causal_mask(attention_mask, seqlen_q, is_causal, window)
+            mask = _step_mask(attention_mask, seqlen_q, is_causal, window)
             window = None  # inside the mask
     elif is_causal and (seqlen_q > 1 or window is not None):
         # Bottom-right: the queries are the newest tokens (a window is relative to that diagonal too).
@@ -108,6 +116,27 @@ def _band(is_causal, window):
     if is_causal:
         right = 0  # no key after the diagonal, whatever the window allows to its right
     return None if (left, right) == (-1, -1) else (left, right)
+
+
+# The last step's (B, 1, Nq, Nk) masks, made once for all the layers of a step: (id of the padding mask, its version,
+# Nq, causal, window) -> (the padding mask, the mask made from it). Emptied when a step with another padding mask comes.
+_step_masks: dict = {}
+
+
+def _step_mask(padding, seqlen_q, is_causal, window):
+    """_padded_causal_mask, made once per padding mask (each layer of a step gets the same one) and argument set; made
+    afresh while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return _padded_causal_mask(padding, seqlen_q, is_causal, window)
+    key = (id(padding), padding._version, seqlen_q, is_causal, window)
+    found = _step_masks.get(key)
+    if found is not None and found[0] is padding:
+        return found[1]
+    if any(entry[0] is not padding for entry in _step_masks.values()) or len(_step_masks) >= 8:
+        _step_masks.clear()  # (a new step, or more argument sets than a model's layer kinds)
+    mask = _padded_causal_mask(padding, seqlen_q, is_causal, window)
+    _step_masks[key] = (padding, mask)
+    return mask
 
 
 def _padded_causal_mask(padding, seqlen_q, is_causal, window):
