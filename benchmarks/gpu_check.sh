@@ -14,7 +14,7 @@
 # reports, plots and saves what ran): for the complete sweep in one call, run the benchmarks alone.
 #
 # FEATURE_CHECKS=callpath,inference,tune,cupy,cupy-hopper,triton-hopper,gluon-host,clocks,short-backward,short-forward,
-# features,deterministic,padded-head-dims,masked-decode,left-padding
+# features,deterministic,padded-head-dims,masked-decode,left-padding,hf-model
 # runs those checks first
 # (CHECK_S seconds each, default 300; INFERENCE_ARGS, TUNE_ARGS, CUPY_HOPPER_ARGS, TRITON_HOPPER_ARGS, FEATURES_ARGS,
 # DETERMINISTIC_ARGS passed on).
@@ -72,7 +72,8 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
   # split-KV kernels: their GPU tests, a tiny Llama generating from a left-padded batch, then
   # `check_inference.py --padded-decode` beside the FlashAttention-2 path and SDPA), left-padding (the Gluon kernels
   # with left-padding key masks: their GPU tests, then `check_inference.py --padded-prefill` forward,
-  # forward+backward and forward with dropout beside the FlashAttention-2 kernels and SDPA). ring needs two GPUs: torchrun
+  # forward+backward and forward with dropout beside the FlashAttention-2 kernels and SDPA), hf-model (the transformers
+  # GPU tests, then a Llama-shaped model on mhattn beside sdpa, benchmarks/check_hf_model.py). ring needs two GPUs: torchrun
   # --nproc-per-node 2 benchmarks/check_ring.py on a two-GPU machine.
   for check in ${FEATURE_CHECKS//,/ }; do
     stage "feature check: $check"
@@ -105,9 +106,12 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
                       repeated_key_padded' | tail -3 && python3 benchmarks/check_inference.py --padded-prefill && \
                       python3 benchmarks/check_inference.py --padded-prefill --backward && \
                       python3 benchmarks/check_inference.py --padded-prefill --dropout 0.1" ;;
+      hf-model) timeout -k 10 "${CHECK_S:-300}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider \
+                  tests/test_transformers_integration.py | tail -3 && (cd /tmp && python3 $PWD/benchmarks/check_hf_model.py \
+                  --backends auto,triton)" ;;
       *) echo "unknown feature check $check (callpath, inference, tune, cupy, cupy-hopper, triton-hopper," \
            "gluon-host, clocks, short-backward, short-forward, features, deterministic, padded-head-dims," \
-           "masked-decode, left-padding)" ;;
+           "masked-decode, left-padding, hf-model)" ;;
     esac 2>&1 | tail -n "${CHECK_TAIL:-40}"
   done
 fi
