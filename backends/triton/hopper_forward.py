@@ -837,9 +837,10 @@ def hopper_forward_kernel(
     right-padding key mask says: hopper_launch.why_not), so its tiles move and compute only the blocks before that;
     without it KeyBounds is not read. KEY_STARTS (with KEY_LENGTHS): KeyBounds holds 2B int32, and batch entry b's
     keys are KeyBounds[B + b] .. KeyBounds[b] - 1 (a left- or both-sides-padding key mask: its tiles skip the padding
-    on both sides, tile_at; with DROPOUT the RNG still hashes each key at its index from key 0). DROPOUT: P is dropped with the shared RNG (rng.py: Seed's int32 words 0
-    and 2, threshold the uint32 threshold's bit pattern) and the output scaled by dropout_scale = 1 / (1 - p); the lse
-    is the undropped softmax's. Without it Seed, threshold and dropout_scale are not read. SOFTCAP: the scores are
+    on both sides, tile_at; with DROPOUT the RNG still hashes each key at its index from key 0). DROPOUT: P is
+    dropped with the shared RNG (rng.py: Seed's int32 words 0 and 2, threshold the uint32 threshold's bit pattern)
+    and the output scaled by dropout_scale = 1 / (1 - p); the lse is the undropped softmax's. Without it Seed,
+    threshold and dropout_scale are not read. SOFTCAP: the scores are
     softcap * tanh(scale * qk / softcap): softcap_in2 = 2 * log2(e) * scale / softcap, and qk_scale2 is then
     softcap * log2(e) (> 0); without it softcap_in2 is not read. SPLIT_PRODUCTS (a head dim of 3/4 of the tile
     width: 192 of 256): each product runs over the head dim's columns only, in two parts (output_parts), instead of

@@ -5,10 +5,10 @@ The Hopper kernel covers the dense training shapes: sm_90, fp16/bf16, head dims 
 none, a sliding window's left bound (its right bound the causal diagonal, or none), no mask or a key-padding mask
 that is one run of keys per sequence (right or left padding: taken as each sequence's first key and key count, the
 mask itself unread: key_padding.padding_kind, NOT_KEY_LENGTHS), dropout with the shared RNG, a positive scale,
-16-byte aligned rows (and no broadcast batch or head). It pays once each program has enough key blocks to amortise its start (the first copies) and its output
-write; below MIN_KEYS (fewer where the query tiles fill the GPU: FULL_GRID_MIN_KEYS) the FlashAttention-2 kernel
-(forward.py) is faster (backends/triton/NOTES.md, versions 5, 8 and 11 on the H100, "Short forward tiles" on the H200).
-Everything else runs forward.py.
+16-byte aligned rows (and no broadcast batch or head). It pays once each program has enough key blocks to amortise
+its start (the first copies) and its output write; below MIN_KEYS (fewer where the query tiles fill the GPU:
+FULL_GRID_MIN_KEYS) the FlashAttention-2 kernel (forward.py) is faster (backends/triton/NOTES.md, versions 5, 8 and 11
+on the H100, "Short forward tiles" on the H200). Everything else runs forward.py.
 
 The Hopper backward covers the same problems (from BACKWARD_MIN_KEYS keys); a deterministic backward runs its build that
 adds dQ's shares in a fixed order (hopper_backward.dq_turn), from DETERMINISTIC_MIN_KEYS keys. backward.py's kernels run
