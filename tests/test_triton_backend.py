@@ -2056,6 +2056,28 @@ class RecordingMapSite:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_deterministic_turn_counters_cover_the_query_blocks_of_every_build(monkeypatch):
+    """A one-launch deterministic backward's zeroed words hold a turn counter for every query block of the build with
+    the shortest steps: a left-padded call's build (KEY_STARTS) takes 64-row steps at d = 64 where the plain
+    deterministic one takes 128, and the kernel numbers its counters by its own steps."""
+    from types import SimpleNamespace
+
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
+    batch, heads_q, heads_kv, seqlen_q, head_dim = 2, 6, 2, 700, 64
+    plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=700, batch=batch, heads_kv=heads_kv,
+                           kv_group=heads_q // heads_kv, has_right=True, has_left=False, key_lengths=True,
+                           heads_q=heads_q, has_dropout=False, has_softcap=False, hopper_backward_constexprs={},
+                           hopper_backward_slices=None)
+    assert hopper_launch.backward_query_block(head_dim, key_starts=True) < hopper_launch.backward_query_block(head_dim)
+    turns = (hopper_launch.backward_sums_words(plan, None, True)
+             - batch * heads_kv * ((heads_q // heads_kv) * seqlen_q * head_dim + 1))
+    for flags in ({}, {"key_starts": True}, {"dropout": True}, {"softcap": True}):
+        assert turns >= batch * heads_q * -(-seqlen_q // hopper_launch.backward_query_block(head_dim, **flags)), flags
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("seqlen_q, slices, deterministic", [(200, False, False), (2500, False, False),
                                                               (200, True, False), (200, False, True),
                                                               (2500, True, True)])
