@@ -146,6 +146,27 @@ def test_decoding_steps_get_one_mask_a_step_for_all_layers():
     assert float((logits - want).abs().max()) < 1e-10
 
 
+def test_whole_model_benchmark_runs_on_tiny_shapes():
+    """benchmarks/check_hf_model.py on a tiny model on the CPU: one row per cell, every model running its own
+    implementation (the script checks), mhattn's logits within float32 rounding of sdpa's and its first generated
+    tokens equal, and a column for the backend forced beside auto."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "check_hf_model.py"
+    spec = importlib.util.spec_from_file_location("check_hf_model", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    lines = script.run(torch.device("cpu"), True, 0, 1, ("auto", "reference"))
+    assert "mhattn:reference ms" in lines[0] and len(lines) == 5
+    rows = {line[:22].strip(): line[22:].split() for line in lines[1:]}
+    assert list(rows) == ["train", "train, left-padded", "prefill, left-padded", "decode"]
+    for cell, fields in rows.items():
+        diff = float(fields[-2] if cell == "decode" else fields[-1])
+        assert diff < 1e-5, (cell, fields)
+    assert rows["decode"][-1] == "1.000"
+
+
 def _sequences(gen, lengths):
     return [torch.randint(3, 97, (n,), generator=gen) for n in lengths]
 
