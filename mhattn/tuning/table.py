@@ -137,13 +137,10 @@ def merged(tables: list) -> TimingTable:
     for other in tables[1:]:
         if not other.matches(device_identity_of(first.key)):
             raise ValueError(f"cannot merge tables of {first.key.get('device')} and {other.key.get('device')}")
-    from mhattn.tuning.grid import Cell
-
-    fields = tuple(Cell.__dataclass_fields__)
     cells: dict = {}
     for index, t in enumerate(tables):
         for cell in t.cells:
-            at = tuple(cell.get(f) for f in fields)
+            at = cell_key(cell)
             if at not in cells:
                 cells[at] = dict(cell, fwd_ms=dict(cell.get("fwd_ms") or {}), fwd_bwd_ms=dict(cell.get("fwd_bwd_ms") or {}))
                 if index > 0:
@@ -169,13 +166,17 @@ def with_cells(base: TimingTable, added: TimingTable) -> TimingTable:
     ``made``. Raises ValueError for tables of different devices."""
     if not base.matches(device_identity_of(added.key)):
         raise ValueError(f"cannot add cells of {added.key.get('device')} to a table of {base.key.get('device')}")
-    from mhattn.tuning.grid import Cell
-
-    fields = tuple(Cell.__dataclass_fields__)
-    timed = {tuple(cell.get(f) for f in fields) for cell in added.cells}
-    kept = [cell for cell in base.cells if tuple(cell.get(f) for f in fields) not in timed]
+    timed = {cell_key(cell) for cell in added.cells}
+    kept = [cell for cell in base.cells if cell_key(cell) not in timed]
     made = dict(added.made, added_to=base.path or "a table in memory", base=dict(base.made))
     return TimingTable(dict(added.key), kept + list(added.cells), made)
+
+
+def cell_key(cell: dict) -> tuple:
+    """A table cell's shape, its Cell fields in order: equal for two timings of one shape."""
+    from mhattn.tuning.grid import Cell
+
+    return tuple(cell.get(f) for f in Cell.__dataclass_fields__)
 
 
 def device_identity_of(key: dict) -> dict:
