@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 import mhattn
+from mhattn.caches import kept_for, put_bounded
 
 NAME = "mhattn"
 
@@ -118,9 +119,11 @@ def _band(is_causal, window):
     return None if (left, right) == (-1, -1) else (left, right)
 
 
-# The last step's (B, 1, Nq, Nk) masks, made once for all the layers of a step: (id of the padding mask, its version,
-# Nq, causal, window) -> (the padding mask, the mask made from it). Emptied when a step with another padding mask comes.
+# The (B, 1, Nq, Nk) masks made from a step's padding mask, so that all the layers of a step share one: per argument
+# set (Nq, causal, window), caches.kept_for's entry for the newest padding mask; at most STEP_MASK_KINDS argument sets
+# (a model's layer kinds: full and sliding-window attention, say).
 _step_masks: dict = {}
+STEP_MASK_KINDS = 8
 
 
 def _step_mask(padding, seqlen_q, is_causal, window):
@@ -128,15 +131,11 @@ def _step_mask(padding, seqlen_q, is_causal, window):
     afresh while torch.compile traces."""
     if torch.compiler.is_compiling():
         return _padded_causal_mask(padding, seqlen_q, is_causal, window)
-    key = (id(padding), padding._version, seqlen_q, is_causal, window)
-    found = _step_masks.get(key)
-    if found is not None and found[0] is padding:
-        return found[1]
-    if any(entry[0] is not padding for entry in _step_masks.values()) or len(_step_masks) >= 8:
-        _step_masks.clear()  # (a new step, or more argument sets than a model's layer kinds)
-    mask = _padded_causal_mask(padding, seqlen_q, is_causal, window)
-    _step_masks[key] = (padding, mask)
-    return mask
+    kind = (seqlen_q, is_causal, window)
+    kept = _step_masks.get(kind)
+    if kept is None:
+        kept = put_bounded(_step_masks, kind, {}, STEP_MASK_KINDS)
+    return kept_for(kept, padding, lambda mask: _padded_causal_mask(mask, seqlen_q, is_causal, window), 1)
 
 
 def _padded_causal_mask(padding, seqlen_q, is_causal, window):
