@@ -113,7 +113,55 @@ def logits_of(model, ids, mask):
         return model(ids, attention_mask=mask, use_cache=False).logits
 
 
-def run(device, tiny: bool, warmup: int, runs: int, backends=("auto", ), only=None) -> list:
+def profile_lines(models: dict, on, ids, mask, device, top: int) -> list:
+    """Where one training step's GPU time goes, per column: the step's time, its kernels' total, then every kernel
+    name in any column's ``top`` by time, with its milliseconds and launches per step in each column (the names
+    shared by all columns first, so a difference outside attention shows), and the host's synchronizing calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    kernels, steps, syncs = {}, {}, {}
+    for name, model in models.items():
+        with on(name):
+            model.train()
+            training_step(model, ids, mask)  # (compiled and cached before the profile)
+            steps[name] = timed_ms(lambda: training_step(model, ids, mask), device, 1, 3)
+            with profile(activities=activities) as prof:
+                training_step(model, ids, mask)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            model.eval()
+        events = prof.key_averages()
+        on_gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        if device.type != "cuda":  # (the CPU: the operators stand for the kernels)
+            on_gpu = [e for e in events if e.key.startswith("aten::")]
+        kernels[name] = {e.key: ((e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total) / 1e3,
+                                 e.count) for e in on_gpu}
+        syncs[name] = sum(e.count for e in events
+                          if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                                       "aten::item", "aten::_local_scalar_dense"))
+    names = list(models)
+    lines = [f"profile of one training step ({'GPU' if device.type == 'cuda' else 'CPU'} ms per step; launches)"]
+    for name in names:
+        lines.append(f"  {name}: step {steps[name]:.2f} ms, kernels {sum(t for t, _ in kernels[name].values()):.2f} ms "
+                     f"in {sum(c for _, c in kernels[name].values())} launches, {syncs[name]} host syncs")
+    shown = []
+    for name in names:
+        for key, _ in sorted(kernels[name].items(), key=lambda item: -item[1][0])[:top]:
+            if key not in shown:
+                shown.append(key)
+    shared = [key for key in shown if all(key in kernels[name] for name in names)]
+    lines.append(f"  {'kernel':<64} " + " ".join(f"{name[:18]:>26}" for name in names))
+    for key in shared + [key for key in shown if key not in shared]:
+        cells = []
+        for name in names:
+            ms, count = kernels[name].get(key, (0.0, 0))
+            cells.append(f"{ms:>17.2f} ({count:>5})" if count else f"{'-':>26}")
+        lines.append(f"  {key[:64]:<64} " + " ".join(cells))
+    return lines
+
+
+def run(device, tiny: bool, warmup: int, runs: int, backends=("auto", ), only=None, profile_top: int = 0) -> list:
     import mhattn
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -149,6 +197,8 @@ def run(device, tiny: bool, warmup: int, runs: int, backends=("auto", ), only=No
         else:
             ids, mask = left_padded(batch, seqlen, vocab, device, seed=seqlen + batch)
         real = mask.bool()
+        if profile_top and cell.startswith("train"):
+            lines += profile_lines(models, on, ids, mask, device, profile_top)
         out = {}
         for name in ("sdpa", "mhattn"):
             with on(name):
@@ -194,6 +244,9 @@ def main(argv=None) -> int:
                         help="only these cells, comma-separated: train, train-padded, prefill, decode (default all)")
     parser.add_argument("--backends", default="auto",
                         help="mhattn's columns: auto and/or backends forced by name (default auto; e.g. auto,triton)")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="before each training cell's row, a torch.profiler listing of one step per column: the "
+                             "TOP kernels by GPU time of each (default 0: none)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     import transformers
@@ -207,7 +260,7 @@ def main(argv=None) -> int:
     names = {"train": "train", "train-padded": "train, left-padded", "prefill": "prefill, left-padded",
              "decode": "decode"}
     only = [names[name.strip()] for name in args.cells.split(",") if name.strip()] or None
-    for line in run(device, args.tiny, args.warmup, args.runs, backends, only):
+    for line in run(device, args.tiny, args.warmup, args.runs, backends, only, args.profile):
         print(line, flush=True)
     return 0
 

@@ -3,6 +3,8 @@ downloads) generates the tokens "sdpa" generates, and a packed training step mat
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -165,6 +167,28 @@ def test_whole_model_benchmark_runs_on_tiny_shapes():
         diff = float(fields[-2] if cell == "decode" else fields[-1])
         assert diff < 1e-5, (cell, fields)
     assert rows["decode"][-1] == "1.000"
+
+
+def test_hf_model_script_profiles_a_training_step_on_tiny_shapes():
+    """check_hf_model.py's --profile on a tiny model on the CPU: before the training row, a line per column with its
+    step's time, kernel (here operator) total and launches, then the names in any column's top 3 with each column's
+    milliseconds and calls; the operators both columns ran first, with a count in each."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "check_hf_model.py"
+    spec = importlib.util.spec_from_file_location("check_hf_model", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    lines = script.run(torch.device("cpu"), True, 0, 1, ("auto", ), only=["train"], profile_top=3)
+    assert lines[1].startswith("profile of one training step (CPU ms per step")
+    assert lines[2].startswith("  sdpa: step ") and lines[3].startswith("  mhattn: step ")
+    assert all("launches" in line and "host syncs" in line for line in lines[2:4])
+    assert lines[4].split() == ["kernel", "sdpa", "mhattn"]
+    listed = lines[5:-1]
+    assert 3 <= len(listed) <= 6 and lines[-1].startswith("train")
+    counts = [re.findall(r"\((\s*\d+)\)", line) for line in listed]
+    assert len(counts[0]) == 2 and all(int(count) > 0 for count in counts[0])  # shared: counted in both columns
 
 
 def _sequences(gen, lengths):
