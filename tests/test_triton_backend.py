@@ -1344,6 +1344,41 @@ def test_gpu_gluon_backward_key_padding_as_lengths(monkeypatch, dtype, case):
     _check_gluon_backward_build(monkeypatch, "KEY_LENGTHS", dtype, GLUON_KEY_PADDING_CASES[case])
 
 
+# GQA and MQA in the Gluon backward with a key/value head's query heads split over programs that add float32 partial
+# dK and dV (hopper_launch.backward_group_parts; one program per query head unless the case says how many heads each
+# walks): both causal alignments, more queries than keys, groups of 3 and 4, MQA, a window with left padding, dropout
+# with right padding, a softcap.
+GLUON_PARTIAL_CASES = {
+    "d128_gqa4_top_left": dict(head_dim=128, heads_q=8, heads_kv=2, seqlen_q=700, seqlen_k=700, causal="top_left"),
+    "d64_gqa3_bottom_right": dict(head_dim=64, heads_q=6, heads_kv=2, seqlen_q=300, seqlen_k=517,
+                                  causal="bottom_right"),
+    "d128_mqa_more_queries": dict(head_dim=128, heads_q=4, heads_kv=1, seqlen_q=517, seqlen_k=300),
+    "d128_window_left_padding": dict(head_dim=128, batch=3, heads_q=4, heads_kv=2, seqlen_q=600, seqlen_k=600,
+                                     causal="bottom_right", window=(200, 0), mask="key_padding_left"),
+    "d64_dropout_key_padding": dict(head_dim=64, batch=3, heads_q=4, heads_kv=1, seqlen_q=400, seqlen_k=400,
+                                    mask="key_padding", dropout_p=0.2),
+    "d128_softcap": dict(head_dim=128, heads_q=6, heads_kv=2, seqlen_q=300, seqlen_k=300, causal="top_left",
+                         softcap=20.0),
+    "d128_two_heads_a_program": dict(head_dim=128, heads_q=8, heads_kv=2, seqlen_q=517, seqlen_k=517,
+                                     causal="top_left", heads_per_program=2),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GLUON_PARTIAL_CASES))
+def test_gpu_gluon_backward_partial_dk_dv(monkeypatch, dtype, case):
+    """The Gluon backward built with partial dK and dV sums (asserted from the build's compile-time arguments) against
+    the reference, its programs splitting each key/value head's query heads."""
+    from mhattn.backends.triton import hopper_launch
+
+    case = dict(GLUON_PARTIAL_CASES[case])
+    monkeypatch.setattr(hopper_launch, "BACKWARD_HEADS_PER_PROGRAM", case.pop("heads_per_program", None))
+    _check_gluon_backward_build(monkeypatch, "PARTIAL_DK_DV", dtype, case)
+
+
 # Dropout in the Gluon kernels, with the RNG every backend shares (the reference applies the same keep-mask): GQA,
 # both causal alignments, more queries than keys, a window and a right-padding key mask with it.
 GLUON_DROPOUT_CASES = {
@@ -1669,8 +1704,9 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
     """Every table entry that uses the Hopper switches compiles for sm_90a through Triton's compiler, and the
     copy-engine switch really gives bulk tensor copies in the PTX. The Gluon kernels fit an H100's shared memory per
     block (227 KB) with no ptxas note on their wgmma, the forward with two Q buffers or three rotating Q slots writes
-    its output through the copy engine (from Q's slot) and rescales its output lazily where FORWARD_LAZY_RESCALE says, and the backward its
-    dK and dV where BACKWARD_STAGED_DK_DV says (from K's and V's tiles)."""
+    its output through the copy engine (from Q's slot) and rescales its output lazily where FORWARD_LAZY_RESCALE says,
+    and the backward its dK and dV where BACKWARD_STAGED_DK_DV says (from K's and V's tiles), or adds them to float32
+    partial sums with paired float32 atomics (GQA's PARTIAL_DK_DV builds)."""
     from mhattn.backends.triton import ahead, hopper_launch
 
     tasks = ahead.table_tasks("sm_90a")
@@ -1690,10 +1726,14 @@ def test_hopper_kernels_compile_for_sm90a_without_a_gpu():
         if task.kind == "hopper_bwd":  # dQ's shares summed by the copy engine; dK and dV stored by it where staged
             assert "cp.reduce.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx, task.label
             staged = "cp.async.bulk.tensor.4d.global.shared::cta" in ptx
-            assert staged == hopper_launch.BACKWARD_STAGED_DK_DV[task.head_dim], task.label
+            flags = dict(task.flags)
+            partial = flags.get("PARTIAL_DK_DV", False)  # (GQA: float32 atomic additions of partial dK and dV)
+            assert staged == (hopper_launch.BACKWARD_STAGED_DK_DV[task.head_dim] and not partial), task.label
+            # (atom with Triton 3.6, red with later versions: the old value is not read)
+            paired = re.search(r"\b(atom|red)\.global\.gpu\.relaxed\.add\.v2\.f32", ptx)
+            assert bool(paired) == partial, task.label
             # Dropout, softcap and first-key (left padding) builds take BACKWARD_FEATURE_QUERY_BLOCK's rows a step
             # where the plain build's spill with them, and then keep every value in registers.
-            flags = dict(task.flags)
             rows = ahead._constexprs(task)["BLOCK_M"]
             assert rows == hopper_launch.backward_query_block(task.head_dim, flags.get("DROPOUT", False),
                                                               flags.get("SOFTCAP", False),
@@ -2078,6 +2118,46 @@ def test_deterministic_turn_counters_cover_the_query_blocks_of_every_build(monke
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("shape, expected", [
+    # (B, Hq, Hkv, N, d, causal, window, deterministic) -> programs per key block of a key/value head
+    ((2, 16, 16, 4096, 128, True, False, False), 1),  # no GQA
+    ((2, 16, 4, 4096, 128, True, False, False), 4),   # 256 programs -> 1024 (6 an SM wanted: 792)
+    ((4, 32, 8, 2048, 128, True, False, False), 2),   # 512 -> 1024
+    ((2, 28, 4, 4096, 128, True, False, False), 7),   # a group of 7: 1 or 7
+    ((2, 32, 4, 4096, 128, True, False, False), 4),   # a group of 8: two heads a program
+    ((8, 16, 4, 1024, 128, True, False, False), 1),   # 1k keys: the group in one program
+    ((2, 16, 4, 1024, 128, True, False, False), 4),   # ... unless the grid is short of one program an SM (64)
+    ((2, 16, 4, 4096, 128, False, False, False), 1),  # no causal mask: programs of equal lengths
+    ((2, 16, 1, 4096, 128, False, False, False), 4),  # MQA: 64 programs, short of one an SM -> 256
+    ((2, 16, 1, 4096, 128, True, False, False), 16),  # ... causal: 792 wanted, 1024
+    ((1, 8, 1, 512, 64, False, False, False), 8),     # 4 programs: as many as the group gives
+    ((4, 16, 4, 2048, 64, True, False, False), 1),    # head dim 64
+    ((2, 16, 4, 4096, 128, True, True, False), 1),    # a window
+    ((2, 16, 4, 4096, 128, True, False, True), 1),    # deterministic
+    ((2, 16, 4, 4096, 96, True, False, False), 1),    # a head dim narrower than its tile
+    ((1, 16, 1, 4096, 256, False, False, False), 1),  # head dim 256
+])
+def test_hopper_backward_group_parts_rule(monkeypatch, shape, expected):
+    """hopper_launch.backward_group_parts on 132 SMs: a causal GQA grid at head dim 128 and 2k keys or more is split
+    until it has six programs per SM, another grid short of one program per SM until it has one, by divisors of the
+    group; one program walks the group otherwise. BACKWARD_HEADS_PER_PROGRAM overrides the rule where it divides the group."""
+    from types import SimpleNamespace
+
+    from mhattn.backends.triton import hopper_launch
+
+    monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
+    batch, heads_q, heads_kv, seqlen, head_dim, causal, window, deterministic = shape
+    plan = SimpleNamespace(batch=batch, heads_q=heads_q, heads_kv=heads_kv, kv_group=heads_q // heads_kv,
+                           seqlen_q=seqlen, seqlen_k=seqlen, head_dim=head_dim, has_right=causal, has_left=window)
+    assert hopper_launch.backward_group_parts(plan, deterministic, None) == expected
+    monkeypatch.setattr(hopper_launch, "BACKWARD_HEADS_PER_PROGRAM", 2)
+    group = heads_q // heads_kv
+    overridden = group // 2 if group % 2 == 0 and group > 1 else 1
+    assert hopper_launch.backward_group_parts(plan, deterministic, None) == (1 if expected == 1 and (
+        deterministic or head_dim in (96, 256)) else overridden)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("seqlen_q, slices, deterministic", [(200, False, False), (2500, False, False),
                                                               (200, True, False), (200, False, True),
                                                               (2500, True, True)])
@@ -2091,7 +2171,9 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
     backward_sums_words words (zeroed by the preprocess kernel). Each launch numbers its batch entries and heads for
     the dropout keep-mask from its slice's first in the call. A deterministic backward's build gets its zeroed int32
     turn counters, one per (batch entry, query head, query block), right after the counters (the counters stand in
-    for them otherwise)."""
+    for them otherwise). GQA (two query heads a key/value head) not deterministic: one program per query head
+    (group_parts 2, twice the programs), dK and dV as zeroed float32 partial sums right after the counters, copied
+    into dk and dv after the launch; deterministic: one program walks both heads, dK and dV written by the kernel."""
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from types import SimpleNamespace
 
@@ -2107,15 +2189,19 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
 
     def record(grid, named, constexprs):
         calls.append((grid, named, named["dQacc"].clone(), named["DqCounters"].clone(), named["DqTurns"].clone(),
-                      constexprs))  # as the kernel finds them
+                      constexprs, named["dK"].clone(), named["dV"].clone()))  # as the kernel finds them
         named["dQacc"].fill_(len(calls))  # what the kernel adds: a value per launch, so a host copy shows in dq
+        if constexprs["PARTIAL_DK_DV"]:
+            named["dK"].fill_(10 + len(calls))
+            named["dV"].fill_(20 + len(calls))
 
     monkeypatch.setattr(hopper_launch, "_backward_launcher",
                         [RecordingLauncher(hopper_backward.hopper_backward_kernel, record)])
     monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
     if slices:  # a launch per batch entry
         monkeypatch.setattr(hopper_launch, "SINGLE_LAUNCH_BYTES", 1)
-        monkeypatch.setattr(hopper_launch, "ACCUMULATOR_BYTES", heads_kv * 2 * seqlen_q * head_dim * 4)
+        # (a batch entry's float32 sums: dQ's, and the partial dK and dV sums by which slices are sized)
+        monkeypatch.setattr(hopper_launch, "ACCUMULATOR_BYTES", heads_kv * (2 * seqlen_q + 2 * 300) * head_dim * 4)
         monkeypatch.setattr(hopper_launch, "MIN_WAVES", 0)
     plan = SimpleNamespace(head_dim=head_dim, seqlen_q=seqlen_q, seqlen_k=300, batch=batch, heads_kv=heads_kv,
                            kv_group=heads_q // heads_kv, has_right=False, has_left=False, key_lengths=False,
@@ -2127,19 +2213,36 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
     words = hopper_launch.backward_sums_words(plan, None, deterministic)
     query_blocks = -(-seqlen_q // hopper_launch.BACKWARD_QUERY_BLOCK[head_dim])
     turns = heads_q * query_blocks if deterministic else 0
-    assert words == (0 if slices else batch * (heads_kv * ((heads_q // heads_kv) * seqlen_q * head_dim + 1) + turns))
+    partial = not deterministic
+    partial_words = 2 * heads_kv * 300 * head_dim if partial else 0
+    assert hopper_launch.backward_group_parts(plan, deterministic) == (2 if partial else 1)
+    assert words == (0 if slices else batch * (heads_kv * ((heads_q // heads_kv) * seqlen_q * head_dim + 1) + turns
+                                               + partial_words))
     given = torch.zeros(words) if words else None
     hopper_launch.backward(q, k, k, q, rows, rows, dq, dk, dv, run, plan, None, given, deterministic)
 
     small = (heads_q // heads_kv) * seqlen_q * head_dim * 4 <= hopper_launch.CONVERT_IN_KERNEL_MAX_BYTES
     assert len(calls) == (batch if slices else 1)
     entries = 1 if slices else batch
-    for launch_index, (grid, named, sums, counters, turn_counters, constexprs) in enumerate(calls):
+    for launch_index, (grid, named, sums, counters, turn_counters, constexprs, dk_sums, dv_sums) in enumerate(calls):
         assert named["dQ"].shape == (entries, heads_q, seqlen_q, head_dim) and named["dQ"].dtype == q.dtype
         assert sums.shape == named["dQ"].shape and sums.dtype == torch.float32 and not sums.any()
         assert counters.dtype == torch.int32 and counters.tolist() == [0] * (entries * heads_kv)
         assert named["DqCounters"].data_ptr() == named["dQacc"].data_ptr() + sums.numel() * 4  # right after the sums
         assert dict(constexprs)["DETERMINISTIC"] == deterministic
+        assert dict(constexprs)["PARTIAL_DK_DV"] == partial and named["group_parts"] == (2 if partial else 1)
+        if partial:  # dK's then dV's float32 sums (k's shape, contiguous, zeroed) right after the counters
+            assert named["dK"].data_ptr() == named["DqCounters"].data_ptr() + counters.numel() * 4
+            assert named["dV"].data_ptr() == named["dK"].data_ptr() + dk_sums.numel() * 4
+            for sums_kv in (dk_sums, dv_sums):
+                assert sums_kv.shape == (entries, heads_kv, 300, head_dim) and sums_kv.is_contiguous()
+                assert sums_kv.dtype == torch.float32 and not sums_kv.any()
+            strides = (heads_kv * 300 * head_dim, 300 * head_dim, head_dim)
+            assert (named["stride_dkb"], named["stride_dkh"], named["stride_dkn"]) == strides
+            assert (named["stride_dvb"], named["stride_dvh"], named["stride_dvn"]) == strides
+        else:
+            assert named["dK"].data_ptr() == dk[launch_index * entries:].data_ptr()
+            assert (named["stride_dkb"], named["stride_dkh"], named["stride_dkn"]) == dk.stride()[:3]
         if deterministic:  # the turn counters right after the counters
             assert named["DqTurns"].data_ptr() == named["DqCounters"].data_ptr() + counters.numel() * 4
             assert turn_counters.dtype == torch.int32 and turn_counters.tolist() == [0] * (entries * turns)
@@ -2147,7 +2250,8 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
             assert named["DqTurns"] is named["DqCounters"]
         if not slices:  # the caller's buffer: the sums from its start, the counters (and turns) filling the rest
             assert named["dQacc"].data_ptr() == given.data_ptr()
-            assert words == sums.numel() + counters.numel() + turn_counters.numel() * deterministic
+            assert words == (sums.numel() + counters.numel() + turn_counters.numel() * deterministic
+                             + partial_words * batch)
         assert named["convert_in_kernel"] == int(small)
         # the dropout keep-mask's numbering: this launch's first (batch entry, query head) in the call's
         assert named["call_heads_q"] == heads_q and named["call_batch_head0"] == launch_index * entries * heads_q
@@ -2156,12 +2260,16 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
             assert named[name].base.data_ptr() == grad[launch_index * entries:].data_ptr()
             assert named[name].shape == [entries, heads_kv, 300, head_dim] and named[name].block_shape == [
                 1, 1, hopper_launch.BACKWARD_KEY_BLOCK[head_dim], head_dim]
-        assert grid[0] == entries * heads_kv * -(-300 // hopper_launch.BACKWARD_KEY_BLOCK[head_dim])
+        assert grid[0] == (entries * heads_kv * (2 if partial else 1)
+                           * -(-300 // hopper_launch.BACKWARD_KEY_BLOCK[head_dim]))
+    launch_of_entry = torch.arange(1.0, len(calls) + 1).repeat_interleave(batch // len(calls)).view(batch, 1, 1, 1)
+    if partial:  # the partial sums copied into dk and dv after each launch
+        assert torch.equal(dk, (10 + launch_of_entry).expand_as(k).to(k.dtype))
+        assert torch.equal(dv, (20 + launch_of_entry).expand_as(k).to(k.dtype))
     if small:
         assert torch.isnan(dq).all()  # left to the kernel
     else:
-        launch_values = torch.arange(1.0, len(calls) + 1).repeat_interleave(batch // len(calls))
-        assert torch.equal(dq, launch_values.view(batch, 1, 1, 1).expand_as(q).to(q.dtype))
+        assert torch.equal(dq, launch_of_entry.expand_as(q).to(q.dtype))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

@@ -23,6 +23,8 @@ from mhattn.backends.triton.launcher import COMPILE_OPTIONS
 # Kernel arguments that are pointers (float32 ones listed apart), floats; every other argument is an int32.
 POINTERS = {"Q", "K", "V", "Out", "Lse", "Mask", "dOut", "Lse2", "Delta", "dK", "dV", "dQ", "dMask", "GradLse",
             "dQacc", "OutSplit", "LseSplit", "KCache", "VCache", "NewK", "NewV"}
+# dK and dV are float32 partial sums in the Gluon backward's PARTIAL_DK_DV builds
+PARTIAL_SUMS = {"dK", "dV"}
 FP32_POINTERS = {"Lse", "Lse2", "Delta", "dMask", "GradLse", "dQacc", "OutSplit", "LseSplit"}
 # int32 pointers: the dropout seed words read from the device (see forward.attention_forward_kernel); the
 # cu_seqlens of packed sequences, key bounds of key padding masks (varlen_launch.py, key_padding.py), a KV
@@ -141,7 +143,8 @@ def compile_kernel(task: KernelTask, cc: int = 90):
         elif name in INT32_POINTERS:
             signature[name] = "*i32"
         elif name in POINTERS:
-            signature[name] = "*fp32" if name in FP32_POINTERS else "*" + task.dtype
+            fp32 = name in FP32_POINTERS or (name in PARTIAL_SUMS and constexprs.get("PARTIAL_DK_DV"))
+            signature[name] = "*fp32" if fp32 else "*" + task.dtype
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in FLOATS:
             signature[name] = "fp32"
@@ -286,6 +289,12 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                 for extra in ((), (("DROPOUT", True), ), (("DETERMINISTIC", True), )):  # (left padding, and with those)
                     tasks.append(KernelTask("hopper_bwd", head_dim, causal,
                                             hopper_backward_tile(head_dim, "KEY_STARTS"), flags=starts + extra))
+                # GQA's partial dK and dV sums (hopper_launch.backward_group_parts)
+                if width == head_dim and head_dim <= 128:
+                    partial = (("PARTIAL_DK_DV", True), )
+                    for flags in ((), (("WINDOW", True), ), (("KEY_LENGTHS", True), ), starts):
+                        tile = hopper_backward_tile(head_dim, "KEY_STARTS" if flags is starts else "")
+                        tasks.append(KernelTask("hopper_bwd", head_dim, causal, tile, flags=flags + partial))
         if not hopper_only:
             widest = short_backward_widest_tile(head_dim)
             tasks += [KernelTask("short_bwd", head_dim, causal, widest) for causal in (False, True) if widest]

@@ -6,7 +6,9 @@ backward.py) and delta = rowsum(dO * O) - grad_lse:
     dV = P^T dO        dP = dO V^T        dS = P * (dP - delta)        dK = scale * dS^T Q        dQ = scale * dS K
 
 One program owns BLOCK_N keys of one (batch, key/value head) and walks every query block of every query head
-that shares that key/value head, in a fixed order. It runs three partitions:
+that shares that key/value head, in a fixed order; under GQA the query heads may instead be split over several
+programs of the key block (PARTIAL_DK_DV), each adding its partial dK and dV into float32 sums. It runs three
+partitions:
 
 - a load warp: K and V of the block once, then each step's Q and dO tiles through the copy engine (TMA), with
   those rows' lse2 and delta beside them, into a ring of NUM_STAGES slots; ready/empty barriers are kept apart
@@ -23,7 +25,11 @@ that shares that key/value head, in a fixed order. It runs three partitions:
   back once read).
 
 At the end the compute warps write dK and dV: at head dims 128 and 256 through K's and V's shared tiles by the copy
-engine (hopper_launch.BACKWARD_STAGED_DK_DV), at 64 from registers.
+engine (hopper_launch.BACKWARD_STAGED_DK_DV), at 64 from registers; with PARTIAL_DK_DV they add them from registers
+into the float32 sums with paired float32 atomics, which the host converts after the launch. Splitting the group
+gives the kernel more programs and lets the programs that run side by side share the Q and dO of fewer query heads
+in L2 (one program walking four query heads of 4k keys reads 8 MB of Q and dO, and its neighbours the same 8 MB at
+other places); hopper_launch.backward_group_parts says where.
 
 Where a (batch, key/value head)'s float32 dQ is small (hopper_launch.CONVERT_IN_KERNEL_MAX_BYTES), the program whose
 additions to it come last (a counter per head) converts it into dQ after its partitions have finished, while other
@@ -95,14 +101,14 @@ def visible_query_blocks(start_n, seqlen_q, diag_offset, window_left, BLOCK_M: g
 
 @gluon.jit
 def step_place(step, walk, BLOCK_M: gl.constexpr, DETERMINISTIC: gl.constexpr):
-    """(query head after the program's first, first query row) of step ``step``. walk: (first_m, m_blocks, kv_group),
+    """(query head after the program's first, first query row) of step ``step``. walk: (first_m, m_blocks, heads),
     the program's first visible query block, how many it sees, the query heads it walks. Each head's blocks in order,
     head after head; DETERMINISTIC: block-major in reverse, the heads of a block together, so that every program of a
     (batch, key/value head) adds to a query block of a head at the same step (a causal program starts at the last
     query block whatever its first; dq_turn's order then waits little)."""
-    first_m, m_blocks, kv_group = walk
+    first_m, m_blocks, heads = walk
     if DETERMINISTIC:
-        return step % kv_group, first_m + (m_blocks - 1 - step // kv_group) * BLOCK_M
+        return step % heads, first_m + (m_blocks - 1 - step // heads) * BLOCK_M
     return step // m_blocks, first_m + (step % m_blocks) * BLOCK_M
 
 
@@ -338,7 +344,7 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
                              start_n, walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
                              sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                             DROPOUT: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
+                             DROPOUT: gl.constexpr, DKDV_STORE: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
                              DETERMINISTIC: gl.constexpr, SPLIT: gl.constexpr, KEY_STARTS: gl.constexpr):
     """Head dims 64 and 128, each warpgroup owning 64 of the keys: every step of the key block, then dK and dV.
     Per step: S^T, dP^T; P^T, dS^T; dV, dK; dQ's share. SPLIT (d = 96 in the 128-wide tile): S^T and dP^T over the
@@ -400,7 +406,7 @@ def narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, 
     if DROPOUT:
         dv = dv * rng[3]
     store_dk_dv((dk, ), (dv, ), k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BLOCK_N, HEAD_DIM, kv_layout,
-                STAGED_DK_DV, False)
+                DKDV_STORE, False)
 
 
 @gluon.jit
@@ -410,7 +416,7 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
                       start_n, walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2, sm_scale,
                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DROPOUT: gl.constexpr,
-                      DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
+                      DQ_COLS: gl.constexpr, DKDV_STORE: gl.constexpr, softcap_in2, SOFTCAP: gl.constexpr,
                       DETERMINISTIC: gl.constexpr, SPLIT_PRODUCTS: gl.constexpr, KEY_STARTS: gl.constexpr):
     """The kernel's 8 warps: the narrow schedule (warpgroups split the keys) up to head dim 128, the wide one
     (warpgroups split the columns) above; SPLIT_PRODUCTS: products over the head dim's columns only (each schedule
@@ -419,14 +425,14 @@ def compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_read
         wide_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
                                walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2, sm_scale,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, DKDV_STORE,
                                softcap_in2, SOFTCAP, DETERMINISTIC, SPLIT_PRODUCTS, KEY_STARTS)
     else:
         narrow_compute_partition(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready,
                                  q_ready, q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n,
                                  walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
                                  sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT,
-                                 STAGED_DK_DV, softcap_in2, SOFTCAP, DETERMINISTIC, SPLIT_PRODUCTS, KEY_STARTS)
+                                 DKDV_STORE, softcap_in2, SOFTCAP, DETERMINISTIC, SPLIT_PRODUCTS, KEY_STARTS)
 
 
 @gluon.jit
@@ -436,7 +442,7 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
                            start_n, walk, steps, key_counts, diag_offset, window_left, rng, qk_scale2,
                            sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                           DROPOUT: gl.constexpr, DQ_COLS: gl.constexpr, STAGED_DK_DV: gl.constexpr, softcap_in2,
+                           DROPOUT: gl.constexpr, DQ_COLS: gl.constexpr, DKDV_STORE: gl.constexpr, softcap_in2,
                            SOFTCAP: gl.constexpr, DETERMINISTIC: gl.constexpr, SPLIT: gl.constexpr,
                            KEY_STARTS: gl.constexpr):
     """The compute partition at head dim 256. dK and dV of 64 keys by 256 columns take all of both warpgroups'
@@ -508,7 +514,7 @@ def wide_compute_partition(k_smem, v_smem, q_smem, do_smem, pds_smem, dq_smem, d
         dv = scale_columns(dv, rng[3], SPLIT)
     kv_layout: gl.constexpr = wgmma_layout(COMPUTE_WARPS // 2, 2, HEAD_DIM // 2)  # (zero_columns' one part)
     store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BLOCK_N, HEAD_DIM, kv_layout,
-                STAGED_DK_DV, SPLIT)
+                DKDV_STORE, SPLIT)
 
 
 @gluon.jit
@@ -573,18 +579,28 @@ def hand_dq_chunk(share, dq_smem, dq_ready, dq_empty, index, BLOCK_M: gl.constex
     mbarrier.arrive(dq_ready.index(buf), count=1)
 
 
+# How the compute warps write a program's dK and dV (store_dk_dv): from registers, through K's and V's shared tiles by
+# the copy engine, or (PARTIAL_DK_DV: the program walked part of its key/value head's query heads) added from registers
+# into float32 sums that the other parts' programs add to as well.
+STORE_FROM_REGISTERS = gl.constexpr(0)
+STORE_STAGED = gl.constexpr(1)
+ADD_PARTIAL = gl.constexpr(2)
+
+
 @gluon.jit
 def store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BLOCK_N: gl.constexpr,
-                HEAD_DIM: gl.constexpr, kv_layout: gl.constexpr, STAGED: gl.constexpr, SPLIT: gl.constexpr):
-    """The key block's dK (scaled) and dV rows in the input dtype, up to the last key; dk, dv: column parts
-    (zero_columns; one part unless SPLIT). dkv_out: (dk_desc, dv_desc, batch, head_kv, dk_base, dv_base, stride_dkn,
-    stride_dvn). STAGED: in K's and V's tiles, written by the copy engine (which clips rows past Nk): two bulk copies
-    instead of a thread's 32-128 scattered 4-byte stores. Those tiles are free: every warp waited for its last products
-    before the last dQ hand-over's barrier. Else from registers, through dk_base and dv_base (one part only)."""
+                HEAD_DIM: gl.constexpr, kv_layout: gl.constexpr, STORE: gl.constexpr, SPLIT: gl.constexpr):
+    """The key block's dK (scaled) and dV rows up to the last key; dk, dv: column parts (zero_columns; one part unless
+    SPLIT). dkv_out: (dk_desc, dv_desc, batch, head_kv, dk_base, dv_base, stride_dkn, stride_dvn). STORE:
+    STORE_STAGED: in the input dtype, in K's and V's tiles, written by the copy engine (which clips rows past Nk): two
+    bulk copies instead of a thread's 32-128 scattered 4-byte stores. Those tiles are free: every warp waited for its
+    last products before the last dQ hand-over's barrier. STORE_FROM_REGISTERS: in the input dtype, through dk_base and
+    dv_base (one part only). ADD_PARTIAL: float32 atomic additions through dk_base and dv_base, which point into the
+    zeroed float32 sums of the call (one part only)."""
     dk_desc, dv_desc, batch, head_kv, dk_base, dv_base, stride_dkn, stride_dvn = dkv_out
     dtype: gl.constexpr = k_smem.dtype
-    gl.static_assert(STAGED or not SPLIT, "split dK and dV are stored through K's and V's tiles")
-    if STAGED:
+    gl.static_assert(STORE == STORE_STAGED or not SPLIT, "split dK and dV are stored through K's and V's tiles")
+    if STORE == STORE_STAGED:
         stage_columns(k_smem, scale_columns(dk, sm_scale, SPLIT), SPLIT)
         stage_columns(v_smem, dv, SPLIT)
         fence_async_shared()
@@ -598,8 +614,14 @@ def store_dk_dv(dk, dv, k_smem, v_smem, dkv_out, start_n, seqlen_k, sm_scale, BL
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
         keep = gl.expand_dims(keys < seqlen_k, 1)
         rows = gl.expand_dims(keys.to(gl.int64), 1)
-        gl.store(dk_base + rows * stride_dkn + gl.expand_dims(cols, 0), (dk[0] * sm_scale).to(dtype), mask=keep)
-        gl.store(dv_base + rows * stride_dvn + gl.expand_dims(cols, 0), dv[0].to(dtype), mask=keep)
+        dk_at = dk_base + rows * stride_dkn + gl.expand_dims(cols, 0)
+        dv_at = dv_base + rows * stride_dvn + gl.expand_dims(cols, 0)
+        if STORE == ADD_PARTIAL:
+            gl.atomic_add(dk_at, dk[0] * sm_scale, mask=keep, sem="relaxed")
+            gl.atomic_add(dv_at, dv[0], mask=keep, sem="relaxed")
+        else:
+            gl.store(dk_at, (dk[0] * sm_scale).to(dtype), mask=keep)
+            gl.store(dv_at, dv[0].to(dtype), mask=keep)
 
 
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_n_blocks", "diag_offset", "window_left", "threshold",
@@ -611,11 +633,12 @@ def hopper_backward_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
     heads_kv, kv_group, seqlen_q, seqlen_k, num_n_blocks, qk_scale2, sm_scale, diag_offset, window_left,
-    threshold, dropout_scale, call_batch_head0, call_heads_q, softcap_in2, convert_in_kernel,
+    threshold, dropout_scale, call_batch_head0, call_heads_q, softcap_in2, convert_in_kernel, group_parts,
     HEAD_DIM: gl.constexpr, HEAD_COLS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, STAGED_DK_DV: gl.constexpr, WINDOW: gl.constexpr = False,
     KEY_LENGTHS: gl.constexpr = False, DROPOUT: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
     DETERMINISTIC: gl.constexpr = False, SPLIT_PRODUCTS: gl.constexpr = False, KEY_STARTS: gl.constexpr = False,
+    PARTIAL_DK_DV: gl.constexpr = False,
 ):
     """Host tensor maps (hopper_launch.tensor_map): q_desc, do_desc of Q, dOut (B, Hq, Nq, D) in blocks of
     (1, 1, BLOCK_M, HEAD_DIM); k_desc, v_desc of K, V (B, Hkv, Nk, D) in blocks of (1, 1, BLOCK_N, HEAD_DIM);
@@ -649,16 +672,28 @@ def hopper_backward_kernel(
     started); without it DqTurns is not read. SPLIT_PRODUCTS (a head dim of 3/4 of the tile: 96 of 128, 192 of 256):
     S^T and dP^T, and at 192 every product, skip the zero fill past the head dim (narrow_compute_partition,
     wide_compute_partition).
-    Grid (B * Hkv * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
+    PARTIAL_DK_DV (GQA): the kv_group query heads of a key/value head are walked by group_parts programs per key
+    block, kv_group / group_parts heads each, instead of one (more programs, and the programs side by side share the
+    Q and dO of fewer heads in L2); each adds its partial dK and dV into float32 sums (B, Hkv, Nk, D), contiguous, that
+    dK and dV point to (and stride_dk*, stride_dv* describe), which the caller zeroes and converts. Without it
+    group_parts is 1. Not with DETERMINISTIC (the additions' order varies) or head dims past 128.
+    Grid (B * Hkv * group_parts * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
     gl.static_assert(STAGED_DK_DV or HEAD_COLS == HEAD_DIM, "dK and dV stored from registers write every tile column")
+    gl.static_assert(not PARTIAL_DK_DV or (HEAD_COLS == HEAD_DIM and HEAD_DIM <= 128 and not DETERMINISTIC),
+                     "partial dK and dV sums: head dims 64 and 128, not deterministic")
+    if not PARTIAL_DK_DV:
+        group_parts = 1  # (a constant: the builds without partial sums keep their integer arithmetic)
     pid = gl.program_id(0)
-    # Head-major: the key blocks of one head run side by side and share its Q and dO in L2 (a longest-first order
-    # across heads for causal calls measured slower). Within a head, causal key blocks with the most queries first.
-    batch_head_kv = pid // num_n_blocks
+    # Head-major: the key blocks of one head (or of one part of a key/value head's query heads) run side by side and
+    # share its Q and dO in L2 (a longest-first order across heads for causal calls measured slower). Within a head,
+    # causal key blocks with the most queries first.
+    batch_head_part = pid // num_n_blocks
     start_n = (pid % num_n_blocks) * BLOCK_N
+    batch_head_kv = batch_head_part // group_parts
     batch = batch_head_kv // heads_kv
     head_kv = batch_head_kv % heads_kv
-    first_head = head_kv * kv_group
+    part_heads = kv_group // group_parts  # the query heads this program walks
+    first_head = head_kv * kv_group + (batch_head_part % group_parts) * part_heads
     dtype: gl.constexpr = q_desc.dtype
     # dQ's float32 shares go out in chunks of at most 128 columns (head dim 256: two per step).
     DQ_COLS: gl.constexpr = dq_desc.block_shape[3]
@@ -702,9 +737,9 @@ def hopper_backward_kernel(
         key_end = gl.load(KeyBounds + batch)
         m_blocks = gl.where(start_n < key_end, m_blocks, 0)
         if KEY_STARTS:
-            key_start = gl.load(KeyBounds + gl.num_programs(0) // (heads_kv * num_n_blocks) + batch)  # (B entries in)
-            m_blocks = gl.where(start_n + BLOCK_N > key_start, m_blocks, 0)
-    steps = kv_group * m_blocks
+            key_start = gl.load(KeyBounds + gl.num_programs(0) // (heads_kv * group_parts * num_n_blocks) + batch)
+            m_blocks = gl.where(start_n + BLOCK_N > key_start, m_blocks, 0)  # (key_start: B entries in)
+    steps = part_heads * m_blocks
     if DROPOUT:  # the seeds, the threshold, 1 / (1 - p) and the first query head's (batch * Hq + head) in the call
         rng = (gl.load(Seed), gl.load(Seed + 2), threshold, dropout_scale,
                call_batch_head0 + batch * call_heads_q + first_head)
@@ -719,12 +754,14 @@ def hopper_backward_kernel(
                  pid % num_n_blocks, diag_offset - window_left, key_start // BLOCK_N)
     else:
         turns = (DqTurns, 0, 0, 0, 0)
-    walk = (first_m, m_blocks, kv_group)  # the program's query blocks and heads (step_place)
+    walk = (first_m, m_blocks, part_heads)  # the program's query blocks and heads (step_place)
+    DKDV_STORE: gl.constexpr = (ADD_PARTIAL if PARTIAL_DK_DV else
+                                STORE_STAGED if STAGED_DK_DV else STORE_FROM_REGISTERS)
     gl.warp_specialize([
         (compute_partition, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, dq_ready, dq_empty, kv_ready, q_ready,
                              q_empty, do_ready, do_empty, lse2_smem, delta_smem, dkv_out, start_n, walk, steps,
                              (key_end, seqlen_k, key_start), diag_offset, window_left, rng, qk_scale2, sm_scale,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, STAGED_DK_DV,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, WINDOW, DROPOUT, DQ_COLS, DKDV_STORE,
                              softcap_in2, SOFTCAP, DETERMINISTIC, SPLIT_PRODUCTS, KEY_STARTS)),
         (load_partition, (k_desc, v_desc, q_desc, do_desc, lse2_desc, delta_desc, k_tile, v_tile, q_smem, do_smem,
                           lse2_smem, delta_smem, kv_ready, q_ready, q_empty, do_ready, do_empty, batch, head_kv,
@@ -733,13 +770,15 @@ def hopper_backward_kernel(
                                BLOCK_M, BLOCK_N, DQ_COLS, HEAD_DIM // DQ_COLS, WINDOW, DETERMINISTIC, KEY_STARTS)),
     ], [1, 1], [LOAD_REGS, WRITER_REGS])
 
-    # The (batch, key/value head)'s dQ is complete once each of its num_n_blocks programs has added its share: the
-    # program that counts last converts it, while other programs still compute (no pass over the buffer after the
-    # kernel). The count is a release of this program's additions and an acquire of the others'.
+    # The (batch, key/value head)'s dQ is complete once each of its num_n_blocks * group_parts programs has added its
+    # share: the program that counts last converts it (all kv_group query heads, whichever part it walked), while other
+    # programs still compute (no pass over the buffer after the kernel). The count is a release of this program's
+    # additions and an acquire of the others'.
     if convert_in_kernel:
         mbarrier.wait(dq_added, 0)
         added_before = gl.atomic_add(DqCounters + batch_head_kv, 1, sem="acq_rel", scope="gpu")
-        if added_before == num_n_blocks - 1:
+        if added_before == num_n_blocks * group_parts - 1:
+            group_first_head = head_kv * kv_group
             convert_dq(dQacc + batch_head_kv.to(gl.int64) * kv_group * seqlen_q * HEAD_COLS,
-                       dQ + batch.to(gl.int64) * stride_dqb + first_head.to(gl.int64) * stride_dqh, stride_dqh,
+                       dQ + batch.to(gl.int64) * stride_dqb + group_first_head.to(gl.int64) * stride_dqh, stride_dqh,
                        stride_dqn, kv_group, seqlen_q, HEAD_DIM, HEAD_COLS)

@@ -550,42 +550,86 @@ COUNTERS_LIMIT = 64
 
 def backward_compile_time_args(head_dim: int, causal: bool, window: bool = False, key_lengths: bool = False,
                                dropout: bool = False, softcap: bool = False, deterministic: bool = False,
-                               key_starts: bool = False) -> dict:
+                               key_starts: bool = False, partial_dk_dv: bool = False) -> dict:
     """The backward kernel's compile-time arguments (launch, `mhattn build`, the GPU check script); window: a sliding
     window's left bound; key_lengths: per-batch key counts (a right-padding key mask); dropout; softcap; deterministic:
     dQ's shares added in a fixed order; key_starts (with key_lengths): per-batch first keys too (a left-padding key
-    mask). HEAD_DIM is the tile width (TILE_WIDTH), HEAD_COLS the head dim."""
+    mask); partial_dk_dv: a key/value head's query heads split over programs that add float32 partial dK and dV
+    (backward_group_parts). HEAD_DIM is the tile width (TILE_WIDTH), HEAD_COLS the head dim."""
     width = TILE_WIDTH[head_dim]
     rows = backward_query_block(head_dim, dropout, softcap, key_starts)
     return dict(HEAD_DIM=width, HEAD_COLS=head_dim, BLOCK_M=rows,
                 BLOCK_N=BACKWARD_KEY_BLOCK[width], NUM_STAGES=BACKWARD_STAGES[width], CAUSAL=causal,
                 STAGED_DK_DV=BACKWARD_STAGED_DK_DV[width],
                 WINDOW=window, KEY_LENGTHS=key_lengths, DROPOUT=dropout, SOFTCAP=softcap, DETERMINISTIC=deterministic,
-                SPLIT_PRODUCTS=head_dim in BACKWARD_SPLIT_HEAD_DIMS, KEY_STARTS=key_starts)
+                SPLIT_PRODUCTS=head_dim in BACKWARD_SPLIT_HEAD_DIMS, KEY_STARTS=key_starts, PARTIAL_DK_DV=partial_dk_dv)
 
 
-def _backward_setup(plan, device_index: int, deterministic: bool = False, key_starts: bool = False) -> tuple:
+# GQA: a key/value head's query heads split over group_parts programs per key block, each adding float32 partial dK
+# and dV (hopper_backward_kernel's PARTIAL_DK_DV), where the tile is as wide as the head dim and at most 128. With one
+# program walking the group, a causal grid has few programs of very unequal lengths (a key block near the diagonal
+# walks all queries of all the group's heads), and the ones launched last leave SMs idle: a Llama-shaped training step
+# (B = 2, 16 query heads on 4 key/value heads, 4k keys, d = 128, causal) on the H200 took 1.03 ms in the backward with
+# 256 such programs, 0.85 ms with 1024 of one query head each, SDPA's 0.85 ms (NOTES version 35). The rule, from those
+# runs: a causal grid at head dim 128 and at least BACKWARD_SPLIT_MIN_KEYS keys is split until it has
+# BACKWARD_SPLIT_PROGRAMS_PER_SM programs per SM (at 512 keys, twice as slow split); any other grid short of one program
+# per SM (MQA) until it has one. Not without a causal mask (programs of equal lengths: no gain, 0-5% slower), nor at
+# head dim 64, whose times moved by up to 1.7x between processes at the same setting.
+BACKWARD_SPLIT_PROGRAMS_PER_SM = 6
+BACKWARD_SPLIT_MIN_KEYS = 2048
+# None: the rule; a number: that many query heads per program wherever it divides the group (benchmarks set it).
+BACKWARD_HEADS_PER_PROGRAM = None
+
+
+def backward_group_parts(plan, deterministic: bool = False, device_index: Optional[int] = None) -> int:
+    """How many programs share a key block's query heads (their kv_group; 1 without GQA): a divisor of kv_group (see
+    above). 1 (one program walks the group, dK and dV summed in its registers) for a deterministic backward, whose
+    additions must keep their order, and at head dims whose tile is wider than the head dim or wider than 128."""
+    group = plan.kv_group
+    if group == 1 or deterministic or TILE_WIDTH[plan.head_dim] != plan.head_dim or plan.head_dim > 128:
+        return 1
+    if BACKWARD_HEADS_PER_PROGRAM is not None:
+        heads = BACKWARD_HEADS_PER_PROGRAM
+        return group // heads if group % heads == 0 else 1
+    programs = plan.batch * plan.heads_kv * backward_programs_per_head(plan)
+    sm_count = _sm_count(device_index)
+    if plan.has_right and not plan.has_left and plan.head_dim == 128 and plan.seqlen_k >= BACKWARD_SPLIT_MIN_KEYS:
+        wanted = BACKWARD_SPLIT_PROGRAMS_PER_SM * sm_count
+    elif programs < sm_count:
+        wanted = sm_count
+    else:
+        return 1
+    return next((parts for parts in range(1, group) if group % parts == 0 and programs * parts >= wanted), group)
+
+
+def _backward_setup(plan, device_index: int, deterministic: bool = False, key_starts: bool = False,
+                    partial: bool = False) -> tuple:
     """(launcher, compile-time set, (batches, key/value heads) per launch) of the backward, deterministic or not, with
-    per-sequence first keys or not (KEY_STARTS), made once per plan."""
+    per-sequence first keys or not (KEY_STARTS), with partial dK and dV sums or not (PARTIAL_DK_DV), made once per
+    plan."""
     if not _backward_launcher:
         from mhattn.backends.triton import hopper_backward
 
         _backward_launcher.append(CompiledLauncher(hopper_backward.hopper_backward_kernel))
     launcher = _backward_launcher[0]
     # ((deterministic, key_starts) -> compile-time set)
-    constexprs = plan.hopper_backward_constexprs.get((deterministic, key_starts))
+    constexprs = plan.hopper_backward_constexprs.get((deterministic, key_starts, partial))
     if constexprs is None:
-        constexprs = plan.hopper_backward_constexprs[(deterministic, key_starts)] = launcher.constexprs(
+        constexprs = plan.hopper_backward_constexprs[(deterministic, key_starts, partial)] = launcher.constexprs(
             8, 1, **backward_compile_time_args(plan.head_dim, plan.has_right, plan.has_left, plan.key_lengths,
-                                               plan.has_dropout, plan.has_softcap, deterministic, key_starts))
+                                               plan.has_dropout, plan.has_softcap, deterministic, key_starts,
+                                               partial))
     return launcher, constexprs, _backward_slices(plan, device_index)
 
 
 def _backward_slices(plan, device_index: int) -> tuple:
-    """(batches, key/value heads) per launch of the plan's backward (backward_slices), made once per plan."""
+    """(batches, key/value heads) per launch of the plan's backward (backward_slices), made once per plan (sized for
+    the backward that is not deterministic: its float32 sums are dQ's and, with partial dK and dV, theirs)."""
     if plan.hopper_backward_slices is None:
-        plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, plan.kv_group * plan.seqlen_q
-                                                      * plan.head_dim * 4, backward_programs_per_head(plan),
+        parts = backward_group_parts(plan, False, device_index)
+        words = plan.kv_group * plan.seqlen_q * plan.head_dim + (_partial_words(plan, 1, 1) if parts > 1 else 0)
+        plan.hopper_backward_slices = backward_slices(plan.batch, plan.heads_kv, words * 4,
+                                                      parts * backward_programs_per_head(plan),
                                                       _sm_count(device_index))
     return plan.hopper_backward_slices
 
@@ -603,17 +647,24 @@ def backward_sums_words(plan, device_index: int, deterministic: bool = False) ->
     batches, heads = _backward_slices(plan, device_index)
     if batches != plan.batch or heads != plan.heads_kv:
         return 0
-    return _sums_words(plan, batches, heads, deterministic)
+    return _sums_words(plan, batches, heads, deterministic, device_index)
 
 
-def _sums_words(plan, batches: int, heads: int, deterministic: bool = False) -> int:
+def _sums_words(plan, batches: int, heads: int, deterministic: bool = False, device_index: Optional[int] = None) -> int:
     """float32 words of one launch's dQ sums and counters over ``batches`` x ``heads`` (batch, key/value head) pairs:
-    each pair's sums for its kv_group query heads, then its int32 counter; deterministic, then the int32 turn
-    counters of each query head's query blocks (as many as the build with the shortest steps has: a build with
-    per-sequence first keys may take shorter steps than the call's others, backward_query_block)."""
+    each pair's sums for its kv_group query heads, then its int32 counter; with partial dK and dV sums
+    (backward_group_parts), dK's then dV's (_partial_words); deterministic, then the int32 turn counters of each query
+    head's query blocks (as many as the build with the shortest steps has: a build with per-sequence first keys may
+    take shorter steps than the call's others, backward_query_block)."""
     query_rows = backward_query_block(plan.head_dim, key_starts=True)
     turns = plan.kv_group * -(-plan.seqlen_q // query_rows) if deterministic else 0
-    return batches * heads * (plan.kv_group * plan.seqlen_q * plan.head_dim + 1 + turns)
+    partial = _partial_words(plan, batches, heads) if backward_group_parts(plan, deterministic, device_index) > 1 else 0
+    return batches * heads * (plan.kv_group * plan.seqlen_q * plan.head_dim + 1 + turns) + partial
+
+
+def _partial_words(plan, batches: int, heads: int) -> int:
+    """float32 words of the partial dK and dV sums over ``batches`` x ``heads`` (batch, key/value head) pairs."""
+    return 2 * batches * heads * plan.seqlen_k * plan.head_dim
 
 
 def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index: int,
@@ -628,7 +679,9 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
     counters after the sums' (:func:`backward_sums_words`). Returns the launch as a BackwardSite where it ran as one
     launch through the call signature's prepared site (a repeated call may launch it again), else None."""
     spans = None if run.key_bounds is None else run.key_spans()  # (a left-padding key mask: key_padding.SPAN)
-    launcher, constexprs, (batches, heads) = _backward_setup(plan, device_index, deterministic, spans is not None)
+    parts = backward_group_parts(plan, deterministic, device_index)
+    launcher, constexprs, (batches, heads) = _backward_setup(plan, device_index, deterministic, spans is not None,
+                                                             parts > 1)
     head_dim = plan.head_dim
     num_n_blocks = backward_programs_per_head(plan)
     group = plan.kv_group
@@ -639,13 +692,14 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
                first_head=0, sites=None):
         # (first_batch, first_head: the slice's first batch entry and query head in the call, by whose numbers the
         # dropout keep-mask is drawn)
-        scalars = (*dk.stride()[:3], *dv.stride()[:3], *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q,
+        dkv_strides = (*dk.stride()[:3], *dv.stride()[:3]) if parts == 1 else 2 * _partial_strides(k_s)
+        scalars = (*dkv_strides, *dq.stride()[:3], k_s.shape[1], group, plan.seqlen_q,
                    plan.seqlen_k, num_n_blocks, scores_scale2(run, plan), run.sm_scale, run.diag_offset,
                    run.window_left, run.threshold, run.dropout_scale, first_batch * plan.heads_q + first_head,
-                   plan.heads_q, run.softcap_in2, int(convert_in_kernel))
+                   plan.heads_q, run.softcap_in2, int(convert_in_kernel), parts)
         args = backward_arguments(q_s, k_s, v_s, grad_out_s, lse2_s, delta_s, dq_s, dk_s, dv_s, zeroed,
-                                  key_bounds, run.seed if plan.has_dropout else None) + scalars
-        grid = (k_s.shape[0] * k_s.shape[1] * num_n_blocks,)
+                                  key_bounds, run.seed if plan.has_dropout else None, parts > 1) + scalars
+        grid = (k_s.shape[0] * k_s.shape[1] * parts * num_n_blocks,)
         site = None
         if sites is None:
             mapped = args[:BACKWARD_MAPS]
@@ -654,28 +708,28 @@ def backward(q, k, v, grad_out, lse2, delta, dq, dk, dv, run, plan, device_index
         else:
             # One launch per call over the signature's tensors: the site prepared by its first call (the maps'
             # geometry: the signature's and the gradient's strides).
-            key = ("hopper_backward", grad_out_s.stride(), deterministic, spans is not None)
+            key = ("hopper_backward", grad_out_s.stride(), deterministic, spans is not None, parts)
             site = sites.get(key)
             if site is None or site.launcher is not launcher or site.constexprs is not constexprs:
                 mapped = args[:BACKWARD_MAPS]
                 site = sites[key] = launcher.prepare_maps(grid, (*backward_maps(*mapped, head_dim, query_rows),
                                                                  *args[BACKWARD_MAPS:]), constexprs, device_index)
             site.launch(args)
-        if not convert_in_kernel:
-            dq_s.copy_(args[SUMS_ARGUMENT])
-        return None if site is None else BackwardSite(site, scalars, convert_in_kernel)
+        finish(args, dq_s, dk_s, dv_s, convert_in_kernel, parts > 1)
+        return None if site is None else BackwardSite(site, scalars, convert_in_kernel, parts > 1)
 
     if batches == plan.batch and heads == plan.heads_kv:  # one launch over the whole tensors: no slicing views
         signature = getattr(run, "signature", None)
         return launch(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, run.key_bounds if spans is None else spans,
                       sites=None if signature is None else signature.sites)
-    accumulator = torch.empty(_sums_words(plan, batches, heads, deterministic), dtype=torch.float32, device=q.device)
+    accumulator = torch.empty(_sums_words(plan, batches, heads, deterministic, device_index), dtype=torch.float32,
+                              device=q.device)
     for b0 in range(0, plan.batch, batches):
         for h0 in range(0, plan.heads_kv, heads):
             b, h = slice(b0, b0 + batches), slice(h0, h0 + heads)
             hq = slice(h0 * group, (h0 + heads) * group)
             q_s, k_s = q[b, hq], k[b, h]
-            zeroed = accumulator[:_sums_words(plan, k_s.shape[0], k_s.shape[1], deterministic)].zero_()
+            zeroed = accumulator[:_sums_words(plan, k_s.shape[0], k_s.shape[1], deterministic, device_index)].zero_()
             launch(q_s, k_s, v[b, h], grad_out[b, hq], lse2[b, hq], delta[b, hq], dq[b, hq], dk[b, h], dv[b, h],
                    zeroed, _slice_bounds(run.key_bounds, spans, b), b0, h0 * group)
     return None
@@ -691,22 +745,45 @@ def _slice_bounds(key_bounds, spans, b: slice):
 
 
 BACKWARD_MAPS = 9  # the backward kernel's first arguments, read through host tensor maps (backward_maps)
+DK_DV_ARGUMENTS = BACKWARD_MAPS  # dK and dV as pointers (or their float32 partial sums) among backward_arguments
 SUMS_ARGUMENT = BACKWARD_MAPS + 3  # the float32 dQ sums among backward_arguments (after dk, dv and dq)
 
 
-def backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, zeroed, key_bounds=None, seed=None) -> tuple:
+def backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, zeroed, key_bounds=None, seed=None,
+                       partial: bool = False) -> tuple:
     """The backward kernel's tensor arguments, in its order: the BACKWARD_MAPS mapped ones (q, k, v, grad_out, lse2,
-    delta, the float32 dQ sums, dk, dv), then dk, dv, dq, the sums, the per-(batch, key/value head) counters, the
-    per-batch key counts (key_bounds), the dropout seed words (seed) and the turn counters of a deterministic build
-    (the counters stand in for each of the last three where the plan has none). ``zeroed``: the launch's zeroed
-    float32 words, the sums (q's shape), the counters, then any turn counters."""
+    delta, the float32 dQ sums, dk, dv), then dk and dv (partial: the float32 partial sums of dK and dV, k's shape),
+    dq, the dQ sums, the per-(batch, key/value head) counters, the per-batch key counts (key_bounds), the dropout seed
+    words (seed) and the turn counters of a deterministic build (the counters stand in for each of the last three
+    where the plan has none). ``zeroed``: the launch's zeroed float32 words, the dQ sums (q's shape), the counters,
+    with partial the dK then the dV sums, then any turn counters."""
     sums_words = q.numel()
     counters_end = sums_words + k.shape[0] * k.shape[1]
     dq_acc = zeroed[:sums_words].view(q.shape)
     counters = zeroed[sums_words:counters_end].view(torch.int32)
-    turns = zeroed[counters_end:].view(torch.int32) if zeroed.numel() > counters_end else counters
-    return (q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, dk, dv, dq, dq_acc, counters,
+    dk_arg, dv_arg, partial_end = dk, dv, counters_end
+    if partial:
+        partial_end = counters_end + 2 * k.numel()
+        dk_arg, dv_arg = zeroed[counters_end:partial_end].view((2, *k.shape)).unbind(0)
+    turns = zeroed[partial_end:].view(torch.int32) if zeroed.numel() > partial_end else counters
+    return (q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, dk_arg, dv_arg, dq, dq_acc, counters,
             counters if key_bounds is None else key_bounds, counters if seed is None else seed, turns)
+
+
+def _partial_strides(k) -> tuple:
+    """(batch, head, row) strides of the float32 partial dK or dV sums of a launch over ``k`` (k's shape,
+    contiguous)."""
+    return k.shape[1] * k.shape[2] * k.shape[3], k.shape[2] * k.shape[3], k.shape[3]
+
+
+def finish(args, dq, dk, dv, convert_in_kernel: bool, partial: bool) -> None:
+    """After a backward launch over ``args`` (backward_arguments): dQ from its float32 sums unless the kernel converted
+    them, dK and dV from their partial sums (partial)."""
+    if not convert_in_kernel:
+        dq.copy_(args[SUMS_ARGUMENT])
+    if partial:
+        dk.copy_(args[DK_DV_ARGUMENTS])
+        dv.copy_(args[DK_DV_ARGUMENTS + 1])
 
 
 class BackwardSite(NamedTuple):
@@ -716,13 +793,13 @@ class BackwardSite(NamedTuple):
     site: object                 # launcher.PreparedMapLaunch
     scalars: tuple
     convert_in_kernel: bool
+    partial: bool                # dK and dV from float32 partial sums (backward_group_parts)
 
     def launch(self, q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, key_bounds=None) -> None:
         """key_bounds: a key-padded call's bounds (or spans), as the site's first launch had them."""
-        args = backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, key_bounds)
+        args = backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, sums, key_bounds, None, self.partial)
         self.site.launch(args + self.scalars)
-        if not self.convert_in_kernel:
-            dq.copy_(args[SUMS_ARGUMENT])
+        finish(args, dq, dk, dv, self.convert_in_kernel, self.partial)
 
 
 # The last program to add to a (batch, key/value head)'s dQ converts that head's float32 sums into dQ when they take at
