@@ -14,10 +14,10 @@
 # reports, plots and saves what ran): for the complete sweep in one call, run the benchmarks alone.
 #
 # FEATURE_CHECKS=callpath,inference,tune,cupy,cupy-hopper,triton-hopper,gluon-host,clocks,short-backward,short-forward,
-# features,deterministic,padded-head-dims,masked-decode,left-padding,hf-model
+# features,deterministic,padded-head-dims,masked-decode,left-padding,hf-model,gqa-backward
 # runs those checks first
 # (CHECK_S seconds each, default 300; INFERENCE_ARGS, TUNE_ARGS, CUPY_HOPPER_ARGS, TRITON_HOPPER_ARGS, FEATURES_ARGS,
-# DETERMINISTIC_ARGS passed on).
+# DETERMINISTIC_ARGS, GQA_ARGS passed on).
 # Environment: OUT (default /tmp/mhattn_gpu_check), QUICK, SKIP_TESTS, SKIP_CONFORMANCE, SKIP_BENCH,
 # SKIP_PYTEST_BENCH, GPU_TESTS (the test files for `pytest -m gpu`, default tests/: the whole GPU suite takes more
 # than one 10-minute device call on an H100), FULL_CONFORMANCE (1: conformance --full --jobs auto instead of --quick), TOTAL_S
@@ -73,7 +73,9 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
   # `check_inference.py --padded-decode` beside the FlashAttention-2 path and SDPA), left-padding (the Gluon kernels
   # with left-padding key masks: their GPU tests, then `check_inference.py --padded-prefill` forward,
   # forward+backward and forward with dropout beside the FlashAttention-2 kernels and SDPA), hf-model (the transformers
-  # GPU tests, then a Llama-shaped model on mhattn beside sdpa, benchmarks/check_hf_model.py). ring needs two GPUs: torchrun
+  # GPU tests, then a Llama-shaped model on mhattn beside sdpa, benchmarks/check_hf_model.py), gqa-backward (the Gluon
+  # backward's partial dK and dV sums under GQA: their GPU tests, then benchmarks/check_gqa_backward.py beside SDPA with
+  # the group walked by one program). ring needs two GPUs: torchrun
   # --nproc-per-node 2 benchmarks/check_ring.py on a two-GPU machine.
   for check in ${FEATURE_CHECKS//,/ }; do
     stage "feature check: $check"
@@ -109,9 +111,12 @@ if [ -n "${FEATURE_CHECKS:-}" ]; then
       hf-model) timeout -k 10 "${CHECK_S:-300}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider \
                   tests/test_transformers_integration.py | tail -3 && (cd /tmp && python3 $PWD/benchmarks/check_hf_model.py \
                   --backends auto,triton)" ;;
+      gqa-backward) timeout -k 10 "${CHECK_S:-300}" bash -c "python3 -m pytest -q -m gpu -p no:cacheprovider \
+                      tests/test_triton_backend.py -k 'partial_dk_dv or repeated_gluon' | tail -3 && (cd /tmp && \
+                      python3 $PWD/benchmarks/check_gqa_backward.py ${GQA_ARGS:-})" ;;
       *) echo "unknown feature check $check (callpath, inference, tune, cupy, cupy-hopper, triton-hopper," \
            "gluon-host, clocks, short-backward, short-forward, features, deterministic, padded-head-dims," \
-           "masked-decode, left-padding, hf-model)" ;;
+           "masked-decode, left-padding, hf-model, gqa-backward)" ;;
     esac 2>&1 | tail -n "${CHECK_TAIL:-40}"
   done
 fi
