@@ -2158,6 +2158,29 @@ def test_hopper_backward_group_parts_rule(monkeypatch, shape, expected):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_explain_says_where_the_gluon_backward_splits_a_group(monkeypatch):
+    """backward_path names the split of GQA's query heads over programs where group_parts makes one (a causal
+    Llama-shaped step on 132 SMs: 4 query heads over 4 programs), and not without GQA, nor deterministic."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from mhattn.backends.triton import hopper_launch
+    from mhattn.problem import Problem
+
+    monkeypatch.setattr(hopper_launch, "_sm_count", lambda index: 132)
+    backend = _backend()
+
+    def path(heads_kv, deterministic=False):
+        monkeypatch.setattr(backend, "_deterministic", lambda: deterministic)
+        return backend.backward_path(Problem(
+            device_type="cuda", device_index=0, compute_capability=(9, 0), dtype=torch.bfloat16, batch=2, heads_q=16,
+            heads_kv=heads_kv, seqlen_q=4096, seqlen_k=4096, head_dim=128, head_dim_v=128,
+            features=frozenset({"causal", "gqa"} if heads_kv < 16 else {"causal"})))
+
+    assert "Gluon Hopper backward" in path(4)
+    assert "4 query heads split over 4 programs a key block" in path(4)
+    assert "split over" not in path(16) and "split over" not in path(4, deterministic=True)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("seqlen_q, slices, deterministic", [(200, False, False), (2500, False, False),
                                                               (200, True, False), (200, False, True),
                                                               (2500, True, True)])

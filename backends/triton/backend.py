@@ -681,6 +681,22 @@ def _conditions(problem) -> str:
     return text
 
 
+def _group_split(problem, deterministic: bool) -> str:
+    """What explain adds to the Gluon backward's path where GQA's query heads are split over programs
+    (hopper_launch.group_parts)."""
+    group = problem.heads_q // max(problem.heads_kv, 1)
+    if group == 1 or problem.device_type != "cuda":
+        return ""
+    features = problem.features
+    parts = hopper_launch.group_parts(problem.batch, problem.heads_kv, group, problem.seqlen_k, problem.head_dim,
+                                      "causal" in features and "window" not in features, deterministic,
+                                      problem.device_index)
+    if parts == 1:
+        return ""
+    return (f"; each key/value head's {group} query heads split over {parts} programs a key block, which add "
+            "float32 partial dK and dV")
+
+
 class TritonBackend(OutputOnlyForward):
     """FlashAttention-2 forward and backward written in Triton (see forward.py and backward.py)."""
 
@@ -778,7 +794,7 @@ class TritonBackend(OutputOnlyForward):
         if reason is None:
             order = ", dQ's shares added in a fixed order (deterministic)" if deterministic else ""
             return ("the Gluon Hopper backward (hopper_backward.py), when q, k, v and the output gradient rows are "
-                    "16-byte aligned" + _conditions(problem) + order)
+                    "16-byte aligned" + _conditions(problem) + order + _group_split(problem, deterministic))
         tile = configs.short_backward_tile(problem.seqlen_k, configs.padded_head_dim(problem.head_dim),
                                            configs.padded_head_dim(problem.head_dim_v),
                                            problem.dtype.itemsize, INTERPRET)

@@ -582,24 +582,32 @@ BACKWARD_HEADS_PER_PROGRAM = None
 
 
 def backward_group_parts(plan, deterministic: bool = False, device_index: Optional[int] = None) -> int:
-    """How many programs share a key block's query heads (their kv_group; 1 without GQA): a divisor of kv_group (see
-    above). 1 (one program walks the group, dK and dV summed in its registers) for a deterministic backward, whose
-    additions must keep their order, and at head dims whose tile is wider than the head dim or wider than 128."""
-    group = plan.kv_group
-    if group == 1 or deterministic or TILE_WIDTH[plan.head_dim] != plan.head_dim or plan.head_dim > 128:
+    """How many programs share a key block's query heads in the plan's backward (group_parts)."""
+    return group_parts(plan.batch, plan.heads_kv, plan.kv_group, plan.seqlen_k, plan.head_dim,
+                       plan.has_right and not plan.has_left, deterministic, device_index)
+
+
+def group_parts(batch: int, heads_kv: int, kv_group: int, seqlen_k: int, head_dim: int, causal: bool,
+                deterministic: bool = False, device_index: Optional[int] = None) -> int:
+    """How many programs share a key block's kv_group query heads (1 without GQA): a divisor of kv_group (see
+    above). causal: a causal mask without a window. 1 (one program walks the group, dK and dV summed in its registers)
+    for a deterministic backward, whose additions must keep their order, and at head dims whose tile is wider than the
+    head dim or wider than 128."""
+    if kv_group == 1 or deterministic or TILE_WIDTH[head_dim] != head_dim or head_dim > 128:
         return 1
     if BACKWARD_HEADS_PER_PROGRAM is not None:
         heads = BACKWARD_HEADS_PER_PROGRAM
-        return group // heads if group % heads == 0 else 1
-    programs = plan.batch * plan.heads_kv * backward_programs_per_head(plan)
+        return kv_group // heads if kv_group % heads == 0 else 1
+    programs = batch * heads_kv * -(-seqlen_k // BACKWARD_KEY_BLOCK[head_dim])
     sm_count = _sm_count(device_index)
-    if plan.has_right and not plan.has_left and plan.head_dim == 128 and plan.seqlen_k >= BACKWARD_SPLIT_MIN_KEYS:
+    if causal and head_dim == 128 and seqlen_k >= BACKWARD_SPLIT_MIN_KEYS:
         wanted = BACKWARD_SPLIT_PROGRAMS_PER_SM * sm_count
     elif programs < sm_count:
         wanted = sm_count
     else:
         return 1
-    return next((parts for parts in range(1, group) if group % parts == 0 and programs * parts >= wanted), group)
+    return next((parts for parts in range(1, kv_group) if kv_group % parts == 0 and programs * parts >= wanted),
+                kv_group)
 
 
 def _backward_setup(plan, device_index: int, deterministic: bool = False, key_starts: bool = False,
