@@ -292,9 +292,13 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                 # GQA's partial dK and dV sums (hopper_launch.backward_group_parts)
                 if width == head_dim and head_dim <= 128:
                     partial = (("PARTIAL_DK_DV", True), )
-                    for flags in ((), (("WINDOW", True), ), (("KEY_LENGTHS", True), ), starts):
-                        tile = hopper_backward_tile(head_dim, "KEY_STARTS" if flags is starts else "")
-                        tasks.append(KernelTask("hopper_bwd", head_dim, causal, tile, flags=flags + partial))
+                    tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim),
+                                            flags=partial))
+                    for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP"):
+                        tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim, flag),
+                                                flags=((flag, True), ) + partial))
+                    tasks.append(KernelTask("hopper_bwd", head_dim, causal,
+                                            hopper_backward_tile(head_dim, "KEY_STARTS"), flags=starts + partial))
         if not hopper_only:
             widest = short_backward_widest_tile(head_dim)
             tasks += [KernelTask("short_bwd", head_dim, causal, widest) for causal in (False, True) if widest]
