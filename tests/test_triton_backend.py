@@ -2254,8 +2254,10 @@ def test_hopper_backward_host_side_hands_dq_conversion_to_the_kernel_where_a_hea
         assert named["DqCounters"].data_ptr() == named["dQacc"].data_ptr() + sums.numel() * 4  # right after the sums
         assert dict(constexprs)["DETERMINISTIC"] == deterministic
         assert dict(constexprs)["PARTIAL_DK_DV"] == partial and named["group_parts"] == (2 if partial else 1)
-        if partial:  # dK's then dV's float32 sums (k's shape, contiguous, zeroed) right after the counters
-            assert named["dK"].data_ptr() == named["DqCounters"].data_ptr() + counters.numel() * 4
+        if partial:  # dK's then dV's float32 sums (k's shape, contiguous, zeroed) from the next 16 bytes on
+            padded_counters = -(-counters.numel() // 4) * 4
+            assert named["dK"].data_ptr() == named["DqCounters"].data_ptr() + padded_counters * 4
+            assert named["dK"].data_ptr() % 16 == 0
             assert named["dV"].data_ptr() == named["dK"].data_ptr() + dk_sums.numel() * 4
             for sums_kv in (dk_sums, dv_sums):
                 assert sums_kv.shape == (entries, heads_kv, 300, head_dim) and sums_kv.is_contiguous()

@@ -666,8 +666,16 @@ def _sums_words(plan, batches: int, heads: int, deterministic: bool = False, dev
     take shorter steps than the call's others, backward_query_block)."""
     query_rows = backward_query_block(plan.head_dim, key_starts=True)
     turns = plan.kv_group * -(-plan.seqlen_q // query_rows) if deterministic else 0
-    partial = _partial_words(plan, batches, heads) if backward_group_parts(plan, deterministic, device_index) > 1 else 0
-    return batches * heads * (plan.kv_group * plan.seqlen_q * plan.head_dim + 1 + turns) + partial
+    words = batches * heads * (plan.kv_group * plan.seqlen_q * plan.head_dim + 1 + turns)
+    if backward_group_parts(plan, deterministic, device_index) > 1:
+        return _partial_start(words) + _partial_words(plan, batches, heads)
+    return words
+
+
+def _partial_start(words: int) -> int:
+    """Where the partial dK and dV sums start after ``words`` words of dQ sums and counters: the next 16-byte boundary
+    (the kernel adds them in pairs of floats, and its ahead-of-time builds take 16-byte aligned pointers)."""
+    return -(-words // 4) * 4
 
 
 def _partial_words(plan, batches: int, heads: int) -> int:
@@ -764,15 +772,16 @@ def backward_arguments(q, k, v, grad_out, lse2, delta, dq, dk, dv, zeroed, key_b
     dq, the dQ sums, the per-(batch, key/value head) counters, the per-batch key counts (key_bounds), the dropout seed
     words (seed) and the turn counters of a deterministic build (the counters stand in for each of the last three
     where the plan has none). ``zeroed``: the launch's zeroed float32 words, the dQ sums (q's shape), the counters,
-    with partial the dK then the dV sums, then any turn counters."""
+    with partial the dK then the dV sums from the next 16-byte boundary, then any turn counters."""
     sums_words = q.numel()
     counters_end = sums_words + k.shape[0] * k.shape[1]
     dq_acc = zeroed[:sums_words].view(q.shape)
     counters = zeroed[sums_words:counters_end].view(torch.int32)
     dk_arg, dv_arg, partial_end = dk, dv, counters_end
     if partial:
-        partial_end = counters_end + 2 * k.numel()
-        dk_arg, dv_arg = zeroed[counters_end:partial_end].view((2, *k.shape)).unbind(0)
+        partial_start = _partial_start(counters_end)
+        partial_end = partial_start + 2 * k.numel()
+        dk_arg, dv_arg = zeroed[partial_start:partial_end].view((2, *k.shape)).unbind(0)
     turns = zeroed[partial_end:].view(torch.int32) if zeroed.numel() > partial_end else counters
     return (q, k, v, grad_out, lse2, delta, dq_acc, dk, dv, dk_arg, dv_arg, dq, dq_acc, counters,
             counters if key_bounds is None else key_bounds, counters if seed is None else seed, turns)
