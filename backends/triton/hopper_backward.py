@@ -27,9 +27,9 @@ partitions:
 At the end the compute warps write dK and dV: at head dims 128 and 256 through K's and V's shared tiles by the copy
 engine (hopper_launch.BACKWARD_STAGED_DK_DV), at 64 from registers; with PARTIAL_DK_DV they add them from registers
 into the float32 sums with paired float32 atomics, which the host converts after the launch. Splitting the group
-gives the kernel more programs and lets the programs that run side by side share the Q and dO of fewer query heads
-in L2 (one program walking four query heads of 4k keys reads 8 MB of Q and dO, and its neighbours the same 8 MB at
-other places); hopper_launch.backward_group_parts says where.
+gives a causal grid more, shorter programs (one walking all four query heads of a key block near the diagonal's start
+is four times the longest program of the split grid), so the programs launched last leave fewer SMs idle at the end;
+hopper_launch.backward_group_parts says where.
 
 Where a (batch, key/value head)'s float32 dQ is small (hopper_launch.CONVERT_IN_KERNEL_MAX_BYTES), the program whose
 additions to it come last (a counter per head) converts it into dQ after its partitions have finished, while other
@@ -673,9 +673,8 @@ def hopper_backward_kernel(
     S^T and dP^T, and at 192 every product, skip the zero fill past the head dim (narrow_compute_partition,
     wide_compute_partition).
     PARTIAL_DK_DV (GQA): the kv_group query heads of a key/value head are walked by group_parts programs per key
-    block, kv_group / group_parts heads each, instead of one (more programs, and the programs side by side share the
-    Q and dO of fewer heads in L2); each adds its partial dK and dV into float32 sums (B, Hkv, Nk, D), contiguous, that
-    dK and dV point to (and stride_dk*, stride_dv* describe), which the caller zeroes and converts. Without it
+    block, kv_group / group_parts heads each, instead of one (more, shorter programs); each adds its partial dK and dV
+    into float32 sums (B, Hkv, Nk, D), contiguous, that dK and dV point to (and stride_dk*, stride_dv* describe), which the caller zeroes and converts. Without it
     group_parts is 1. Not with DETERMINISTIC (the additions' order varies) or head dims past 128.
     Grid (B * Hkv * group_parts * num_n_blocks,), num_n_blocks = cdiv(Nk, BLOCK_N); launched with 8 warps."""
     gl.static_assert(STAGED_DK_DV or HEAD_COLS == HEAD_DIM, "dK and dV stored from registers write every tile column")
