@@ -350,6 +350,58 @@ def test_emulated_dense_decoding_step_runs_the_cache_kernels(emulated_backend, p
     assert ("decoding step" in emulated_backend.forward_path(problem)) == decodes
 
 
+# (B, Hq, Hkv, Nk, d), causal ("bottom_right" or None), mask kind, whether the query heads stay packed: a boolean mask
+# on a decoding step. "left": a batch of left-padded prompts' padding mask (B, 1, 1, Nk) broadcast over the heads (entry
+# 1 with 40 padded keys, more than a split's); "per_head": random keys hidden per head (B, Hq, 1, Nk).
+MASKED_DECODING_CASES = {
+    "left_padding_gqa": ((2, 8, 2, 70, 64), None, "left", True),
+    "left_padding_mqa_bottom_right": ((3, 4, 1, 50, 32), "bottom_right", "left", True),
+    "per_head_gqa": ((2, 4, 2, 60, 32), None, "per_head", False),
+    "left_padding_no_gqa": ((2, 2, 2, 45, 32), "bottom_right", "left", False),
+}
+
+
+def _decoding_mask(kind, batch, heads_q, seqlen_k):
+    gen = torch.Generator().manual_seed(11)
+    if kind == "left":  # True = attend: each entry's first keys are padding
+        pads = torch.tensor([3, 40, 0][:batch])
+        keep = torch.arange(seqlen_k)[None, :] >= pads[:, None]
+        return keep[:, None, None, :].expand(batch, heads_q, 1, seqlen_k)
+    keep = torch.rand(batch, heads_q, 1, seqlen_k, generator=gen) > 0.3
+    keep[..., -1] = True
+    return keep
+
+
+@pytest.mark.parametrize("name", sorted(MASKED_DECODING_CASES))
+def test_emulated_dense_decoding_step_with_a_boolean_mask(emulated_backend, poisoned, monkeypatch, name):
+    """A decoding step with a boolean mask runs the cache kernels with the keys split over CTAs, the query heads of a
+    key/value head packed as one CTA's rows where the mask is the same for every head (each row reads the batch
+    entry's one mask row); the forward and the backward that uses its out and lse match the reference. A float mask
+    keeps the dense kernels."""
+    (batch, hq, hkv, nk, d), causal, kind, packs = MASKED_DECODING_CASES[name]
+    monkeypatch.setattr(packed, "EMULATED_SM_COUNT", 64)  # splits of the keys pay off
+    monkeypatch.setattr(packed, "SPLIT_MIN_KEYS", 16)
+    monkeypatch.setattr(packed, "DENSE_DECODING_MIN_KEYS", 1)
+    monkeypatch.setattr(packed, "_plans", ops._Plans())  # plan this call afresh
+    cache_calls = recorded_calls(monkeypatch, "forward_kvcache")
+    launches = recorded_calls(monkeypatch, "_forward_launch")
+    q, k, v, grad_out = dense_inputs(batch, hq, hkv, 1, nk, d, torch.bfloat16, "cpu")
+    params = dense_params(1, nk, d, causal=causal, mask=_decoding_mask(kind, batch, hq, nk))
+    failures = check_dense(emulated_backend, q, k, v, grad_out, params)
+    assert not failures, failures
+    assert len(cache_calls) == 1 and cache_calls[0][4].mask is params.mask
+    (heads_seen, rows_seen, splits), = [(a[10], a[12], a[-1]) for a in launches]
+    assert (heads_seen, rows_seen) == ((hkv, hq // hkv) if packs else (hq, 1)) and splits > 1
+    problem = Problem.from_tensors(q, k, v, params, causal=causal is not None, window=False)
+    assert "decoding step" in emulated_backend.forward_path(problem)
+    float_params = dense_params(1, nk, d, causal=causal,
+                                mask=torch.zeros(batch, hq, 1, nk, dtype=torch.bfloat16).masked_fill(
+                                    ~params.mask, float("-inf")))
+    cache_calls.clear()
+    failures = check_dense(emulated_backend, q, k, v, grad_out, float_params)
+    assert not failures and not cache_calls, failures
+
+
 def test_emulated_decoding_steps_share_a_plan(emulated_backend, poisoned):
     """Lengths and block tables are read on the device: steps that only advance them reuse the plan of the first,
     and each step's result is that of its own lengths."""

@@ -11,7 +11,9 @@
   GQA packs the query heads of a key/value head as the rows of one CTA (``packs_query_heads``), so each head's keys
   and values are read once per step instead of once per query head. Dense attention of one query row over at least
   DENSE_DECODING_MIN_KEYS keys (``mhattn.attention`` of a decoding step) runs the same way, its k and v as a full
-  cache (``decodes_dense``).
+  cache (``decodes_dense``), with a boolean mask if it has one (a batch of left-padded prompts decoding: the padding
+  mask (B, 1, 1, Nk)), which the kernels read a key block at a time as the dense kernels do; a mask that is the same
+  for every head keeps the query heads packed.
 - ``forward_varlen`` / ``backward_varlen``: the packed (total, H, D) tensors reach the kernels with batch stride
   0 and VARLEN 1; each CTA finds its sequence's rows in cu_seqlens and leaves at once when its block lies past
   that sequence's end. Grids are sized by the longest sequence. The backward forms dQ in its own kernel
@@ -48,8 +50,9 @@ BWD_POINTERS = ("q", "k", "v", "out", "grad_out", "lse", "grad_lse", "lse_log2",
                 "seq_q", "seq_k")
 _FWD = {name: slot(i) for i, name in enumerate(FWD_POINTERS)}
 _BWD = {name: slot(i) for i, name in enumerate(BWD_POINTERS)}
-# No mask and no float mask reach these entry points; dropout's seed only varlen's (see _seed_slots).
-_NO_MASK = {"mask": _NULL, "seed": _NULL}
+# No mask and no float mask reach the varlen entry points (see _seed_slots: dropout's seed only), a boolean mask only a
+# dense decoding step's (forward_kvcache: its address follows FWD_POINTERS, no seed).
+_KVCACHE_FWD = dict(_FWD, mask=slot(len(FWD_POINTERS)), seed=_NULL)
 
 _plans = ops._Plans()
 
@@ -100,10 +103,19 @@ def packs_query_heads(q: torch.Tensor, heads_kv: int, params: AttentionParams) -
     """Whether a KV-cache call runs the query heads of each key/value head as the rows of one (sequence, key/value
     head) CTA: a step of one query (Nq = 1) under GQA. That one query sits at its sequence's last position, so a
     causal mask or a right window hides none of its keys and every packed row sees the same keys; a left window
-    would bound each row by its own position, so it keeps one CTA a query head (the KV path has no masks or dropout,
-    whose addressing is per head)."""
-    return (q.shape[2] == 1 and q.shape[1] > heads_kv and params.window_left is None and params.mask is None
-            and params.dropout_p == 0.0)
+    would bound each row by its own position, so it keeps one CTA a query head, as does a mask that differs between
+    heads (its addressing is per head; a dense decoding step's boolean mask that is the same for every head is read
+    by every packed row alike: mask_as_rows). The KV path has no dropout."""
+    mask = params.mask
+    return (q.shape[2] == 1 and q.shape[1] > heads_kv and params.window_left is None and params.dropout_p == 0.0
+            and (mask is None or mask.shape[1] == 1 or mask.stride(1) == 0))
+
+
+def mask_as_rows(mask: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """A decoding step's mask (B, Hq, 1, Nk), the same for every head, as the packed CTAs read it (B, Hkv, Hq / Hkv,
+    Nk): every row of every key/value head reads the batch entry's one row of the mask (heads_as_rows' rows)."""
+    batch, heads_q, _, seqlen_k = mask.shape
+    return mask.as_strided((batch, heads_kv, heads_q // heads_kv, seqlen_k), (mask.stride(0), 0, 0, mask.stride(3)))
 
 
 def heads_as_rows(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
@@ -185,7 +197,8 @@ def forward_kvcache(launcher, cc, q, cache: KVCache, params: AttentionParams):
         splits = kv_splits(ctas, cache.capacity, _sm_count(device))
     key = ("kvcache", launcher, cc, device, q.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
            q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, None if table is None else table.shape,
-           None if table is None else table.stride(), ops._params_signature(params), splits)
+           None if table is None else table.stride(), ops._params_signature(params), ops._mask_signature(params.mask),
+           splits)
     plan = _plans.get(key)
     if plan is None or (plan[0] is not None and plan[1] != _fwd_tiles(plan[0])):
         plan = _plans.put(key, _kvcache_plan(launcher, cc, device, q, k, v, table, params, splits))
@@ -202,7 +215,8 @@ def forward_kvcache(launcher, cc, q, cache: KVCache, params: AttentionParams):
         lse_split = _empty((splits,) + tuple(lse.shape), torch.float32, device)
     pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 0, seqlens.data_ptr(),
                 0 if table is None else table.data_ptr(), 0 if o_split is None else o_split.data_ptr(),
-                0 if lse_split is None else lse_split.data_ptr())
+                0 if lse_split is None else lse_split.data_ptr(),
+                0 if params.mask is None else params.mask.data_ptr())  # (FWD_POINTERS, then the mask)
     for launch in launches:
         launch(pointers)
     return out, lse
@@ -221,9 +235,10 @@ def _kvcache_plan(launcher, cc, device, q, k, v, table, params: AttentionParams,
     q_rows, out_rows, kernel_params, kernel_heads = q, out, params, heads_q
     if packs_query_heads(q, k.shape[1], params):
         q_rows, out_rows = heads_as_rows(q, k.shape[1]), heads_as_rows(out, k.shape[1])
-        kernel_params, kernel_heads = params.replace(window_right=None), k.shape[1]
+        mask = None if params.mask is None else mask_as_rows(params.mask, k.shape[1])
+        kernel_params, kernel_heads = params.replace(window_right=None, mask=mask), k.shape[1]
     strides = ops._strides(q_rows) + ops._strides(k) + ops._strides(v) + ops._strides(out_rows)  # k, v: the pool's
-    slots = dict(_FWD, **_NO_MASK)
+    slots = _KVCACHE_FWD  # (_feature_args reads the mask's slot where there is a boolean mask)
     sequence_args = _sequence_args(slots, table.stride(0) if paged else 0, k.shape[2] if paged else 0, 0,
                                    max(splits, 1))
     features = _features(kernel_params, head_dim, v.shape[-1], (q_rows, k, v))
@@ -292,26 +307,27 @@ DENSE_DECODING_MIN_KEYS = 4096
 
 def decodes_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: AttentionParams) -> bool:
     """Whether the backend's dense forward runs as a decoding step over k and v as a full cache: one query row, at
-    least DENSE_DECODING_MIN_KEYS keys, no mask or dropout, a causal mask or window (if any) aligned bottom-right
-    (the cache kernels' alignment), rows with their last dim contiguous. The dense kernels' tiles of 64-128 query
+    least DENSE_DECODING_MIN_KEYS keys, no float mask or dropout (a boolean mask is read as the dense kernels read
+    it), a causal mask or window (if any) aligned bottom-right (the cache kernels' alignment), rows with their last dim
+    contiguous. The dense kernels' tiles of 64-128 query
     rows would hold one real row, one CTA per (batch, head) with no split of the keys. On the H100 (NOTES.md, version
     8) this took a step over 128k keys from 1509 to 341 us; with 4 query rows the decoding kernels' one-warp CTAs, one
     per query head, were up to 2.3x slower than the dense kernels at B = 8, so several rows stay on those."""
-    masked = params.mask is not None or params.dropout_p != 0.0
+    masked = (params.mask is not None and params.mask.dtype != torch.bool) or params.dropout_p != 0.0
     return (_decoding_shape(q.shape[2], k.shape[2], masked, params.has_window, params.diag_offset)
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1)
 
 
 def problem_decodes_dense(problem) -> bool:
     """decodes_dense from a Problem (for the backend's description of its path; strides are not in it)."""
-    masked = bool(problem.features & {"bool_mask", "float_mask", "dropout"})
+    masked = bool(problem.features & {"float_mask", "dropout"})
     bounded = "causal" in problem.features or "window" in problem.features
     return _decoding_shape(problem.seqlen_q, problem.seqlen_k, masked, bounded, problem.diag_offset)
 
 
 def _decoding_shape(seqlen_q: int, seqlen_k: int, masked: bool, bounded: bool, diag_offset: int) -> bool:
-    """decodes_dense's conditions on the call's sizes and features: one query row, enough keys, no mask or dropout,
-    bounds (if any) aligned bottom-right."""
+    """decodes_dense's conditions on the call's sizes and features: one query row, enough keys, no float mask or
+    dropout, bounds (if any) aligned bottom-right."""
     return (seqlen_q == 1 and seqlen_k >= max(DENSE_DECODING_MIN_KEYS, 1) and not masked
             and (not bounded or diag_offset == seqlen_k - seqlen_q))
 
