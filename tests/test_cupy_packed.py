@@ -519,6 +519,21 @@ def test_gpu_append_matches_indexing(gpu_backend, poisoned, dtype, paged):
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("kind, heads_q", [("left", 32), ("per_head", 8)])
+def test_gpu_dense_decoding_step_with_a_boolean_mask(gpu_backend, poisoned, monkeypatch, kind, heads_q):
+    """On the GPU at a decoding step's real size (B = 3, 8 key/value heads, 5000 keys, d = 128): a boolean mask's step
+    takes the split-KV cache kernels (query heads packed for a left-padding mask) and matches the reference."""
+    cache_calls = recorded_calls(monkeypatch, "forward_kvcache")
+    batch, nk = 3, 5000
+    q, k, v, grad_out = dense_inputs(batch, heads_q, 8, 1, nk, 128, torch.bfloat16, "cuda")
+    params = dense_params(1, nk, 128, causal="bottom_right", mask=_decoding_mask(kind, batch, heads_q, nk).cuda())
+    failures = check_dense(gpu_backend, q, k, v, grad_out, params)
+    assert not failures, failures
+    assert len(cache_calls) == 1
+
+
+@gpu
+@needs_gpu
 def test_gpu_public_entry_points_with_backend_cupy():
     import mhattn
 
