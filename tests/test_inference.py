@@ -258,15 +258,19 @@ def check_split_kv_path_taken(device="cpu"):
             mhattn.attention(q, k, k, attn_mask=mask, enable_gqa=True, backend="triton")
             assert calls, f"a {mask.dtype} key-padding mask must keep the split-KV path"
             calls.clear()
-        # A mask that varies over the query rows but not the heads (a speculative step's) is read by it too; one that
-        # varies over the heads is not.
+        # A mask that varies over the query rows (a speculative step's) or over the heads (a per-head bias) is read by
+        # it too; one whose gradient is asked for is not.
         rows_mask = torch.rand(1, 1, 2, 300, device=device) > 0.5
         mhattn.attention(q, k, k, attn_mask=rows_mask, enable_gqa=True, backend="triton")
         assert calls, "a mask the same for every head must keep the split-KV path"
         calls.clear()
         heads_mask = torch.rand(1, 8, 2, 300, device=device) > 0.5
         mhattn.attention(q, k, k, attn_mask=heads_mask, enable_gqa=True, backend="triton")
-        assert not calls, "a mask that varies over the heads must take the FlashAttention-2 forward"
+        assert calls, "a mask that varies over the heads must keep the split-KV path"
+        calls.clear()
+        bias = torch.randn(1, 8, 2, 300, device=device, requires_grad=True)
+        mhattn.attention(q, k, k, attn_mask=bias, enable_gqa=True, backend="triton")
+        assert not calls, "a mask whose gradient is asked for must take the FlashAttention-2 forward"
         q = torch.randn(1, 8, 40, 32, device=device, dtype=torch.float16)
         mhattn.attention(q, k, k, enable_gqa=True, backend="triton")
         assert not calls, "160 rows per key/value head must take the FlashAttention-2 forward"
@@ -1045,6 +1049,11 @@ INTERPRETER_DENSE_DECODE = {
     # Masks that vary over the query rows but not the heads (a speculative step's), some rows seeing no key.
     "nq4_rows_mask_causal": dict(batch=2, seqlen_q=4, causal="bottom_right", mask="bool_empty_rows"),
     "nq3_rows_mask_window_batch2": dict(batch=2, seqlen_q=3, window=(60, 0), mask="bool"),
+    # Masks that vary over the heads: a per-head bias broadcast over the batch (ALiBi's kind), one with -inf entries,
+    # and a boolean mask of each head's own.
+    "nq1_per_head_bias_batch2": dict(batch=2, mask="float"),
+    "nq2_per_head_bias_neginf_causal": dict(seqlen_q=2, causal="bottom_right", mask="float_neginf"),
+    "nq2_per_head_bool_batch2": dict(batch=2, seqlen_q=2, mask="bool_per_head"),
 }
 
 

@@ -180,6 +180,8 @@ def make_mask(kind, batch, heads_q, seqlen_q, seqlen_k, device, generator, requi
         if requires_grad:
             base.requires_grad_(True)
         return base.expand(batch, heads_q, seqlen_q, seqlen_k)
+    if kind == "bool_per_head":  # each head its own keys hidden
+        return (torch.rand(batch, heads_q, seqlen_q, seqlen_k, generator=generator) > 0.3).to(device)
     if kind.startswith("bool"):
         base = torch.rand(batch, 1, seqlen_q, seqlen_k, generator=generator) > 0.3  # broadcast over heads
         if kind == "bool_empty_rows":

@@ -151,7 +151,7 @@ def compile_kernel(task: KernelTask, cc: int = 90):
         else:
             signature[name] = "i32"
             # (a 1-D index tensor's stride and a block table's column stride are 1 as a rule: no hint)
-            if name.startswith("stride_") and not name.endswith(("mq", "mk", "lb", "lh", "seqlens", "table_block")):
+            if name.startswith("stride_") and not name.endswith(("mh", "mq", "mk", "lb", "lh", "seqlens", "table_block")):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     if task.kind in GLUON_KINDS:
         from triton.experimental.gluon._runtime import GluonASTSource

@@ -777,9 +777,8 @@ class TritonBackend(OutputOnlyForward):
             if not problem.features & {"bool_mask", "float_mask"}:
                 return split_kv
             if "mask_grad" not in problem.features:
-                return (split_kv + ", when the mask is the same for every head ((B, 1, Nq, Nk): a key-padding mask, a "
-                        "speculative step's mask); with one that varies over the heads the FlashAttention-2 forward "
-                        "(forward.py)")
+                return (split_kv + ", reading the mask a key block at a time (a key-padding mask (B, 1, 1, Nk) one row "
+                        "for all the block's rows; a speculative step's mask or a per-head bias each row's own)")
         reason = hopper_launch.why_not_problem(problem)
         if reason is None:
             return ("the Gluon Hopper forward (hopper_forward.py), when q, k, v rows are 16-byte aligned"

@@ -118,7 +118,7 @@ def split_kv_kernel(
     stride_ob, stride_oh, stride_om,
     stride_table, stride_table_block, stride_seqlens,
     stride_nkb, stride_nkh, stride_nkn, stride_nvb, stride_nvh, stride_nvn, capacity, num_blocks,
-    stride_mb, stride_mq, stride_mk,
+    stride_mb, stride_mh, stride_mq, stride_mk,
     heads_q, heads_kv, kv_group, seqlen_q, seqlen_k, num_splits,
     qk_scale2, softcap_in2, softcap_out2,
     diag_offset, window_left, window_right,
@@ -144,11 +144,12 @@ def split_kv_kernel(
     program waits for another. Two programs may write one row; they write the same bytes.
     SPLIT: write OutSplit (B*Hq*Nq, num_splits, Dv) and LseSplit (B*Hq*Nq, num_splits) fp32 for
     :func:`combine_splits_kernel` instead of Out/Lse.
-    MASK_KIND (0: none): an attn_mask the same for every head, boolean (scores.MASK_BOOL) or additive (MASK_FLOAT),
-    each key block reading its rows' entries (attention_scores); or a key-padding mask or bias (MASK_KEYS,
-    MASK_KEYS_FLOAT), the same for every query row too (a decoding step's padding mask (B, 1, 1, Nk)), each key block's
-    row of it read one block ahead (key_mask_row). Batch entry b's entry for query position i and key j is at Mask +
-    b * stride_mb + i * stride_mq + j * stride_mk. Without it Mask is not read.
+    MASK_KIND (0: none): an attn_mask, boolean (scores.MASK_BOOL) or additive (MASK_FLOAT), each key block reading its
+    rows' entries (attention_scores), each row from its own query head's (a per-head bias such as ALiBi's); or a
+    key-padding mask or bias (MASK_KEYS, MASK_KEYS_FLOAT), the same for every head and query row (a decoding step's
+    padding mask (B, 1, 1, Nk)), each key block's row of it read one block ahead (key_mask_row). Batch entry b's entry
+    for query head h, query position i and key j is at Mask + b * stride_mb + h * stride_mh + i * stride_mq + j *
+    stride_mk (stride_mh not read with the key masks). Without it Mask is not read.
     RELEASE_DEPENDENTS (sm_90): the next kernel, launched as a programmatic dependent, may start now (it waits for
     this one's writes itself)."""
     if RELEASE_DEPENDENTS:
@@ -230,6 +231,9 @@ def split_kv_kernel(
     offs_local = tl.arange(0, BLOCK_N)
     mask_base = Mask + batch.to(tl.int64) * stride_mb  # (read with MASK_KIND only)
     KEY_MASK: tl.constexpr = MASK_KIND == 3 or MASK_KIND == 4
+    row_mask_base = mask_base  # a key mask: one row for all; else each row's query head's entries
+    if MASK_KIND == 1 or MASK_KIND == 2:
+        row_mask_base = mask_base + (head.to(tl.int64) * stride_mh)[:, None]
     if KEY_MASK:
         # A key block's row of a key mask is loaded one block ahead (key_mask_row), under the block before's softmax
         # and P V: loaded after its scores' product, its latency stood in every step. (A mask of the rows' own entries
@@ -244,7 +248,7 @@ def split_kv_kernel(
         # seqlen_k = end: keys past this split's share are masked like keys past the sequence.
         s2, _ = attention_scores(qk, q_pos[:, None], offs_n[None, :], seqlen_q, end,
                                  qk_scale2, softcap_in2, softcap_out2, diag_offset, window_left, window_right,
-                                 mask_base, stride_mq, stride_mk, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                 row_mask_base, stride_mq, stride_mk, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                                  0 if KEY_MASK else MASK_KIND, k.dtype != tl.float32)
         if KEY_MASK:
             s2 = with_key_mask(s2, key_mask[None, :], MASK_KIND)

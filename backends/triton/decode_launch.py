@@ -87,20 +87,21 @@ INTERPRETER_SM_COUNT = 16
 
 def eligible(q: torch.Tensor, k: torch.Tensor, params: AttentionParams) -> bool:
     """Whether mhattn.attention's forward runs on the split-KV kernels: few rows per key/value head, no dropout, and
-    no attn_mask or one the same for every head (mask_kind)."""
+    no attn_mask or one without a gradient to give (mask_kind)."""
     rows = q.shape[2] * (q.shape[1] // k.shape[1])
     return (0 < rows <= DECODE_MAX_ROWS and params.dropout_p == 0.0
             and (params.mask is None or mask_kind(params) != 0))
 
 
 def mask_kind(params: AttentionParams) -> int:
-    """The split kernel's MASK_KIND for the call's attn_mask, one with no gradient to give that does not vary over the
-    heads (the split kernel's rows are the query heads of a key/value head): scores.MASK_KEYS for a boolean mask and
-    scores.MASK_KEYS_FLOAT for a float one that does not vary over the query rows either (a padding mask of a batch of
-    decoding steps, (B, 1, 1, Nk)), else MASK_BOOL or MASK_FLOAT (a speculative step's (B, 1, Nq, Nk) mask); 0 for
-    none, or for any other mask (the split kernel does not take it)."""
+    """The split kernel's MASK_KIND for the call's attn_mask, one with no gradient to give: scores.MASK_KEYS for a
+    boolean mask and scores.MASK_KEYS_FLOAT for a float one that varies over neither the heads nor the query rows (a
+    padding mask of a batch of decoding steps, (B, 1, 1, Nk)), else MASK_BOOL or MASK_FLOAT (a speculative step's
+    (B, 1, Nq, Nk) mask, a per-head bias (B or 1, Hq, Nq, Nk): the split kernel's rows are the query heads of a
+    key/value head, each reading its own head's entries); 0 for none, or for a mask with a gradient (the split kernel
+    does not take it)."""
     mask = params.mask
-    if mask is None or params.mask_requires_grad or not (mask.shape[1] == 1 or mask.stride(1) == 0):
+    if mask is None or params.mask_requires_grad:
         return 0
     boolean = mask.dtype == torch.bool
     if key_padding.shared_by_heads_and_rows(mask):
@@ -211,11 +212,8 @@ def _split_kv_launches(q, k, v, params: AttentionParams, cache: Optional[KVCache
     kernel = backend.launchers()
     split_kv, combine = kernel.split_kv, kernel.combine_splits
     mask = params.mask if cache is None else None
-    # The mask's batch, query row and key strides (0 along a broadcast dim; the signature fixes them)
-    mask_strides = (0, 0, 0)
-    if mask is not None:
-        batch_stride, _, row_stride, key_stride = backend._mask_strides(mask)
-        mask_strides = (batch_stride, row_stride, key_stride)
+    # The mask's batch, head, query row and key strides (0 along a broadcast dim; the signature fixes them)
+    mask_strides = (0, 0, 0, 0) if mask is None else tuple(backend._mask_strides(mask))
 
     # The launches are prepared once per signature and what the signature does not fix (the cache's capacity and
     # block table stride): a repeated decoding step only passes its tensors (launcher.PreparedLaunch).
