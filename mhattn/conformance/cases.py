@@ -409,7 +409,10 @@ def _inference_cases(b: "_Builder", dims, cpu: bool, full: bool) -> None:
         decode += [dict(batch=3, seqlen_q=1, seqlen_k=97 if cpu else 1000, causal=None, softcap=5.0),
                    dict(batch=1, seqlen_q=2, seqlen_k=long_k, causal="bottom_right", window=(long_k // 4, None)),
                    dict(batch=1, seqlen_q=16 if cpu else 8, seqlen_k=long_k, causal="top_left", heads=(2, 2),
-                        grad_lse=True)]
+                        grad_lse=True),
+                   # a per-head bias broadcast over the batch (ALiBi's kind), and a batch of prompts padded on the left
+                   dict(batch=2, seqlen_q=1, seqlen_k=long_k, causal="bottom_right", mask="float", mask_dims="1h"),
+                   dict(batch=3, seqlen_q=1, seqlen_k=long_k, causal="bottom_right", mask="key_padding_left")]
     for fields in decode:
         hq, hkv = fields.pop("heads", heads)
         b.add("decode", heads_q=hq, heads_kv=hkv, head_dim=d, **fields)
