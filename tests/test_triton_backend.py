@@ -1958,8 +1958,8 @@ def test_backward_path_says_when_the_short_backward_runs():
 
 def test_forward_path_of_decoding_steps_names_the_masks_the_split_kernels_take():
     """mhattn explain's forward path for a decoding step (few query rows per key/value head): the split-KV kernels
-    without a mask, and with a mask that is the same for every head (saying so); a mask with a gradient or dropout
-    take another path."""
+    without a mask, and with a mask (saying how they read it: a key-padding mask one row for all, another mask each
+    row's own, a per-head one too); a mask with a gradient or dropout take another path."""
     from mhattn.problem import Problem
 
     backend = _backend()
@@ -1970,7 +1970,7 @@ def test_forward_path_of_decoding_steps_names_the_masks_the_split_kernels_take()
                                           "head")
     for mask in ("bool_mask", "float_mask"):
         path = backend.forward_path(dataclasses.replace(step, features=frozenset({"gqa", mask})))
-        assert path.startswith("the split-KV decoding kernels") and "the same for every head" in path, path
+        assert path.startswith("the split-KV decoding kernels") and "a per-head bias each row's own" in path, path
     for other in ({"float_mask", "mask_grad"}, {"dropout"}):
         path = backend.forward_path(dataclasses.replace(step, features=frozenset({"gqa"} | other)))
         assert not path.startswith("the split-KV decoding kernels"), (other, path)
