@@ -111,11 +111,13 @@ def packs_query_heads(q: torch.Tensor, heads_kv: int, params: AttentionParams) -
             and (mask is None or mask.shape[1] == 1 or mask.stride(1) == 0))
 
 
-def mask_as_rows(mask: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """A decoding step's mask (B, Hq, 1, Nk), the same for every head, as the packed CTAs read it (B, Hkv, Hq / Hkv,
-    Nk): every row of every key/value head reads the batch entry's one row of the mask (heads_as_rows' rows)."""
-    batch, heads_q, _, seqlen_k = mask.shape
-    return mask.as_strided((batch, heads_kv, heads_q // heads_kv, seqlen_k), (mask.stride(0), 0, 0, mask.stride(3)))
+def mask_as_rows(mask: torch.Tensor, rows_shape) -> torch.Tensor:
+    """A decoding step's mask (B, Hq, 1, Nk), the same for every head (size 1 or stride 0 along a broadcast dim), as
+    the packed CTAs read it: rows_shape (B, Hkv, Hq / Hkv, ...) of heads_as_rows, every row of every key/value head
+    reading the batch entry's one row of the mask."""
+    batch, heads_kv, group = rows_shape[:3]
+    batch_stride = mask.stride(0) if mask.shape[0] > 1 else 0
+    return mask.as_strided((batch, heads_kv, group, mask.shape[3]), (batch_stride, 0, 0, mask.stride(3)))
 
 
 def heads_as_rows(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
@@ -235,7 +237,7 @@ def _kvcache_plan(launcher, cc, device, q, k, v, table, params: AttentionParams,
     q_rows, out_rows, kernel_params, kernel_heads = q, out, params, heads_q
     if packs_query_heads(q, k.shape[1], params):
         q_rows, out_rows = heads_as_rows(q, k.shape[1]), heads_as_rows(out, k.shape[1])
-        mask = None if params.mask is None else mask_as_rows(params.mask, k.shape[1])
+        mask = None if params.mask is None else mask_as_rows(params.mask, q_rows.shape)
         kernel_params, kernel_heads = params.replace(window_right=None, mask=mask), k.shape[1]
     strides = ops._strides(q_rows) + ops._strides(k) + ops._strides(v) + ops._strides(out_rows)  # k, v: the pool's
     slots = _KVCACHE_FWD  # (_feature_args reads the mask's slot where there is a boolean mask)
