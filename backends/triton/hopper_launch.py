@@ -598,7 +598,7 @@ def group_parts(batch: int, heads_kv: int, kv_group: int, seqlen_k: int, head_di
     if BACKWARD_HEADS_PER_PROGRAM is not None:
         heads = BACKWARD_HEADS_PER_PROGRAM
         return kv_group // heads if kv_group % heads == 0 else 1
-    programs = batch * heads_kv * -(-seqlen_k // BACKWARD_KEY_BLOCK[head_dim])
+    programs = batch * heads_kv * backward_key_blocks(seqlen_k, head_dim)
     sm_count = _sm_count(device_index)
     if causal and head_dim == 128 and seqlen_k >= BACKWARD_SPLIT_MIN_KEYS:
         wanted = BACKWARD_SPLIT_PROGRAMS_PER_SM * sm_count
@@ -643,8 +643,13 @@ def _backward_slices(plan, device_index: int) -> tuple:
 
 
 def backward_programs_per_head(plan) -> int:
-    """The backward's programs per (batch, key/value head): its key blocks."""
-    return -(-plan.seqlen_k // BACKWARD_KEY_BLOCK[TILE_WIDTH[plan.head_dim]])
+    """The backward's programs per (batch, key/value head) with its group in one program: its key blocks."""
+    return backward_key_blocks(plan.seqlen_k, plan.head_dim)
+
+
+def backward_key_blocks(seqlen_k: int, head_dim: int) -> int:
+    """The backward's key blocks (of BACKWARD_KEY_BLOCK keys at the head dim's tile width) over seqlen_k keys."""
+    return -(-seqlen_k // BACKWARD_KEY_BLOCK[TILE_WIDTH[head_dim]])
 
 
 def backward_sums_words(plan, device_index: int, deterministic: bool = False) -> int:
