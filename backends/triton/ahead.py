@@ -281,24 +281,19 @@ def table_tasks(arch: str, head_dims=(64, 128, 256)) -> list:
                     tasks.append(KernelTask("hopper_fwd", head_dim, causal, hopper_tile(head_dim),
                                             flags=starts + (("DROPOUT", True), )))
             if cc == 90 and width in hopper_launch.BACKWARD_MIN_KEYS:
-                tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim)))
-                for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP", "DETERMINISTIC"):
-                    tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim, flag),
-                                            flags=((flag, True),)))
+                # (the tile's flag, the build's flags): plain, each feature alone, and a left-padding key mask alone
+                # and with dropout or deterministic
+                builds = [("", ())] + [(flag, ((flag, True), )) for flag in
+                                       ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP", "DETERMINISTIC")]
                 starts = (("KEY_LENGTHS", True), ("KEY_STARTS", True))
-                for extra in ((), (("DROPOUT", True), ), (("DETERMINISTIC", True), )):  # (left padding, and with those)
-                    tasks.append(KernelTask("hopper_bwd", head_dim, causal,
-                                            hopper_backward_tile(head_dim, "KEY_STARTS"), flags=starts + extra))
-                # GQA's partial dK and dV sums (hopper_launch.backward_group_parts)
+                builds += [("KEY_STARTS", starts + extra) for extra in ((), (("DROPOUT", True), ),
+                                                                         (("DETERMINISTIC", True), ))]
+                # and each that is not deterministic with GQA's partial dK and dV sums (hopper_launch.group_parts)
                 if width == head_dim and head_dim <= 128:
-                    partial = (("PARTIAL_DK_DV", True), )
-                    tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim),
-                                            flags=partial))
-                    for flag in ("WINDOW", "KEY_LENGTHS", "DROPOUT", "SOFTCAP"):
-                        tasks.append(KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim, flag),
-                                                flags=((flag, True), ) + partial))
-                    tasks.append(KernelTask("hopper_bwd", head_dim, causal,
-                                            hopper_backward_tile(head_dim, "KEY_STARTS"), flags=starts + partial))
+                    builds += [(flag, flags + (("PARTIAL_DK_DV", True), )) for flag, flags in builds
+                               if "DETERMINISTIC" not in dict(flags)]
+                tasks += [KernelTask("hopper_bwd", head_dim, causal, hopper_backward_tile(head_dim, flag), flags=flags)
+                          for flag, flags in builds]
         if not hopper_only:
             widest = short_backward_widest_tile(head_dim)
             tasks += [KernelTask("short_bwd", head_dim, causal, widest) for causal in (False, True) if widest]
